@@ -1,0 +1,24 @@
+# Quickstart targets. Each sets up its own virtual environment on a fresh machine.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: demo test install bench
+
+$(BIN)/consequence: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+install: $(BIN)/consequence
+
+demo: install  ## the default training job, end to end
+	$(BIN)/consequence train
+
+test: install  ## the test suite
+	$(BIN)/python -m pytest -q -n 2 -p no:cacheprovider
+
+bench: install
+	$(BIN)/python benchmarks/bench_generation.py

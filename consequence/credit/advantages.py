@@ -1,0 +1,168 @@
+"""Outcome-reward advantages for groups of rollouts (credit box, DESIGN.md §4).
+
+Every estimator maps one scalar reward per trajectory to one scalar advantage per
+trajectory; the update box gives that advantage to every generated token of the
+trajectory. Groups are formed by ``group_id`` (task id + iteration), never by position in
+the batch (shared/cases/02-group-by-task-id.md). A reward of ``None`` marks an
+``env_error``: it is excluded from every statistic and its advantage is ``None``
+(shared/cases/03-env-error-not-zero.md).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Sequence
+
+ESTIMATORS: tuple[str, ...] = ("reinforce", "batch_mean", "rloo", "grpo", "dr_grpo")
+
+
+def _check_inputs(rewards: Sequence[float | None], group_ids: Sequence[str]) -> None:
+    if len(rewards) != len(group_ids):
+        raise ValueError(
+            f"got {len(rewards)} rewards but {len(group_ids)} group ids; "
+            "each trajectory needs exactly one group id"
+        )
+    for i, r in enumerate(rewards):
+        if r is None:
+            continue
+        try:
+            ok = math.isfinite(float(r))
+        except (TypeError, ValueError):
+            raise ValueError(f"reward {i} is {r!r}, not a number (use None for env_error)") from None
+        if not ok:
+            raise ValueError(
+                f"reward {i} is {r!r}, not finite; a reward that is not a finite number is an "
+                "env_error (None), never a score (shared/cases/11-reward-must-be-finite.md)"
+            )
+
+
+def _groups(rewards: Sequence[float | None], group_ids: Sequence[str]) -> dict[str, list[int]]:
+    """Indices of the valid (non-None) rewards of each group, in first-seen order."""
+    groups: dict[str, list[int]] = {}
+    for i, (r, g) in enumerate(zip(rewards, group_ids)):
+        members = groups.setdefault(g, [])
+        if r is not None:
+            members.append(i)
+    return groups
+
+
+def group_advantages(
+    rewards: Sequence[float | None],
+    group_ids: Sequence[str],
+    estimator: str = "grpo",
+    eps: float = 1e-6,
+    std_correction: int = 0,
+) -> list[float | None]:
+    """Advantage of each trajectory from its outcome reward and its group.
+
+    Estimators (R_i reward of trajectory i, g its group, statistics over the valid
+    members of g only):
+
+    - ``"reinforce"``: A_i = R_i (no baseline; Williams 1992).
+    - ``"batch_mean"``: A_i = R_i − mean of all valid rewards in the batch.
+    - ``"rloo"``: A_i = R_i − (1/(G−1)) Σ_{j≠i} R_j, leave-one-out baseline (Ahmadian et
+      al. 2024, "Back to Basics", §3.2); unbiased, unlike a self-including mean, which
+      shrinks the expected gradient by (G−1)/G.
+    - ``"grpo"``: A_i = (R_i − mean_g) / (std_g + eps) (Shao et al. 2024, DeepSeekMath
+      §4.1.2, outcome supervision). ``std_g`` is the population std
+      (``std_correction=0``); pass ``std_correction=1`` for the sample std.
+    - ``"dr_grpo"``: A_i = R_i − mean_g, no std division (Liu et al. 2025,
+      "Understanding R1-Zero-Like Training", §3).
+
+    Args:
+        rewards: one reward per trajectory, length N; ``None`` = env_error.
+        group_ids: one group id per trajectory, length N (groups by identity, not position).
+        estimator: one of :data:`ESTIMATORS`.
+        eps: added to the std in ``"grpo"``.
+        std_correction: degrees-of-freedom correction of the group std in ``"grpo"``.
+
+    Returns:
+        list of length N: float advantages, ``None`` where the reward is ``None``.
+
+    Warns:
+        UserWarning: ``"grpo"`` / ``"dr_grpo"`` with a group of exactly one valid member
+        (advantage 0.0: G = 1 gives no comparison; shared/cases/12-single-rollout-group.md).
+
+    Raises:
+        ValueError: unknown estimator; lengths differ; a reward is not a finite number;
+            ``"rloo"`` with a group of one valid member (no leave-one-out baseline exists).
+    """
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"unknown estimator {estimator!r}; valid: {', '.join(ESTIMATORS)}")
+    _check_inputs(rewards, group_ids)
+    out: list[float | None] = [None] * len(rewards)
+    valid = [i for i, r in enumerate(rewards) if r is not None]
+
+    if estimator == "reinforce":
+        for i in valid:
+            out[i] = float(rewards[i])  # type: ignore[arg-type]
+        return out
+    if estimator == "batch_mean":
+        if valid:
+            m = math.fsum(float(rewards[i]) for i in valid) / len(valid)  # type: ignore[arg-type]
+            for i in valid:
+                out[i] = float(rewards[i]) - m  # type: ignore[arg-type]
+        return out
+
+    for g, members in _groups(rewards, group_ids).items():
+        G = len(members)
+        if G == 0:
+            continue  # every member is an env_error: nothing to compare
+        vals = [float(rewards[i]) for i in members]  # type: ignore[arg-type]
+        if G == 1:
+            if estimator == "rloo":
+                raise ValueError(
+                    f"RLOO needs at least 2 valid rollouts per group; group {g!r} has 1 "
+                    "(the leave-one-out baseline of a single rollout is undefined). "
+                    "Sample G >= 2 per task or use another estimator."
+                )
+            warnings.warn(
+                f"group {g!r} has a single valid rollout: G = 1 gives no comparison, "
+                f"so its {estimator} advantage is 0",
+                UserWarning,
+                stacklevel=2,
+            )
+            out[members[0]] = 0.0
+            continue
+        total = math.fsum(vals)
+        mean = total / G
+        if estimator == "rloo":
+            for i, r in zip(members, vals):
+                out[i] = r - (total - r) / (G - 1)
+        elif estimator == "dr_grpo":
+            for i, r in zip(members, vals):
+                out[i] = r - mean
+        else:  # grpo
+            dof = G - std_correction
+            if dof <= 0:
+                raise ValueError(f"std_correction={std_correction} too large for group {g!r} of {G}")
+            std = math.sqrt(math.fsum((r - mean) ** 2 for r in vals) / dof)
+            for i, r in zip(members, vals):
+                out[i] = (r - mean) / (std + eps)
+    return out
+
+
+def mixed_group_fraction(rewards: Sequence[float | None], group_ids: Sequence[str]) -> float:
+    """Fraction of groups whose valid rewards are not all equal.
+
+    Only mixed groups carry a group-relative learning signal; for a binary reward with
+    success probability p the expected fraction is 1 − p^G − (1−p)^G (DESIGN.md §8).
+    Groups with no valid reward (all env_error) are left out of the denominator.
+
+    Returns:
+        float in [0, 1]; 0.0 when there is no group with a valid reward.
+
+    Raises:
+        ValueError: lengths differ or a reward is not a finite number.
+    """
+    _check_inputs(rewards, group_ids)
+    n_groups = 0
+    n_mixed = 0
+    for members in _groups(rewards, group_ids).values():
+        if not members:
+            continue
+        n_groups += 1
+        vals = {float(rewards[i]) for i in members}  # type: ignore[arg-type]
+        n_mixed += len(vals) > 1
+    return n_mixed / n_groups if n_groups else 0.0

@@ -1,0 +1,73 @@
+"""Paired evaluation of two policies on the same episodes (DESIGN.md §7).
+
+Both policies see the same task instances with the same sampling seeds and the same
+budgets; success is the verifier's hidden-test result (the same scoring function as the
+training reward). Episodes whose environment failed are excluded from BOTH arms by a
+stated rule (pairs stay pairs) and counted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from consequence.evaluate.stats import paired_bootstrap_ci
+from consequence.records import Trajectory
+
+
+@dataclass
+class ArmResult:
+    """Per-episode results of one policy on an evaluation set."""
+
+    name: str
+    trajectories: list[Trajectory]
+
+    def successes(self) -> list[float | None]:
+        """1.0 / 0.0 per episode; None for an environment error."""
+        out: list[float | None] = []
+        for t in self.trajectories:
+            if t.outcome == "env_error":
+                out.append(None)
+            else:
+                out.append(1.0 if t.outcome == "finished" and t.verifier_score == 1.0 else 0.0)
+        return out
+
+
+def paired_comparison(a: ArmResult, b: ArmResult, confidence: float = 0.95, seed: int = 0) -> dict[str, Any]:
+    """Success of ``a`` and ``b`` on the same episodes and the paired difference b − a.
+
+    The CI is a bootstrap over problems (episodes of one problem stay together).
+    Rule for environment errors: an episode pair is dropped if either arm had one.
+
+    Raises:
+        ValueError: the two arms were not run on the same episodes.
+    """
+    ids_a = [(t.task_id, t.sample_id) for t in a.trajectories]
+    ids_b = [(t.task_id, t.sample_id) for t in b.trajectories]
+    if ids_a != ids_b:
+        raise ValueError("paired comparison needs both policies run on the same episodes, in order")
+    sa, sb = a.successes(), b.successes()
+    keep = [i for i in range(len(sa)) if sa[i] is not None and sb[i] is not None]
+    groups = [a.trajectories[i].task_id.split("#")[0] for i in keep]
+    ci = paired_bootstrap_ci([sa[i] for i in keep], [sb[i] for i in keep], groups=groups,
+                             confidence=confidence, seed=seed)
+    return {**ci, "a": a.name, "b": b.name, "episodes": len(sa),
+            "env_errors_excluded": len(sa) - len(keep), "confidence": confidence}
+
+
+def run_arm(name: str, run_fn: Callable[[], list[Trajectory]]) -> ArmResult:
+    return ArmResult(name, run_fn())
+
+
+def summarize(trajs: Sequence[Trajectory]) -> dict[str, float]:
+    """Outcome shares and costs of a set of episodes."""
+    n = max(1, len(trajs))
+    return {
+        "episodes": len(trajs),
+        "success": sum(1 for t in trajs if t.outcome == "finished" and t.verifier_score == 1.0) / n,
+        "finished": sum(t.outcome == "finished" for t in trajs) / n,
+        "truncated": sum(t.outcome == "truncated" for t in trajs) / n,
+        "env_error": sum(t.outcome == "env_error" for t in trajs) / n,
+        "gen_tokens_mean": sum(t.n_generated_tokens for t in trajs) / n,
+        "tool_calls_mean": sum(t.n_tool_calls for t in trajs) / n,
+    }

@@ -1,0 +1,123 @@
+"""Trainer-side token log-probs under the same processed distribution as the sampler.
+
+``process_logits`` is the one definition of "the distribution actually sampled from",
+shared by ``sampler.generate`` and ``token_logprobs`` so that ratio π/μ == 1 when the
+weights have not changed:
+
+1. temperature: ``logits / T`` (``T == 0`` means greedy; log-probs are then reported under
+   the unprocessed ``T = 1`` distribution with no top-k / top-p, since the greedy
+   "distribution" is a point mass whose log-prob is always 0);
+2. top-k (``k > 0``): logits strictly below the k-th largest become ``-inf`` (ties kept);
+3. top-p (``p < 1``): on the softmax of the result of 2, keep the smallest set of most
+   probable tokens whose cumulative probability reaches ``p`` (a token is kept when the
+   mass of the tokens strictly ahead of it in descending order is ``< p``; the top token
+   is always kept); the others become ``-inf``.
+
+``log_softmax`` of the processed logits renormalises over the kept support.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def keep_mask(scaled_V: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor | None:
+    """Boolean support of the processed distribution.
+
+    Args:
+        scaled_V: [..., V] float, logits already divided by the temperature.
+        top_k: keep the k largest (0 = off).
+        top_p: nucleus mass (1.0 = off).
+
+    Returns:
+        [..., V] bool (True = may be sampled), or ``None`` when neither filter is on.
+    """
+    V = scaled_V.shape[-1]
+    use_k = 0 < top_k < V
+    use_p = top_p < 1.0
+    if not use_k and not use_p:
+        return None
+    with torch.no_grad():
+        x = scaled_V.detach()
+        keep = torch.ones_like(x, dtype=torch.bool)
+        if use_k:
+            kth = torch.topk(x, top_k, dim=-1).values[..., -1:]
+            keep = x >= kth
+        if use_p:
+            xk = x.masked_fill(~keep, float("-inf"))
+            probs = torch.softmax(xk, dim=-1)
+            sp, idx = torch.sort(probs, dim=-1, descending=True)
+            ahead = torch.cumsum(sp, dim=-1) - sp  # mass strictly ahead in sorted order
+            keep_sorted = ahead < top_p
+            keep_sorted[..., 0] = True
+            keep_p = torch.zeros_like(keep).scatter_(-1, idx, keep_sorted)
+            keep = keep & keep_p
+    return keep
+
+
+def process_logits(
+    logits_V: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0
+) -> torch.Tensor:
+    """Processed logits whose ``log_softmax`` is the sampling distribution.
+
+    Args:
+        logits_V: [..., V] float raw logits.
+
+    Returns:
+        [..., V] float: ``logits / T`` with tokens outside the top-k / top-p support set
+        to ``-inf``. ``temperature == 0`` returns the raw logits (greedy; see module doc).
+    """
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if temperature == 0:
+        return logits_V
+    scaled = logits_V / temperature if temperature != 1.0 else logits_V
+    keep = keep_mask(scaled, top_k, top_p)
+    if keep is None:
+        return scaled
+    return scaled.masked_fill(~keep, float("-inf"))
+
+
+def token_logprobs(
+    model,
+    input_ids: torch.LongTensor,
+    attention_mask: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log π(next token | prefix) for every position, differentiable (HF forward).
+
+    Args:
+        model: a causal LM (HF ``model(input_ids, attention_mask).logits``).
+        input_ids: [N, S] long, right-padded.
+        attention_mask: [N, S] (1 = real token, 0 = padding).
+        temperature, top_k, top_p: the sampler's settings (see module doc).
+        with_entropy: also return the entropy of the processed distribution.
+
+    Returns:
+        logprobs [N, S-1] float32: ``logprobs[:, j] = log π(input_ids[:, j+1] | ids[:, :j+1])``.
+        A target outside the top-k / top-p support gets ``-inf`` (it could not have been
+        sampled); padded targets (``attention_mask[:, j+1] == 0``) get 0. Select loss
+        positions with ``torch.where(mask, lp, 0)``, never ``lp * mask`` (-inf * 0 = nan).
+        entropy [N, S-1] float32 (0 at padded targets) or ``None``.
+    """
+    out = model(input_ids=input_ids, attention_mask=attention_mask)
+    logits = out.logits[:, :-1]
+    if logits.dtype != torch.float32:
+        logits = logits.float()
+    proc = process_logits(logits, temperature, top_k, top_p)
+    logp_V = torch.log_softmax(proc, dim=-1)
+    del proc
+    targets = input_ids[:, 1:]
+    lp = logp_V.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    valid = attention_mask[:, 1:].bool()
+    lp = torch.where(valid, lp, torch.zeros_like(lp))
+    ent = None
+    if with_entropy:
+        finite = torch.isfinite(logp_V)
+        safe = torch.where(finite, logp_V, torch.zeros_like(logp_V))
+        ent = -(safe.exp() * safe).sum(-1)
+        ent = torch.where(valid, ent, torch.zeros_like(ent))
+    return lp, ent

@@ -1,0 +1,357 @@
+"""Batched sampling with a KV cache: the rollout hot path.
+
+For ``LlamaForCausalLM`` (and same-layout models: RMSNorm, RoPE, SwiGLU, optional GQA and
+q/k/v/o biases) we run our own forward pass in plain torch over the model's own weights
+with a preallocated static KV cache; this avoids HF ``generate``'s per-step overhead.
+Other architectures fall back to HF ``model(...)`` with ``past_key_values``.
+
+Log-probs are those of the distribution actually sampled from (``logprobs.process_logits``:
+temperature, then top-k, then top-p, renormalised); ``temperature == 0`` is greedy and its
+log-probs are under the unprocessed ``T = 1`` distribution.
+
+Identical prompts (a GRPO group) are prefilled once and their cache rows copied.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from consequence.policy.logprobs import process_logits
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampler settings. ``temperature == 0`` = greedy; ``top_k == 0`` / ``top_p == 1`` = off."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_new_tokens: int = 64
+
+
+@dataclass
+class Sample:
+    """One completion.
+
+    Attributes:
+        output_ids: sampled ids; the stop id is included when one was sampled.
+        logprobs: log μ(y_k | prefix) per sampled token; ``len == len(output_ids)``.
+        stop_reason: ``"stop"`` (a stop id was sampled) or ``"length"`` (max_new_tokens hit).
+    """
+
+    output_ids: list[int]
+    logprobs: list[float]
+    stop_reason: str
+
+
+_STATIC_ROPE = {"default", "linear", "llama3", "yarn"}
+
+
+class _FastLlama:
+    """Plain-torch forward of a Llama-layout causal LM with a static KV cache.
+
+    Built from the model's current weights each time (cheap: parameters are shared, only
+    q|k|v and gate|up are concatenated into one matrix each).
+    """
+
+    def __init__(self, model) -> None:
+        cfg = model.config
+        inner = model.model
+        self.dtype = inner.embed_tokens.weight.dtype
+        self.device = inner.embed_tokens.weight.device
+        self.embed = inner.embed_tokens.weight
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
+        self.eps = cfg.rms_norm_eps
+        self.layers = []
+        for layer in inner.layers:
+            a, m = layer.self_attn, layer.mlp
+            wqkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], 0)
+            bqkv = None
+            if a.q_proj.bias is not None:
+                bqkv = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias], 0)
+            wgu = torch.cat([m.gate_proj.weight, m.up_proj.weight], 0)
+            bgu = None
+            if m.gate_proj.bias is not None:
+                bgu = torch.cat([m.gate_proj.bias, m.up_proj.bias], 0)
+            self.layers.append(
+                (
+                    layer.input_layernorm.weight, wqkv, bqkv, a.o_proj.weight, a.o_proj.bias,
+                    layer.post_attention_layernorm.weight, wgu, bgu, m.down_proj.weight,
+                    m.down_proj.bias,
+                )
+            )
+        self.norm_w = inner.norm.weight
+        self.lm_head = model.lm_head.weight
+        rot = inner.rotary_emb
+        self.inv_freq = rot.inv_freq.to(torch.float32)
+        self.attn_scaling = float(getattr(rot, "attention_scaling", 1.0))
+        self.scale = getattr(model.model.layers[0].self_attn, "scaling", self.head_dim**-0.5)
+        self.k_cache: list[torch.Tensor] = []
+        self.v_cache: list[torch.Tensor] = []
+
+    @staticmethod
+    def supports(model) -> bool:
+        cfg = getattr(model, "config", None)
+        if cfg is None or getattr(cfg, "model_type", None) not in ("llama", "qwen2", "mistral"):
+            return False
+        if getattr(cfg, "hidden_act", "silu") != "silu":
+            return False
+        if getattr(cfg, "pretraining_tp", 1) != 1:
+            return False
+        if getattr(cfg, "use_sliding_window", False):
+            return False
+        if cfg.model_type == "mistral" and getattr(cfg, "sliding_window", None):
+            return False
+        inner = getattr(model, "model", None)
+        rot = getattr(inner, "rotary_emb", None)
+        if rot is None or getattr(rot, "rope_type", "default") not in _STATIC_ROPE:
+            return False
+        return True
+
+    # -- pieces ---------------------------------------------------------------
+    def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return w * xf.to(x.dtype)
+
+    def _rope(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """pos [B, L] long -> cos, sin [B, 1, L, D]."""
+        freqs = pos.float()[..., None] * self.inv_freq
+        emb = torch.cat([freqs, freqs], -1)
+        cos = (emb.cos() * self.attn_scaling).to(self.dtype)[:, None]
+        sin = (emb.sin() * self.attn_scaling).to(self.dtype)[:, None]
+        return cos, sin
+
+    @staticmethod
+    def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x.shape[-1] // 2
+        rot = torch.cat([-x[..., h:], x[..., :h]], -1)
+        return x * cos + rot * sin
+
+    def alloc(self, batch: int, length: int) -> None:
+        shape = (batch, self.n_kv, length, self.head_dim)
+        self.k_cache = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        self.v_cache = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        self.k_cache = [c.index_select(0, rows) for c in self.k_cache]
+        self.v_cache = [c.index_select(0, rows) for c in self.v_cache]
+
+    def forward(
+        self,
+        ids: torch.Tensor,
+        pos: torch.Tensor,
+        start: int,
+        key_valid: torch.Tensor,
+        all_logits: bool = False,
+    ) -> torch.Tensor:
+        """Run ``ids`` [B, L] at cache slots ``start .. start+L-1``.
+
+        Args:
+            ids: [B, L] long token ids.
+            pos: [B, L] long RoPE positions.
+            start: first cache slot written.
+            key_valid: [B, start+L] bool, which cache slots hold real tokens.
+            all_logits: return [B, L, V] logits instead of the last position's [B, V].
+        """
+        B, L = ids.shape
+        end = start + L
+        nh, nkv, D = self.n_heads, self.n_kv, self.head_dim
+        x = F.embedding(ids, self.embed)
+        cos, sin = self._rope(pos)
+        # Query i (slot start+i) sees valid slots <= start+i; each query also sees itself so
+        # that padding queries never get an all-masked row (their outputs are unused).
+        if L == 1:
+            mask = key_valid[:, None, None, :end]
+        else:
+            slots = torch.arange(end, device=ids.device)
+            qs = torch.arange(start, end, device=ids.device)
+            causal = slots[None, :] <= qs[:, None]  # [L, end]
+            mask = (causal[None] & key_valid[:, None, :end]) | (slots[None, None, :] == qs[None, :, None])
+            mask = mask[:, None]
+        gqa = nkv != nh
+        for li, (w1, wqkv, bqkv, wo, bo, w2, wgu, bgu, wd, bd) in enumerate(self.layers):
+            h = self._rms(x, w1)
+            qkv = F.linear(h, wqkv, bqkv)
+            q, k, v = qkv.split([nh * D, nkv * D, nkv * D], -1)
+            q = self._apply_rope(q.view(B, L, nh, D).transpose(1, 2), cos, sin)
+            k = self._apply_rope(k.view(B, L, nkv, D).transpose(1, 2), cos, sin)
+            kc, vc = self.k_cache[li], self.v_cache[li]
+            kc[:, :, start:end] = k
+            vc[:, :, start:end] = v.view(B, L, nkv, D).transpose(1, 2)
+            att = F.scaled_dot_product_attention(
+                q, kc[:, :, :end], vc[:, :, :end], attn_mask=mask, scale=self.scale, enable_gqa=gqa
+            )
+            x = x + F.linear(att.transpose(1, 2).reshape(B, L, nh * D), wo, bo)
+            h = self._rms(x, w2)
+            g, u = F.linear(h, wgu, bgu).chunk(2, -1)
+            x = x + F.linear(F.silu(g) * u, wd, bd)
+        if not all_logits:
+            x = x[:, -1]
+        return F.linear(self._rms(x, self.norm_w), self.lm_head)
+
+
+def _pick(logits_BV: torch.Tensor, params: SamplingParams, generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row; returns (ids [B] long, logprobs [B] float32)."""
+    logits_BV = logits_BV.float()
+    if params.temperature == 0:
+        tok = logits_BV.argmax(-1)
+        logp = torch.log_softmax(logits_BV, -1)
+    else:
+        proc = process_logits(logits_BV, params.temperature, params.top_k, params.top_p)
+        logp = torch.log_softmax(proc, -1)
+        tok = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
+    return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+
+
+def _left_pad(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    L = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), L, dtype=torch.long)
+    valid = torch.zeros(len(prompts), L, dtype=torch.bool)
+    for i, p in enumerate(prompts):
+        if p:
+            ids[i, L - len(p):] = torch.tensor(p, dtype=torch.long)
+            valid[i, L - len(p):] = True
+    return ids.to(device), valid.to(device)
+
+
+def generate(
+    model,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    stop_ids: Collection[int],
+    generator: torch.Generator | None = None,
+) -> list[Sample]:
+    """Sample one completion per prompt.
+
+    Args:
+        model: a causal LM (fast path for Llama-layout HF models, HF fallback otherwise).
+        prompts: token id lists, any lengths (each non-empty).
+        params: sampling settings.
+        stop_ids: ids that end a completion (included in ``output_ids`` when sampled).
+        generator: torch RNG for sampling (on the model's device); ``None`` = global RNG.
+
+    Returns:
+        one ``Sample`` per prompt, in order.
+    """
+    if not prompts:
+        return []
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("generate: every prompt needs at least one token")
+    if params.max_new_tokens <= 0:
+        return [Sample([], [], "length") for _ in prompts]
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.inference_mode():
+            if _FastLlama.supports(model):
+                return _generate_fast(model, prompts, params, set(stop_ids), generator)
+            return _generate_hf(model, prompts, params, set(stop_ids), generator)
+    finally:
+        if was_training:
+            model.train()
+
+
+def _generate_fast(model, prompts, params, stop_ids, generator) -> list[Sample]:
+    fast = _FastLlama(model)
+    dev = fast.device
+    n = len(prompts)
+    # Prefill each distinct prompt once, then copy its cache row to its duplicates.
+    uniq: dict[tuple[int, ...], int] = {}
+    src = [uniq.setdefault(tuple(p), len(uniq)) for p in prompts]
+    uprompts = [list(k) for k in uniq]
+    ids_u, valid_u = _left_pad(uprompts, dev)
+    U, L = ids_u.shape
+    total = L + params.max_new_tokens
+    fast.alloc(U, total)
+    pos_u = (valid_u.long().cumsum(-1) - 1).clamp_min(0)
+    key_valid_u = torch.zeros(U, total, dtype=torch.bool, device=dev)
+    key_valid_u[:, :L] = valid_u
+    logits = fast.forward(ids_u, pos_u, 0, key_valid_u)
+    rows = torch.tensor(src, dtype=torch.long, device=dev)
+    if U != n or src != list(range(n)):
+        fast.select_rows(rows)
+        logits = logits.index_select(0, rows)
+    key_valid = key_valid_u.index_select(0, rows)
+    next_pos = pos_u[:, -1].index_select(0, rows) + 1  # [B]
+
+    out_ids: list[list[int]] = [[] for _ in range(n)]
+    out_lp: list[list[float]] = [[] for _ in range(n)]
+    reason = ["length"] * n
+    active = list(range(n))  # batch row -> original index
+    done_in_batch = torch.zeros(n, dtype=torch.bool)
+    stop_t = torch.tensor(sorted(stop_ids), dtype=torch.long, device=dev) if stop_ids else None
+    for step in range(params.max_new_tokens):
+        tok, lp = _pick(logits, params, generator)
+        tok_l, lp_l = tok.tolist(), lp.tolist()
+        hit = torch.isin(tok, stop_t).tolist() if stop_t is not None else [False] * len(active)
+        for b, i in enumerate(active):
+            if done_in_batch[b]:
+                continue
+            out_ids[i].append(tok_l[b])
+            out_lp[i].append(lp_l[b])
+            if hit[b]:
+                reason[i] = "stop"
+                done_in_batch[b] = True
+        if step == params.max_new_tokens - 1:
+            break
+        n_done = int(done_in_batch.sum())
+        if n_done == len(active):
+            break
+        if n_done and n_done * 8 >= len(active):  # drop finished rows from batch + cache
+            keep = (~done_in_batch).nonzero().squeeze(-1)
+            keep_d = keep.to(dev)
+            fast.select_rows(keep_d)
+            key_valid = key_valid.index_select(0, keep_d)
+            next_pos = next_pos.index_select(0, keep_d)
+            tok = tok.index_select(0, keep_d)
+            active = [active[b] for b in keep.tolist()]
+            done_in_batch = torch.zeros(len(active), dtype=torch.bool)
+        slot = L + step
+        key_valid[:, slot] = True
+        logits = fast.forward(tok[:, None], next_pos[:, None], slot, key_valid)
+        next_pos = next_pos + 1
+    return [Sample(out_ids[i], out_lp[i], reason[i]) for i in range(n)]
+
+
+def _generate_hf(model, prompts, params, stop_ids, generator) -> list[Sample]:
+    """Reference path: HF forward with ``past_key_values`` (left-padded, no row dropping)."""
+    dev = next(model.parameters()).device
+    n = len(prompts)
+    ids, valid = _left_pad(prompts, dev)
+    mask = valid.long()
+    pos = (mask.cumsum(-1) - 1).clamp_min(0)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
+    past = out.past_key_values
+    logits = out.logits[:, -1]
+    next_pos = pos[:, -1] + 1
+    out_ids: list[list[int]] = [[] for _ in range(n)]
+    out_lp: list[list[float]] = [[] for _ in range(n)]
+    reason = ["length"] * n
+    done = [False] * n
+    for step in range(params.max_new_tokens):
+        tok, lp = _pick(logits, params, generator)
+        for i, (t, l) in enumerate(zip(tok.tolist(), lp.tolist())):
+            if done[i]:
+                continue
+            out_ids[i].append(t)
+            out_lp[i].append(l)
+            if t in stop_ids:
+                reason[i], done[i] = "stop", True
+        if all(done) or step == params.max_new_tokens - 1:
+            break
+        mask = torch.cat([mask, torch.ones(n, 1, dtype=mask.dtype, device=dev)], 1)
+        out = model(
+            input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos[:, None],
+            past_key_values=past, use_cache=True,
+        )
+        past = out.past_key_values
+        logits = out.logits[:, -1]
+        next_pos = next_pos + 1
+    return [Sample(out_ids[i], out_lp[i], reason[i]) for i in range(n)]

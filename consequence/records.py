@@ -1,0 +1,210 @@
+"""The data that flows through the loop: token-in, token-out (DESIGN.md §2).
+
+A trajectory is stored as the exact token ids that went into and came out of the model,
+never as text to be re-tokenised. Re-tokenising breaks ratio = 1 (BPE merges, template
+whitespace); see shared/cases/09-no-retokenization.md.
+
+Shape suffixes used across the package (defined once here):
+``_N`` rows (trajectories or training rows) in a batch, ``_G`` members of one group,
+``_T`` / ``_S`` token positions, ``_V`` vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Outcome = Literal["finished", "truncated", "env_error"]
+OUTCOMES: tuple[str, ...] = ("finished", "truncated", "env_error")
+
+
+@dataclass
+class ModelCall:
+    """One call of the policy inside an episode.
+
+    Attributes:
+        context_ids: exact input token ids of this call (after the context builder).
+        output_ids: sampled token ids, the end-of-turn / EOS token included when sampled.
+        sample_logprobs: log μ(y_k | prefix) of each sampled token under the distribution
+            actually sampled from (temperature / top-k / top-p applied); len == len(output_ids).
+        stop_reason: ``"stop"`` (end-of-turn sampled) or ``"length"`` (max new tokens hit).
+        tool_calls: parsed tool calls, each ``{"name": str, "arguments": dict}``.
+        parse_error: why the output could not be parsed into a tool call, else ``None``.
+        observation_ids: token ids appended after this call by the harness (template
+            boundary, tool results, next assistant header); never targets.
+    """
+
+    context_ids: list[int]
+    output_ids: list[int]
+    sample_logprobs: list[float]
+    stop_reason: str
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    parse_error: str | None = None
+    observation_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if len(self.output_ids) != len(self.sample_logprobs):
+            raise ValueError(
+                f"ModelCall: {len(self.output_ids)} output ids but {len(self.sample_logprobs)} "
+                "sample log-probs; the sampler must return one log-prob per sampled token"
+            )
+
+
+@dataclass
+class Trajectory:
+    """One episode of one rollout of one task.
+
+    ``group_id`` is the task id plus the iteration: groups are built by identity, never by
+    position in a batch (shared/cases/02-group-by-task-id.md).
+    ``reward`` is ``None`` until the reward box scores the trajectory, and stays ``None``
+    for an ``env_error`` (excluded from statistics and loss, never scored 0).
+    """
+
+    task_id: str
+    group_id: str
+    sample_id: int
+    seed: int
+    policy_version: int
+    calls: list[ModelCall] = field(default_factory=list)
+    outcome: Outcome = "finished"
+    truncation_reason: str | None = None
+    reward: float | None = None
+    reward_components: dict[str, float] = field(default_factory=dict)
+    verifier_score: float | None = None
+    error: str | None = None
+    n_tool_calls: int = 0
+    tool_histogram: dict[str, int] = field(default_factory=dict)
+    wall_time_s: float = 0.0
+    final_code: str | None = None
+    advantage: float | None = None
+    messages: list[dict[str, Any]] = field(default_factory=list)  # readable view; never trained on
+
+    @property
+    def n_generated_tokens(self) -> int:
+        return sum(len(c.output_ids) for c in self.calls)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Trajectory":
+        d = dict(d)
+        d["calls"] = [ModelCall(**c) for c in d.get("calls", [])]
+        return cls(**d)
+
+
+@dataclass
+class TrainingRow:
+    """One causal training row built from an append-only run of model calls.
+
+    All three lists have the same length S. ``loss_mask[j] == 1`` only where token j was
+    sampled by the policy (end-of-turn included); ``old_logprobs[j]`` is the sampling
+    log-prob of token j where the mask is 1, else 0. Alignment for training: logits at
+    position j predict token j+1, so pair ``logits[:, :-1]`` with ``input_ids[:, 1:]``,
+    ``loss_mask[:, 1:]`` and ``old_logprobs[:, 1:]``.
+    """
+
+    input_ids: list[int]
+    loss_mask: list[int]
+    old_logprobs: list[float]
+    traj_index: int = 0
+
+    def __post_init__(self) -> None:
+        n = len(self.input_ids)
+        if len(self.loss_mask) != n or len(self.old_logprobs) != n:
+            raise ValueError(
+                f"TrainingRow: lengths differ (ids {n}, mask {len(self.loss_mask)}, "
+                f"old_logprobs {len(self.old_logprobs)})"
+            )
+
+
+def trajectory_to_rows(traj: Trajectory, traj_index: int = 0) -> list[TrainingRow]:
+    """Merge the calls of one trajectory into as few causal rows as possible.
+
+    A call whose ``context_ids`` extend the previous row (previous context + output +
+    observation) is appended to that row; otherwise (the context builder rewrote or
+    truncated history) a new row starts with this call's own ``context_ids``.
+
+    Returns:
+        list of TrainingRow; each row's targets are exactly the sampled tokens.
+    """
+    rows: list[TrainingRow] = []
+    ids: list[int] = []
+    mask: list[int] = []
+    lps: list[float] = []
+    for call in traj.calls:
+        ctx = call.context_ids
+        if ids and len(ctx) >= len(ids) and ctx[: len(ids)] == ids:
+            extra = ctx[len(ids):]  # tokens the harness added that we have not seen yet
+        else:
+            if ids:
+                rows.append(_close_row(ids, mask, lps, traj_index))
+            ids, mask, lps, extra = [], [], [], ctx
+        ids = ids + list(extra)
+        mask = mask + [0] * len(extra)
+        lps = lps + [0.0] * len(extra)
+        ids += call.output_ids
+        mask += [1] * len(call.output_ids)
+        lps += list(call.sample_logprobs)
+        # Observation ids after the last call are not trained and need no row.
+        ids += call.observation_ids
+        mask += [0] * len(call.observation_ids)
+        lps += [0.0] * len(call.observation_ids)
+    if ids:
+        rows.append(_close_row(ids, mask, lps, traj_index))
+    return rows
+
+
+def _close_row(ids: list[int], mask: list[int], lps: list[float], traj_index: int) -> TrainingRow:
+    """Drop trailing non-target tokens (the last observation): they carry no signal."""
+    end = max((j for j, m in enumerate(mask) if m), default=len(mask) - 1) + 1
+    return TrainingRow(ids[:end], mask[:end], lps[:end], traj_index)
+
+
+# ---- storage: one Parquet file per iteration, written atomically -------------------
+_JSON_FIELDS = ("reward_components", "tool_histogram", "messages")
+
+
+def write_trajectories(path, trajectories: list[Trajectory]) -> None:
+    """Write trajectories to one Parquet file atomically (temporary file, then rename).
+
+    Token ids stay lists of int64; nested free-form fields (messages, tool-call arguments)
+    are stored as JSON text so that every file has the same schema.
+    """
+    import json
+    import os
+    from pathlib import Path
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    records = []
+    for t in trajectories:
+        d = t.to_dict()
+        for k in _JSON_FIELDS:
+            d[k] = json.dumps(d[k])
+        for c in d["calls"]:
+            c["tool_calls"] = json.dumps(c["tool_calls"])
+        records.append(d)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    pq.write_table(pa.Table.from_pylist(records), tmp)
+    os.replace(tmp, path)
+
+
+def read_trajectories(path) -> list[Trajectory]:
+    """Read a Parquet file written by :func:`write_trajectories`."""
+    import json
+
+    import pyarrow.parquet as pq
+
+    out = []
+    for d in pq.read_table(path).to_pylist():
+        for k in _JSON_FIELDS:
+            d[k] = json.loads(d[k])
+        for c in d["calls"]:
+            c["tool_calls"] = json.loads(c["tool_calls"])
+        out.append(Trajectory.from_dict(d))
+    return out

@@ -1,0 +1,66 @@
+"""Plots and the Markdown report of a training run."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+_PANELS = [
+    ("reward_mean", "train reward (mean)"),
+    ("val_success", "validation success (greedy)"),
+    ("mixed_group_fraction", "groups with mixed rewards"),
+    ("diagnose_first", "episodes that diagnose first"),
+    ("entropy", "entropy (nats/token)"),
+    ("clip_frac", "clip fraction"),
+    ("gen_tokens_mean", "generated tokens / episode"),
+    ("tool_calls_mean", "tool calls / episode"),
+    ("rollout_tokens_per_s", "rollout tokens/s"),
+]
+
+
+def plot_metrics(metrics_jsonl: Path, out_png: Path) -> None:
+    """One panel per curve of ``metrics.jsonl``; written atomically as PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in Path(metrics_jsonl).read_text().splitlines() if line.strip()]
+    for r in rows:
+        r["clip_frac"] = r.get("clip_frac_low", 0.0) + r.get("clip_frac_high", 0.0)
+    fig, axes = plt.subplots(3, 3, figsize=(13, 9))
+    for ax, (key, title) in zip(axes.flat, _PANELS):
+        pts = [(r["iteration"], r[key]) for r in rows if r.get(key) is not None]
+        if pts:
+            ax.plot(*zip(*pts), marker="o" if key == "val_success" else None, ms=4)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("iteration", fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    tmp = out_png.with_name(f".{out_png.name}.tmp.png")
+    fig.savefig(tmp, dpi=90)
+    plt.close(fig)
+    os.replace(tmp, out_png)
+
+
+def write_markdown_report(report: dict[str, Any], out_md: Path) -> None:
+    """The final comparison as a Markdown table (atomically)."""
+    lines = ["# Final report: warm start vs RL checkpoint", "",
+             f"Same episodes for both policies; {report['episodes_per_split']} episodes per split, "
+             f"{report['decoding']} decoding; budgets {report['budgets']}.",
+             "Difference = RL − warm start, with a 95 % paired bootstrap CI over problems "
+             "(episodes of one problem resampled together). Environment errors excluded from both arms.", "",
+             "| split | warm start | RL | difference | 95 % CI | problems | env errors |",
+             "|---|---|---|---|---|---|---|"]
+    for name, s in report["splits"].items():
+        c = s["comparison"]
+        lines.append(f"| {name} | {100 * c['a_mean']:.1f} % | {100 * c['b_mean']:.1f} % | "
+                     f"{100 * c['diff']:+.1f} pts | [{100 * c['low']:+.1f}, {100 * c['high']:+.1f}] | "
+                     f"{c['n_groups']} | {c['env_errors_excluded']} |")
+    if "train_seconds" in report:
+        lines += ["", f"Wall time of the whole run: {report['train_seconds'] / 60:.1f} min."]
+    tmp = out_md.with_name(f".{out_md.name}.tmp")
+    tmp.write_text("\n".join(lines) + "\n")
+    os.replace(tmp, out_md)

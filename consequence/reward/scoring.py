@@ -1,0 +1,98 @@
+"""Reward box: call a reward function and check what it returns (DESIGN.md §3, §7).
+
+A reward that is not a finite number inside the declared range is an error, never a
+score: an exception, NaN/inf or an out-of-range value gives ``value=None`` and an error
+text showing the value or the exception, so the trajectory becomes an ``env_error`` and
+is excluded from the group statistics and the loss
+(shared/cases/11-reward-must-be-finite.md, shared/cases/03-env-error-not-zero.md).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RewardResult:
+    """Outcome of one checked reward call.
+
+    Attributes:
+        value: the total reward, or ``None`` when the call failed a check (env_error).
+        components: named components when the function returned a dict (their sum is
+            ``value``); empty for a scalar reward or on error.
+        error: why the reward was rejected (shows the value or the exception), else ``None``.
+    """
+
+    value: float | None
+    components: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+def _as_finite(x: object, what: str) -> tuple[float | None, str | None]:
+    if isinstance(x, (int, float)) or hasattr(x, "__float__"):
+        try:
+            v = float(x)  # type: ignore[arg-type]
+        except (TypeError, ValueError) as e:
+            return None, f"{what} {x!r} is not a number ({e})"
+        if not math.isfinite(v):
+            return None, f"{what} is {x!r}, not a finite number"
+        return v, None
+    return None, f"{what} {x!r} has type {type(x).__name__}, not a number"
+
+
+def checked_reward(
+    fn: Callable[[], float | dict[str, float]], low: float = 0.0, high: float = 1.0
+) -> RewardResult:
+    """Call ``fn()`` and validate its reward.
+
+    ``fn`` returns either a number or a dict of named components (summed into the
+    total). The total must be finite and lie in ``[low, high]``; each component must be
+    finite.
+
+    Args:
+        fn: zero-argument reward function.
+        low, high: declared inclusive range of the total reward.
+
+    Returns:
+        RewardResult: ``value`` set and ``error=None`` when valid; otherwise ``value=None``
+        and ``error`` naming the exception (type and message) or the offending value.
+        Never returns 0 in place of a failure.
+
+    Raises:
+        ValueError: ``low > high`` (a bad declaration, not a bad reward).
+    """
+    if not (low <= high):
+        raise ValueError(f"reward range is empty: low={low!r} > high={high!r}")
+    try:
+        raw = fn()
+    except Exception as e:  # the reward function failing is an env_error, not a score
+        return RewardResult(None, {}, f"reward function raised {type(e).__name__}: {e}")
+
+    components: dict[str, float] = {}
+    if isinstance(raw, dict):
+        if not raw:
+            return RewardResult(None, {}, "reward function returned an empty dict of components")
+        for name, x in raw.items():
+            v, err = _as_finite(x, f"component {name!r}")
+            if err is not None:
+                return RewardResult(None, {}, f"{err} (components {raw!r})")
+            components[str(name)] = v  # type: ignore[assignment]
+        total = math.fsum(components.values())
+        what = f"total of components {components!r}"
+    else:
+        total_or_none, err = _as_finite(raw, "reward")
+        if err is not None:
+            return RewardResult(None, {}, err)
+        total = total_or_none  # type: ignore[assignment]
+        what = "reward"
+    if not (low <= total <= high):
+        return RewardResult(
+            None, {}, f"{what} = {total!r} is outside the declared range [{low}, {high}]"
+        )
+    return RewardResult(total, components, None)

@@ -1,0 +1,140 @@
+"""Rollout box: run batched multi-turn episodes and record them token-in / token-out.
+
+All active episodes advance one model call at a time in one batched ``generate``; the
+harness parses each output, validates and executes the tool calls in the episode's own
+environment, and appends the observation ids the chat template adds. Nothing is
+re-tokenised: a call's ``context_ids`` are the previous context + sampled ids +
+observation ids (DESIGN.md §2).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from consequence.harness.renderer import Renderer
+from consequence.harness.tools import check_tool_specs, validate_call
+from consequence.records import ModelCall, Trajectory
+
+# generate_fn(prompts, max_new_tokens, episode_indices) -> one sample per prompt with
+# .output_ids, .logprobs, .stop_reason. episode_indices say which spec each prompt belongs
+# to (a policy ignores them; a scripted teacher needs them).
+GenerateFn = Callable[[list[list[int]], int, list[int]], list[Any]]
+
+
+@dataclass(frozen=True)
+class Budgets:
+    """Per-episode budgets; hitting one ends the episode as ``truncated``."""
+
+    max_turns: int = 8
+    max_new_tokens: int = 48
+    max_total_tokens: int = 768
+    max_tool_calls: int = 10
+
+
+@dataclass
+class EpisodeSpec:
+    """One episode to run: its environment (Gymnasium-style) and its identity."""
+
+    env: Any
+    task_id: str
+    group_id: str
+    sample_id: int
+    seed: int
+
+
+@dataclass
+class _Live:
+    index: int
+    spec: EpisodeSpec
+    traj: Trajectory
+    messages: list[dict]
+    context: list[int]
+    t0: float
+    done: bool = False
+
+
+def run_episodes(generate_fn: GenerateFn, renderer: Renderer, specs: Sequence[EpisodeSpec],
+                 budgets: Budgets, system_prompt: str, policy_version: int = 0) -> list[Trajectory]:
+    """Run every episode to its end and return one Trajectory per spec, in order.
+
+    Outcome: ``finished`` when the environment terminated the episode, ``truncated`` when
+    a budget ended it (a call cut at ``max_new_tokens`` counts, in any turn: case 05),
+    ``env_error`` when the environment or verifier failed (not the policy's fault).
+    """
+    tool_specs = check_tool_specs(renderer.tools)
+    live = [_start(i, s, renderer, system_prompt, policy_version) for i, s in enumerate(specs)]
+    for turn in range(budgets.max_turns):
+        active = [e for e in live if not e.done]
+        for e in active:
+            if len(e.context) + budgets.max_new_tokens > budgets.max_total_tokens:
+                _end(e, "truncated", "total_tokens")
+        active = [e for e in active if not e.done]
+        if not active:
+            break
+        samples = generate_fn([e.context for e in active], budgets.max_new_tokens,
+                              [e.index for e in active])
+        for e, s in zip(active, samples):
+            _advance(e, s, renderer, tool_specs, budgets)
+    for e in live:
+        if not e.done:
+            _end(e, "truncated", "max_turns")
+    return [e.traj for e in live]
+
+
+def _start(index: int, spec: EpisodeSpec, renderer: Renderer, system_prompt: str,
+           version: int) -> _Live:
+    obs, _info = spec.env.reset(seed=spec.seed)
+    messages = [{"role": "system", "content": system_prompt}, {"role": "user", "content": obs}]
+    traj = Trajectory(task_id=spec.task_id, group_id=spec.group_id, sample_id=spec.sample_id,
+                      seed=spec.seed, policy_version=version)
+    return _Live(index, spec, traj, messages, renderer.prompt_ids(messages), time.perf_counter())
+
+
+def _end(e: _Live, outcome: str, reason: str | None = None, error: str | None = None) -> None:
+    e.done = True
+    e.traj.outcome = outcome  # type: ignore[assignment]
+    e.traj.truncation_reason = reason if outcome == "truncated" else None
+    e.traj.error = error
+    e.traj.wall_time_s = time.perf_counter() - e.t0
+    e.traj.final_code = getattr(e.spec.env, "code", None)
+    e.traj.messages = e.messages
+
+
+def _advance(e: _Live, sample: Any, renderer: Renderer, tool_specs: dict, budgets: Budgets) -> None:
+    parsed = renderer.parse(sample.output_ids, sample.stop_reason)
+    call = ModelCall(context_ids=list(e.context), output_ids=list(sample.output_ids),
+                     sample_logprobs=list(sample.logprobs), stop_reason=sample.stop_reason,
+                     tool_calls=parsed.tool_calls, parse_error=parsed.parse_error)
+    e.traj.calls.append(call)
+    if sample.stop_reason == "length":
+        e.messages = e.messages + [parsed.message]
+        return _end(e, "truncated", "max_new_tokens")
+    results, terminated = [], False
+    if parsed.parse_error:
+        results.append({"role": "tool", "name": "error", "content": f"error: {parsed.parse_error}"})
+    for tc in parsed.tool_calls:
+        e.traj.n_tool_calls += 1
+        e.traj.tool_histogram[tc["name"]] = e.traj.tool_histogram.get(tc["name"], 0) + 1
+        problem = validate_call(tc, tool_specs)
+        if problem:
+            results.append({"role": "tool", "name": tc["name"], "content": f"error: {problem}"})
+            continue
+        obs, reward, terminated, truncated, info = e.spec.env.step(tc)
+        if info.get("env_error"):
+            e.messages = e.messages + [parsed.message] + results
+            return _end(e, "env_error", error=str(info["env_error"]))
+        results.append({"role": "tool", "name": tc["name"], "content": obs})
+        if terminated or truncated:
+            e.messages = e.messages + [parsed.message] + results
+            e.traj.verifier_score = float(reward) if terminated else None
+            return _end(e, "finished" if terminated else "truncated",
+                        None if terminated else "environment")
+    if e.traj.n_tool_calls >= budgets.max_tool_calls:
+        e.messages = e.messages + [parsed.message] + results
+        return _end(e, "truncated", "max_tool_calls")
+    history = e.messages
+    call.observation_ids = renderer.observation_ids(history, parsed.message, results)
+    e.messages = history + [parsed.message] + results
+    e.context = e.context + call.output_ids + call.observation_ids

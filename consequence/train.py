@@ -1,0 +1,234 @@
+"""The loop: GRPO, synchronous, in the order of the seeds' pseudo-code.
+
+    for each iteration:
+        tasks   = sample B train tasks                          (task box)
+        trajs   = roll out G episodes per task with π_old       (rollout box: harness + env)
+        rewards = verifier score, checked finite and in range   (reward box)
+        A       = (R − mean_group) / (std_group + ε)            (credit box, GRPO)
+        θ      ← maximise PPO-clip surrogate, token-mean         (update box)
+        every k iterations: validate greedily                    (evaluation box)
+
+Departures from the GRPO paper (Shao et al. 2024, §4.1): token-mean reduction (DAPO) rather
+than seq-mean-token-mean, and no KL-to-reference term (β = 0), as in DAPO and Dr.GRPO.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from consequence.config import TrainConfig
+from consequence.credit.advantages import group_advantages, mixed_group_fraction
+from consequence.envs.repair_env import SYSTEM_PROMPT, TOOLS, RepairEnv
+from consequence.evaluate.compare import ArmResult, paired_comparison, summarize
+from consequence.harness.renderer import Renderer
+from consequence.policy.logprobs import token_logprobs
+from consequence.policy.sampler import SamplingParams
+from consequence.policy.tiny import load_policy
+from consequence.records import Trajectory, trajectory_to_rows, write_trajectories
+from consequence.reward.scoring import checked_reward
+from consequence.rollout.episodes import Budgets, EpisodeSpec, run_episodes
+from consequence.rollout.sampling import policy_generate_fn
+from consequence.tasks.repair import load_split, make_tasks
+from consequence.update.step import UpdateConfig, ppo_step
+
+
+def train(cfg: TrainConfig, console=None) -> dict[str, Any]:
+    """Run one training job end to end; returns the final report as a dict."""
+    from rich.console import Console
+
+    console = console or Console()
+    t_start = time.perf_counter()
+    run = Path(cfg.run_dir)
+    run.mkdir(parents=True, exist_ok=True)
+    _write_atomic(run / "config.yaml", yaml.safe_dump(cfg.model_dump(), sort_keys=False))
+    torch.manual_seed(cfg.seed)
+
+    model_path = _resolve_model(cfg, console)
+    model, tokenizer = load_policy(model_path)
+    reference = copy.deepcopy(model).eval()  # the warm start, kept for the final paired comparison
+    renderer = Renderer(tokenizer, TOOLS)
+    split = load_split(cfg.seed)
+    _write_atomic(run / "split.json", json.dumps({k: [p.problem_id for p in v] for k, v in split.items()}))
+    budgets = Budgets(cfg.max_turns, cfg.max_new_tokens, cfg.max_total_tokens)
+    sampling = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p, cfg.max_new_tokens)
+    ucfg = UpdateConfig(clip_eps_low=cfg.clip_eps, clip_eps_high=cfg.clip_eps, reduction=cfg.reduction,
+                        micro_batch_size=cfg.micro_batch_size, temperature=cfg.temperature)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=0.0)
+    metrics_path = run / "metrics.jsonl"
+    metrics_path.unlink(missing_ok=True)
+    console.print(f"[bold]consequence train[/]: {cfg.iterations} iterations × {cfg.tasks_per_iteration} tasks "
+                  f"× {cfg.group_size} rollouts, model {model_path}, run dir {run}")
+
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(),
+                  TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(), TimeRemainingColumn(),
+                  TextColumn("{task.fields[status]}"), console=console) as bar:
+        job = bar.add_task("GRPO", total=cfg.iterations, status="")
+        for it in range(cfg.iterations):
+            m = iteration(it, cfg, model, renderer, split, budgets, sampling, ucfg, optimizer, run)
+            if cfg.eval_every and ((it + 1) % cfg.eval_every == 0 or it + 1 == cfg.iterations):
+                m["val_success"] = validate(model, renderer, split, budgets, cfg)["success"]
+            with metrics_path.open("a") as f:
+                f.write(json.dumps(m) + "\n")
+            status = f"reward {m['reward_mean']:.2f}  mixed {m['mixed_group_fraction']:.2f}"
+            if "val_success" in m:
+                status += f"  val {m['val_success']:.2f}"
+            bar.update(job, advance=1, status=status)
+
+    _save_checkpoint(model, tokenizer, run / "checkpoints" / "final")
+    report = final_report(cfg, reference, model, renderer, split, budgets, console)
+    report["train_seconds"] = time.perf_counter() - t_start
+    _write_atomic(run / "report.json", json.dumps(report, indent=2))
+    from consequence.report.plots import plot_metrics, write_markdown_report
+
+    plot_metrics(metrics_path, run / "curves.png")
+    write_markdown_report(report, run / "report.md")
+    console.print((run / "report.md").read_text())
+    return report
+
+
+def iteration(it, cfg, model, renderer, split, budgets, sampling, ucfg, optimizer, run) -> dict[str, Any]:
+    """One collect-then-update step; returns its metrics."""
+    t0 = time.perf_counter()
+    # -- task box: B train tasks, each rolled out G times (a group = one task id) --
+    tasks = make_tasks(split["train"], cfg.tasks_per_iteration, seed=_seed(cfg.seed, it))
+    specs = [EpisodeSpec(RepairEnv(t), t.task_id, f"{it}/{t.task_id}", g, _seed(cfg.seed, it, g))
+             for t in tasks for g in range(cfg.group_size)]
+    # -- rollout box --
+    gen = policy_generate_fn(model, sampling, renderer.stop_ids, _seed(cfg.seed, it, "rollout"))
+    trajs = run_episodes(gen, renderer, specs, budgets, SYSTEM_PROMPT, policy_version=it)
+    t_rollout = time.perf_counter() - t0
+    # -- reward box: a failed environment is not a 0 (case 03) --
+    score_trajectories(trajs)
+    # -- credit box: group statistics over complete groups, before any micro-batching --
+    rewards = [t.reward for t in trajs]
+    group_ids = [t.group_id for t in trajs]
+    advantages = group_advantages(rewards, group_ids, estimator=cfg.advantage)
+    for t, a in zip(trajs, advantages):
+        t.advantage = a
+    rows, row_adv = [], []
+    for i, t in enumerate(trajs):
+        if t.advantage is None or not t.calls:
+            continue
+        for r in trajectory_to_rows(t, i):
+            rows.append(r)
+            row_adv.append(t.advantage)
+    write_trajectories(run / "trajectories" / f"iter_{it:04d}.parquet", trajs)
+    # -- update box --
+    t1 = time.perf_counter()
+    upd: dict[str, float] = {}
+    for _ in range(cfg.epochs_per_batch):
+        if rows:
+            upd = ppo_step(model, optimizer, rows, row_adv, ucfg, renderer.tokenizer.pad_token_id, token_logprobs)
+    t_update = time.perf_counter() - t1
+    valid = [t for t in trajs if t.reward is not None]
+    n_gen = sum(t.n_generated_tokens for t in trajs)
+    return {
+        "iteration": it,
+        "reward_mean": sum(t.reward for t in valid) / max(1, len(valid)),
+        "success": summarize(trajs)["success"],
+        "mixed_group_fraction": mixed_group_fraction(rewards, group_ids),
+        "gen_tokens_mean": n_gen / max(1, len(trajs)),
+        "tool_calls_mean": sum(t.n_tool_calls for t in trajs) / max(1, len(trajs)),
+        "truncated_fraction": sum(t.outcome == "truncated" for t in trajs) / max(1, len(trajs)),
+        "env_errors": sum(t.outcome == "env_error" for t in trajs),
+        "diagnose_first": sum(_diagnoses_first(t) for t in trajs) / max(1, len(trajs)),
+        "rollout_tokens_per_s": n_gen / max(t_rollout, 1e-9),
+        "rollout_s": t_rollout,
+        "update_s": t_update,
+        **upd,
+    }
+
+
+def score_trajectories(trajs: list[Trajectory]) -> None:
+    """Reward box: the verifier's hidden-test score, checked finite and in [0, 1]."""
+    for t in trajs:
+        if t.outcome == "env_error":
+            t.reward = None
+            continue
+        score = t.verifier_score if t.outcome == "finished" else 0.0  # no submission → 0
+        res = checked_reward(lambda s=score: {"hidden_tests": s})
+        t.reward, t.reward_components = res.value, res.components
+        if res.value is None:
+            t.outcome, t.error = "env_error", res.error
+
+
+def run_eval(model, renderer, tasks, budgets, seed: int, greedy: bool = True, policy_version: int = 0):
+    """Episodes of ``model`` on ``tasks`` (one each), greedy by default."""
+    params = SamplingParams(temperature=0.0 if greedy else 1.0, max_new_tokens=budgets.max_new_tokens)
+    specs = [EpisodeSpec(RepairEnv(t), t.task_id, t.task_id, 0, _seed(seed, i)) for i, t in enumerate(tasks)]
+    gen = policy_generate_fn(model, params, renderer.stop_ids, seed)
+    trajs = run_episodes(gen, renderer, specs, budgets, SYSTEM_PROMPT, policy_version)
+    score_trajectories(trajs)
+    return trajs
+
+
+def validate(model, renderer, split, budgets, cfg) -> dict[str, float]:
+    tasks = make_tasks(split["validation"], cfg.val_episodes, seed=_seed(cfg.seed, "val"))
+    return summarize(run_eval(model, renderer, tasks, budgets, cfg.seed))
+
+
+def final_report(cfg, reference, model, renderer, split, budgets, console) -> dict[str, Any]:
+    """Warm start vs RL checkpoint on the same episodes: (a) test split, (b) train problems."""
+    n = cfg.final_eval_episodes
+    sets = {
+        "test (unseen problems)": make_tasks(split["test"], n, seed=_seed(cfg.seed, "test")),
+        "train problems, new instances (in-distribution)": make_tasks(split["train"], n, seed=_seed(cfg.seed, "fresh")),
+    }
+    out: dict[str, Any] = {"episodes_per_split": n, "decoding": "greedy", "budgets": vars(budgets), "splits": {}}
+    for name, tasks in sets.items():
+        if not tasks:
+            continue
+        console.print(f"final evaluation: {name}, {len(tasks)} episodes per policy")
+        a = ArmResult("warm start", run_eval(reference, renderer, tasks, budgets, cfg.seed))
+        b = ArmResult("RL", run_eval(model, renderer, tasks, budgets, cfg.seed))
+        out["splits"][name] = {"comparison": paired_comparison(a, b, seed=cfg.seed),
+                               "warm_start": summarize(a.trajectories), "rl": summarize(b.trajectories)}
+    return out
+
+
+# ---- plumbing -----------------------------------------------------------------------
+def _seed(*parts) -> int:
+    return random.Random(":".join(map(str, parts))).getrandbits(31)
+
+
+def _diagnoses_first(t: Trajectory) -> bool:
+    first = t.calls[0].tool_calls if t.calls else []
+    return bool(first) and first[0]["name"] in ("run_tests", "read_code")
+
+
+def _resolve_model(cfg: TrainConfig, console) -> Path:
+    if cfg.model:
+        return Path(cfg.model)
+    from consequence.warmstart import WarmstartConfig, ensure_warmstart
+
+    ws = WarmstartConfig(seed=cfg.seed, n_demos=cfg.warmstart_demos, sft_epochs=cfg.warmstart_epochs)
+    return ensure_warmstart(ws, log=console.print)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def _save_checkpoint(model, tokenizer, path: Path) -> None:
+    import shutil
+    import tempfile
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".tmp-"))
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    if path.exists():
+        shutil.rmtree(path)
+    tmp.replace(path)

@@ -1,0 +1,150 @@
+"""Per-token surrogate objectives and their reductions (update box, DESIGN.md §5).
+
+Sign convention: the functions here return OBJECTIVES (to be maximised). The loss that
+is minimised by the optimizer is ``loss = -reduce_tokens(objective, mask, ...)``; e.g.
+GRPO rewards (1,0,0,0), lengths (2,4,4,6), ρ = 1 give objective −1/(2√3) with
+``token_mean`` and hence loss +1/(2√3) ≈ 0.2887 (DESIGN.md §8).
+
+A reduction is defined over the whole optimizer step: a micro-batch passes the step's
+global totals so that the sum of the micro-batches' reduced values (and gradients)
+equals the unsplit batch's (shared/cases/01-token-mean-microbatch.md).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+REDUCTIONS: tuple[str, ...] = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+
+
+def _broadcast_adv(advantages: Tensor, like: Tensor) -> Tensor:
+    adv = torch.as_tensor(advantages, dtype=like.dtype, device=like.device)
+    if adv.dim() == 1:
+        if adv.shape[0] != like.shape[0]:
+            raise ValueError(f"advantages [{adv.shape[0]}] do not match {tuple(like.shape)} rows")
+        adv = adv.unsqueeze(-1)
+    elif adv.shape != like.shape:
+        raise ValueError(f"advantages {tuple(adv.shape)} do not match {tuple(like.shape)}")
+    return adv.expand_as(like)
+
+
+def clipped_surrogate(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """PPO clipped surrogate per token (Schulman et al. 2017, eq. 7), asymmetric clip.
+
+    ρ = exp(logπ_θ − logπ_old); objective = min(ρA, clip(ρ, 1−eps_low, 1+eps_high)·A).
+    ``eps_low = eps_high = 0.2`` is PPO; ``eps_high = 0.28`` is DAPO clip-higher (Yu et
+    al. 2025, §3.1). Example: ρ = 1.3, ε = 0.2 gives 2.078 for A = 1.732 and −0.750 for
+    A = −0.577 (DESIGN.md §8).
+
+    Args:
+        logprobs: [N, T] float32, logπ_θ of the target tokens (carries the gradient).
+        old_logprobs: [N, T] float32, logπ_old of the same tokens (no gradient needed).
+        advantages: [N, T] or [N] (broadcast over T) float32.
+        eps_low, eps_high: clip range [1 − eps_low, 1 + eps_high].
+
+    Returns:
+        (objective [N, T] float32 — to MAXIMISE,
+         ratio [N, T] float32 — detached,
+         is_clipped [N, T] bool — True where the clipped branch is active and the token
+         gives no gradient: A > 0 and ρ > 1+eps_high, or A < 0 and ρ < 1−eps_low).
+
+    Raises:
+        ValueError: shapes do not match.
+    """
+    if logprobs.shape != old_logprobs.shape:
+        raise ValueError(
+            f"logprobs {tuple(logprobs.shape)} and old_logprobs {tuple(old_logprobs.shape)} differ"
+        )
+    ratio = torch.exp(logprobs - old_logprobs)
+    adv = _broadcast_adv(advantages, ratio)
+    clip_high = (adv > 0) & (ratio > 1.0 + eps_high)
+    clip_low = (adv < 0) & (ratio < 1.0 - eps_low)
+    is_clipped = clip_high | clip_low
+    clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high).detach() * adv
+    # Equal in value to min(ρA, clip(ρ)A); written with where so the active branch and
+    # its (zero) gradient are explicit rather than relying on min's tie-breaking.
+    objective = torch.where(is_clipped, clipped, ratio * adv)
+    return objective, ratio.detach(), is_clipped
+
+
+def policy_gradient_objective(logprobs: Tensor, advantages: Tensor) -> Tensor:
+    """Vanilla policy-gradient objective per token, A · logπ_θ (REINFORCE; Williams 1992).
+
+    Args:
+        logprobs: [N, T] float32 logπ_θ of the target tokens.
+        advantages: [N, T] or [N] float32.
+
+    Returns:
+        [N, T] float32 objective to MAXIMISE (its gradient is A ∇logπ).
+    """
+    return _broadcast_adv(advantages, logprobs) * logprobs
+
+
+def reduce_tokens(
+    per_token: Tensor,
+    mask: Tensor,
+    reduction: str,
+    *,
+    total_tokens: float | None = None,
+    total_seqs: float | None = None,
+    norm_const: float | None = None,
+) -> Tensor:
+    """Reduce per-token terms u_ik with target mask m_ik to one scalar (DESIGN.md §5).
+
+    - ``"token_mean"``: Σ_i Σ_k m u / total_tokens (DAPO, Yu et al. 2025, §3.3).
+    - ``"seq_mean_token_mean"``: Σ_i (1/L_i) Σ_k m u / total_seqs (GRPO, Shao et al.
+      2024, DeepSeekMath §4.1, eq. 3).
+    - ``"seq_mean_token_sum_norm"``: Σ_i Σ_k m u / (norm_const · total_seqs) (Dr.GRPO,
+      Liu et al. 2025, §3).
+
+    with L_i = Σ_k m_ik. The totals are those of the WHOLE optimizer step; a micro-batch
+    passes them so that summing micro-batch values equals the unsplit value (case 01).
+    When omitted they come from this batch: ``total_tokens`` = Σ m, ``total_seqs`` = the
+    number of rows with at least one target (rows without targets carry no signal and
+    add nothing), ``norm_const`` = the largest L_i. Masked-out positions never enter the
+    result, even if they hold NaN/inf.
+
+    Args:
+        per_token: [N, T] float tensor of per-token terms.
+        mask: [N, T] target mask (float or bool; 1 = target).
+        reduction: one of :data:`REDUCTIONS`.
+
+    Returns:
+        scalar float tensor (0 with a graph attached when there are no targets).
+
+    Raises:
+        ValueError: unknown reduction, shape mismatch, or a non-positive total.
+    """
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"unknown reduction {reduction!r}; valid: {', '.join(REDUCTIONS)}")
+    if per_token.shape != mask.shape:
+        raise ValueError(f"per_token {tuple(per_token.shape)} and mask {tuple(mask.shape)} differ")
+    m = mask.to(per_token.dtype)
+    u = torch.where(m > 0, per_token, torch.zeros_like(per_token)) * m
+    L = m.sum(dim=-1)  # [N]
+    if reduction == "token_mean":
+        denom = float(L.sum().item()) if total_tokens is None else float(total_tokens)
+        if denom == 0.0:
+            return u.sum() * 0.0
+        if denom < 0:
+            raise ValueError(f"total_tokens must be positive, got {total_tokens}")
+        return u.sum() / denom
+    n_seqs = float((L > 0).sum().item()) if total_seqs is None else float(total_seqs)
+    if n_seqs == 0.0:
+        return u.sum() * 0.0
+    if n_seqs < 0:
+        raise ValueError(f"total_seqs must be positive, got {total_seqs}")
+    if reduction == "seq_mean_token_mean":
+        per_seq = u.sum(dim=-1) / L.clamp(min=1.0)
+        return per_seq.sum() / n_seqs
+    c = float(L.max().item()) if norm_const is None else float(norm_const)
+    if c <= 0:
+        raise ValueError(f"norm_const must be positive, got {norm_const}")
+    return u.sum() / (c * n_seqs)

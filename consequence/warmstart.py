@@ -1,0 +1,171 @@
+"""Cold start: build the bundled tiny model and fine-tune it on verified teacher demos.
+
+Steps (each a box of its own; this module only wires them):
+1. the scripted teacher (``distill/teacher.py``) solves train problems through the real
+   environment and harness; only demonstrations that pass the hidden tests are kept;
+2. a byte-level BPE tokenizer is trained on the rendered conversations, and a
+   Llama-architecture model of ~2 M parameters is initialised (``policy/tiny.py``);
+3. supervised fine-tuning with the loss on assistant tokens only (the same loss mask the
+   RL update uses), then ``save_pretrained``.
+
+The result is cached under ``$CONSEQUENCE_CACHE`` (default ``~/.cache/consequence``),
+keyed by the settings, and built on first use.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from consequence.distill.teacher import ScriptedTeacher, TeacherHabits, plan_episode
+from consequence.envs.repair_env import SYSTEM_PROMPT, TOOLS, RepairEnv
+from consequence.harness.renderer import Renderer, replay_conversation
+from consequence.policy.logprobs import token_logprobs
+from consequence.policy.tiny import build_model, build_tokenizer
+from consequence.records import ModelCall, Trajectory, trajectory_to_rows
+from consequence.rollout.episodes import Budgets, EpisodeSpec, run_episodes
+from consequence.tasks.repair import load_split, make_tasks
+from consequence.update.step import pad_rows
+
+WARMSTART_VERSION = 1
+
+
+@dataclass(frozen=True)
+class WarmstartConfig:
+    """Settings of the warm-start build (all of them go into the cache key)."""
+
+    seed: int = 0
+    n_demos: int = 3000
+    vocab_size: int = 768
+    hidden_size: int = 192
+    num_layers: int = 4
+    num_heads: int = 4
+    intermediate_size: int = 512
+    sft_epochs: float = 3.0
+    batch_size: int = 32
+    learning_rate: float = 3e-3
+    p_diagnose_first: float = 0.5
+    p_wrong_patch_first: float = 0.25
+    p_verify_before_finish: float = 0.5
+
+    def key(self) -> str:
+        blob = json.dumps({"v": WARMSTART_VERSION, **asdict(self)}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("CONSEQUENCE_CACHE", Path.home() / ".cache" / "consequence"))
+
+
+def warmstart_path(cfg: WarmstartConfig = WarmstartConfig()) -> Path:
+    return cache_root() / "warmstart" / f"tiny-repair-{cfg.key()}"
+
+
+def ensure_warmstart(cfg: WarmstartConfig = WarmstartConfig(), log: Callable[[str], None] = print) -> Path:
+    """Return the warm-start checkpoint directory, building it first if it is missing."""
+    path = warmstart_path(cfg)
+    if (path / "warmstart.json").exists():
+        return path
+    log(f"building the warm-start checkpoint (first use) into {path}")
+    return build_warmstart(cfg, path, log)
+
+
+def teacher_conversations(cfg: WarmstartConfig, log: Callable[[str], None] = print) -> list[list[dict]]:
+    """Run the scripted teacher on train-split tasks; keep verified demonstrations."""
+    split = load_split(cfg.seed)
+    tasks = make_tasks(split["train"], cfg.n_demos, seed=cfg.seed + 1)
+    rng = random.Random(cfg.seed)
+    habits = TeacherHabits(cfg.p_diagnose_first, cfg.p_wrong_patch_first, cfg.p_verify_before_finish)
+    plans = [plan_episode(t, rng, habits) for t in tasks]
+    # Any tokenizer will do to drive the episodes: demonstrations are re-rendered below.
+    boot = build_tokenizer([SYSTEM_PROMPT] + [t.buggy_code for t in tasks[:200]], vocab_size=300)
+    renderer = Renderer(boot, TOOLS)
+    specs = [EpisodeSpec(RepairEnv(t), t.task_id, t.task_id, 0, cfg.seed) for t in tasks]
+    budgets = Budgets(max_turns=12, max_new_tokens=10_000, max_total_tokens=10**9, max_tool_calls=12)
+    trajs = run_episodes(ScriptedTeacher(renderer, plans), renderer, specs, budgets, SYSTEM_PROMPT)
+    kept = [t.messages for t in trajs if t.outcome == "finished" and t.verifier_score == 1.0]
+    log(f"teacher: {len(kept)}/{len(trajs)} demonstrations verified")
+    return kept
+
+
+def demo_rows(renderer: Renderer, conversations: list[list[dict]]):
+    """Token rows (loss mask on assistant tokens only) of the demonstrations."""
+    rows = []
+    for k, msgs in enumerate(conversations):
+        calls = [ModelCall(ctx, out, [0.0] * len(out), "stop", observation_ids=obs)
+                 for ctx, out, obs in replay_conversation(renderer, msgs)]
+        traj = Trajectory(task_id=str(k), group_id=str(k), sample_id=0, seed=0, policy_version=0, calls=calls)
+        rows += trajectory_to_rows(traj, k)
+    return rows
+
+
+def build_warmstart(cfg: WarmstartConfig, path: Path, log: Callable[[str], None] = print) -> Path:
+    """Build tokenizer + model, run SFT, save atomically to ``path``."""
+    t0 = time.perf_counter()
+    torch.manual_seed(cfg.seed)
+    convs = teacher_conversations(cfg, log)
+    boot = build_tokenizer(["x"], vocab_size=300)
+    corpus = [Renderer(boot, TOOLS).render_text(m, add_generation_prompt=False) for m in convs]
+    tokenizer = build_tokenizer(corpus, vocab_size=cfg.vocab_size)
+    renderer = Renderer(tokenizer, TOOLS)
+    rows = demo_rows(renderer, convs)
+    model = build_model(tokenizer, seed=cfg.seed, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
+                        num_heads=cfg.num_heads, intermediate_size=cfg.intermediate_size)
+    n_tokens = sum(len(r.input_ids) for r in rows)
+    log(f"SFT: {len(rows)} rows, {n_tokens} tokens, {sum(p.numel() for p in model.parameters())} parameters")
+    losses = sft(model, rows, tokenizer.pad_token_id, cfg, log)
+    info = {"config": asdict(cfg), "n_demos": len(convs), "n_rows": len(rows), "n_tokens": n_tokens,
+            "final_loss": losses[-1] if losses else None, "seconds": time.perf_counter() - t0,
+            "version": WARMSTART_VERSION}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".tmp-"))
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "warmstart.json").write_text(json.dumps(info, indent=2))
+    if path.exists():
+        shutil.rmtree(path)
+    os.replace(tmp, path)
+    log(f"warm start saved to {path} in {info['seconds']:.0f} s (final SFT loss {info['final_loss']:.3f})")
+    return path
+
+
+def sft(model, rows, pad_id: int, cfg: WarmstartConfig, log: Callable[[str], None] = print) -> list[float]:
+    """Token-mean cross-entropy on target tokens; AdamW with warmup and cosine decay."""
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=0.01, betas=(0.9, 0.95))
+    steps = max(1, int(cfg.sft_epochs * len(rows) / cfg.batch_size))
+    warmup = max(1, steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps))))
+    g = torch.Generator().manual_seed(cfg.seed)
+    order = torch.randperm(len(rows), generator=g).tolist()
+    losses, cursor = [], 0
+    model.train()
+    for step in range(steps):
+        if cursor + cfg.batch_size > len(order):
+            order, cursor = torch.randperm(len(rows), generator=g).tolist(), 0
+        batch = pad_rows([rows[i] for i in order[cursor: cursor + cfg.batch_size]], pad_id)
+        cursor += cfg.batch_size
+        lp, _ = token_logprobs(model, batch["input_ids"], batch["attention_mask"])
+        mask = batch["loss_mask"][:, 1:]
+        loss = -(lp * mask).sum() / mask.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+        if step % 50 == 0 or step == steps - 1:
+            log(f"SFT step {step + 1}/{steps}  loss {loss.item():.4f}")
+    model.eval()
+    return losses
