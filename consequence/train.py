@@ -15,6 +15,7 @@ than seq-mean-token-mean, and no KL-to-reference term (β = 0), as in DAPO and D
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import random
 import time
@@ -128,7 +129,8 @@ def iteration(it, cfg, model, renderer, split, budgets, sampling, ucfg, optimize
     upd: dict[str, float] = {}
     for _ in range(cfg.epochs_per_batch):
         if rows:
-            upd = ppo_step(model, optimizer, rows, row_adv, ucfg, renderer.tokenizer.pad_token_id, token_logprobs)
+            upd = ppo_step(model, optimizer, rows, row_adv, ucfg, renderer.tokenizer.pad_token_id,
+                           functools.partial(token_logprobs, with_entropy=True))
     t_update = time.perf_counter() - t1
     valid = [t for t in trajs if t.reward is not None]
     n_gen = sum(t.n_generated_tokens for t in trajs)

@@ -167,8 +167,11 @@ class _FastLlama:
         cos, sin = self._rope(pos)
         # Query i (slot start+i) sees valid slots <= start+i; each query also sees itself so
         # that padding queries never get an all-masked row (their outputs are unused).
+        causal_only = False
         if L == 1:
             mask = key_valid[:, None, None, :end]
+        elif start == 0 and bool(key_valid[:, :end].all()):
+            mask, causal_only = None, True  # no padding: SDPA's causal kernel, no mask tensor
         else:
             slots = torch.arange(end, device=ids.device)
             qs = torch.arange(start, end, device=ids.device)
@@ -186,7 +189,8 @@ class _FastLlama:
             kc[:, :, start:end] = k
             vc[:, :, start:end] = v.view(B, L, nkv, D).transpose(1, 2)
             att = F.scaled_dot_product_attention(
-                q, kc[:, :, :end], vc[:, :, :end], attn_mask=mask, scale=self.scale, enable_gqa=gqa
+                q, kc[:, :, :end], vc[:, :, :end], attn_mask=mask, is_causal=causal_only, scale=self.scale,
+                enable_gqa=gqa,
             )
             x = x + F.linear(att.transpose(1, 2).reshape(B, L, nh * D), wo, bo)
             h = self._rms(x, w2)

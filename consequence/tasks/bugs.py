@@ -76,7 +76,7 @@ def line_mutants(line: str, present: str) -> list[tuple[str, str]]:
     if m:
         ind, expr = m.groups()
         alts = [v for v in _RET_VARS if v != expr and v.split("[")[0] in present]
-        out += [("return_var", f"{ind}return {v}") for v in alts[:3]]
+        out += [("return_var", f"{ind}return {v}") for v in alts[:2]]
         if len(ind) >= 8:
             out.append(("early_return", f"{ind}pass"))
     return [(k, r) for k, r in out if r != line]

@@ -1,0 +1,238 @@
+"""Run untrusted model-written code against tests in a fresh, limited interpreter.
+
+The child is ``python -I -S -c RUNNER`` with an empty environment, a new session (killed as
+a process group on wall timeout), a fresh temporary cwd deleted afterwards, and resource
+limits (CPU, address space, file size, open files, processes) set by the runner itself
+before any candidate code is read. Code and tests arrive on stdin as JSON; the child prints
+one result line prefixed by a random nonce; the parent takes the LAST nonce line and
+decides pass/fail from that plain data. Candidate prints go to a capped buffer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from consequence.tasks.repair import TestCase
+
+__all__ = ["SandboxLimits", "TestReport", "run_tests", "clear_cache", "RUNNER"]
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    """wall_s: wall-clock seconds for the whole run; cpu_s: CPU seconds; memory_mb:
+    address-space limit in MiB; max_output_bytes: cap on bytes read back / written."""
+
+    wall_s: float = 2.0
+    cpu_s: int = 2
+    memory_mb: int = 512
+    max_output_bytes: int = 65536
+
+
+@dataclass
+class TestReport:
+    """Outcome of one sandbox run.
+
+    status: ``'ok'`` (runner finished; tests may still fail), ``'timeout'`` (wall or CPU
+    limit hit: all tests failed), ``'crash'`` (child died or printed no result: all tests
+    failed), ``'sandbox_error'`` (the sandbox itself failed: exclude, never score 0).
+    messages: one line per failing test, in test order. error: load error / crash reason.
+    """
+
+    __test__ = False
+    status: str
+    passed: int
+    total: int
+    messages: list[str] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def all_passed(self) -> bool:
+        return self.status == "ok" and self.total > 0 and self.passed == self.total
+
+
+RUNNER = r'''
+import sys, os, json, resource, builtins
+_w, _dumps, _exit, _repr, _type = os.write, json.dumps, os._exit, repr, type
+_lim = json.loads(sys.argv[1])
+for _n, _v in (("RLIMIT_CPU", (_lim[0], _lim[0] + 1)), ("RLIMIT_AS", (_lim[1], _lim[1])),
+               ("RLIMIT_FSIZE", (_lim[2], _lim[2])), ("RLIMIT_NOFILE", (16, 16)),
+               ("RLIMIT_NPROC", (0, 0)), ("RLIMIT_CORE", (0, 0))):
+    try:
+        resource.setrlimit(getattr(resource, _n), _v)
+    except (ValueError, OSError, AttributeError):
+        pass
+def _main():
+    data = json.loads(sys.stdin.read())
+    nonce, code, tests, cap = data["nonce"], data["code"], data["tests"], data["cap"]
+    del data
+    def emit(obj):
+        _w(1, ("\n" + nonce + _dumps(obj) + "\n").encode())
+    emit({"stage": "loaded"})
+    ok_types = (int, float, bool, str, list, tuple, dict, type(None))
+    def plain(v, depth=0):
+        t = _type(v)
+        if depth > 20 or t not in ok_types:
+            return False
+        if t in (list, tuple):
+            return all(plain(e, depth + 1) for e in v)
+        if t is dict:
+            return all(plain(k, depth + 1) and plain(e, depth + 1) for k, e in v.items())
+        return True
+    class Sink:
+        n = 0
+        def write(self, s):
+            Sink.n += len(s)
+            return len(s)
+        def flush(self):
+            pass
+    sys.stdout = sys.stderr = Sink()
+    def short(s):
+        s = str(s)
+        return s if len(s) <= 80 else s[:77] + "..."
+    results, msgs, error = [], [], None
+    ns = {"__name__": "solution", "__builtins__": builtins}
+    try:
+        exec(compile(code, "solution.py", "exec"), ns)
+    except BaseException as e:
+        error = _type(e).__name__ + ": " + short(e)
+    for call, expected in tests:
+        if error is not None:
+            results.append(False); msgs.append(call + " not run: " + error); continue
+        try:
+            res = eval(call, ns)
+            good = plain(res) and _repr(res) == expected
+            if not good:
+                try:
+                    shown = short(_repr(res)) if plain(res) else "a " + short(_type(res).__name__)
+                except BaseException:
+                    shown = "an unprintable value"
+                msgs.append(call + " returned " + shown + ", expected " + expected)
+        except BaseException as e:
+            good = False
+            msgs.append(call + " raised " + _type(e).__name__ + ": " + short(e))
+        results.append(bool(good))
+    emit({"results": results, "messages": msgs[:64], "error": error})
+    _exit(0)
+_main()
+'''
+
+_CACHE: "OrderedDict[str, TestReport]" = OrderedDict()
+_CACHE_MAX = 4096
+_LOCK = threading.Lock()
+
+
+def clear_cache() -> None:
+    """Forget all cached reports."""
+    with _LOCK:
+        _CACHE.clear()
+
+
+def _copy(r: TestReport) -> TestReport:
+    return TestReport(r.status, r.passed, r.total, list(r.messages), r.error)
+
+
+def _parse(raw: bytes, nonce: str) -> tuple[bool, dict | None]:
+    """(runner started, last result dict or None) from the child's stdout bytes."""
+    started, result = False, None
+    for line in raw.decode("utf-8", "replace").split("\n"):
+        if not line.startswith(nonce):
+            continue
+        try:
+            obj = json.loads(line[len(nonce):])
+        except ValueError:
+            continue
+        if obj.get("stage") == "loaded":
+            started = True
+        elif "results" in obj:
+            result = obj
+    return started, result
+
+
+def _run(code: str, tests: Sequence[TestCase], lim: SandboxLimits) -> TestReport:
+    n = len(tests)
+    nonce = "@@" + secrets.token_hex(16) + "@@"
+    payload = json.dumps({"nonce": nonce, "code": code, "cap": lim.max_output_bytes,
+                          "tests": [[t.call, t.expected] for t in tests]}).encode()
+    limits = json.dumps([int(lim.cpu_s), int(lim.memory_mb) << 20,
+                         int(lim.max_output_bytes)])
+    with tempfile.TemporaryDirectory(prefix="sbx-") as work, \
+            tempfile.TemporaryFile() as out:
+        cwd = os.path.join(work, "cwd")
+        os.mkdir(cwd)
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-I", "-S", "-c", RUNNER, limits], stdin=subprocess.PIPE,
+                stdout=out, stderr=subprocess.DEVNULL, cwd=cwd, env={},
+                start_new_session=True, close_fds=True)
+        except OSError as e:
+            return TestReport("sandbox_error", 0, n, [], f"cannot spawn: {e}")
+        timed_out = False
+        try:
+            proc.communicate(payload, timeout=lim.wall_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        except (BrokenPipeError, OSError):
+            pass  # the child died before reading stdin; judged below
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            proc.wait()
+        out.seek(0)
+        raw = out.read(lim.max_output_bytes + 4096)
+    started, res = _parse(raw, nonce)
+    if not started:
+        return TestReport("sandbox_error", 0, n, [], "runner did not start"
+                          + (" within the wall limit" if timed_out else
+                             f" (exit code {proc.returncode})"))
+    if timed_out or proc.returncode == -signal.SIGXCPU:
+        return TestReport("timeout", 0, n, [f"timeout after {lim.wall_s:g} s"] * n,
+                          f"timeout after {lim.wall_s:g} s")
+    ok = (res is not None and proc.returncode == 0 and isinstance(res.get("results"), list)
+          and len(res["results"]) == n)
+    if not ok:
+        why = f"process exited with code {proc.returncode} before reporting"
+        return TestReport("crash", 0, n, [why] * n, why)
+    passed = sum(1 for r in res["results"] if r is True)
+    msgs = [str(m) for m in res.get("messages", [])][: n - passed]
+    err = res.get("error")
+    return TestReport("ok", passed, n, msgs, str(err) if err is not None else None)
+
+
+def run_tests(code: str, tests: Sequence[TestCase], limits: SandboxLimits = SandboxLimits(),
+              cache: bool = True) -> TestReport:
+    """Run ``tests`` against ``code`` in a fresh sandboxed interpreter.
+
+    Each test passes iff the call's result has a plain type (int, float, bool, str, None,
+    or list/tuple/dict of those) and its ``repr`` equals ``expected``. Never raises for bad
+    candidate code; a failure of the sandbox itself yields status ``'sandbox_error'``.
+    Results are cached (LRU, keyed by code, tests and limits) when ``cache`` is true;
+    sandbox errors are never cached. Typical cost: one interpreter start (~20-40 ms).
+    """
+    key = hashlib.sha256(json.dumps([code, [[t.call, t.expected] for t in tests],
+                                     list(vars(limits).values())]).encode()).hexdigest()
+    if cache:
+        with _LOCK:
+            hit = _CACHE.get(key)
+            if hit is not None:
+                _CACHE.move_to_end(key)
+                return _copy(hit)
+    report = _run(code, list(tests), limits)
+    if cache and report.status != "sandbox_error":
+        with _LOCK:
+            _CACHE[key] = _copy(report)
+            while len(_CACHE) > _CACHE_MAX:
+                _CACHE.popitem(last=False)
+    return report

@@ -1,0 +1,47 @@
+import pytest
+
+from consequence.records import (ModelCall, Trajectory, TrainingRow, read_trajectories,
+                                 trajectory_to_rows, write_trajectories)
+
+
+def _traj():
+    c1 = ModelCall([1, 2, 3], [10, 11, 99], [-0.1, -0.2, -0.3], "stop", observation_ids=[7, 8])
+    c2 = ModelCall([1, 2, 3, 10, 11, 99, 7, 8], [12, 99], [-0.4, -0.5], "stop", observation_ids=[5])
+    return Trajectory("p#0", "0/p#0", 0, 0, 0, calls=[c1, c2])
+
+
+def test_append_only_calls_merge_into_one_row_with_exact_mask():
+    rows = trajectory_to_rows(_traj())
+    assert len(rows) == 1
+    r = rows[0]
+    assert r.input_ids == [1, 2, 3, 10, 11, 99, 7, 8, 12, 99]  # last observation dropped
+    assert r.loss_mask == [0, 0, 0, 1, 1, 1, 0, 0, 1, 1]
+    assert r.old_logprobs == [0, 0, 0, -0.1, -0.2, -0.3, 0, 0, -0.4, -0.5]
+    assert len(r.loss_mask) == len(r.input_ids)
+
+
+def test_rewritten_context_starts_a_new_row():
+    t = _traj()
+    t.calls[1].context_ids = [1, 2, 42, 7, 8]  # the context builder rewrote history
+    rows = trajectory_to_rows(t)
+    assert [r.input_ids for r in rows] == [[1, 2, 3, 10, 11, 99], [1, 2, 42, 7, 8, 12, 99]]
+    assert rows[1].loss_mask == [0, 0, 0, 0, 0, 1, 1]
+
+
+def test_mismatched_lengths_are_rejected():
+    with pytest.raises(ValueError, match="log-prob"):
+        ModelCall([1], [2, 3], [-1.0], "stop")
+    with pytest.raises(ValueError, match="lengths differ"):
+        TrainingRow([1, 2], [0], [0.0, 0.0])
+
+
+def test_parquet_round_trip_is_exact(tmp_path):
+    t = _traj()
+    t.calls[0].tool_calls = [{"name": "replace_line", "arguments": {"line": 2, "code": "    x = 1"}}]
+    t.messages = [{"role": "user", "content": "hi"}]
+    t.reward, t.reward_components = 1.0, {"hidden_tests": 1.0}
+    path = tmp_path / "iter_0000.parquet"
+    write_trajectories(path, [t, t])
+    back = read_trajectories(path)
+    assert back[0] == t and len(back) == 2
+    assert not list(tmp_path.glob(".*tmp*"))  # nothing half-written left behind
