@@ -13,12 +13,10 @@ from consequence.config import TrainConfig
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="consequence: reinforcement learning of language-model agents.")
-console = Console()
+console = Console(soft_wrap=True)
 
 
 def _train(config: Optional[Path] = None, **options) -> None:
-    from consequence.train import train
-
     given = {k: v for k, v in options.items() if v is not None}
     try:
         cfg = TrainConfig.from_yaml(config, **given) if config else TrainConfig.checked(**given)
@@ -28,6 +26,8 @@ def _train(config: Optional[Path] = None, **options) -> None:
     if cfg.model and not Path(cfg.model).is_dir():
         console.print(f"[red]error:[/] --model {cfg.model}: no such directory (give a local Hugging Face checkpoint)")
         raise typer.Exit(2)
+    from consequence.train import train
+
     train(cfg, console)
 
 

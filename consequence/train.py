@@ -130,7 +130,8 @@ def iteration(it, cfg, model, renderer, split, budgets, sampling, ucfg, optimize
     for _ in range(cfg.epochs_per_batch):
         if rows:
             upd = ppo_step(model, optimizer, rows, row_adv, ucfg, renderer.tokenizer.pad_token_id,
-                           functools.partial(token_logprobs, with_entropy=True))
+                           functools.partial(token_logprobs, with_entropy=True,
+                                             top_k=cfg.top_k, top_p=cfg.top_p))
     t_update = time.perf_counter() - t1
     valid = [t for t in trajs if t.reward is not None]
     n_gen = sum(t.n_generated_tokens for t in trajs)

@@ -1,0 +1,42 @@
+import pytest
+from typer.testing import CliRunner
+
+from consequence.cli import app
+from consequence.config import TrainConfig
+
+
+def test_defaults_are_valid_and_yaml_overrides(tmp_path):
+    cfg = TrainConfig()
+    assert cfg.group_size == 8 and cfg.clip_eps == 0.2 and cfg.advantage == "grpo"
+    p = tmp_path / "c.yaml"
+    p.write_text("iterations: 3\ngroup_size: 4\n")
+    cfg = TrainConfig.from_yaml(p, group_size=6)
+    assert (cfg.iterations, cfg.group_size) == (3, 6)
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("iteratons: 3\n", "iteratons: unknown option"),
+    ("group_size: 1\n", "group_size: Input should be greater than or equal to 2"),
+    ("reduction: mean\n", "reduction: Input should be"),
+    ("- 1\n- 2\n", "must hold a mapping"),
+])
+def test_bad_config_is_reported_with_the_key(tmp_path, text, needle):
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    with pytest.raises(ValueError, match=needle.split(":")[0]) as e:
+        TrainConfig.from_yaml(p)
+    assert needle in str(e.value)
+
+
+def test_cli_help_lists_every_option_and_rejects_bad_input(tmp_path):
+    runner = CliRunner()
+    res = runner.invoke(app, ["train", "--help"], env={"COLUMNS": "200"})
+    assert res.exit_code == 0
+    for name in TrainConfig.model_fields:
+        assert "--" + name.replace("_", "-") in res.output
+    res = runner.invoke(app, ["train", "--group-size", "1", "--run-dir", str(tmp_path / "r")])
+    assert res.exit_code == 2 and "group_size" in res.output
+    res = runner.invoke(app, ["train", "--model", str(tmp_path / "nope"), "--run-dir", str(tmp_path / "r")])
+    assert res.exit_code == 2 and "no such directory" in res.output
+    res = runner.invoke(app, ["train", "--config", str(tmp_path / "missing.yaml")])
+    assert res.exit_code == 2 and "does not exist" in res.output
