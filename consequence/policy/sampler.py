@@ -14,6 +14,7 @@ Identical prompts (a GRPO group) are prefilled once and their cache rows copied.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Collection
 from dataclasses import dataclass
 
@@ -332,7 +333,9 @@ def _generate_hf(model, prompts, params, stop_ids, generator) -> list[Sample]:
     mask = valid.long()
     pos = (mask.cumsum(-1) - 1).clamp_min(0)
     out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
-    past = out.past_key_values
+    # transformers >= 5.2x names the KV cache ``cache``; older versions ``past_key_values``.
+    key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    past = getattr(out, key)
     logits = out.logits[:, -1]
     next_pos = pos[:, -1] + 1
     out_ids: list[list[int]] = [[] for _ in range(n)]
@@ -353,9 +356,9 @@ def _generate_hf(model, prompts, params, stop_ids, generator) -> list[Sample]:
         mask = torch.cat([mask, torch.ones(n, 1, dtype=mask.dtype, device=dev)], 1)
         out = model(
             input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos[:, None],
-            past_key_values=past, use_cache=True,
+            use_cache=True, **{key: past},
         )
-        past = out.past_key_values
+        past = getattr(out, key)
         logits = out.logits[:, -1]
         next_pos = next_pos + 1
     return [Sample(out_ids[i], out_lp[i], reason[i]) for i in range(n)]

@@ -10,6 +10,7 @@ observation ids (DESIGN.md §2).
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -20,6 +21,8 @@ from consequence.records import ModelCall, Trajectory
 # generate_fn(prompts, max_new_tokens, episode_indices) -> one sample per prompt with
 # .output_ids, .logprobs, .stop_reason. episode_indices say which spec each prompt belongs
 # to (a policy ignores them; a scripted teacher needs them).
+_POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tools")
+
 GenerateFn = Callable[[list[list[int]], int, list[int]], list[Any]]
 
 
@@ -75,8 +78,9 @@ def run_episodes(generate_fn: GenerateFn, renderer: Renderer, specs: Sequence[Ep
             break
         samples = generate_fn([e.context for e in active], budgets.max_new_tokens,
                               [e.index for e in active])
-        for e, s in zip(active, samples):
-            _advance(e, s, renderer, tool_specs, budgets)
+        # Tool execution runs sandboxed subprocesses: overlap them across episodes.
+        list(_POOL.map(lambda es: _advance(es[0], es[1], renderer, tool_specs, budgets),
+                       zip(active, samples)))
     for e in live:
         if not e.done:
             _end(e, "truncated", "max_turns")
