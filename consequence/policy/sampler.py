@@ -9,7 +9,13 @@ Log-probs are those of the distribution actually sampled from (``logprobs.proces
 temperature, then top-k, then top-p, renormalised); ``temperature == 0`` is greedy and its
 log-probs are under the unprocessed ``T = 1`` distribution.
 
-Identical prompts (a GRPO group) are prefilled once and their cache rows copied.
+Speed notes (2-core CPU, tiny model; see benchmarks/bench_generation.py):
+- identical prompts (a GRPO group) are prefilled once and their cache rows copied;
+- prefill runs in chunks of ~2048 tokens, and the last layer only finishes the last
+  position (every position's k/v is still cached);
+- decode attention is two matmuls over the static cache (no per-step concatenation);
+- finished rows are dropped from the batch and the cache once they are >= 1/8 of it
+  (until then they ride along and their outputs are ignored).
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ class Sample:
     stop_reason: str
 
 
+PREFILL_CHUNK_TOKENS = 2048
 _STATIC_ROPE = {"default", "linear", "llama3", "yarn"}
 
 
@@ -151,6 +158,7 @@ class _FastLlama:
         start: int,
         key_valid: torch.Tensor,
         all_logits: bool = False,
+        rows: slice = slice(None),
     ) -> torch.Tensor:
         """Run ``ids`` [B, L] at cache slots ``start .. start+L-1``.
 
@@ -160,6 +168,7 @@ class _FastLlama:
             start: first cache slot written.
             key_valid: [B, start+L] bool, which cache slots hold real tokens.
             all_logits: return [B, L, V] logits instead of the last position's [B, V].
+            rows: the cache rows these B sequences occupy (chunked prefill).
         """
         B, L = ids.shape
         end = start + L
@@ -180,20 +189,39 @@ class _FastLlama:
             mask = (causal[None] & key_valid[:, None, :end]) | (slots[None, None, :] == qs[None, :, None])
             mask = mask[:, None]
         gqa = nkv != nh
+        rep = nh // nkv
+        neg = ~mask if L == 1 else None
+        last = len(self.layers) - 1
         for li, (w1, wqkv, bqkv, wo, bo, w2, wgu, bgu, wd, bd) in enumerate(self.layers):
             h = self._rms(x, w1)
             qkv = F.linear(h, wqkv, bqkv)
             q, k, v = qkv.split([nh * D, nkv * D, nkv * D], -1)
             q = self._apply_rope(q.view(B, L, nh, D).transpose(1, 2), cos, sin)
             k = self._apply_rope(k.view(B, L, nkv, D).transpose(1, 2), cos, sin)
-            kc, vc = self.k_cache[li], self.v_cache[li]
+            kc, vc = self.k_cache[li][rows], self.v_cache[li][rows]
             kc[:, :, start:end] = k
             vc[:, :, start:end] = v.view(B, L, nkv, D).transpose(1, 2)
-            att = F.scaled_dot_product_attention(
-                q, kc[:, :, :end], vc[:, :, :end], attn_mask=mask, is_causal=causal_only, scale=self.scale,
-                enable_gqa=gqa,
-            )
-            x = x + F.linear(att.transpose(1, 2).reshape(B, L, nh * D), wo, bo)
+            if L == 1:
+                # Decode: plain matmuls over the cache view (faster than SDPA on strided
+                # views on CPU); GQA by grouping query heads per kv head.
+                sc = torch.matmul(q.reshape(B, nkv, rep, D), kc[:, :, :end].transpose(-1, -2))
+                sc = (sc * self.scale).masked_fill_(neg, float("-inf"))
+                att = torch.matmul(torch.softmax(sc, -1), vc[:, :, :end]).reshape(B, 1, nh * D)
+            elif li == last and not all_logits:
+                # Prefill, last layer: every position's k/v is cached above, but only the
+                # last position's output is needed from here on.
+                q = q[:, :, -1:]
+                m = None if mask is None else mask[:, :, -1:]
+                att = F.scaled_dot_product_attention(
+                    q, kc[:, :, :end], vc[:, :, :end], attn_mask=m, scale=self.scale, enable_gqa=gqa
+                ).transpose(1, 2).reshape(B, 1, nh * D)
+                x = x[:, -1:]
+            else:
+                att = F.scaled_dot_product_attention(
+                    q, kc[:, :, :end], vc[:, :, :end], attn_mask=mask, is_causal=causal_only,
+                    scale=self.scale, enable_gqa=gqa,
+                ).transpose(1, 2).reshape(B, L, nh * D)
+            x = x + F.linear(att, wo, bo)
             h = self._rms(x, w2)
             g, u = F.linear(h, wgu, bgu).chunk(2, -1)
             x = x + F.linear(F.silu(g) * u, wd, bd)
@@ -278,7 +306,14 @@ def _generate_fast(model, prompts, params, stop_ids, generator) -> list[Sample]:
     pos_u = (valid_u.long().cumsum(-1) - 1).clamp_min(0)
     key_valid_u = torch.zeros(U, total, dtype=torch.bool, device=dev)
     key_valid_u[:, :L] = valid_u
-    logits = fast.forward(ids_u, pos_u, 0, key_valid_u)
+    # Prefill in chunks of ~PREFILL_CHUNK_TOKENS tokens: same math, but the activations
+    # stay in cache (measured 1.5x faster than one [U, L] pass on a 2-core CPU).
+    step_rows = max(1, PREFILL_CHUNK_TOKENS // L)
+    chunks = []
+    for r0 in range(0, U, step_rows):
+        r = slice(r0, min(U, r0 + step_rows))
+        chunks.append(fast.forward(ids_u[r], pos_u[r], 0, key_valid_u[r], rows=r))
+    logits = torch.cat(chunks, 0)
     rows = torch.tensor(src, dtype=torch.long, device=dev)
     if U != n or src != list(range(n)):
         fast.select_rows(rows)
@@ -290,7 +325,7 @@ def _generate_fast(model, prompts, params, stop_ids, generator) -> list[Sample]:
     out_lp: list[list[float]] = [[] for _ in range(n)]
     reason = ["length"] * n
     active = list(range(n))  # batch row -> original index
-    done_in_batch = torch.zeros(n, dtype=torch.bool)
+    done_in_batch = [False] * n
     stop_t = torch.tensor(sorted(stop_ids), dtype=torch.long, device=dev) if stop_ids else None
     for step in range(params.max_new_tokens):
         tok, lp = _pick(logits, params, generator)
@@ -306,18 +341,18 @@ def _generate_fast(model, prompts, params, stop_ids, generator) -> list[Sample]:
                 done_in_batch[b] = True
         if step == params.max_new_tokens - 1:
             break
-        n_done = int(done_in_batch.sum())
+        n_done = sum(done_in_batch)
         if n_done == len(active):
             break
         if n_done and n_done * 8 >= len(active):  # drop finished rows from batch + cache
-            keep = (~done_in_batch).nonzero().squeeze(-1)
-            keep_d = keep.to(dev)
+            keep = [b for b, d in enumerate(done_in_batch) if not d]
+            keep_d = torch.tensor(keep, dtype=torch.long, device=dev)
             fast.select_rows(keep_d)
             key_valid = key_valid.index_select(0, keep_d)
             next_pos = next_pos.index_select(0, keep_d)
             tok = tok.index_select(0, keep_d)
-            active = [active[b] for b in keep.tolist()]
-            done_in_batch = torch.zeros(len(active), dtype=torch.bool)
+            active = [active[b] for b in keep]
+            done_in_batch = [False] * len(active)
         slot = L + step
         key_valid[:, slot] = True
         logits = fast.forward(tok[:, None], next_pos[:, None], slot, key_valid)

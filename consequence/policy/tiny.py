@@ -69,7 +69,7 @@ def build_tokenizer(corpus: Iterable[str], vocab_size: int = 768):
         bos_token=None,
         unk_token=None,
         model_max_length=1024,
-        padding_side="left",
+        padding_side="right",  # training rows are right-padded (token_logprobs)
         clean_up_tokenization_spaces=False,
     )
     hf.add_special_tokens({"additional_special_tokens": [IM_START]})
