@@ -53,12 +53,16 @@ app.command("train", help="Train the policy with GRPO on the code-repair task (d
 def warmstart(seed: int = typer.Option(0, help="Seed of the task split and the teacher."),
               demos: int = typer.Option(3000, help="Teacher demonstrations to generate."),
               epochs: float = typer.Option(3.0, help="SFT epochs."),
-              force: bool = typer.Option(False, help="Rebuild even if the cached checkpoint exists.")) -> None:
+              force: bool = typer.Option(False, help="Rebuild even if the cached checkpoint exists."),
+              bundle: bool = typer.Option(False, help="Write into the package's bundled checkpoint (maintainers).")) -> None:
     """Build (or show) the tiny warm-start checkpoint: scripted teacher demos, then SFT."""
-    from consequence.warmstart import WarmstartConfig, build_warmstart, ensure_warmstart, warmstart_path
+    from consequence.warmstart import BUNDLED, WarmstartConfig, build_warmstart, ensure_warmstart, warmstart_path
 
     cfg = WarmstartConfig(seed=seed, n_demos=demos, sft_epochs=epochs)
-    path = build_warmstart(cfg, warmstart_path(cfg), console.print) if force else ensure_warmstart(cfg, console.print)
+    if bundle or force:
+        path = build_warmstart(cfg, BUNDLED if bundle else warmstart_path(cfg), console.print)
+    else:
+        path = ensure_warmstart(cfg, console.print)
     console.print(f"warm-start checkpoint: {path}")
 
 

@@ -72,13 +72,31 @@ def warmstart_path(cfg: WarmstartConfig = WarmstartConfig()) -> Path:
     return cache_root() / "warmstart" / f"tiny-repair-{cfg.key()}"
 
 
+BUNDLED = Path(__file__).parent / "assets" / "tiny-repair"
+
+
 def ensure_warmstart(cfg: WarmstartConfig = WarmstartConfig(), log: Callable[[str], None] = print) -> Path:
-    """Return the warm-start checkpoint directory, building it first if it is missing."""
+    """Return the warm-start checkpoint directory, building it first if it is missing.
+
+    The package ships the checkpoint built with the default settings
+    (``consequence/assets/tiny-repair``, made by ``consequence warmstart --bundle``);
+    other settings are built on first use and cached.
+    """
+    if _built_with(BUNDLED, cfg):
+        return BUNDLED
     path = warmstart_path(cfg)
     if (path / "warmstart.json").exists():
         return path
     log(f"building the warm-start checkpoint (first use) into {path}")
     return build_warmstart(cfg, path, log)
+
+
+def _built_with(path: Path, cfg: WarmstartConfig) -> bool:
+    info = path / "warmstart.json"
+    if not info.exists():
+        return False
+    meta = json.loads(info.read_text())
+    return meta.get("config") == asdict(cfg) and meta.get("version") == WARMSTART_VERSION
 
 
 def teacher_conversations(cfg: WarmstartConfig, log: Callable[[str], None] = print) -> list[list[dict]]:
