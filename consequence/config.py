@@ -40,8 +40,8 @@ class TrainConfig(BaseModel):
     eval_every: int = Field(10, ge=0, description="Validate every this many iterations (0 = never).")
     val_episodes: int = Field(128, ge=0, description="Episodes (greedy) of each periodic validation.")
     final_eval_episodes: int = Field(400, ge=0, description="Episodes per split in the final warm-start vs RL comparison.")
-    warmstart_demos: int = Field(3000, ge=10, description="Teacher demonstrations for building the tiny warm start.")
-    warmstart_epochs: float = Field(3.0, gt=0, description="SFT epochs over the demonstrations when building the tiny warm start.")
+    warmstart_demos: int = Field(4000, ge=10, description="Teacher demonstrations for building the tiny warm start.")
+    warmstart_epochs: float = Field(4.0, gt=0, description="SFT epochs over the demonstrations when building the tiny warm start.")
 
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides) -> "TrainConfig":

@@ -78,6 +78,7 @@ def train(cfg: TrainConfig, console=None) -> dict[str, Any]:
             m = iteration(it, cfg, model, renderer, split, budgets, sampling, ucfg, optimizer, run)
             if cfg.eval_every and ((it + 1) % cfg.eval_every == 0 or it + 1 == cfg.iterations):
                 m["val_success"] = validate(model, renderer, split, budgets, cfg)["success"]
+                _save_checkpoint(model, tokenizer, run / "checkpoints" / f"iter_{it + 1:04d}")
             with metrics_path.open("a") as f:
                 f.write(json.dumps(m) + "\n")
             status = f"reward {m['reward_mean']:.2f}  mixed {m['mixed_group_fraction']:.2f}"

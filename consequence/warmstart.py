@@ -46,16 +46,17 @@ class WarmstartConfig:
     """Settings of the warm-start build (all of them go into the cache key)."""
 
     seed: int = 0
-    n_demos: int = 3000
+    n_demos: int = 4000
     vocab_size: int = 768
     hidden_size: int = 192
     num_layers: int = 4
     num_heads: int = 4
     intermediate_size: int = 512
-    sft_epochs: float = 3.0
+    sft_epochs: float = 4.0
     batch_size: int = 32
     learning_rate: float = 3e-3
     p_diagnose_first: float = 0.5
+    p_read_only: float = 0.3
     p_wrong_patch_first: float = 0.25
     p_verify_before_finish: float = 0.5
 
@@ -104,7 +105,8 @@ def teacher_conversations(cfg: WarmstartConfig, log: Callable[[str], None] = pri
     split = load_split(cfg.seed)
     tasks = make_tasks(split["train"], cfg.n_demos, seed=cfg.seed + 1)
     rng = random.Random(cfg.seed)
-    habits = TeacherHabits(cfg.p_diagnose_first, cfg.p_wrong_patch_first, cfg.p_verify_before_finish)
+    habits = TeacherHabits(cfg.p_diagnose_first, cfg.p_read_only, cfg.p_wrong_patch_first,
+                           cfg.p_verify_before_finish)
     plans = [plan_episode(t, rng, habits) for t in tasks]
     # Any tokenizer will do to drive the episodes: demonstrations are re-rendered below.
     boot = build_tokenizer([SYSTEM_PROMPT] + [t.buggy_code for t in tasks[:200]], vocab_size=300)
@@ -166,14 +168,13 @@ def sft(model, rows, pad_id: int, cfg: WarmstartConfig, log: Callable[[str], Non
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps))))
     g = torch.Generator().manual_seed(cfg.seed)
-    order = torch.randperm(len(rows), generator=g).tolist()
-    losses, cursor = [], 0
+    batches: list[list[int]] = []
+    losses = []
     model.train()
     for step in range(steps):
-        if cursor + cfg.batch_size > len(order):
-            order, cursor = torch.randperm(len(rows), generator=g).tolist(), 0
-        batch = pad_rows([rows[i] for i in order[cursor: cursor + cfg.batch_size]], pad_id)
-        cursor += cfg.batch_size
+        if not batches:
+            batches = _bucketed_batches([len(r.input_ids) for r in rows], cfg.batch_size, g)
+        batch = pad_rows([rows[i] for i in batches.pop()], pad_id)
         lp, _ = token_logprobs(model, batch["input_ids"], batch["attention_mask"])
         mask = batch["loss_mask"][:, 1:]
         loss = -(lp * mask).sum() / mask.sum()
@@ -187,3 +188,15 @@ def sft(model, rows, pad_id: int, cfg: WarmstartConfig, log: Callable[[str], Non
             log(f"SFT step {step + 1}/{steps}  loss {loss.item():.4f}")
     model.eval()
     return losses
+
+
+def _bucketed_batches(lengths: list[int], batch_size: int, g: torch.Generator) -> list[list[int]]:
+    """One epoch of batches of similar length (less padding), in random order."""
+    order = torch.randperm(len(lengths), generator=g).tolist()
+    batches = []
+    span = batch_size * 16
+    for start in range(0, len(order), span):
+        chunk = sorted(order[start: start + span], key=lambda i: lengths[i])
+        batches += [chunk[k: k + batch_size] for k in range(0, len(chunk), batch_size)]
+    perm = torch.randperm(len(batches), generator=g).tolist()
+    return [batches[i] for i in perm]

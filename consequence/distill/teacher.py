@@ -3,7 +3,8 @@
 The teacher knows the fix, but its demonstrations deliberately mix habits that pay off
 differently for a learner that does NOT know the fix:
 
-- diagnose first (``run_tests``, ``read_code``, then the patch) or patch at once on a guess;
+- diagnose first (``run_tests``, ``read_code``, then the patch), read the code only and
+  patch without running the tests, or patch at once on a guess (blind);
 - sometimes a plausible wrong patch first, then re-run the tests, read, and fix;
 - after the right patch, finish at once or re-run the tests first.
 
@@ -24,6 +25,7 @@ class TeacherHabits:
     """Probabilities of each habit in a demonstration."""
 
     p_diagnose_first: float = 0.5
+    p_read_only: float = 0.3
     p_wrong_patch_first: float = 0.25
     p_verify_before_finish: float = 0.5
 
@@ -36,11 +38,17 @@ def plan_episode(task: Any, rng: random.Random, habits: TeacherHabits = TeacherH
     so a demonstration passes the hidden tests unless the environment fails.
     """
     plan: list[tuple[str, dict]] = []
-    diagnosed = rng.random() < habits.p_diagnose_first
-    if diagnosed:
+    u = rng.random()
+    diagnosed = u < habits.p_diagnose_first + habits.p_read_only
+    if u < habits.p_diagnose_first:
         plan += [("run_tests", {}), ("read_code", {})]
-    if task.decoy_patches and rng.random() < habits.p_wrong_patch_first:
-        line, code = rng.choice(task.decoy_patches)
+    elif diagnosed:
+        plan += [("read_code", {})]
+    # A wrong patch on the line the fix replaces: the fix then overwrites it, so the
+    # demonstration still ends with the reference code.
+    decoys = [d for d in task.decoy_patches if d[0] == task.patch[0]]
+    if decoys and rng.random() < habits.p_wrong_patch_first:
+        line, code = rng.choice(decoys)
         plan += [("replace_line", {"line": line, "code": code}), ("run_tests", {})]
         if not diagnosed:
             plan.append(("read_code", {}))
