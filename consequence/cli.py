@@ -52,7 +52,7 @@ app.command("train", help="Train the policy with GRPO on the code-repair task (d
 @app.command("warmstart")
 def warmstart(seed: int = typer.Option(0, help="Seed of the task split and the teacher."),
               demos: int = typer.Option(4000, help="Teacher demonstrations to generate."),
-              epochs: float = typer.Option(4.0, help="SFT epochs."),
+              epochs: float = typer.Option(8.0, help="SFT epochs."),
               force: bool = typer.Option(False, help="Rebuild even if the cached checkpoint exists."),
               bundle: bool = typer.Option(False, help="Write into the package's bundled checkpoint (maintainers).")) -> None:
     """Build (or show) the tiny warm-start checkpoint: scripted teacher demos, then SFT."""

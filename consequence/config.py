@@ -40,8 +40,9 @@ class TrainConfig(BaseModel):
     eval_every: int = Field(10, ge=0, description="Validate every this many iterations (0 = never).")
     val_episodes: int = Field(128, ge=0, description="Episodes (greedy) of each periodic validation.")
     final_eval_episodes: int = Field(400, ge=0, description="Episodes per split in the final warm-start vs RL comparison.")
+    final_eval_decoding: list[Literal["greedy", "sampled"]] = Field(["greedy", "sampled"], description="Decodings of the final comparison (sampled uses the training temperature and the same seeds for both policies).")
     warmstart_demos: int = Field(4000, ge=10, description="Teacher demonstrations for building the tiny warm start.")
-    warmstart_epochs: float = Field(4.0, gt=0, description="SFT epochs over the demonstrations when building the tiny warm start.")
+    warmstart_epochs: float = Field(8.0, gt=0, description="SFT epochs over the demonstrations when building the tiny warm start.")
 
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides) -> "TrainConfig":

@@ -32,7 +32,7 @@ from consequence.evaluate.compare import ArmResult, paired_comparison, summarize
 from consequence.harness.renderer import Renderer
 from consequence.policy.logprobs import token_logprobs
 from consequence.policy.sampler import SamplingParams
-from consequence.policy.tiny import load_policy
+from consequence.policy.tiny import load_policy, save_policy
 from consequence.records import Trajectory, trajectory_to_rows, write_trajectories
 from consequence.reward.scoring import checked_reward
 from consequence.rollout.episodes import Budgets, EpisodeSpec, run_episodes
@@ -78,7 +78,7 @@ def train(cfg: TrainConfig, console=None) -> dict[str, Any]:
             m = iteration(it, cfg, model, renderer, split, budgets, sampling, ucfg, optimizer, run)
             if cfg.eval_every and ((it + 1) % cfg.eval_every == 0 or it + 1 == cfg.iterations):
                 m["val_success"] = validate(model, renderer, split, budgets, cfg)["success"]
-                _save_checkpoint(model, tokenizer, run / "checkpoints" / f"iter_{it + 1:04d}")
+                save_policy(model, tokenizer, run / "checkpoints" / f"iter_{it + 1:04d}")
             with metrics_path.open("a") as f:
                 f.write(json.dumps(m) + "\n")
             status = f"reward {m['reward_mean']:.2f}  mixed {m['mixed_group_fraction']:.2f}"
@@ -86,7 +86,7 @@ def train(cfg: TrainConfig, console=None) -> dict[str, Any]:
                 status += f"  val {m['val_success']:.2f}"
             bar.update(job, advance=1, status=status)
 
-    _save_checkpoint(model, tokenizer, run / "checkpoints" / "final")
+    save_policy(model, tokenizer, run / "checkpoints" / "final")
     report = final_report(cfg, reference, model, renderer, split, budgets, console)
     report["train_seconds"] = time.perf_counter() - t_start
     _write_atomic(run / "report.json", json.dumps(report, indent=2))
@@ -167,7 +167,7 @@ def score_trajectories(trajs: list[Trajectory]) -> None:
 
 
 def run_eval(model, renderer, tasks, budgets, seed: int, greedy: bool = True, policy_version: int = 0):
-    """Episodes of ``model`` on ``tasks`` (one each), greedy by default."""
+    """Episodes of ``model`` on ``tasks`` (one each): greedy, or sampled at temperature 1."""
     params = SamplingParams(temperature=0.0 if greedy else 1.0, max_new_tokens=budgets.max_new_tokens)
     specs = [EpisodeSpec(RepairEnv(t), t.task_id, t.task_id, 0, _seed(seed, i)) for i, t in enumerate(tasks)]
     gen = policy_generate_fn(model, params, renderer.stop_ids, seed)
@@ -178,25 +178,32 @@ def run_eval(model, renderer, tasks, budgets, seed: int, greedy: bool = True, po
 
 def validate(model, renderer, split, budgets, cfg) -> dict[str, float]:
     tasks = make_tasks(split["validation"], cfg.val_episodes, seed=_seed(cfg.seed, "val"))
-    return summarize(run_eval(model, renderer, tasks, budgets, cfg.seed))
+    return summarize(run_eval(model, renderer, tasks, budgets, cfg.seed, greedy=True))
 
 
 def final_report(cfg, reference, model, renderer, split, budgets, console) -> dict[str, Any]:
-    """Warm start vs RL checkpoint on the same episodes: (a) test split, (b) train problems."""
+    """Warm start vs RL checkpoint on the same episodes: (a) test split, (b) train problems.
+
+    Each split is evaluated with every decoding in ``cfg.final_eval_decoding``; sampled
+    episodes use the same seeds for both policies.
+    """
     n = cfg.final_eval_episodes
     sets = {
         "test (unseen problems)": make_tasks(split["test"], n, seed=_seed(cfg.seed, "test")),
         "train problems, new instances (in-distribution)": make_tasks(split["train"], n, seed=_seed(cfg.seed, "fresh")),
     }
-    out: dict[str, Any] = {"episodes_per_split": n, "decoding": "greedy", "budgets": vars(budgets), "splits": {}}
-    for name, tasks in sets.items():
-        if not tasks:
-            continue
-        console.print(f"final evaluation: {name}, {len(tasks)} episodes per policy")
-        a = ArmResult("warm start", run_eval(reference, renderer, tasks, budgets, cfg.seed))
-        b = ArmResult("RL", run_eval(model, renderer, tasks, budgets, cfg.seed))
-        out["splits"][name] = {"comparison": paired_comparison(a, b, seed=cfg.seed),
-                               "warm_start": summarize(a.trajectories), "rl": summarize(b.trajectories)}
+    out: dict[str, Any] = {"episodes_per_split": n, "budgets": vars(budgets), "results": []}
+    for decoding in cfg.final_eval_decoding:
+        for name, tasks in sets.items():
+            if not tasks:
+                continue
+            console.print(f"final evaluation: {name}, {decoding}, {len(tasks)} episodes per policy")
+            greedy = decoding == "greedy"
+            a = ArmResult("warm start", run_eval(reference, renderer, tasks, budgets, cfg.seed, greedy))
+            b = ArmResult("RL", run_eval(model, renderer, tasks, budgets, cfg.seed, greedy))
+            out["results"].append({"split": name, "decoding": decoding,
+                                   "comparison": paired_comparison(a, b, seed=cfg.seed),
+                                   "warm_start": summarize(a.trajectories), "rl": summarize(b.trajectories)})
     return out
 
 
@@ -222,17 +229,4 @@ def _resolve_model(cfg: TrainConfig, console) -> Path:
 def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text)
-    tmp.replace(path)
-
-
-def _save_checkpoint(model, tokenizer, path: Path) -> None:
-    import shutil
-    import tempfile
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".tmp-"))
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    if path.exists():
-        shutil.rmtree(path)
     tmp.replace(path)

@@ -19,8 +19,6 @@ import json
 import math
 import os
 import random
-import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -32,7 +30,7 @@ from consequence.distill.teacher import ScriptedTeacher, TeacherHabits, plan_epi
 from consequence.envs.repair_env import SYSTEM_PROMPT, TOOLS, RepairEnv
 from consequence.harness.renderer import Renderer, replay_conversation
 from consequence.policy.logprobs import token_logprobs
-from consequence.policy.tiny import build_model, build_tokenizer
+from consequence.policy.tiny import build_model, build_tokenizer, save_policy
 from consequence.records import ModelCall, Trajectory, trajectory_to_rows
 from consequence.rollout.episodes import Budgets, EpisodeSpec, run_episodes
 from consequence.tasks.repair import load_split, make_tasks
@@ -52,7 +50,7 @@ class WarmstartConfig:
     num_layers: int = 4
     num_heads: int = 4
     intermediate_size: int = 512
-    sft_epochs: float = 4.0
+    sft_epochs: float = 8.0
     batch_size: int = 32
     learning_rate: float = 3e-3
     p_diagnose_first: float = 0.5
@@ -148,14 +146,7 @@ def build_warmstart(cfg: WarmstartConfig, path: Path, log: Callable[[str], None]
     info = {"config": asdict(cfg), "n_demos": len(convs), "n_rows": len(rows), "n_tokens": n_tokens,
             "final_loss": losses[-1] if losses else None, "seconds": time.perf_counter() - t0,
             "version": WARMSTART_VERSION}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".tmp-"))
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    (tmp / "warmstart.json").write_text(json.dumps(info, indent=2))
-    if path.exists():
-        shutil.rmtree(path)
-    os.replace(tmp, path)
+    save_policy(model, tokenizer, path, {"warmstart.json": json.dumps(info, indent=2)})
     log(f"warm start saved to {path} in {info['seconds']:.0f} s (final SFT loss {info['final_loss']:.3f})")
     return path
 

@@ -40,3 +40,14 @@ def test_bucketed_batches_cover_each_row_once_per_epoch_with_similar_lengths():
     assert flat == list(range(1000))
     spread = sum(max(lengths[i] for i in b) - min(lengths[i] for i in b) for b in batches) / len(batches)
     assert spread < 100  # random batches would spread ~420 tokens
+
+
+def test_bundled_checkpoint_is_the_default_warm_start():
+    # `consequence train` with defaults must use the shipped checkpoint, never rebuild it.
+    from consequence.config import TrainConfig
+    from consequence.warmstart import BUNDLED, WarmstartConfig, _built_with
+
+    d = TrainConfig()
+    cfg = WarmstartConfig(seed=d.seed, n_demos=d.warmstart_demos, sft_epochs=d.warmstart_epochs)
+    assert cfg == WarmstartConfig()
+    assert _built_with(BUNDLED, cfg), "rebuild the bundle: consequence warmstart --bundle"

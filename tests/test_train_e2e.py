@@ -32,7 +32,7 @@ def run_dir(tmp_path_factory):
     mp.setattr(train_module, "score_trajectories", score_with_signal)
 
     run = tmp_path_factory.mktemp("run")
-    cfg = TrainConfig(run_dir=str(run), iterations=2, tasks_per_iteration=2, group_size=4, eval_every=1,
+    cfg = TrainConfig(run_dir=str(run), model=str(BUNDLED), iterations=2, tasks_per_iteration=2, group_size=4, eval_every=1,
                       val_episodes=4, final_eval_episodes=6, learning_rate=1e-3)
     try:
         train(cfg, Console(quiet=True))
@@ -49,8 +49,10 @@ def test_run_writes_every_artifact(run_dir):
     assert [m["iteration"] for m in metrics] == [0, 1]
     assert all(0.0 <= m["reward_mean"] <= 1.0 and "val_success" in m for m in metrics)
     report = json.loads((run_dir / "report.json").read_text())
-    for s in report["splits"].values():
-        c = s["comparison"]
+    assert {(r["split"][:4], r["decoding"]) for r in report["results"]} == {
+        ("test", "greedy"), ("test", "sampled"), ("trai", "greedy"), ("trai", "sampled")}
+    for r in report["results"]:
+        c = r["comparison"]
         assert c["low"] <= c["diff"] <= c["high"] and c["episodes"] == 6
 
 

@@ -146,3 +146,27 @@ def load_policy(path):
     model = AutoModelForCausalLM.from_pretrained(str(p), dtype=torch.float32)
     model.eval()
     return model, tokenizer
+
+
+def save_policy(model, tokenizer, path, extra_files: dict[str, str] | None = None) -> Path:
+    """Save ``model`` and ``tokenizer`` with ``save_pretrained`` atomically.
+
+    Everything is written into a temporary sibling folder, then renamed over ``path``, so
+    a crash never leaves a half-written checkpoint. ``extra_files`` maps file names to
+    text written beside the weights (e.g. build metadata).
+    """
+    import os
+    import shutil
+    import tempfile
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-"))
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    for name, text in (extra_files or {}).items():
+        (tmp / name).write_text(text)
+    if path.exists():
+        shutil.rmtree(path)
+    os.replace(tmp, path)
+    return path

@@ -48,15 +48,15 @@ def plot_metrics(metrics_jsonl: Path, out_png: Path) -> None:
 def write_markdown_report(report: dict[str, Any], out_md: Path) -> None:
     """The final comparison as a Markdown table (atomically)."""
     lines = ["# Final report: warm start vs RL checkpoint", "",
-             f"Same episodes for both policies; {report['episodes_per_split']} episodes per split, "
-             f"{report['decoding']} decoding; budgets {report['budgets']}.",
+             f"Same episodes for both policies; {report['episodes_per_split']} episodes per split; "
+             f"budgets {report['budgets']}.",
              "Difference = RL − warm start, with a 95 % paired bootstrap CI over problems "
              "(episodes of one problem resampled together). Environment errors excluded from both arms.", "",
-             "| split | warm start | RL | difference | 95 % CI | problems | env errors |",
-             "|---|---|---|---|---|---|---|"]
-    for name, s in report["splits"].items():
-        c = s["comparison"]
-        lines.append(f"| {name} | {100 * c['a_mean']:.1f} % | {100 * c['b_mean']:.1f} % | "
+             "| split | decoding | warm start | RL | difference | 95 % CI | problems | env errors |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in report["results"]:
+        c = r["comparison"]
+        lines.append(f"| {r['split']} | {r['decoding']} | {100 * c['a_mean']:.1f} % | {100 * c['b_mean']:.1f} % | "
                      f"{100 * c['diff']:+.1f} pts | [{100 * c['low']:+.1f}, {100 * c['high']:+.1f}] | "
                      f"{c['n_groups']} | {c['env_errors_excluded']} |")
     if "train_seconds" in report:
