@@ -101,7 +101,7 @@ def token_logprobs(
         A target outside the top-k / top-p support gets ``-inf`` (it could not have been
         sampled); padded targets (``attention_mask[:, j+1] == 0``) get 0. Select loss
         positions with ``torch.where(mask, lp, 0)``, never ``lp * mask`` (-inf * 0 = nan).
-        entropy [N, S-1] float32 (0 at padded targets) or ``None``.
+        entropy [N, S-1] float32 (0 at padded targets), detached (a diagnostic), or ``None``.
     """
     out = model(input_ids=input_ids, attention_mask=attention_mask)
     logits = out.logits[:, :-1]
@@ -115,9 +115,10 @@ def token_logprobs(
     valid = attention_mask[:, 1:].bool()
     lp = torch.where(valid, lp, torch.zeros_like(lp))
     ent = None
-    if with_entropy:
-        finite = torch.isfinite(logp_V)
-        safe = torch.where(finite, logp_V, torch.zeros_like(logp_V))
-        ent = -(safe.exp() * safe).sum(-1)
-        ent = torch.where(valid, ent, torch.zeros_like(ent))
+    if with_entropy:  # a diagnostic: computed without autograd, so it costs no backward
+        with torch.no_grad():
+            finite = torch.isfinite(logp_V)
+            safe = torch.where(finite, logp_V, torch.zeros_like(logp_V))
+            ent = -(safe.exp() * safe).sum(-1)
+            ent = torch.where(valid, ent, torch.zeros_like(ent))
     return lp, ent
