@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import inspect
+import typing
 from pathlib import Path
 from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from consequence.config import TrainConfig
+
+def _quiet_libraries() -> None:
+    """Our progress bar is the one to read: silence transformers' load/save bars."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="consequence: reinforcement learning of language-model agents.")
@@ -20,15 +29,40 @@ def _train(config: Optional[Path] = None, **options) -> None:
     given = {k: v for k, v in options.items() if v is not None}
     try:
         cfg = TrainConfig.from_yaml(config, **given) if config else TrainConfig.checked(**given)
+        _check_model_dir(cfg.model)
+        _check_run_dir(Path(cfg.run_dir))
     except ValueError as e:
-        console.print(f"[red]error:[/] {e}")
-        raise typer.Exit(2)
-    if cfg.model and not Path(cfg.model).is_dir():
-        console.print(f"[red]error:[/] --model {cfg.model}: no such directory (give a local Hugging Face checkpoint)")
+        console.print(f"[red]error:[/] {escape(str(e))}")
         raise typer.Exit(2)
     from consequence.train import train
 
+    _quiet_libraries()
     train(cfg, console)
+
+
+def _check_model_dir(model: str | None) -> None:
+    """A local checkpoint needs its config and tokenizer files (checked before any work)."""
+    if model is None:
+        return
+    p = Path(model)
+    if not p.is_dir():
+        raise ValueError(f"--model {p}: no such directory (give a local Hugging Face checkpoint folder)")
+    missing = [n for n in ("config.json",) if not (p / n).is_file()]
+    if not any((p / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json")):
+        missing.append("tokenizer.json or tokenizer_config.json")
+    if missing:
+        raise ValueError(f"--model {p}: not a Hugging Face checkpoint, missing {', '.join(missing)} "
+                         "(save both the model and its tokenizer with save_pretrained)")
+
+
+def _check_run_dir(run: Path) -> None:
+    try:
+        run.mkdir(parents=True, exist_ok=True)
+        probe = run / ".write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise ValueError(f"--run-dir {run}: cannot write there ({e.strerror or e})") from None
 
 
 def _train_signature() -> inspect.Signature:
@@ -36,13 +70,26 @@ def _train_signature() -> inspect.Signature:
     params = [inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[Path],
                                 default=typer.Option(None, "--config", help="YAML file with the same options; command-line options override it."))]
     for name, field in TrainConfig.model_fields.items():
-        ann = field.annotation if field.annotation in (int, float) else str
+        ann, choices = _option_type(field.annotation)
         default_text = "bundled tiny warm start" if field.default is None else str(field.default)
+        help_text = field.description + (f" One of: {', '.join(choices)}." if choices else "")
         params.append(inspect.Parameter(
             name, inspect.Parameter.KEYWORD_ONLY, annotation=Optional[ann],
-            default=typer.Option(None, "--" + name.replace("_", "-"), help=f"{field.description} [default: {default_text}]",
-                                 show_default=False)))
+            default=typer.Option(None, "--" + name.replace("_", "-"),
+                                 help=f"{escape(help_text)} \\[default: {escape(default_text)}]", show_default=False)))
     return inspect.Signature(params)
+
+
+def _option_type(annotation) -> tuple[type, list[str]]:
+    """CLI type of a config field, and its allowed values when it is a Literal."""
+    if annotation in (int, float):
+        return annotation, []
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) is list:
+        return list[str], list(typing.get_args(args[0]))
+    if typing.get_origin(annotation) is typing.Literal:
+        return str, list(args)
+    return str, []
 
 
 _train.__signature__ = _train_signature()
@@ -50,14 +97,19 @@ app.command("train", help="Train the policy with GRPO on the code-repair task (d
 
 
 @app.command("warmstart")
-def warmstart(seed: int = typer.Option(0, help="Seed of the task split and the teacher."),
-              demos: int = typer.Option(4000, help="Teacher demonstrations to generate."),
-              epochs: float = typer.Option(8.0, help="SFT epochs."),
+def warmstart(seed: int = typer.Option(0, help="Seed of the problem split (train split) and the teacher."),
+              demos: int = typer.Option(4000, min=10, help="Teacher demonstrations to generate."),
+              epochs: float = typer.Option(8.0, min=0.01, help="SFT epochs."),
               force: bool = typer.Option(False, help="Rebuild even if the cached checkpoint exists."),
               bundle: bool = typer.Option(False, help="Write into the package's bundled checkpoint (maintainers).")) -> None:
-    """Build (or show) the tiny warm-start checkpoint: scripted teacher demos, then SFT."""
+    """Build (or show) the tiny warm-start checkpoint: scripted teacher demos, then SFT.
+
+    Settings other than the defaults are built once (about 30 min on 2 cores) and cached
+    in $CONSEQUENCE_CACHE (default ~/.cache/consequence).
+    """
     from consequence.warmstart import BUNDLED, WarmstartConfig, build_warmstart, ensure_warmstart, warmstart_path
 
+    _quiet_libraries()
     cfg = WarmstartConfig(seed=seed, n_demos=demos, sft_epochs=epochs)
     if bundle or force:
         path = build_warmstart(cfg, BUNDLED if bundle else warmstart_path(cfg), console.print)

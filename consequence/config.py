@@ -17,11 +17,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 class TrainConfig(BaseModel):
     """Settings of one training run (GRPO, synchronous, on the code-repair task)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     run_dir: str = Field("runs/repair-grpo", description="Directory for checkpoints, trajectories, metrics, plots and the report.")
     model: str | None = Field(None, description="Path of a local Hugging Face causal LM with a chat template; default: the bundled tiny warm-start checkpoint (built on first use, then cached).")
-    seed: int = Field(0, description="Seed of the task split, sampling and initialisation.")
+    seed: int = Field(0, description="Seed of RL sampling and task order (vary it for several training seeds); does not change the split or the warm start.")
+    split_seed: int = Field(0, description="Seed of the train/validation/test problem split; the tiny warm start is built on its train split, so another value rebuilds the warm start (about 30 min on 2 cores).")
     iterations: int = Field(18, ge=1, description="Number of RL iterations (collect a batch, then update).")
     tasks_per_iteration: int = Field(16, ge=1, description="B: train tasks sampled per iteration.")
     group_size: int = Field(8, ge=2, description="G: rollouts per task; advantages are computed within each group.")
@@ -53,8 +54,11 @@ class TrainConfig(BaseModel):
         """
         p = Path(path)
         if not p.is_file():
-            raise ValueError(f"config file {p} does not exist")
-        data = yaml.safe_load(p.read_text()) or {}
+            raise ValueError(f"config file {p} " + ("is a directory" if p.is_dir() else "does not exist"))
+        try:
+            data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+        except (yaml.YAMLError, UnicodeDecodeError) as e:
+            raise ValueError(f"config file {p} is not valid YAML: {e}") from None
         if not isinstance(data, dict):
             raise ValueError(f"config file {p} must hold a mapping of option: value")
         return cls.checked(**{**data, **overrides})
@@ -68,6 +72,7 @@ class TrainConfig(BaseModel):
             lines = []
             for err in e.errors():
                 key = ".".join(str(x) for x in err["loc"])
+                key = f"{key} (--{key.replace('_', '-')})"
                 hint = "unknown option; see `consequence train --help`" if err["type"] == "extra_forbidden" else err["msg"]
                 lines.append(f"  {key}: {hint} (got {err.get('input')!r})")
             raise ValueError("invalid training config:\n" + "\n".join(lines)) from None

@@ -56,7 +56,7 @@ def train(cfg: TrainConfig, console=None) -> dict[str, Any]:
     model, tokenizer = load_policy(model_path)
     reference = copy.deepcopy(model).eval()  # the warm start, kept for the final paired comparison
     renderer = Renderer(tokenizer, TOOLS)
-    split = load_split(cfg.seed)
+    split = load_split(cfg.split_seed)
     _write_atomic(run / "split.json", json.dumps({k: [p.problem_id for p in v] for k, v in split.items()}))
     budgets = Budgets(cfg.max_turns, cfg.max_new_tokens, cfg.max_total_tokens)
     sampling = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p, cfg.max_new_tokens)
@@ -222,7 +222,7 @@ def _resolve_model(cfg: TrainConfig, console) -> Path:
         return Path(cfg.model)
     from consequence.warmstart import WarmstartConfig, ensure_warmstart
 
-    ws = WarmstartConfig(seed=cfg.seed, n_demos=cfg.warmstart_demos, sft_epochs=cfg.warmstart_epochs)
+    ws = WarmstartConfig(seed=cfg.split_seed, n_demos=cfg.warmstart_demos, sft_epochs=cfg.warmstart_epochs)
     return ensure_warmstart(ws, log=console.print)
 
 

@@ -48,6 +48,6 @@ def test_bundled_checkpoint_is_the_default_warm_start():
     from consequence.warmstart import BUNDLED, WarmstartConfig, _built_with
 
     d = TrainConfig()
-    cfg = WarmstartConfig(seed=d.seed, n_demos=d.warmstart_demos, sft_epochs=d.warmstart_epochs)
+    cfg = WarmstartConfig(seed=d.split_seed, n_demos=d.warmstart_demos, sft_epochs=d.warmstart_epochs)
     assert cfg == WarmstartConfig()
     assert _built_with(BUNDLED, cfg), "rebuild the bundle: consequence warmstart --bundle"

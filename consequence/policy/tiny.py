@@ -166,6 +166,9 @@ def save_policy(model, tokenizer, path, extra_files: dict[str, str] | None = Non
     tokenizer.save_pretrained(tmp)
     for name, text in (extra_files or {}).items():
         (tmp / name).write_text(text)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it owner-only; a checkpoint is shared
     if path.exists():
         shutil.rmtree(path)
     os.replace(tmp, path)
