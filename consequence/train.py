@@ -28,6 +28,7 @@ import yaml
 from consequence.config import TrainConfig
 from consequence.credit.advantages import group_advantages, mixed_group_fraction
 from consequence.envs.repair_env import SYSTEM_PROMPT, TOOLS, RepairEnv
+from consequence.envs.sandbox import isolation_report
 from consequence.evaluate.compare import ArmResult, paired_comparison, summarize
 from consequence.harness.renderer import Renderer
 from consequence.policy.logprobs import token_logprobs
@@ -89,6 +90,7 @@ def train(cfg: TrainConfig, console=None) -> dict[str, Any]:
     save_policy(model, tokenizer, run / "checkpoints" / "final")
     report = final_report(cfg, reference, model, renderer, split, budgets, console)
     report["train_seconds"] = time.perf_counter() - t_start
+    report["sandbox_isolation"] = isolation_report()
     _write_atomic(run / "report.json", json.dumps(report, indent=2))
     from consequence.report.plots import plot_metrics, write_markdown_report
 

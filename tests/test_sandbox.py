@@ -3,6 +3,8 @@
 import os
 import time
 
+import pytest
+
 from consequence.envs.sandbox import SandboxLimits, TestReport, clear_cache, run_tests
 from consequence.tasks.repair import TestCase
 
@@ -97,3 +99,26 @@ def test_printing_is_captured_and_capped():
 def test_report_all_passed_needs_ok_status():
     assert not TestReport("timeout", 3, 3).all_passed
     assert not TestReport("ok", 0, 0).all_passed
+
+
+def test_candidate_cannot_open_a_network_connection():
+    from consequence.envs.sandbox import isolation_report, network_isolation
+
+    if not network_isolation():
+        pytest.skip("no network namespace on this host: " + isolation_report()["network"])
+    code = (
+        "import errno, socket\n"
+        "def f():\n"
+        "    try:\n"
+        "        socket.create_connection(('127.0.0.1', 9), timeout=1)\n"
+        "        return 'connected'\n"
+        "    except OSError as e:\n"
+        "        return errno.errorcode.get(e.errno, str(e.errno))\n"
+    )
+    from consequence.envs.sandbox import run_tests as sandbox_run
+    from consequence.tasks.repair import TestCase as TC
+
+    # on the host this would be ECONNREFUSED; in an empty namespace even loopback is down
+    rep = sandbox_run(code, [TC("f()", "'ENETUNREACH'")], cache=False)
+    assert rep.status == "ok" and rep.passed == 1, rep
+    assert "network namespace" in isolation_report()["network"]

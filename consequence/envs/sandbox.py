@@ -10,6 +10,7 @@ decides pass/fail from that plain data. Candidate prints go to a capped buffer.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -172,7 +173,7 @@ def _run(code: str, tests: Sequence[TestCase], lim: SandboxLimits) -> TestReport
         os.mkdir(cwd)
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-I", "-S", "-c", RUNNER, limits], stdin=subprocess.PIPE,
+                [*network_isolation(), sys.executable, "-I", "-S", "-c", RUNNER, limits], stdin=subprocess.PIPE,
                 stdout=out, stderr=subprocess.DEVNULL, cwd=cwd, env={},
                 start_new_session=True, close_fds=True)
         except OSError as e:
@@ -236,3 +237,37 @@ def run_tests(code: str, tests: Sequence[TestCase], limits: SandboxLimits = Sand
             while len(_CACHE) > _CACHE_MAX:
                 _CACHE.popitem(last=False)
     return report
+
+
+@functools.lru_cache(maxsize=1)
+def network_isolation() -> tuple[str, ...]:
+    """Command prefix that gives the child an empty network namespace, if this host allows it.
+
+    Probed once at start-up: ``unshare --net`` (root), else ``unshare --user
+    --map-root-user --net`` (unprivileged user namespaces). An empty tuple means no
+    network isolation is active here; ``isolation_report()`` says which layer is in force.
+    """
+    import shutil
+
+    exe = shutil.which("unshare")
+    if exe is None:
+        return ()
+    for flags in (("--net",), ("--user", "--map-root-user", "--net")):
+        try:
+            ok = subprocess.run([exe, *flags, sys.executable, "-I", "-S", "-c", "pass"],
+                                capture_output=True, timeout=10).returncode == 0
+        except (OSError, subprocess.TimeoutExpired):
+            ok = False
+        if ok:
+            return (exe, *flags)
+    return ()
+
+
+def isolation_report() -> dict[str, str]:
+    """Which isolation layers are active for model-written code on this host."""
+    net = network_isolation()
+    return {"process": "fresh interpreter (-I -S), own session, killed as a group on timeout",
+            "limits": "RLIMIT_CPU, RLIMIT_AS, RLIMIT_FSIZE, RLIMIT_NOFILE, RLIMIT_NPROC, RLIMIT_CORE",
+            "filesystem": "empty temporary working directory, empty environment",
+            "network": " ".join(net[1:]) + " (empty network namespace)" if net else "none (unshare unavailable)"}
+
