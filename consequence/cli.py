@@ -93,6 +93,20 @@ def _option_type(annotation) -> tuple[type, list[str]]:
 
 
 _train.__signature__ = _train_signature()
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        console.print(f"consequence {version('consequence')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(show_version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                           help="Print the version and exit.")) -> None:
+    """consequence: reinforcement learning of language-model agents."""
 app.command("train", help="Train the policy with GRPO on the code-repair task (defaults run end to end on CPU).")(_train)
 
 

@@ -44,6 +44,8 @@ class ModelCall:
     observation_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        if self.stop_reason not in ("stop", "length"):
+            raise ValueError(f"ModelCall: stop_reason must be 'stop' or 'length', got {self.stop_reason!r}")
         if len(self.output_ids) != len(self.sample_logprobs):
             raise ValueError(
                 f"ModelCall: {len(self.output_ids)} output ids but {len(self.sample_logprobs)} "

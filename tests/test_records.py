@@ -45,3 +45,8 @@ def test_parquet_round_trip_is_exact(tmp_path):
     back = read_trajectories(path)
     assert back[0] == t and len(back) == 2
     assert not list(tmp_path.glob(".*tmp*"))  # nothing half-written left behind
+
+
+def test_unknown_stop_reason_is_rejected():
+    with pytest.raises(ValueError, match="stop_reason"):
+        ModelCall([1], [2], [-1.0], "stopp")
