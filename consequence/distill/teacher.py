@@ -19,6 +19,8 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
+from consequence.policy.sampler import Sample
+
 
 @dataclass(frozen=True)
 class TeacherHabits:
@@ -60,13 +62,6 @@ def plan_episode(task: Any, rng: random.Random, habits: TeacherHabits = TeacherH
     return plan
 
 
-@dataclass
-class _Sample:
-    output_ids: list[int]
-    logprobs: list[float]
-    stop_reason: str = "stop"
-
-
 class ScriptedTeacher:
     """A ``generate_fn`` for :func:`consequence.rollout.episodes.run_episodes`.
 
@@ -80,11 +75,11 @@ class ScriptedTeacher:
         self.step = [0] * len(plans)
 
     def __call__(self, prompts: list[list[int]], max_new_tokens: int,
-                 episode_indices: list[int]) -> list[_Sample]:
+                 episode_indices: list[int]) -> list[Sample]:
         out = []
         for i in episode_indices:
             name, args = self.plans[i][min(self.step[i], len(self.plans[i]) - 1)]
             self.step[i] += 1
             ids = self.renderer.encode(self.renderer.format_call(name, args)) + [self.renderer.eot_id]
-            out.append(_Sample(ids, [0.0] * len(ids)))
+            out.append(Sample(ids, [0.0] * len(ids), "stop"))
         return out
