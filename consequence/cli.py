@@ -132,5 +132,28 @@ def warmstart(seed: int = typer.Option(0, help="Seed of the problem split (train
     console.print(f"warm-start checkpoint: {path}")
 
 
+@app.command("lab")
+def lab(name: str = typer.Argument(..., help="Lab to run (see docs/labs.md)."),
+        out: Path = typer.Option(Path("runs/labs"), help="Folder for the lab's PNG."),
+        seed: int = typer.Option(0, help="Random seed of the lab.")) -> None:
+    """Run one lab: print its numbers and write its figure (docs/labs.md)."""
+    from rich.table import Table
+
+    from consequence.labs import LABS
+
+    if name not in LABS:
+        console.print(f"[red]error:[/] unknown lab {escape(name)!r}; labs: {', '.join(LABS)}")
+        raise typer.Exit(2)
+    result = dict(LABS[name](out, seed=seed))
+    png = result.pop("png")
+    table = Table(title=f"lab {name} (seed {seed})")
+    table.add_column("quantity")
+    table.add_column("value", justify="right")
+    for key, value in result.items():
+        table.add_row(escape(key), f"{value:.4f}" if isinstance(value, float) else escape(str(value)))
+    console.print(table)
+    console.print(f"figure: {png}")
+
+
 if __name__ == "__main__":
     app()

@@ -1,0 +1,21 @@
+"""Labs: small experiments that plot one idea each, computed with the project's own boxes.
+
+``LABS`` maps a lab name to ``run(out_dir: Path, seed: int = 0) -> dict``, which writes
+``out_dir/<name>.png`` and returns the printed numbers (and ``"png"``, the image path).
+Run one with ``consequence lab NAME``; see docs/labs.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from consequence.labs import baseline, clip, importance, mixed_groups, passk, reduction
+
+LABS: dict[str, Callable[..., dict]] = {
+    "baseline": baseline.run,
+    "importance": importance.run,
+    "clip": clip.run,
+    "reduction": reduction.run,
+    "mixed-groups": mixed_groups.run,
+    "passk": passk.run,
+}

@@ -1,0 +1,155 @@
+"""Labs: every printed number against its exact value (DESIGN.md §8) or a Monte-Carlo bound."""
+
+import math
+
+import pytest
+from typer.testing import CliRunner
+
+from consequence.cli import app
+from consequence.labs import LABS, baseline, clip, importance, mixed_groups, passk, reduction
+
+NAMES = ["baseline", "importance", "clip", "reduction", "mixed-groups", "passk"]
+
+
+def _within(mean, target, std, n, k=4.0):
+    return abs(mean - target) < k * std / math.sqrt(n)
+
+
+def test_registry_names():
+    assert list(LABS) == NAMES
+
+
+def test_baseline(tmp_path):
+    out = baseline.run(tmp_path, seed=0, n_groups=20_000, steps=300)
+    n = out["groups"]
+    assert n == 20_000
+    assert out["exact gradient at p=0.5"] == pytest.approx(0.1)
+    assert _within(out["reinforce mean"], 0.1, out["reinforce std"], n)
+    assert _within(out["rloo mean"], 0.1, out["rloo std"], n)
+    assert _within(out["dr_grpo mean"], 0.075, out["dr_grpo std"], n)
+    assert out["expected shrinkage (G-1)/G"] == 0.75
+    assert out["shrinkage dr_grpo/exact"] == pytest.approx(out["dr_grpo mean"] / 0.1)
+    assert abs(out["shrinkage dr_grpo/exact"] - 0.75) < 4 * out["dr_grpo std"] / math.sqrt(n) / 0.1
+    # the self-including mean is biased: 0.1 is far outside its Monte-Carlo band
+    assert not _within(out["dr_grpo mean"], 0.1, out["dr_grpo std"], n)
+    # exact stds at p = 0.5 (single-group variances computed by hand): reinforce 0.1275/4,
+    # rloo = G/(G-1) · dr_grpo on the same draws (R_i − mean_{j≠i} = G/(G−1) (R_i − mean))
+    assert out["reinforce std"] == pytest.approx(math.sqrt(0.1275 / 4), rel=0.03)
+    assert out["rloo std"] == pytest.approx(4 / 3 * out["dr_grpo std"], rel=1e-9)
+    assert out["reinforce std"] > out["rloo std"]
+    assert out["grpo mean"] > 0.1  # std normalisation rescales the gradient (not an unbiased estimate)
+    assert out["grpo std"] > 0
+    for est in ("reinforce", "dr_grpo", "rloo", "grpo"):
+        assert out[f"{est} final p(A)"] > 0.9
+    assert (tmp_path / "baseline.png").stat().st_size > 10_000
+
+
+def test_baseline_exact_gradient_negative_control():
+    assert baseline.exact_gradient(0.5) == pytest.approx(0.1)
+    assert baseline.exact_gradient(0.9) == pytest.approx(0.9 * 0.1 * 0.4)
+
+
+def test_importance(tmp_path):
+    out = importance.run(tmp_path, seed=0)
+    n = out["estimates"]
+    assert out["weight A (pi/mu)"] == pytest.approx(3.0)
+    assert out["weight B (pi/mu)"] == pytest.approx(0.5)
+    assert out["exact E_pi[r]"] == pytest.approx(0.59)
+    assert out["exact E_mu[w r]"] == pytest.approx(0.59)
+    assert _within(out["weighted mean"], 0.59, out["weighted std (24 samples)"], n)
+    assert out["exact E_mu[r]"] == pytest.approx(0.43)
+    assert _within(out["unweighted mean"], 0.43, out["unweighted std (24 samples)"], n)
+    assert not _within(out["unweighted mean"], 0.59, out["unweighted std (24 samples)"], n)
+    # exact spread of a 24-sample mean: Var[w r] = Σ μ(a) w(a)² q(a) − 0.59²
+    var_w = 0.2 * 9 * 0.75 + 0.8 * 0.25 * 0.35 - 0.59**2
+    assert out["weighted std (24 samples)"] == pytest.approx(math.sqrt(var_w / 24), rel=0.03)
+    assert out["unweighted std (24 samples)"] == pytest.approx(math.sqrt(0.43 * 0.57 / 24), rel=0.03)
+    assert (tmp_path / "importance.png").is_file()
+
+
+def test_clip(tmp_path):
+    out = clip.run(tmp_path)
+    assert out["A=+1 eps 0.2: zero gradient edge rho"] == pytest.approx(1.2)
+    assert out["A=+1 eps 0.2: zero gradient side"] == "above"
+    assert out["A=+1 clip-higher 0.2/0.28: zero gradient edge rho"] == pytest.approx(1.28)
+    assert out["A=+1 clip-higher 0.2/0.28: zero gradient side"] == "above"
+    for s in ("eps 0.2", "clip-higher 0.2/0.28"):
+        assert out[f"A=-1 {s}: zero gradient edge rho"] == pytest.approx(0.8)
+        assert out[f"A=-1 {s}: zero gradient side"] == "below"
+    assert out["rho=1.3 eps=0.2 A=1.732"] == pytest.approx(2.078, abs=5e-4)
+    assert out["rho=1.3 eps=0.2 A=-0.577"] == pytest.approx(-0.750, abs=5e-4)
+    assert (tmp_path / "clip.png").is_file()
+
+
+def test_clip_gradient_exactly_zero_beyond_the_edge():
+    rho = clip.rho_grid()
+    _, g = clip.surrogate_and_grad(rho, 1.0, 0.2, 0.2)
+    assert bool((g[rho > 1.2] == 0).all()) and bool((g[rho < 1.2] != 0).all())
+    _, g = clip.surrogate_and_grad(rho, -1.0, 0.2, 0.2)
+    assert bool((g[rho < 0.8] == 0).all()) and bool((g[rho > 0.8] != 0).all())
+    _, g = clip.surrogate_and_grad(rho, 1.0, 0.2, 0.28)
+    assert bool((g[rho > 1.28] == 0).all()) and bool((g[rho < 1.28] != 0).all())
+    # negative control: without clipping (huge eps) the gradient never vanishes
+    _, g = clip.surrogate_and_grad(rho, 1.0, 10.0, 10.0)
+    with pytest.raises(ValueError):
+        clip.zero_grad_edge(rho, g)
+
+
+def test_reduction(tmp_path):
+    out = reduction.run(tmp_path)
+    s3 = math.sqrt(3)
+    for i, a in enumerate((s3, -1 / s3, -1 / s3, -1 / s3)):
+        L = reduction.LENGTHS[i]
+        assert out[f"advantage seq {i + 1} (len {L})"] == pytest.approx(a, abs=1e-5)
+    assert out["loss token_mean"] == pytest.approx(1 / (2 * s3), abs=1e-5)
+    assert out["loss seq_mean_token_mean"] == pytest.approx(0.0, abs=1e-9)
+    assert out["loss seq_mean_token_sum_norm"] == pytest.approx(1 / (3 * s3), abs=1e-5)
+    expected = {"token_mean": [1 / 16] * 4, "seq_mean_token_mean": [1 / 8, 1 / 16, 1 / 16, 1 / 24],
+                "seq_mean_token_sum_norm": [1 / 24] * 4}
+    for red, ws in expected.items():
+        for i, w in enumerate(ws):
+            assert out[f"token weight {red} seq {i + 1}"] == pytest.approx(w)
+    assert out["sum of weights token_mean"] == pytest.approx(1.0)
+    assert out["sum of weights seq_mean_token_mean"] == pytest.approx(1.0)
+    assert out["sum of weights seq_mean_token_sum_norm"] == pytest.approx(16 / 24)
+    assert (tmp_path / "reduction.png").is_file()
+
+
+def test_mixed_groups(tmp_path):
+    out = mixed_groups.run(tmp_path, seed=0, n_groups=20_000)
+    assert out["mixed p=0.5 G=4"] == pytest.approx(0.875)
+    assert out["mixed p=0.01 G=4"] == pytest.approx(0.0394, abs=5e-5)
+    assert out["mixed p=0.01 G=16"] == pytest.approx(0.1485, abs=5e-5)
+    for p, G in mixed_groups.SIMULATED:
+        q = mixed_groups.mixed_probability(p, G)
+        assert _within(out[f"simulated p={p} G={G} (20000 groups)"], q, math.sqrt(q * (1 - q)), 20_000)
+    assert (tmp_path / "mixed-groups.png").is_file()
+
+
+def test_passk(tmp_path):
+    out = passk.run(tmp_path)
+    assert out["unbiased pass@3"] == pytest.approx(1 - 56 / 120)
+    assert out["naive pass@3"] == pytest.approx(0.488)
+    assert out["unbiased pass@1"] == pytest.approx(0.2) and out["naive pass@1"] == pytest.approx(0.2)
+    assert out["unbiased pass@5"] == pytest.approx(1 - 56 / 252)  # 1 − C(8,5)/C(10,5)
+    assert out["naive pass@5"] == pytest.approx(1 - 0.8**5)
+    assert out["unbiased pass@9"] == 1.0  # n − c < k: every draw of 9 holds a correct one
+    assert out["naive pass@9"] == pytest.approx(1 - 0.8**9)
+    assert (tmp_path / "passk.png").is_file()
+
+
+def test_cli_lab(tmp_path):
+    runner = CliRunner()
+    res = runner.invoke(app, ["lab", "passk", "--out", str(tmp_path)], env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    assert "0.5333" in res.output and "0.4880" in res.output
+    assert str(tmp_path / "passk.png") in res.output
+    assert not list(tmp_path.glob(".*tmp*"))  # atomic write left no temp file
+
+
+def test_cli_unknown_lab_exits_2(tmp_path):
+    res = CliRunner().invoke(app, ["lab", "nope", "--out", str(tmp_path)], env={"COLUMNS": "200"})
+    assert res.exit_code == 2
+    for name in NAMES:
+        assert name in res.output
+    assert not list(tmp_path.iterdir())
