@@ -86,6 +86,8 @@ def train(cfg: TrainConfig, console=None) -> dict[str, Any]:
             if "val_success" in m:
                 status += f"  val {m['val_success']:.2f}"
             bar.update(job, advance=1, status=status)
+            if not console.is_terminal:  # logs and pipes get one line per iteration instead
+                console.print(f"iteration {it + 1}/{cfg.iterations}  {status}")
 
     save_policy(model, tokenizer, run / "checkpoints" / "final")
     report = final_report(cfg, reference, model, renderer, split, budgets, console)
