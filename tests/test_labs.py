@@ -6,9 +6,9 @@ import pytest
 from typer.testing import CliRunner
 
 from consequence.cli import app
-from consequence.labs import LABS, baseline, clip, importance, mixed_groups, passk, reduction
+from consequence.labs import LABS, baseline, clip, importance, lag, mixed_groups, passk, reduction, shaping
 
-NAMES = ["baseline", "importance", "clip", "reduction", "mixed-groups", "passk"]
+NAMES = ["baseline", "importance", "clip", "reduction", "mixed-groups", "passk", "shaping", "lag"]
 
 
 def _within(mean, target, std, n, k=4.0):
@@ -136,6 +136,80 @@ def test_passk(tmp_path):
     assert out["unbiased pass@9"] == 1.0  # n − c < k: every draw of 9 holds a correct one
     assert out["naive pass@9"] == pytest.approx(1 - 0.8**9)
     assert (tmp_path / "passk.png").is_file()
+
+
+def test_shaping(tmp_path):
+    out = shaping.run(tmp_path)
+    g = 0.95
+    true = {"patch blind, finish": 0.3 * g, "patch blind x2, finish": (1 - 0.7**2) * g**2,
+            "test, patch, finish": 0.8 * g**2,
+            "test, patch, retest, repatch if failing, finish": 0.8 * g**3 + 0.2 * 0.8 * g**4,
+            "stall: test x8, patch, finish": 0.8 * g**9, "spam tests until budget": 0.0}
+    tests_run = {"patch blind, finish": [], "patch blind x2, finish": [], "test, patch, finish": [0],
+                 "test, patch, retest, repatch if failing, finish": [0, 2], "stall: test x8, patch, finish":
+                 list(range(8)), "spam tests until budget": list(range(10))}
+    assert list(true) == list(shaping.POLICIES)
+    for n, v in true.items():
+        assert out[f"true: {n}"] == pytest.approx(v)
+        assert out[f"shaped: {n}"] == pytest.approx(v - 0.2)  # Φ(s_T) − Φ(s_0) = 0 − 0.2
+        assert out[f"shaped - true: {n}"] == pytest.approx(-0.2)
+        assert out[f"bonus: {n}"] == pytest.approx(v + sum(0.1 * g**t for t in tests_run[n]))
+    assert out["expected shift Φ(s_T) - Φ(s_0)"] == pytest.approx(-0.2)
+    assert out["ranking true"] == out["ranking shaped"] == "4 > 3 > 5 > 2 > 1 > 6"
+    assert out["ranking bonus"] == "5 > 4 > 3 > 6 > 2 > 1"
+    assert out["same ranking true/shaped"] is True and out["same ranking true/bonus"] is False
+    # the bonus puts the stalling test-spammer above the honest policy; the true reward does not
+    assert out[f"bonus: {shaping.STALL}"] > out[f"bonus: {shaping.HONEST}"]
+    assert out[f"true: {shaping.STALL}"] < out[f"true: {shaping.HONEST}"]
+    assert (tmp_path / "shaping.png").is_file()
+
+
+def test_shaping_negative_control():
+    # a potential that is not 0 at the terminal state breaks the invariance (the return then
+    # moves by Φ(s_T), which differs between policies that did and did not run tests)
+    saved = shaping.phi
+    try:
+        shaping.phi = lambda tested, done: 0.5 * tested
+        spam = shaping.expected_return(shaping.POLICIES["spam tests until budget"], "shaped")
+        blind = shaping.expected_return(shaping.POLICIES["patch blind, finish"], "shaped")
+    finally:
+        shaping.phi = saved
+    assert spam == pytest.approx(0.5 * 0.95**10)  # γ^T Φ(s_T) − Φ(s_0), Φ(s_T) = 0.5: spam gains 0.30
+    assert blind == pytest.approx(0.3 * 0.95)
+
+
+def test_lag(tmp_path):
+    out = lag.run(tmp_path, seed=0, n_groups=40_000, steps=300)
+    n = out["groups"]
+    assert n == 40_000
+    assert out["exact gradient at p=0.5"] == pytest.approx(0.1)
+    names = ["0", "1", "2", "4", "8", "inf"]
+    exact_kept = [0.25, 0.4375, 1 - 0.75**3, 1 - 0.75**5, 1 - 0.75**9, 1.0]
+    for name, f in zip(names, exact_kept):
+        assert out[f"k={name} exact kept fraction"] == pytest.approx(f)
+        assert abs(out[f"k={name} kept fraction"] - f) <= 4 * math.sqrt(f * (1 - f) / n)
+        assert _within(out[f"k={name} bias"], out[f"k={name} exact bias"],
+                       out[f"k={name} bias std error"], 1)
+        assert out[f"k={name} final p(A)"] > 0.9
+    kept = [out[f"k={s} kept fraction"] for s in names]
+    assert kept == sorted(kept) and len(set(kept)) == len(kept)
+    assert out["k=inf kept fraction"] == 1.0
+    assert out["k=0 exact bias"] == pytest.approx(0.0, abs=1e-15)
+    exact = [abs(out[f"k={s} exact bias"]) for s in names]
+    assert all(a < b for a, b in zip(exact, exact[1:]))
+    assert out["k=inf exact bias"] == pytest.approx(-0.0277, abs=5e-5)
+    measured = [abs(out[f"k={s} bias"]) for s in names]
+    se = [out[f"k={s} bias std error"] for s in names]
+    assert all(b > a - 4 * (sa + sb) for a, b, sa, sb in zip(measured, measured[1:], se, se[1:]))
+    assert abs(out["k=0 bias"]) < 4 * se[0]
+    assert not _within(out["k=inf bias"], 0.0, se[-1], 1)  # the uncorrected stale gradient is biased
+    assert (tmp_path / "lag.png").is_file()
+
+
+def test_lag_expected_estimate_unbiased_only_on_policy():
+    assert lag.expected_estimate(0.5, 0.5) == pytest.approx(0.1)
+    assert lag.expected_estimate(0.8, 0.8) == pytest.approx(0.8 * 0.2 * 0.4)
+    assert lag.expected_estimate(0.3, 0.5) != pytest.approx(0.1)
 
 
 def test_cli_lab(tmp_path):

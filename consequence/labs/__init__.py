@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from consequence.labs import baseline, clip, importance, mixed_groups, passk, reduction
+from consequence.labs import baseline, clip, importance, lag, mixed_groups, passk, reduction, shaping
 
 LABS: dict[str, Callable[..., dict]] = {
     "baseline": baseline.run,
@@ -18,4 +18,6 @@ LABS: dict[str, Callable[..., dict]] = {
     "reduction": reduction.run,
     "mixed-groups": mixed_groups.run,
     "passk": passk.run,
+    "shaping": shaping.run,
+    "lag": lag.run,
 }
