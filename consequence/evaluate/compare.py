@@ -9,7 +9,7 @@ stated rule (pairs stay pairs) and counted.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 from consequence.evaluate.stats import paired_bootstrap_ci
 from consequence.records import Trajectory
@@ -53,10 +53,6 @@ def paired_comparison(a: ArmResult, b: ArmResult, confidence: float = 0.95, seed
                              confidence=confidence, seed=seed)
     return {**ci, "a": a.name, "b": b.name, "episodes": len(sa),
             "env_errors_excluded": len(sa) - len(keep), "confidence": confidence}
-
-
-def run_arm(name: str, run_fn: Callable[[], list[Trajectory]]) -> ArmResult:
-    return ArmResult(name, run_fn())
 
 
 def summarize(trajs: Sequence[Trajectory]) -> dict[str, float]:
