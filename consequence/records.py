@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any, Literal
 
 Outcome = Literal["finished", "truncated", "env_error"]
@@ -210,3 +211,42 @@ def read_trajectories(path) -> list[Trajectory]:
             c["tool_calls"] = json.loads(c["tool_calls"])
         out.append(Trajectory.from_dict(d))
     return out
+
+
+def pad_rows(rows: Sequence[TrainingRow], pad_id: int) -> dict[str, Any]:
+    """Right-pad training rows into tensors.
+
+    Returns:
+        dict with ``input_ids`` [N, S] long (``pad_id`` on padding), ``attention_mask``
+        [N, S] long (1 on real tokens), ``loss_mask`` [N, S] float32 and ``old_logprobs``
+        [N, S] float32 (0 on padding); S = longest row.
+
+    Raises:
+        ValueError: no rows, or an empty row.
+    """
+    import torch  # noqa: PLC0415  (records are read without torch; only padding needs it)
+
+    if len(rows) == 0:
+        raise ValueError("pad_rows: no rows")
+    S = max(len(r.input_ids) for r in rows)
+    if S == 0:
+        raise ValueError("pad_rows: every row is empty")
+    N = len(rows)
+    input_ids = torch.full((N, S), int(pad_id), dtype=torch.long)
+    attention_mask = torch.zeros((N, S), dtype=torch.long)
+    loss_mask = torch.zeros((N, S), dtype=torch.float32)
+    old_logprobs = torch.zeros((N, S), dtype=torch.float32)
+    for i, r in enumerate(rows):
+        n = len(r.input_ids)
+        if n == 0:
+            raise ValueError(f"pad_rows: row {i} is empty")
+        input_ids[i, :n] = torch.tensor(r.input_ids, dtype=torch.long)
+        attention_mask[i, :n] = 1
+        loss_mask[i, :n] = torch.tensor(r.loss_mask, dtype=torch.float32)
+        old_logprobs[i, :n] = torch.tensor(r.old_logprobs, dtype=torch.float32)
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "loss_mask": loss_mask,
+        "old_logprobs": old_logprobs,
+    }

@@ -1,23 +1,23 @@
-"""The loop: GRPO, synchronous, in the order of the seeds' pseudo-code.
+"""The training run: synchronous, in the order of the seeds' pseudo-code.
 
     for each iteration:
         tasks   = sample B train tasks                          (task box)
         trajs   = roll out G episodes per task with π_old       (rollout box: harness + env)
         rewards = verifier score, checked finite and in range   (reward box)
-        A       = (R − mean_group) / (std_group + ε)            (credit box, GRPO)
-        θ      ← maximise PPO-clip surrogate, token-mean         (update box)
+        A       = advantage estimator over each group           (credit box)
+        θ      ← maximise the surrogate, reduced over the step  (update box)
         every k iterations: validate greedily                    (evaluation box)
 
-Departures from the GRPO paper (Shao et al. 2024, §4.1): token-mean reduction (DAPO) rather
-than seq-mean-token-mean, and no KL-to-reference term (β = 0), as in DAPO and Dr.GRPO.
+The boxes' choices come from the config (a recipe in ``consequence/recipes``; see
+``consequence explain``). The defaults are GRPO with two departures from the paper (Shao
+et al. 2024, §4.1): token-mean reduction (DAPO) rather than seq-mean-token-mean, and no
+KL-to-reference term (β = 0), as in DAPO and Dr.GRPO.
 """
 
 from __future__ import annotations
 
 import copy
-import functools
 import json
-import random
 import time
 from pathlib import Path
 from typing import Any
@@ -26,20 +26,18 @@ import torch
 import yaml
 
 from consequence.config import TrainConfig
-from consequence.credit.advantages import group_advantages, mixed_group_fraction
+from consequence.credit.advantages import mixed_group_fraction
 from consequence.envs.repair_env import SYSTEM_PROMPT, TOOLS, RepairEnv
 from consequence.envs.sandbox import isolation_report
 from consequence.evaluate.compare import ArmResult, paired_comparison, summarize
 from consequence.harness.renderer import Renderer
-from consequence.policy.logprobs import token_logprobs
 from consequence.policy.sampler import SamplingParams
 from consequence.policy.tiny import load_policy, save_policy
-from consequence.records import Trajectory, trajectory_to_rows, write_trajectories
-from consequence.reward.scoring import checked_reward
+from consequence.iteration import Learner, collect, credit, make_learner, score_trajectories, seed_of, update
+from consequence.records import Trajectory, write_trajectories
 from consequence.rollout.episodes import Budgets, EpisodeSpec, run_episodes
 from consequence.rollout.sampling import policy_generate_fn
 from consequence.tasks.repair import load_split, make_tasks
-from consequence.update.step import UpdateConfig, ppo_step
 
 
 def train(cfg: TrainConfig, console=None) -> dict[str, Any]:
@@ -61,9 +59,7 @@ def train(cfg: TrainConfig, console=None) -> dict[str, Any]:
     _write_atomic(run / "split.json", json.dumps({k: [p.problem_id for p in v] for k, v in split.items()}))
     budgets = Budgets(cfg.max_turns, cfg.max_new_tokens, cfg.max_total_tokens)
     sampling = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p, cfg.max_new_tokens)
-    ucfg = UpdateConfig(clip_eps_low=cfg.clip_eps, clip_eps_high=cfg.clip_eps, reduction=cfg.reduction,
-                        micro_batch_size=cfg.micro_batch_size, temperature=cfg.temperature)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=0.0)
+    learner = make_learner(cfg, model, reference)
     metrics_path = run / "metrics.jsonl"
     metrics_path.unlink(missing_ok=True)
     console.print(f"[bold]consequence train[/]: {cfg.iterations} iterations × {cfg.tasks_per_iteration} tasks "
@@ -74,9 +70,9 @@ def train(cfg: TrainConfig, console=None) -> dict[str, Any]:
     with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(),
                   TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(), TimeRemainingColumn(),
                   TextColumn("{task.fields[status]}"), console=console) as bar:
-        job = bar.add_task("GRPO", total=cfg.iterations, status="")
+        job = bar.add_task(cfg.recipe or "GRPO", total=cfg.iterations, status="")
         for it in range(cfg.iterations):
-            m = iteration(it, cfg, model, renderer, split, budgets, sampling, ucfg, optimizer, run)
+            m = iteration(it, cfg, learner, renderer, split, budgets, sampling, run)
             if cfg.eval_every and ((it + 1) % cfg.eval_every == 0 or it + 1 == cfg.iterations):
                 m["val_success"] = validate(model, renderer, split, budgets, cfg)["success"]
                 save_policy(model, tokenizer, run / "checkpoints" / f"iter_{it + 1:04d}")
@@ -102,49 +98,24 @@ def train(cfg: TrainConfig, console=None) -> dict[str, Any]:
     return report
 
 
-def iteration(it, cfg, model, renderer, split, budgets, sampling, ucfg, optimizer, run) -> dict[str, Any]:
-    """One collect-then-update step; returns its metrics."""
+def iteration(it, cfg, learner: Learner, renderer, split, budgets, sampling, run) -> dict[str, Any]:
+    """One collect → score → credit → update step (``consequence.iteration``); returns its metrics."""
     t0 = time.perf_counter()
-    # -- task box: B train tasks, each rolled out G times (a group = one task id) --
-    tasks = make_tasks(split["train"], cfg.tasks_per_iteration, seed=_seed(cfg.seed, it))
-    specs = [EpisodeSpec(RepairEnv(t), t.task_id, f"{it}/{t.task_id}", g, _seed(cfg.seed, it, g))
-             for t in tasks for g in range(cfg.group_size)]
-    # -- rollout box --
-    gen = policy_generate_fn(model, sampling, renderer.stop_ids, _seed(cfg.seed, it, "rollout"))
-    trajs = run_episodes(gen, renderer, specs, budgets, SYSTEM_PROMPT, policy_version=it)
+    trajs, ds = collect(it, cfg, learner.model, renderer, split, budgets, sampling)
     t_rollout = time.perf_counter() - t0
-    # -- reward box: a failed environment is not a 0 (case 03) --
-    score_trajectories(trajs)
-    # -- credit box: group statistics over complete groups, before any micro-batching --
-    rewards = [t.reward for t in trajs]
-    group_ids = [t.group_id for t in trajs]
-    advantages = group_advantages(rewards, group_ids, estimator=cfg.advantage)
-    for t, a in zip(trajs, advantages):
-        t.advantage = a
-    rows, row_adv = [], []
-    for i, t in enumerate(trajs):
-        if t.advantage is None or not t.calls:
-            continue
-        for r in trajectory_to_rows(t, i):
-            rows.append(r)
-            row_adv.append(t.advantage)
+    pad_id = renderer.tokenizer.pad_token_id
+    batch = credit(trajs, cfg, learner, pad_id)
     write_trajectories(run / "trajectories" / f"iter_{it:04d}.parquet", trajs)
-    # -- update box --
     t1 = time.perf_counter()
-    upd: dict[str, float] = {}
-    for _ in range(cfg.epochs_per_batch):
-        if rows:
-            upd = ppo_step(model, optimizer, rows, row_adv, ucfg, renderer.tokenizer.pad_token_id,
-                           functools.partial(token_logprobs, with_entropy=True,
-                                             top_k=cfg.top_k, top_p=cfg.top_p))
+    upd = update(batch, cfg, learner, pad_id, seed=seed_of(cfg.seed, it, "update"))
     t_update = time.perf_counter() - t1
     valid = [t for t in trajs if t.reward is not None]
     n_gen = sum(t.n_generated_tokens for t in trajs)
-    return {
+    metrics = {
         "iteration": it,
         "reward_mean": sum(t.reward for t in valid) / max(1, len(valid)),
         "success": summarize(trajs)["success"],
-        "mixed_group_fraction": mixed_group_fraction(rewards, group_ids),
+        "mixed_group_fraction": mixed_group_fraction([t.reward for t in trajs], [t.group_id for t in trajs]),
         "gen_tokens_mean": n_gen / max(1, len(trajs)),
         "tool_calls_mean": sum(t.n_tool_calls for t in trajs) / max(1, len(trajs)),
         "truncated_fraction": sum(t.outcome == "truncated" for t in trajs) / max(1, len(trajs)),
@@ -155,25 +126,15 @@ def iteration(it, cfg, model, renderer, split, budgets, sampling, ucfg, optimize
         "update_s": t_update,
         **upd,
     }
-
-
-def score_trajectories(trajs: list[Trajectory]) -> None:
-    """Reward box: the verifier's hidden-test score, checked finite and in [0, 1]."""
-    for t in trajs:
-        if t.outcome == "env_error":
-            t.reward = None
-            continue
-        score = t.verifier_score if t.outcome == "finished" else 0.0  # no submission → 0
-        res = checked_reward(lambda s=score: {"hidden_tests": s})
-        t.reward, t.reward_components = res.value, res.components
-        if res.value is None:
-            t.outcome, t.error = "env_error", res.error
+    if cfg.dynamic_sampling:
+        metrics |= ds
+    return metrics
 
 
 def run_eval(model, renderer, tasks, budgets, seed: int, greedy: bool = True, policy_version: int = 0):
     """Episodes of ``model`` on ``tasks`` (one each): greedy, or sampled at temperature 1."""
     params = SamplingParams(temperature=0.0 if greedy else 1.0, max_new_tokens=budgets.max_new_tokens)
-    specs = [EpisodeSpec(RepairEnv(t), t.task_id, t.task_id, 0, _seed(seed, i)) for i, t in enumerate(tasks)]
+    specs = [EpisodeSpec(RepairEnv(t), t.task_id, t.task_id, 0, seed_of(seed, i)) for i, t in enumerate(tasks)]
     gen = policy_generate_fn(model, params, renderer.stop_ids, seed)
     trajs = run_episodes(gen, renderer, specs, budgets, SYSTEM_PROMPT, policy_version)
     score_trajectories(trajs)
@@ -181,7 +142,7 @@ def run_eval(model, renderer, tasks, budgets, seed: int, greedy: bool = True, po
 
 
 def validate(model, renderer, split, budgets, cfg) -> dict[str, float]:
-    tasks = make_tasks(split["validation"], cfg.val_episodes, seed=_seed(cfg.seed, "val"))
+    tasks = make_tasks(split["validation"], cfg.val_episodes, seed=seed_of(cfg.seed, "val"))
     return summarize(run_eval(model, renderer, tasks, budgets, cfg.seed, greedy=True))
 
 
@@ -193,8 +154,8 @@ def final_report(cfg, reference, model, renderer, split, budgets, console) -> di
     """
     n = cfg.final_eval_episodes
     sets = {
-        "test (unseen problems)": make_tasks(split["test"], n, seed=_seed(cfg.seed, "test")),
-        "train problems, new instances (in-distribution)": make_tasks(split["train"], n, seed=_seed(cfg.seed, "fresh")),
+        "test (unseen problems)": make_tasks(split["test"], n, seed=seed_of(cfg.seed, "test")),
+        "train problems, new instances (in-distribution)": make_tasks(split["train"], n, seed=seed_of(cfg.seed, "fresh")),
     }
     out: dict[str, Any] = {"episodes_per_split": n, "budgets": vars(budgets), "results": []}
     for decoding in cfg.final_eval_decoding:
@@ -212,10 +173,6 @@ def final_report(cfg, reference, model, renderer, split, budgets, console) -> di
 
 
 # ---- plumbing -----------------------------------------------------------------------
-def _seed(*parts) -> int:
-    return random.Random(":".join(map(str, parts))).getrandbits(31)
-
-
 def _diagnoses_first(t: Trajectory) -> bool:
     first = t.calls[0].tool_calls if t.calls else []
     return bool(first) and first[0]["name"] in ("run_tests", "read_code")

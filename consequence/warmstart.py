@@ -34,7 +34,7 @@ from consequence.policy.tiny import build_model, build_tokenizer, save_policy
 from consequence.records import ModelCall, Trajectory, trajectory_to_rows
 from consequence.rollout.episodes import Budgets, EpisodeSpec, run_episodes
 from consequence.tasks.repair import load_split, make_tasks
-from consequence.update.step import pad_rows
+from consequence.records import pad_rows
 
 WARMSTART_VERSION = 1
 

@@ -4,12 +4,8 @@ import pytest
 import torch
 
 from consequence.credit.advantages import group_advantages
-from consequence.update.losses import (
-    REDUCTIONS,
-    clipped_surrogate,
-    policy_gradient_objective,
-    reduce_tokens,
-)
+from consequence.update.losses import REDUCTIONS, reduce_tokens
+from consequence.update.surrogates import clipped_surrogate, policy_gradient_objective
 
 S3 = math.sqrt(3)
 

@@ -15,21 +15,21 @@ from consequence.warmstart import BUNDLED
 def run_dir(tmp_path_factory):
     from rich.console import Console
 
-    import consequence.train as train_module
+    import consequence.iteration as iteration_module
     from consequence.train import train
 
     # The warm start rarely succeeds in 8 tiny rollouts, and all-equal groups carry no
     # gradient (by design). Give the smoke run a signal: odd sample ids win.
-    real_score = train_module.score_trajectories
+    real_score = iteration_module.score_trajectories
 
-    def score_with_signal(trajs):
-        real_score(trajs)
+    def score_with_signal(trajs, *args):
+        real_score(trajs, *args)
         for t in trajs:
             if t.reward is not None:
                 t.reward = float(t.sample_id % 2)
 
     mp = pytest.MonkeyPatch()
-    mp.setattr(train_module, "score_trajectories", score_with_signal)
+    mp.setattr(iteration_module, "score_trajectories", score_with_signal)
 
     run = tmp_path_factory.mktemp("run")
     cfg = TrainConfig(run_dir=str(run), model=str(BUNDLED), iterations=2, tasks_per_iteration=2, group_size=4, eval_every=1,

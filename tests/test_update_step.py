@@ -7,7 +7,8 @@ import torch
 from consequence.credit.advantages import group_advantages
 from consequence.records import TrainingRow
 from consequence.update.losses import REDUCTIONS
-from consequence.update.step import UpdateConfig, accumulate_gradients, pad_rows, ppo_step
+from consequence.records import pad_rows
+from consequence.update.step import UpdateConfig, accumulate_gradients, ppo_step
 
 V = 11
 PAD = 0

@@ -14,7 +14,7 @@ import math
 import warnings
 from collections.abc import Sequence
 
-ESTIMATORS: tuple[str, ...] = ("reinforce", "batch_mean", "rloo", "grpo", "dr_grpo")
+ESTIMATORS: tuple[str, ...] = ("reinforce", "batch_mean", "reinforce_pp", "rloo", "grpo", "dr_grpo")
 
 
 def _check_inputs(rewards: Sequence[float | None], group_ids: Sequence[str]) -> None:
@@ -61,6 +61,9 @@ def group_advantages(
 
     - ``"reinforce"``: A_i = R_i (no baseline; Williams 1992).
     - ``"batch_mean"``: A_i = R_i − mean of all valid rewards in the batch.
+    - ``"reinforce_pp"``: A_i = (R_i − mean_B) / (std_B + eps) over all valid rewards of
+      the batch (REINFORCE++, Hu et al. 2025, §3.2, global advantage normalisation;
+      population std).
     - ``"rloo"``: A_i = R_i − (1/(G−1)) Σ_{j≠i} R_j, leave-one-out baseline (Ahmadian et
       al. 2024, "Back to Basics", §3.2); unbiased, unlike a self-including mean, which
       shrinks the expected gradient by (G−1)/G.
@@ -74,7 +77,7 @@ def group_advantages(
         rewards: one reward per trajectory, length N; ``None`` = env_error.
         group_ids: one group id per trajectory, length N (groups by identity, not position).
         estimator: one of :data:`ESTIMATORS`.
-        eps: added to the std in ``"grpo"``.
+        eps: added to the std in ``"grpo"`` and ``"reinforce_pp"``.
         std_correction: degrees-of-freedom correction of the group std in ``"grpo"``.
 
     Returns:
@@ -98,11 +101,15 @@ def group_advantages(
         for i in valid:
             out[i] = float(rewards[i])  # type: ignore[arg-type]
         return out
-    if estimator == "batch_mean":
+    if estimator in ("batch_mean", "reinforce_pp"):
         if valid:
-            m = math.fsum(float(rewards[i]) for i in valid) / len(valid)  # type: ignore[arg-type]
-            for i in valid:
-                out[i] = float(rewards[i]) - m  # type: ignore[arg-type]
+            vals = [float(rewards[i]) for i in valid]  # type: ignore[arg-type]
+            m = math.fsum(vals) / len(vals)
+            scale = 1.0
+            if estimator == "reinforce_pp":
+                scale = math.sqrt(math.fsum((v - m) ** 2 for v in vals) / len(vals)) + eps
+            for i, v in zip(valid, vals):
+                out[i] = (v - m) / scale
         return out
 
     for g, members in _groups(rewards, group_ids).items():

@@ -1,6 +1,6 @@
 """Lab ``clip``: where the clipped surrogate stops giving a gradient.
 
-Plots :func:`consequence.update.losses.clipped_surrogate` against ρ ∈ [0.5, 1.5] for
+Plots :func:`consequence.update.surrogates.clipped_surrogate` against ρ ∈ [0.5, 1.5] for
 A = ±1 with ε = 0.2 and with clip-higher (0.2 / 0.28), and finds by autograd where the
 gradient with respect to logπ is zero.
 """
@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from consequence.labs._common import pyplot, save_figure
-from consequence.update.losses import clipped_surrogate
+from consequence.update.surrogates import clipped_surrogate
 
 SETTINGS = {"eps 0.2": (0.2, 0.2), "clip-higher 0.2/0.28": (0.2, 0.28)}
 N_GRID = 1000

@@ -14,7 +14,8 @@ import torch
 
 from consequence.credit.advantages import group_advantages
 from consequence.labs._common import pyplot, save_figure
-from consequence.update.losses import REDUCTIONS, clipped_surrogate, reduce_tokens
+from consequence.update.losses import REDUCTIONS, reduce_tokens
+from consequence.update.surrogates import clipped_surrogate
 
 REWARDS, LENGTHS, NORM_CONST = (1.0, 0.0, 0.0, 0.0), (2, 4, 4, 6), 6.0
 

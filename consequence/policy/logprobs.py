@@ -86,6 +86,7 @@ def token_logprobs(
     top_k: int = 0,
     top_p: float = 1.0,
     with_entropy: bool = False,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log π(next token | prefix) for every position, differentiable (HF forward).
 
@@ -95,13 +96,15 @@ def token_logprobs(
         attention_mask: [N, S] (1 = real token, 0 = padding).
         temperature, top_k, top_p: the sampler's settings (see module doc).
         with_entropy: also return the entropy of the processed distribution.
+        entropy_grad: let the entropy carry a gradient (for an entropy bonus); otherwise
+            it is computed without autograd, as a diagnostic that costs no backward.
 
     Returns:
         logprobs [N, S-1] float32: ``logprobs[:, j] = log π(input_ids[:, j+1] | ids[:, :j+1])``.
         A target outside the top-k / top-p support gets ``-inf`` (it could not have been
         sampled); padded targets (``attention_mask[:, j+1] == 0``) get 0. Select loss
         positions with ``torch.where(mask, lp, 0)``, never ``lp * mask`` (-inf * 0 = nan).
-        entropy [N, S-1] float32 (0 at padded targets), detached (a diagnostic), or ``None``.
+        entropy [N, S-1] float32 in nats (0 at padded targets), or ``None``.
     """
     out = model(input_ids=input_ids, attention_mask=attention_mask)
     logits = out.logits[:, :-1]
@@ -115,10 +118,10 @@ def token_logprobs(
     valid = attention_mask[:, 1:].bool()
     lp = torch.where(valid, lp, torch.zeros_like(lp))
     ent = None
-    if with_entropy:  # a diagnostic: computed without autograd, so it costs no backward
-        with torch.no_grad():
-            finite = torch.isfinite(logp_V)
-            safe = torch.where(finite, logp_V, torch.zeros_like(logp_V))
+    if with_entropy:
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            # tokens outside the support have p = 0 and contribute 0 (not 0 · -inf = nan)
+            safe = torch.where(torch.isfinite(logp_V), logp_V, torch.zeros_like(logp_V))
             ent = -(safe.exp() * safe).sum(-1)
             ent = torch.where(valid, ent, torch.zeros_like(ent))
     return lp, ent

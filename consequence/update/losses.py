@@ -1,4 +1,6 @@
-"""Per-token surrogate objectives and their reductions (update box, DESIGN.md §5).
+"""Reductions of per-token objectives to one scalar (update box, DESIGN.md §5).
+
+The per-token objectives themselves live in :mod:`consequence.update.surrogates`.
 
 Sign convention: the functions here return OBJECTIVES (to be maximised). The loss that
 is minimised by the optimizer is ``loss = -reduce_tokens(objective, mask, ...)``; e.g.
@@ -16,75 +18,6 @@ import torch
 from torch import Tensor
 
 REDUCTIONS: tuple[str, ...] = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
-
-
-def _broadcast_adv(advantages: Tensor, like: Tensor) -> Tensor:
-    adv = torch.as_tensor(advantages, dtype=like.dtype, device=like.device)
-    if adv.dim() == 1:
-        if adv.shape[0] != like.shape[0]:
-            raise ValueError(f"advantages [{adv.shape[0]}] do not match {tuple(like.shape)} rows")
-        adv = adv.unsqueeze(-1)
-    elif adv.shape != like.shape:
-        raise ValueError(f"advantages {tuple(adv.shape)} do not match {tuple(like.shape)}")
-    return adv.expand_as(like)
-
-
-def clipped_surrogate(
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    advantages: Tensor,
-    eps_low: float = 0.2,
-    eps_high: float = 0.2,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """PPO clipped surrogate per token (Schulman et al. 2017, eq. 7), asymmetric clip.
-
-    ρ = exp(logπ_θ − logπ_old); objective = min(ρA, clip(ρ, 1−eps_low, 1+eps_high)·A).
-    ``eps_low = eps_high = 0.2`` is PPO; ``eps_high = 0.28`` is DAPO clip-higher (Yu et
-    al. 2025, §3.1). Example: ρ = 1.3, ε = 0.2 gives 2.078 for A = 1.732 and −0.750 for
-    A = −0.577 (DESIGN.md §8).
-
-    Args:
-        logprobs: [N, T] float32, logπ_θ of the target tokens (carries the gradient).
-        old_logprobs: [N, T] float32, logπ_old of the same tokens (no gradient needed).
-        advantages: [N, T] or [N] (broadcast over T) float32.
-        eps_low, eps_high: clip range [1 − eps_low, 1 + eps_high].
-
-    Returns:
-        (objective [N, T] float32 — to MAXIMISE,
-         ratio [N, T] float32 — detached,
-         is_clipped [N, T] bool — True where the clipped branch is active and the token
-         gives no gradient: A > 0 and ρ > 1+eps_high, or A < 0 and ρ < 1−eps_low).
-
-    Raises:
-        ValueError: shapes do not match.
-    """
-    if logprobs.shape != old_logprobs.shape:
-        raise ValueError(
-            f"logprobs {tuple(logprobs.shape)} and old_logprobs {tuple(old_logprobs.shape)} differ"
-        )
-    ratio = torch.exp(logprobs - old_logprobs)
-    adv = _broadcast_adv(advantages, ratio)
-    clip_high = (adv > 0) & (ratio > 1.0 + eps_high)
-    clip_low = (adv < 0) & (ratio < 1.0 - eps_low)
-    is_clipped = clip_high | clip_low
-    clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high).detach() * adv
-    # Equal in value to min(ρA, clip(ρ)A); written with where so the active branch and
-    # its (zero) gradient are explicit rather than relying on min's tie-breaking.
-    objective = torch.where(is_clipped, clipped, ratio * adv)
-    return objective, ratio.detach(), is_clipped
-
-
-def policy_gradient_objective(logprobs: Tensor, advantages: Tensor) -> Tensor:
-    """Vanilla policy-gradient objective per token, A · logπ_θ (REINFORCE; Williams 1992).
-
-    Args:
-        logprobs: [N, T] float32 logπ_θ of the target tokens.
-        advantages: [N, T] or [N] float32.
-
-    Returns:
-        [N, T] float32 objective to MAXIMISE (its gradient is A ∇logπ).
-    """
-    return _broadcast_adv(advantages, logprobs) * logprobs
 
 
 def reduce_tokens(

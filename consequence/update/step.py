@@ -1,4 +1,4 @@
-"""One optimizer step of the clipped surrogate with gradient accumulation (update box).
+"""One optimizer step of any surrogate, with gradient accumulation (update box).
 
 Alignment (DESIGN.md §2): logits at position j predict token j+1, so the log-probs
 returned by ``logprob_fn`` (``[N, S-1]``) pair with ``input_ids[:, 1:]``,
@@ -20,68 +20,49 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from consequence.records import TrainingRow
-from consequence.update.losses import REDUCTIONS, clipped_surrogate, reduce_tokens
+from consequence.records import TrainingRow, pad_rows
+from consequence.update.losses import REDUCTIONS, reduce_tokens
+from consequence.update.regularizers import kl_estimate, offpolicy_sequence_mask, tis_weights
+from consequence.update.surrogates import SURROGATES, surrogate_objective
 
 
 @dataclass
 class UpdateConfig:
-    """Settings of one PPO/GRPO optimizer step.
+    """Settings of one optimizer step (update box, DESIGN.md §5).
 
     Attributes:
-        clip_eps_low, clip_eps_high: clip range [1 − low, 1 + high] (PPO 0.2/0.2, DAPO 0.2/0.28).
+        surrogate: one of ``SURROGATES`` (``consequence.update.surrogates``).
+        clip_eps_low, clip_eps_high: clip range [1 − low, 1 + high] (PPO 0.2/0.2, DAPO
+            0.2/0.28, GSPO 3e-4/4e-4; CISPO clips its detached weight with them).
+        dual_clip_c: the bound c·A of ``dual_clip`` for A < 0 (c > 1).
         reduction: one of ``REDUCTIONS``.
         micro_batch_size: rows per forward/backward pass (gradient accumulation).
         max_grad_norm: global gradient-norm clip (``<= 0`` or ``inf`` disables clipping).
         temperature: passed to ``logprob_fn``; must equal the sampling temperature.
         norm_const: L_const of ``seq_mean_token_sum_norm`` (Dr.GRPO: the max generation
             length); ``None`` uses the largest target count of a row in the step.
+        tis_cap: C of truncated importance sampling (0 = off); needs sampler log-probs.
+        kl_coef: β of the KL-to-reference loss term (0 = off); needs reference log-probs.
+        kl_estimator: ``k1``, ``k2`` or ``k3``.
+        entropy_coef: c_H of the entropy bonus (0 = off); ``logprob_fn`` must return an
+            entropy that carries a gradient.
+        offpolicy_delta: threshold of off-policy sequence masking in nats/token (0 = off).
     """
 
+    surrogate: str = "ppo_clip"
     clip_eps_low: float = 0.2
     clip_eps_high: float = 0.2
+    dual_clip_c: float = 3.0
     reduction: str = "token_mean"
     micro_batch_size: int = 16
     max_grad_norm: float = 1.0
     temperature: float = 1.0
     norm_const: float | None = None
-
-
-def pad_rows(rows: Sequence[TrainingRow], pad_id: int) -> dict[str, Tensor]:
-    """Right-pad training rows into tensors.
-
-    Returns:
-        dict with ``input_ids`` [N, S] long (``pad_id`` on padding), ``attention_mask``
-        [N, S] long (1 on real tokens), ``loss_mask`` [N, S] float32 and ``old_logprobs``
-        [N, S] float32 (0 on padding); S = longest row.
-
-    Raises:
-        ValueError: no rows, or an empty row.
-    """
-    if len(rows) == 0:
-        raise ValueError("pad_rows: no rows")
-    S = max(len(r.input_ids) for r in rows)
-    if S == 0:
-        raise ValueError("pad_rows: every row is empty")
-    N = len(rows)
-    input_ids = torch.full((N, S), int(pad_id), dtype=torch.long)
-    attention_mask = torch.zeros((N, S), dtype=torch.long)
-    loss_mask = torch.zeros((N, S), dtype=torch.float32)
-    old_logprobs = torch.zeros((N, S), dtype=torch.float32)
-    for i, r in enumerate(rows):
-        n = len(r.input_ids)
-        if n == 0:
-            raise ValueError(f"pad_rows: row {i} is empty")
-        input_ids[i, :n] = torch.tensor(r.input_ids, dtype=torch.long)
-        attention_mask[i, :n] = 1
-        loss_mask[i, :n] = torch.tensor(r.loss_mask, dtype=torch.float32)
-        old_logprobs[i, :n] = torch.tensor(r.old_logprobs, dtype=torch.float32)
-    return {
-        "input_ids": input_ids,
-        "attention_mask": attention_mask,
-        "loss_mask": loss_mask,
-        "old_logprobs": old_logprobs,
-    }
+    tis_cap: float = 0.0
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    entropy_coef: float = 0.0
+    offpolicy_delta: float = 0.0
 
 
 def _call_logprob_fn(logprob_fn: Callable[..., Any], model, input_ids, attention_mask, temperature):
@@ -109,135 +90,239 @@ def _step_totals(rows: Sequence[TrainingRow], cfg: UpdateConfig) -> tuple[float,
     return total_tokens, total_seqs, norm_const
 
 
+TokenValues = Sequence[Sequence[float]]  # one list per row, aligned with row.input_ids
+
+
+def _check_advantages(rows: Sequence[TrainingRow], advantages: Sequence[Any]) -> list[Any]:
+    """Each row's advantage: a finite float, or a per-token list finite on its targets."""
+    if len(rows) != len(advantages):
+        raise ValueError(f"{len(rows)} rows but {len(advantages)} advantages")
+    out: list[Any] = []
+    for i, (r, a) in enumerate(zip(rows, advantages)):
+        if isinstance(a, (list, tuple)):
+            if len(a) != len(r.input_ids):
+                raise ValueError(f"row {i}: {len(a)} per-token advantages for {len(r.input_ids)} tokens")
+            if not all(math.isfinite(float(x)) for x, m in zip(a, r.loss_mask) if m):
+                raise ValueError(f"row {i}: a per-token advantage on a target is not finite")
+            out.append([float(x) for x in a])
+            continue
+        if a is None or not math.isfinite(float(a)):
+            raise ValueError(
+                f"advantage of row {i} is {a!r}; drop env_error rows (advantage None) before the update"
+            )
+        out.append(float(a))
+    return out
+
+
+def _pad_values(values: TokenValues, idx: Sequence[int], S: int) -> Tensor:
+    out = torch.zeros((len(idx), S), dtype=torch.float32)
+    for j, i in enumerate(idx):
+        v = values[i]
+        out[j, : len(v)] = torch.tensor(v, dtype=torch.float32)
+    return out
+
+
+def _micro_advantages(adv_all: list[Any], idx: Sequence[int], S: int) -> Tensor:
+    """[n] when every row has a scalar advantage, else [n, S-1] aligned with the targets."""
+    if all(not isinstance(adv_all[i], list) for i in idx):
+        return torch.tensor([adv_all[i] for i in idx], dtype=torch.float32)
+    full = torch.zeros((len(idx), S), dtype=torch.float32)
+    for j, i in enumerate(idx):
+        a = adv_all[i]
+        if isinstance(a, list):
+            full[j, : len(a)] = torch.tensor(a, dtype=torch.float32)
+        else:
+            full[j] = a
+    return full[:, 1:]
+
+
+def _check_needs(cfg: UpdateConfig, ref_logprobs, sampler_logprobs) -> None:
+    if cfg.reduction not in REDUCTIONS:
+        raise ValueError(f"unknown reduction {cfg.reduction!r}; valid: {', '.join(REDUCTIONS)}")
+    if cfg.surrogate not in SURROGATES:
+        raise ValueError(f"unknown surrogate {cfg.surrogate!r}; valid: {', '.join(SURROGATES)}")
+    if cfg.micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be >= 1, got {cfg.micro_batch_size}")
+    if cfg.kl_coef and ref_logprobs is None:
+        raise ValueError("kl_coef > 0 needs ref_logprobs (log-probs of the frozen reference policy)")
+    if cfg.tis_cap and sampler_logprobs is None:
+        raise ValueError("tis_cap > 0 needs sampler_logprobs (the rows' old_logprobs must then be "
+                         "the trainer's recomputation of the behaviour policy)")
+
+
+class _Metrics:
+    """Token-level sums of one step, turned into means at the end."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.n_tok = 0
+        self.ratio_min = math.inf
+        self.ratio_max = -math.inf
+        self.n_rows_masked = 0
+
+    def add(self, name: str, values: Tensor) -> None:
+        self.sums[name] = self.sums.get(name, 0.0) + float(values.double().sum())
+
+    def mean(self, name: str) -> float:
+        return self.sums[name] / self.n_tok if self.n_tok and name in self.sums else float("nan")
+
+
 def accumulate_gradients(
     model: torch.nn.Module,
     rows: Sequence[TrainingRow],
-    advantages_N: Sequence[float],
+    advantages_N: Sequence[Any],
     cfg: UpdateConfig,
     pad_id: int,
     logprob_fn: Callable[..., Any],
+    *,
+    ref_logprobs: TokenValues | None = None,
+    sampler_logprobs: TokenValues | None = None,
 ) -> dict[str, float]:
     """Forward/backward the step's micro-batches, ADDING −reduce(objective) gradients to
     ``.grad`` of the model's parameters; no clipping, no optimizer step.
 
-    Rows are sorted by length and cut into micro-batches of ``cfg.micro_batch_size``;
-    each is reduced with the step's global totals, so the accumulated gradient does not
-    depend on the split. Objective: PPO clip (Schulman et al. 2017, eq. 7) with
-    DAPO's asymmetric range (Yu et al. 2025); reductions per DESIGN.md §5.
+    Per target token the objective is ``surrogate × TIS weight − β·KL + c_H·H``
+    (DESIGN.md §5; the surrogate from ``cfg.surrogate``). Rows are sorted by length and
+    cut into micro-batches of ``cfg.micro_batch_size``; each is reduced with the step's
+    global totals, so the accumulated gradient does not depend on the split (case 01).
 
     Args:
         model: the policy; ``logprob_fn(model, input_ids [n,S] long, attention_mask [n,S]
             long, temperature=T)`` returns ``(logprobs [n,S-1] float32, entropy [n,S-1]
             float32 or None)`` or just the logprobs tensor.
-        rows: training rows; ``old_logprobs`` are the behaviour log-probs of targets.
-        advantages_N: one finite advantage per row (env_error rows must be dropped first).
+        rows: training rows; ``old_logprobs`` are logπ_old of the targets (the behaviour
+            snapshot: sampler log-probs, or the trainer's recomputation when TIS is on).
+        advantages_N: per row a finite float (broadcast to its targets) or a list of
+            per-token advantages aligned with ``row.input_ids`` (GAE, returns-to-go).
+            env_error rows must be dropped first.
+        ref_logprobs: per row, logπ_ref aligned with ``input_ids`` (needed for ``kl_coef``).
+        sampler_logprobs: per row, logμ of the sampler aligned with ``input_ids`` (for
+            TIS and off-policy masking; default: the rows' ``old_logprobs``).
 
     Returns:
-        metrics: loss (step loss = Σ micro-batch losses), ratio_mean/min/max, clip_frac_low,
-        clip_frac_high, entropy (token means over targets; NaN when unavailable),
+        metrics: loss (step loss = Σ micro-batch losses), ratio_mean/min/max,
+        clip_frac_low, clip_frac_high, entropy, kl_ref, tis_weight_mean,
+        offpolicy_masked_rows (token means over targets; NaN when unavailable),
         n_tokens, n_rows.
 
     Raises:
-        ValueError: lengths differ, unknown reduction, bad advantage, target at position 0.
+        ValueError: lengths differ, unknown reduction/surrogate, bad advantage, a target
+            at position 0, a needed input missing.
         FloatingPointError: log-probs on targets or a micro-batch loss are not finite.
     """
-    if cfg.reduction not in REDUCTIONS:
-        raise ValueError(f"unknown reduction {cfg.reduction!r}; valid: {', '.join(REDUCTIONS)}")
-    if len(rows) != len(advantages_N):
-        raise ValueError(f"{len(rows)} rows but {len(advantages_N)} advantages")
-    if cfg.micro_batch_size < 1:
-        raise ValueError(f"micro_batch_size must be >= 1, got {cfg.micro_batch_size}")
-    adv_all = []
-    for i, a in enumerate(advantages_N):
-        if a is None or not math.isfinite(float(a)):
-            raise ValueError(
-                f"advantage of row {i} is {a!r}; drop env_error rows (advantage None) before the update"
-            )
-        adv_all.append(float(a))
+    _check_needs(cfg, ref_logprobs, sampler_logprobs)
+    adv_all = _check_advantages(rows, advantages_N)
     total_tokens, total_seqs, norm_const = _step_totals(rows, cfg)
     device = next(model.parameters()).device
-
     order = sorted(range(len(rows)), key=lambda i: len(rows[i].input_ids))
+    met = _Metrics()
     loss_sum = 0.0
-    n_tok = 0
-    ratio_sum = 0.0
-    ratio_min = math.inf
-    ratio_max = -math.inf
-    n_clip_low = 0
-    n_clip_high = 0
-    ent_sum = 0.0
-    ent_n = 0
     for start in range(0, len(order), cfg.micro_batch_size):
         idx = order[start : start + cfg.micro_batch_size]
         mb_rows = [rows[i] for i in idx]
         if not any(any(r.loss_mask[1:]) for r in mb_rows):
             continue  # no targets: adds nothing to the loss, the gradient or the totals
-        batch = {k: v.to(device) for k, v in pad_rows(mb_rows, pad_id).items()}
-        lp, ent = _call_logprob_fn(
-            logprob_fn, model, batch["input_ids"], batch["attention_mask"], cfg.temperature
-        )
-        mask = batch["loss_mask"][:, 1:]
-        old = batch["old_logprobs"][:, 1:]
-        if lp.shape != mask.shape:
-            raise ValueError(f"logprob_fn returned {tuple(lp.shape)}, expected {tuple(mask.shape)}")
-        tmask = mask > 0
-        if not torch.isfinite(lp[tmask]).all():
-            raise FloatingPointError("logprobs (policy log-probs of target tokens) are not finite")
-        adv = torch.tensor([adv_all[i] for i in idx], dtype=lp.dtype, device=device)
-        obj, ratio, is_clipped = clipped_surrogate(lp, old, adv, cfg.clip_eps_low, cfg.clip_eps_high)
-        red = reduce_tokens(
-            obj, mask, cfg.reduction,
-            total_tokens=total_tokens, total_seqs=total_seqs, norm_const=norm_const,
-        )
-        loss = -red
+        batch = pad_rows(mb_rows, pad_id)
+        S = batch["input_ids"].shape[1]
+        batch["advantages"] = _micro_advantages(adv_all, idx, S)
+        if ref_logprobs is not None:
+            batch["ref_logprobs"] = _pad_values(ref_logprobs, idx, S)
+        if sampler_logprobs is not None:
+            batch["sampler_logprobs"] = _pad_values(sampler_logprobs, idx, S)
+        batch = {k: v.to(device) for k, v in batch.items()}
+        loss = _micro_batch_loss(model, batch, cfg, logprob_fn, met,
+                                 totals=(total_tokens, total_seqs, norm_const))
         if not torch.isfinite(loss):
             raise FloatingPointError(f"loss is not finite ({loss.item()}) in micro-batch at row {start}")
         loss.backward()
         loss_sum += float(loss.item())
-        with torch.no_grad():
-            r_t = ratio[tmask]
-            n_tok += int(r_t.numel())
-            ratio_sum += float(r_t.double().sum())
-            ratio_min = min(ratio_min, float(r_t.min()))
-            ratio_max = max(ratio_max, float(r_t.max()))
-            a_t = adv.unsqueeze(-1).expand_as(ratio)[tmask]
-            c_t = is_clipped[tmask]
-            n_clip_high += int((c_t & (a_t > 0)).sum())
-            n_clip_low += int((c_t & (a_t < 0)).sum())
-            if ent is not None:
-                e_t = ent[tmask]
-                ent_sum += float(e_t.double().sum())
-                ent_n += int(e_t.numel())
-    nan = float("nan")
+    n = met.n_tok
     return {
         "loss": loss_sum,
-        "ratio_mean": ratio_sum / n_tok if n_tok else nan,
-        "ratio_min": ratio_min if n_tok else nan,
-        "ratio_max": ratio_max if n_tok else nan,
-        "clip_frac_low": n_clip_low / n_tok if n_tok else 0.0,
-        "clip_frac_high": n_clip_high / n_tok if n_tok else 0.0,
-        "entropy": ent_sum / ent_n if ent_n else nan,
-        "n_tokens": float(n_tok),
+        "ratio_mean": met.mean("ratio"),
+        "ratio_min": met.ratio_min if n else float("nan"),
+        "ratio_max": met.ratio_max if n else float("nan"),
+        "clip_frac_low": met.mean("clip_low") if n else 0.0,
+        "clip_frac_high": met.mean("clip_high") if n else 0.0,
+        "entropy": met.mean("entropy"),
+        "kl_ref": met.mean("kl_ref"),
+        "tis_weight_mean": met.mean("tis_weight"),
+        "offpolicy_masked_rows": float(met.n_rows_masked),
+        "n_tokens": float(n),
         "n_rows": float(len(rows)),
     }
+
+
+def _micro_batch_loss(model, batch: dict[str, Tensor], cfg: UpdateConfig, logprob_fn, met: _Metrics,
+                      totals: tuple[float, float, float]) -> Tensor:
+    """−reduce(objective) of one micro-batch with the step's totals; updates ``met``."""
+    lp, ent = _call_logprob_fn(logprob_fn, model, batch["input_ids"], batch["attention_mask"], cfg.temperature)
+    mask = batch["loss_mask"][:, 1:]
+    old = batch["old_logprobs"][:, 1:]
+    if lp.shape != mask.shape:
+        raise ValueError(f"logprob_fn returned {tuple(lp.shape)}, expected {tuple(mask.shape)}")
+    tmask = mask > 0
+    if not torch.isfinite(lp[tmask]).all():
+        raise FloatingPointError("logprobs (policy log-probs of target tokens) are not finite")
+    adv = batch["advantages"]
+    obj, ratio, is_clipped = surrogate_objective(
+        cfg.surrogate, lp, old, adv, mask,
+        eps_low=cfg.clip_eps_low, eps_high=cfg.clip_eps_high, dual_clip_c=cfg.dual_clip_c)
+    behaviour = batch["sampler_logprobs"][:, 1:] if "sampler_logprobs" in batch else old
+    if cfg.tis_cap:
+        w = tis_weights(old, behaviour, cfg.tis_cap)
+        obj = obj * w
+        met.add("tis_weight", w[tmask])
+    if cfg.offpolicy_delta:
+        drop = offpolicy_sequence_mask(lp, behaviour, adv, mask, cfg.offpolicy_delta)
+        met.n_rows_masked += int(drop.sum())
+        mask = mask * (~drop).unsqueeze(-1).to(mask.dtype)
+    if "ref_logprobs" in batch:
+        ref = torch.where(tmask, batch["ref_logprobs"][:, 1:], 0.0)
+        kl = kl_estimate(torch.where(tmask, lp, 0.0), ref, cfg.kl_estimator)
+        met.add("kl_ref", kl.detach()[tmask])
+        if cfg.kl_coef:
+            obj = obj - cfg.kl_coef * kl
+    if cfg.entropy_coef:
+        if ent is None or not ent.requires_grad:
+            raise ValueError("entropy_coef > 0 needs logprob_fn to return an entropy with a gradient "
+                             "(token_logprobs(..., with_entropy=True, entropy_grad=True))")
+        obj = obj + cfg.entropy_coef * ent
+    total_tokens, total_seqs, norm_const = totals
+    loss = -reduce_tokens(obj, mask, cfg.reduction, total_tokens=total_tokens,
+                          total_seqs=total_seqs, norm_const=norm_const)
+    with torch.no_grad():
+        r_t = ratio[tmask]
+        met.n_tok += int(r_t.numel())
+        met.add("ratio", r_t)
+        met.ratio_min = min(met.ratio_min, float(r_t.min()))
+        met.ratio_max = max(met.ratio_max, float(r_t.max()))
+        a_t = (adv.unsqueeze(-1).expand_as(ratio) if adv.dim() == 1 else adv)[tmask]
+        c_t = is_clipped[tmask]
+        met.add("clip_high", (c_t & (a_t > 0)).float())
+        met.add("clip_low", (c_t & (a_t < 0)).float())
+        if ent is not None:
+            met.add("entropy", ent.detach()[tmask])
+    return loss
 
 
 def ppo_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     rows: Sequence[TrainingRow],
-    advantages_N: Sequence[float],
+    advantages_N: Sequence[Any],
     cfg: UpdateConfig,
     pad_id: int,
     logprob_fn: Callable[..., Any],
+    *,
+    ref_logprobs: TokenValues | None = None,
+    sampler_logprobs: TokenValues | None = None,
 ) -> dict[str, float]:
     """One optimizer step: zero grads, :func:`accumulate_gradients`, check that every
     gradient is finite, clip the global grad norm to ``cfg.max_grad_norm``,
     ``optimizer.step()``, ``optimizer.zero_grad()``.
 
-    Objective per token: PPO clip (Schulman et al. 2017, eq. 7; DAPO clip-higher, Yu et
-    al. 2025), reduced per ``cfg.reduction`` over the whole step (DESIGN.md §5);
-    loss = −objective. Tensor shapes: see :func:`accumulate_gradients`.
+    The objective and shapes are those of :func:`accumulate_gradients` (DESIGN.md §5).
 
     Returns:
         metrics of :func:`accumulate_gradients` plus ``grad_norm`` (before clipping).
@@ -249,18 +334,9 @@ def ppo_step(
     """
     optimizer.zero_grad(set_to_none=True)
     try:
-        metrics = accumulate_gradients(model, rows, advantages_N, cfg, pad_id, logprob_fn)
-        params = [p for p in model.parameters() if p.grad is not None]
-        bad = [n for n, p in model.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all()]
-        if bad:
-            raise FloatingPointError(f"gradient is not finite for parameter(s): {', '.join(bad[:5])}")
-        if params:
-            max_norm = cfg.max_grad_norm if cfg.max_grad_norm and cfg.max_grad_norm > 0 else math.inf
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-        else:
-            grad_norm = 0.0
-        if not math.isfinite(grad_norm):
-            raise FloatingPointError(f"grad_norm is not finite ({grad_norm})")
+        metrics = accumulate_gradients(model, rows, advantages_N, cfg, pad_id, logprob_fn,
+                                       ref_logprobs=ref_logprobs, sampler_logprobs=sampler_logprobs)
+        grad_norm = _clip_grad_norm(model, cfg.max_grad_norm)
     except Exception:  # never leave half-accumulated gradients behind
         optimizer.zero_grad(set_to_none=True)
         raise
@@ -268,3 +344,45 @@ def ppo_step(
     optimizer.zero_grad(set_to_none=True)
     metrics["grad_norm"] = grad_norm
     return metrics
+
+
+def _clip_grad_norm(model: torch.nn.Module, max_grad_norm: float) -> float:
+    """Global norm before clipping; raises FloatingPointError naming non-finite gradients."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    bad = [n for n, p in model.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all()]
+    if bad:
+        raise FloatingPointError(f"gradient is not finite for parameter(s): {', '.join(bad[:5])}")
+    if not params:
+        return 0.0
+    max_norm = max_grad_norm if max_grad_norm and max_grad_norm > 0 else math.inf
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    if not math.isfinite(grad_norm):
+        raise FloatingPointError(f"grad_norm is not finite ({grad_norm})")
+    return grad_norm
+
+
+@torch.no_grad()
+def compute_logprobs(model: torch.nn.Module, rows: Sequence[TrainingRow], pad_id: int,
+                     logprob_fn: Callable[..., Any], temperature: float = 1.0,
+                     micro_batch_size: int = 32) -> list[list[float]]:
+    """Log-probs of every row's tokens under ``model`` (no gradient), aligned with
+    ``row.input_ids`` (position 0 holds 0: no logit predicts it).
+
+    Used for the behaviour snapshot (π_old recomputed by the trainer) and the frozen
+    reference policy (π_ref). Positions outside the top-k/top-p support hold -inf.
+
+    Returns:
+        list of N lists of floats, lengths ``len(row.input_ids)``.
+    """
+    device = next(model.parameters()).device
+    out: list[list[float]] = [[] for _ in rows]
+    for start in range(0, len(rows), micro_batch_size):
+        idx = list(range(start, min(start + micro_batch_size, len(rows))))
+        batch = pad_rows([rows[i] for i in idx], pad_id)
+        lp, _ = _call_logprob_fn(logprob_fn, model, batch["input_ids"].to(device),
+                                 batch["attention_mask"].to(device), temperature)
+        lp = lp.float().cpu()
+        for j, i in enumerate(idx):
+            n = len(rows[i].input_ids)
+            out[i] = [0.0] + lp[j, : n - 1].tolist()
+    return out

@@ -1,0 +1,291 @@
+"""One iteration of the loop, box by box, for any recipe (the algorithm map of issue 3).
+
+    collect   rollout box: B tasks × G episodes with π_old; dynamic sampling refills
+              the batch with groups whose rewards differ                (DAPO §3.2)
+    score     reward box: verifier score (+ overlong shaping, DAPO §3.4)
+    credit    credit box: a scalar advantage per trajectory (REINFORCE … Dr.GRPO), or
+              per-token GAE with a value head (PPO); KL as a reward penalty goes here
+    update    update box: epochs × mini-batches of optimizer steps on the chosen
+              surrogate, ratios against the behaviour snapshot
+
+Every recipe in ``consequence/recipes`` is these four functions with different settings.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from consequence.config import TrainConfig
+from consequence.credit.advantages import group_advantages
+from consequence.credit.returns import gae
+from consequence.credit.value import ValueModel, row_values
+from consequence.envs.repair_env import SYSTEM_PROMPT, RepairEnv
+from consequence.policy.logprobs import token_logprobs
+from consequence.records import TrainingRow, Trajectory, trajectory_to_rows
+from consequence.reward.overlong import overlong_penalty
+from consequence.reward.scoring import checked_reward
+from consequence.rollout.episodes import EpisodeSpec, run_episodes
+from consequence.rollout.sampling import policy_generate_fn
+from consequence.tasks.repair import make_tasks
+from consequence.update.regularizers import kl_estimate
+from consequence.update.step import UpdateConfig, compute_logprobs, ppo_step
+from consequence.update.value_step import value_step
+
+
+def seed_of(*parts) -> int:
+    """A 31-bit seed derived from any parts (stable across runs and platforms)."""
+    return random.Random(":".join(map(str, parts))).getrandbits(31)
+
+
+@dataclass
+class Learner:
+    """What the update changes or consults: policy, optimizer, frozen reference, critic."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    update_cfg: UpdateConfig
+    reference: torch.nn.Module | None = None
+    critic: ValueModel | None = None
+    critic_optimizer: torch.optim.Optimizer | None = None
+
+
+def make_learner(cfg: TrainConfig, model: torch.nn.Module, reference: torch.nn.Module | None = None) -> Learner:
+    """Optimizer, update settings, and the reference / critic the recipe needs."""
+    ucfg = UpdateConfig(
+        surrogate=cfg.surrogate, clip_eps_low=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high or cfg.clip_eps,
+        dual_clip_c=cfg.dual_clip_c, reduction=cfg.reduction, micro_batch_size=cfg.micro_batch_size,
+        temperature=cfg.temperature, norm_const=float(cfg.norm_const) if cfg.norm_const else None,
+        tis_cap=cfg.tis_cap, kl_coef=cfg.kl_coef if cfg.kl_mode == "loss" else 0.0,
+        kl_estimator=cfg.kl_estimator, entropy_coef=cfg.entropy_coef, offpolicy_delta=cfg.offpolicy_delta)
+    learner = Learner(model, torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=0.0), ucfg)
+    if cfg.kl_coef > 0:
+        learner.reference = reference if reference is not None else copy.deepcopy(model).eval()
+    if cfg.advantage == "gae":
+        learner.critic = ValueModel(model)
+        learner.critic_optimizer = torch.optim.AdamW(learner.critic.parameters(), lr=cfg.value_learning_rate,
+                                                     weight_decay=0.0)
+    return learner
+
+
+# ---- rollout box ---------------------------------------------------------------------
+def collect(it: int, cfg: TrainConfig, model, renderer, split, budgets, sampling) -> tuple[list[Trajectory], dict]:
+    """Roll out B tasks × G episodes, scored; with dynamic sampling keep only groups whose
+    rewards differ, sampling new tasks for up to ``dynamic_sampling_max_rounds`` rounds.
+
+    Returns:
+        (trajectories of the kept groups, stats: groups generated / kept / dropped).
+    """
+    rounds = cfg.dynamic_sampling_max_rounds if cfg.dynamic_sampling else 1
+    kept: list[list[Trajectory]] = []
+    generated = 0
+    for r in range(rounds):
+        groups = _roll_out_round(it, r, cfg, model, renderer, split, budgets, sampling)
+        generated += len(groups)
+        kept += [g for g in groups if not cfg.dynamic_sampling or _is_mixed(g)]
+        if len(kept) >= cfg.tasks_per_iteration:
+            break
+    kept = kept[: cfg.tasks_per_iteration]
+    stats = {"groups_generated": generated, "groups_kept": len(kept), "groups_dropped": generated - len(kept)}
+    return [t for g in kept for t in g], stats
+
+
+def _roll_out_round(it, r, cfg, model, renderer, split, budgets, sampling) -> list[list[Trajectory]]:
+    tag = (it,) if r == 0 else (it, "round", r)  # round 0 keeps the seeds of plain sampling
+    tasks = make_tasks(split["train"], cfg.tasks_per_iteration, seed=seed_of(cfg.seed, *tag))
+    prefix = f"{it}" if r == 0 else f"{it}.{r}"
+    specs = [EpisodeSpec(RepairEnv(t), t.task_id, f"{prefix}/{t.task_id}", g, seed_of(cfg.seed, *tag, g))
+             for t in tasks for g in range(cfg.group_size)]
+    gen = policy_generate_fn(model, sampling, renderer.stop_ids, seed_of(cfg.seed, *tag, "rollout"))
+    trajs = run_episodes(gen, renderer, specs, budgets, SYSTEM_PROMPT, policy_version=it)
+    score_trajectories(trajs, cfg.overlong_buffer, budgets.max_total_tokens)
+    groups: dict[str, list[Trajectory]] = {}
+    for t in trajs:
+        groups.setdefault(t.group_id, []).append(t)
+    return list(groups.values())
+
+
+def _is_mixed(group: list[Trajectory]) -> bool:
+    return len({t.reward for t in group if t.reward is not None}) > 1
+
+
+# ---- reward box ----------------------------------------------------------------------
+def score_trajectories(trajs: list[Trajectory], overlong_buffer: int = 0, max_total_tokens: int = 0) -> None:
+    """Verifier's hidden-test score in [0, 1], checked finite; with ``overlong_buffer`` > 0
+    plus DAPO's overlong penalty in [−1, 0] (total range [−1, 1]). A failed environment is
+    an env_error (reward None), never a 0 (shared/cases/03-env-error-not-zero.md)."""
+    for t in trajs:
+        if t.outcome == "env_error":
+            t.reward = None
+            continue
+        parts = {"hidden_tests": t.verifier_score if t.outcome == "finished" else 0.0}  # no submission → 0
+        if overlong_buffer and t.calls:
+            last = t.calls[-1]
+            parts["overlong"] = overlong_penalty(len(last.context_ids) + len(last.output_ids),
+                                                 max_total_tokens, overlong_buffer)
+        res = checked_reward(lambda p=parts: p, low=-1.0 if overlong_buffer else 0.0)
+        t.reward, t.reward_components = res.value, res.components
+        if res.value is None:
+            t.outcome, t.error = "env_error", res.error
+
+
+# ---- credit box ----------------------------------------------------------------------
+@dataclass
+class Batch:
+    """Rows of one iteration with their advantages and per-token side inputs."""
+
+    rows: list[TrainingRow]
+    advantages: list[Any]  # float per row, or per-token list (GAE)
+    sampler_logprobs: list[list[float]]
+    ref_logprobs: list[list[float]] | None = None
+    returns: list[list[float]] | None = None
+    old_values: list[list[float]] | None = None
+
+
+def credit(trajs: list[Trajectory], cfg: TrainConfig, learner: Learner, pad_id: int) -> Batch:
+    """Advantages over complete groups, before any mini- or micro-batching (DESIGN.md §4).
+
+    Sets ``t.advantage`` (the trajectory's scalar advantage; for GAE the mean over its
+    tokens) and returns the rows to train on: env_error trajectories are left out, and
+    with ``overlong_filter`` so are truncated ones (after they entered group statistics).
+    """
+    rows, owner = [], []
+    for i, t in enumerate(trajs):
+        if t.reward is None or not t.calls:
+            continue
+        for r in trajectory_to_rows(t, i):
+            rows.append(r)
+            owner.append(i)
+    batch = Batch(rows, [], [list(r.old_logprobs) for r in rows])
+    logprob_fn = _logprob_fn(cfg)
+    if learner.reference is not None and rows:
+        batch.ref_logprobs = compute_logprobs(learner.reference, rows, pad_id, logprob_fn, cfg.temperature,
+                                              cfg.micro_batch_size)
+    penalty = _kl_reward_penalty(batch, cfg) if cfg.kl_mode == "reward" and cfg.kl_coef > 0 else None
+    if cfg.advantage == "gae":
+        _gae_advantages(trajs, batch, owner, cfg, learner, pad_id, penalty)
+    else:
+        rewards = [t.reward for t in trajs]
+        if penalty is not None:
+            for j, i in enumerate(owner):
+                rewards[i] -= sum(penalty[j])
+        adv = group_advantages(rewards, [t.group_id for t in trajs], estimator=cfg.advantage,
+                               std_correction=1 if cfg.grpo_std == "sample" else 0)
+        for t, a in zip(trajs, adv):
+            t.advantage = a
+        batch.advantages = [trajs[i].advantage for i in owner]
+    if cfg.overlong_filter:
+        keep = [j for j, i in enumerate(owner) if trajs[i].outcome != "truncated"]
+        batch = _select(batch, keep)
+    return batch
+
+
+def _kl_reward_penalty(batch: Batch, cfg: TrainConfig) -> list[list[float]]:
+    """β·k(logμ, logπ_ref) per position of each row (0 off target): KL as a reward penalty."""
+    out = []
+    for r, mu, ref in zip(batch.rows, batch.sampler_logprobs, batch.ref_logprobs or []):
+        m = torch.tensor(r.loss_mask, dtype=torch.bool)
+        lp = torch.where(m, torch.tensor(mu), 0.0)
+        rf = torch.where(m, torch.tensor(ref), 0.0)
+        k = kl_estimate(lp, rf, cfg.kl_estimator)
+        out.append((cfg.kl_coef * torch.where(m, k, 0.0)).tolist())
+    return out
+
+
+def _gae_advantages(trajs, batch: Batch, owner, cfg, learner: Learner, pad_id, penalty) -> None:
+    """Per-token GAE; the outcome reward sits on the last generated token of a trajectory.
+
+    V = 0 after a finished episode, the critic's value of the final state after a
+    truncation; a row that is not its trajectory's last bootstraps from its own end.
+    Advantages are whitened over the batch's target tokens (PPO practice).
+    """
+    values, final = row_values(learner.critic, batch.rows, pad_id, cfg.micro_batch_size)
+    last_row = {i: j for j, i in enumerate(owner)}
+    advs, rets = [], []
+    for j, (r, i) in enumerate(zip(batch.rows, owner)):
+        rewards = [0.0] * len(r.input_ids)
+        is_last = last_row[i] == j
+        if is_last:
+            rewards[max(t for t, m in enumerate(r.loss_mask) if m)] = float(trajs[i].reward)
+        if penalty is not None:
+            rewards = [x - p for x, p in zip(rewards, penalty[j])]
+        last_value = 0.0 if is_last and trajs[i].outcome == "finished" else final[j]
+        a, ret = gae(rewards, values[j], r.loss_mask, cfg.gamma, cfg.gae_lambda, last_value)
+        advs.append(a)
+        rets.append(ret)
+    flat = torch.tensor([a for r, adv in zip(batch.rows, advs) for a, m in zip(adv, r.loss_mask) if m])
+    mean, std = (flat.mean().item(), flat.std(unbiased=False).item()) if flat.numel() else (0.0, 1.0)
+    batch.advantages = [[(a - mean) / (std + 1e-6) if m else 0.0 for a, m in zip(adv, r.loss_mask)]
+                        for r, adv in zip(batch.rows, advs)]
+    batch.returns, batch.old_values = rets, values
+    for i, t in enumerate(trajs):
+        own = [a for j, adv in enumerate(batch.advantages) if owner[j] == i
+               for a, m in zip(adv, batch.rows[j].loss_mask) if m]
+        t.advantage = sum(own) / len(own) if own else None
+
+
+def _select(batch: Batch, keep: list[int]) -> Batch:
+    pick = lambda xs: None if xs is None else [xs[j] for j in keep]  # noqa: E731
+    return Batch(pick(batch.rows), pick(batch.advantages), pick(batch.sampler_logprobs),
+                 pick(batch.ref_logprobs), pick(batch.returns), pick(batch.old_values))
+
+
+# ---- update box ----------------------------------------------------------------------
+def _logprob_fn(cfg: TrainConfig):
+    return functools.partial(token_logprobs, with_entropy=True, entropy_grad=cfg.entropy_coef > 0,
+                             top_k=cfg.top_k, top_p=cfg.top_p)
+
+
+def update(batch: Batch, cfg: TrainConfig, learner: Learner, pad_id: int, seed: int) -> dict[str, float]:
+    """``epochs_per_batch`` × ``mini_batches`` optimizer steps on one collected batch.
+
+    π_old is the behaviour snapshot: the sampler's log-probs, or with TIS the trainer's
+    recomputation before the first step (and the sampler's μ goes to the TIS weights).
+
+    Returns:
+        step metrics averaged over the steps (ratio_min / ratio_max: extremes), plus
+        ``n_updates``; value-head metrics when a critic is trained.
+    """
+    if not batch.rows:
+        return {"n_updates": 0.0}
+    rows = batch.rows
+    logprob_fn = _logprob_fn(cfg)
+    if cfg.tis_cap > 0:
+        old = compute_logprobs(learner.model, rows, pad_id, logprob_fn, cfg.temperature, cfg.micro_batch_size)
+        rows = [dataclasses.replace(r, old_logprobs=o) for r, o in zip(rows, old)]
+    rng = random.Random(seed)
+    steps: list[dict[str, float]] = []
+    for _ in range(cfg.epochs_per_batch):
+        order = list(range(len(rows)))
+        if cfg.mini_batches > 1:
+            rng.shuffle(order)
+        for part in _chunks(order, cfg.mini_batches):
+            pick = lambda xs: None if xs is None else [xs[j] for j in part]  # noqa: E731
+            m = ppo_step(learner.model, learner.optimizer, pick(rows), pick(batch.advantages),
+                         learner.update_cfg, pad_id, logprob_fn,
+                         ref_logprobs=pick(batch.ref_logprobs), sampler_logprobs=pick(batch.sampler_logprobs))
+            if learner.critic is not None:
+                m |= value_step(learner.critic, learner.critic_optimizer, pick(rows), pick(batch.returns),
+                                pick(batch.old_values), pad_id, cfg.value_clip, cfg.micro_batch_size)
+            steps.append(m)
+    return _merge_steps(steps)
+
+
+def _chunks(order: list[int], n: int) -> list[list[int]]:
+    size = -(-len(order) // n)
+    return [order[k : k + size] for k in range(0, len(order), size)]
+
+
+def _merge_steps(steps: list[dict[str, float]]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for key in steps[0]:
+        vals = [s[key] for s in steps if key in s]
+        out[key] = min(vals) if key == "ratio_min" else max(vals) if key == "ratio_max" else sum(vals) / len(vals)
+    out["n_updates"] = float(len(steps))
+    return out

@@ -1,0 +1,98 @@
+"""Terms that modify the surrogate: KL to a reference, truncated importance sampling,
+off-policy sequence masking (update box, DESIGN.md §5).
+
+All inputs are per-token [N, T] float32 log-probs of the sampled target tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
+
+
+def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k3") -> Tensor:
+    """Per-token estimate of KL(π_θ ‖ π_ref) from tokens sampled from π_θ.
+
+    With log r = logπ_θ − logπ_ref (Schulman 2020, "Approximating KL Divergence"):
+    k1 = log r (unbiased, high variance, can be negative), k2 = ½ (log r)²,
+    k3 = (e^{−log r} − 1) + log r (unbiased, always ≥ 0; the GRPO paper's choice,
+    Shao et al. 2024, §4.1, eq. 4).
+
+    Args:
+        logprobs: [N, T] logπ_θ (gradient flows through it).
+        ref_logprobs: [N, T] logπ_ref of the same tokens (no gradient).
+        estimator: one of :data:`KL_ESTIMATORS`.
+
+    Returns:
+        [N, T] float32 estimate (differentiable in ``logprobs``).
+
+    Raises:
+        ValueError: unknown estimator or shapes differ.
+    """
+    if logprobs.shape != ref_logprobs.shape:
+        raise ValueError(f"logprobs {tuple(logprobs.shape)} and ref_logprobs {tuple(ref_logprobs.shape)} differ")
+    log_r = logprobs - ref_logprobs.detach()
+    if estimator == "k1":
+        return log_r
+    if estimator == "k2":
+        return 0.5 * log_r**2
+    if estimator == "k3":
+        return torch.expm1(-log_r) + log_r
+    raise ValueError(f"unknown KL estimator {estimator!r}; valid: {', '.join(KL_ESTIMATORS)}")
+
+
+def tis_weights(old_logprobs: Tensor, sampler_logprobs: Tensor, cap: float = 2.0) -> Tensor:
+    """Truncated importance-sampling weights sg(min(π_old / μ, C)) per token.
+
+    Corrects for the sampler (μ, e.g. an inference engine) and the trainer's recomputation
+    of the same behaviour policy (π_old) giving different probabilities (Yao et al. 2025,
+    "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training", §2).
+
+    Args:
+        old_logprobs: [N, T] logπ_old recomputed by the trainer.
+        sampler_logprobs: [N, T] logμ reported by the sampler.
+        cap: C > 0.
+
+    Returns:
+        [N, T] float32 weights in (0, C], detached.
+
+    Raises:
+        ValueError: cap not positive or shapes differ.
+    """
+    if cap <= 0:
+        raise ValueError(f"TIS cap C must be positive, got {cap}")
+    if old_logprobs.shape != sampler_logprobs.shape:
+        raise ValueError("old_logprobs and sampler_logprobs differ in shape")
+    with torch.no_grad():
+        return torch.exp(old_logprobs - sampler_logprobs).clamp(max=cap)
+
+
+def offpolicy_sequence_mask(
+    logprobs: Tensor, behaviour_logprobs: Tensor, advantages: Tensor, mask: Tensor, delta: float
+) -> Tensor:
+    """Rows to drop: negative advantage AND large divergence from the behaviour policy.
+
+    KL(μ ‖ π_θ) of row i is estimated by the mean over its targets of logμ − logπ_θ; a
+    row with A_i < 0 and estimate > delta is masked (DeepSeek-AI 2025, DeepSeek-V3.2
+    §3.1, "off-policy sequence masking": such sequences push the policy away from
+    samples it no longer produces).
+
+    Args:
+        logprobs, behaviour_logprobs, mask: [N, T]; advantages: [N] or [N, T] (a row's
+            advantage is its mean over targets).
+        delta: threshold in nats per token (> 0).
+
+    Returns:
+        [N] bool, True = drop the row, detached.
+    """
+    with torch.no_grad():
+        m = mask > 0
+        L = m.sum(-1).clamp(min=1)
+        diff = torch.where(m, behaviour_logprobs - logprobs, torch.zeros_like(logprobs))
+        kl = diff.sum(-1) / L
+        adv = torch.as_tensor(advantages, dtype=logprobs.dtype, device=logprobs.device)
+        if adv.dim() == 2:
+            adv = torch.where(m, adv, torch.zeros_like(adv)).sum(-1) / L
+        return (adv < 0) & (kl > delta)

@@ -1,0 +1,95 @@
+"""One optimizer step of the critic (PPO's value head), clipped value loss.
+
+Per target token: ½ · max((V − R)², (V_old + clip(V − V_old, −ε_v, ε_v) − R)²), averaged
+over all target tokens of the step (token-mean over the whole step, so micro-batching
+does not change the gradient). The clipped term is PPO's value clipping (Schulman et al.
+2017 reference implementation; analysed in Engstrom et al. 2020, "Implementation
+Matters in Deep Policy Gradients", §3).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from consequence.credit.value import ValueModel
+from consequence.records import TrainingRow, pad_rows
+
+
+def _pad(values: Sequence[Sequence[float]], idx: Sequence[int], S: int) -> torch.Tensor:
+    out = torch.zeros((len(idx), S), dtype=torch.float32)
+    for j, i in enumerate(idx):
+        out[j, : len(values[i])] = torch.tensor(values[i], dtype=torch.float32)
+    return out
+
+
+def value_step(
+    critic: ValueModel,
+    optimizer: torch.optim.Optimizer,
+    rows: Sequence[TrainingRow],
+    returns: Sequence[Sequence[float]],
+    old_values: Sequence[Sequence[float]],
+    pad_id: int,
+    clip: float = 0.2,
+    micro_batch_size: int = 32,
+    max_grad_norm: float = 1.0,
+) -> dict[str, float]:
+    """Fit V to the GAE returns on every target token; one optimizer step.
+
+    Args:
+        rows: training rows (targets = generated tokens).
+        returns: per row, value targets aligned with ``input_ids`` (from
+            :func:`consequence.credit.returns.gae`).
+        old_values: per row, the critic's values when the batch was collected, aligned
+            the same way (position t = V of the state before token t).
+        clip: ε_v of value clipping (``<= 0`` turns it off).
+
+    Returns:
+        ``value_loss`` (float, squared units of reward) and ``value_explained_var``
+        (1 − Var(R − V_old)/Var(R) over target tokens; 1 is perfect, ≤ 0 no better than
+        a constant).
+
+    Raises:
+        ValueError: lengths differ. FloatingPointError: a non-finite loss or gradient.
+    """
+    if not (len(rows) == len(returns) == len(old_values)):
+        raise ValueError(f"{len(rows)} rows, {len(returns)} returns, {len(old_values)} old values")
+    n_tok = sum(sum(1 for m in r.loss_mask[1:] if m) for r in rows)
+    optimizer.zero_grad(set_to_none=True)
+    device = next(critic.parameters()).device
+    loss_sum = 0.0
+    resid, targets = [], []
+    for start in range(0, len(rows), micro_batch_size):
+        idx = list(range(start, min(start + micro_batch_size, len(rows))))
+        batch = pad_rows([rows[i] for i in idx], pad_id)
+        S = batch["input_ids"].shape[1]
+        mask = batch["loss_mask"][:, 1:].to(device) > 0
+        if not mask.any():
+            continue
+        ret = _pad(returns, idx, S)[:, 1:].to(device)
+        v_old = _pad(old_values, idx, S)[:, 1:].to(device)
+        v = critic(batch["input_ids"].to(device), batch["attention_mask"].to(device))[:, :-1]
+        loss_tok = (v - ret) ** 2
+        if clip > 0:
+            v_clip = v_old + torch.clamp(v - v_old, -clip, clip)
+            loss_tok = torch.maximum(loss_tok, (v_clip - ret) ** 2)
+        loss = 0.5 * torch.where(mask, loss_tok, torch.zeros_like(loss_tok)).sum() / max(n_tok, 1)
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"value loss is not finite ({loss.item()})")
+        loss.backward()
+        loss_sum += float(loss.item())
+        resid.append((ret - v_old)[mask].detach().cpu())
+        targets.append(ret[mask].detach().cpu())
+    grad_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), max_grad_norm if max_grad_norm > 0 else math.inf)
+    if not torch.isfinite(grad_norm):
+        optimizer.zero_grad(set_to_none=True)
+        raise FloatingPointError("value-head gradient is not finite")
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    ev = float("nan")
+    if targets:
+        r, t = torch.cat(resid), torch.cat(targets)
+        ev = float(1.0 - r.var(unbiased=False) / t.var(unbiased=False)) if t.var(unbiased=False) > 0 else float("nan")
+    return {"value_loss": loss_sum, "value_explained_var": ev}
