@@ -28,7 +28,14 @@ console = Console(soft_wrap=True)
 def _train(config: Optional[Path] = None, **options) -> None:
     given = {k: v for k, v in options.items() if v is not None}
     try:
-        cfg = TrainConfig.from_yaml(config, **given) if config else TrainConfig.checked(**given)
+        base: dict = {}
+        if given.get("recipe"):
+            from consequence.recipes import load_recipe
+
+            recipe = load_recipe(given["recipe"])
+            base = {"run_dir": f"runs/repair-{recipe.name}", **recipe.config, "recipe": recipe.name}
+            given.pop("recipe")
+        cfg = TrainConfig.from_yaml(config, base, **given) if config else TrainConfig.checked(**{**base, **given})
         _check_model_dir(cfg.model)
         _check_run_dir(Path(cfg.run_dir))
     except ValueError as e:
@@ -82,7 +89,7 @@ def _train_signature() -> inspect.Signature:
 
 def _option_type(annotation) -> tuple[type, list[str]]:
     """CLI type of a config field, and its allowed values when it is a Literal."""
-    if annotation in (int, float):
+    if annotation in (int, float, bool):
         return annotation, []
     args = typing.get_args(annotation)
     if typing.get_origin(annotation) is list:
@@ -107,7 +114,28 @@ def _version(value: bool) -> None:
 def main(show_version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
                                            help="Print the version and exit.")) -> None:
     """consequence: reinforcement learning of language-model agents."""
-app.command("train", help="Train the policy with GRPO on the code-repair task (defaults run end to end on CPU).")(_train)
+app.command("train", help="Train the policy on the code-repair task (default: GRPO; --recipe picks another algorithm). Runs end to end on CPU.")(_train)
+
+
+@app.command("explain")
+def explain(recipes: list[str] = typer.Argument(..., help="One recipe (its boxes) or two (their difference): "
+                                                          "reinforce, rloo, ppo, grpo, dr_grpo, dapo, gspo, cispo, or YAML paths.")) -> None:
+    """Show a recipe as the seven boxes of the loop, or the difference between two recipes."""
+    from consequence.recipes import load_recipe
+    from consequence.report.explain import render_difference, render_recipe
+
+    try:
+        loaded = [load_recipe(r) for r in recipes]
+    except ValueError as e:
+        console.print(f"[red]error:[/] {escape(str(e))}")
+        raise typer.Exit(2)
+    if len(loaded) == 1:
+        render_recipe(loaded[0], console)
+    elif len(loaded) == 2:
+        render_difference(loaded[0], loaded[1], console)
+    else:
+        console.print("[red]error:[/] give one recipe, or two to compare")
+        raise typer.Exit(2)
 
 
 @app.command("warmstart")

@@ -33,7 +33,7 @@ class TrainConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     run_dir: str = _f("runs/repair-grpo", "run", "Directory for checkpoints, trajectories, metrics, plots and the report.")
-    recipe: str | None = _f(None, "run", "Name of the recipe these settings came from (set by --recipe; informational).")
+    recipe: str | None = _f(None, "run", "Start from this recipe (reinforce, rloo, ppo, grpo, dr_grpo, dapo, gspo, cispo, or a recipe YAML path; see `consequence explain`); other options override it.")
     model: str | None = _f(None, "policy", "Path of a local Hugging Face causal LM with a chat template; default: the bundled tiny warm-start checkpoint (built on first use, then cached).")
     seed: int = _f(0, "run", "Seed of RL sampling and task order (vary it for several training seeds); does not change the split or the warm start.")
     split_seed: int = _f(0, "tasks", "Seed of the train/validation/test problem split; the tiny warm start is built on its train split, so another value rebuilds the warm start (about 30 min on 2 cores).")
@@ -80,8 +80,8 @@ class TrainConfig(BaseModel):
     warmstart_epochs: float = _f(8.0, "policy", "SFT epochs over the demonstrations when building the tiny warm start.", gt=0)
 
     @classmethod
-    def from_yaml(cls, path: str | Path, **overrides) -> "TrainConfig":
-        """Load a YAML config, then apply command-line overrides.
+    def from_yaml(cls, path: str | Path, base: dict | None = None, **overrides) -> "TrainConfig":
+        """Load a YAML config over ``base`` (e.g. a recipe's settings), then apply overrides.
 
         Raises:
             ValueError: the file is missing, not a mapping, or has bad keys/values.
@@ -95,7 +95,7 @@ class TrainConfig(BaseModel):
             raise ValueError(f"config file {p} is not valid YAML: {e}") from None
         if not isinstance(data, dict):
             raise ValueError(f"config file {p} must hold a mapping of option: value")
-        return cls.checked(**{**data, **overrides})
+        return cls.checked(**{**(base or {}), **data, **overrides})
 
     @classmethod
     def checked(cls, **values) -> "TrainConfig":
