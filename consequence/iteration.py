@@ -80,19 +80,22 @@ def collect(it: int, cfg: TrainConfig, model, renderer, split, budgets, sampling
     rewards differ, sampling new tasks for up to ``dynamic_sampling_max_rounds`` rounds.
 
     Returns:
-        (trajectories of the kept groups, stats: groups generated / kept / dropped).
+        (trajectories of the kept groups, stats: groups generated / kept / dropped and
+        the tokens generated in all rounds).
     """
     rounds = cfg.dynamic_sampling_max_rounds if cfg.dynamic_sampling else 1
     kept: list[list[Trajectory]] = []
-    generated = 0
+    generated = tokens = 0
     for r in range(rounds):
         groups = _roll_out_round(it, r, cfg, model, renderer, split, budgets, sampling)
         generated += len(groups)
+        tokens += sum(t.n_generated_tokens for g in groups for t in g)
         kept += [g for g in groups if not cfg.dynamic_sampling or _is_mixed(g)]
         if len(kept) >= cfg.tasks_per_iteration:
             break
     kept = kept[: cfg.tasks_per_iteration]
-    stats = {"groups_generated": generated, "groups_kept": len(kept), "groups_dropped": generated - len(kept)}
+    stats = {"groups_generated": generated, "groups_kept": len(kept), "groups_dropped": generated - len(kept),
+             "gen_tokens_total": tokens}
     return [t for g in kept for t in g], stats
 
 

@@ -126,8 +126,9 @@ def iteration(it, cfg, learner: Learner, renderer, split, budgets, sampling, run
         "update_s": t_update,
         **upd,
     }
+    metrics["gen_tokens_total"] = ds["gen_tokens_total"]
     if cfg.dynamic_sampling:
-        metrics |= ds
+        metrics |= {k: v for k, v in ds.items() if k.startswith("groups_")}
     return metrics
 
 

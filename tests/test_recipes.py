@@ -85,10 +85,10 @@ def test_dynamic_sampling_keeps_mixed_groups_and_reports_counts(monkeypatch):
     cfg = TrainConfig(tasks_per_iteration=3, dynamic_sampling=True, dynamic_sampling_max_rounds=3)
     trajs, stats = collect(0, cfg, None, None, None, None, None)
     assert [t.group_id for t in trajs] == ["b", "b", "d", "d", "e", "e"]
-    assert stats == {"groups_generated": 6, "groups_kept": 3, "groups_dropped": 3}
+    assert stats == {"groups_generated": 6, "groups_kept": 3, "groups_dropped": 3, "gen_tokens_total": 0}
     cfg = TrainConfig(tasks_per_iteration=3, dynamic_sampling=True, dynamic_sampling_max_rounds=1)
     trajs, stats = collect(0, cfg, None, None, None, None, None)  # the limit: train on what was kept
-    assert stats == {"groups_generated": 3, "groups_kept": 1, "groups_dropped": 2}
+    assert stats == {"groups_generated": 3, "groups_kept": 1, "groups_dropped": 2, "gen_tokens_total": 0}
 
 
 @pytest.fixture(scope="module")
