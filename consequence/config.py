@@ -37,6 +37,7 @@ class TrainConfig(BaseModel):
     model: str | None = _f(None, "policy", "Path of a local Hugging Face causal LM with a chat template; default: the bundled tiny warm-start checkpoint (built on first use, then cached).")
     seed: int = _f(0, "run", "Seed of RL sampling and task order (vary it for several training seeds); does not change the split or the warm start.")
     split_seed: int = _f(0, "tasks", "Seed of the train/validation/test problem split; the tiny warm start is built on its train split, so another value rebuilds the warm start (about 30 min on 2 cores).")
+    skip_checks: bool = _f(False, "run", "Skip the checks before the first optimizer step (DESIGN.md §6); recorded in manifest.json.")
     iterations: int = _f(18, "run", "Number of RL iterations (collect a batch, then update).", ge=1)
     tasks_per_iteration: int = _f(16, "tasks", "B: train tasks sampled per iteration.", ge=1)
     group_size: int = _f(8, "rollout", "G: rollouts per task; advantages are computed within each group.", ge=2)

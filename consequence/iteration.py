@@ -166,9 +166,9 @@ def credit(trajs: list[Trajectory], cfg: TrainConfig, learner: Learner, pad_id: 
             rows.append(r)
             owner.append(i)
     batch = Batch(rows, [], [list(r.old_logprobs) for r in rows])
-    logprob_fn = _logprob_fn(cfg)
+    lp_fn = logprob_fn(cfg)
     if learner.reference is not None and rows:
-        batch.ref_logprobs = compute_logprobs(learner.reference, rows, pad_id, logprob_fn, cfg.temperature,
+        batch.ref_logprobs = compute_logprobs(learner.reference, rows, pad_id, lp_fn, cfg.temperature,
                                               cfg.micro_batch_size)
     penalty = _kl_reward_penalty(batch, cfg) if cfg.kl_mode == "reward" and cfg.kl_coef > 0 else None
     if cfg.advantage == "gae":
@@ -240,7 +240,8 @@ def _select(batch: Batch, keep: list[int]) -> Batch:
 
 
 # ---- update box ----------------------------------------------------------------------
-def _logprob_fn(cfg: TrainConfig):
+def logprob_fn(cfg: TrainConfig):
+    """The trainer's log-prob function under the sampler's processed distribution."""
     return functools.partial(token_logprobs, with_entropy=True, entropy_grad=cfg.entropy_coef > 0,
                              top_k=cfg.top_k, top_p=cfg.top_p)
 
@@ -258,9 +259,9 @@ def update(batch: Batch, cfg: TrainConfig, learner: Learner, pad_id: int, seed: 
     if not batch.rows:
         return {"n_updates": 0.0}
     rows = batch.rows
-    logprob_fn = _logprob_fn(cfg)
+    lp_fn = logprob_fn(cfg)
     if cfg.tis_cap > 0:
-        old = compute_logprobs(learner.model, rows, pad_id, logprob_fn, cfg.temperature, cfg.micro_batch_size)
+        old = compute_logprobs(learner.model, rows, pad_id, lp_fn, cfg.temperature, cfg.micro_batch_size)
         rows = [dataclasses.replace(r, old_logprobs=o) for r, o in zip(rows, old)]
     rng = random.Random(seed)
     steps: list[dict[str, float]] = []
@@ -271,7 +272,7 @@ def update(batch: Batch, cfg: TrainConfig, learner: Learner, pad_id: int, seed: 
         for part in _chunks(order, cfg.mini_batches):
             pick = lambda xs: None if xs is None else [xs[j] for j in part]  # noqa: E731
             m = ppo_step(learner.model, learner.optimizer, pick(rows), pick(batch.advantages),
-                         learner.update_cfg, pad_id, logprob_fn,
+                         learner.update_cfg, pad_id, lp_fn,
                          ref_logprobs=pick(batch.ref_logprobs), sampler_logprobs=pick(batch.sampler_logprobs))
             if learner.critic is not None:
                 m |= value_step(learner.critic, learner.critic_optimizer, pick(rows), pick(batch.returns),

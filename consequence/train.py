@@ -33,7 +33,9 @@ from consequence.evaluate.compare import ArmResult, paired_comparison, summarize
 from consequence.harness.renderer import Renderer
 from consequence.policy.sampler import SamplingParams
 from consequence.policy.tiny import load_policy, save_policy
-from consequence.iteration import Learner, collect, credit, make_learner, score_trajectories, seed_of, update
+from consequence.checks import run_pre_step_checks
+from consequence.iteration import (Learner, collect, credit, logprob_fn, make_learner, score_trajectories, seed_of,
+                                   update)
 from consequence.records import Trajectory, write_trajectories
 from consequence.rollout.episodes import Budgets, EpisodeSpec, run_episodes
 from consequence.rollout.sampling import policy_generate_fn
@@ -72,7 +74,7 @@ def train(cfg: TrainConfig, console=None) -> dict[str, Any]:
                   TextColumn("{task.fields[status]}"), console=console) as bar:
         job = bar.add_task(cfg.recipe or "GRPO", total=cfg.iterations, status="")
         for it in range(cfg.iterations):
-            m = iteration(it, cfg, learner, renderer, split, budgets, sampling, run)
+            m = iteration(it, cfg, learner, renderer, split, budgets, sampling, run, first=it == 0, console=bar.console)
             if cfg.eval_every and ((it + 1) % cfg.eval_every == 0 or it + 1 == cfg.iterations):
                 m["val_success"] = validate(model, renderer, split, budgets, cfg)["success"]
                 save_policy(model, tokenizer, run / "checkpoints" / f"iter_{it + 1:04d}")
@@ -98,7 +100,8 @@ def train(cfg: TrainConfig, console=None) -> dict[str, Any]:
     return report
 
 
-def iteration(it, cfg, learner: Learner, renderer, split, budgets, sampling, run) -> dict[str, Any]:
+def iteration(it, cfg, learner: Learner, renderer, split, budgets, sampling, run, first: bool = False,
+              console=None) -> dict[str, Any]:
     """One collect → score → credit → update step (``consequence.iteration``); returns its metrics."""
     t0 = time.perf_counter()
     trajs, ds = collect(it, cfg, learner.model, renderer, split, budgets, sampling)
@@ -106,6 +109,12 @@ def iteration(it, cfg, learner: Learner, renderer, split, budgets, sampling, run
     pad_id = renderer.tokenizer.pad_token_id
     batch = credit(trajs, cfg, learner, pad_id)
     write_trajectories(run / "trajectories" / f"iter_{it:04d}.parquet", trajs)
+    if first and not cfg.skip_checks:
+        expected = {i for i, t in enumerate(trajs) if t.reward is not None and t.calls
+                    and not (cfg.overlong_filter and t.outcome == "truncated")}
+        run_pre_step_checks(model=learner.model, trajs=trajs, rows=batch.rows, pad_id=pad_id,
+                            stop_ids=renderer.stop_ids, logprob_fn=logprob_fn(cfg), cfg=cfg,
+                            ucfg=learner.update_cfg, expected=expected, console=console)
     t1 = time.perf_counter()
     upd = update(batch, cfg, learner, pad_id, seed=seed_of(cfg.seed, it, "update"))
     t_update = time.perf_counter() - t1
