@@ -1,0 +1,379 @@
+"""Run a test PROGRAM (``check(candidate)``, HumanEval style) against untrusted code.
+
+Two fresh confined interpreters (see :mod:`consequence.envs.hardening`), never one:
+
+- the CANDIDATE process executes the model's code and serves calls of its entry point:
+  it reads ``{"a": args, "k": kwargs}`` frames on stdin, answers ``{"r": result}`` or
+  ``{"x": "ExcType: message"}`` on stdout, one JSON line each;
+- the JUDGE process executes the trusted ``setup`` and ``check`` sources and calls
+  ``check(candidate)`` where ``candidate`` is a proxy that sends the arguments to the
+  candidate process and DECODES the answer into fresh built-in values (int, float, bool,
+  str, bytes, None, complex, list, tuple, dict, set, frozenset). It prints one verdict
+  line prefixed by a random nonce that only the parent and the judge know.
+
+So the candidate cannot return an object whose ``__eq__`` lies (it can only send data),
+cannot see the tests or the nonce (another process; Landlock scopes signals, seccomp
+blocks ptrace), and cannot write the verdict (the judge's stdout is a file it has no
+descriptor for). Anything unexpected from the candidate (exit, garbage, an oversize
+frame, a non-plain value) fails the check even if ``check`` swallows the exception.
+The parent decides from the judge's exit status and its last nonce line only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from collections import OrderedDict
+
+from consequence.envs.hardening import PRELUDE, child_config
+from consequence.envs.sandbox import SandboxLimits, TestReport, network_isolation
+from consequence.tasks.repair import TestProgram
+
+__all__ = ["PROGRAM_LIMITS", "run_program", "clear_cache", "CODEC", "CANDIDATE", "JUDGE"]
+
+# HumanEval's own harness allows 3 s per problem; a few official checks make ~100 calls,
+# each one round trip between the two processes (~50 us), so 6 s wall is generous.
+PROGRAM_LIMITS = SandboxLimits(wall_s=6.0, cpu_s=4, memory_mb=512)
+MAX_FRAME_BYTES = 4 << 20  # one answer of the candidate; larger is a hard failure
+
+# Plain-data codec shared by both children (source text, executed in each).
+# JSON natives: None, bool, int, float (incl. inf/nan), str, list. Tagged one-key objects:
+# {"t": tuple}, {"d": [[k, v], ...]}, {"s": set}, {"z": frozenset}, {"b": hex bytes},
+# {"c": [re, im]}. Exact types only: a subclass of int is NOT an int here.
+CODEC = r'''
+def _enc(v, d=0):
+    t = type(v)
+    if d > 100:
+        raise ValueError("value nested deeper than 100")
+    if v is None or t is bool or t is int or t is float or t is str:
+        return v
+    if t is list:
+        return [_enc(e, d + 1) for e in v]
+    if t is tuple:
+        return {"t": [_enc(e, d + 1) for e in v]}
+    if t is dict:
+        return {"d": [[_enc(k, d + 1), _enc(e, d + 1)] for k, e in v.items()]}
+    if t is set or t is frozenset:
+        return {"s" if t is set else "z": [_enc(e, d + 1) for e in v]}
+    if t is bytes:
+        return {"b": v.hex()}
+    if t is complex:
+        return {"c": [v.real, v.imag]}
+    raise ValueError("not plain data: " + t.__name__)
+
+def _dec(v, d=0):
+    t = type(v)
+    if d > 100:
+        raise ValueError("value nested deeper than 100")
+    if v is None or t is bool or t is int or t is float or t is str:
+        return v
+    if t is list:
+        return [_dec(e, d + 1) for e in v]
+    if t is not dict or len(v) != 1:
+        raise ValueError("bad frame value")
+    (tag, x), = v.items()
+    if tag == "b" and type(x) is str:
+        return bytes.fromhex(x)
+    if type(x) is not list:
+        raise ValueError("bad frame value")
+    if tag == "t":
+        return tuple(_dec(e, d + 1) for e in x)
+    if tag == "d":
+        out = {}
+        for kv in x:
+            if type(kv) is not list or len(kv) != 2:
+                raise ValueError("bad dict item")
+            out[_dec(kv[0], d + 1)] = _dec(kv[1], d + 1)
+        return out
+    if tag in ("s", "z"):
+        s = {_dec(e, d + 1) for e in x}
+        return s if tag == "s" else frozenset(s)
+    if tag == "c" and len(x) == 2 and all(type(e) in (int, float) for e in x):
+        return complex(x[0], x[1])
+    raise ValueError("bad frame tag")
+
+class _Frames:
+    """Newline-delimited JSON frames over raw file descriptors (no Python buffering)."""
+    def __init__(self, rfd, wfd, cap):
+        self.rfd, self.wfd, self.cap, self.buf = rfd, wfd, cap, b""
+    def send(self, obj):
+        data = (json.dumps(obj) + "\n").encode()
+        while data:
+            data = data[os.write(self.wfd, data):]
+    def recv(self):
+        """The next frame as a dict; None on end of file, oversize or invalid JSON."""
+        while b"\n" not in self.buf:
+            if len(self.buf) > self.cap:
+                return None
+            chunk = os.read(self.rfd, 65536)
+            if not chunk:
+                return None
+            self.buf += chunk
+        line, self.buf = self.buf.split(b"\n", 1)
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            return None
+        return obj if type(obj) is dict else None
+'''
+
+CANDIDATE = PRELUDE + CODEC + r'''
+_harden(json.loads(sys.argv[1]))
+def _main():
+    io = _Frames(0, 1, int(sys.argv[2]))
+    first = io.recv()
+    class Sink:
+        def write(self, s):
+            return len(s)
+        def flush(self):
+            pass
+    sys.stdout = sys.stderr = Sink()
+    ns = {"__name__": "solution", "__builtins__": builtins}
+    try:
+        exec(compile(first["code"], "solution.py", "exec"), ns)
+        fn = ns[first["entry"]]
+        if not callable(fn):
+            raise TypeError(first["entry"] + " is not callable")
+    except BaseException as e:
+        io.send({"load_error": type(e).__name__ + ": " + str(e)[:200]}); os._exit(0)
+    io.send({"ready": True})
+    while True:
+        req = io.recv()
+        if req is None:
+            os._exit(0)
+        try:
+            res = fn(*_dec(req["a"]), **_dec(req["k"]))
+        except BaseException as e:
+            io.send({"x": [type(e).__name__, str(e)[:200]]}); continue
+        try:
+            out = {"r": _enc(res)}
+        except BaseException as e:
+            out = {"bad": str(e)[:200]}
+        io.send(out)
+_main()
+'''
+
+JUDGE = PRELUDE + CODEC + r'''
+_harden(json.loads(sys.argv[1]))
+_w, _dumps, _exit = os.write, json.dumps, os._exit
+def _main():
+    data = json.loads(sys.stdin.read())
+    nonce = data["nonce"]
+    def emit(obj):
+        _w(1, ("\n" + nonce + _dumps(obj) + "\n").encode())
+    emit({"stage": "loaded"})
+    class Sink:
+        def write(self, s):
+            return len(s)
+        def flush(self):
+            pass
+    sys.stdout = sys.stderr = Sink()
+    io = _Frames(data["resp_fd"], data["req_fd"], data["cap"])
+    bad = []  # hard failures of the candidate: the check fails whatever it catches
+    calls = [0]
+    class Gone(BaseException):
+        pass
+    def lost(why):
+        bad.append(why)
+        raise Gone(why)
+    io.send({"code": data["code"], "entry": data["entry"]})
+    hello = io.recv()
+    if hello is None or hello.get("ready") is not True:
+        why = (hello or {}).get("load_error") if isinstance(hello, dict) else None
+        emit({"passed": False, "message": "candidate did not load: "
+              + (str(why) if why else "no answer")}); _exit(0)
+    def candidate(*args, **kwargs):
+        if bad:
+            raise Gone(bad[0])
+        try:
+            req = {"a": _enc(list(args)), "k": _enc(dict(kwargs))}
+        except ValueError as e:
+            emit({"judge_error": "argument cannot be sent: " + str(e)}); _exit(0)
+        calls[0] += 1
+        io.send(req)
+        ans = io.recv()
+        if ans is None:
+            lost("candidate process ended or sent an invalid frame")
+        if "r" in ans:
+            try:
+                return _dec(ans["r"])
+            except (ValueError, TypeError, RecursionError):
+                lost("candidate sent an invalid value")
+        if "x" in ans and type(ans["x"]) is list and len(ans["x"]) == 2:
+            name, msg = str(ans["x"][0]), str(ans["x"][1])
+            cls = getattr(builtins, name, None)
+            if not (isinstance(cls, type) and issubclass(cls, Exception)):
+                cls = RuntimeError
+            raise cls(msg)
+        lost("candidate returned a non-plain value" + (": " + str(ans["bad"])
+                                                       if "bad" in ans else ""))
+    ns = {"__name__": "__judge__", "__builtins__": builtins}
+    try:
+        exec(compile(data["setup"], "<setup>", "exec"), ns)
+        exec(compile(data["check"], "<check>", "exec"), ns)
+        check = ns["check"]
+    except BaseException as e:
+        emit({"judge_error": "test program did not load: " + type(e).__name__ + ": " + str(e)[:200]})
+        _exit(0)
+    ns[data["entry"]] = candidate  # helpers in setup that call the entry point by name
+    msg = None
+    try:
+        check(candidate)
+    except BaseException as e:
+        tb, line = e.__traceback__, None
+        while tb is not None:
+            if tb.tb_frame.f_code.co_filename == "<check>":
+                line = tb.tb_lineno
+            tb = tb.tb_next
+        msg = type(e).__name__ + (" at check line " + str(line) if line else "") + (
+            ": " + str(e)[:200] if str(e) else "")
+    if bad:
+        msg = bad[0]
+    emit({"passed": msg is None, "message": msg, "calls": calls[0]})
+    _exit(0)
+_main()
+'''
+
+_CACHE: "OrderedDict[str, TestReport]" = OrderedDict()
+_CACHE_MAX = 4096
+_LOCK = threading.Lock()
+
+
+def clear_cache() -> None:
+    """Forget all cached reports."""
+    with _LOCK:
+        _CACHE.clear()
+
+
+def _kill(proc: subprocess.Popen | None) -> None:
+    if proc is None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
+
+
+def _verdict(raw: bytes, nonce: str) -> tuple[bool, dict | None]:
+    """(judge started, last verdict dict or None) from the judge's stdout bytes."""
+    started, verdict = False, None
+    for line in raw.decode("utf-8", "replace").split("\n"):
+        if not line.startswith(nonce):
+            continue
+        try:
+            obj = json.loads(line[len(nonce):])
+        except ValueError:
+            continue
+        if isinstance(obj, dict) and obj.get("stage") == "loaded":
+            started = True
+        elif isinstance(obj, dict):
+            verdict = obj
+    return started, verdict
+
+
+def _spawn(code: str, program: TestProgram, lim: SandboxLimits, work: str, out,
+           nonce: str):
+    """Start candidate and judge wired by two pipes; returns (candidate, judge, payload)."""
+    req_r, req_w = os.pipe()  # judge -> candidate
+    resp_r, resp_w = os.pipe()  # candidate -> judge
+    cfg = child_config(lim.cpu_s, lim.memory_mb, lim.max_output_bytes)
+    cand = judge = None
+    try:
+        for d in ("candidate", "judge"):
+            os.mkdir(os.path.join(work, d))
+        cand = subprocess.Popen(
+            [*network_isolation(), sys.executable, "-I", "-S", "-c", CANDIDATE, cfg,
+             str(MAX_FRAME_BYTES)], stdin=req_r, stdout=resp_w, stderr=subprocess.DEVNULL,
+            cwd=os.path.join(work, "candidate"), env={}, start_new_session=True, close_fds=True)
+        judge = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", JUDGE, cfg], stdin=subprocess.PIPE, stdout=out,
+            stderr=subprocess.DEVNULL, cwd=os.path.join(work, "judge"), env={},
+            start_new_session=True, close_fds=True, pass_fds=(req_w, resp_r))
+    except OSError:
+        _kill(cand)
+        raise
+    finally:
+        for fd in (req_r, req_w, resp_r, resp_w):
+            os.close(fd)  # only the children hold the pipe ends now (EOF when one dies)
+    payload = json.dumps({"nonce": nonce, "code": code, "entry": program.entry_point,
+                          "setup": program.setup, "check": program.check,
+                          "req_fd": req_w, "resp_fd": resp_r,
+                          "cap": MAX_FRAME_BYTES}).encode()
+    return cand, judge, payload
+
+
+def _run(code: str, program: TestProgram, lim: SandboxLimits) -> TestReport:
+    nonce = "@@" + secrets.token_hex(16) + "@@"
+    with tempfile.TemporaryDirectory(prefix="judge-") as work, tempfile.TemporaryFile() as out:
+        try:
+            cand, judge, payload = _spawn(code, program, lim, work, out, nonce)
+        except OSError as e:
+            return TestReport("sandbox_error", 0, 1, [], f"cannot spawn: {e}")
+        timed_out = False
+        try:
+            judge.communicate(payload, timeout=lim.wall_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        except (BrokenPipeError, OSError):
+            pass  # the judge died before reading stdin; judged below
+        finally:
+            _kill(judge)
+            _kill(cand)
+        out.seek(0)
+        raw = out.read(lim.max_output_bytes + 4096)
+    started, verdict = _verdict(raw, nonce)
+    if not started:
+        return TestReport("sandbox_error", 0, 1, [], "judge did not start"
+                          + (" within the wall limit" if timed_out else
+                             f" (exit code {judge.returncode})"))
+    if verdict is not None and "judge_error" in verdict:
+        return TestReport("sandbox_error", 0, 1, [], str(verdict["judge_error"]))
+    if timed_out or cand.returncode == -signal.SIGXCPU and verdict is None:
+        why = f"timeout after {lim.wall_s:g} s"
+        return TestReport("timeout", 0, 1, [why], why)
+    if verdict is None or judge.returncode != 0 or type(verdict.get("passed")) is not bool:
+        why = f"judge exited with code {judge.returncode} without a verdict"
+        return TestReport("crash", 0, 1, [why], why)
+    if verdict["passed"]:
+        return TestReport("ok", 1, 1, [], None)
+    msg = str(verdict.get("message"))
+    return TestReport("ok", 0, 1, [msg], None)
+
+
+def run_program(code: str, program: TestProgram, limits: SandboxLimits = PROGRAM_LIMITS,
+                cache: bool = True) -> TestReport:
+    """Score ``code`` with ``program.check`` (see module docstring for the two processes).
+
+    Returns a :class:`TestReport` with ``total == 1``: ``passed == 1`` iff ``check``
+    returned normally and the candidate never misbehaved. ``status``: ``'ok'``,
+    ``'timeout'`` (wall limit; candidate or check too slow), ``'crash'`` (the judge died
+    without a verdict), ``'sandbox_error'`` (cannot spawn, or the TEST program itself
+    failed to load or passed an argument that is not plain data: exclude, never score).
+    Never raises for bad candidate code. Cached like :func:`sandbox.run_tests`.
+    Typical cost: two interpreter starts in parallel, ~40-80 ms, plus the check's calls.
+    """
+    key = hashlib.sha256(json.dumps([code, program.check, program.setup, program.entry_point,
+                                     list(vars(limits).values())]).encode()).hexdigest()
+    if cache:
+        with _LOCK:
+            hit = _CACHE.get(key)
+            if hit is not None:
+                _CACHE.move_to_end(key)
+                return TestReport(hit.status, hit.passed, hit.total, list(hit.messages),
+                                  hit.error)
+    report = _run(code, program, limits)
+    if cache and report.status != "sandbox_error":
+        with _LOCK:
+            _CACHE[key] = TestReport(report.status, report.passed, report.total,
+                                     list(report.messages), report.error)
+            while len(_CACHE) > _CACHE_MAX:
+                _CACHE.popitem(last=False)
+    return report
