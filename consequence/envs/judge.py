@@ -21,6 +21,7 @@ The parent decides from the judge's exit status and its last nonce line only.
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import os
@@ -31,12 +32,13 @@ import sys
 import tempfile
 import threading
 from collections import OrderedDict
+from typing import Sequence
 
 from consequence.envs.hardening import PRELUDE, child_config
 from consequence.envs.sandbox import SandboxLimits, TestReport, network_isolation
-from consequence.tasks.repair import TestProgram
+from consequence.tasks.repair import TestCase, TestProgram
 
-__all__ = ["PROGRAM_LIMITS", "run_program", "clear_cache", "CODEC", "CANDIDATE", "JUDGE"]
+__all__ = ["PROGRAM_LIMITS", "run_program", "run_cases", "clear_cache", "CODEC", "CANDIDATE", "JUDGE"]
 
 # HumanEval's own harness allows 3 s per problem; a few official checks make ~100 calls,
 # each one round trip between the two processes (~50 us), so 6 s wall is generous.
@@ -138,9 +140,6 @@ def _main():
     ns = {"__name__": "solution", "__builtins__": builtins}
     try:
         exec(compile(first["code"], "solution.py", "exec"), ns)
-        fn = ns[first["entry"]]
-        if not callable(fn):
-            raise TypeError(first["entry"] + " is not callable")
     except BaseException as e:
         io.send({"load_error": type(e).__name__ + ": " + str(e)[:200]}); os._exit(0)
     io.send({"ready": True})
@@ -149,20 +148,24 @@ def _main():
         if req is None:
             os._exit(0)
         try:
+            fn = ns[req["f"]]
+        except KeyError:
+            io.send({"x": ["NameError", "name '" + str(req["f"]) + "' is not defined"]}); continue
+        try:
             res = fn(*_dec(req["a"]), **_dec(req["k"]))
         except BaseException as e:
             io.send({"x": [type(e).__name__, str(e)[:200]]}); continue
         try:
             out = {"r": _enc(res)}
         except BaseException as e:
-            out = {"bad": str(e)[:200]}
+            out = {"bad": type(res).__name__}
         io.send(out)
 _main()
 '''
 
 JUDGE = PRELUDE + CODEC + r'''
 _harden(json.loads(sys.argv[1]))
-_w, _dumps, _exit = os.write, json.dumps, os._exit
+_w, _dumps, _exit, _repr = os.write, json.dumps, os._exit, repr
 def _main():
     data = json.loads(sys.stdin.read())
     nonce = data["nonce"]
@@ -176,53 +179,88 @@ def _main():
             pass
     sys.stdout = sys.stderr = Sink()
     io = _Frames(data["resp_fd"], data["req_fd"], data["cap"])
-    bad = []  # hard failures of the candidate: the check fails whatever it catches
+    bad = []  # hard failures of the candidate: every later check fails, caught or not
     calls = [0]
     class Gone(BaseException):
+        pass
+    class NonPlain(Exception):
         pass
     def lost(why):
         bad.append(why)
         raise Gone(why)
-    io.send({"code": data["code"], "entry": data["entry"]})
+    def short(x):
+        x = str(x)
+        return x if len(x) <= 80 else x[:77] + "..."
+    io.send({"code": data["code"]})
     hello = io.recv()
     if hello is None or hello.get("ready") is not True:
-        why = (hello or {}).get("load_error") if isinstance(hello, dict) else None
-        emit({"passed": False, "message": "candidate did not load: "
-              + (str(why) if why else "no answer")}); _exit(0)
-    def candidate(*args, **kwargs):
-        if bad:
-            raise Gone(bad[0])
-        try:
-            req = {"a": _enc(list(args)), "k": _enc(dict(kwargs))}
-        except ValueError as e:
-            emit({"judge_error": "argument cannot be sent: " + str(e)}); _exit(0)
-        calls[0] += 1
-        io.send(req)
-        ans = io.recv()
-        if ans is None:
-            lost("candidate process ended or sent an invalid frame")
-        if "r" in ans:
+        why = hello.get("load_error") if isinstance(hello, dict) else None
+        load_error = str(why) if why else "no answer"
+    else:
+        load_error = None
+    def proxy(name):
+        def candidate(*args, **kwargs):
+            if bad:
+                raise Gone(bad[0])
             try:
-                return _dec(ans["r"])
-            except (ValueError, TypeError, RecursionError):
-                lost("candidate sent an invalid value")
-        if "x" in ans and type(ans["x"]) is list and len(ans["x"]) == 2:
-            name, msg = str(ans["x"][0]), str(ans["x"][1])
-            cls = getattr(builtins, name, None)
-            if not (isinstance(cls, type) and issubclass(cls, Exception)):
-                cls = RuntimeError
-            raise cls(msg)
-        lost("candidate returned a non-plain value" + (": " + str(ans["bad"])
-                                                       if "bad" in ans else ""))
+                req = {"f": name, "a": _enc(list(args)), "k": _enc(dict(kwargs))}
+            except ValueError as e:
+                emit({"judge_error": "argument cannot be sent: " + str(e)}); _exit(0)
+            calls[0] += 1
+            io.send(req)
+            ans = io.recv()
+            if ans is None:
+                lost("candidate process ended or sent an invalid frame")
+            if "r" in ans:
+                try:
+                    return _dec(ans["r"])
+                except (ValueError, TypeError, RecursionError):
+                    lost("candidate sent an invalid value")
+            if "x" in ans and type(ans["x"]) is list and len(ans["x"]) == 2:
+                cls = getattr(builtins, str(ans["x"][0]), None)
+                if not (isinstance(cls, type) and issubclass(cls, Exception)):
+                    cls = RuntimeError
+                raise cls(str(ans["x"][1]))
+            if "bad" in ans and data["mode"] == "cases":
+                raise NonPlain("a " + short(ans["bad"]))
+            lost("candidate returned a non-plain value")
+        candidate.__name__ = name
+        return candidate
+    if data["mode"] == "cases":
+        results, msgs = [], []
+        ns = {"__builtins__": builtins}
+        for name in data["names"]:
+            ns[name] = proxy(name)
+        for call, expected in data["cases"]:
+            if load_error is not None:
+                results.append(False); msgs.append(call + " not run: " + load_error); continue
+            try:
+                res = eval(call, dict(ns))
+                good = _repr(res) == expected
+                if not good:
+                    msgs.append(call + " returned " + short(_repr(res)) + ", expected " + expected)
+            except NonPlain as e:
+                good = False
+                msgs.append(call + " returned " + str(e) + ", expected " + expected)
+            except Gone as e:
+                good = False
+                msgs.append(call + " failed: " + str(e))
+            except BaseException as e:
+                good = False
+                msgs.append(call + " raised " + type(e).__name__ + ": " + short(e))
+            results.append(bool(good) and not bad)
+        emit({"results": results, "messages": msgs[:64], "error": load_error}); _exit(0)
+    if load_error is not None:
+        emit({"passed": False, "message": "candidate did not load: " + load_error}); _exit(0)
     ns = {"__name__": "__judge__", "__builtins__": builtins}
     try:
         exec(compile(data["setup"], "<setup>", "exec"), ns)
         exec(compile(data["check"], "<check>", "exec"), ns)
         check = ns["check"]
     except BaseException as e:
-        emit({"judge_error": "test program did not load: " + type(e).__name__ + ": " + str(e)[:200]})
+        emit({"judge_error": "test program did not load: " + type(e).__name__ + ": " + short(e)})
         _exit(0)
-    ns[data["entry"]] = candidate  # helpers in setup that call the entry point by name
+    candidate = ns[data["entry"]] = proxy(data["entry"])  # helpers may call it by name
     msg = None
     try:
         check(candidate)
@@ -233,7 +271,7 @@ def _main():
                 line = tb.tb_lineno
             tb = tb.tb_next
         msg = type(e).__name__ + (" at check line " + str(line) if line else "") + (
-            ": " + str(e)[:200] if str(e) else "")
+            ": " + short(e) if str(e) else "")
     if bad:
         msg = bad[0]
     emit({"passed": msg is None, "message": msg, "calls": calls[0]})
@@ -279,8 +317,7 @@ def _verdict(raw: bytes, nonce: str) -> tuple[bool, dict | None]:
     return started, verdict
 
 
-def _spawn(code: str, program: TestProgram, lim: SandboxLimits, work: str, out,
-           nonce: str):
+def _spawn(code: str, job: dict, lim: SandboxLimits, work: str, out, nonce: str):
     """Start candidate and judge wired by two pipes; returns (candidate, judge, payload)."""
     req_r, req_w = os.pipe()  # judge -> candidate
     resp_r, resp_w = os.pipe()  # candidate -> judge
@@ -303,20 +340,19 @@ def _spawn(code: str, program: TestProgram, lim: SandboxLimits, work: str, out,
     finally:
         for fd in (req_r, req_w, resp_r, resp_w):
             os.close(fd)  # only the children hold the pipe ends now (EOF when one dies)
-    payload = json.dumps({"nonce": nonce, "code": code, "entry": program.entry_point,
-                          "setup": program.setup, "check": program.check,
-                          "req_fd": req_w, "resp_fd": resp_r,
-                          "cap": MAX_FRAME_BYTES}).encode()
+    payload = json.dumps({**job, "nonce": nonce, "code": code, "req_fd": req_w,
+                          "resp_fd": resp_r, "cap": MAX_FRAME_BYTES}).encode()
     return cand, judge, payload
 
 
-def _run(code: str, program: TestProgram, lim: SandboxLimits) -> TestReport:
+def _run(code: str, job: dict, n: int, lim: SandboxLimits) -> TestReport:
+    """One judged run; ``n`` = number of tests reported (1 for a program)."""
     nonce = "@@" + secrets.token_hex(16) + "@@"
     with tempfile.TemporaryDirectory(prefix="judge-") as work, tempfile.TemporaryFile() as out:
         try:
-            cand, judge, payload = _spawn(code, program, lim, work, out, nonce)
+            cand, judge, payload = _spawn(code, job, lim, work, out, nonce)
         except OSError as e:
-            return TestReport("sandbox_error", 0, 1, [], f"cannot spawn: {e}")
+            return TestReport("sandbox_error", 0, n, [], f"cannot spawn: {e}")
         timed_out = False
         try:
             judge.communicate(payload, timeout=lim.wall_s)
@@ -328,24 +364,55 @@ def _run(code: str, program: TestProgram, lim: SandboxLimits) -> TestReport:
             _kill(judge)
             _kill(cand)
         out.seek(0)
-        raw = out.read(lim.max_output_bytes + 4096)
-    started, verdict = _verdict(raw, nonce)
+        raw = out.read(MAX_FRAME_BYTES)
+    return _report(*_verdict(raw, nonce), timed_out, judge.returncode, n, lim)
+
+
+def _report(started: bool, verdict: dict | None, timed_out: bool, rc: int | None, n: int,
+            lim: SandboxLimits) -> TestReport:
     if not started:
-        return TestReport("sandbox_error", 0, 1, [], "judge did not start"
-                          + (" within the wall limit" if timed_out else
-                             f" (exit code {judge.returncode})"))
+        return TestReport("sandbox_error", 0, n, [], "judge did not start"
+                          + (" within the wall limit" if timed_out else f" (exit code {rc})"))
     if verdict is not None and "judge_error" in verdict:
-        return TestReport("sandbox_error", 0, 1, [], str(verdict["judge_error"]))
-    if timed_out or cand.returncode == -signal.SIGXCPU and verdict is None:
+        return TestReport("sandbox_error", 0, n, [], str(verdict["judge_error"]))
+    if timed_out:
         why = f"timeout after {lim.wall_s:g} s"
-        return TestReport("timeout", 0, 1, [why], why)
-    if verdict is None or judge.returncode != 0 or type(verdict.get("passed")) is not bool:
-        why = f"judge exited with code {judge.returncode} without a verdict"
-        return TestReport("crash", 0, 1, [why], why)
+        return TestReport("timeout", 0, n, [why] * n, why)
+    if "results" in (verdict or {}):  # test-case mode
+        res = verdict["results"]
+        if rc != 0 or not isinstance(res, list) or len(res) != n:
+            why = f"judge exited with code {rc} without a verdict"
+            return TestReport("crash", 0, n, [why] * n, why)
+        passed = sum(1 for r in res if r is True)
+        msgs = [str(m) for m in verdict.get("messages", [])][: n - passed]
+        err = verdict.get("error")
+        return TestReport("ok", passed, n, msgs, str(err) if err is not None else None)
+    if verdict is None or rc != 0 or type(verdict.get("passed")) is not bool:
+        why = f"judge exited with code {rc} without a verdict"
+        return TestReport("crash", 0, n, [why] * n, why)
     if verdict["passed"]:
         return TestReport("ok", 1, 1, [], None)
-    msg = str(verdict.get("message"))
-    return TestReport("ok", 0, 1, [msg], None)
+    return TestReport("ok", 0, 1, [str(verdict.get("message"))], None)
+
+
+def _cached_run(key_parts: list, code: str, job: dict, n: int, lim: SandboxLimits,
+                cache: bool) -> TestReport:
+    key = hashlib.sha256(json.dumps([code, key_parts, list(vars(lim).values())]).encode()
+                         ).hexdigest()
+    if cache:
+        with _LOCK:
+            hit = _CACHE.get(key)
+            if hit is not None:
+                _CACHE.move_to_end(key)
+                return TestReport(hit.status, hit.passed, hit.total, list(hit.messages), hit.error)
+    report = _run(code, job, n, lim)
+    if cache and report.status != "sandbox_error":
+        with _LOCK:
+            _CACHE[key] = TestReport(report.status, report.passed, report.total,
+                                     list(report.messages), report.error)
+            while len(_CACHE) > _CACHE_MAX:
+                _CACHE.popitem(last=False)
+    return report
 
 
 def run_program(code: str, program: TestProgram, limits: SandboxLimits = PROGRAM_LIMITS,
@@ -358,22 +425,40 @@ def run_program(code: str, program: TestProgram, limits: SandboxLimits = PROGRAM
     without a verdict), ``'sandbox_error'`` (cannot spawn, or the TEST program itself
     failed to load or passed an argument that is not plain data: exclude, never score).
     Never raises for bad candidate code. Cached like :func:`sandbox.run_tests`.
-    Typical cost: two interpreter starts in parallel, ~40-80 ms, plus the check's calls.
+    Typical cost: two interpreter starts in parallel, ~50-80 ms, plus the check's calls.
     """
-    key = hashlib.sha256(json.dumps([code, program.check, program.setup, program.entry_point,
-                                     list(vars(limits).values())]).encode()).hexdigest()
-    if cache:
-        with _LOCK:
-            hit = _CACHE.get(key)
-            if hit is not None:
-                _CACHE.move_to_end(key)
-                return TestReport(hit.status, hit.passed, hit.total, list(hit.messages),
-                                  hit.error)
-    report = _run(code, program, limits)
-    if cache and report.status != "sandbox_error":
-        with _LOCK:
-            _CACHE[key] = TestReport(report.status, report.passed, report.total,
-                                     list(report.messages), report.error)
-            while len(_CACHE) > _CACHE_MAX:
-                _CACHE.popitem(last=False)
-    return report
+    job = {"mode": "program", "entry": program.entry_point, "setup": program.setup,
+           "check": program.check}
+    return _cached_run(["program", program.check, program.setup, program.entry_point], code,
+                       job, 1, limits, cache)
+
+
+def _called_names(calls: Sequence[str]) -> list[str]:
+    """Names the test calls load that are not builtins: served by the candidate."""
+    import builtins
+
+    names: dict[str, None] = {}
+    for call in calls:
+        try:
+            tree = ast.parse(call, mode="eval")
+        except SyntaxError:
+            continue  # the judge reports the SyntaxError for this test
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Name) and not hasattr(builtins, node.id):
+                names[node.id] = None
+    return list(names)
+
+
+def run_cases(code: str, tests: Sequence[TestCase], limits: SandboxLimits = SandboxLimits(),
+              cache: bool = True) -> TestReport:
+    """Score ``code`` on ``TestCase`` tests with the two-process judge.
+
+    Same semantics and report shape as :func:`consequence.envs.sandbox.run_tests` (a test
+    passes iff the ``repr`` of the call's plain result equals ``expected``), but the call
+    is evaluated in the judge with every non-builtin name it uses proxied to the candidate
+    process, so the verdict cannot be forged from inside the candidate. Use this (not
+    ``run_tests``) for anything that becomes a reward or a score.
+    """
+    job = {"mode": "cases", "cases": [[t.call, t.expected] for t in tests],
+           "names": _called_names([t.call for t in tests])}
+    return _cached_run(["cases", job["cases"]], code, job, len(tests), limits, cache)

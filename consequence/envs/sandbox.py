@@ -7,6 +7,12 @@ of :mod:`consequence.envs.hardening` (no capabilities, Landlock, seccomp; whiche
 host supports) applied by the runner itself before any candidate code is read. Code and tests arrive on stdin as JSON; the child prints
 one result line prefixed by a random nonce; the parent takes the LAST nonce line and
 decides pass/fail from that plain data. Candidate prints go to a capped buffer.
+
+Limit: candidate and runner share one interpreter, so candidate code can read the
+runner's frame (the tests, the nonce) and print a forged result line. Use
+:func:`run_tests` for feedback the policy sees (visible tests); every reward or score
+goes through :mod:`consequence.envs.judge` (``run_cases`` / ``run_program``), whose
+verdict comes from a process the candidate cannot reach.
 """
 
 from __future__ import annotations
