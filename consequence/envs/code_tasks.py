@@ -23,7 +23,7 @@ import os
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Sequence
+from typing import Collection, Sequence
 
 from consequence.envs.judge import PROGRAM_LIMITS, run_cases, run_program
 from consequence.envs.sandbox import SandboxLimits, TestReport, run_tests
@@ -86,13 +86,15 @@ def _try_problem(cands: list[CodeTask], keep: int, max_tries: int,
 
 
 def build_humaneval_repair(seed: int = 0, bugs_per_problem: int = 1, max_tries: int = 12,
-                           workers: int | None = None,
-                           limits: SandboxLimits = BUILD_LIMITS) -> tuple[list[CodeTask], dict]:
+                           workers: int | None = None, limits: SandboxLimits = BUILD_LIMITS,
+                           task_ids: Collection[str] | None = None
+                           ) -> tuple[list[CodeTask], dict]:
     """Filter :func:`consequence.tasks.humaneval.repair_candidates` through the judge.
 
     Per problem, candidates are tried in their seeded order until ``bugs_per_problem``
     fail the official check or ``max_tries`` were run. Problems run on ``workers``
-    threads (each run is its own processes; default ``min(4, cpu_count)``).
+    threads (each run is its own processes; default ``min(4, cpu_count)``). ``task_ids``
+    restricts the build to those HumanEval problems (tests; default all 164).
 
     Returns:
         (tasks in HumanEval order, stats) with stats keys ``problems``,
@@ -105,6 +107,8 @@ def build_humaneval_repair(seed: int = 0, bugs_per_problem: int = 1, max_tries: 
         RuntimeError: the sandbox itself failed (nothing is cached).
     """
     cands = _he.repair_candidates(seed)
+    if task_ids is not None:
+        cands = {k: v for k, v in cands.items() if k in set(task_ids)}
     workers = workers or min(4, os.cpu_count() or 1)
     with ThreadPoolExecutor(workers) as ex:
         results = list(ex.map(lambda c: _try_problem(c, bugs_per_problem, max_tries, limits),
