@@ -12,8 +12,9 @@ with :data:`PRELUDE`, which confines the process BEFORE any candidate or test co
    read-write only in the child's own empty working directory; with ABI >= 4 no TCP
    bind/connect; with ABI >= 6 no signals to, and no abstract Unix sockets of,
    processes outside the sandbox (the trainer, the judge);
-4. seccomp: process creation (fork, vfork, clone, clone3, execve, execveat), ptrace,
-   cross-process memory access, namespaces and mounts fail with EPERM.
+4. seccomp: process creation, every call that reaches another process (ptrace, memory,
+   priorities, rlimits), namespaces, mounts, kernel modules, and the file-metadata calls
+   Landlock does not cover (chmod, chown, utime, xattrs) fail with EPERM.
 
 Which layers this host supports is probed once (:func:`available_layers`); a layer that
 was probed as working and then fails in a child aborts that child before it reads any
@@ -55,14 +56,26 @@ def _harden(cfg):
     sc = libc.syscall
     sc.restype = ctypes.c_long
     arch = platform.machine()
-    nr = {"x86_64": {"capset": 126, "deny": (57, 58, 56, 435, 59, 322, 101, 310, 311, 272, 308,
-                                            165, 166, 155, 161, 169, 246, 175, 313, 176, 321,
-                                            298, 323, 250, 248, 249, 425, 442, 428, 429, 430,
-                                            432), "audit": 0xC000003E},
-          "aarch64": {"capset": 91, "deny": (220, 435, 221, 281, 117, 270, 271, 97, 268, 40,
-                                             39, 41, 51, 142, 104, 105, 106, 280, 241, 282,
-                                             219, 217, 218, 425, 442, 428, 429, 430, 432),
-                      "audit": 0xC00000B7}}.get(arch)
+    # Denied syscalls. Processes: fork vfork clone clone3 execve execveat. Other processes:
+    # ptrace process_vm_readv/writev kcmp pidfd_getfd process_madvise move_pages
+    # migrate_pages setpriority sched_setscheduler sched_setparam sched_setaffinity
+    # ioprio_set prlimit64 (all would reach same-uid processes such as the trainer).
+    # Namespaces, mounts, kernel: unshare setns mount umount2 pivot_root chroot reboot
+    # kexec_load init_module finit_module delete_module bpf perf_event_open userfaultfd
+    # keyctl add_key request_key io_uring_setup mount_setattr open_tree move_mount fsopen
+    # fsmount. File metadata, which Landlock does not cover: chmod fchmod fchmodat
+    # fchmodat2 chown fchown lchown fchownat utime utimes utimensat futimesat and the
+    # xattr setters/removers (incl. setxattrat/removexattrat).
+    new = (435, 425, 442, 428, 429, 430, 432, 438, 440, 452, 463, 466)
+    nr = {"x86_64": {"capset": 126, "audit": 0xC000003E, "deny": new + (
+              57, 58, 56, 59, 322, 101, 310, 311, 312, 279, 256, 141, 144, 142, 203, 251, 302,
+              272, 308, 165, 166, 155, 161, 169, 246, 175, 313, 176, 321, 298, 323, 250, 248,
+              249, 90, 91, 268, 92, 93, 94, 260, 132, 235, 280, 261, 188, 189, 190, 197, 198,
+              199)},
+          "aarch64": {"capset": 91, "audit": 0xC00000B7, "deny": new + (
+              220, 221, 281, 117, 270, 271, 272, 239, 238, 140, 119, 118, 122, 30, 261, 97,
+              268, 40, 39, 41, 51, 142, 104, 105, 273, 106, 280, 241, 282, 219, 217, 218, 52,
+              53, 54, 55, 88, 5, 6, 7, 14, 15, 16)}}.get(arch)
 
     def fail(what):
         e = ctypes.get_errno()
@@ -272,6 +285,6 @@ def layers_report() -> str:
     ok = available_layers()
     parts = {"caps": "no capabilities + no_new_privs",
              "landlock": "Landlock (reads: stdlib + shared libs only; writes: own tmp dir)",
-             "seccomp": "seccomp (no fork/exec/ptrace/namespaces)"}
+             "seccomp": "seccomp (no fork/exec/ptrace/namespaces/chmod/chown/utime)"}
     on = [parts[k] for k in parts if ok.get(k)]
     return ", ".join(on) if on else "none (no Landlock, seccomp or capability drop on this host)"
