@@ -181,7 +181,7 @@ def test_disk_cache_round_trip(tmp_path, monkeypatch):
     b = code_tasks.humaneval_repair_tasks(5, cache_dir=tmp_path)
     code_tasks._cached.cache_clear()
     assert a == b and calls == [5]  # the second call read the JSONL cache
-    files = sorted(p.name for p in tmp_path.iterdir())
+    files = sorted(p.name for p in (tmp_path / "humaneval").iterdir())
     assert len(files) == 2 and files[0].endswith(".jsonl") and files[1].endswith(".stats.json")
 
 

@@ -146,7 +146,7 @@ def _write_json_atomic(path: Path, obj) -> None:
 def _cached(seed: int, bugs_per_problem: int, max_tries: int, cache_dir: str | None,
             use_disk: bool) -> tuple[tuple[CodeTask, ...], str]:
     stem = f"humaneval-repair-s{seed}-b{bugs_per_problem}-t{max_tries}-{_code_digest()}"
-    path = _cache_dir(cache_dir) / f"{stem}.jsonl"
+    path = _cache_dir(cache_dir) / "humaneval" / f"{stem}.jsonl"
     if use_disk and path.exists():
         return tuple(load_jsonl(path)), json.dumps({"cache": str(path)})
     tasks, stats = build_humaneval_repair(seed, bugs_per_problem, max_tries)
@@ -162,8 +162,9 @@ def humaneval_repair_tasks(seed: int = 0, bugs_per_problem: int = 1, max_tries: 
     """The filtered ``humaneval-repair`` tasks (all splits), built once and cached.
 
     Disk cache: ``cache_dir`` (default ``$CONSEQUENCE_CACHE`` or
-    ``~/.cache/consequence``), file ``humaneval-repair-s{seed}-b{bugs}-t{tries}-{digest}
-    .jsonl`` plus ``.stats.json`` with :func:`build_humaneval_repair`'s stats.
+    ``~/.cache/consequence``, as the warm start), file ``humaneval/humaneval-repair-s{seed}
+    -b{bugs}-t{tries}-{digest}.jsonl`` plus ``.stats.json`` (the build's stats). The
+    digest covers the HumanEval file and the generating code, so edits rebuild.
     """
     key = None if cache_dir is None else str(cache_dir)
     return list(_cached(seed, bugs_per_problem, max_tries, key, use_disk)[0])
