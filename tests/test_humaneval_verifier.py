@@ -6,7 +6,6 @@ sentinel file outside the sandbox's working directory, and the test process surv
 """
 
 import ast
-import gzip
 import hashlib
 import json
 import os
