@@ -4,9 +4,10 @@ The child is ``python -I -S -c RUNNER`` with an empty environment, a new session
 a process group on wall timeout), a fresh temporary cwd deleted afterwards, and resource
 limits (CPU, address space, file size, open files, processes) plus the kernel confinement
 of :mod:`consequence.envs.hardening` (no capabilities, Landlock, seccomp; whichever this
-host supports) applied by the runner itself before any candidate code is read. Code and tests arrive on stdin as JSON; the child prints
-one result line prefixed by a random nonce; the parent takes the LAST nonce line and
-decides pass/fail from that plain data. Candidate prints go to a capped buffer.
+host supports), applied by the runner itself before any candidate code is read. Code and
+tests arrive on stdin as JSON; the child prints one result line prefixed by a random
+nonce; the parent takes the LAST nonce line and decides pass/fail from that plain data.
+Candidate prints go to a capped buffer.
 
 Limit: candidate and runner share one interpreter, so candidate code can read the
 runner's frame (the tests, the nonce) and print a forged result line. Use
