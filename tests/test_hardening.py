@@ -64,3 +64,19 @@ def test_layers_probe_and_allowlist():
     assert isinstance(layers_report(), str) and layers_report()
     paths = read_allowlist()
     assert paths and not any("site-packages" in p or "dist-packages" in p for p in paths)
+
+
+def test_probe_sees_each_layer_and_its_absence():
+    from consequence.envs.hardening import _probe
+
+    bare = _probe({})  # negative control: without confinement every attempt works
+    assert (bare["read_outside"], bare["fork"], bare["stdlib"]) == (True, True, True)
+    on = {k: v for k, v in available_layers().items() if v}
+    if not on:
+        pytest.skip("no confinement layer works on this host")
+    seen = _probe(on)
+    assert seen["stdlib"] is True
+    if on.get("landlock"):
+        assert seen["read_outside"] is False
+    if on.get("seccomp"):
+        assert seen["fork"] is False and seen["chown"] is False

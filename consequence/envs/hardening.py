@@ -168,6 +168,10 @@ try:
 except OSError:
     seen["read_outside"] = False
 try:
+    os.chown(cfg["secret"], 1, 1); seen["chown"] = True  # needs CAP_CHOWN
+except OSError:
+    seen["chown"] = False
+try:
     pid = os.fork()
     if pid == 0:
         os._exit(0)
@@ -258,8 +262,8 @@ def available_layers() -> dict[str, bool]:
     """Which confinement layers work on this host, probed once per process (~0.2 s).
 
     Each layer is probed alone and must show its effect: ``landlock`` (a file outside
-    the allowlist is unreadable, the parent cannot be signalled when the ABI scopes
-    signals), ``seccomp`` (fork fails), ``caps`` (applying it succeeds); all three
+    the allowlist is unreadable), ``seccomp`` (fork fails), ``caps`` (chown of a file
+    to another user fails, which root could do with CAP_CHOWN); all three
     together must still import the standard library. ``CONSEQUENCE_SANDBOX_LAYERS``
     (comma-separated subset, or ``none``) restricts the set, e.g. to debug a host.
     """
@@ -273,7 +277,7 @@ def available_layers() -> dict[str, bool]:
             continue
         seen = _probe({name: True})
         ok[name] = "error" not in seen and {
-            "caps": True, "landlock": seen.get("read_outside") is False,
+            "caps": seen.get("chown") is False, "landlock": seen.get("read_outside") is False,
             "seccomp": seen.get("fork") is False}[name] and seen.get("stdlib") is True
     if any(ok.values()) and _probe(ok).get("stdlib") is not True:
         ok = dict.fromkeys(names, False)  # together they break the interpreter: use none
