@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from consequence.envs.code_tasks import run_hidden
 from consequence.envs.sandbox import SandboxLimits, TestReport, run_tests
 from consequence.tasks.repair import RepairTask
 
@@ -37,10 +38,12 @@ SYSTEM_PROMPT = "You fix Python functions. Use the tools."
 MAX_SHOWN_FAILURES = 2
 
 
-def verify(task: RepairTask, code: str, limits: SandboxLimits = SandboxLimits()) -> TestReport:
+def verify(task: RepairTask, code: str, limits: SandboxLimits | None = None) -> TestReport:
     """Score ``code`` on the task's HIDDEN tests (the one scoring function for training
-    reward and evaluation). Status ``'sandbox_error'`` means: exclude, do not score."""
-    return run_tests(code, task.hidden_tests, limits)
+    reward and evaluation): a test list or a ``check`` program (HumanEval), see
+    :func:`consequence.envs.code_tasks.run_hidden`; ``limits=None`` = that mode's default.
+    Status ``'sandbox_error'`` means: exclude, do not score."""
+    return run_hidden(code, task.hidden_tests, limits)
 
 
 def format_report(report: TestReport, max_failures: int = MAX_SHOWN_FAILURES) -> str:
@@ -66,9 +69,9 @@ class RepairEnv:
 
     tools = TOOLS
 
-    def __init__(self, task: RepairTask, limits: SandboxLimits = SandboxLimits()):
+    def __init__(self, task: RepairTask, limits: SandboxLimits | None = None):
         self.task = task
-        self.limits = limits
+        self.limits = limits  # None: each test mode's default limits
         self._lines: list[str] = task.buggy_code.split("\n")
         self._done = False
 
@@ -108,7 +111,7 @@ class RepairEnv:
         if name == "replace_line":
             return self._replace(args), 0.0, False, False, self._info()
         if name == "run_tests":
-            rep = run_tests(self.code, self.task.visible_tests, self.limits)
+            rep = run_tests(self.code, self.task.visible_tests, self.limits or SandboxLimits())
             if rep.status == "sandbox_error":
                 self._done = True
                 return ("sandbox error", 0.0, True, False,

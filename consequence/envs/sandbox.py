@@ -2,10 +2,18 @@
 
 The child is ``python -I -S -c RUNNER`` with an empty environment, a new session (killed as
 a process group on wall timeout), a fresh temporary cwd deleted afterwards, and resource
-limits (CPU, address space, file size, open files, processes) set by the runner itself
-before any candidate code is read. Code and tests arrive on stdin as JSON; the child prints
-one result line prefixed by a random nonce; the parent takes the LAST nonce line and
-decides pass/fail from that plain data. Candidate prints go to a capped buffer.
+limits (CPU, address space, file size, open files, processes) plus the kernel confinement
+of :mod:`consequence.envs.hardening` (no capabilities, Landlock, seccomp; whichever this
+host supports), applied by the runner itself before any candidate code is read. Code and
+tests arrive on stdin as JSON; the child prints one result line prefixed by a random
+nonce; the parent takes the LAST nonce line and decides pass/fail from that plain data.
+Candidate prints go to a capped buffer.
+
+Limit: candidate and runner share one interpreter, so candidate code can read the
+runner's frame (the tests, the nonce) and print a forged result line. Use
+:func:`run_tests` for feedback the policy sees (visible tests); every reward or score
+goes through :mod:`consequence.envs.judge` (``run_cases`` / ``run_program``), whose
+verdict comes from a process the candidate cannot reach.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from consequence.envs.hardening import PRELUDE, child_config, layers_report
 from consequence.tasks.repair import TestCase
 
 __all__ = ["SandboxLimits", "TestReport", "run_tests", "clear_cache", "RUNNER"]
@@ -62,17 +71,9 @@ class TestReport:
         return self.status == "ok" and self.total > 0 and self.passed == self.total
 
 
-RUNNER = r'''
-import sys, os, json, resource, builtins
+RUNNER = PRELUDE + r'''
+_harden(json.loads(sys.argv[1]))
 _w, _dumps, _exit, _repr, _type = os.write, json.dumps, os._exit, repr, type
-_lim = json.loads(sys.argv[1])
-for _n, _v in (("RLIMIT_CPU", (_lim[0], _lim[0] + 1)), ("RLIMIT_AS", (_lim[1], _lim[1])),
-               ("RLIMIT_FSIZE", (_lim[2], _lim[2])), ("RLIMIT_NOFILE", (16, 16)),
-               ("RLIMIT_NPROC", (0, 0)), ("RLIMIT_CORE", (0, 0))):
-    try:
-        resource.setrlimit(getattr(resource, _n), _v)
-    except (ValueError, OSError, AttributeError):
-        pass
 def _main():
     data = json.loads(sys.stdin.read())
     nonce, code, tests, cap = data["nonce"], data["code"], data["tests"], data["cap"]
@@ -165,8 +166,7 @@ def _run(code: str, tests: Sequence[TestCase], lim: SandboxLimits) -> TestReport
     nonce = "@@" + secrets.token_hex(16) + "@@"
     payload = json.dumps({"nonce": nonce, "code": code, "cap": lim.max_output_bytes,
                           "tests": [[t.call, t.expected] for t in tests]}).encode()
-    limits = json.dumps([int(lim.cpu_s), int(lim.memory_mb) << 20,
-                         int(lim.max_output_bytes)])
+    limits = child_config(lim.cpu_s, lim.memory_mb, lim.max_output_bytes)
     with tempfile.TemporaryDirectory(prefix="sbx-") as work, \
             tempfile.TemporaryFile() as out:
         cwd = os.path.join(work, "cwd")
@@ -269,5 +269,6 @@ def isolation_report() -> dict[str, str]:
     return {"process": "fresh interpreter (-I -S), own session, killed as a group on timeout",
             "limits": "RLIMIT_CPU, RLIMIT_AS, RLIMIT_FSIZE, RLIMIT_NOFILE, RLIMIT_NPROC, RLIMIT_CORE",
             "filesystem": "empty temporary working directory, empty environment",
+            "confinement": layers_report(),
             "network": " ".join(net[1:]) + " (empty network namespace)" if net else "none (unshare unavailable)"}
 

@@ -149,3 +149,30 @@ def paired_bootstrap_ci(
         "a_wins": int((d_g < 0).sum()),
         "ties": int((d_g == 0).sum()),
     }
+
+
+def bootstrap_mean_ci(values: Sequence[float], confidence: float = 0.95,
+                      n_resamples: int = 10000, seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap CI of the mean of per-problem scores (Efron & Tibshirani 1993).
+
+    ``values`` holds one number per problem (e.g. its pass@k), so resampling problems
+    keeps the samples of one problem together. Returns ``(low, high)``; a constant input
+    gives ``low == high == mean`` (degenerate bootstrap distribution).
+
+    Raises:
+        ValueError: fewer than 2 values, a non-finite value, or confidence not in (0, 1).
+    """
+    from scipy import stats
+
+    if not (0.0 < confidence < 1.0):
+        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
+    x = np.asarray(values, dtype=float)
+    if x.ndim != 1 or len(x) < 2:
+        raise ValueError(f"bootstrap needs at least 2 problems, got {x.shape}")
+    if not np.isfinite(x).all():
+        raise ValueError("values must be finite")
+    if np.ptp(x) == 0.0:
+        return float(x[0]), float(x[0])
+    res = stats.bootstrap((x,), np.mean, confidence_level=confidence, n_resamples=n_resamples,
+                          method="percentile", vectorized=True, rng=np.random.default_rng(seed))
+    return float(res.confidence_interval.low), float(res.confidence_interval.high)

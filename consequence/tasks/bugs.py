@@ -96,3 +96,63 @@ def mutants(lines: tuple[str, ...]) -> list[tuple[str, int, str]]:
                 seen.add((idx, new))
                 out.append((kind, idx, new))
     return out
+
+
+# ---- real code (e.g. HumanEval canonical solutions) ------------------------------------
+# The template tables above key on placeholders such as ``{xs}``; these patterns are the
+# same bug kinds written for concrete names.
+_REAL_INIT = {"0": ("1", "-1"), "1": ("0", "2"), "[]": ("[0]",), "''": ("' '",),
+              '""': ('" "',), "True": ("False",), "False": ("True",)}
+_REAL_RANGE = re.compile(r"range\((?:(\w+), )?(len\([\w.]+\)|\w+)\)")
+
+
+def _real_line_mutants(line: str) -> list[tuple[str, str]]:
+    out: list[tuple[str, str]] = []
+    m = re.match(r"^(\s+[A-Za-z_]\w* = )(.+)$", line)
+    if m and m.group(2) in _REAL_INIT:
+        out += [("init", m.group(1) + alt) for alt in _REAL_INIT[m.group(2)]]
+    for m in _REAL_RANGE.finditer(line):
+        start, stop = m.group(1), m.group(2)
+        alts = [f"range({start + ', ' if start else ''}{stop} - 1)"]
+        alts.append(f"range({int(start) + 1}, {stop})" if start and start.isdigit()
+                    else f"range(1, {stop})" if not start else "")
+        out += [("off_by_one", line[:m.start()] + a + line[m.end():]) for a in alts if a]
+    for m in re.finditer(r"\[(\d+):\]", line):
+        k = int(m.group(1))
+        out.append(("off_by_one", line[:m.start(1)] + str(k + 1) + line[m.end(1):]))
+    return out
+
+
+def _return_var(line: str, names: list[str]) -> list[tuple[str, str]]:
+    """``return a`` -> ``return b`` for up to two other local names ``b`` (sorted)."""
+    m = re.match(r"^(\s*)return ([A-Za-z_]\w*)$", line)
+    if not m:
+        return []
+    alts = [n for n in names if n != m.group(2)][:2]
+    return [("return_var", f"{m.group(1)}return {n}") for n in alts]
+
+
+def code_mutants(lines: list[str], first: int) -> list[tuple[str, int, str]]:
+    """(bug_kind, 0-based line index, new_line) for real source lines ``lines[first:]``.
+
+    Uses :func:`line_mutants` (comparison, operator, index, bool, early_return apply to
+    concrete code as they are) plus concrete-name versions of init, off_by_one and
+    return_var. Blank and comment lines are skipped; duplicates dropped (first kind wins).
+    Whether a mutant is a bug is decided by running the tests, not here.
+    """
+    present = "\n".join(lines)
+    body = "\n".join(lines[first:])
+    names = sorted(set(re.findall(r"^\s*([A-Za-z_]\w*) = ", body, re.M))
+                   | set(re.findall(r"\bfor ([A-Za-z_]\w*) in\b", body)))
+    seen: set[tuple[int, str]] = set()
+    out = []
+    for idx in range(first, len(lines)):
+        line = lines[idx]
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        for kind, new in (line_mutants(line, present) + _real_line_mutants(line)
+                          + _return_var(line, names)):
+            if new != line and (idx, new) not in seen:
+                seen.add((idx, new))
+                out.append((kind, idx, new))
+    return out

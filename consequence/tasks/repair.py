@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from consequence.tasks.bugs import BUG_KINDS, mutants
 from consequence.tasks.families import Variant, all_variants
 
-__all__ = ["TestCase", "RepairTask", "Problem", "BUG_KINDS", "build_problems",
+__all__ = ["TestCase", "TestProgram", "RepairTask", "Problem", "BUG_KINDS", "build_problems",
            "split_problems", "make_tasks", "make_instance", "load_split"]
 
 
@@ -28,6 +28,23 @@ class TestCase:
     __test__ = False  # not a pytest class
     call: str
     expected: str
+
+
+@dataclass(frozen=True)
+class TestProgram:
+    """Tests as a program (HumanEval style), run by ``consequence.envs.judge``.
+
+    ``check`` is Python source defining ``check(candidate)``, which raises (e.g. a failed
+    ``assert``) iff the candidate is wrong; ``entry_point`` names the candidate function;
+    ``setup`` is trusted source executed before ``check`` in the judge (helpers the test
+    uses, e.g. HumanEval's prompt with ``poly`` or ``encode_cyclic``). The judge never
+    executes candidate code: ``candidate`` is a proxy to another process.
+    """
+
+    __test__ = False  # not a pytest class
+    check: str
+    entry_point: str
+    setup: str = ""
 
 
 @dataclass(frozen=True)
@@ -45,7 +62,7 @@ class RepairTask:
     patch: tuple[int, str]
     decoy_patches: tuple[tuple[int, str], ...]
     visible_tests: tuple[TestCase, ...]
-    hidden_tests: tuple[TestCase, ...]
+    hidden_tests: tuple[TestCase, ...] | TestProgram
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,93 @@
+"""Evaluation of single-turn completions (pass@k) on HumanEval tasks."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from consequence.envs.code_tasks import load_humaneval
+from consequence.envs.sandbox import TestReport
+from consequence.evaluate import completions as comp
+
+TINY = Path(comp.__file__).parents[1] / "assets" / "tiny-repair"
+
+
+@pytest.fixture(scope="module")
+def he():
+    tasks = load_humaneval()
+    return tasks[0], tasks[2]  # has_close_elements, truncate_number
+
+
+def test_extract_completion_raw_cuts_at_stop_sequences(he):
+    t = he[0]
+    assert comp.extract_completion("    return 1\n\ndef other():\n    pass", t, "raw") == "    return 1\n"
+    assert comp.extract_completion("    x = 1\n# done\n", t, "raw") == "    x = 1"
+    assert comp.extract_completion("    return 2", t, "raw") == "    return 2"
+
+
+def test_extract_completion_chat_takes_the_defining_block(he):
+    t = he[0]
+    reply = ("Sure.\n```python\nimport math\n```\nand\n```python\n"
+             "def has_close_elements(numbers, threshold):\n    return False\n```\nDone.")
+    assert comp.extract_completion(reply, t, "chat") == (
+        "\ndef has_close_elements(numbers, threshold):\n    return False\n")
+    assert comp.extract_completion("```\n    return True\n```", t, "chat") == "    return True\n"
+    assert comp.extract_completion("no code", t, "chat") == "no code"
+    with pytest.raises(ValueError, match="unknown prompt mode"):
+        comp.extract_completion("", t, "json")
+
+
+def test_score_completions_pass_at_k_values(he):
+    a, b = he
+    good_a = a.reference_code[len(a.prompt):]
+    res = comp.score_completions([a, b], [[good_a, "", good_a], ["", "", "    return 0.0\n"]],
+                                 ks=(1, 2), flags=[["stop", "length", "stop"], ["stop"] * 3])
+    # task a: n=3, c=2 -> pass@1 2/3, pass@2 = 1 (n - c < k); task b: c=0
+    assert [r["correct"] for r in res.per_task] == [2, 0]
+    assert res.pass_at_k[1] == pytest.approx((2 / 3 + 0) / 2)
+    assert res.pass_at_k[2] == pytest.approx(0.5)
+    assert (res.samples, res.truncated, res.env_errors, res.tasks_excluded) == (6, 1, 0, {1: 0, 2: 0})
+    lo, hi = res.ci[1]
+    assert 0.0 <= lo <= res.pass_at_k[1] <= hi <= 2 / 3
+    assert "pass@1 = 0.333" in res.summary()
+
+
+def test_env_errors_are_retried_then_dropped_from_n(he, monkeypatch):
+    calls = []
+
+    def flaky(task, completion, limits=None):
+        calls.append(completion)
+        if completion == "broken":
+            return TestReport("sandbox_error", 0, 1, [], "spawn failed")
+        return TestReport("ok", 1 if completion == "good" else 0, 1)
+
+    monkeypatch.setattr(comp, "verify_completion", flaky)
+    res = comp.score_completions(list(he), [["good", "broken"], ["good", "bad"]], ks=(1, 2))
+    assert calls.count("broken") == 2  # one retry
+    row = res.per_task[0]
+    assert (row["n"], row["n_valid"], row["env_errors"], row["pass@1"], row["pass@2"]) == (2, 1, 1, 1.0, None)
+    # pass@2 only over task b (n=2, c=1 -> 1.0); pass@1 over both: (1/1 + 1/2) / 2
+    assert res.tasks_excluded == {1: 0, 2: 1} and res.pass_at_k[2] == pytest.approx(1.0)
+    assert res.pass_at_k[1] == pytest.approx(0.75)
+
+
+def test_evaluate_tiny_model_end_to_end(he, tmp_path):
+    res = comp.evaluate_completions(TINY, list(he), n=2, ks=(1, 2), temperature=1.0, seed=3,
+                                    max_new_tokens=8)
+    assert res.settings["prompt_mode"] == "chat" and res.settings["n"] == 2
+    assert res.samples == 4 and res.env_errors == 0
+    assert res.pass_at_k == {1: 0.0, 2: 0.0}  # the tiny model was trained on tool calls only
+    assert all(len(r["completions"]) == 2 for r in res.per_task)
+    again = comp.evaluate_completions(TINY, list(he), n=2, ks=(1,), temperature=1.0, seed=3,
+                                      max_new_tokens=8)
+    assert [r["completions"] for r in again.per_task] == [r["completions"] for r in res.per_task]
+    path = comp.save_eval(res, tmp_path / "eval.json")
+    saved = json.loads(path.read_text())
+    assert saved["pass_at_k"] == {"1": 0.0, "2": 0.0} and "confinement" in saved["settings"]["isolation"]
+
+
+def test_evaluate_argument_errors(he, tmp_path):
+    with pytest.raises(ValueError, match="every k must be in 1..n=2"):
+        comp.evaluate_completions(TINY, list(he), n=2, ks=(1, 10))
+    with pytest.raises(FileNotFoundError):
+        comp.evaluate_completions(tmp_path / "nope", list(he), n=1, ks=(1,))
