@@ -25,7 +25,7 @@ from consequence.evaluate.compare import ArmResult, paired_comparison, summarize
 from consequence.evaluate.stats import paired_bootstrap_ci
 from consequence.harness.renderer import Renderer
 from consequence.envs.repair_env import TOOLS
-from consequence.iteration import seed_of
+from consequence.seeding import seed_of
 from consequence.policy.tiny import load_policy
 from consequence.recipes import BASELINE, differences, load_recipe, recipe_names
 from consequence.rollout.episodes import Budgets

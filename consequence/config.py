@@ -36,6 +36,7 @@ class TrainConfig(BaseModel):
     recipe: str | None = _f(None, "run", "Start from this recipe (reinforce, rloo, ppo, grpo, dr_grpo, dapo, gspo, cispo, or a recipe YAML path; see `consequence explain`); other options override it.")
     model: str | None = _f(None, "policy", "Path of a local Hugging Face causal LM with a chat template; default: the bundled tiny warm-start checkpoint (built on first use, then cached).")
     seed: int = _f(0, "run", "Seed of RL sampling and task order (vary it for several training seeds); does not change the split or the warm start.")
+    tasks: Literal["repair", "humaneval-repair"] = _f("repair", "tasks", "Task source: our generated repair problems, or HumanEval solutions with one injected bug (split by HumanEval task id).")
     split_seed: int = _f(0, "tasks", "Seed of the train/validation/test problem split; the tiny warm start is built on its train split, so another value rebuilds the warm start (about 30 min on 2 cores).")
     skip_checks: bool = _f(False, "run", "Skip the checks before the first optimizer step (DESIGN.md §6); recorded in manifest.json.")
     iterations: int = _f(18, "run", "Number of RL iterations (collect a batch, then update).", ge=1)

@@ -29,19 +29,13 @@ from consequence.credit.value import ValueModel, row_values
 from consequence.envs.repair_env import SYSTEM_PROMPT, RepairEnv
 from consequence.policy.logprobs import token_logprobs
 from consequence.records import TrainingRow, Trajectory, trajectory_to_rows
-from consequence.reward.overlong import overlong_penalty
-from consequence.reward.scoring import checked_reward
+from consequence.reward.scoring import score_trajectories
 from consequence.rollout.episodes import EpisodeSpec, run_episodes
+from consequence.seeding import seed_of
 from consequence.rollout.sampling import policy_generate_fn
-from consequence.tasks.repair import make_tasks
 from consequence.update.regularizers import kl_estimate
 from consequence.update.step import UpdateConfig, compute_logprobs, ppo_step
 from consequence.update.value_step import value_step
-
-
-def seed_of(*parts) -> int:
-    """A 31-bit seed derived from any parts (stable across runs and platforms)."""
-    return random.Random(":".join(map(str, parts))).getrandbits(31)
 
 
 @dataclass
@@ -101,7 +95,7 @@ def collect(it: int, cfg: TrainConfig, model, renderer, split, budgets, sampling
 
 def _roll_out_round(it, r, cfg, model, renderer, split, budgets, sampling) -> list[list[Trajectory]]:
     tag = (it,) if r == 0 else (it, "round", r)  # round 0 keeps the seeds of plain sampling
-    tasks = make_tasks(split["train"], cfg.tasks_per_iteration, seed=seed_of(cfg.seed, *tag))
+    tasks = split.sample("train", cfg.tasks_per_iteration, seed=seed_of(cfg.seed, *tag))
     prefix = f"{it}" if r == 0 else f"{it}.{r}"
     specs = [EpisodeSpec(RepairEnv(t), t.task_id, f"{prefix}/{t.task_id}", g, seed_of(cfg.seed, *tag, g))
              for t in tasks for g in range(cfg.group_size)]
@@ -116,26 +110,6 @@ def _roll_out_round(it, r, cfg, model, renderer, split, budgets, sampling) -> li
 
 def _is_mixed(group: list[Trajectory]) -> bool:
     return len({t.reward for t in group if t.reward is not None}) > 1
-
-
-# ---- reward box ----------------------------------------------------------------------
-def score_trajectories(trajs: list[Trajectory], overlong_buffer: int = 0, max_total_tokens: int = 0) -> None:
-    """Verifier's hidden-test score in [0, 1], checked finite; with ``overlong_buffer`` > 0
-    plus DAPO's overlong penalty in [−1, 0] (total range [−1, 1]). A failed environment is
-    an env_error (reward None), never a 0 (shared/cases/03-env-error-not-zero.md)."""
-    for t in trajs:
-        if t.outcome == "env_error":
-            t.reward = None
-            continue
-        parts = {"hidden_tests": t.verifier_score if t.outcome == "finished" else 0.0}  # no submission → 0
-        if overlong_buffer and t.calls:
-            last = t.calls[-1]
-            parts["overlong"] = overlong_penalty(len(last.context_ids) + len(last.output_ids),
-                                                 max_total_tokens, overlong_buffer)
-        res = checked_reward(lambda p=parts: p, low=-1.0 if overlong_buffer else 0.0)
-        t.reward, t.reward_components = res.value, res.components
-        if res.value is None:
-            t.outcome, t.error = "env_error", res.error
 
 
 # ---- credit box ----------------------------------------------------------------------

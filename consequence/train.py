@@ -27,19 +27,19 @@ import yaml
 
 from consequence.config import TrainConfig
 from consequence.credit.advantages import mixed_group_fraction
-from consequence.envs.repair_env import SYSTEM_PROMPT, TOOLS, RepairEnv
+from consequence.envs.repair_env import TOOLS
 from consequence.envs.sandbox import isolation_report
 from consequence.evaluate.compare import ArmResult, paired_comparison, summarize
 from consequence.harness.renderer import Renderer
 from consequence.policy.sampler import SamplingParams
 from consequence.policy.tiny import load_policy, save_policy
 from consequence.checks import run_pre_step_checks
-from consequence.iteration import (Learner, collect, credit, logprob_fn, make_learner, score_trajectories, seed_of,
-                                   update)
+from consequence.evaluate.rollouts import run_eval
+from consequence.iteration import Learner, collect, credit, logprob_fn, make_learner, update
+from consequence.seeding import seed_of
 from consequence.records import Trajectory, write_trajectories
-from consequence.rollout.episodes import Budgets, EpisodeSpec, run_episodes
-from consequence.rollout.sampling import policy_generate_fn
-from consequence.tasks.repair import load_split, make_tasks
+from consequence.rollout.episodes import Budgets
+from consequence.envs.sources import load_task_source
 
 
 def train(cfg: TrainConfig, console=None) -> dict[str, Any]:
@@ -57,8 +57,8 @@ def train(cfg: TrainConfig, console=None) -> dict[str, Any]:
     model, tokenizer = load_policy(model_path)
     reference = copy.deepcopy(model).eval()  # the warm start, kept for the final paired comparison
     renderer = Renderer(tokenizer, TOOLS)
-    split = load_split(cfg.split_seed)
-    _write_atomic(run / "split.json", json.dumps({k: [p.problem_id for p in v] for k, v in split.items()}))
+    split = load_task_source(cfg.tasks, cfg.split_seed)
+    _write_atomic(run / "split.json", json.dumps(split.problem_ids()))
     budgets = Budgets(cfg.max_turns, cfg.max_new_tokens, cfg.max_total_tokens)
     sampling = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p, cfg.max_new_tokens)
     learner = make_learner(cfg, model, reference)
@@ -141,18 +141,8 @@ def iteration(it, cfg, learner: Learner, renderer, split, budgets, sampling, run
     return metrics
 
 
-def run_eval(model, renderer, tasks, budgets, seed: int, greedy: bool = True, policy_version: int = 0):
-    """Episodes of ``model`` on ``tasks`` (one each): greedy, or sampled at temperature 1."""
-    params = SamplingParams(temperature=0.0 if greedy else 1.0, max_new_tokens=budgets.max_new_tokens)
-    specs = [EpisodeSpec(RepairEnv(t), t.task_id, t.task_id, 0, seed_of(seed, i)) for i, t in enumerate(tasks)]
-    gen = policy_generate_fn(model, params, renderer.stop_ids, seed)
-    trajs = run_episodes(gen, renderer, specs, budgets, SYSTEM_PROMPT, policy_version)
-    score_trajectories(trajs)
-    return trajs
-
-
 def validate(model, renderer, split, budgets, cfg) -> dict[str, float]:
-    tasks = make_tasks(split["validation"], cfg.val_episodes, seed=seed_of(cfg.seed, "val"))
+    tasks = split.sample("validation", cfg.val_episodes, seed=seed_of(cfg.seed, "val"))
     return summarize(run_eval(model, renderer, tasks, budgets, cfg.seed, greedy=True))
 
 
@@ -164,8 +154,8 @@ def final_report(cfg, reference, model, renderer, split, budgets, console) -> di
     """
     n = cfg.final_eval_episodes
     sets = {
-        "test (unseen problems)": make_tasks(split["test"], n, seed=seed_of(cfg.seed, "test")),
-        "train problems, new instances (in-distribution)": make_tasks(split["train"], n, seed=seed_of(cfg.seed, "fresh")),
+        "test (unseen problems)": split.sample("test", n, seed=seed_of(cfg.seed, "test")),
+        "train problems, new instances (in-distribution)": split.sample("train", n, seed=seed_of(cfg.seed, "fresh")),
     }
     out: dict[str, Any] = {"episodes_per_split": n, "budgets": vars(budgets), "results": []}
     for decoding in cfg.final_eval_decoding:

@@ -2,7 +2,7 @@ import pytest
 
 from consequence.evaluate.compare import ArmResult, paired_comparison, summarize
 from consequence.records import Trajectory
-from consequence.train import score_trajectories
+from consequence.reward.scoring import score_trajectories
 
 
 def _t(task, sample, outcome="finished", score=1.0):

@@ -13,6 +13,9 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from consequence.records import Trajectory
+from consequence.reward.overlong import overlong_penalty
+
 
 @dataclass
 class RewardResult:
@@ -96,3 +99,22 @@ def checked_reward(
             None, {}, f"{what} = {total!r} is outside the declared range [{low}, {high}]"
         )
     return RewardResult(total, components, None)
+
+
+def score_trajectories(trajs: list[Trajectory], overlong_buffer: int = 0, max_total_tokens: int = 0) -> None:
+    """Verifier's hidden-test score in [0, 1], checked finite; with ``overlong_buffer`` > 0
+    plus DAPO's overlong penalty in [−1, 0] (total range [−1, 1]). A failed environment is
+    an env_error (reward None), never a 0 (shared/cases/03-env-error-not-zero.md)."""
+    for t in trajs:
+        if t.outcome == "env_error":
+            t.reward = None
+            continue
+        parts = {"hidden_tests": t.verifier_score if t.outcome == "finished" else 0.0}  # no submission → 0
+        if overlong_buffer and t.calls:
+            last = t.calls[-1]
+            parts["overlong"] = overlong_penalty(len(last.context_ids) + len(last.output_ids),
+                                                 max_total_tokens, overlong_buffer)
+        res = checked_reward(lambda p=parts: p, low=-1.0 if overlong_buffer else 0.0)
+        t.reward, t.reward_components = res.value, res.components
+        if res.value is None:
+            t.outcome, t.error = "env_error", res.error

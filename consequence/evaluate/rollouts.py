@@ -1,0 +1,51 @@
+"""Evaluation episodes: the policy on fixed tasks, scored like the training reward.
+
+The episodes go through the same harness, environment, budgets and verifier as training
+(rollout and reward boxes); only the sampling settings and the seeds are the
+evaluation's own, so two policies run on identical instances and seeds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from consequence.envs.repair_env import SYSTEM_PROMPT, RepairEnv
+from consequence.policy.sampler import SamplingParams
+from consequence.records import Trajectory
+from consequence.reward.scoring import score_trajectories
+from consequence.rollout.episodes import Budgets, EpisodeSpec, run_episodes
+from consequence.rollout.sampling import policy_generate_fn
+from consequence.seeding import seed_of
+
+
+def run_eval(model, renderer, tasks: Sequence, budgets: Budgets, seed: int, greedy: bool = True,
+             policy_version: int = 0, temperature: float = 1.0) -> list[Trajectory]:
+    """One episode of ``model`` per task: greedy, or sampled at ``temperature``.
+
+    Returns:
+        scored trajectories, in task order (``sample_id`` 0).
+    """
+    return sample_episodes(model, renderer, tasks, 1, budgets, seed, 0.0 if greedy else temperature,
+                           policy_version)
+
+
+def sample_episodes(model, renderer, tasks: Sequence, n: int, budgets: Budgets, seed: int,
+                    temperature: float = 1.0, policy_version: int = 0) -> list[Trajectory]:
+    """``n`` episodes per task (``sample_id`` 0 … n−1, each with its own seed), scored.
+
+    Episode j of task i has seed ``seed_of(seed, i)`` for j = 0 (so ``n = 1`` equals
+    :func:`run_eval`) and ``seed_of(seed, i, j)`` after; the same (seed, tasks) gives the
+    same episodes for every policy. ``group_id`` is the task id.
+
+    Raises:
+        ValueError: ``n < 1``.
+    """
+    if n < 1:
+        raise ValueError(f"n (samples per task) must be >= 1, got {n}")
+    params = SamplingParams(temperature=temperature, max_new_tokens=budgets.max_new_tokens)
+    specs = [EpisodeSpec(RepairEnv(t), t.task_id, t.task_id, j, seed_of(seed, i) if j == 0 else seed_of(seed, i, j))
+             for i, t in enumerate(tasks) for j in range(n)]
+    gen = policy_generate_fn(model, params, renderer.stop_ids, seed)
+    trajs = run_episodes(gen, renderer, specs, budgets, SYSTEM_PROMPT, policy_version)
+    score_trajectories(trajs)
+    return trajs
