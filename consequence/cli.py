@@ -183,5 +183,89 @@ def lab(name: str = typer.Argument(..., help="Lab to run (see docs/labs.md)."),
     console.print(f"figure: {png}")
 
 
+def _ks(text: str) -> list[int]:
+    try:
+        return sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise ValueError(f"-k {text!r}: give comma-separated integers, e.g. 1,4,16") from None
+
+
+@app.command("eval")
+def eval_cmd(model: Optional[str] = typer.Option(None, help="Checkpoint folder, or a run folder (its checkpoints/final); default: the bundled tiny model."),
+             tasks: str = typer.Option("repair", help="Task source: repair, humaneval-repair (multi-turn, with tools) or humaneval (single-turn completion)."),
+             split: str = typer.Option("validation", help="validation or test; the test split is only run when asked for, and the report says so."),
+             n: int = typer.Option(10, "-n", help="Samples per task."),
+             k: str = typer.Option("1", "-k", help="Comma-separated k of pass@k, each <= n."),
+             problems: int = typer.Option(0, help="Evaluate only the first this many problems of the split (0 = all)."),
+             temperature: float = typer.Option(1.0, help="Sampling temperature (0 = greedy; then n = 1 makes sense)."),
+             seed: int = typer.Option(0, help="Seed of the instances and the sampling."),
+             out: Path = typer.Option(Path("runs/eval"), help="Output folder: eval.json, episodes.parquet, report.md, cost.png.")) -> None:
+    """Evaluate a policy: pass@k with bootstrap CIs over problems, budgets, cost, env errors."""
+    from consequence.evaluate.run import check_request, evaluate_episodes, resolve_model, write_outputs
+
+    try:
+        ks = _ks(k)
+        check_request(tasks, split, n, ks)
+        model_path = resolve_model(model)
+        _check_run_dir(out)
+    except ValueError as e:
+        console.print(f"[red]error:[/] {escape(str(e))}")
+        raise typer.Exit(2)
+    _quiet_libraries()
+    if tasks == "humaneval":
+        from consequence.envs.code_tasks import load_humaneval
+        from consequence.evaluate.completions import evaluate_completions, save_eval
+
+        task_list = load_humaneval(split, seed=0)
+        if problems:
+            task_list = task_list[:problems]
+        console.print(f"HumanEval {split}: {len(task_list)} problems × n = {n} completions of {model_path}")
+        res = evaluate_completions(model_path, task_list, n=n, ks=tuple(ks), temperature=temperature, seed=seed)
+        path = save_eval(res, out / "eval.json")
+        console.print(res.summary())
+        console.print(f"written: {path}")
+        return
+    console.print(f"{tasks} {split}: {problems or 'all'} problems × n = {n} episodes of {model_path}")
+    result, trajs = evaluate_episodes(model_path, tasks, split, n, ks, problems=problems,
+                                      temperature=temperature, seed=seed)
+    write_outputs(result, trajs, out)
+    console.print((out / "report.md").read_text())
+    console.print(f"written: {out}/eval.json, episodes.parquet, report.md, cost.png")
+
+
+@app.command("compare")
+def compare_cmd(a: str = typer.Argument(..., help="Policy A: checkpoint or run folder."),
+                b: str = typer.Argument(..., help="Policy B: checkpoint or run folder."),
+                tasks: str = typer.Option("repair", help="repair or humaneval-repair."),
+                split: str = typer.Option("validation", help="validation or test."),
+                n: int = typer.Option(4, "-n", help="Episodes per task for each policy."),
+                problems: int = typer.Option(0, help="Only the first this many problems (0 = all)."),
+                temperature: float = typer.Option(1.0, help="Sampling temperature, the same for both."),
+                seed: int = typer.Option(0, help="Seed of the instances and the sampling, the same for both."),
+                out: Path = typer.Option(Path("runs/compare"), help="Output folder for compare.json.")) -> None:
+    """Two policies on the same tasks and seeds: success of each, paired difference B − A with a
+    95 % bootstrap CI over problems, and how many problems each wins."""
+    from consequence.evaluate.run import _atomic, check_request, compare_policies, resolve_model
+
+    try:
+        if tasks == "humaneval":
+            raise ValueError("compare runs multi-turn sources (repair, humaneval-repair)")
+        check_request(tasks, split, n, [1])
+        pa, pb = resolve_model(a), resolve_model(b)
+        _check_run_dir(out)
+    except ValueError as e:
+        console.print(f"[red]error:[/] {escape(str(e))}")
+        raise typer.Exit(2)
+    _quiet_libraries()
+    res = compare_policies(pa, pb, tasks, split, n, problems=problems, temperature=temperature, seed=seed)
+    c = res["paired"]
+    _atomic(out / "compare.json", __import__("json").dumps(res, indent=1, default=str))
+    console.print(f"A {escape(str(pa))}: success {c['a_mean']:.3f}\nB {escape(str(pb))}: success {c['b_mean']:.3f}\n"
+                  f"B − A = {c['diff']:+.3f} [{c['low']:+.3f}, {c['high']:+.3f}] (95 % CI, bootstrap over "
+                  f"{c['n_groups']} problems); problems won: B {c['b_wins']}, A {c['a_wins']}, tied {c['ties']}; "
+                  f"env-error pairs excluded: {c['env_errors_excluded']}")
+    console.print(f"written: {out}/compare.json")
+
+
 if __name__ == "__main__":
     app()

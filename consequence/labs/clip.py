@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from consequence.labs._common import pyplot, save_figure
+from consequence.figures import pyplot, save_figure
 from consequence.update.surrogates import clipped_surrogate
 
 SETTINGS = {"eps 0.2": (0.2, 0.2), "clip-higher 0.2/0.28": (0.2, 0.28)}

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from consequence.labs._common import pyplot, save_figure
+from consequence.figures import pyplot, save_figure
 
 MU_A, PI_A, R_A, R_B, N_SAMPLES = 0.2, 0.6, 0.75, 0.35, 24
 

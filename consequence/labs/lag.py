@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from consequence.credit.advantages import group_advantages
-from consequence.labs._common import pyplot, save_figure
+from consequence.figures import pyplot, save_figure
 
 Q_A, Q_B, G = 0.75, 0.35, 4
 RHO = 0.75  # geometric lag, mean RHO/(1−RHO) = 3 versions

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from consequence.credit.advantages import mixed_group_fraction
-from consequence.labs._common import pyplot, save_figure
+from consequence.figures import pyplot, save_figure
 
 MARKS = ((0.5, 4), (0.01, 4), (0.01, 16))
 SIMULATED = ((0.5, 4), (0.01, 16))

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from consequence.evaluate.stats import pass_at_k
-from consequence.labs._common import pyplot, save_figure
+from consequence.figures import pyplot, save_figure
 
 N, C = 10, 2
 

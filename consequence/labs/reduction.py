@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from consequence.credit.advantages import group_advantages
-from consequence.labs._common import pyplot, save_figure
+from consequence.figures import pyplot, save_figure
 from consequence.update.losses import REDUCTIONS, reduce_tokens
 from consequence.update.surrogates import clipped_surrogate
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from consequence.labs._common import pyplot, save_figure
+from consequence.figures import pyplot, save_figure
 
 T, GAMMA = 10, 0.95
 P_PATCH_TESTED, P_PATCH_BLIND = 0.8, 0.3

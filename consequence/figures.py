@@ -1,4 +1,4 @@
-"""Shared helpers of the labs: a Matplotlib figure saved atomically."""
+"""Matplotlib figures saved atomically (shared by the evaluate, report and labs boxes)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,92 @@
+"""pass@k, uncertainty and cost of multi-turn evaluation episodes (DESIGN.md §7).
+
+Input: n scored episodes per task (``sample_id`` 0 … n−1, ``group_id`` = task id).
+Success of an episode = the agent submitted (``finish``) and the hidden tests all pass.
+Environment errors are excluded from their task's n by a stated rule and counted; a task
+left with fewer than k valid episodes is left out of pass@k and counted.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from consequence.evaluate.stats import binomial_se, bootstrap_mean_ci, pass_at_k
+from consequence.records import Trajectory
+
+EXCLUSION_RULE = ("an episode whose environment failed (env_error) is dropped from its task's n; a task with "
+                  "fewer than k valid episodes is left out of pass@k; both are counted in the report")
+
+
+def _success(t: Trajectory) -> bool:
+    return t.outcome == "finished" and t.verifier_score == 1.0
+
+
+def per_task_counts(trajs: Sequence[Trajectory]) -> list[dict[str, Any]]:
+    """One dict per task, in first-seen order: task_id, problem_id, n (valid), c (successes),
+    env_errors, generated tokens, tool calls and wall seconds summed over its episodes."""
+    tasks: dict[str, dict[str, Any]] = {}
+    for t in trajs:
+        d = tasks.setdefault(t.group_id, {"task_id": t.group_id, "problem_id": t.task_id.split("#")[0], "n": 0,
+                                          "c": 0, "env_errors": 0, "gen_tokens": 0, "tool_calls": 0,
+                                          "wall_s": 0.0})
+        if t.outcome == "env_error":
+            d["env_errors"] += 1
+            continue
+        d["n"] += 1
+        d["c"] += _success(t)
+        d["gen_tokens"] += t.n_generated_tokens
+        d["tool_calls"] += t.n_tool_calls
+        d["wall_s"] += t.wall_time_s or 0.0
+    return list(tasks.values())
+
+
+def summarize_pass_at_k(counts: Sequence[dict[str, Any]], ks: Sequence[int], confidence: float = 0.95,
+                        seed: int = 0) -> dict[str, Any]:
+    """pass@k (unbiased per task, then the mean over tasks), bootstrap CI over problems, SE.
+
+    Per task pass@k = 1 − C(n−c, k)/C(n, k) (Chen et al. 2021, §2.1, product form); the
+    CI resamples problems (a problem's samples stay together; tasks of one problem are
+    averaged first); ``binomial_se`` treats the task mean as a proportion over tasks.
+
+    Returns:
+        dict k → {pass_at_k, low, high, se, tasks, tasks_excluded}, as strings of k.
+    """
+    out: dict[str, Any] = {}
+    for k in ks:
+        rows = [(d["problem_id"], pass_at_k(d["n"], d["c"], k)) for d in counts if d["n"] >= k]
+        by_problem: dict[str, list[float]] = {}
+        for pid, v in rows:
+            by_problem.setdefault(pid, []).append(v)
+        values = [sum(v) / len(v) for v in by_problem.values()]
+        mean = math.fsum(values) / len(values) if values else float("nan")
+        low, high = bootstrap_mean_ci(values, confidence, seed=seed) if len(values) >= 2 else (mean, mean)
+        out[str(k)] = {"pass_at_k": mean, "low": low, "high": high,
+                       "se": binomial_se(mean, len(values)) if values else float("nan"),
+                       "tasks": len(rows), "problems": len(values), "tasks_excluded": len(counts) - len(rows)}
+    return out
+
+
+def cost_summary(trajs: Sequence[Trajectory]) -> dict[str, float]:
+    """Per-episode cost (generated tokens, tool calls, wall seconds) and cost per success."""
+    valid = [t for t in trajs if t.outcome != "env_error"]
+    n = max(1, len(valid))
+    wins = sum(_success(t) for t in valid)
+    tokens = sum(t.n_generated_tokens for t in valid)
+    return {
+        "episodes": len(valid),
+        "success": wins / n,
+        "gen_tokens_per_episode": tokens / n,
+        "tool_calls_per_episode": sum(t.n_tool_calls for t in valid) / n,
+        "wall_s_per_episode": sum(t.wall_time_s or 0.0 for t in valid) / n,
+        "gen_tokens_per_success": tokens / wins if wins else float("inf"),
+    }
+
+
+def success_under_caps(trajs: Sequence[Trajectory], attribute: str, caps: Sequence[int]) -> list[float]:
+    """Success when an episode counts only if it also used ≤ cap of ``attribute``
+    (``n_tool_calls`` or ``n_generated_tokens``): the success-vs-cost curve."""
+    valid = [t for t in trajs if t.outcome != "env_error"]
+    n = max(1, len(valid))
+    return [sum(_success(t) and getattr(t, attribute) <= c for t in valid) / n for c in caps]
