@@ -183,6 +183,36 @@ def lab(name: str = typer.Argument(..., help="Lab to run (see docs/labs.md)."),
     console.print(f"figure: {png}")
 
 
+@app.command("reproduce")
+def reproduce_cmd(run: Path = typer.Argument(..., help="Run folder with a manifest.json."),
+                  run_dir: Optional[Path] = typer.Option(None, help="Folder of the new run (default: RUN-reproduce).")) -> None:
+    """Run a training job again from its manifest and compare the metrics of the two runs."""
+    from rich.table import Table
+
+    from consequence.report.manifest import read_manifest
+    from consequence.reproduce import compare_metrics, drift, reproduce_config
+
+    try:
+        cfg = reproduce_config(run, run_dir)
+        _check_run_dir(Path(cfg.run_dir))
+        differences = drift(read_manifest(run))
+    except ValueError as e:
+        console.print(f"[red]error:[/] {escape(str(e))}")
+        raise typer.Exit(2)
+    for d in differences:
+        console.print(f"[yellow]differs from the recorded run:[/] {escape(d)}")
+    from consequence.train import train
+
+    _quiet_libraries()
+    train(cfg, console)
+    table = Table(title=f"{run} vs {cfg.run_dir}")
+    for col in ("iteration", "reward then", "reward now", "max |Δ| of compared metrics"):
+        table.add_column(col, justify="right")
+    for r in compare_metrics(run, Path(cfg.run_dir)):
+        table.add_row(str(r["iteration"]), f"{r['reward_then']:.4f}", f"{r['reward_now']:.4f}", f"{r['max_abs_diff']:.2e}")
+    console.print(table)
+
+
 def _ks(text: str) -> list[int]:
     try:
         return sorted({int(x) for x in text.split(",") if x.strip()})

@@ -228,7 +228,8 @@ def update(batch: Batch, cfg: TrainConfig, learner: Learner, pad_id: int, seed: 
 
     Returns:
         step metrics averaged over the steps (ratio_min / ratio_max: extremes), plus
-        ``n_updates``; value-head metrics when a critic is trained.
+        ``n_updates``, the first step's ratio range (on-policy, so ≈ 1) and value-head
+        metrics when a critic is trained.
     """
     if not batch.rows:
         return {"n_updates": 0.0}
@@ -252,7 +253,9 @@ def update(batch: Batch, cfg: TrainConfig, learner: Learner, pad_id: int, seed: 
                 m |= value_step(learner.critic, learner.critic_optimizer, pick(rows), pick(batch.returns),
                                 pick(batch.old_values), pad_id, cfg.value_clip, cfg.micro_batch_size)
             steps.append(m)
-    return _merge_steps(steps)
+    merged = _merge_steps(steps)
+    merged["first_step_ratio_min"], merged["first_step_ratio_max"] = steps[0]["ratio_min"], steps[0]["ratio_max"]
+    return merged
 
 
 def _chunks(order: list[int], n: int) -> list[list[int]]:

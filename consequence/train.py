@@ -27,14 +27,16 @@ import yaml
 
 from consequence.config import TrainConfig
 from consequence.credit.advantages import mixed_group_fraction
-from consequence.envs.repair_env import TOOLS
+from consequence.envs.repair_env import SYSTEM_PROMPT, TOOLS
 from consequence.envs.sandbox import isolation_report
 from consequence.evaluate.compare import ArmResult, paired_comparison, summarize
 from consequence.harness.renderer import Renderer
 from consequence.policy.sampler import SamplingParams
 from consequence.policy.tiny import load_policy, save_policy
 from consequence.checks import run_pre_step_checks
+from consequence.diagnostics import iteration_extras, warnings_for
 from consequence.evaluate.rollouts import run_eval
+from consequence.report.manifest import build_manifest, write_manifest
 from consequence.iteration import Learner, collect, credit, logprob_fn, make_learner, update
 from consequence.seeding import seed_of
 from consequence.records import Trajectory, write_trajectories
@@ -62,6 +64,9 @@ def train(cfg: TrainConfig, console=None) -> dict[str, Any]:
     budgets = Budgets(cfg.max_turns, cfg.max_new_tokens, cfg.max_total_tokens)
     sampling = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p, cfg.max_new_tokens)
     learner = make_learner(cfg, model, reference)
+    manifest = build_manifest(cfg, model_path, split.problem_ids(), tools=TOOLS, system_prompt=SYSTEM_PROMPT,
+                              chat_template=tokenizer.chat_template, isolation=isolation_report())
+    write_manifest(manifest, run)
     metrics_path = run / "metrics.jsonl"
     metrics_path.unlink(missing_ok=True)
     console.print(f"[bold]consequence train[/]: {cfg.iterations} iterations × {cfg.tasks_per_iteration} tasks "
@@ -72,12 +77,20 @@ def train(cfg: TrainConfig, console=None) -> dict[str, Any]:
     with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(),
                   TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(), TimeRemainingColumn(),
                   TextColumn("{task.fields[status]}"), console=console) as bar:
+        history: list[dict[str, Any]] = []
         job = bar.add_task(cfg.recipe or "GRPO", total=cfg.iterations, status="")
         for it in range(cfg.iterations):
             m = iteration(it, cfg, learner, renderer, split, budgets, sampling, run, first=it == 0, console=bar.console)
             if cfg.eval_every and ((it + 1) % cfg.eval_every == 0 or it + 1 == cfg.iterations):
                 m["val_success"] = validate(model, renderer, split, budgets, cfg)["success"]
                 save_policy(model, tokenizer, run / "checkpoints" / f"iter_{it + 1:04d}")
+            if "pre_step_checks" in m:
+                manifest["checks"]["results"] = m.pop("pre_step_checks")
+                write_manifest(manifest, run)
+            history.append(m)
+            m["warnings"] = warnings_for(history)
+            for w in m["warnings"]:
+                bar.console.print(f"[yellow]warning (iteration {it + 1}):[/] {w}")
             with metrics_path.open("a") as f:
                 f.write(json.dumps(m) + "\n")
             status = f"reward {m['reward_mean']:.2f}  mixed {m['mixed_group_fraction']:.2f}"
@@ -88,10 +101,12 @@ def train(cfg: TrainConfig, console=None) -> dict[str, Any]:
                 console.print(f"iteration {it + 1}/{cfg.iterations}  {status}")
 
     save_policy(model, tokenizer, run / "checkpoints" / "final")
-    report = final_report(cfg, reference, model, renderer, split, budgets, console)
+    report = final_report(cfg, reference, model, renderer, split, budgets, console, run)
     report["train_seconds"] = time.perf_counter() - t_start
     report["sandbox_isolation"] = isolation_report()
     _write_atomic(run / "report.json", json.dumps(report, indent=2))
+    manifest.update(status="finished", evaluation_files=report.pop("evaluation_files", []), report="report.json")
+    write_manifest(manifest, run)
     from consequence.report.plots import plot_metrics, write_markdown_report
 
     plot_metrics(metrics_path, run / "curves.png")
@@ -112,7 +127,7 @@ def iteration(it, cfg, learner: Learner, renderer, split, budgets, sampling, run
     if first and not cfg.skip_checks:
         expected = {i for i, t in enumerate(trajs) if t.reward is not None and t.calls
                     and not (cfg.overlong_filter and t.outcome == "truncated")}
-        run_pre_step_checks(model=learner.model, trajs=trajs, rows=batch.rows, pad_id=pad_id,
+        checks = run_pre_step_checks(model=learner.model, trajs=trajs, rows=batch.rows, pad_id=pad_id,
                             stop_ids=renderer.stop_ids, logprob_fn=logprob_fn(cfg), cfg=cfg,
                             ucfg=learner.update_cfg, expected=expected, console=console)
     t1 = time.perf_counter()
@@ -135,7 +150,10 @@ def iteration(it, cfg, learner: Learner, renderer, split, budgets, sampling, run
         "update_s": t_update,
         **upd,
     }
+    if first and not cfg.skip_checks:
+        metrics["pre_step_checks"] = [vars(c) for c in checks]
     metrics["gen_tokens_total"] = ds["gen_tokens_total"]
+    metrics |= iteration_extras(trajs)
     if cfg.dynamic_sampling:
         metrics |= {k: v for k, v in ds.items() if k.startswith("groups_")}
     return metrics
@@ -146,7 +164,7 @@ def validate(model, renderer, split, budgets, cfg) -> dict[str, float]:
     return summarize(run_eval(model, renderer, tasks, budgets, cfg.seed, greedy=True))
 
 
-def final_report(cfg, reference, model, renderer, split, budgets, console) -> dict[str, Any]:
+def final_report(cfg, reference, model, renderer, split, budgets, console, run: Path) -> dict[str, Any]:
     """Warm start vs RL checkpoint on the same episodes: (a) test split, (b) train problems.
 
     Each split is evaluated with every decoding in ``cfg.final_eval_decoding``; sampled
@@ -157,7 +175,7 @@ def final_report(cfg, reference, model, renderer, split, budgets, console) -> di
         "test (unseen problems)": split.sample("test", n, seed=seed_of(cfg.seed, "test")),
         "train problems, new instances (in-distribution)": split.sample("train", n, seed=seed_of(cfg.seed, "fresh")),
     }
-    out: dict[str, Any] = {"episodes_per_split": n, "budgets": vars(budgets), "results": []}
+    out: dict[str, Any] = {"episodes_per_split": n, "budgets": vars(budgets), "results": [], "evaluation_files": []}
     for decoding in cfg.final_eval_decoding:
         for name, tasks in sets.items():
             if not tasks:
@@ -166,6 +184,10 @@ def final_report(cfg, reference, model, renderer, split, budgets, console) -> di
             greedy = decoding == "greedy"
             a = ArmResult("warm start", run_eval(reference, renderer, tasks, budgets, cfg.seed, greedy))
             b = ArmResult("RL", run_eval(model, renderer, tasks, budgets, cfg.seed, greedy))
+            for arm, tag in ((a, "warmstart"), (b, "rl")):
+                path = run / "eval" / f"{name.split(' ')[0]}-{decoding}-{tag}.parquet"
+                write_trajectories(path, arm.trajectories)
+                out["evaluation_files"].append(str(path.relative_to(run)))
             out["results"].append({"split": name, "decoding": decoding,
                                    "comparison": paired_comparison(a, b, seed=cfg.seed),
                                    "warm_start": summarize(a.trajectories), "rl": summarize(b.trajectories)})

@@ -1,0 +1,81 @@
+"""Training diagnostics beyond reward: per-iteration extras and warnings (issue 4).
+
+:func:`iteration_extras` adds what a researcher checks first when a run goes wrong
+(lengths, rows per trajectory, tool-call histogram, env-error rate, why groups were
+dropped). :func:`warnings_for` reads the metrics so far and returns the warnings that
+apply at this iteration; the trainer prints them and logs them in ``metrics.jsonl`` (key
+``warnings``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+from consequence.records import Trajectory, trajectory_to_rows
+
+ENTROPY_COLLAPSE = 0.2  # warn when entropy falls below this fraction of the first iteration's
+FIRST_STEP_RATIO_TOL = 0.01  # |ρ − 1| on the first step of an iteration (on-policy) above this
+TRUNCATION_RISE = 0.10  # warn when the truncated share grew by this much over the last 3 iterations
+
+
+def iteration_extras(trajs: Sequence[Trajectory]) -> dict[str, Any]:
+    """Per-iteration diagnostics of the collected batch.
+
+    Returns:
+        gen_tokens_max, rows_per_trajectory (mean; a row is split where a prompt does not
+        extend the previous one), env_error_rate, tool_histogram (tool name → calls),
+        groups_all_equal (groups whose valid rewards are identical: no group-relative
+        signal) and groups_no_valid (every member an env_error).
+    """
+    n = max(1, len(trajs))
+    hist: Counter[str] = Counter()
+    for t in trajs:
+        hist.update(t.tool_histogram or {})
+    trained = [t for t in trajs if t.calls]
+    groups: dict[str, set] = {}
+    for t in trajs:
+        groups.setdefault(t.group_id, set())
+        if t.reward is not None:
+            groups[t.group_id].add(t.reward)
+    return {
+        "gen_tokens_max": max((t.n_generated_tokens for t in trajs), default=0),
+        "rows_per_trajectory": sum(len(trajectory_to_rows(t)) for t in trained) / max(1, len(trained)),
+        "env_error_rate": sum(t.outcome == "env_error" for t in trajs) / n,
+        "tool_histogram": dict(sorted(hist.items())),
+        "groups_all_equal": sum(len(v) == 1 for v in groups.values()),
+        "groups_no_valid": sum(len(v) == 0 for v in groups.values()),
+    }
+
+
+def warnings_for(history: Sequence[dict[str, Any]]) -> list[str]:
+    """Warnings that the newest metrics (``history[-1]``) trigger, given all before it."""
+    if not history:
+        return []
+    now, out = history[-1], []
+    first_ent = history[0].get("entropy")
+    ent = now.get("entropy")
+    if _num(first_ent) and _num(ent) and first_ent > 0 and ent < ENTROPY_COLLAPSE * first_ent:
+        out.append(f"entropy collapse: {ent:.4f} nats/token, below {ENTROPY_COLLAPSE:.0%} of the first "
+                   f"iteration's {first_ent:.4f}; sampling is nearly deterministic and exploration has stopped")
+    lo, hi = now.get("first_step_ratio_min"), now.get("first_step_ratio_max")
+    if _num(lo) and _num(hi) and max(1 - lo, hi - 1) > FIRST_STEP_RATIO_TOL:
+        out.append(f"ratio far from 1 on the first step ({lo:.4f} … {hi:.4f}): the trainer's log-probs differ "
+                   "from the sampler's; check temperature / top-k / top-p and the weights used for rollouts")
+    trunc = [h.get("truncated_fraction") for h in history[-3:]]
+    if len(trunc) == 3 and all(_num(x) for x in trunc) and trunc[0] < trunc[1] < trunc[2] \
+            and trunc[2] - trunc[0] >= TRUNCATION_RISE:
+        out.append(f"truncated episodes rising: {trunc[0]:.2f} → {trunc[2]:.2f} over 3 iterations; the policy "
+                   "is running into its budgets")
+    vals = [(h["reward_mean"], h["val_success"]) for h in history if _num(h.get("val_success"))]
+    if "val_success" in now and len(vals) >= 3:
+        (r0, v0), (r1, v1) = vals[-3], vals[-1]
+        if r1 > r0 + 0.05 and v1 <= v0:
+            out.append(f"training reward rose {r0:.2f} → {r1:.2f} while validation success went {v0:.2f} → "
+                       f"{v1:.2f}: possible reward hacking or overfitting to training problems; read trajectories")
+    return out
+
+
+def _num(x) -> bool:
+    return isinstance(x, (int, float)) and x == x  # finite-ish: excludes None and NaN

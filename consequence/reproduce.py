@@ -1,0 +1,59 @@
+"""``consequence reproduce RUN_DIR``: run a training job again from its manifest.
+
+The new run uses the manifest's config (every box, seeds, budgets) in a new folder. Before
+it starts, what could make it differ is listed: another git commit, other library
+versions, other model weights. After it ends, the per-iteration metrics of both runs are
+compared; on CPU with the same seeds they match to float precision.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from consequence.config import TrainConfig
+from consequence.report.manifest import git_commit, library_versions, read_manifest, sha256_of
+
+COMPARED = ("reward_mean", "success", "loss", "grad_norm", "entropy", "gen_tokens_mean")
+
+
+def drift(manifest: dict[str, Any]) -> list[str]:
+    """What differs between the recorded run's software and model and this machine's."""
+    out = []
+    then, now = manifest.get("git", {}), git_commit()
+    if then.get("commit") != now.get("commit"):
+        out.append(f"git commit {then.get('commit')} then, {now.get('commit')} now")
+    libs = library_versions()
+    for name, version in manifest.get("libraries", {}).items():
+        if libs.get(name) != version:
+            out.append(f"{name} {version} then, {libs.get(name)} now")
+    model = manifest.get("model", {})
+    if model.get("path") and sha256_of(Path(model["path"]) / "model.safetensors") != model.get("weights_sha256"):
+        out.append(f"model weights at {model['path']} changed since the run (sha256 differs)")
+    return out
+
+
+def reproduce_config(run_dir: Path, new_dir: Path | None = None) -> TrainConfig:
+    """The recorded config with ``run_dir`` set to the new folder (default RUN_DIR-reproduce).
+
+    Raises:
+        ValueError: no manifest, or the new folder is the old one.
+    """
+    manifest = read_manifest(run_dir)
+    new = Path(new_dir) if new_dir else Path(f"{str(run_dir).rstrip('/')}-reproduce")
+    if new.resolve() == Path(run_dir).resolve():
+        raise ValueError("the reproduction needs its own folder; pass --run-dir with a new path")
+    return TrainConfig.checked(**{**manifest["config"], "run_dir": str(new)})
+
+
+def compare_metrics(a: Path, b: Path) -> list[dict[str, Any]]:
+    """Per-iteration metrics of two runs side by side, with the largest absolute difference."""
+    ma = [json.loads(x) for x in (Path(a) / "metrics.jsonl").read_text().splitlines()]
+    mb = [json.loads(x) for x in (Path(b) / "metrics.jsonl").read_text().splitlines()]
+    rows = []
+    for x, y in zip(ma, mb):
+        diffs = {k: abs(x[k] - y[k]) for k in COMPARED if isinstance(x.get(k), float | int) and isinstance(y.get(k), float | int)}
+        rows.append({"iteration": x["iteration"], "reward_then": x["reward_mean"], "reward_now": y["reward_mean"],
+                     "max_abs_diff": max(diffs.values(), default=0.0)})
+    return rows

@@ -1,0 +1,51 @@
+"""Diagnostics: per-iteration extras and each warning, triggered and not."""
+
+from consequence.diagnostics import iteration_extras, warnings_for
+from consequence.records import ModelCall, Trajectory
+
+
+def _m(**kw):
+    base = {"reward_mean": 0.3, "entropy": 0.1, "truncated_fraction": 0.1,
+            "first_step_ratio_min": 1.0, "first_step_ratio_max": 1.0}
+    return {**base, **kw}
+
+
+def test_no_warning_on_a_healthy_history():
+    assert warnings_for([_m(), _m(reward_mean=0.35, val_success=0.3), _m(reward_mean=0.4)]) == []
+
+
+def test_entropy_collapse():
+    (w,) = warnings_for([_m(entropy=0.1), _m(entropy=0.01)])
+    assert w.startswith("entropy collapse")
+
+
+def test_ratio_far_from_one_on_first_step():
+    (w,) = warnings_for([_m(first_step_ratio_min=0.97)])
+    assert "ratio far from 1" in w
+
+
+def test_rising_truncation():
+    h = [_m(truncated_fraction=0.1), _m(truncated_fraction=0.15), _m(truncated_fraction=0.25)]
+    (w,) = warnings_for(h)
+    assert "0.10 → 0.25" in w
+    assert warnings_for(h[:2]) == []
+
+
+def test_reward_up_validation_flat_is_flagged():
+    h = [_m(reward_mean=0.2, val_success=0.40), _m(reward_mean=0.3), _m(reward_mean=0.35, val_success=0.41),
+         _m(reward_mean=0.45, val_success=0.38)]
+    (w,) = warnings_for(h)
+    assert "possible reward hacking" in w and "0.20 → 0.45" in w
+
+
+def test_iteration_extras_counts():
+    call = ModelCall([1, 2], [3, 4, 9], [0.0] * 3, "stop")
+    t1 = Trajectory(task_id="a", group_id="g", sample_id=0, seed=0, policy_version=0, calls=[call], reward=1.0,
+                    tool_histogram={"run_tests": 2})
+    t2 = Trajectory(task_id="a", group_id="g", sample_id=1, seed=1, policy_version=0, calls=[call], reward=1.0,
+                    tool_histogram={"run_tests": 1, "finish": 1})
+    t3 = Trajectory(task_id="b", group_id="h", sample_id=0, seed=0, policy_version=0, outcome="env_error")
+    x = iteration_extras([t1, t2, t3])
+    assert x["tool_histogram"] == {"finish": 1, "run_tests": 3}
+    assert x["groups_all_equal"] == 1 and x["groups_no_valid"] == 1
+    assert x["env_error_rate"] == 1 / 3 and x["gen_tokens_max"] == 3 and x["rows_per_trajectory"] == 1.0
