@@ -86,39 +86,59 @@ def find_run_files(run_dir: str | os.PathLike) -> RunFiles:
 
 
 def select_trajectories(by_iter: dict[int, list[Trajectory]], limit: int) -> tuple[list[tuple[int, Trajectory]], int]:
-    """Keep at most ``limit`` trajectories, as whole groups spread evenly over iterations.
+    """Keep at most ``limit`` trajectories, as whole groups spread over the iterations.
 
-    Each iteration gets ``limit // n_iterations`` trajectories (at least one group), taken
-    group by group in stored order; left-over room goes to the latest iterations.
+    Groups are taken one per iteration per pass, iterations visited latest first and then
+    spread out (latest, middle, quarters, …), until the next group no longer fits. If not
+    even one group fits, the first ``limit`` members of the latest iteration's first group
+    are shown.
 
     Returns:
-        ``(kept, n_left_out)`` with ``kept`` a list of ``(iteration, trajectory)``.
+        ``(kept, n_left_out)`` with ``kept`` a list of ``(iteration, trajectory)`` in
+        iteration order, then stored order.
 
     >>> t = lambda g: Trajectory(task_id=g, group_id=g, sample_id=0, seed=0, policy_version=0)
     >>> kept, left = select_trajectories({0: [t("a"), t("a"), t("b")], 1: [t("c")]}, 3)
     >>> [(i, x.group_id) for i, x in kept], left
     ([(0, 'a'), (0, 'a'), (1, 'c')], 1)
+    >>> _spread(5)
+    [4, 2, 3, 1, 0]
     """
     if limit < 1:
         raise ViewerError(f"limit must be at least 1, got {limit}")
     iters = sorted(by_iter)
-    quota = {it: max(1, limit // len(iters)) for it in iters}
-    kept: dict[int, list[Trajectory]] = {it: [] for it in iters}
+    groups: dict[int, list[list[int]]] = {}  # iteration → groups as lists of indices into by_iter[it]
+    for it in iters:
+        by_id: dict[str, list[int]] = {}
+        for k, t in enumerate(by_iter[it]):
+            by_id.setdefault(t.group_id, []).append(k)
+        groups[it] = list(by_id.values())
+    taken: dict[int, list[int]] = {it: [] for it in iters}
     total = 0
-    for it in reversed(iters):  # latest first, so the spare room goes to them
-        groups: dict[str, list[Trajectory]] = {}
-        for t in by_iter[it]:
-            groups.setdefault(t.group_id, []).append(t)
-        room = quota[it] + (limit - sum(quota.values()) if it == iters[-1] else 0)
-        for members in groups.values():
-            if kept[it] and len(kept[it]) + len(members) > room:
-                break
-            if total + len(members) > limit and total:
-                break
-            kept[it] += members
-            total += len(members)
-    out = [(it, t) for it in iters for t in kept[it]]
-    return out, sum(len(v) for v in by_iter.values()) - len(out)
+    for p in range(max(len(g) for g in groups.values())):
+        for it in (iters[i] for i in _spread(len(iters))):
+            if p < len(groups[it]) and total + len(groups[it][p]) <= limit:
+                taken[it] += groups[it][p]
+                total += len(groups[it][p])
+    if total == 0:
+        taken[iters[-1]] = groups[iters[-1]][0][:limit]
+    kept = [(it, by_iter[it][k]) for it in iters for k in sorted(taken[it])]
+    return kept, sum(len(v) for v in by_iter.values()) - len(kept)
+
+
+def _spread(n: int) -> list[int]:
+    """0..n-1 ordered latest first, then halving the gaps (van der Corput sequence)."""
+    order, seen, i = [], set(), 0
+    while len(order) < n:
+        x, f, j = 0.0, 0.5, i  # x = i-th van der Corput number in [0, 1)
+        while j:
+            x, j, f = x + f * (j & 1), j >> 1, f / 2
+        idx = n - 1 - int(x * n)
+        if idx not in seen:
+            seen.add(idx)
+            order.append(idx)
+        i += 1
+    return order
 
 
 def token_roles(ids: list[int], loss_mask: list[int], attention_mask: list[int], added_ids: set[int],
