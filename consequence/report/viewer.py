@@ -181,9 +181,12 @@ def token_roles(ids: list[int], loss_mask: list[int], attention_mask: list[int],
     return "".join(out)
 
 
-def _round(x: float | None, nd: int = 4):
-    if x is None or (isinstance(x, float) and not math.isfinite(x)):
-        return None if x is None or math.isnan(x) else ("-inf" if x < 0 else "inf")
+def _round(x: float | None, nd: int = 4) -> float | str | None:
+    """A JSON-safe number: rounded; NaN → None; ±inf → "-inf" / "inf" (JSON has no infinities)."""
+    if x is None or math.isnan(x):
+        return None
+    if math.isinf(x):
+        return "-inf" if x < 0 else "inf"
     return round(float(x), nd)
 
 
