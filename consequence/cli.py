@@ -297,5 +297,25 @@ def compare_cmd(a: str = typer.Argument(..., help="Policy A: checkpoint or run f
     console.print(f"written: {out}/compare.json")
 
 
+@app.command("view")
+def view(run_dir: Path = typer.Argument(..., help="Run directory of `consequence train`."),
+         out: Optional[Path] = typer.Option(None, help="HTML file to write [default: RUN_DIR/viewer.html]."),
+         iteration: Optional[int] = typer.Option(None, help="Show only this iteration (0-based, as in trajectories/iter_NNNN.parquet)."),
+         with_current_logprobs: bool = typer.Option(False, help="Recompute each token's log-prob with the checkpoint saved "
+                                                    "after its iteration (else final): one forward pass per trajectory."),
+         limit: int = typer.Option(200, min=1, help="Most trajectories on the page (whole groups, spread over iterations).")) -> None:
+    """Write one static HTML page of a run's trajectories, tokens coloured by loss-mask role (docs/viewer.md)."""
+    from consequence.report.viewer import ViewerError, build_page, write_page
+
+    try:
+        html, summary = build_page(run_dir, iteration, with_current_logprobs, limit, log=console.print)
+    except ViewerError as e:
+        console.print(f"[red]error:[/] {escape(str(e))}")
+        raise typer.Exit(2)
+    path = write_page(html, out or run_dir / "viewer.html")
+    left = f", {summary['n_left_out']} left out (page limit {limit})" if summary["n_left_out"] else ""
+    console.print(f"{summary['n_shown']} trajectories{left}: {path} ({len(html.encode()) / 1e6:.2f} MB)")
+
+
 if __name__ == "__main__":
     app()
