@@ -30,7 +30,7 @@ from consequence.distill.teacher import ScriptedTeacher, TeacherHabits, plan_epi
 from consequence.envs.repair_env import SYSTEM_PROMPT, TOOLS, RepairEnv
 from consequence.harness.renderer import Renderer, replay_conversation
 from consequence.policy.logprobs import token_logprobs
-from consequence.policy.tiny import build_model, build_tokenizer, save_policy
+from consequence.policy.tiny import BUNDLED, build_model, build_tokenizer, save_policy
 from consequence.records import ModelCall, Trajectory, trajectory_to_rows
 from consequence.rollout.episodes import Budgets, EpisodeSpec, run_episodes
 from consequence.tasks.repair import load_split, make_tasks
@@ -71,7 +71,6 @@ def warmstart_path(cfg: WarmstartConfig = WarmstartConfig()) -> Path:
     return cache_root() / "warmstart" / f"tiny-repair-{cfg.key()}"
 
 
-BUNDLED = Path(__file__).parent / "assets" / "tiny-repair"
 
 
 def ensure_warmstart(cfg: WarmstartConfig = WarmstartConfig(), log: Callable[[str], None] = print) -> Path:

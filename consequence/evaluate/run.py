@@ -40,7 +40,7 @@ def resolve_model(path: str | None) -> Path:
         ValueError: the path does not exist or holds no ``config.json``.
     """
     if path is None:
-        from consequence.warmstart import BUNDLED
+        from consequence.policy.tiny import BUNDLED
 
         return BUNDLED
     p = Path(path)

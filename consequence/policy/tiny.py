@@ -22,6 +22,8 @@ SPECIAL_TOKENS: tuple[str, ...] = (PAD_TOKEN, IM_START, IM_END)
 # by ``decode`` (also with ``skip_special_tokens=True``), so the harness finds the tags.
 TOOL_TOKENS: tuple[str, ...] = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
 
+BUNDLED = Path(__file__).resolve().parents[1] / "assets" / "tiny-repair"  # the shipped warm start
+
 
 def chat_template() -> str:
     """The Jinja chat template text shipped with the package."""

@@ -318,7 +318,7 @@ def build_page(run_dir: str | os.PathLike, iteration: int | None = None, with_cu
     temperature, top_k, top_p = float(cfg.get("temperature", 1.0)), int(cfg.get("top_k", 0)), float(cfg.get("top_p", 1.0))
     tok_path = checkpoint_after(run, max(by_iter)) or (Path(cfg["model"]) if cfg.get("model") else None)
     if tok_path is None:
-        from consequence.warmstart import BUNDLED
+        from consequence.policy.tiny import BUNDLED
         tok_path = BUNDLED
     models: dict[Path, Any] = {}
 
