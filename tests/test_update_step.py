@@ -93,7 +93,9 @@ def test_split_gradient_equals_unsplit(reduction):
         for n in whole:
             assert torch.allclose(split[n], whole[n], atol=1e-6, rtol=0), (reduction, mbs, n)
         assert m_split["loss"] == pytest.approx(m_whole["loss"], abs=1e-6)
-        assert m_split["n_tokens"] == m_whole["n_tokens"] == sum(lengths)
+        # the row with advantage 0 (length 4) is counted in the totals but not run
+        assert m_split["n_tokens"] == m_whole["n_tokens"] == sum(lengths) - 4
+        assert m_split["rows_skipped_zero_advantage"] == 1.0
 
 
 def test_split_gradient_matches_direct_unsplit_computation():
@@ -109,6 +111,33 @@ def test_split_gradient_matches_direct_unsplit_computation():
     A = torch.tensor(adv)[:, None]
     obj = torch.minimum(ratio * A, torch.clamp(ratio, 0.8, 1.2) * A)
     loss = -(obj * m).sum() / m.sum()
+    model.zero_grad()
+    loss.backward()
+    for n, p in model.named_parameters():
+        assert torch.allclose(got[n], p.grad, atol=1e-6), n
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_skipping_zero_advantage_rows_keeps_the_gradient(reduction):
+    """Direct computation over ALL rows (zero-advantage ones in every denominator)."""
+    model = TinyLM(3)
+    rows = make_rows(model, [2, 5, 3, 4], perturb=0.2, seed=4)
+    adv = [0.7, 0.0, -1.1, 0.0]
+    got, m = grads_of(model, rows, adv, UpdateConfig(reduction=reduction, micro_batch_size=2))
+    assert m["rows_skipped_zero_advantage"] == 2.0
+    b = pad_rows(rows, PAD)
+    lp, _ = ref_logprobs(model, b["input_ids"], b["attention_mask"])
+    mask = b["loss_mask"][:, 1:]
+    ratio = torch.exp(lp - b["old_logprobs"][:, 1:])
+    A = torch.tensor(adv)[:, None]
+    obj = torch.minimum(ratio * A, torch.clamp(ratio, 0.8, 1.2) * A) * mask
+    L = mask.sum(-1)
+    if reduction == "token_mean":
+        loss = -obj.sum() / L.sum()
+    elif reduction == "seq_mean_token_mean":
+        loss = -(obj.sum(-1) / L).sum() / 4
+    else:
+        loss = -obj.sum() / (L.max() * 4)
     model.zero_grad()
     loss.backward()
     for n, p in model.named_parameters():

@@ -185,6 +185,10 @@ def accumulate_gradients(
     (DESIGN.md §5; the surrogate from ``cfg.surrogate``). Rows are sorted by length and
     cut into micro-batches of ``cfg.micro_batch_size``; each is reduced with the step's
     global totals, so the accumulated gradient does not depend on the split (case 01).
+    Rows with advantage 0 everywhere (all-equal groups) are counted in the totals but not
+    run when there is no KL or entropy term: their gradient is exactly 0, and skipping
+    them saves their forward and backward. Ratio, clip and entropy metrics then cover the
+    rows that ran.
 
     Args:
         model: the policy; ``logprob_fn(model, input_ids [n,S] long, attention_mask [n,S]
@@ -203,7 +207,7 @@ def accumulate_gradients(
         metrics: loss (step loss = Σ micro-batch losses), ratio_mean/min/max,
         clip_frac_low, clip_frac_high, entropy, kl_ref, tis_weight_mean,
         offpolicy_masked_rows (token means over targets; NaN when unavailable),
-        n_tokens, n_rows.
+        rows_skipped_zero_advantage, n_tokens (targets that ran), n_rows.
 
     Raises:
         ValueError: lengths differ, unknown reduction/surrogate, bad advantage, a target
@@ -214,7 +218,8 @@ def accumulate_gradients(
     adv_all = _check_advantages(rows, advantages_N)
     total_tokens, total_seqs, norm_const = _step_totals(rows, cfg)
     device = next(model.parameters()).device
-    order = sorted(range(len(rows)), key=lambda i: len(rows[i].input_ids))
+    live = [i for i in range(len(rows)) if not _contributes_nothing(adv_all[i], cfg)]
+    order = sorted(live, key=lambda i: len(rows[i].input_ids))
     met = _Metrics()
     loss_sum = 0.0
     for start in range(0, len(order), cfg.micro_batch_size):
@@ -248,9 +253,19 @@ def accumulate_gradients(
         "kl_ref": met.mean("kl_ref"),
         "tis_weight_mean": met.mean("tis_weight"),
         "offpolicy_masked_rows": float(met.n_rows_masked),
+        "rows_skipped_zero_advantage": float(len(rows) - len(live)),
         "n_tokens": float(n),
         "n_rows": float(len(rows)),
     }
+
+
+def _contributes_nothing(adv: Any, cfg: UpdateConfig) -> bool:
+    """A row whose advantage is 0 on every token adds exactly 0 to every surrogate's
+    gradient (each is A times something); without KL or entropy terms it can skip the
+    forward/backward. It still counts in the step's totals, so the gradient is unchanged."""
+    if cfg.kl_coef or cfg.entropy_coef:
+        return False
+    return all(a == 0.0 for a in adv) if isinstance(adv, list) else adv == 0.0
 
 
 def _micro_batch_loss(model, batch: dict[str, Tensor], cfg: UpdateConfig, logprob_fn, met: _Metrics,
