@@ -1,0 +1,276 @@
+"""Crashes and restarts (issue 6): atomic resume states and `consequence train --resume`.
+
+The kill tests run real `consequence train` processes (tests/resume_child.py), SIGKILL
+them mid-run, resume, and compare with an uninterrupted run of the same config: every
+metric except wall-clock timings, every trajectory file and the final weights must match
+(on CPU with a fixed seed the arithmetic is the same, so they match exactly; the
+tolerance 1e-6 only covers JSON float round trips).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from rich.console import Console
+from safetensors.torch import load_file
+
+from consequence.config import TrainConfig
+from consequence.records import read_trajectories
+from consequence.resume import capture_rng, latest_state, restore_rng, save_state
+from consequence.warmstart import BUNDLED
+
+CHILD = Path(__file__).with_name("resume_child.py")
+ROOT = Path(__file__).resolve().parents[1]
+TIMINGS = {"rollout_s", "update_s", "rollout_tokens_per_s"}  # wall-clock: differ between any two runs
+TINY = ["--model", str(BUNDLED), "--iterations", "3", "--tasks-per-iteration", "2", "--group-size", "2",
+        "--eval-every", "0", "--final-eval-episodes", "0", "--learning-rate", "1e-3", "--skip-checks",
+        "--max-turns", "4", "--max-new-tokens", "32"]
+
+
+def _child(args: list[str], pause: str | None = None) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(CHILD), *([pause] if pause else []), "--", *args]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _finish(proc: subprocess.Popen) -> str:
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-3000:]
+    return out
+
+
+def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
+    t0 = time.monotonic()
+    while not path.exists():
+        assert proc.poll() is None, f"run ended before {path} appeared:\n{proc.communicate()[0][-3000:]}"
+        assert time.monotonic() - t0 < timeout, f"{path} did not appear in {timeout} s"
+        time.sleep(0.05)
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+
+
+def _metrics(run: Path) -> list[dict]:
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _untimed(traj) -> dict:
+    return {k: v for k, v in traj.to_dict().items() if k != "wall_time_s"}
+
+
+def _assert_same_run(a: Path, b: Path) -> float:
+    """Same metrics (1e-6), trajectories and final weights; returns the largest metric difference."""
+    ma, mb = _metrics(a), _metrics(b)
+    assert [m["iteration"] for m in mb] == [m["iteration"] for m in ma] == [0, 1, 2]
+    worst = 0.0
+    for x, y in zip(ma, mb):
+        assert x.keys() == y.keys()
+        for k in x.keys() - TIMINGS:
+            if isinstance(x[k], float) and isinstance(y[k], float):
+                assert (math.isnan(x[k]) and math.isnan(y[k])) or abs(x[k] - y[k]) <= 1e-6, (x["iteration"], k)
+                worst = max(worst, 0.0 if math.isnan(x[k]) else abs(x[k] - y[k]))
+            else:
+                assert x[k] == y[k], (x["iteration"], k)
+    files = sorted(p.name for p in (b / "trajectories").iterdir())
+    assert files == sorted(p.name for p in (a / "trajectories").iterdir()) == [f"iter_{i:04d}.parquet" for i in range(3)]
+    for name in files:  # no lost and no duplicated trajectories, token for token
+        ta, tb = read_trajectories(a / "trajectories" / name), read_trajectories(b / "trajectories" / name)
+        assert [_untimed(t) for t in ta] == [_untimed(t) for t in tb]
+    wa = load_file(a / "checkpoints" / "final" / "model.safetensors")
+    wb = load_file(b / "checkpoints" / "final" / "model.safetensors")
+    assert all(torch.allclose(wa[k], wb[k], atol=1e-6, rtol=0) for k in wa)
+    return worst
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("uninterrupted")
+    _finish(_child([*TINY, "--run-dir", str(run)]))
+    m = _metrics(run)
+    assert len({x["loss"] for x in m}) == 3 and all(x["grad_norm"] > 0 for x in m)  # the weights do move
+    return run
+
+
+def test_kill_during_second_iteration_then_resume_matches(uninterrupted, tmp_path):
+    run = tmp_path / "run"
+    proc = _child([*TINY, "--run-dir", str(run)])
+    _wait_for(run / "checkpoints" / "state-0001" / "state.json", proc)
+    time.sleep(0.2)  # iteration 1 is now rolling out
+    _kill(proc)
+    assert latest_state(run).iteration == 1
+    out = _finish(_child(["--resume", str(run)]))
+    assert "resumed after iteration 1" in out
+    worst = _assert_same_run(uninterrupted, run)
+    print(f"kill in iteration 1, resume: max |Δ metric| = {worst:.3g}")
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert manifest["status"] == "finished" and manifest["resumed"] == [{"from_iteration": 1, "state": "state-0001"}]
+
+
+def test_kill_while_writing_a_state_then_resume_matches(uninterrupted, tmp_path):
+    """Killed inside the second state's write: iteration 1's trajectories and metric line
+    are on disk, its state is a temporary folder; resume goes back to state-0001."""
+    run, marker = tmp_path / "run", tmp_path / "paused"
+    proc = _child([*TINY, "--run-dir", str(run)], pause=f"state:2:{marker}")
+    _wait_for(marker, proc)
+    _kill(proc)
+    ckpts = {p.name for p in (run / "checkpoints").iterdir()}
+    assert "state-0001" in ckpts and any(n.startswith(".state-0002.tmp-") for n in ckpts), ckpts
+    assert len(_metrics(run)) == 2 and (run / "trajectories" / "iter_0001.parquet").exists()
+    _finish(_child(["--resume", str(run)]))
+    worst = _assert_same_run(uninterrupted, run)
+    print(f"kill while writing state 2, resume: max |Δ metric| = {worst:.3g}")
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["final", "state-0003"]
+
+
+# ---- in-process: the writer and the run directory --------------------------------------
+def _learner():
+    from consequence.iteration import make_learner
+    from consequence.policy.tiny import load_policy
+
+    model, tok = load_policy(BUNDLED)
+    cfg = TrainConfig(model=str(BUNDLED))
+    return make_learner(cfg, model), tok
+
+
+def test_state_round_trip_and_a_failed_write_keeps_the_previous_state(tmp_path, monkeypatch):
+    import consequence.resume as resume_module
+
+    learner, tok = _learner()
+    p = next(learner.model.parameters())
+    p.grad = torch.ones_like(p)
+    learner.optimizer.step()  # some optimizer state to keep
+    first = save_state(tmp_path, 1, learner, tok, [{"iteration": 0}], {"status": "running"}, {"seed": 0})
+    before = {f.relative_to(first): f.read_bytes() for f in first.rglob("*") if f.is_file()}
+
+    def full_disk(folder, learner):
+        (folder / "optimizer.pt").write_bytes(b"half")
+        raise OSError(errno.ENOSPC, "No space left on device", str(folder / "optimizer.pt"))
+
+    monkeypatch.setattr(resume_module, "_write_learner", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        save_state(tmp_path, 2, learner, tok, [{"iteration": 0}, {"iteration": 1}], {}, {})
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["state-0001"]  # no temp folder left
+    assert {f.relative_to(first): f.read_bytes() for f in first.rglob("*") if f.is_file()} == before
+    state = latest_state(tmp_path)
+    assert (state.iteration, state.history, state.manifest) == (1, [{"iteration": 0}], {"status": "running"})
+
+    monkeypatch.undo()
+    fresh, _ = _learner()
+    resume_module.load_learner_state(state, fresh)
+    a, b = learner.optimizer.state_dict()["state"], fresh.optimizer.state_dict()["state"]
+    assert a.keys() == b.keys() and all(torch.equal(a[k]["exp_avg"], b[k]["exp_avg"]) for k in a)
+
+
+def test_rng_states_round_trip():
+    import random
+
+    import numpy as np
+
+    saved = capture_rng()
+    x = (random.random(), np.random.rand(), torch.rand(1).item())
+    restore_rng(json.loads(json.dumps(saved)))
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == x
+
+
+def _tiny_cfg(run: Path, **kw) -> TrainConfig:
+    return TrainConfig(run_dir=str(run), model=str(BUNDLED), iterations=2, tasks_per_iteration=2, group_size=2,
+                       eval_every=0, final_eval_episodes=0, skip_checks=True, max_turns=3, max_new_tokens=24, **kw)
+
+
+def _no_temp_files(run: Path) -> None:
+    left = [str(p.relative_to(run)) for p in run.rglob("*") if p.name.startswith(".")]
+    assert not left, left
+
+
+def test_disk_full_while_writing_a_state_stops_cleanly_and_resumes(tmp_path, monkeypatch):
+    import consequence.resume as resume_module
+    from consequence.train import RunStopped, train
+
+    real, calls = resume_module._write_learner, []
+
+    def fill_on_second(folder, learner):
+        calls.append(folder)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device", str(folder / "optimizer.pt"))
+        real(folder, learner)
+
+    monkeypatch.setattr(resume_module, "_write_learner", fill_on_second)
+    run = tmp_path / "run"
+    with pytest.raises(RunStopped) as e:
+        train(_tiny_cfg(run), Console(quiet=True))
+    msg = str(e.value)
+    assert "No space left on device" in msg and "state-0001" in msg and f"--resume {run}" in msg
+    assert "no file was left half-written" in msg
+    _no_temp_files(run)
+    assert latest_state(run).iteration == 1
+    assert json.loads((run / "manifest.json").read_text())["status"] == "stopped"
+    monkeypatch.undo()
+    train(_tiny_cfg(run), Console(quiet=True), resume=True)
+    assert [m["iteration"] for m in _metrics(run)] == [0, 1]
+    assert json.loads((run / "manifest.json").read_text())["status"] == "finished"
+
+
+def test_disk_full_while_writing_trajectories_leaves_no_partial_file(tmp_path, monkeypatch):
+    import pyarrow.parquet as pq
+
+    from consequence.train import RunStopped, train
+
+    real = pq.write_table
+
+    def half_then_full(table, where, *a, **kw):
+        Path(where).write_bytes(b"PAR1 half a file")
+        raise OSError(errno.ENOSPC, "No space left on device", str(where))
+
+    monkeypatch.setattr(pq, "write_table", half_then_full)
+    run = tmp_path / "run"
+    with pytest.raises(RunStopped, match="No space left on device.*no resume state was written yet"):
+        train(_tiny_cfg(run), Console(quiet=True))
+    monkeypatch.setattr(pq, "write_table", real)
+    _no_temp_files(run)
+    assert not list((run / "trajectories").iterdir()) and _metrics(run) == []
+
+
+def test_append_line_is_cut_back_when_the_disk_fills(tmp_path, monkeypatch):
+    from consequence.train import _append_line
+
+    path = tmp_path / "metrics.jsonl"
+    _append_line(path, '{"iteration": 0}')
+    real_write = os.write
+
+    def partial(fd, data):
+        real_write(fd, bytes(data[:5]))
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "write", partial)
+    with pytest.raises(OSError):
+        _append_line(path, '{"iteration": 1, "reward_mean": 0.5}')
+    monkeypatch.undo()
+    assert path.read_text() == '{"iteration": 0}\n'
+
+
+def test_fresh_run_in_an_old_folder_drops_the_old_states(tmp_path):
+    """Without --resume the folder starts over, so a later --resume cannot pick up an older run's state."""
+    from consequence.resume import rewind_run_dir
+
+    run = tmp_path / "run"
+    for name in ("checkpoints/state-0005", "checkpoints/.state-0006.tmp-x", "checkpoints/iter_0003"):
+        (run / name).mkdir(parents=True)
+    (run / "trajectories").mkdir()
+    (run / "trajectories" / "iter_0004.parquet").write_text("old")
+    (run / "metrics.jsonl").write_text('{"iteration": 0}\n')
+    rewind_run_dir(run, 0, [])
+    assert list((run / "checkpoints").iterdir()) == [] and list((run / "trajectories").iterdir()) == []
+    assert (run / "metrics.jsonl").read_text() == ""
