@@ -177,8 +177,12 @@ def _loop(r: _Run, console) -> None:
 def _run_iteration(r: _Run, it: int, console) -> dict[str, Any]:
     """One iteration with its validation, metrics line and resume state; returns its metrics."""
     cfg, model = r.cfg, r.learner.model
-    m = iteration(it, cfg, r.learner, r.renderer, r.split, r.budgets, r.sampling, r.dir, first=it == 0,
-                  console=console)
+    try:
+        m = iteration(it, cfg, r.learner, r.renderer, r.split, r.budgets, r.sampling, r.dir, first=it == 0,
+                      console=console)
+    except FloatingPointError as e:
+        e.iteration = it  # for RunStopped's message: which trajectory file the indices point into
+        raise
     if cfg.eval_every and ((it + 1) % cfg.eval_every == 0 or it + 1 == cfg.iterations):
         m["val_success"] = validate(model, r.renderer, r.split, r.budgets, cfg)["success"]
         save_policy(model, r.tokenizer, r.dir / "checkpoints" / f"iter_{it + 1:04d}")
@@ -222,7 +226,9 @@ def _stopped(e: BaseException, run: Path) -> RunStopped:
     where = (f"the resume state {state.path} (after iteration {state.iteration}) is intact" if state
              else "no resume state was written yet")
     if isinstance(e, FloatingPointError):
-        what = (f"stopped: {e}. Nothing of this step was applied; {where}. Lower --learning-rate or inspect "
+        it = getattr(e, "iteration", None)
+        at = "" if it is None else f" in iteration {it} (trajectory numbers index trajectories/iter_{it:04d}.parquet)"
+        what = (f"stopped{at}: {e}. Nothing of this step was applied; {where}. Lower --learning-rate or inspect "
                 "those trajectories (`consequence view`) before resuming")
     else:
         what = (f"stopped: cannot write {getattr(e, 'filename', None) or run} ({e.strerror or e}); {where} and "

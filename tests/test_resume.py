@@ -274,3 +274,40 @@ def test_fresh_run_in_an_old_folder_drops_the_old_states(tmp_path):
     rewind_run_dir(run, 0, [])
     assert list((run / "checkpoints").iterdir()) == [] and list((run / "trajectories").iterdir()) == []
     assert (run / "metrics.jsonl").read_text() == ""
+
+
+def test_resume_restores_critic_and_reference(tmp_path, monkeypatch):
+    """PPO (value head + its optimizer) with a KL term (reference reloaded from the starting
+    model): a crash after the first state, then resume, gives the uninterrupted metrics."""
+    import consequence.iteration as iteration_module
+    import consequence.train as train_module
+    from consequence.train import train
+
+    real_score = iteration_module.score_trajectories
+
+    def signal(trajs, *args):  # odd samples win, so that iteration 0 moves the policy off the reference
+        real_score(trajs, *args)
+        for t in trajs:
+            t.reward = None if t.reward is None else float(t.sample_id % 2)
+
+    monkeypatch.setattr(iteration_module, "score_trajectories", signal)
+
+    kw = dict(advantage="gae", kl_coef=0.05, learning_rate=1e-3)
+    train(_tiny_cfg(tmp_path / "a", **kw), Console(quiet=True))
+    real = train_module.iteration
+
+    def crash_in_second(it, *args, **kwargs):
+        if it == 1:
+            raise KeyboardInterrupt  # stands in for a kill: nothing after this point runs
+        return real(it, *args, **kwargs)
+
+    with monkeypatch.context() as mp, pytest.raises(KeyboardInterrupt):
+        mp.setattr(train_module, "iteration", crash_in_second)
+        train(_tiny_cfg(tmp_path / "b", **kw), Console(quiet=True))
+    assert (tmp_path / "b" / "checkpoints" / "state-0001" / "critic.safetensors").is_file()
+    train(_tiny_cfg(tmp_path / "b", **kw), Console(quiet=True), resume=True)
+    ma, mb = _metrics(tmp_path / "a"), _metrics(tmp_path / "b")
+    for x, y in zip(ma, mb, strict=True):
+        for k in ("loss", "value_loss", "kl_ref", "grad_norm", "reward_mean", "entropy"):
+            assert abs(x[k] - y[k]) <= 1e-6, (x["iteration"], k, x[k], y[k])
+    assert ma[1]["kl_ref"] != 0.0  # the reference term is live in the resumed iteration
