@@ -83,11 +83,33 @@ def save_state(run: Path, iteration: int, learner, tokenizer, history: list[dict
             shutil.rmtree(final)
         os.replace(tmp, final)
         _fsync_dir(root)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        err = as_write_error(e, tmp)
+        if err is not None and err is not e:
+            raise err from e
         raise
     _remove_older_states(root, keep=final)
     return final
+
+
+def as_write_error(e: BaseException, path: Path) -> OSError | None:
+    """The OSError behind a failed write, or None when ``e`` is not an I/O failure.
+
+    torch.save reports a full disk as a RuntimeError (the OSError is its ``__context__``)
+    and safetensors as a SafetensorError whose text holds "os error N"; the trainer
+    recognises write failures by their errno, so they are turned back into OSErrors.
+    """
+    seen: BaseException | None = e
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno:
+            return seen if seen is e else OSError(seen.errno, seen.strerror, seen.filename or str(path))
+        seen = seen.__cause__ or seen.__context__
+    m = re.search(r"os error (\d+)|errno (\d+)", str(e))
+    if m is None:
+        return None
+    code = int(m.group(1) or m.group(2))
+    return OSError(code, os.strerror(code), str(path))
 
 
 def _umask() -> int:
@@ -99,10 +121,22 @@ def _umask() -> int:
 def _write_learner(folder: Path, learner) -> None:
     from safetensors.torch import save_file
 
-    torch.save(learner.optimizer.state_dict(), folder / "optimizer.pt")
+    _torch_save(learner.optimizer.state_dict(), folder / "optimizer.pt")
     if learner.critic is not None:
         save_file({k: v.contiguous() for k, v in learner.critic.state_dict().items()}, folder / "critic.safetensors")
-        torch.save(learner.critic_optimizer.state_dict(), folder / "critic_optimizer.pt")
+        _torch_save(learner.critic_optimizer.state_dict(), folder / "critic_optimizer.pt")
+
+
+def _torch_save(obj: Any, path: Path) -> None:
+    # Through a Python file object, so that a failed write keeps its OSError (as __context__).
+    try:
+        with open(path, "wb") as f:
+            torch.save(obj, f)
+    except Exception as e:
+        err = as_write_error(e, path)
+        if err is not None and err is not e:
+            raise err from e  # named after this file rather than the state folder
+        raise
 
 
 def _write_text(path: Path, text: str) -> None:

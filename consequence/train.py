@@ -228,12 +228,16 @@ def _stopped(e: BaseException, run: Path) -> RunStopped:
     if isinstance(e, FloatingPointError):
         it = getattr(e, "iteration", None)
         at = "" if it is None else f" in iteration {it} (trajectory numbers index trajectories/iter_{it:04d}.parquet)"
-        what = (f"stopped{at}: {e}. Nothing of this step was applied; {where}. Lower --learning-rate or inspect "
-                "those trajectories (`consequence view`) before resuming")
+        what = (f"stopped{at}: {e}. Nothing of this step was applied; {where}. Inspect those trajectories "
+                f"(`consequence view {run}`). A resume with the same config repeats the same computation; to go "
+                "on with other settings (e.g. a lower --learning-rate) start a new run from the state's policy "
+                "folder (--model STATE/policy), or, once the cause is fixed in code, continue")
     else:
+        fix = {errno.EFBIG: "Raise the file-size limit (ulimit -f)",
+               errno.EROFS: "Make the run folder writable"}.get(e.errno, "Free disk space (a resume state takes about "
+                                                                   "3 x the model's weights, 6 x with a value head)")
         what = (f"stopped: cannot write {getattr(e, 'filename', None) or run} ({e.strerror or e}); {where} and "
-                "no file was left half-written. Free disk space (a resume state takes about 3 x the "
-                "model's weights, 6 x with a value head), then continue")
+                f"no file was left half-written. {fix}, then continue")
     _mark_stopped(run, str(e))
     return RunStopped(f"{what} with `consequence train --resume {run}`.")
 

@@ -37,10 +37,18 @@ TINY = ["--model", str(BUNDLED), "--iterations", "3", "--tasks-per-iteration", "
         "--max-turns", "4", "--max-new-tokens", "32"]
 
 
-def _child(args: list[str], pause: str | None = None) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+def _child(args: list[str], pause: str | None = None, max_file_bytes: int | None = None) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "COLUMNS": "400"}
     cmd = [sys.executable, str(CHILD), *([pause] if pause else []), "--", *args]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def limit_file_size():  # a real write failure: EFBIG from the kernel, as a full disk gives ENOSPC
+        import resource
+
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails instead of the process dying
+        resource.setrlimit(resource.RLIMIT_FSIZE, (max_file_bytes, max_file_bytes))
+
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=limit_file_size if max_file_bytes else None)
 
 
 def _finish(proc: subprocess.Popen) -> str:
@@ -223,6 +231,19 @@ def test_disk_full_while_writing_a_state_stops_cleanly_and_resumes(tmp_path, mon
     assert json.loads((run / "manifest.json").read_text())["status"] == "finished"
 
 
+def test_real_failed_write_of_a_state_stops_the_run_cleanly(tmp_path):
+    """The kernel refuses the write (file-size limit 10 MB: the 7.7 MB weights fit, the
+    15 MB optimizer state does not); torch.save's RuntimeError is reported as the OSError."""
+    run = tmp_path / "run"
+    proc = _child([*TINY, "--run-dir", str(run)], max_file_bytes=10 << 20)
+    out = " ".join(proc.communicate(timeout=600)[0].split())
+    assert proc.returncode == 1, out[-3000:]
+    assert "optimizer.pt (File too large); no resume state was written yet and no file was left half-written" in out
+    assert "Raise the file-size limit (ulimit -f)" in out and f"--resume {run}" in out
+    _no_temp_files(run)
+    assert list((run / "checkpoints").iterdir()) == []
+
+
 def test_disk_full_while_writing_trajectories_leaves_no_partial_file(tmp_path, monkeypatch):
     import pyarrow.parquet as pq
 
@@ -311,3 +332,19 @@ def test_resume_restores_critic_and_reference(tmp_path, monkeypatch):
         for k in ("loss", "value_loss", "kl_ref", "grad_norm", "reward_mean", "entropy"):
             assert abs(x[k] - y[k]) <= 1e-6, (x["iteration"], k, x[k], y[k])
     assert ma[1]["kl_ref"] != 0.0  # the reference term is live in the resumed iteration
+
+
+def test_write_errors_of_torch_and_safetensors_become_oserrors(tmp_path):
+    from consequence.resume import as_write_error
+
+    try:
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    except RuntimeError as e:  # torch.save: the OSError is the context
+        err = as_write_error(e, tmp_path / "optimizer.pt")
+    assert (err.errno, err.filename) == (errno.ENOSPC, str(tmp_path / "optimizer.pt"))
+    err = as_write_error(Exception("Error while serializing: I/O error: No space left on device (os error 28)"), tmp_path)
+    assert err.errno == errno.ENOSPC and err.strerror == os.strerror(errno.ENOSPC)
+    assert as_write_error(TypeError("not an I/O failure"), tmp_path) is None

@@ -153,7 +153,7 @@ def save_policy(model, tokenizer, path, extra_files: dict[str, str] | None = Non
 
     Everything is written into a temporary sibling folder, then renamed over ``path``, so
     a crash never leaves a half-written checkpoint (a failed write, e.g. a full disk,
-    removes the temporary folder and raises the OSError). ``extra_files`` maps file names to
+    removes the temporary folder and raises an OSError with the errno). ``extra_files`` maps file names to
     text written beside the weights (e.g. build metadata).
     """
     import os
@@ -171,8 +171,13 @@ def save_policy(model, tokenizer, path, extra_files: dict[str, str] | None = Non
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it owner-only; a checkpoint is shared
-    except BaseException:  # e.g. disk full: drop the partial copy, keep the previous checkpoint
+    except BaseException as e:  # e.g. disk full: drop the partial copy, keep the previous checkpoint
         shutil.rmtree(tmp, ignore_errors=True)
+        from consequence.resume import as_write_error
+
+        err = as_write_error(e, tmp)
+        if err is not None and err is not e:
+            raise err from e  # safetensors reports a full disk as SafetensorError("... os error 28")
         raise
     if path.exists():
         shutil.rmtree(path)
