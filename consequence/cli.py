@@ -32,23 +32,26 @@ def _train(config: Optional[Path] = None, resume: Optional[Path] = None, **optio
             from consequence.resume import resume_config
 
             cfg = resume_config(resume, given, config)
-            _check_model_dir(cfg.model)
-            _check_run_dir(Path(cfg.run_dir))
-            return _run_train(cfg, resume=True)
-        base: dict = {}
-        if given.get("recipe"):
-            from consequence.recipes import load_recipe
-
-            recipe = load_recipe(given["recipe"])
-            base = {"run_dir": f"runs/repair-{recipe.name}", **recipe.config, "recipe": recipe.name}
-            given.pop("recipe")
-        cfg = TrainConfig.from_yaml(config, base, **given) if config else TrainConfig.checked(**{**base, **given})
+        else:
+            cfg = _new_config(config, given)
         _check_model_dir(cfg.model)
         _check_run_dir(Path(cfg.run_dir))
     except ValueError as e:
         console.print(f"[red]error:[/] {escape(str(e))}")
         raise typer.Exit(2)
-    _run_train(cfg, resume=False)
+    _run_train(cfg, resume=resume is not None)
+
+
+def _new_config(config: Optional[Path], given: dict) -> TrainConfig:
+    """Recipe, then the YAML file, then the command-line options (ValueError on bad input)."""
+    base: dict = {}
+    if given.get("recipe"):
+        from consequence.recipes import load_recipe
+
+        recipe = load_recipe(given["recipe"])
+        base = {"run_dir": f"runs/repair-{recipe.name}", **recipe.config, "recipe": recipe.name}
+        given.pop("recipe")
+    return TrainConfig.from_yaml(config, base, **given) if config else TrainConfig.checked(**{**base, **given})
 
 
 def _run_train(cfg: TrainConfig, resume: bool) -> None:

@@ -285,9 +285,11 @@ def accumulate_gradients(
 
 def _check_grads(model: torch.nn.Module, idx: Sequence[int]) -> None:
     """Raise NonFiniteError naming parameters whose accumulated gradient is NaN or ±inf."""
-    bad = [n for n, p in model.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all()]
-    if bad:
-        raise NonFiniteError("gradient", idx, "parameter(s) " + ", ".join(bad[:5]))
+    grads = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
+    if not grads or bool(torch.stack([torch.isfinite(g).all() for _, g in grads]).all()):
+        return  # one device sync per micro-batch; names are looked up only on failure
+    bad = [n for n, g in grads if not torch.isfinite(g).all()]
+    raise NonFiniteError("gradient", idx, "parameter(s) " + ", ".join(bad[:5]))
 
 
 def _micro_batch_loss(model, batch: dict[str, Tensor], cfg: UpdateConfig, logprob_fn, met: _Metrics,
