@@ -227,6 +227,11 @@ def latest_state(run: Path) -> ResumeState | None:
     return ResumeState(path, int(data["iteration"]), data["history"], data["manifest"], data["config"])
 
 
+def _number(pattern: str, name: str, default: int) -> int:
+    m = re.fullmatch(pattern.strip("^$"), name)
+    return int(m.group(1)) if m else default
+
+
 def load_learner_state(state: ResumeState, learner) -> None:
     """Load optimizer (and critic) state into ``learner``, whose model holds the state's weights."""
     from safetensors.torch import load_file
@@ -247,14 +252,13 @@ def rewind_run_dir(run: Path, done: int, history: list[dict[str, Any]]) -> None:
     """
     run = Path(run)
     for p in (run / "trajectories").glob("*"):
-        m = re.match(r"^iter_(\d+)\.parquet$", p.name)
-        if (m and int(m.group(1)) >= done) or p.name.startswith("."):
+        if p.name.startswith(".") or _number(r"iter_(\d+)\.parquet", p.name, default=-1) >= done:
             p.unlink()
     ckpt = run / "checkpoints"
     for p in ckpt.glob("*") if ckpt.is_dir() else []:
-        m = re.match(r"^iter_(\d+)$", p.name) or STATE_RE.match(p.name)
-        newer = m and (int(m.group(1)) > done if p.name.startswith("iter_") else int(m.group(1)) != done)
-        if newer or p.name.startswith("."):  # a fresh start (done 0) drops an older run's states too
+        after = _number(r"iter_(\d+)", p.name, default=-1) > done  # iter_N is saved after iteration N-1
+        other_state = _number(STATE_RE.pattern, p.name, default=done) != done  # a fresh start (done 0) drops
+        if p.name.startswith(".") or after or other_state:                   # an older run's states too
             shutil.rmtree(p, ignore_errors=True)
     for p in run.glob(".*.tmp*"):
         p.unlink(missing_ok=True)

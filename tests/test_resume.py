@@ -348,3 +348,20 @@ def test_write_errors_of_torch_and_safetensors_become_oserrors(tmp_path):
     err = as_write_error(Exception("Error while serializing: I/O error: No space left on device (os error 28)"), tmp_path)
     assert err.errno == errno.ENOSPC and err.strerror == os.strerror(errno.ENOSPC)
     assert as_write_error(TypeError("not an I/O failure"), tmp_path) is None
+
+
+def test_rewind_keeps_what_the_state_covers(tmp_path):
+    from consequence.resume import rewind_run_dir
+
+    run = tmp_path / "run"
+    for name in ("state-0001", "state-0002", "iter_0002", "iter_0003", "final", ".iter_0003.tmp-x"):
+        (run / "checkpoints" / name).mkdir(parents=True)
+    (run / "trajectories").mkdir()
+    for name in ("iter_0000.parquet", "iter_0001.parquet", "iter_0002.parquet", ".iter_0002.parquet.tmp-9"):
+        (run / "trajectories" / name).write_text("x")
+    (run / ".manifest.json.tmp").write_text("{")
+    rewind_run_dir(run, 2, [{"iteration": 0}, {"iteration": 1}])
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["final", "iter_0002", "state-0002"]
+    assert sorted(p.name for p in (run / "trajectories").iterdir()) == ["iter_0000.parquet", "iter_0001.parquet"]
+    assert [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()] == [{"iteration": 0}, {"iteration": 1}]
+    assert not (run / ".manifest.json.tmp").exists()
