@@ -25,26 +25,48 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 console = Console(soft_wrap=True)
 
 
-def _train(config: Optional[Path] = None, **options) -> None:
+def _train(config: Optional[Path] = None, resume: Optional[Path] = None, **options) -> None:
     given = {k: v for k, v in options.items() if v is not None}
     try:
-        base: dict = {}
-        if given.get("recipe"):
-            from consequence.recipes import load_recipe
+        if resume is not None:
+            from consequence.resume import resume_config
 
-            recipe = load_recipe(given["recipe"])
-            base = {"run_dir": f"runs/repair-{recipe.name}", **recipe.config, "recipe": recipe.name}
-            given.pop("recipe")
-        cfg = TrainConfig.from_yaml(config, base, **given) if config else TrainConfig.checked(**{**base, **given})
+            cfg = resume_config(resume, given, config)
+        else:
+            cfg = _new_config(config, given)
         _check_model_dir(cfg.model)
         _check_run_dir(Path(cfg.run_dir))
     except ValueError as e:
         console.print(f"[red]error:[/] {escape(str(e))}")
         raise typer.Exit(2)
-    from consequence.train import train
+    _run_train(cfg, resume=resume is not None)
+
+
+def _new_config(config: Optional[Path], given: dict) -> TrainConfig:
+    """Recipe, then the YAML file, then the command-line options (ValueError on bad input)."""
+    base: dict = {}
+    if given.get("recipe"):
+        from consequence.recipes import load_recipe
+
+        recipe = load_recipe(given["recipe"])
+        base = {"run_dir": f"runs/repair-{recipe.name}", **recipe.config, "recipe": recipe.name}
+        given.pop("recipe")
+    return TrainConfig.from_yaml(config, base, **given) if config else TrainConfig.checked(**{**base, **given})
+
+
+def _run_train(cfg: TrainConfig, resume: bool) -> None:
+    """Train; a run stopped by a numerics error or a full disk exits 1 with its message."""
+    from consequence.train import RunStopped, train
 
     _quiet_libraries()
-    train(cfg, console)
+    try:
+        train(cfg, console, resume=resume)
+    except RunStopped as e:
+        console.print(f"[red]error:[/] {escape(str(e))}")
+        raise typer.Exit(1)
+    except ValueError as e:  # bad input found while loading (model, resume state)
+        console.print(f"[red]error:[/] {escape(str(e))}")
+        raise typer.Exit(2)
 
 
 def _check_model_dir(model: str | None) -> None:
@@ -60,6 +82,24 @@ def _check_model_dir(model: str | None) -> None:
     if missing:
         raise ValueError(f"--model {p}: not a Hugging Face checkpoint, missing {', '.join(missing)} "
                          "(save both the model and its tokenizer with save_pretrained)")
+    if not _has_chat_template(p):
+        raise ValueError(f"--model {p}: the tokenizer has no chat template, which the harness needs to render "
+                         "conversations and tool calls; set tokenizer.chat_template (e.g. "
+                         "consequence.policy.tiny.chat_template(), Qwen2.5 layout) and save_pretrained it again")
+
+
+def _has_chat_template(p: Path) -> bool:
+    """Where transformers looks for a chat template: its own files, or tokenizer_config.json."""
+    import json
+
+    if (p / "chat_template.jinja").is_file() or (p / "chat_template.json").is_file():
+        return True
+    if any((p / "additional_chat_templates").glob("*.jinja")):
+        return True
+    try:
+        return bool(json.loads((p / "tokenizer_config.json").read_text()).get("chat_template"))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _check_run_dir(run: Path) -> None:
@@ -75,7 +115,11 @@ def _check_run_dir(run: Path) -> None:
 def _train_signature() -> inspect.Signature:
     """One CLI option per TrainConfig field, with the field's description as help text."""
     params = [inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[Path],
-                                default=typer.Option(None, "--config", help="YAML file with the same options; command-line options override it."))]
+                                default=typer.Option(None, "--config", help="YAML file with the same options; command-line options override it.")),
+              inspect.Parameter("resume", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[Path],
+                                default=typer.Option(None, "--resume", metavar="RUN_DIR", help=(
+                                    "Continue the run in RUN_DIR from its last resume state (checkpoints/state-NNNN), "
+                                    "with the config saved in RUN_DIR/config.yaml; other options must match it.")))]
     for name, field in TrainConfig.model_fields.items():
         ann, choices = _option_type(field.annotation)
         default_text = "bundled tiny warm start" if field.default is None else str(field.default)

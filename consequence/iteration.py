@@ -34,7 +34,7 @@ from consequence.rollout.episodes import EpisodeSpec, run_episodes
 from consequence.seeding import seed_of
 from consequence.rollout.sampling import policy_generate_fn
 from consequence.update.regularizers import kl_estimate
-from consequence.update.step import UpdateConfig, compute_logprobs, ppo_step
+from consequence.update.step import NonFiniteError, UpdateConfig, compute_logprobs, ppo_step
 from consequence.update.value_step import value_step
 
 
@@ -123,6 +123,17 @@ class Batch:
     ref_logprobs: list[list[float]] | None = None
     returns: list[list[float]] | None = None
     old_values: list[list[float]] | None = None
+    trajectories: list[Trajectory] | None = None  # what rows[j].traj_index points into
+
+    def describe_rows(self, rows: list[int]) -> str:
+        """The trajectories of ``rows`` (indices into ``self.rows``), for error messages."""
+        out = []
+        for j in rows:
+            i = self.rows[j].traj_index
+            t = self.trajectories[i] if self.trajectories and i < len(self.trajectories) else None
+            out.append(f"task {t.task_id} group {t.group_id} sample {t.sample_id} (trajectory {i})" if t
+                       else f"trajectory {i}")
+        return "; ".join(dict.fromkeys(out))  # a trajectory split into several rows is named once
 
 
 def credit(trajs: list[Trajectory], cfg: TrainConfig, learner: Learner, pad_id: int) -> Batch:
@@ -139,7 +150,7 @@ def credit(trajs: list[Trajectory], cfg: TrainConfig, learner: Learner, pad_id: 
         for r in trajectory_to_rows(t, i):
             rows.append(r)
             owner.append(i)
-    batch = Batch(rows, [], [list(r.old_logprobs) for r in rows])
+    batch = Batch(rows, [], [list(r.old_logprobs) for r in rows], trajectories=trajs)
     lp_fn = logprob_fn(cfg)
     if learner.reference is not None and rows:
         batch.ref_logprobs = compute_logprobs(learner.reference, rows, pad_id, lp_fn, cfg.temperature,
@@ -210,7 +221,7 @@ def _gae_advantages(trajs, batch: Batch, owner, cfg, learner: Learner, pad_id, p
 def _select(batch: Batch, keep: list[int]) -> Batch:
     pick = lambda xs: None if xs is None else [xs[j] for j in keep]  # noqa: E731
     return Batch(pick(batch.rows), pick(batch.advantages), pick(batch.sampler_logprobs),
-                 pick(batch.ref_logprobs), pick(batch.returns), pick(batch.old_values))
+                 pick(batch.ref_logprobs), pick(batch.returns), pick(batch.old_values), batch.trajectories)
 
 
 # ---- update box ----------------------------------------------------------------------
@@ -230,6 +241,11 @@ def update(batch: Batch, cfg: TrainConfig, learner: Learner, pad_id: int, seed: 
         step metrics averaged over the steps (ratio_min / ratio_max: extremes), plus
         ``n_updates``, the first step's ratio range (on-policy, so ≈ 1) and value-head
         metrics when a critic is trained.
+
+    Raises:
+        NonFiniteError: a NaN / ±inf advantage, log-prob, ratio, KL, loss or gradient;
+            the message names the tensor and the trajectories (task, group, sample) of
+            the rows involved. That optimizer step is not taken (earlier ones were).
     """
     if not batch.rows:
         return {"n_updates": 0.0}
@@ -245,17 +261,27 @@ def update(batch: Batch, cfg: TrainConfig, learner: Learner, pad_id: int, seed: 
         if cfg.mini_batches > 1:
             rng.shuffle(order)
         for part in _chunks(order, cfg.mini_batches):
-            pick = lambda xs: None if xs is None else [xs[j] for j in part]  # noqa: E731
-            m = ppo_step(learner.model, learner.optimizer, pick(rows), pick(batch.advantages),
-                         learner.update_cfg, pad_id, lp_fn,
-                         ref_logprobs=pick(batch.ref_logprobs), sampler_logprobs=pick(batch.sampler_logprobs))
-            if learner.critic is not None:
-                m |= value_step(learner.critic, learner.critic_optimizer, pick(rows), pick(batch.returns),
-                                pick(batch.old_values), pad_id, cfg.value_clip, cfg.micro_batch_size)
-            steps.append(m)
+            steps.append(_one_step(batch, rows, part, cfg, learner, pad_id, lp_fn, len(steps)))
     merged = _merge_steps(steps)
     merged["first_step_ratio_min"], merged["first_step_ratio_max"] = steps[0]["ratio_min"], steps[0]["ratio_max"]
     return merged
+
+
+def _one_step(batch: Batch, rows, part: list[int], cfg, learner: Learner, pad_id, lp_fn, k: int) -> dict:
+    """Optimizer step ``k`` on rows ``part``; a non-finite tensor is re-raised naming trajectories."""
+    pick = lambda xs: None if xs is None else [xs[j] for j in part]  # noqa: E731
+    try:
+        m = ppo_step(learner.model, learner.optimizer, pick(rows), pick(batch.advantages),
+                     learner.update_cfg, pad_id, lp_fn,
+                     ref_logprobs=pick(batch.ref_logprobs), sampler_logprobs=pick(batch.sampler_logprobs))
+        if learner.critic is not None:
+            m |= value_step(learner.critic, learner.critic_optimizer, pick(rows), pick(batch.returns),
+                            pick(batch.old_values), pad_id, cfg.value_clip, cfg.micro_batch_size)
+    except NonFiniteError as e:
+        where = [part[j] for j in e.rows]
+        raise NonFiniteError(e.tensor, where, f"{e.detail}; optimizer step {k + 1} not taken; "
+                             f"trajectories: {batch.describe_rows(where)}") from e
+    return m
 
 
 def _chunks(order: list[int], n: int) -> list[list[int]]:

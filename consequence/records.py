@@ -193,8 +193,12 @@ def write_trajectories(path, trajectories: list[Trajectory]) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    pq.write_table(pa.Table.from_pylist(records), tmp)
-    os.replace(tmp, path)
+    try:
+        pq.write_table(pa.Table.from_pylist(records), tmp)
+        os.replace(tmp, path)
+    except BaseException:  # e.g. disk full: no partial file stays behind
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def read_trajectories(path) -> list[Trajectory]:

@@ -17,8 +17,11 @@ KL-to-reference term (β = 0), as in DAPO and Dr.GRPO.
 from __future__ import annotations
 
 import copy
+import errno
 import json
+import os
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +39,8 @@ from consequence.policy.tiny import load_policy, save_policy
 from consequence.checks import run_pre_step_checks
 from consequence.diagnostics import iteration_extras, warnings_for
 from consequence.evaluate.rollouts import run_eval
-from consequence.report.manifest import build_manifest, write_manifest
+from consequence.report.manifest import build_manifest, sha256_of, write_manifest
+from consequence.resume import ResumeState, latest_state, load_learner_state, rewind_run_dir, save_state
 from consequence.iteration import Learner, collect, credit, logprob_fn, make_learner, update
 from consequence.seeding import seed_of
 from consequence.records import Trajectory, write_trajectories
@@ -44,55 +48,124 @@ from consequence.rollout.episodes import Budgets
 from consequence.envs.sources import load_task_source
 
 
-def train(cfg: TrainConfig, console=None) -> dict[str, Any]:
-    """Run one training job end to end; returns the final report as a dict."""
+# A write that fails with one of these stops the run cleanly (RunStopped); others propagate.
+WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO}
+
+
+class RunStopped(RuntimeError):
+    """The run stopped on a non-finite tensor in an update or a failed write (e.g. disk full).
+
+    The message says what happened, which resume state is intact, and how to continue.
+    """
+
+
+@dataclass
+class _Run:
+    """Everything one training run carries from iteration to iteration."""
+
+    cfg: TrainConfig
+    dir: Path
+    model_path: Path
+    tokenizer: Any
+    reference: torch.nn.Module
+    learner: Learner
+    renderer: Renderer
+    split: Any
+    budgets: Budgets
+    sampling: SamplingParams
+    manifest: dict[str, Any]
+    history: list[dict[str, Any]] = field(default_factory=list)
+    start: int = 0  # first iteration to run (iterations completed by the resume state)
+
+
+def train(cfg: TrainConfig, console=None, resume: bool = False) -> dict[str, Any]:
+    """Run one training job end to end; returns the final report as a dict.
+
+    Args:
+        resume: continue ``cfg.run_dir`` from its newest resume state
+            (``consequence.resume``; written every ``cfg.checkpoint_every`` iterations),
+            dropping trajectory files and metric lines of later iterations; without a
+            state the run starts again at iteration 0 in the same folder.
+
+    Raises:
+        RunStopped: a NaN / ±inf tensor in an update (named, with its trajectories) or an
+            OSError while writing (disk full, ...); the newest resume state is intact.
+        ValueError: bad input found before work starts (model, resume state).
+    """
     from rich.console import Console
 
     console = console or Console()
     t_start = time.perf_counter()
-    run = Path(cfg.run_dir)
-    run.mkdir(parents=True, exist_ok=True)
-    _write_atomic(run / "config.yaml", yaml.safe_dump(cfg.model_dump(), sort_keys=False))
-    torch.manual_seed(cfg.seed)
+    run_path = Path(cfg.run_dir)
+    run_path.mkdir(parents=True, exist_ok=True)
+    state = latest_state(run_path) if resume else None
+    try:
+        r = _start(cfg, console, run_path, resume, state)
+        _loop(r, console)
+        return _finish(r, console, t_start)
+    except FloatingPointError as e:
+        raise _stopped(e, run_path) from e
+    except OSError as e:
+        if e.errno not in WRITE_ERRNOS:
+            raise
+        raise _stopped(e, run_path) from e
 
+
+def _start(cfg: TrainConfig, console, run: Path, resume: bool, state: ResumeState | None) -> _Run:
+    """Load model, tasks and learner (from the resume state when there is one); write the run's files."""
+    if not resume:
+        _write_atomic(run / "config.yaml", yaml.safe_dump(cfg.model_dump(), sort_keys=False))
+    torch.manual_seed(cfg.seed)
     model_path = _resolve_model(cfg, console)
     model, tokenizer = load_policy(model_path)
     reference = copy.deepcopy(model).eval()  # the warm start, kept for the final paired comparison
-    renderer = Renderer(tokenizer, TOOLS)
+    if state is not None:
+        _check_same_start(state, model_path)
+        model = load_policy(state.path / "policy")[0]
     split = load_task_source(cfg.tasks, cfg.split_seed)
     _write_atomic(run / "split.json", json.dumps(split.problem_ids()))
-    budgets = Budgets(cfg.max_turns, cfg.max_new_tokens, cfg.max_total_tokens)
-    sampling = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p, cfg.max_new_tokens)
     learner = make_learner(cfg, model, reference)
-    manifest = build_manifest(cfg, model_path, split.problem_ids(), tools=TOOLS, system_prompt=SYSTEM_PROMPT,
-                              chat_template=tokenizer.chat_template, isolation=isolation_report())
-    write_manifest(manifest, run)
-    metrics_path = run / "metrics.jsonl"
-    metrics_path.unlink(missing_ok=True)
+    r = _Run(cfg, run, model_path, tokenizer, reference, learner, Renderer(tokenizer, TOOLS), split,
+             Budgets(cfg.max_turns, cfg.max_new_tokens, cfg.max_total_tokens),
+             SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p, cfg.max_new_tokens), manifest={})
+    if state is None:
+        r.manifest = build_manifest(cfg, model_path, split.problem_ids(), tools=TOOLS, system_prompt=SYSTEM_PROMPT,
+                                    chat_template=tokenizer.chat_template, isolation=isolation_report())
+    else:
+        load_learner_state(state, learner)
+        r.manifest, r.history, r.start = state.manifest, state.history, state.iteration
+        r.manifest.setdefault("resumed", []).append({"from_iteration": state.iteration, "state": state.path.name})
+        r.manifest["status"] = "running"
+    rewind_run_dir(run, r.start, r.history)
+    write_manifest(r.manifest, run)
     console.print(f"[bold]consequence train[/]: {cfg.iterations} iterations × {cfg.tasks_per_iteration} tasks "
-                  f"× {cfg.group_size} rollouts, model {model_path}, run dir {run}")
+                  f"× {cfg.group_size} rollouts, model {model_path}, run dir {run}"
+                  + (f"; resumed after iteration {r.start} from {state.path}" if state else
+                     "; no resume state, starting at iteration 0" if resume else ""))
+    return r
 
+
+def _check_same_start(state: ResumeState, model_path: Path) -> None:
+    """The reference is reloaded from the starting model: it must be the one the run began with."""
+    want = state.manifest.get("model", {}).get("weights_sha256")
+    have = sha256_of(model_path / "model.safetensors")
+    if want and have != want:
+        raise ValueError(f"cannot resume: the starting model {model_path} changed since the run began "
+                         f"(weights sha256 {have} != {want} in the manifest); the reference policy would differ")
+
+
+def _loop(r: _Run, console) -> None:
+    """Iterations ``r.start`` … ``cfg.iterations − 1``, each followed by its metrics line and,
+    every ``checkpoint_every`` iterations and after the last, a resume state."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+    cfg = r.cfg
     with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(),
                   TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(), TimeRemainingColumn(),
                   TextColumn("{task.fields[status]}"), console=console) as bar:
-        history: list[dict[str, Any]] = []
-        job = bar.add_task(cfg.recipe or "GRPO", total=cfg.iterations, status="")
-        for it in range(cfg.iterations):
-            m = iteration(it, cfg, learner, renderer, split, budgets, sampling, run, first=it == 0, console=bar.console)
-            if cfg.eval_every and ((it + 1) % cfg.eval_every == 0 or it + 1 == cfg.iterations):
-                m["val_success"] = validate(model, renderer, split, budgets, cfg)["success"]
-                save_policy(model, tokenizer, run / "checkpoints" / f"iter_{it + 1:04d}")
-            if "pre_step_checks" in m:
-                manifest["checks"]["results"] = m.pop("pre_step_checks")
-                write_manifest(manifest, run)
-            history.append(m)
-            m["warnings"] = warnings_for(history)
-            for w in m["warnings"]:
-                bar.console.print(f"[yellow]warning (iteration {it + 1}):[/] {w}")
-            with metrics_path.open("a") as f:
-                f.write(json.dumps(m) + "\n")
+        job = bar.add_task(cfg.recipe or "GRPO", total=cfg.iterations, completed=r.start, status="")
+        for it in range(r.start, cfg.iterations):
+            m = _run_iteration(r, it, bar.console)
             status = f"reward {m['reward_mean']:.2f}  mixed {m['mixed_group_fraction']:.2f}"
             if "val_success" in m:
                 status += f"  val {m['val_success']:.2f}"
@@ -100,19 +173,84 @@ def train(cfg: TrainConfig, console=None) -> dict[str, Any]:
             if not console.is_terminal:  # logs and pipes get one line per iteration instead
                 console.print(f"iteration {it + 1}/{cfg.iterations}  {status}")
 
-    save_policy(model, tokenizer, run / "checkpoints" / "final")
-    report = final_report(cfg, reference, model, renderer, split, budgets, console, run)
+
+def _run_iteration(r: _Run, it: int, console) -> dict[str, Any]:
+    """One iteration with its validation, metrics line and resume state; returns its metrics."""
+    cfg, model = r.cfg, r.learner.model
+    try:
+        m = iteration(it, cfg, r.learner, r.renderer, r.split, r.budgets, r.sampling, r.dir, first=it == 0,
+                      console=console)
+    except FloatingPointError as e:
+        e.iteration = it  # for RunStopped's message: which trajectory file the indices point into
+        raise
+    if cfg.eval_every and ((it + 1) % cfg.eval_every == 0 or it + 1 == cfg.iterations):
+        m["val_success"] = validate(model, r.renderer, r.split, r.budgets, cfg)["success"]
+        save_policy(model, r.tokenizer, r.dir / "checkpoints" / f"iter_{it + 1:04d}")
+    if "pre_step_checks" in m:
+        r.manifest["checks"]["results"] = m.pop("pre_step_checks")
+        write_manifest(r.manifest, r.dir)
+    r.history.append(m)
+    m["warnings"] = warnings_for(r.history)
+    for w in m["warnings"]:
+        console.print(f"[yellow]warning (iteration {it + 1}):[/] {w}")
+    _append_line(r.dir / "metrics.jsonl", json.dumps(m))
+    if (it + 1) % cfg.checkpoint_every == 0 or it + 1 == cfg.iterations:
+        save_state(r.dir, it + 1, r.learner, r.tokenizer, r.history, r.manifest, cfg.model_dump())
+    return m
+
+
+def _finish(r: _Run, console, t_start: float) -> dict[str, Any]:
+    """Final policy checkpoint, warm start vs RL comparison, report, plots; the manifest is closed."""
+    run = r.dir
+    save_policy(r.learner.model, r.tokenizer, run / "checkpoints" / "final")
+    report = final_report(r.cfg, r.reference, r.learner.model, r.renderer, r.split, r.budgets, console, run)
     report["train_seconds"] = time.perf_counter() - t_start
     report["sandbox_isolation"] = isolation_report()
     _write_atomic(run / "report.json", json.dumps(report, indent=2))
-    manifest.update(status="finished", evaluation_files=report.pop("evaluation_files", []), report="report.json")
-    write_manifest(manifest, run)
+    r.manifest.update(status="finished", evaluation_files=report.pop("evaluation_files", []), report="report.json")
+    write_manifest(r.manifest, run)
     from consequence.report.plots import plot_metrics, write_markdown_report
 
-    plot_metrics(metrics_path, run / "curves.png")
+    plot_metrics(run / "metrics.jsonl", run / "curves.png")
     write_markdown_report(report, run / "report.md")
     console.print((run / "report.md").read_text())
     return report
+
+
+def _stopped(e: BaseException, run: Path) -> RunStopped:
+    """The RunStopped for a numerics error or a failed write, naming the state to resume from."""
+    try:
+        state = latest_state(run)
+    except ValueError:
+        state = None
+    where = (f"the resume state {state.path} (after iteration {state.iteration}) is intact" if state
+             else "no resume state was written yet")
+    if isinstance(e, FloatingPointError):
+        it = getattr(e, "iteration", None)
+        at = "" if it is None else f" in iteration {it} (trajectory numbers index trajectories/iter_{it:04d}.parquet)"
+        what = (f"stopped{at}: {e}. Nothing of this step was applied; {where}. Inspect those trajectories "
+                f"(`consequence view {run}`). A resume with the same config repeats the same computation; to go "
+                "on with other settings (e.g. a lower --learning-rate) start a new run from the state's policy "
+                "folder (--model STATE/policy), or, once the cause is fixed in code, continue")
+    else:
+        fix = {errno.EFBIG: "Raise the file-size limit (ulimit -f)",
+               errno.EROFS: "Make the run folder writable"}.get(e.errno, "Free disk space (a resume state takes about "
+                                                                   "3 x the model's weights, 6 x with a value head)")
+        what = (f"stopped: cannot write {getattr(e, 'filename', None) or run} ({e.strerror or e}); {where} and "
+                f"no file was left half-written. {fix}, then continue")
+    _mark_stopped(run, str(e))
+    return RunStopped(f"{what} with `consequence train --resume {run}`.")
+
+
+def _mark_stopped(run: Path, reason: str) -> None:
+    """Record the stop in manifest.json when that is still possible (it may be the disk that failed)."""
+    path = run / "manifest.json"
+    try:
+        manifest = json.loads(path.read_text())
+        manifest.update(status="stopped", stop_reason=reason)
+        write_manifest(manifest, run)
+    except (OSError, ValueError):
+        pass
 
 
 def iteration(it, cfg, learner: Learner, renderer, split, budgets, sampling, run, first: bool = False,
@@ -210,6 +348,29 @@ def _resolve_model(cfg: TrainConfig, console) -> Path:
 
 
 def _write_atomic(path: Path, text: str) -> None:
+    """Replace ``path`` by ``text``, never leaving a partial file (a failed write leaves the old one)."""
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    try:
+        tmp.write_text(text)
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _append_line(path: Path, line: str) -> None:
+    """Append one line durably; a failed write (e.g. disk full) is cut off, never left half-written."""
+    data = (line + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    try:
+        size = os.fstat(fd).st_size
+        try:
+            view = memoryview(data)
+            while view:  # os.write may write less than asked
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        except BaseException:
+            os.ftruncate(fd, size)
+            raise
+    finally:
+        os.close(fd)

@@ -154,7 +154,8 @@ def save_policy(model, tokenizer, path, extra_files: dict[str, str] | None = Non
     """Save ``model`` and ``tokenizer`` with ``save_pretrained`` atomically.
 
     Everything is written into a temporary sibling folder, then renamed over ``path``, so
-    a crash never leaves a half-written checkpoint. ``extra_files`` maps file names to
+    a crash never leaves a half-written checkpoint (a failed write, e.g. a full disk,
+    removes the temporary folder and raises an OSError with the errno). ``extra_files`` maps file names to
     text written beside the weights (e.g. build metadata).
     """
     import os
@@ -164,13 +165,22 @@ def save_policy(model, tokenizer, path, extra_files: dict[str, str] | None = Non
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-"))
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    for name, text in (extra_files or {}).items():
-        (tmp / name).write_text(text)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it owner-only; a checkpoint is shared
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it owner-only; a checkpoint is shared
+    except BaseException as e:  # e.g. disk full: drop the partial copy, keep the previous checkpoint
+        shutil.rmtree(tmp, ignore_errors=True)
+        from consequence.resume import as_write_error
+
+        err = as_write_error(e, tmp)
+        if err is not None and err is not e:
+            raise err from e  # safetensors reports a full disk as SafetensorError("... os error 28")
+        raise
     if path.exists():
         shutil.rmtree(path)
     os.replace(tmp, path)

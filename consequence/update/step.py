@@ -93,6 +93,33 @@ def _step_totals(rows: Sequence[TrainingRow], cfg: UpdateConfig) -> tuple[float,
 TokenValues = Sequence[Sequence[float]]  # one list per row, aligned with row.input_ids
 
 
+class NonFiniteError(FloatingPointError, ValueError):
+    """A tensor of the update holds NaN or ±inf.
+
+    Attributes:
+        tensor: which tensor (``advantage``, ``logprobs``, ``ratio``, ``kl_ref``, ``loss``,
+            ``gradient``), as named in the message.
+        rows: indices into the ``rows`` passed to the step (sorted, unique) whose values
+            are not finite; for ``loss`` and ``gradient`` every row of the micro-batch that
+            produced them, since a scalar cannot be split further.
+        detail: extra text of the message (parameter names, values).
+
+    Subclasses ``ValueError`` too, because a non-finite advantage was a ``ValueError``
+    before (callers that catch it keep working).
+    """
+
+    def __init__(self, tensor: str, rows: Sequence[int], detail: str = "") -> None:
+        self.tensor, self.rows, self.detail = tensor, sorted(set(int(r) for r in rows)), detail
+        super().__init__(f"{tensor} is not finite in row(s) {self.rows} of the optimizer step"
+                         + (f" ({detail})" if detail else ""))
+
+
+def _bad_rows(values: Tensor, tmask: Tensor, idx: Sequence[int]) -> list[int]:
+    """Rows (from ``idx``) with a non-finite value on a target position of [n, S-1] ``values``."""
+    bad = (~torch.isfinite(values.detach()) & tmask).any(-1)
+    return [idx[j] for j in bad.nonzero().flatten().tolist()]
+
+
 def _check_advantages(rows: Sequence[TrainingRow], advantages: Sequence[Any]) -> list[Any]:
     """Each row's advantage: a finite float, or a per-token list finite on its targets."""
     if len(rows) != len(advantages):
@@ -103,13 +130,13 @@ def _check_advantages(rows: Sequence[TrainingRow], advantages: Sequence[Any]) ->
             if len(a) != len(r.input_ids):
                 raise ValueError(f"row {i}: {len(a)} per-token advantages for {len(r.input_ids)} tokens")
             if not all(math.isfinite(float(x)) for x, m in zip(a, r.loss_mask) if m):
-                raise ValueError(f"row {i}: a per-token advantage on a target is not finite")
+                raise NonFiniteError("advantage", [i], "a per-token advantage on a target")
             out.append([float(x) for x in a])
             continue
-        if a is None or not math.isfinite(float(a)):
-            raise ValueError(
-                f"advantage of row {i} is {a!r}; drop env_error rows (advantage None) before the update"
-            )
+        if a is None:
+            raise ValueError(f"advantage of row {i} is None; drop env_error rows before the update")
+        if not math.isfinite(float(a)):
+            raise NonFiniteError("advantage", [i], f"value {a!r}")
         out.append(float(a))
     return out
 
@@ -212,7 +239,9 @@ def accumulate_gradients(
     Raises:
         ValueError: lengths differ, unknown reduction/surrogate, bad advantage, a target
             at position 0, a needed input missing.
-        FloatingPointError: log-probs on targets or a micro-batch loss are not finite.
+        NonFiniteError (a FloatingPointError): an advantage, log-prob, ratio or KL on a
+            target, a micro-batch loss, or a gradient after a micro-batch is NaN or ±inf;
+            ``rows`` names the rows involved.
     """
     _check_needs(cfg, ref_logprobs, sampler_logprobs)
     adv_all = _check_advantages(rows, advantages_N)
@@ -236,10 +265,11 @@ def accumulate_gradients(
             batch["sampler_logprobs"] = _pad_values(sampler_logprobs, idx, S)
         batch = {k: v.to(device) for k, v in batch.items()}
         loss = _micro_batch_loss(model, batch, cfg, logprob_fn, met,
-                                 totals=(total_tokens, total_seqs, norm_const))
+                                 totals=(total_tokens, total_seqs, norm_const), idx=idx)
         if not torch.isfinite(loss):
-            raise FloatingPointError(f"loss is not finite ({loss.item()}) in micro-batch at row {start}")
+            raise NonFiniteError("loss", idx, f"micro-batch loss {loss.item()}")
         loss.backward()
+        _check_grads(model, idx)  # per micro-batch, so the rows that made a NaN are known
         loss_sum += float(loss.item())
     n = met.n_tok
     return {
@@ -268,21 +298,35 @@ def _contributes_nothing(adv: Any, cfg: UpdateConfig) -> bool:
     return all(a == 0.0 for a in adv) if isinstance(adv, list) else adv == 0.0
 
 
+def _check_grads(model: torch.nn.Module, idx: Sequence[int]) -> None:
+    """Raise NonFiniteError naming parameters whose accumulated gradient is NaN or ±inf."""
+    grads = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
+    if not grads or bool(torch.stack([torch.isfinite(g).all() for _, g in grads]).all()):
+        return  # one device sync per micro-batch; names are looked up only on failure
+    bad = [n for n, g in grads if not torch.isfinite(g).all()]
+    raise NonFiniteError("gradient", idx, "parameter(s) " + ", ".join(bad[:5]))
+
+
 def _micro_batch_loss(model, batch: dict[str, Tensor], cfg: UpdateConfig, logprob_fn, met: _Metrics,
-                      totals: tuple[float, float, float]) -> Tensor:
-    """−reduce(objective) of one micro-batch with the step's totals; updates ``met``."""
+                      totals: tuple[float, float, float], idx: Sequence[int]) -> Tensor:
+    """−reduce(objective) of one micro-batch with the step's totals; updates ``met``.
+
+    ``idx`` are the step's row indices of the micro-batch's rows (for error messages).
+    """
     lp, ent = _call_logprob_fn(logprob_fn, model, batch["input_ids"], batch["attention_mask"], cfg.temperature)
     mask = batch["loss_mask"][:, 1:]
     old = batch["old_logprobs"][:, 1:]
     if lp.shape != mask.shape:
         raise ValueError(f"logprob_fn returned {tuple(lp.shape)}, expected {tuple(mask.shape)}")
     tmask = mask > 0
-    if not torch.isfinite(lp[tmask]).all():
-        raise FloatingPointError("logprobs (policy log-probs of target tokens) are not finite")
+    if bad := _bad_rows(lp, tmask, idx):
+        raise NonFiniteError("logprobs", bad, "policy log-probs of target tokens")
     adv = batch["advantages"]
     obj, ratio, is_clipped = surrogate_objective(
         cfg.surrogate, lp, old, adv, mask,
         eps_low=cfg.clip_eps_low, eps_high=cfg.clip_eps_high, dual_clip_c=cfg.dual_clip_c)
+    if bad := _bad_rows(ratio, tmask, idx):  # e.g. an old log-prob of -inf: exp(lp - old) = inf
+        raise NonFiniteError("ratio", bad, "π/π_old of target tokens; check the rows' old_logprobs")
     behaviour = batch["sampler_logprobs"][:, 1:] if "sampler_logprobs" in batch else old
     if cfg.tis_cap:
         w = tis_weights(old, behaviour, cfg.tis_cap)
@@ -295,6 +339,8 @@ def _micro_batch_loss(model, batch: dict[str, Tensor], cfg: UpdateConfig, logpro
     if "ref_logprobs" in batch:
         ref = torch.where(tmask, batch["ref_logprobs"][:, 1:], 0.0)
         kl = kl_estimate(torch.where(tmask, lp, 0.0), ref, cfg.kl_estimator)
+        if bad := _bad_rows(kl, tmask, idx):  # a -inf reference log-prob (outside its top-k/top-p)
+            raise NonFiniteError("kl_ref", bad, "KL estimate to the reference on target tokens")
         met.add("kl_ref", kl.detach()[tmask])
         if cfg.kl_coef:
             obj = obj - cfg.kl_coef * kl
@@ -344,14 +390,16 @@ def ppo_step(
 
     Raises:
         ValueError: see :func:`accumulate_gradients`.
-        FloatingPointError: the loss, the log-probs or a parameter's gradient (named) is
-            not finite; the optimizer does not step and the gradients are zeroed.
+        NonFiniteError (a FloatingPointError): an advantage, log-prob, ratio, KL, loss or
+            gradient is NaN or ±inf; the message names the tensor, the rows and, for a
+            gradient, the parameters. The optimizer does not step and the gradients are
+            zeroed.
     """
     optimizer.zero_grad(set_to_none=True)
     try:
         metrics = accumulate_gradients(model, rows, advantages_N, cfg, pad_id, logprob_fn,
                                        ref_logprobs=ref_logprobs, sampler_logprobs=sampler_logprobs)
-        grad_norm = _clip_grad_norm(model, cfg.max_grad_norm)
+        grad_norm = _clip_grad_norm(model, cfg.max_grad_norm, len(rows))
     except Exception:  # never leave half-accumulated gradients behind
         optimizer.zero_grad(set_to_none=True)
         raise
@@ -361,18 +409,19 @@ def ppo_step(
     return metrics
 
 
-def _clip_grad_norm(model: torch.nn.Module, max_grad_norm: float) -> float:
-    """Global norm before clipping; raises FloatingPointError naming non-finite gradients."""
+def _clip_grad_norm(model: torch.nn.Module, max_grad_norm: float, n_rows: int) -> float:
+    """Global norm before clipping (every gradient was checked finite per micro-batch).
+
+    Raises:
+        NonFiniteError: the norm itself overflows; all ``n_rows`` rows share the blame.
+    """
     params = [p for p in model.parameters() if p.grad is not None]
-    bad = [n for n, p in model.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all()]
-    if bad:
-        raise FloatingPointError(f"gradient is not finite for parameter(s): {', '.join(bad[:5])}")
     if not params:
         return 0.0
     max_norm = max_grad_norm if max_grad_norm and max_grad_norm > 0 else math.inf
     grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
     if not math.isfinite(grad_norm):
-        raise FloatingPointError(f"grad_norm is not finite ({grad_norm})")
+        raise NonFiniteError("gradient", range(n_rows), f"global grad norm {grad_norm}")
     return grad_norm
 
 

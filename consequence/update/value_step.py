@@ -16,6 +16,7 @@ import torch
 
 from consequence.credit.value import ValueModel
 from consequence.records import TrainingRow, pad_rows
+from consequence.update.step import NonFiniteError
 
 
 def _pad(values: Sequence[Sequence[float]], idx: Sequence[int], S: int) -> torch.Tensor:
@@ -52,7 +53,9 @@ def value_step(
         a constant).
 
     Raises:
-        ValueError: lengths differ. FloatingPointError: a non-finite loss or gradient.
+        ValueError: lengths differ.
+        NonFiniteError (a FloatingPointError): a non-finite value loss (rows of its
+            micro-batch) or critic gradient (all rows); the critic does not step.
     """
     if not (len(rows) == len(returns) == len(old_values)):
         raise ValueError(f"{len(rows)} rows, {len(returns)} returns, {len(old_values)} old values")
@@ -77,7 +80,7 @@ def value_step(
             loss_tok = torch.maximum(loss_tok, (v_clip - ret) ** 2)
         loss = 0.5 * torch.where(mask, loss_tok, torch.zeros_like(loss_tok)).sum() / max(n_tok, 1)
         if not torch.isfinite(loss):
-            raise FloatingPointError(f"value loss is not finite ({loss.item()})")
+            raise NonFiniteError("value_loss", idx, f"micro-batch value loss {loss.item()}")
         loss.backward()
         loss_sum += float(loss.item())
         resid.append((ret - v_old)[mask].detach().cpu())
@@ -85,7 +88,7 @@ def value_step(
     grad_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), max_grad_norm if max_grad_norm > 0 else math.inf)
     if not torch.isfinite(grad_norm):
         optimizer.zero_grad(set_to_none=True)
-        raise FloatingPointError("value-head gradient is not finite")
+        raise NonFiniteError("value_gradient", range(len(rows)), f"critic grad norm {float(grad_norm)}")
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     ev = float("nan")

@@ -1,0 +1,313 @@
+"""Resumable runs: atomic checkpoints of the training state, and ``train --resume``.
+
+A resume state is the folder ``RUN/checkpoints/state-NNNN`` (NNNN = iterations completed):
+
+    policy/               the policy's weights (safetensors), config and tokenizer (save_policy)
+    optimizer.pt          AdamW state of the policy (torch.save; read back with weights_only=True)
+    critic.safetensors    value model (trunk + head), only with ``advantage: gae``
+    critic_optimizer.pt   its AdamW state, only with a critic
+    rng.json              python ``random``, numpy and torch (CPU, and CUDA when present) states
+    state.json            iterations completed, the metrics history, the manifest, the config
+
+Nothing else is needed: every random choice of iteration ``it`` (tasks, rollout sampling,
+mini-batch order) is derived from ``seed_of(cfg.seed, it, ...)`` with a local generator,
+so the data cursor *is* the iteration number; the RNG states are saved anyway, so that
+code drawing from a global generator would resume correctly too. The frozen reference
+(KL term, final comparison) is the starting model: it is loaded again from the path in
+the manifest, whose weights hash must still match.
+
+Atomicity: the state is written into a temporary sibling folder, every file and the
+folder are fsynced, the folder is renamed to ``state-NNNN`` and the parent fsynced; only
+then are older states removed. A crash at any moment leaves either the old state or the
+new one complete (temporary folders are removed on resume). Trajectory files and metric
+lines of iterations after the state are removed on resume, so an iteration is never
+counted twice.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import random
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+STATE_FORMAT = 1
+STATE_RE = re.compile(r"^state-(\d{4,})$")
+
+
+@dataclass
+class ResumeState:
+    """A complete resume state read from disk (see module doc)."""
+
+    path: Path
+    iteration: int  # iterations completed: the next one to run
+    history: list[dict[str, Any]]
+    manifest: dict[str, Any]
+    config: dict[str, Any]
+
+
+# ---- writing -------------------------------------------------------------------------
+def save_state(run: Path, iteration: int, learner, tokenizer, history: list[dict], manifest: dict,
+               config: dict) -> Path:
+    """Write the resume state after ``iteration`` completed iterations; returns its folder.
+
+    Raises:
+        OSError: writing failed (e.g. ENOSPC, disk full); the temporary folder is removed
+            and the previous state is left as it was.
+    """
+    from consequence.policy.tiny import save_policy
+
+    root = Path(run) / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"state-{iteration:04d}"
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{final.name}.tmp-"))
+    try:
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it owner-only; a checkpoint is shared
+        save_policy(learner.model, tokenizer, tmp / "policy")
+        _write_learner(tmp, learner)
+        _write_text(tmp / "rng.json", json.dumps(capture_rng()))
+        # state.json last: its presence marks a state whose other files were all written
+        _write_text(tmp / "state.json", json.dumps({"format": STATE_FORMAT, "iteration": iteration,
+                                                    "history": history, "manifest": manifest, "config": config}))
+        _fsync_tree(tmp)
+        if final.exists():  # only after a resume that re-ran past a state it had not seen
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        err = as_write_error(e, tmp)
+        if err is not None and err is not e:
+            raise err from e
+        raise
+    _remove_older_states(root, keep=final)
+    return final
+
+
+def as_write_error(e: BaseException, path: Path) -> OSError | None:
+    """The OSError behind a failed write, or None when ``e`` is not an I/O failure.
+
+    torch.save reports a full disk as a RuntimeError (the OSError is its ``__context__``)
+    and safetensors as a SafetensorError whose text holds "os error N"; the trainer
+    recognises write failures by their errno, so they are turned back into OSErrors.
+    """
+    seen: BaseException | None = e
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno:
+            return seen if seen is e else OSError(seen.errno, seen.strerror, seen.filename or str(path))
+        seen = seen.__cause__ or seen.__context__
+    m = re.search(r"os error (\d+)|errno (\d+)", str(e))
+    if m is None:
+        return None
+    code = int(m.group(1) or m.group(2))
+    return OSError(code, os.strerror(code), str(path))
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _write_learner(folder: Path, learner) -> None:
+    from safetensors.torch import save_file
+
+    _torch_save(learner.optimizer.state_dict(), folder / "optimizer.pt")
+    if learner.critic is not None:
+        save_file({k: v.contiguous() for k, v in learner.critic.state_dict().items()}, folder / "critic.safetensors")
+        _torch_save(learner.critic_optimizer.state_dict(), folder / "critic_optimizer.pt")
+
+
+def _torch_save(obj: Any, path: Path) -> None:
+    # Through a Python file object, so that a failed write keeps its OSError (as __context__).
+    try:
+        with open(path, "wb") as f:
+            torch.save(obj, f)
+    except Exception as e:
+        err = as_write_error(e, path)
+        if err is not None and err is not e:
+            raise err from e  # named after this file rather than the state folder
+        raise
+
+
+def _write_text(path: Path, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_tree(root: Path) -> None:
+    """fsync every file under ``root``, then every folder (so the names are durable too)."""
+    dirs = [root]
+    for p in sorted(root.rglob("*")):
+        if p.is_dir():
+            dirs.append(p)
+        else:
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+    for d in dirs:
+        _fsync_dir(d)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove_older_states(root: Path, keep: Path) -> None:
+    for p in root.iterdir():
+        if p != keep and STATE_RE.match(p.name):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+# ---- RNG -----------------------------------------------------------------------------
+def capture_rng() -> dict[str, Any]:
+    """The global generators' states as JSON-able data (torch states base64-encoded)."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    out = {"python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
+           "numpy": [kind, keys.tolist(), pos, has_gauss, gauss],
+           "torch": _b64(torch.get_rng_state())}
+    if torch.cuda.is_available():
+        out["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
+    return out
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    """Set the global generators to a state from :func:`capture_rng`."""
+    v, internal, gauss = state["python"]
+    random.setstate((v, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(_unb64(state["torch"]))
+    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all([_unb64(s) for s in state["cuda"]])
+
+
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.numpy().tobytes()).decode()
+
+
+def _unb64(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+
+
+# ---- reading -------------------------------------------------------------------------
+def latest_state(run: Path) -> ResumeState | None:
+    """The newest complete resume state of ``run``, or None when it has none.
+
+    Raises:
+        ValueError: the newest state is unreadable or of another format (the message
+            names the folder; delete it to fall back to an older one, if any).
+    """
+    root = Path(run) / "checkpoints"
+    found = sorted((int(m.group(1)), p) for p in (root.iterdir() if root.is_dir() else [])
+                   if (m := STATE_RE.match(p.name)) and (p / "state.json").is_file())
+    if not found:
+        return None
+    path = found[-1][1]
+    try:
+        data = json.loads((path / "state.json").read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"resume state {path} is unreadable ({e}); delete that folder to use an older one") from None
+    if data.get("format") != STATE_FORMAT:
+        raise ValueError(f"resume state {path} has format {data.get('format')!r}, this version reads {STATE_FORMAT}")
+    return ResumeState(path, int(data["iteration"]), data["history"], data["manifest"], data["config"])
+
+
+def _number(pattern: str, name: str, default: int) -> int:
+    m = re.fullmatch(pattern.strip("^$"), name)
+    return int(m.group(1)) if m else default
+
+
+def load_learner_state(state: ResumeState, learner) -> None:
+    """Load optimizer (and critic) state into ``learner``, whose model holds the state's weights."""
+    from safetensors.torch import load_file
+
+    learner.optimizer.load_state_dict(torch.load(state.path / "optimizer.pt", weights_only=True))
+    if learner.critic is not None:
+        learner.critic.load_state_dict(load_file(state.path / "critic.safetensors"))
+        learner.critic_optimizer.load_state_dict(torch.load(state.path / "critic_optimizer.pt", weights_only=True))
+    restore_rng(json.loads((state.path / "rng.json").read_text()))
+
+
+def rewind_run_dir(run: Path, done: int, history: list[dict[str, Any]]) -> None:
+    """Make ``run`` look as it did right after ``done`` iterations and their state.
+
+    Removes trajectory files of iterations >= ``done``, periodic policy checkpoints saved
+    after them, temporary files and folders of interrupted writes, and rewrites
+    ``metrics.jsonl`` from ``history`` (one line per completed iteration).
+    """
+    run = Path(run)
+    for p in (run / "trajectories").glob("*"):
+        if p.name.startswith(".") or _number(r"iter_(\d+)\.parquet", p.name, default=-1) >= done:
+            p.unlink()
+    ckpt = run / "checkpoints"
+    for p in ckpt.glob("*") if ckpt.is_dir() else []:
+        after = _number(r"iter_(\d+)", p.name, default=-1) > done  # iter_N is saved after iteration N-1
+        other_state = _number(STATE_RE.pattern, p.name, default=done) != done  # a fresh start (done 0) drops
+        if p.name.startswith(".") or after or other_state:                   # an older run's states too
+            shutil.rmtree(p, ignore_errors=True)
+    for p in run.glob(".*.tmp*"):
+        p.unlink(missing_ok=True)
+    text = "".join(json.dumps(m) + "\n" for m in history)
+    tmp = run / ".metrics.jsonl.tmp"
+    _write_text(tmp, text)
+    os.replace(tmp, run / "metrics.jsonl")
+
+
+# ---- the CLI's side ------------------------------------------------------------------
+def resume_config(run: Path, given: dict[str, Any], config_file: Path | None):
+    """The TrainConfig of ``train --resume RUN``: the run's saved config.
+
+    Options given with ``--resume`` must equal the saved values (they are accepted then,
+    and ignored); ``--run-dir`` may name the same folder by another path.
+
+    Raises:
+        ValueError: RUN is not a run folder, the run already finished, ``--config`` was
+            given, or an option conflicts with the saved config (each is listed).
+    """
+    import yaml
+
+    from consequence.config import TrainConfig
+
+    run = Path(run)
+    saved_path = run / "config.yaml"
+    if not saved_path.is_file():
+        raise ValueError(f"--resume {run}: no config.yaml there (give the run folder of a `consequence train` run)")
+    if config_file is not None:
+        raise ValueError(f"--resume takes the config saved in {saved_path}; drop --config {config_file}")
+    saved = yaml.safe_load(saved_path.read_text(encoding="utf-8"))
+    _check_not_finished(run)
+    if "run_dir" in given and Path(given.pop("run_dir")).resolve() != run.resolve():
+        raise ValueError(f"--run-dir conflicts with --resume {run}: a resumed run stays in its own folder")
+    asked = TrainConfig.checked(**{**saved, **given}).model_dump()  # validates and normalises the types
+    clashes = [f"--{k.replace('_', '-')} {asked[k]!r} (the run has {saved.get(k)!r})"
+               for k in given if asked[k] != saved.get(k)]
+    if clashes:
+        raise ValueError(f"--resume {run} continues the run with its saved config ({saved_path}); these options "
+                         "differ from it: " + "; ".join(clashes) + ". Drop them, or start a new run in another "
+                         "--run-dir")
+    return TrainConfig.checked(**{**saved, "run_dir": str(run)})
+
+
+def _check_not_finished(run: Path) -> None:
+    try:
+        status = json.loads((run / "manifest.json").read_text()).get("status")
+    except (OSError, json.JSONDecodeError):
+        return  # killed before the manifest was written: resume starts from iteration 0
+    if status == "finished":
+        raise ValueError(f"--resume {run}: that run already finished (manifest.json status 'finished'); "
+                         "nothing to resume")

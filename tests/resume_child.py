@@ -1,0 +1,67 @@
+"""A real `consequence train` process for tests/test_resume.py, run as a subprocess.
+
+    python tests/resume_child.py [PAUSE] -- ARGS...   (ARGS go to `consequence train`)
+
+Rewards are replaced by a fixed signal (odd sample ids win, as in test_train_e2e.py) so
+that every update moves the weights. PAUSE, when given, is ``NAME:N:MARKER``: on the
+N-th call of NAME (``update`` = the update box, ``state`` = writing a resume state, after
+the optimizer file and before the rename) the process creates the file MARKER and
+sleeps, so that the test can SIGKILL it at that exact point.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+
+def _signal_rewards() -> None:
+    import consequence.iteration as iteration_module
+
+    real = iteration_module.score_trajectories
+
+    def score(trajs, *args):
+        real(trajs, *args)
+        for t in trajs:
+            if t.reward is not None:
+                t.reward = float(t.sample_id % 2)
+
+    iteration_module.score_trajectories = score
+
+
+def _pause_at(name: str, n: int, marker: str) -> None:
+    import consequence.resume as resume_module
+    import consequence.train as train_module
+
+    module, attr = (train_module, "update") if name == "update" else (resume_module, "_write_learner")
+    real = getattr(module, attr)
+    calls = [0]
+
+    def wrapper(*args, **kwargs):
+        out = real(*args, **kwargs)
+        calls[0] += 1
+        if calls[0] == n:
+            Path(marker).write_text("paused")
+            time.sleep(600)
+        return out
+
+    setattr(module, attr, wrapper)
+
+
+def main(argv: list[str]) -> None:
+    import torch
+
+    torch.set_num_threads(1)  # same arithmetic in every child, light on a shared machine
+    split = argv.index("--")
+    if argv[:split]:
+        name, n, marker = argv[0].split(":", 2)
+        _pause_at(name, int(n), marker)
+    _signal_rewards()
+    from consequence.cli import app
+
+    app(["train", *argv[split + 1:]], standalone_mode=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
