@@ -245,10 +245,7 @@ def reproduce_cmd(run: Path = typer.Argument(..., help="Run folder with a manife
         raise typer.Exit(2)
     for d in differences:
         console.print(f"[yellow]differs from the recorded run:[/] {escape(d)}")
-    from consequence.train import train
-
-    _quiet_libraries()
-    train(cfg, console)
+    _run_train(cfg, resume=False)
     table = Table(title=f"{run} vs {cfg.run_dir}")
     for col in ("iteration", "reward then", "reward now", "max |Δ| of compared metrics"):
         table.add_column(col, justify="right")

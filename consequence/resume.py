@@ -40,6 +40,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from consequence.fileio import as_write_error
+
 STATE_FORMAT = 1
 STATE_RE = re.compile(r"^state-(\d{4,})$")
 
@@ -91,25 +93,6 @@ def save_state(run: Path, iteration: int, learner, tokenizer, history: list[dict
         raise
     _remove_older_states(root, keep=final)
     return final
-
-
-def as_write_error(e: BaseException, path: Path) -> OSError | None:
-    """The OSError behind a failed write, or None when ``e`` is not an I/O failure.
-
-    torch.save reports a full disk as a RuntimeError (the OSError is its ``__context__``)
-    and safetensors as a SafetensorError whose text holds "os error N"; the trainer
-    recognises write failures by their errno, so they are turned back into OSErrors.
-    """
-    seen: BaseException | None = e
-    while seen is not None:
-        if isinstance(seen, OSError) and seen.errno:
-            return seen if seen is e else OSError(seen.errno, seen.strerror, seen.filename or str(path))
-        seen = seen.__cause__ or seen.__context__
-    m = re.search(r"os error (\d+)|errno (\d+)", str(e))
-    if m is None:
-        return None
-    code = int(m.group(1) or m.group(2))
-    return OSError(code, os.strerror(code), str(path))
 
 
 def _umask() -> int:

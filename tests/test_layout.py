@@ -5,10 +5,10 @@ from pathlib import Path
 
 PKG = Path(__file__).resolve().parent.parent / "consequence"
 LAYERS = [
-    {"records", "seeding", "figures", "config"},
+    {"records", "seeding", "figures", "config", "fileio"},
     {"tasks"}, {"envs"}, {"policy"}, {"harness"}, {"rollout"}, {"reward"}, {"credit"}, {"update"},
     {"evaluate"}, {"distill"},
-    {"iteration", "checks", "diagnostics"},
+    {"iteration", "checks", "diagnostics", "resume"},
     {"recipes"},
     {"report", "labs"},
     {"train", "warmstart", "reproduce"},

@@ -335,7 +335,7 @@ def test_resume_restores_critic_and_reference(tmp_path, monkeypatch):
 
 
 def test_write_errors_of_torch_and_safetensors_become_oserrors(tmp_path):
-    from consequence.resume import as_write_error
+    from consequence.fileio import as_write_error
 
     try:
         try:

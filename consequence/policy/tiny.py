@@ -175,7 +175,7 @@ def save_policy(model, tokenizer, path, extra_files: dict[str, str] | None = Non
         os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it owner-only; a checkpoint is shared
     except BaseException as e:  # e.g. disk full: drop the partial copy, keep the previous checkpoint
         shutil.rmtree(tmp, ignore_errors=True)
-        from consequence.resume import as_write_error
+        from consequence.fileio import as_write_error
 
         err = as_write_error(e, tmp)
         if err is not None and err is not e:
