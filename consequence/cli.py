@@ -264,7 +264,7 @@ def _ks(text: str) -> list[int]:
 @app.command("eval")
 def eval_cmd(model: Optional[str] = typer.Option(None, help="Checkpoint folder, or a run folder (its checkpoints/final); default: the bundled tiny model."),
              tasks: str = typer.Option("repair", help="Task source: repair, humaneval-repair (multi-turn, with tools) or humaneval (single-turn completion)."),
-             split: str = typer.Option("validation", help="validation or test; the test split is only run when asked for, and the report says so."),
+             split: str = typer.Option("validation", help="validation or test (humaneval also: all, the 164 problems); the test split is only run when asked for, and the report says so."),
              n: int = typer.Option(10, "-n", help="Samples per task."),
              k: str = typer.Option("1", "-k", help="Comma-separated k of pass@k, each <= n."),
              problems: int = typer.Option(0, help="Evaluate only the first this many problems of the split (0 = all)."),

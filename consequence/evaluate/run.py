@@ -60,8 +60,9 @@ def check_request(tasks: str, split: str, n: int, ks: list[int]) -> None:
     """
     if tasks not in EVAL_SOURCES:
         raise ValueError(f"--tasks {tasks!r}: valid sources are {', '.join(EVAL_SOURCES)}")
-    if split not in ("train", "validation", "test"):
-        raise ValueError(f"--split {split!r}: valid splits are train, validation, test")
+    valid = ("train", "validation", "test", "all") if tasks == "humaneval" else ("train", "validation", "test")
+    if split not in valid:
+        raise ValueError(f"--split {split!r}: valid splits for {tasks} are {', '.join(valid)}")
     if n < 1:
         raise ValueError(f"-n must be >= 1 (samples per task), got {n}")
     bad = [k for k in ks if not 1 <= k <= n]
