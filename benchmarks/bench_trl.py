@@ -53,6 +53,7 @@ import json
 import platform
 import statistics
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -69,7 +70,7 @@ from consequence.policy.sampler import SamplingParams, generate
 from consequence.policy.tiny import load_policy
 from consequence.records import TrainingRow
 from consequence.tasks.repair import RepairTask, load_split, make_tasks
-from consequence.update.step import UpdateConfig, ppo_step
+from consequence.update.step import UpdateConfig, accumulate_gradients, ppo_step
 from consequence.warmstart import BUNDLED
 
 
@@ -87,7 +88,7 @@ class Args:
     eval_samples: int = 4  # sampled (T = 1) completions per eval task
     prompt: str = "history"  # 'history' or 'user' (see module docstring)
     seed: int = 0
-    frameworks: str = "ours,trl"
+    frameworks: str = "ours,ours-skip0,trl"  # any of ours, ours-skip0, trl
     out: str = str(Path(__file__).parent / "results" / "trl_vs_consequence.json")
 
 
@@ -153,28 +154,43 @@ def evaluate(model, renderer, tasks, prompts, n_samples: int, seed: int, max_new
 
 
 # ---- our GRPO: sampler → reward → group advantages → one PPO-clip step ----------------
-def run_ours(args: Args, model, renderer, train_tasks, train_msgs) -> dict:
-    B, G = args.prompts, args.group
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.999), eps=1e-8,
-                                  weight_decay=0.0)
-    ucfg = UpdateConfig(clip_eps_low=0.2, clip_eps_high=0.2, reduction="token_mean",
-                        micro_batch_size=args.micro_batch, max_grad_norm=1.0, temperature=1.0)
-    params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=args.max_new_tokens)
-    rng = torch.Generator().manual_seed(args.seed)
-    logprob_fn = functools.partial(token_logprobs, with_entropy=True)
-    steps, rewards_mean = [], []
-    model.train()
-    for u in range(args.updates):
-        tasks = train_tasks[u * B:(u + 1) * B]
+class OursGRPO:
+    """Our boxes glued into a single-turn GRPO loop; ``update(u)`` runs update ``u``.
+
+    ``skip_zero_advantage``: rows whose advantage is 0 (every group whose G rewards are
+    equal) add exactly nothing to the clipped objective, only their tokens to the
+    token-mean denominator T. Passing only the other rows (T' tokens) with advantages
+    scaled by T'/T gives the same gradient (the objective is linear in a positive
+    advantage scale) without their forward/backward. A benchmark-side variant: the
+    library's ``ppo_step`` has no such option yet.
+    """
+
+    def __init__(self, args: Args, model, renderer, train_tasks, train_msgs, skip_zero_advantage=False):
+        self.skip_zero_advantage = skip_zero_advantage
+        self.args, self.model, self.renderer = args, model, renderer
+        self.tasks, self.msgs = train_tasks, train_msgs
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.999), eps=1e-8,
+                                           weight_decay=0.0)
+        self.ucfg = UpdateConfig(clip_eps_low=0.2, clip_eps_high=0.2, reduction="token_mean",
+                                 micro_batch_size=args.micro_batch, max_grad_norm=1.0, temperature=1.0)
+        self.params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=args.max_new_tokens)
+        self.rng = torch.Generator().manual_seed(args.seed)
+        self.logprob_fn = functools.partial(token_logprobs, with_entropy=True)  # as train.py
+        self.steps: list[dict] = []
+        self.train_reward: list[float] = []
+
+    def update(self, u: int) -> None:
+        B, G, r = self.args.prompts, self.args.group, self.renderer
+        tasks = self.tasks[u * B:(u + 1) * B]
         t0 = time.perf_counter()
-        prompts = [renderer.prompt_ids(m) for m in train_msgs[u * B:(u + 1) * B]]
+        prompts = [r.prompt_ids(m) for m in self.msgs[u * B:(u + 1) * B]]
         prompts_N = [p for p in prompts for _ in range(G)]
-        samples = generate(model, prompts_N, params, renderer.stop_ids, generator=rng)
+        samples = generate(self.model, prompts_N, self.params, r.stop_ids, generator=self.rng)
         t1 = time.perf_counter()
-        rewards_N = score_batch(renderer, [t for t in tasks for _ in range(G)],
+        rewards_N = score_batch(r, [t for t in tasks for _ in range(G)],
                                 [(s.output_ids, s.stop_reason) for s in samples])
         t2 = time.perf_counter()
-        group_ids = [str(i // G) for i in range(B * G)]
+        group_ids = [f"{u}/{i // G}" for i in range(B * G)]
         adv_N = group_advantages(rewards_N, group_ids, estimator="grpo", eps=1e-4, std_correction=1)
         rows, row_adv = [], []
         for p, s, a in zip(prompts_N, samples, adv_N):
@@ -183,97 +199,197 @@ def run_ours(args: Args, model, renderer, train_tasks, train_msgs) -> dict:
             n = len(s.output_ids)
             rows.append(TrainingRow(p + s.output_ids, [0] * len(p) + [1] * n, [0.0] * len(p) + s.logprobs))
             row_adv.append(a)
-        ppo_step(model, optimizer, rows, row_adv, ucfg, renderer.tokenizer.pad_token_id, logprob_fn)
+        if self.skip_zero_advantage:
+            n_all = sum(sum(x.loss_mask) for x in rows)
+            keep = [i for i, a in enumerate(row_adv) if a != 0.0]
+            n_kept = sum(sum(rows[i].loss_mask) for i in keep)
+            rows, row_adv = [rows[i] for i in keep], [row_adv[i] * n_kept / n_all for i in keep]
+        self.model.train()
+        if rows:
+            ppo_step(self.model, self.optimizer, rows, row_adv, self.ucfg, r.tokenizer.pad_token_id,
+                     self.logprob_fn)
+        else:  # the step all-zero advantages would take: AdamW moves on its momentum alone
+            for p in self.model.parameters():
+                p.grad = torch.zeros_like(p)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         t3 = time.perf_counter()
-        steps.append({"generation_s": t1 - t0, "reward_s": t2 - t1, "optimisation_s": t3 - t2, "total_s": t3 - t0})
-        rewards_mean.append(sum(r or 0.0 for r in rewards_N) / len(rewards_N))
-        print(f"  ours  update {u + 1:>2}/{args.updates}  reward {rewards_mean[-1]:.3f}  {t3 - t0:6.2f} s", flush=True)
-    model.eval()
-    return {"steps": steps, "train_reward": rewards_mean}
+        self.steps.append({"generation_s": t1 - t0, "reward_s": t2 - t1, "optimisation_s": t3 - t2,
+                           "total_s": t3 - t0})
+        self.train_reward.append(sum(x or 0.0 for x in rewards_N) / len(rewards_N))
 
 
 # ---- TRL's GRPOTrainer, configured to the same algorithm ------------------------------
-def run_trl(args: Args, model, tokenizer, renderer, train_tasks, train_msgs) -> dict:
-    from datasets import Dataset
-    from transformers import TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+class TRLGRPO:
+    """``GRPOTrainer.train()`` in a worker thread that waits at every optimizer step until
+    ``update(u)`` lets it run exactly one; the two frameworks never run at the same time."""
 
-    B, G = args.prompts, args.group
-    texts = [renderer.render_text(m, add_generation_prompt=True) for m in train_msgs]
-    # TRL tokenizes standard-format prompts with ``processing_class(text=...)``: same ids?
-    for text, m in zip(texts[:B], train_msgs[:B]):
-        assert tokenizer(text=[text])["input_ids"][0] == renderer.prompt_ids(m), "prompt ids differ"
-    dataset = Dataset.from_list([{"prompt": t, "task_index": i} for i, t in enumerate(texts)])
-    timing: dict[str, list[float]] = {"generation_s": [], "reward_s": [], "rollout_s": [], "total_s": []}
-    rewards_mean: list[float] = []
+    def __init__(self, args: Args, model, tokenizer, renderer, train_tasks, train_msgs):
+        from datasets import Dataset
+        from transformers import TrainerCallback
+        from trl import GRPOConfig, GRPOTrainer
 
-    def reward_fn(prompts, completions, completion_ids, task_index, **_):
-        outs = [(ids, "stop" if ids and ids[-1] in renderer.stop_ids else "length") for ids in completion_ids]
-        r = score_batch(renderer, [train_tasks[i] for i in task_index], outs)
-        rewards_mean.append(sum(x or 0.0 for x in r) / len(r))
-        return r
+        B, G = args.prompts, args.group
+        texts = [renderer.render_text(m, add_generation_prompt=True) for m in train_msgs]
+        # TRL tokenizes standard-format prompts with ``processing_class(text=...)``: same ids as ours.
+        for text, m in zip(texts[:B], train_msgs[:B]):
+            assert tokenizer(text=[text])["input_ids"][0] == renderer.prompt_ids(m), "prompt ids differ"
+        dataset = Dataset.from_list([{"prompt": t, "task_index": i} for i, t in enumerate(texts)])
+        self.steps: list[dict] = []
+        self.train_reward: list[float] = []
+        self._go, self._done = threading.Semaphore(0), threading.Semaphore(0)
+        self._error: BaseException | None = None
+        cur: dict[str, float] = {}
+        bench = self
 
-    class Timed(GRPOTrainer):
-        def _generate(self, prompts):
-            t0 = time.perf_counter()
-            out = super()._generate(prompts)
-            timing["generation_s"].append(time.perf_counter() - t0)
-            return out
+        def reward_fn(prompts, completions, completion_ids, task_index, **_):
+            outs = [(ids, "stop" if ids and ids[-1] in renderer.stop_ids else "length") for ids in completion_ids]
+            r = score_batch(renderer, [train_tasks[i] for i in task_index], outs)
+            bench.train_reward.append(sum(x or 0.0 for x in r) / len(r))
+            return r
 
-        def _calculate_rewards(self, *a, **k):
-            t0 = time.perf_counter()
-            out = super()._calculate_rewards(*a, **k)
-            timing["reward_s"].append(time.perf_counter() - t0)
-            return out
+        class Timed(GRPOTrainer):
+            def _generate(self, prompts):
+                t0 = time.perf_counter()
+                out = super()._generate(prompts)
+                cur["generation_s"] = time.perf_counter() - t0
+                return out
 
-        def _generate_and_score_completions(self, inputs):
-            t0 = time.perf_counter()
-            out = super()._generate_and_score_completions(inputs)
-            timing["rollout_s"].append(time.perf_counter() - t0)
-            return out
+            def _calculate_rewards(self, *a, **k):
+                t0 = time.perf_counter()
+                out = super()._calculate_rewards(*a, **k)
+                cur["reward_s"] = time.perf_counter() - t0
+                return out
 
-    class StepClock(TrainerCallback):  # an update = from one optimizer step's end to the next
-        def on_train_begin(self, a, state, control, **k):
-            self.t0 = time.perf_counter()
+            def _generate_and_score_completions(self, inputs):
+                t0 = time.perf_counter()
+                out = super()._generate_and_score_completions(inputs)
+                cur["rollout_s"] = time.perf_counter() - t0
+                return out
 
-        def on_step_end(self, a, state, control, **k):
-            t = time.perf_counter()
-            timing["total_s"].append(t - self.t0)
-            self.t0 = t
-            print(f"  trl   update {state.global_step:>2}/{args.updates}  reward {rewards_mean[-1]:.3f}  "
-                  f"{timing['total_s'][-1]:6.2f} s", flush=True)
+        class Gate(TrainerCallback):  # one update = on_step_begin .. on_step_end
+            def on_step_begin(self, a, state, control, **k):
+                bench._go.acquire()
+                cur["t0"] = time.perf_counter()
 
-    with tempfile.TemporaryDirectory(prefix="bench-trl-") as out_dir:
+            def on_step_end(self, a, state, control, **k):
+                total = time.perf_counter() - cur["t0"]
+                bench.steps.append({
+                    "generation_s": cur["generation_s"], "reward_s": cur["reward_s"],
+                    "optimisation_s": total - cur["rollout_s"], "total_s": total,
+                    "rollout_other_s": cur["rollout_s"] - cur["generation_s"] - cur["reward_s"]})
+                bench._done.release()
+
+        self._dir = tempfile.TemporaryDirectory(prefix="bench-trl-")
         cfg = GRPOConfig(
-            output_dir=out_dir, use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
+            output_dir=self._dir.name, use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
             per_device_train_batch_size=args.micro_batch, gradient_accumulation_steps=B * G // args.micro_batch,
-            num_generations=G,
-            max_completion_length=args.max_new_tokens, temperature=1.0, top_k=0, top_p=1.0,
+            num_generations=G, max_completion_length=args.max_new_tokens, temperature=1.0, top_k=0, top_p=1.0,
             learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
             optim="adamw_torch", adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0,
             beta=0.0, num_iterations=1, epsilon=0.2, epsilon_high=0.2, loss_type="dapo",
             scale_rewards="group", mask_truncated_completions=False, shuffle_dataset=False,
-            max_steps=args.updates, seed=args.seed, logging_steps=1, report_to="none",
+            max_steps=args.updates, seed=args.seed, logging_steps=args.updates, report_to="none",
             save_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
         )
-        trainer = Timed(model=model, reward_funcs=reward_fn, args=cfg, train_dataset=dataset,
-                        processing_class=tokenizer, callbacks=[StepClock()])
-        trainer.train()
-    n = len(timing["total_s"])
-    steps = [{"generation_s": timing["generation_s"][i], "reward_s": timing["reward_s"][i],
-              "optimisation_s": timing["total_s"][i] - timing["rollout_s"][i], "total_s": timing["total_s"][i],
-              "rollout_other_s": timing["rollout_s"][i] - timing["generation_s"][i] - timing["reward_s"][i]}
-             for i in range(n)]
-    trained = trainer.model
-    trained.eval()
-    return {"steps": steps, "train_reward": rewards_mean, "model": trained}
+        self.trainer = Timed(model=model, reward_funcs=reward_fn, args=cfg, train_dataset=dataset,
+                             processing_class=tokenizer, callbacks=[Gate()])
+        self._thread = threading.Thread(target=self._train, name="trl", daemon=True)
+        self._thread.start()
+
+    def _train(self) -> None:
+        try:
+            self.trainer.train()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the main thread
+            self._error = e
+            self._done.release()
+
+    def update(self, u: int) -> None:
+        self._go.release()
+        self._done.acquire()
+        if self._error is not None:
+            raise RuntimeError("TRL's trainer failed") from self._error
+
+    @property
+    def model(self):
+        self._thread.join()
+        self._dir.cleanup()
+        return self.trainer.model.eval()
+
+
+def check_same_gradient(args: Args, model, tokenizer, renderer, tasks, msgs) -> dict:
+    """Relative L2 differences between TRL's ``compute_loss`` gradient and ours (all rows;
+    zero-advantage rows skipped) on one identical sampled batch (same completions, same
+    advantages, same micro-batches). ~1e-5 means the same function: ours measures the
+    ratio against the sampler's log-probs (1 up to float error), TRL's is exactly 1."""
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+    from trl.trainer.utils import nanstd, pad
+
+    B, G, MB = args.prompts, args.group, args.micro_batch
+    prompts_N = [renderer.prompt_ids(m) for m in msgs[:B] for _ in range(G)]
+    samples = generate(model, prompts_N, SamplingParams(1.0, max_new_tokens=args.max_new_tokens),
+                       renderer.stop_ids, generator=torch.Generator().manual_seed(args.seed + 7))
+    rewards = score_batch(renderer, [t for t in tasks[:B] for _ in range(G)],
+                          [(s.output_ids, s.stop_reason) for s in samples])
+    R = torch.tensor([r or 0.0 for r in rewards])
+    mean = R.view(-1, G).mean(1).repeat_interleave(G)  # TRL's formula, written out
+    adv_trl = (R - mean) / (nanstd(R.view(-1, G), dim=1).repeat_interleave(G) + 1e-4)
+    adv = group_advantages(R.tolist(), [str(i // G) for i in range(B * G)], "grpo", eps=1e-4, std_correction=1)
+    assert torch.allclose(torch.tensor(adv), adv_trl), "advantages differ"
+
+    def grads():
+        g = torch.cat([p.grad.flatten() for p in model.parameters()])
+        model.zero_grad(set_to_none=True)
+        return g
+
+    model.train()
+    rows = [TrainingRow(p + s.output_ids, [0] * len(p) + [1] * len(s.output_ids), [0.0] * len(p) + s.logprobs)
+            for p, s in zip(prompts_N, samples)]
+    fn = functools.partial(token_logprobs, with_entropy=True)
+    accumulate_gradients(model, rows, adv, UpdateConfig(micro_batch_size=MB), renderer.tokenizer.pad_token_id, fn)
+    g_ours = grads()
+    keep = [i for i, a in enumerate(adv) if a != 0.0]  # the skip-zero-advantage variant
+    scale = sum(sum(rows[i].loss_mask) for i in keep) / sum(sum(x.loss_mask) for x in rows)
+    accumulate_gradients(model, [rows[i] for i in keep], [adv[i] * scale for i in keep],
+                         UpdateConfig(micro_batch_size=MB), renderer.tokenizer.pad_token_id, fn)
+    g_skip = grads()
+    with tempfile.TemporaryDirectory(prefix="bench-trl-") as out_dir:
+        cfg = GRPOConfig(output_dir=out_dir, use_cpu=True, bf16=False, gradient_checkpointing=False,
+                         per_device_train_batch_size=MB, gradient_accumulation_steps=B * G // MB,
+                         num_generations=G, max_completion_length=args.max_new_tokens, top_k=0, beta=0.0,
+                         loss_type="dapo", report_to="none")
+        trainer = GRPOTrainer(model=model, reward_funcs=lambda prompts, **_: [0.0] * len(prompts), args=cfg,
+                              train_dataset=Dataset.from_list([{"prompt": "x"}] * B), processing_class=tokenizer)
+        trainer.current_gradient_accumulation_steps = B * G // MB  # set by Trainer.train in a real run
+        total = torch.tensor(sum(len(s.output_ids) for s in samples))
+        for c in range(0, B * G, MB):
+            ids = range(c, c + MB)
+            ones = lambda xs: [torch.ones(len(x), dtype=torch.long) for x in xs]  # noqa: E731
+            p_ids, c_ids = [prompts_N[i] for i in ids], [samples[i].output_ids for i in ids]
+            inputs = {
+                "prompt_ids": pad([torch.tensor(x) for x in p_ids], tokenizer.pad_token_id, "left"),
+                "prompt_mask": pad(ones(p_ids), 0, "left"),
+                "completion_ids": pad([torch.tensor(x) for x in c_ids], tokenizer.pad_token_id, "right"),
+                "completion_mask": pad(ones(c_ids), 0, "right"),
+                "advantages": adv_trl[c:c + MB], "num_items_in_batch": total,
+            }
+            trainer.compute_loss(model, inputs).backward()
+    g_trl = grads()
+    model.eval()
+    rel = lambda g: float((g - g_trl).norm() / g_trl.norm())  # noqa: E731
+    return {"ours_vs_trl": rel(g_ours), "ours-skip0_vs_trl": rel(g_skip), "rows_kept": len(keep), "rows": len(rows)}
 
 
 # ---- plumbing -------------------------------------------------------------------------
-def _mean(steps: list[dict], key: str) -> float:
-    """Mean over updates 2..N: the first one pays one-off warm-up (allocator, kernels)."""
+FRAMEWORK_NAMES = {"ours": "consequence", "ours-skip0": "consequence, zero-advantage rows skipped",
+                   "trl": "TRL GRPOTrainer"}
+
+def _median(steps: list[dict], key: str) -> float:
+    """Median over updates 2..N: the first pays one-off warm-up, and the median is robust
+    to bursts of load from other processes on a shared machine."""
     warm = steps[1:] or steps
-    return statistics.fmean(s[key] for s in warm)
+    return statistics.median(s[key] for s in warm)
 
 
 def main() -> None:
@@ -297,53 +413,71 @@ def main() -> None:
                            n_samples=args.eval_samples, seed=args.seed,
                            max_new=args.max_new_tokens)
 
-    results = {"before": ev(model0)}
+    results: dict = {}
+    if "trl" in frameworks:
+        results["gradient_check"] = check_same_gradient(args, copy.deepcopy(model0), tokenizer, renderer,
+                                                        train_tasks, train_msgs)
+        print(f"same batch, gradient vs TRL's (relative L2 difference): {results['gradient_check']}")
+    results["before"] = ev(model0)
     print(f"before: {results['before']}", flush=True)
+    runs = {}
     for fw in frameworks:
-        clear_cache()  # neither run may reuse the other's sandbox results
-        model = copy.deepcopy(model0)
-        t0 = time.perf_counter()
-        if fw == "ours":
-            res = run_ours(args, model, renderer, train_tasks, train_msgs)
+        if fw in ("ours", "ours-skip0"):
+            runs[fw] = OursGRPO(args, copy.deepcopy(model0), renderer, train_tasks, train_msgs,
+                                skip_zero_advantage=fw == "ours-skip0")
         elif fw == "trl":
-            res = run_trl(args, model, tokenizer, renderer, train_tasks, train_msgs)
-            model = res.pop("model")
+            runs[fw] = TRLGRPO(args, copy.deepcopy(model0), tokenizer, renderer, train_tasks, train_msgs)
         else:
-            raise ValueError(f"unknown framework {fw!r}; use ours,trl")
-        res["wall_s"] = time.perf_counter() - t0
-        res["after"] = ev(model)
-        print(f"{fw} after: {res['after']}", flush=True)
-        results[fw] = res
+            raise ValueError(f"unknown framework {fw!r}; use ours, ours-skip0, trl")
+    # Lockstep: update u of each framework back to back, so that load from other processes
+    # on a shared machine falls on both alike; the sandbox cache is emptied before each.
+    for u in range(args.updates):
+        line = f"update {u + 1:>2}/{args.updates}"
+        for fw, run in runs.items():
+            clear_cache()
+            run.update(u)
+            line += f"   {fw}: {run.steps[-1]['total_s']:6.2f} s, reward {run.train_reward[-1]:.3f}"
+        print(line, flush=True)
+    for fw, run in runs.items():
+        clear_cache()
+        after = ev(run.model)
+        print(f"{fw} after: {after}", flush=True)
+        results[fw] = {"steps": run.steps, "train_reward": run.train_reward, "after": after}
 
     rows = []
     for fw in frameworks:
         st = results[fw]["steps"]
         rows.append({
-            "framework": {"ours": "consequence", "trl": "TRL GRPOTrainer"}[fw],
-            "s_per_update": _mean(st, "total_s"), "generation_s": _mean(st, "generation_s"),
-            "reward_s": _mean(st, "reward_s"), "optimisation_s": _mean(st, "optimisation_s"),
-            "gen_plus_opt_s": _mean(st, "generation_s") + _mean(st, "optimisation_s"),
-            "train_reward_first": statistics.fmean(results[fw]["train_reward"][:3]),
-            "train_reward_last": statistics.fmean(results[fw]["train_reward"][-3:]),
+            "framework": FRAMEWORK_NAMES[fw],
+            **{k: _median(st, k) for k in ("total_s", "generation_s", "reward_s", "optimisation_s")},
+            "gen_plus_opt_s": statistics.median(s["generation_s"] + s["optimisation_s"] for s in st[1:] or st),
+            "train_reward_first": statistics.fmean(results[fw]["train_reward"][:4]),
+            "train_reward_last": statistics.fmean(results[fw]["train_reward"][-4:]),
             "greedy_after": results[fw]["after"]["greedy"], "sampled_after": results[fw]["after"]["sampled"],
         })
     b = results["before"]
     print(f"\nB={args.prompts} prompts × G={args.group}, {args.max_new_tokens} new tokens, lr {args.lr}, "
-          f"{args.updates} updates (seconds: mean of updates 2..N), micro-batch {args.micro_batch}, "
-          f"prompt '{args.prompt}', {torch.get_num_threads()} threads")
+          f"{args.updates} updates, micro-batch {args.micro_batch}, prompt '{args.prompt}', "
+          f"{torch.get_num_threads()} threads; seconds = median of updates 2..N")
     print(f"held-out success before: greedy {b['greedy']:.3f}, sampled {b['sampled']:.3f} "
           f"({b['n_tasks']} test-split tasks, {b['n_sampled']} samples)\n")
     print("| framework | s / update | generation | reward | optimisation | gen + opt | "
-          "train reward (first 3 → last 3) | held-out greedy | held-out sampled |")
+          "train reward (first 4 → last 4) | held-out greedy | held-out sampled |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['framework']} | {r['s_per_update']:.2f} | {r['generation_s']:.2f} | {r['reward_s']:.2f} | "
+        print(f"| {r['framework']} | {r['total_s']:.2f} | {r['generation_s']:.2f} | {r['reward_s']:.2f} | "
               f"{r['optimisation_s']:.2f} | {r['gen_plus_opt_s']:.2f} | {r['train_reward_first']:.3f} → "
               f"{r['train_reward_last']:.3f} | {r['greedy_after']:.3f} | {r['sampled_after']:.3f} |")
-    if len(rows) == 2:
-        s = rows[1]["s_per_update"] / rows[0]["s_per_update"]
-        s2 = rows[1]["gen_plus_opt_s"] / rows[0]["gen_plus_opt_s"]
-        print(f"\nspeed-up of ours: {s:.2f}× per update, {s2:.2f}× on generation + optimisation")
+    for fw in [f for f in frameworks if f != "trl" and "trl" in frameworks]:
+        pairs = list(zip(results[fw]["steps"], results["trl"]["steps"]))[1:]
+        sp = {k: statistics.median(t[k] / o[k] for o, t in pairs)
+              for k in ("total_s", "generation_s", "optimisation_s")}
+        sp["gen_plus_opt_s"] = statistics.median(
+            (t["generation_s"] + t["optimisation_s"]) / (o["generation_s"] + o["optimisation_s"]) for o, t in pairs)
+        results[fw]["speedup_vs_trl"] = sp
+        print(f"\nspeed-up of {FRAMEWORK_NAMES[fw]} (median over updates 2..N of TRL s / our s): "
+              f"{sp['total_s']:.2f}× per update, {sp['gen_plus_opt_s']:.2f}× generation + optimisation, "
+              f"{sp['generation_s']:.2f}× generation, {sp['optimisation_s']:.2f}× optimisation")
     meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "python": platform.python_version(),
             "machine": platform.machine(), "cpu_count": __import__("os").cpu_count()}
     for name in ("transformers", "trl", "accelerate", "datasets"):
