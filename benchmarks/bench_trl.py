@@ -87,7 +87,7 @@ class Args:
     eval_tasks: int = 256  # held-out test-split instances
     eval_samples: int = 4  # sampled (T = 1) completions per eval task
     prompt: str = "history"  # 'history' or 'user' (see module docstring)
-    seed: int = 0
+    seed: int = 0  # seeds sampling (ours: the sampler's generator; TRL: GRPOConfig.seed)
     frameworks: str = "ours,ours-skip0,trl"  # any of ours, ours-skip0, trl
     out: str = str(Path(__file__).parent / "results" / "trl_vs_consequence.json")
 
@@ -405,9 +405,11 @@ def main() -> None:
     model0, tokenizer = load_policy(BUNDLED)
     renderer = Renderer(tokenizer, TOOLS)
     split = load_split(0)
-    train_tasks = make_tasks(split["train"], args.prompts * args.updates, seed=args.seed + 1000)
+    # The task instances do not depend on --seed (it seeds sampling only), so that runs with
+    # several seeds train on the same prompts and are evaluated on the same held-out set.
+    train_tasks = make_tasks(split["train"], args.prompts * args.updates, seed=1000)
     train_msgs = [task_messages(t, args.prompt) for t in train_tasks]
-    eval_tasks = make_tasks(split["test"], args.eval_tasks, seed=args.seed + 2000)
+    eval_tasks = make_tasks(split["test"], args.eval_tasks, seed=2000)
     eval_prompts = [renderer.prompt_ids(task_messages(t, args.prompt)) for t in eval_tasks]
     ev = functools.partial(evaluate, renderer=renderer, tasks=eval_tasks, prompts=eval_prompts,
                            n_samples=args.eval_samples, seed=args.seed,
