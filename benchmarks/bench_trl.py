@@ -2,11 +2,20 @@
 
 The same tiny model (the bundled warm start), the same prompts in the same order, the
 same reward function, batch (B prompts × G completions), completion length, temperature,
-learning rate and number of updates; both run in one process, one after the other, on
-CPU. Measured per update: seconds of generation, of reward (the sandboxed hidden tests,
-the same function for both) and of optimisation (log-probs, loss, backward, AdamW step);
-and success on held-out test-split instances before and after, greedy and sampled, with
-one evaluation function (our sampler) for both trained models.
+learning rate and number of updates, on CPU, in one process and in lockstep: update u of
+every framework runs back to back (never concurrently; TRL's trainer waits in a thread),
+so that load from other processes on a shared machine falls on all of them alike.
+Measured per update: seconds of generation, of reward (the sandboxed hidden tests, the
+same function for all) and of optimisation (log-probs, loss, backward, AdamW step),
+reported as medians over updates 2..N; success on held-out test-split instances before
+and after, greedy and sampled, with one evaluation function (our sampler) for every
+trained model. Before training, one identical batch is pushed through both losses and the
+gradients are compared (``check_same_gradient``).
+
+Frameworks (``--frameworks``): ``ours`` (the library's boxes, as ``train.py`` uses them),
+``trl`` (``GRPOTrainer``) and ``ours-skip0``, ours with the rows of zero advantage left
+out of the forward/backward and the others' advantages rescaled so that the gradient is
+the same (see ``OursGRPO``).
 
 Single-turn task. The prompt holds the request, the buggy code exactly as ``read_code``
 shows it and the visible-test report exactly as ``run_tests`` shows it; the model answers
@@ -40,8 +49,9 @@ Equivalences (TRL 1.16 ``GRPOConfig`` field = our setting):
 Ratios: TRL with ``num_iterations=1`` uses ``old = logp.detach()`` (ratio exactly 1);
 ours uses the sampler's log-probs (ratio 1 up to float error). Both are on-policy.
 
-Run: ``pip install -e '.[bench]'`` then ``python benchmarks/bench_trl.py`` (about 10
-minutes on 2 CPU cores). Writes ``benchmarks/results/trl_vs_consequence.json``.
+Run: ``pip install -e '.[bench]'`` then ``python benchmarks/bench_trl.py`` (10-20 minutes
+on 2 CPU cores, most of it TRL and the four evaluations). Writes
+``benchmarks/results/trl_vs_consequence.json``.
 """
 
 from __future__ import annotations
@@ -50,6 +60,7 @@ import argparse
 import copy
 import functools
 import json
+import os
 import platform
 import statistics
 import tempfile
@@ -64,6 +75,7 @@ import torch
 from consequence.credit.advantages import group_advantages
 from consequence.envs.repair_env import SYSTEM_PROMPT, TOOLS, RepairEnv, verify
 from consequence.envs.sandbox import clear_cache
+from consequence.evaluate.stats import paired_bootstrap_ci
 from consequence.harness.renderer import Renderer
 from consequence.policy.logprobs import token_logprobs
 from consequence.policy.sampler import SamplingParams, generate
@@ -149,8 +161,29 @@ def evaluate(model, renderer, tasks, prompts, n_samples: int, seed: int, max_new
     sampled = generate(model, rep_p, SamplingParams(1.0, max_new_tokens=max_new), renderer.stop_ids,
                        generator=torch.Generator().manual_seed(seed))
     s = score_batch(renderer, rep_t, [(x.output_ids, x.stop_reason) for x in sampled])
-    mean = lambda xs: sum(x or 0.0 for x in xs) / len(xs)  # noqa: E731
-    return {"greedy": mean(g), "sampled": mean(s), "n_tasks": len(tasks), "n_sampled": len(s)}
+    return {"greedy": _mean_valid(g), "sampled": _mean_valid(s), "n_tasks": len(tasks), "n_sampled": len(s),
+            "scores": {"greedy": g, "sampled": s}}
+
+
+def _mean_valid(xs: list[float | None]) -> float:
+    """Mean over scored episodes; sandbox failures (None) are excluded, never scored 0."""
+    v = [x for x in xs if x is not None]
+    return sum(v) / max(1, len(v))
+
+
+def compare(a: dict, b: dict, tasks: list[RepairTask], n_samples: int) -> dict:
+    """95 % paired bootstrap CIs of success(b) − success(a) on the same held-out episodes,
+    resampled by problem (instances of one problem stay together); pairs where either
+    episode hit a sandbox error are dropped."""
+    out = {}
+    for decoding, reps in (("greedy", 1), ("sampled", n_samples)):
+        groups = [t.problem_id for t in tasks for _ in range(reps)]
+        keep = [i for i, (x, y) in enumerate(zip(a["scores"][decoding], b["scores"][decoding]))
+                if x is not None and y is not None]
+        ci = paired_bootstrap_ci([a["scores"][decoding][i] for i in keep], [b["scores"][decoding][i] for i in keep],
+                                 groups=[groups[i] for i in keep])
+        out[decoding] = {k: ci[k] for k in ("diff", "low", "high", "n", "n_groups")}
+    return out
 
 
 # ---- our GRPO: sampler → reward → group advantages → one PPO-clip step ----------------
@@ -216,7 +249,7 @@ class OursGRPO:
         t3 = time.perf_counter()
         self.steps.append({"generation_s": t1 - t0, "reward_s": t2 - t1, "optimisation_s": t3 - t2,
                            "total_s": t3 - t0})
-        self.train_reward.append(sum(x or 0.0 for x in rewards_N) / len(rewards_N))
+        self.train_reward.append(_mean_valid(rewards_N))
 
 
 # ---- TRL's GRPOTrainer, configured to the same algorithm ------------------------------
@@ -245,7 +278,7 @@ class TRLGRPO:
         def reward_fn(prompts, completions, completion_ids, task_index, **_):
             outs = [(ids, "stop" if ids and ids[-1] in renderer.stop_ids else "length") for ids in completion_ids]
             r = score_batch(renderer, [train_tasks[i] for i in task_index], outs)
-            bench.train_reward.append(sum(x or 0.0 for x in r) / len(r))
+            bench.train_reward.append(_mean_valid(r))
             return r
 
         class Timed(GRPOTrainer):
@@ -415,13 +448,13 @@ def main() -> None:
                            n_samples=args.eval_samples, seed=args.seed,
                            max_new=args.max_new_tokens)
 
-    results: dict = {}
+    results: dict = {"load_average_at_start": os.getloadavg()}  # other processes on a shared machine
     if "trl" in frameworks:
         results["gradient_check"] = check_same_gradient(args, copy.deepcopy(model0), tokenizer, renderer,
                                                         train_tasks, train_msgs)
         print(f"same batch, gradient vs TRL's (relative L2 difference): {results['gradient_check']}")
     results["before"] = ev(model0)
-    print(f"before: {results['before']}", flush=True)
+    print(f"before: greedy {results['before']['greedy']:.3f}, sampled {results['before']['sampled']:.3f}", flush=True)
     runs = {}
     for fw in frameworks:
         if fw in ("ours", "ours-skip0"):
@@ -443,8 +476,15 @@ def main() -> None:
     for fw, run in runs.items():
         clear_cache()
         after = ev(run.model)
-        print(f"{fw} after: {after}", flush=True)
+        print(f"{fw} after: greedy {after['greedy']:.3f}, sampled {after['sampled']:.3f}", flush=True)
         results[fw] = {"steps": run.steps, "train_reward": run.train_reward, "after": after}
+    ev_kw = {"tasks": eval_tasks, "n_samples": args.eval_samples}
+    for fw in frameworks:
+        results[fw]["after_minus_before"] = compare(results["before"], results[fw]["after"], **ev_kw)
+        if fw != "trl" and "trl" in frameworks:
+            results[fw]["after_minus_trl_after"] = compare(results["trl"]["after"], results[fw]["after"], **ev_kw)
+    for r in [results["before"]] + [results[fw]["after"] for fw in frameworks]:
+        r.pop("scores")  # per-episode scores: used above, too long for the JSON
 
     rows = []
     for fw in frameworks:
@@ -480,8 +520,14 @@ def main() -> None:
         print(f"\nspeed-up of {FRAMEWORK_NAMES[fw]} (median over updates 2..N of TRL s / our s): "
               f"{sp['total_s']:.2f}× per update, {sp['gen_plus_opt_s']:.2f}× generation + optimisation, "
               f"{sp['generation_s']:.2f}× generation, {sp['optimisation_s']:.2f}× optimisation")
+    for fw in frameworks:
+        for key, label in (("after_minus_before", "after − before"), ("after_minus_trl_after", "after − TRL after")):
+            if key in results[fw]:
+                c = results[fw][key]
+                print(f"{FRAMEWORK_NAMES[fw]}, success {label} (95 % CI, by problem): " + ", ".join(
+                    f"{d} {c[d]['diff']:+.3f} [{c[d]['low']:+.3f}, {c[d]['high']:+.3f}]" for d in c))
     meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "python": platform.python_version(),
-            "machine": platform.machine(), "cpu_count": __import__("os").cpu_count()}
+            "machine": platform.machine(), "cpu_count": os.cpu_count(), "load_average_at_end": os.getloadavg()}
     for name in ("transformers", "trl", "accelerate", "datasets"):
         try:
             meta[name] = __import__(name).__version__
