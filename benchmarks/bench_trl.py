@@ -254,8 +254,10 @@ class OursGRPO:
 
 # ---- TRL's GRPOTrainer, configured to the same algorithm ------------------------------
 class TRLGRPO:
-    """``GRPOTrainer.train()`` in a worker thread that waits at every optimizer step until
-    ``update(u)`` lets it run exactly one; the two frameworks never run at the same time."""
+    """``GRPOTrainer.train()`` in a worker thread, parked at the start of every optimizer
+    step; ``update(u)`` lets it run exactly one and waits until it is parked again (or done),
+    so TRL never runs at the same time as the other frameworks. An update's seconds run
+    from the release to the next park: TRL's bookkeeping between steps counts as its own."""
 
     def __init__(self, args: Args, model, tokenizer, renderer, train_tasks, train_msgs):
         from datasets import Dataset
@@ -270,7 +272,7 @@ class TRLGRPO:
         dataset = Dataset.from_list([{"prompt": t, "task_index": i} for i, t in enumerate(texts)])
         self.steps: list[dict] = []
         self.train_reward: list[float] = []
-        self._go, self._done = threading.Semaphore(0), threading.Semaphore(0)
+        self._go, self._parked = threading.Semaphore(0), threading.Semaphore(0)
         self._error: BaseException | None = None
         cur: dict[str, float] = {}
         bench = self
@@ -300,18 +302,13 @@ class TRLGRPO:
                 cur["rollout_s"] = time.perf_counter() - t0
                 return out
 
-        class Gate(TrainerCallback):  # one update = on_step_begin .. on_step_end
+        class Gate(TrainerCallback):
             def on_step_begin(self, a, state, control, **k):
+                bench._parked.release()
                 bench._go.acquire()
-                cur["t0"] = time.perf_counter()
 
-            def on_step_end(self, a, state, control, **k):
-                total = time.perf_counter() - cur["t0"]
-                bench.steps.append({
-                    "generation_s": cur["generation_s"], "reward_s": cur["reward_s"],
-                    "optimisation_s": total - cur["rollout_s"], "total_s": total,
-                    "rollout_other_s": cur["rollout_s"] - cur["generation_s"] - cur["reward_s"]})
-                bench._done.release()
+            def on_train_end(self, a, state, control, **k):
+                bench._parked.release()
 
         self._dir = tempfile.TemporaryDirectory(prefix="bench-trl-")
         cfg = GRPOConfig(
@@ -329,19 +326,29 @@ class TRLGRPO:
                              processing_class=tokenizer, callbacks=[Gate()])
         self._thread = threading.Thread(target=self._train, name="trl", daemon=True)
         self._thread.start()
+        self._wait()  # the trainer's set-up runs here, before any update is timed
+        self._cur = cur
 
     def _train(self) -> None:
         try:
             self.trainer.train()
         except BaseException as e:  # noqa: BLE001 - re-raised in the main thread
             self._error = e
-            self._done.release()
+            self._parked.release()
 
-    def update(self, u: int) -> None:
-        self._go.release()
-        self._done.acquire()
+    def _wait(self) -> None:
+        self._parked.acquire()
         if self._error is not None:
             raise RuntimeError("TRL's trainer failed") from self._error
+
+    def update(self, u: int) -> None:
+        t0 = time.perf_counter()
+        self._go.release()
+        self._wait()
+        total, c = time.perf_counter() - t0, self._cur
+        self.steps.append({"generation_s": c["generation_s"], "reward_s": c["reward_s"],
+                           "optimisation_s": total - c["rollout_s"], "total_s": total,
+                           "rollout_other_s": c["rollout_s"] - c["generation_s"] - c["reward_s"]})
 
     @property
     def model(self):
