@@ -194,8 +194,9 @@ class OursGRPO:
     equal) add exactly nothing to the clipped objective, only their tokens to the
     token-mean denominator T. Passing only the other rows (T' tokens) with advantages
     scaled by T'/T gives the same gradient (the objective is linear in a positive
-    advantage scale) without their forward/backward. A benchmark-side variant: the
-    library's ``ppo_step`` has no such option yet.
+    advantage scale) without their forward/backward. The library's ``ppo_step`` now
+    skips such rows itself (keeping them in the totals), so ``ours`` and ``ours-skip0``
+    run the same computation; the variant stays as the record of how it was measured.
     """
 
     def __init__(self, args: Args, model, renderer, train_tasks, train_msgs, skip_zero_advantage=False):
