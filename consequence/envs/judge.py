@@ -26,7 +26,6 @@ import hashlib
 import json
 import os
 import secrets
-import signal
 import subprocess
 import sys
 import tempfile
@@ -36,7 +35,7 @@ from typing import Sequence
 
 from consequence.envs.hardening import child_config
 from consequence.envs.judge_children import CANDIDATE, CODEC, JUDGE
-from consequence.envs.sandbox import SandboxLimits, TestReport, network_isolation
+from consequence.envs.sandbox import SandboxLimits, TestReport, kill_group, network_isolation, tagged_messages
 from consequence.tasks.repair import TestCase, TestProgram
 
 __all__ = ["PROGRAM_LIMITS", "run_program", "run_cases", "clear_cache", "CODEC", "CANDIDATE", "JUDGE"]
@@ -57,33 +56,6 @@ def clear_cache() -> None:
         _CACHE.clear()
 
 
-def _kill(proc: subprocess.Popen | None) -> None:
-    if proc is None:
-        return
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    proc.wait()
-
-
-def _verdict(raw: bytes, nonce: str) -> tuple[bool, dict | None]:
-    """(judge started, last verdict dict or None) from the judge's stdout bytes."""
-    started, verdict = False, None
-    for line in raw.decode("utf-8", "replace").split("\n"):
-        if not line.startswith(nonce):
-            continue
-        try:
-            obj = json.loads(line[len(nonce):])
-        except ValueError:
-            continue
-        if isinstance(obj, dict) and obj.get("stage") == "loaded":
-            started = True
-        elif isinstance(obj, dict):
-            verdict = obj
-    return started, verdict
-
-
 def _spawn(code: str, job: dict, lim: SandboxLimits, work: str, out, nonce: str):
     """Start candidate and judge wired by two pipes; returns (candidate, judge, payload)."""
     req_r, req_w = os.pipe()  # judge -> candidate
@@ -102,7 +74,7 @@ def _spawn(code: str, job: dict, lim: SandboxLimits, work: str, out, nonce: str)
             stderr=subprocess.DEVNULL, cwd=os.path.join(work, "judge"), env={},
             start_new_session=True, close_fds=True, pass_fds=(req_w, resp_r))
     except OSError:
-        _kill(cand)
+        kill_group(cand)
         raise
     finally:
         for fd in (req_r, req_w, resp_r, resp_w):
@@ -128,11 +100,11 @@ def _run(code: str, job: dict, n: int, lim: SandboxLimits) -> TestReport:
         except (BrokenPipeError, OSError):
             pass  # the judge died before reading stdin; judged below
         finally:
-            _kill(judge)
-            _kill(cand)
+            kill_group(judge)
+            kill_group(cand)
         out.seek(0)
         raw = out.read(MAX_FRAME_BYTES)
-    return _report(*_verdict(raw, nonce), timed_out, judge.returncode, n, lim)
+    return _report(*tagged_messages(raw, nonce), timed_out, judge.returncode, n, lim)
 
 
 def _report(started: bool, verdict: dict | None, timed_out: bool, rc: int | None, n: int,

@@ -144,9 +144,25 @@ def _copy(r: TestReport) -> TestReport:
     return TestReport(r.status, r.passed, r.total, list(r.messages), r.error)
 
 
-def _parse(raw: bytes, nonce: str) -> tuple[bool, dict | None]:
-    """(runner started, last result dict or None) from the child's stdout bytes."""
-    started, result = False, None
+def kill_group(proc: subprocess.Popen | None) -> None:
+    """SIGKILL a child's whole process group (it runs in its own session) and reap it."""
+    if proc is None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
+
+
+def tagged_messages(raw: bytes, nonce: str) -> tuple[bool, dict | None]:
+    """(child started, its last non-start message or None) from a child's stdout bytes.
+
+    Only lines that begin with the per-run ``nonce`` and carry a JSON object count; the
+    child reports ``{"stage": "loaded"}`` once its runner is up. Shared by the sandbox
+    runner and the judge, which speak the same tagged-line protocol.
+    """
+    started, last = False, None
     for line in raw.decode("utf-8", "replace").split("\n"):
         if not line.startswith(nonce):
             continue
@@ -154,11 +170,13 @@ def _parse(raw: bytes, nonce: str) -> tuple[bool, dict | None]:
             obj = json.loads(line[len(nonce):])
         except ValueError:
             continue
+        if not isinstance(obj, dict):
+            continue
         if obj.get("stage") == "loaded":
             started = True
-        elif "results" in obj:
-            result = obj
-    return started, result
+        else:
+            last = obj
+    return started, last
 
 
 def _run(code: str, tests: Sequence[TestCase], lim: SandboxLimits) -> TestReport:
@@ -186,14 +204,11 @@ def _run(code: str, tests: Sequence[TestCase], lim: SandboxLimits) -> TestReport
         except (BrokenPipeError, OSError):
             pass  # the child died before reading stdin; judged below
         finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            proc.wait()
+            kill_group(proc)
         out.seek(0)
         raw = out.read(lim.max_output_bytes + 4096)
-    started, res = _parse(raw, nonce)
+    started, res = tagged_messages(raw, nonce)
+    res = res if res is not None and "results" in res else None
     if not started:
         return TestReport("sandbox_error", 0, n, [], "runner did not start"
                           + (" within the wall limit" if timed_out else
