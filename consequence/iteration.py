@@ -212,10 +212,16 @@ def _gae_advantages(trajs, batch: Batch, owner, cfg, learner: Learner, pad_id, p
     batch.advantages = [[(a - mean) / (std + 1e-6) if m else 0.0 for a, m in zip(adv, r.loss_mask)]
                         for r, adv in zip(batch.rows, advs)]
     batch.returns, batch.old_values = rets, values
+    sums: dict[int, list[float]] = {}  # trajectory → [Σ advantage, n targets] over its rows
+    for i, r, adv in zip(owner, batch.rows, batch.advantages):
+        acc = sums.setdefault(i, [0.0, 0])
+        for a, m in zip(adv, r.loss_mask):
+            if m:
+                acc[0] += a
+                acc[1] += 1
     for i, t in enumerate(trajs):
-        own = [a for j, adv in enumerate(batch.advantages) if owner[j] == i
-               for a, m in zip(adv, batch.rows[j].loss_mask) if m]
-        t.advantage = sum(own) / len(own) if own else None
+        total, n = sums.get(i, (0.0, 0))
+        t.advantage = total / n if n else None
 
 
 def _select(batch: Batch, keep: list[int]) -> Batch:
