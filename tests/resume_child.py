@@ -18,16 +18,9 @@ from pathlib import Path
 
 def _signal_rewards() -> None:
     import consequence.iteration as iteration_module
+    from reward_signal import odd_samples_win  # tests/ is sys.path[0] for this script
 
-    real = iteration_module.score_trajectories
-
-    def score(trajs, *args):
-        real(trajs, *args)
-        for t in trajs:
-            if t.reward is not None:
-                t.reward = float(t.sample_id % 2)
-
-    iteration_module.score_trajectories = score
+    iteration_module.score_trajectories = odd_samples_win(iteration_module.score_trajectories)
 
 
 def _pause_at(name: str, n: int, marker: str) -> None:

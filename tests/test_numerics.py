@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from reward_signal import odd_samples_win
 from rich.console import Console
 
 import consequence.iteration as iteration_module
@@ -98,15 +99,8 @@ def test_nan_in_a_run_stops_it_and_keeps_the_last_state(tmp_path, monkeypatch):
 
     monkeypatch.setattr(train_module, "iteration", tracking)
     monkeypatch.setattr(iteration_module, "logprob_fn", lambda cfg: fn)
-    real_score = iteration_module.score_trajectories
-
-    def score_with_signal(trajs, *a):  # every group mixed, so no row is skipped for a zero advantage
-        real_score(trajs, *a)
-        for t in trajs:
-            if t.reward is not None:
-                t.reward = float(t.sample_id % 2)
-
-    monkeypatch.setattr(iteration_module, "score_trajectories", score_with_signal)
+    # every group mixed, so no row is skipped for a zero advantage
+    monkeypatch.setattr(iteration_module, "score_trajectories", odd_samples_win(iteration_module.score_trajectories))
     run = tmp_path / "run"
     cfg = TrainConfig(run_dir=str(run), model=str(BUNDLED), iterations=3, tasks_per_iteration=2, group_size=2,
                       eval_every=0, final_eval_episodes=0, skip_checks=True, max_turns=3, max_new_tokens=24)

@@ -4,6 +4,7 @@ import json
 
 import pytest
 from rich.console import Console
+from reward_signal import odd_samples_win
 from typer.testing import CliRunner
 
 import consequence.iteration as iteration_module
@@ -94,16 +95,8 @@ def test_dynamic_sampling_keeps_mixed_groups_and_reports_counts(monkeypatch):
 @pytest.fixture(scope="module")
 def signal():
     """The warm start rarely succeeds in 8 tiny rollouts; odd sample ids win instead."""
-    real = iteration_module.score_trajectories
-
-    def score(trajs, *args):
-        real(trajs, *args)
-        for t in trajs:
-            if t.reward is not None:
-                t.reward = float(t.sample_id % 2)
-
     mp = pytest.MonkeyPatch()
-    mp.setattr(iteration_module, "score_trajectories", score)
+    mp.setattr(iteration_module, "score_trajectories", odd_samples_win(iteration_module.score_trajectories))
     yield
     mp.undo()
 

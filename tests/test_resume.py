@@ -304,14 +304,10 @@ def test_resume_restores_critic_and_reference(tmp_path, monkeypatch):
     import consequence.train as train_module
     from consequence.train import train
 
-    real_score = iteration_module.score_trajectories
+    from reward_signal import odd_samples_win
 
-    def signal(trajs, *args):  # odd samples win, so that iteration 0 moves the policy off the reference
-        real_score(trajs, *args)
-        for t in trajs:
-            t.reward = None if t.reward is None else float(t.sample_id % 2)
-
-    monkeypatch.setattr(iteration_module, "score_trajectories", signal)
+    # odd samples win, so that iteration 0 moves the policy off the reference
+    monkeypatch.setattr(iteration_module, "score_trajectories", odd_samples_win(iteration_module.score_trajectories))
 
     kw = dict(advantage="gae", kl_coef=0.05, learning_rate=1e-3)
     train(_tiny_cfg(tmp_path / "a", **kw), Console(quiet=True))

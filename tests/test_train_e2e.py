@@ -18,18 +18,10 @@ def run_dir(tmp_path_factory):
     import consequence.iteration as iteration_module
     from consequence.train import train
 
-    # The warm start rarely succeeds in 8 tiny rollouts, and all-equal groups carry no
-    # gradient (by design). Give the smoke run a signal: odd sample ids win.
-    real_score = iteration_module.score_trajectories
-
-    def score_with_signal(trajs, *args):
-        real_score(trajs, *args)
-        for t in trajs:
-            if t.reward is not None:
-                t.reward = float(t.sample_id % 2)
+    from reward_signal import odd_samples_win
 
     mp = pytest.MonkeyPatch()
-    mp.setattr(iteration_module, "score_trajectories", score_with_signal)
+    mp.setattr(iteration_module, "score_trajectories", odd_samples_win(iteration_module.score_trajectories))
 
     run = tmp_path_factory.mktemp("run")
     cfg = TrainConfig(run_dir=str(run), model=str(BUNDLED), iterations=2, tasks_per_iteration=2, group_size=4, eval_every=1,
