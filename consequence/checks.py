@@ -21,6 +21,7 @@ each takes its inputs explicitly so that a test can feed it a broken batch.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -128,9 +129,8 @@ def check_zero_gradient(model, rows: Sequence[TrainingRow], estimator: str, ucfg
         return CheckResult("zero_gradient", None, f"n/a: {estimator} has no group baseline")
     sample = list(rows[: min(4, len(rows))])
     adv = advantage_fn([1.0] * len(sample), ["g"] * len(sample), estimator)
-    plain = UpdateConfig(surrogate=ucfg.surrogate, clip_eps_low=ucfg.clip_eps_low, clip_eps_high=ucfg.clip_eps_high,
-                         reduction=ucfg.reduction, micro_batch_size=ucfg.micro_batch_size,
-                         temperature=ucfg.temperature, norm_const=ucfg.norm_const)  # no KL / entropy terms
+    # the policy-gradient part alone: KL, entropy, TIS and masking need inputs not at hand here
+    plain = dataclasses.replace(ucfg, kl_coef=0.0, entropy_coef=0.0, tis_cap=0.0, offpolicy_delta=0.0)
     model.zero_grad(set_to_none=True)
     try:
         accumulate_gradients(model, sample, adv, plain, pad_id, logprob_fn)

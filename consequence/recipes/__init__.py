@@ -8,6 +8,7 @@ a recipe's config, and ``consequence explain NAME [NAME]`` shows its boxes.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -78,6 +79,12 @@ def load_recipe(name_or_path: str | Path) -> Recipe:
     return recipe
 
 
+@functools.lru_cache(maxsize=1)
+def _bundled_knobs() -> tuple[str, ...]:
+    """Config keys that any bundled recipe sets (read once per process)."""
+    return tuple(sorted({k for n in recipe_names() for k in load_recipe(n).config}))
+
+
 def box_settings(recipe: Recipe) -> dict[str, dict[str, Any]]:
     """box → {setting: value} for the settings that define the algorithm.
 
@@ -86,7 +93,7 @@ def box_settings(recipe: Recipe) -> dict[str, dict[str, Any]]:
     """
     cfg = recipe.train_config().model_dump()
     cfg["clip_eps_high"] = cfg["clip_eps_high"] or cfg["clip_eps"]  # show the effective upper range
-    knobs = sorted({k for n in recipe_names() for k in load_recipe(n).config} | set(recipe.config))
+    knobs = sorted(set(_bundled_knobs()) | set(recipe.config))
     out: dict[str, dict[str, Any]] = {b: {} for b in BOXES}
     for k in knobs:
         out[box_of(k)][k] = cfg[k]
