@@ -122,7 +122,7 @@ def _train_signature() -> inspect.Signature:
                                     "with the config saved in RUN_DIR/config.yaml; other options must match it.")))]
     for name, field in TrainConfig.model_fields.items():
         ann, choices = _option_type(field.annotation)
-        default_text = "bundled tiny warm start" if field.default is None else str(field.default)
+        default_text = {"model": "bundled tiny warm start"}.get(name, "none") if field.default is None else str(field.default)
         help_text = field.description + (f" One of: {', '.join(choices)}." if choices else "")
         params.append(inspect.Parameter(
             name, inspect.Parameter.KEYWORD_ONLY, annotation=Optional[ann],
@@ -158,7 +158,7 @@ def _version(value: bool) -> None:
 def main(show_version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
                                            help="Print the version and exit.")) -> None:
     """consequence: reinforcement learning of language-model agents."""
-app.command("train", help="Train the policy on the code-repair task (default: GRPO; --recipe picks another algorithm). Runs end to end on CPU.")(_train)
+app.command("train", help="Train the policy on the code-repair task (default: GRPO advantages with token-mean and no KL, as in DAPO / Dr.GRPO; --recipe picks another algorithm, e.g. grpo for the paper's settings). Runs end to end on CPU.")(_train)
 
 
 @app.command("explain")
@@ -264,19 +264,19 @@ def _ks(text: str) -> list[int]:
 @app.command("eval")
 def eval_cmd(model: Optional[str] = typer.Option(None, help="Checkpoint folder, or a run folder (its checkpoints/final); default: the bundled tiny model."),
              tasks: str = typer.Option("repair", help="Task source: repair, humaneval-repair (multi-turn, with tools) or humaneval (single-turn completion)."),
-             split: str = typer.Option("validation", help="validation or test (humaneval also: all, the 164 problems); the test split is only run when asked for, and the report says so."),
+             split: str = typer.Option("validation", help="train, validation or test (humaneval also: all, the 164 problems); the test split is only run when asked for, and the report says so."),
              n: int = typer.Option(10, "-n", help="Samples per task."),
              k: str = typer.Option("1", "-k", help="Comma-separated k of pass@k, each <= n."),
              problems: int = typer.Option(0, help="Evaluate only the first this many problems of the split (0 = all)."),
              temperature: float = typer.Option(1.0, help="Sampling temperature (0 = greedy; then n = 1 makes sense)."),
              seed: int = typer.Option(0, help="Seed of the instances and the sampling."),
-             out: Path = typer.Option(Path("runs/eval"), help="Output folder: eval.json, episodes.parquet, report.md, cost.png.")) -> None:
+             out: Path = typer.Option(Path("runs/eval"), help="Output folder: eval.json, episodes.parquet, report.md, cost.png (humaneval: eval.json).")) -> None:
     """Evaluate a policy: pass@k with bootstrap CIs over problems, budgets, cost, env errors."""
     from consequence.evaluate.run import check_request, evaluate_episodes, resolve_model, write_outputs
 
     try:
         ks = _ks(k)
-        check_request(tasks, split, n, ks)
+        check_request(tasks, split, n, ks, temperature, problems)
         model_path = resolve_model(model)
         _check_run_dir(out)
     except ValueError as e:
@@ -321,8 +321,8 @@ def compare_cmd(a: str = typer.Argument(..., help="Policy A: checkpoint or run f
     try:
         if tasks == "humaneval":
             raise ValueError("compare runs multi-turn sources (repair, humaneval-repair)")
-        check_request(tasks, split, n, [1])
-        pa, pb = resolve_model(a), resolve_model(b)
+        check_request(tasks, split, n, [1], temperature, problems)
+        pa, pb = resolve_model(a, "A"), resolve_model(b, "B")
         _check_run_dir(out)
     except ValueError as e:
         console.print(f"[red]error:[/] {escape(str(e))}")

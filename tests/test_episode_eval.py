@@ -55,4 +55,10 @@ def test_eval_rejects_bad_requests_before_work(tmp_path):
     assert res.exit_code == 2 and "checkpoint folder" in res.output
     res = runner.invoke(app, ["compare", str(tmp_path), str(tmp_path), "--out", str(tmp_path / "c")])
     assert res.exit_code == 2
+    res = runner.invoke(app, ["eval", "--temperature", "-1", "--out", str(tmp_path / "e")])
+    assert res.exit_code == 2 and "--temperature" in res.output
+    res = runner.invoke(app, ["eval", "--problems", "-1", "--out", str(tmp_path / "e")])
+    assert res.exit_code == 2 and "--problems" in res.output
+    res = runner.invoke(app, ["compare", str(tmp_path / "nope"), str(tmp_path), "--out", str(tmp_path / "c")])
+    assert res.exit_code == 2 and "A " in res.output and "no such folder" in res.output
     assert not (tmp_path / "e" / "eval.json").exists()

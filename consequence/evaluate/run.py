@@ -33,7 +33,7 @@ TOOL_CAPS = (1, 2, 3, 4, 5, 6, 8, 10)
 TOKEN_CAPS = (32, 64, 96, 128, 192, 256, 384)
 
 
-def resolve_model(path: str | None) -> Path:
+def resolve_model(path: str | None, option: str = "--model") -> Path:
     """A checkpoint folder; a run folder means its ``checkpoints/final``; None = the bundled model.
 
     Raises:
@@ -47,17 +47,23 @@ def resolve_model(path: str | None) -> Path:
     if (p / "checkpoints" / "final" / "config.json").is_file():
         return p / "checkpoints" / "final"
     if not (p / "config.json").is_file():
-        raise ValueError(f"--model {p}: neither a checkpoint folder (config.json) nor a run folder "
-                         "(checkpoints/final)")
+        raise ValueError(f"{option} {p}: " + ("no such folder" if not p.exists() else
+                         "neither a checkpoint folder (config.json) nor a run folder (checkpoints/final)"))
     return p
 
 
-def check_request(tasks: str, split: str, n: int, ks: list[int]) -> None:
+def check_request(tasks: str, split: str, n: int, ks: list[int], temperature: float = 1.0,
+                  problems: int = 0) -> None:
     """Reject a bad request before any work.
 
     Raises:
-        ValueError: unknown task source or split, n < 1, or some k > n or k < 1.
+        ValueError: unknown task source or split, n < 1, some k > n or k < 1, a negative
+            temperature or number of problems.
     """
+    if temperature < 0:
+        raise ValueError(f"--temperature {temperature}: must be >= 0 (0 = greedy)")
+    if problems < 0:
+        raise ValueError(f"--problems {problems}: must be >= 0 (0 = every problem of the split)")
     if tasks not in EVAL_SOURCES:
         raise ValueError(f"--tasks {tasks!r}: valid sources are {', '.join(EVAL_SOURCES)}")
     valid = ("train", "validation", "test", "all") if tasks == "humaneval" else ("train", "validation", "test")
