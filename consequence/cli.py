@@ -270,13 +270,21 @@ def eval_cmd(model: Optional[str] = typer.Option(None, help="Checkpoint folder, 
              problems: int = typer.Option(0, help="Evaluate only the first this many problems of the split (0 = all)."),
              temperature: float = typer.Option(1.0, help="Sampling temperature (0 = greedy; then n = 1 makes sense)."),
              seed: int = typer.Option(0, help="Seed of the instances and the sampling."),
-             out: Path = typer.Option(Path("runs/eval"), help="Output folder: eval.json, episodes.parquet, report.md, cost.png (humaneval: eval.json).")) -> None:
-    """Evaluate a policy: pass@k with bootstrap CIs over problems, budgets, cost, env errors."""
+             selection: str = typer.Option("first,majority,visible", help="Final-selection rules, comma-separated: first (first submission), majority (most frequent final program), visible (most visible tests passed)."),
+             recovery: bool = typer.Option(True, help="Also run the recovery diagnostic: n more episodes per task, each opened with the same wrong first patch."),
+             out: Path = typer.Option(Path("runs/eval"), help="Output folder: eval.json, episodes.parquet, recovery_episodes.parquet, report.md, cost.png (humaneval: eval.json).")) -> None:
+    """Evaluate a policy: pass@k and final-selection success with bootstrap CIs over problems,
+    the recovery diagnostic, outcomes, budgets, cost, env errors and the split touched."""
     from consequence.evaluate.run import check_request, evaluate_episodes, resolve_model, write_outputs
+    from consequence.evaluate.selection import SELECTION_RULES
 
     try:
         ks = _ks(k)
         check_request(tasks, split, n, ks, temperature, problems)
+        rules = [r.strip() for r in selection.split(",") if r.strip()]
+        bad = [r for r in rules if r not in SELECTION_RULES]
+        if bad:
+            raise ValueError(f"--selection {','.join(bad)}: valid rules are {', '.join(SELECTION_RULES)}")
         model_path = resolve_model(model)
         _check_run_dir(out)
     except ValueError as e:
@@ -290,6 +298,11 @@ def eval_cmd(model: Optional[str] = typer.Option(None, help="Checkpoint folder, 
         task_list = load_humaneval(split, seed=0)
         if problems:
             task_list = task_list[:problems]
+        from consequence.evaluate.splits import record_touch, reuse_warning
+
+        if split == "test" and (w := reuse_warning(tasks, 0, [str(model_path)])):
+            console.print(f"[yellow]warning:[/] {escape(w)}")
+        record_touch(tasks, 0, split, "consequence eval", [str(model_path)])
         console.print(f"HumanEval {split}: {len(task_list)} problems × n = {n} completions of {model_path}")
         res = evaluate_completions(model_path, task_list, n=n, ks=tuple(ks), temperature=temperature, seed=seed)
         path = save_eval(res, out / "eval.json")
@@ -297,11 +310,14 @@ def eval_cmd(model: Optional[str] = typer.Option(None, help="Checkpoint folder, 
         console.print(f"written: {path}")
         return
     console.print(f"{tasks} {split}: {problems or 'all'} problems × n = {n} episodes of {model_path}")
-    result, trajs = evaluate_episodes(model_path, tasks, split, n, ks, problems=problems,
-                                      temperature=temperature, seed=seed)
-    write_outputs(result, trajs, out)
-    console.print((out / "report.md").read_text())
-    console.print(f"written: {out}/eval.json, episodes.parquet, report.md, cost.png")
+    ev = evaluate_episodes(model_path, tasks, split, n, ks, problems=problems, temperature=temperature,
+                           seed=seed, selection=rules, recovery=recovery)
+    write_outputs(ev, out)
+    console.print((out / "report.md").read_text(), markup=False, highlight=False)
+    for w in ev.result["warnings"]:
+        console.print(f"[yellow]warning:[/] {escape(w)}")
+    console.print(f"written: {out}/eval.json, episodes.parquet{', recovery_episodes.parquet' if recovery else ''}, "
+                  "report.md, cost.png")
 
 
 @app.command("compare")
@@ -313,10 +329,12 @@ def compare_cmd(a: str = typer.Argument(..., help="Policy A: checkpoint or run f
                 problems: int = typer.Option(0, help="Only the first this many problems (0 = all)."),
                 temperature: float = typer.Option(1.0, help="Sampling temperature, the same for both."),
                 seed: int = typer.Option(0, help="Seed of the instances and the sampling, the same for both."),
+                recovery: bool = typer.Option(True, help="Also compare recovery from the same wrong first patch (n more episodes per task and policy)."),
                 out: Path = typer.Option(Path("runs/compare"), help="Output folder for compare.json.")) -> None:
     """Two policies on the same tasks and seeds: success of each, paired difference B − A with a
     95 % bootstrap CI over problems, and how many problems each wins."""
-    from consequence.evaluate.run import _atomic, check_request, compare_policies, resolve_model
+    from consequence.fileio import write_text_atomic
+    from consequence.evaluate.run import check_request, compare_policies, resolve_model
 
     try:
         if tasks == "humaneval":
@@ -328,13 +346,19 @@ def compare_cmd(a: str = typer.Argument(..., help="Policy A: checkpoint or run f
         console.print(f"[red]error:[/] {escape(str(e))}")
         raise typer.Exit(2)
     _quiet_libraries()
-    res = compare_policies(pa, pb, tasks, split, n, problems=problems, temperature=temperature, seed=seed)
-    c = res["paired"]
-    _atomic(out / "compare.json", __import__("json").dumps(res, indent=1, default=str))
-    console.print(f"A {escape(str(pa))}: success {c['a_mean']:.3f}\nB {escape(str(pb))}: success {c['b_mean']:.3f}\n"
-                  f"B − A = {c['diff']:+.3f} [{c['low']:+.3f}, {c['high']:+.3f}] (95 % CI, bootstrap over "
-                  f"{c['n_groups']} problems); problems won: B {c['b_wins']}, A {c['a_wins']}, tied {c['ties']}; "
-                  f"env-error pairs excluded: {c['env_errors_excluded']}")
+    res = compare_policies(pa, pb, tasks, split, n, problems=problems, temperature=temperature, seed=seed,
+                           recovery=recovery)
+    write_text_atomic(out / "compare.json", __import__("json").dumps(res, indent=1, default=str))
+    for key, what in (("paired", "success"), ("paired_recovery", "recovery after the same wrong first patch")):
+        if key not in res:
+            continue
+        c = res[key]
+        console.print(f"[bold]{what}[/]\nA {escape(str(pa))}: {c['a_mean']:.3f}\nB {escape(str(pb))}: {c['b_mean']:.3f}\n"
+                      f"B − A = {c['diff']:+.3f} [{c['low']:+.3f}, {c['high']:+.3f}] (95 % CI, bootstrap over "
+                      f"{c['n_groups']} problems); problems won: B {c['b_wins']}, A {c['a_wins']}, tied {c['ties']}; "
+                      f"env-error pairs excluded: {c['env_errors_excluded']}")
+    for w in res["b"]["warnings"]:
+        console.print(f"[yellow]warning:[/] {escape(w)}")
     console.print(f"written: {out}/compare.json")
 
 

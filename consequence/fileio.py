@@ -24,3 +24,47 @@ def as_write_error(e: BaseException, path: Path) -> OSError | None:
         return None
     code = int(m.group(1) or m.group(2))
     return OSError(code, os.strerror(code), str(path))
+
+
+def cache_root() -> Path:
+    """``$CONSEQUENCE_CACHE``, default ``~/.cache/consequence`` (warm starts, task sets, ledger)."""
+    return Path(os.environ.get("CONSEQUENCE_CACHE", Path.home() / ".cache" / "consequence"))
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
+    """Replace ``path`` by ``text`` (UTF-8): a temporary sibling, fsync, then rename.
+
+    A failed write (e.g. a full disk) removes the temporary file and leaves the old
+    ``path`` as it was; the error is re-raised. Creates the parent folder.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def append_line(path: str | os.PathLike, line: str) -> None:
+    """Append one line durably; a failed write (e.g. disk full) is cut off, never left half-written."""
+    data = (line + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    try:
+        size = os.fstat(fd).st_size
+        try:
+            view = memoryview(data)
+            while view:  # os.write may write less than asked
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        except BaseException:
+            os.ftruncate(fd, size)
+            raise
+    finally:
+        os.close(fd)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import copy
 import errno
 import json
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,9 +38,11 @@ from consequence.policy.tiny import load_policy, save_policy
 from consequence.checks import run_pre_step_checks
 from consequence.diagnostics import iteration_extras, warnings_for
 from consequence.evaluate.rollouts import run_eval
+from consequence.evaluate.splits import record_touch, reuse_warning
 from consequence.report.manifest import build_manifest, sha256_of, write_manifest
 from consequence.resume import ResumeState, latest_state, load_learner_state, rewind_run_dir, save_state
 from consequence.iteration import Learner, collect, credit, logprob_fn, make_learner, update
+from consequence.fileio import append_line, write_text_atomic
 from consequence.seeding import seed_of
 from consequence.records import Trajectory, write_trajectories
 from consequence.rollout.episodes import Budgets
@@ -114,7 +115,7 @@ def train(cfg: TrainConfig, console=None, resume: bool = False) -> dict[str, Any
 def _start(cfg: TrainConfig, console, run: Path, resume: bool, state: ResumeState | None) -> _Run:
     """Load model, tasks and learner (from the resume state when there is one); write the run's files."""
     if not resume:
-        _write_atomic(run / "config.yaml", yaml.safe_dump(cfg.model_dump(), sort_keys=False))
+        write_text_atomic(run / "config.yaml", yaml.safe_dump(cfg.model_dump(), sort_keys=False))
     torch.manual_seed(cfg.seed)
     model_path = _resolve_model(cfg, console)
     model, tokenizer = load_policy(model_path)
@@ -123,7 +124,7 @@ def _start(cfg: TrainConfig, console, run: Path, resume: bool, state: ResumeStat
         _check_same_start(state, model_path)
         model = load_policy(state.path / "policy")[0]
     split = load_task_source(cfg.tasks, cfg.split_seed)
-    _write_atomic(run / "split.json", json.dumps(split.problem_ids()))
+    write_text_atomic(run / "split.json", json.dumps(split.problem_ids()))
     learner = make_learner(cfg, model, reference)
     r = _Run(cfg, run, model_path, tokenizer, reference, learner, Renderer(tokenizer, TOOLS), split,
              Budgets(cfg.max_turns, cfg.max_new_tokens, cfg.max_total_tokens),
@@ -131,6 +132,10 @@ def _start(cfg: TrainConfig, console, run: Path, resume: bool, state: ResumeStat
     if state is None:
         r.manifest = build_manifest(cfg, model_path, split.problem_ids(), tools=TOOLS, system_prompt=SYSTEM_PROMPT,
                                     chat_template=tokenizer.chat_template, isolation=isolation_report())
+        policy = [str(run / "checkpoints")]
+        r.manifest["splits_touched"] = [record_touch(cfg.tasks, cfg.split_seed, "train", "RL rollouts", policy)] + (
+            [record_touch(cfg.tasks, cfg.split_seed, "validation", "validation during training (greedy success of "
+                          "each checkpoint; selects checkpoints)", policy)] if cfg.eval_every else [])
     else:
         load_learner_state(state, learner)
         r.manifest, r.history, r.start = state.manifest, state.history, state.iteration
@@ -193,7 +198,7 @@ def _run_iteration(r: _Run, it: int, console) -> dict[str, Any]:
     m["warnings"] = warnings_for(r.history)
     for w in m["warnings"]:
         console.print(f"[yellow]warning (iteration {it + 1}):[/] {w}")
-    _append_line(r.dir / "metrics.jsonl", json.dumps(m))
+    append_line(r.dir / "metrics.jsonl", json.dumps(m))
     if (it + 1) % cfg.checkpoint_every == 0 or it + 1 == cfg.iterations:
         save_state(r.dir, it + 1, r.learner, r.tokenizer, r.history, r.manifest, cfg.model_dump())
     return m
@@ -203,10 +208,17 @@ def _finish(r: _Run, console, t_start: float) -> dict[str, Any]:
     """Final policy checkpoint, warm start vs RL comparison, report, plots; the manifest is closed."""
     run = r.dir
     save_policy(r.learner.model, r.tokenizer, run / "checkpoints" / "final")
+    policies = [str(r.model_path), str(run / "checkpoints" / "final")]
+    warning = reuse_warning(r.cfg.tasks, r.cfg.split_seed, policies) if r.cfg.final_eval_episodes else None
     report = final_report(r.cfg, r.reference, r.learner.model, r.renderer, r.split, r.budgets, console, run)
+    touches = [record_touch(r.cfg.tasks, r.cfg.split_seed, s, "final evaluation of consequence train", policies)
+               for s in ("test", "train") if r.cfg.final_eval_episodes]
+    r.manifest["splits_touched"] = r.manifest.get("splits_touched", []) + touches
+    report["warnings"] = [warning] if warning else []
+    report["splits_touched"] = r.manifest["splits_touched"]
     report["train_seconds"] = time.perf_counter() - t_start
     report["sandbox_isolation"] = isolation_report()
-    _write_atomic(run / "report.json", json.dumps(report, indent=2))
+    write_text_atomic(run / "report.json", json.dumps(report, indent=2))
     r.manifest.update(status="finished", evaluation_files=report.pop("evaluation_files", []), report="report.json")
     write_manifest(r.manifest, run)
     from consequence.report.plots import plot_metrics, write_markdown_report
@@ -345,32 +357,3 @@ def _resolve_model(cfg: TrainConfig, console) -> Path:
 
     ws = WarmstartConfig(seed=cfg.split_seed, n_demos=cfg.warmstart_demos, sft_epochs=cfg.warmstart_epochs)
     return ensure_warmstart(ws, log=console.print)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    """Replace ``path`` by ``text``, never leaving a partial file (a failed write leaves the old one)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        tmp.write_text(text)
-        tmp.replace(path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def _append_line(path: Path, line: str) -> None:
-    """Append one line durably; a failed write (e.g. disk full) is cut off, never left half-written."""
-    data = (line + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
-    try:
-        size = os.fstat(fd).st_size
-        try:
-            view = memoryview(data)
-            while view:  # os.write may write less than asked
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
-        except BaseException:
-            os.ftruncate(fd, size)
-            raise
-    finally:
-        os.close(fd)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import random
 import time
 from dataclasses import asdict, dataclass
@@ -26,6 +25,7 @@ from typing import Callable
 
 import torch
 
+from consequence.fileio import cache_root
 from consequence.distill.teacher import ScriptedTeacher, TeacherHabits, plan_episode
 from consequence.envs.repair_env import SYSTEM_PROMPT, TOOLS, RepairEnv
 from consequence.harness.renderer import Renderer, replay_conversation
@@ -61,10 +61,6 @@ class WarmstartConfig:
     def key(self) -> str:
         blob = json.dumps({"v": WARMSTART_VERSION, **asdict(self)}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("CONSEQUENCE_CACHE", Path.home() / ".cache" / "consequence"))
 
 
 def warmstart_path(cfg: WarmstartConfig = WarmstartConfig()) -> Path:

@@ -1,7 +1,20 @@
+import os
+import tempfile
+
 import pytest
 import torch
 
 torch.set_num_threads(1)
+# Module- and session-scoped fixtures run before the per-test ledger below: give them a
+# ledger of the test session's own instead of the user's.
+os.environ["CONSEQUENCE_LEDGER"] = os.path.join(tempfile.mkdtemp(prefix="ledger-"), "split-ledger.jsonl")
+
+
+@pytest.fixture(autouse=True)
+def _own_split_ledger(tmp_path, monkeypatch):
+    """Each test gets its own split ledger, so no test reads another's (or the user's) touches."""
+    monkeypatch.setenv("CONSEQUENCE_LEDGER", str(tmp_path / "split-ledger.jsonl"))
+
 
 TOOLS = [
     {"type": "function", "function": {"name": "run_tests", "description": "Run the visible tests.",

@@ -265,7 +265,7 @@ def test_disk_full_while_writing_trajectories_leaves_no_partial_file(tmp_path, m
 
 
 def test_append_line_is_cut_back_when_the_disk_fills(tmp_path, monkeypatch):
-    from consequence.train import _append_line
+    from consequence.fileio import append_line as _append_line
 
     path = tmp_path / "metrics.jsonl"
     _append_line(path, '{"iteration": 0}')

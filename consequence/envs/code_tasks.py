@@ -20,11 +20,11 @@ import functools
 import hashlib
 import json
 import os
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Collection, Sequence
 
+from consequence.fileio import cache_root, write_text_atomic
 from consequence.envs.judge import PROGRAM_LIMITS, run_cases, run_program
 from consequence.envs.sandbox import SandboxLimits, TestReport, run_tests
 from consequence.tasks import bugs as _bugs
@@ -129,30 +129,17 @@ def _code_digest() -> str:
     return hashlib.sha256(b"".join(srcs) + _he.data_digest().encode()).hexdigest()[:12]
 
 
-def _cache_dir(cache_dir: str | os.PathLike | None) -> Path:
-    if cache_dir is not None:
-        return Path(cache_dir)
-    return Path(os.environ.get("CONSEQUENCE_CACHE", Path.home() / ".cache" / "consequence"))
-
-
-def _write_json_atomic(path: Path, obj) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(tmp, path)
-
-
 @functools.lru_cache(maxsize=8)
 def _cached(seed: int, bugs_per_problem: int, max_tries: int, cache_dir: str | None,
             use_disk: bool) -> tuple[tuple[CodeTask, ...], str]:
     stem = f"humaneval-repair-s{seed}-b{bugs_per_problem}-t{max_tries}-{_code_digest()}"
-    path = _cache_dir(cache_dir) / "humaneval" / f"{stem}.jsonl"
+    path = (Path(cache_dir) if cache_dir is not None else cache_root()) / "humaneval" / f"{stem}.jsonl"
     if use_disk and path.exists():
         return tuple(load_jsonl(path)), json.dumps({"cache": str(path)})
     tasks, stats = build_humaneval_repair(seed, bugs_per_problem, max_tries)
     if use_disk:
         dump_jsonl(tasks, path)
-        _write_json_atomic(path.with_suffix(".stats.json"), stats)
+        write_text_atomic(path.with_suffix(".stats.json"), json.dumps(stats, indent=1))
     return tuple(tasks), json.dumps(stats)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from consequence.evaluate.episode_eval import solved
 from consequence.evaluate.stats import paired_bootstrap_ci
 from consequence.records import Trajectory
 
@@ -29,7 +30,7 @@ class ArmResult:
             if t.outcome == "env_error":
                 out.append(None)
             else:
-                out.append(1.0 if t.outcome == "finished" and t.verifier_score == 1.0 else 0.0)
+                out.append(1.0 if solved(t) else 0.0)
         return out
 
 
@@ -60,7 +61,7 @@ def summarize(trajs: Sequence[Trajectory]) -> dict[str, float]:
     n = max(1, len(trajs))
     return {
         "episodes": len(trajs),
-        "success": sum(1 for t in trajs if t.outcome == "finished" and t.verifier_score == 1.0) / n,
+        "success": sum(solved(t) for t in trajs) / n,
         "finished": sum(t.outcome == "finished" for t in trajs) / n,
         "truncated": sum(t.outcome == "truncated" for t in trajs) / n,
         "env_error": sum(t.outcome == "env_error" for t in trajs) / n,

@@ -25,13 +25,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
+from consequence.fileio import write_text_atomic
 from consequence.envs.code_tasks import verify_completion
 from consequence.envs.sandbox import SandboxLimits, isolation_report
 from consequence.evaluate.stats import bootstrap_mean_ci, pass_at_k
@@ -284,8 +284,4 @@ def save_eval(result: CompletionEval, path: str | os.PathLike) -> Path:
     obj["pass_at_k"] = {str(k): v for k, v in result.pass_at_k.items()}
     obj["ci"] = {str(k): list(v) for k, v in result.ci.items()}
     obj["tasks_excluded"] = {str(k): v for k, v in result.tasks_excluded.items()}
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(tmp, path)
-    return path
+    return write_text_atomic(path, json.dumps(obj, indent=1))

@@ -19,8 +19,32 @@ EXCLUSION_RULE = ("an episode whose environment failed (env_error) is dropped fr
                   "fewer than k valid episodes is left out of pass@k; both are counted in the report")
 
 
-def _success(t: Trajectory) -> bool:
+def solved(t: Trajectory) -> bool:
+    """The episode submitted (``finish``) and its final program passed every hidden test."""
     return t.outcome == "finished" and t.verifier_score == 1.0
+
+
+def prompt_too_long(t: Trajectory) -> bool:
+    """The first prompt did not fit the token budget: the episode ended before any call."""
+    return t.outcome == "truncated" and t.truncation_reason == "total_tokens" and not t.calls
+
+
+def outcome_shares(trajs: Sequence[Trajectory]) -> dict[str, Any]:
+    """How every episode ended, as counts and as shares of ALL episodes (nothing dropped):
+    solved, submitted but wrong, truncated by each budget, prompt too long, env_error."""
+    counts: dict[str, int] = {}
+    for t in trajs:
+        if t.outcome == "finished":
+            key = "solved" if solved(t) else "submitted_wrong"
+        elif t.outcome == "env_error":
+            key = "env_error"
+        elif prompt_too_long(t):
+            key = "prompt_too_long"
+        else:
+            key = f"truncated_{t.truncation_reason}"
+        counts[key] = counts.get(key, 0) + 1
+    n = max(1, len(trajs))
+    return {"episodes": len(trajs), "counts": counts, "shares": {k: v / n for k, v in counts.items()}}
 
 
 def per_task_counts(trajs: Sequence[Trajectory]) -> list[dict[str, Any]]:
@@ -35,7 +59,7 @@ def per_task_counts(trajs: Sequence[Trajectory]) -> list[dict[str, Any]]:
             d["env_errors"] += 1
             continue
         d["n"] += 1
-        d["c"] += _success(t)
+        d["c"] += solved(t)
         d["gen_tokens"] += t.n_generated_tokens
         d["tool_calls"] += t.n_tool_calls
         d["wall_s"] += t.wall_time_s or 0.0
@@ -72,7 +96,7 @@ def cost_summary(trajs: Sequence[Trajectory]) -> dict[str, float]:
     """Per-episode cost (generated tokens, tool calls, wall seconds) and cost per success."""
     valid = [t for t in trajs if t.outcome != "env_error"]
     n = max(1, len(valid))
-    wins = sum(_success(t) for t in valid)
+    wins = sum(solved(t) for t in valid)
     tokens = sum(t.n_generated_tokens for t in valid)
     return {
         "episodes": len(valid),
@@ -89,4 +113,4 @@ def success_under_caps(trajs: Sequence[Trajectory], attribute: str, caps: Sequen
     (``n_tool_calls`` or ``n_generated_tokens``): the success-vs-cost curve."""
     valid = [t for t in trajs if t.outcome != "env_error"]
     n = max(1, len(valid))
-    return [sum(_success(t) and getattr(t, attribute) <= c for t in valid) / n for c in caps]
+    return [sum(solved(t) and getattr(t, attribute) <= c for t in valid) / n for c in caps]

@@ -30,12 +30,14 @@ def run_eval(model, renderer, tasks: Sequence, budgets: Budgets, seed: int, gree
 
 
 def sample_episodes(model, renderer, tasks: Sequence, n: int, budgets: Budgets, seed: int,
-                    temperature: float = 1.0, policy_version: int = 0) -> list[Trajectory]:
+                    temperature: float = 1.0, policy_version: int = 0,
+                    openings: Sequence[tuple] | None = None) -> list[Trajectory]:
     """``n`` episodes per task (``sample_id`` 0 … n−1, each with its own seed), scored.
 
     Episode j of task i has seed ``seed_of(seed, i)`` for j = 0 (so ``n = 1`` equals
     :func:`run_eval`) and ``seed_of(seed, i, j)`` after; the same (seed, tasks) gives the
-    same episodes for every policy. ``group_id`` is the task id.
+    same episodes for every policy. ``group_id`` is the task id. ``openings[i]`` is the
+    scripted start of task i's episodes (see ``EpisodeSpec.opening``), default none.
 
     Raises:
         ValueError: ``n < 1``.
@@ -43,7 +45,9 @@ def sample_episodes(model, renderer, tasks: Sequence, n: int, budgets: Budgets, 
     if n < 1:
         raise ValueError(f"n (samples per task) must be >= 1, got {n}")
     params = SamplingParams(temperature=temperature, max_new_tokens=budgets.max_new_tokens)
-    specs = [EpisodeSpec(RepairEnv(t), t.task_id, t.task_id, j, seed_of(seed, i) if j == 0 else seed_of(seed, i, j))
+    openings = openings or [()] * len(tasks)
+    specs = [EpisodeSpec(RepairEnv(t), t.task_id, t.task_id, j, seed_of(seed, i) if j == 0 else seed_of(seed, i, j),
+                         tuple(openings[i]))
              for i, t in enumerate(tasks) for j in range(n)]
     gen = policy_generate_fn(model, params, renderer.stop_ids, seed)
     trajs = run_episodes(gen, renderer, specs, budgets, SYSTEM_PROMPT, policy_version)

@@ -7,6 +7,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from consequence.fileio import write_text_atomic
+
 _PANELS = [
     ("reward_mean", "train reward (mean)"),
     ("val_success", "validation success (greedy)"),
@@ -47,8 +49,9 @@ def plot_metrics(metrics_jsonl: Path, out_png: Path) -> None:
 
 def write_markdown_report(report: dict[str, Any], out_md: Path) -> None:
     """The final comparison as a Markdown table (atomically)."""
-    lines = ["# Final report: warm start vs RL checkpoint", "",
-             f"Same episodes for both policies; {report['episodes_per_split']} episodes per split; "
+    lines = ["# Final report: warm start vs RL checkpoint", ""]
+    lines += [f"> **Warning:** {w}\n" for w in report.get("warnings", [])]
+    lines += [f"Same episodes for both policies; {report['episodes_per_split']} episodes per split; "
              f"budgets {report['budgets']}.",
              "Difference = RL − warm start, with a 95 % paired bootstrap CI over problems "
              "(episodes of one problem resampled together). Environment errors excluded from both arms.", "",
@@ -61,6 +64,7 @@ def write_markdown_report(report: dict[str, Any], out_md: Path) -> None:
                      f"{c['n_groups']} | {c['env_errors_excluded']} |")
     if "train_seconds" in report:
         lines += ["", f"Wall time of the whole run: {report['train_seconds'] / 60:.1f} min."]
-    tmp = out_md.with_name(f".{out_md.name}.tmp")
-    tmp.write_text("\n".join(lines) + "\n")
-    os.replace(tmp, out_md)
+    touched = report.get("splits_touched", [])
+    if touched:
+        lines += ["", "Splits touched: " + "; ".join(f"{t['split']} ({t['purpose']})" for t in touched) + "."]
+    write_text_atomic(out_md, "\n".join(lines) + "\n")

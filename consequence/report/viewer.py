@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from consequence.fileio import write_text_atomic
 from consequence.records import Trajectory, pad_rows, read_trajectories, trajectory_to_rows
 
 DEFAULT_LIMIT = 200  # trajectories per page; whole groups, spread over the iterations
@@ -364,9 +365,4 @@ def build_page(run_dir: str | os.PathLike, iteration: int | None = None, with_cu
 
 def write_page(html: str, out: str | os.PathLike) -> Path:
     """Write ``html`` to ``out`` atomically (temporary sibling file, then rename)."""
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    tmp.write_text(html, encoding="utf-8")
-    os.replace(tmp, out)
-    return out
+    return write_text_atomic(out, html)

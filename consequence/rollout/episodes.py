@@ -38,13 +38,20 @@ class Budgets:
 
 @dataclass
 class EpisodeSpec:
-    """One episode to run: its environment (Gymnasium-style) and its identity."""
+    """One episode to run: its environment (Gymnasium-style) and its identity.
+
+    ``opening`` is a scripted start: tool calls ``(name, arguments)`` applied to the
+    environment after ``reset`` and shown to the policy as its own earlier turns (e.g. the
+    same wrong first patch for every policy in the recovery diagnostic). They are context,
+    never targets, and do not count against the policy's tool-call budget.
+    """
 
     env: Any
     task_id: str
     group_id: str
     sample_id: int
     seed: int
+    opening: tuple[tuple[str, dict], ...] = ()
 
 
 @dataclass
@@ -65,6 +72,9 @@ def run_episodes(generate_fn: GenerateFn, renderer: Renderer, specs: Sequence[Ep
     Outcome: ``finished`` when the environment terminated the episode, ``truncated`` when
     a budget ended it (a call cut at ``max_new_tokens`` counts, in any turn: case 05),
     ``env_error`` when the environment or verifier failed (not the policy's fault).
+
+    Raises:
+        ValueError: a tool spec is malformed, or a spec's ``opening`` ends its episode.
     """
     tool_specs = check_tool_specs(renderer.tools)
     live = [_start(i, s, renderer, system_prompt, policy_version) for i, s in enumerate(specs)]
@@ -93,7 +103,20 @@ def _start(index: int, spec: EpisodeSpec, renderer: Renderer, system_prompt: str
     messages = [{"role": "system", "content": system_prompt}, {"role": "user", "content": obs}]
     traj = Trajectory(task_id=spec.task_id, group_id=spec.group_id, sample_id=spec.sample_id,
                       seed=spec.seed, policy_version=version)
-    return _Live(index, spec, traj, messages, renderer.prompt_ids(messages), time.perf_counter())
+    e = _Live(index, spec, traj, messages, [], time.perf_counter())
+    for name, arguments in spec.opening:
+        obs, _r, terminated, truncated, info = spec.env.step({"name": name, "arguments": arguments})
+        if info.get("env_error"):
+            _end(e, "env_error", error=str(info["env_error"]))
+            return e
+        if terminated or truncated:
+            raise ValueError(f"episode {spec.task_id}: the opening call {name!r} ended the episode; an "
+                             "opening may only set up a state for the policy to continue from")
+        call = {"type": "function", "function": {"name": name, "arguments": arguments}}
+        e.messages = e.messages + [{"role": "assistant", "content": "", "tool_calls": [call]},
+                                   {"role": "tool", "name": name, "content": obs}]
+    e.context = renderer.prompt_ids(e.messages)
+    return e
 
 
 def _end(e: _Live, outcome: str, reason: str | None = None, error: str | None = None) -> None:

@@ -1,0 +1,86 @@
+"""Split discipline: which splits a run touched, and a warning when test chose settings.
+
+Validation picks settings and checkpoints; the test split is touched once, after the
+choice (DESIGN.md §7). Every evaluation on a split appends one line to a ledger,
+``$CONSEQUENCE_CACHE/split-ledger.jsonl`` (or ``$CONSEQUENCE_LEDGER``), keyed by task source and split seed (the
+same problems). Results and run manifests carry the list of splits they touched.
+
+A test evaluation of a policy when the ledger already holds test evaluations of OTHER
+policies on the same problems gets a warning in its report: if those results were looked
+at before this policy's settings were chosen, the choice used the test split and this
+test number is optimistic. The ledger cannot know what a person looked at; it states
+what happened and leaves the judgement to the reader.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from consequence.fileio import append_line, cache_root
+
+SPLITS: tuple[str, ...] = ("train", "validation", "test")
+
+
+def ledger_path() -> Path:
+    """``$CONSEQUENCE_LEDGER`` if set, else ``$CONSEQUENCE_CACHE/split-ledger.jsonl``."""
+    override = os.environ.get("CONSEQUENCE_LEDGER")
+    return Path(override) if override else cache_root() / "split-ledger.jsonl"
+
+
+def read_ledger(path: Path | None = None) -> list[dict[str, Any]]:
+    """Every recorded touch, oldest first; an unreadable line is skipped (a crash mid-append
+    is cut back by :func:`append_line`, so only hand edits produce one)."""
+    path = path or ledger_path()
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def reuse_warning(tasks: str, split_seed: int, policies: list[str], path: Path | None = None) -> str | None:
+    """The warning for a new test evaluation of ``policies``, or None when it is the first
+    test evaluation of these problems (or only these policies were evaluated on test)."""
+    earlier = [e for e in read_ledger(path) if e.get("split") == "test" and e.get("tasks") == tasks
+               and e.get("split_seed") == split_seed]
+    others = sorted({p for e in earlier for p in e.get("policies", [])} - set(policies))
+    if not others:
+        return None
+    shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+    return (f"the test split of {tasks} (split seed {split_seed}) was evaluated before for {len(others)} other "
+            f"polic{'y' if len(others) == 1 else 'ies'} ({shown}; ledger {path or ledger_path()}). If those "
+            "results were seen before this policy's settings or checkpoint were chosen, the test split took "
+            "part in the choice and this test number is optimistic: choose on validation, then run test once.")
+
+
+def record_touch(tasks: str, split_seed: int, split: str, purpose: str, policies: list[str],
+                 path: Path | None = None) -> dict[str, Any]:
+    """Append one touch to the ledger and return it (also for the result's own record).
+
+    Args:
+        tasks: task source name; split_seed: the split's seed (together: the problems).
+        split: ``train``, ``validation``, ``test`` (or ``all`` for HumanEval).
+        purpose: e.g. ``"consequence eval"``, ``"final evaluation of a training run"``.
+        policies: the evaluated checkpoints (paths as given).
+
+    A ledger that cannot be written (read-only cache) does not stop the evaluation; the
+    returned record says ``"ledger": null``.
+    """
+    entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "tasks": tasks, "split_seed": split_seed,
+             "split": split, "purpose": purpose, "policies": [str(p) for p in policies], "pid": os.getpid()}
+    path = path or ledger_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        append_line(path, json.dumps(entry))
+        entry["ledger"] = str(path)
+    except OSError:
+        entry["ledger"] = None
+    return entry
