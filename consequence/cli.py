@@ -330,11 +330,11 @@ def compare_cmd(a: str = typer.Argument(..., help="Policy A: checkpoint or run f
                 temperature: float = typer.Option(1.0, help="Sampling temperature, the same for both."),
                 seed: int = typer.Option(0, help="Seed of the instances and the sampling, the same for both."),
                 recovery: bool = typer.Option(True, help="Also compare recovery from the same wrong first patch (n more episodes per task and policy)."),
-                out: Path = typer.Option(Path("runs/compare"), help="Output folder for compare.json.")) -> None:
+                out: Path = typer.Option(Path("runs/compare"), help="Output folder for compare.json and compare.md.")) -> None:
     """Two policies on the same tasks and seeds: success of each, paired difference B − A with a
     95 % bootstrap CI over problems, and how many problems each wins."""
     from consequence.fileio import write_text_atomic
-    from consequence.evaluate.run import check_request, compare_policies, resolve_model
+    from consequence.evaluate.run import check_request, compare_markdown, compare_policies, resolve_model
 
     try:
         if tasks == "humaneval":
@@ -349,6 +349,7 @@ def compare_cmd(a: str = typer.Argument(..., help="Policy A: checkpoint or run f
     res = compare_policies(pa, pb, tasks, split, n, problems=problems, temperature=temperature, seed=seed,
                            recovery=recovery)
     write_text_atomic(out / "compare.json", __import__("json").dumps(res, indent=1, default=str))
+    write_text_atomic(out / "compare.md", compare_markdown(res))
     for key, what in (("paired", "success"), ("paired_recovery", "recovery after the same wrong first patch")):
         if key not in res:
             continue
@@ -359,7 +360,7 @@ def compare_cmd(a: str = typer.Argument(..., help="Policy A: checkpoint or run f
                       f"env-error pairs excluded: {c['env_errors_excluded']}")
     for w in res["b"]["warnings"]:
         console.print(f"[yellow]warning:[/] {escape(w)}")
-    console.print(f"written: {out}/compare.json")
+    console.print(f"written: {out}/compare.json, compare.md")
 
 
 @app.command("view")

@@ -146,3 +146,23 @@ def test_eval_cli_records_the_touch_and_warns_on_test_reuse(tmp_path):
     assert "**Warning:**" in (tmp_path / "e2" / "report.md").read_text()
     bad = runner.invoke(app, ["eval", "--selection", "best", "--out", str(tmp_path / "e3")])
     assert bad.exit_code == 2 and "valid rules are first, majority, visible" in bad.output
+
+
+def test_compare_cli_pairs_success_and_recovery(tmp_path):
+    import shutil
+
+    from consequence.cli import app
+    from consequence.warmstart import BUNDLED
+
+    same = tmp_path / "same-weights"
+    shutil.copytree(BUNDLED, same)
+    res = CliRunner().invoke(app, ["compare", str(BUNDLED), str(same), "--problems", "2", "-n", "2",
+                                   "--out", str(tmp_path / "c")])
+    assert res.exit_code == 0, res.output
+    out = json.loads((tmp_path / "c" / "compare.json").read_text())
+    # identical weights, identical seeds: every episode pair is identical
+    for key in ("paired", "paired_recovery"):
+        c = out[key]
+        assert c["diff"] == 0.0 and c["a_mean"] == c["b_mean"] and c["episodes"] == 4 and c["ties"] == 2
+    md = (tmp_path / "c" / "compare.md").read_text()
+    assert "| recovery after the same wrong first patch |" in md and "# Policy B" in md

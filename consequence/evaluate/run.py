@@ -214,7 +214,7 @@ def markdown(result: dict[str, Any]) -> str:
     c = result["cost"]
     lines += ["", "## Cost and errors", "",
               f"Cost per episode: {c['gen_tokens_per_episode']:.1f} generated tokens, "
-              f"{c['tool_calls_per_episode']:.2f} tool calls, {c['wall_s_per_episode']:.2f} s; "
+              f"{c['tool_calls_per_episode']:.2f} tool calls, {c['wall_s_per_episode']:.2f} s (batched: wall times overlap); "
               f"{c['gen_tokens_per_success']:.0f} generated tokens per success (curves: `cost.png`).",
               f"Environment errors: {result['env_errors']} ({result['exclusion_rule']}).",
               f"Isolation: {', '.join(f'{k}={v}' for k, v in s['isolation'].items())}.", "",
@@ -273,6 +273,28 @@ def compare_policies(a: Path, b: Path, tasks: str, split: str, n: int, *, proble
         out["paired_recovery"] = paired_comparison(ArmResult(str(a), ea.recovery_episodes),
                                                    ArmResult(str(b), eb.recovery_episodes), seed=seed)
     return out
+
+
+def compare_markdown(res: dict[str, Any]) -> str:
+    """The report of ``consequence compare``: paired differences, then each policy's report."""
+    s = res["a"]["settings"]
+    lines = [f"# Comparison on {s['tasks']} / {s['split']}", ""]
+    lines += [f"> **Warning:** {w}" for w in res["b"].get("warnings", [])]
+    lines += [f"A = `{res['a']['settings']['model']}`, B = `{res['b']['settings']['model']}`; the same "
+              f"{s['problems']} problems × n = {s['n']} episodes with the same seeds for both. B − A with a 95 % "
+              "paired bootstrap CI over problems; a pair is dropped when either arm had an environment error.", "",
+              "| measure | A | B | B − A | 95 % CI | problems won B / A / tied | pairs excluded |",
+              "|---|---|---|---|---|---|---|"]
+    for key, what in (("paired", "success"), ("paired_recovery", "recovery after the same wrong first patch")):
+        if key in res:
+            c = res[key]
+            lines.append(f"| {what} | {c['a_mean']:.3f} | {c['b_mean']:.3f} | {c['diff']:+.3f} | "
+                         f"[{c['low']:+.3f}, {c['high']:+.3f}] | {c['b_wins']} / {c['a_wins']} / {c['ties']} | "
+                         f"{c['env_errors_excluded']} |")
+    for arm in ("a", "b"):
+        body = markdown(res[arm]).split("\n", 1)[1]
+        lines += ["", f"# Policy {arm.upper()}", body]
+    return "\n".join(lines) + "\n"
 
 
 def _plot_costs(result: dict[str, Any], path: Path) -> None:
