@@ -29,13 +29,20 @@ import sys
 import tempfile
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass, field
-from typing import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Callable, Sequence
 
 from consequence.envs.hardening import PRELUDE, child_config, layers_report
 from consequence.tasks.repair import TestCase
 
-__all__ = ["SandboxLimits", "TestReport", "run_tests", "clear_cache", "RUNNER"]
+__all__ = ["SandboxLimits", "TestReport", "run_tests", "clear_cache", "RUNNER", "ENV_RETRIES",
+           "with_retries"]
+
+# A sandbox that cannot start is re-run up to this many more times (so at most 3 runs) before
+# the episode becomes an env_error. A retry re-runs the same deterministic check on the same
+# code; it never samples the policy again. Only ``sandbox_error`` is retried: a timeout or a
+# crash is the candidate's own result and would repeat.
+ENV_RETRIES = 2
 
 
 @dataclass(frozen=True)
@@ -57,6 +64,7 @@ class TestReport:
     limit hit: all tests failed), ``'crash'`` (child died or printed no result: all tests
     failed), ``'sandbox_error'`` (the sandbox itself failed: exclude, never score 0).
     messages: one line per failing test, in test order. error: load error / crash reason.
+    attempts: sandbox runs this report took (> 1 only after :func:`with_retries` retried).
     """
 
     __test__ = False
@@ -65,6 +73,7 @@ class TestReport:
     total: int
     messages: list[str] = field(default_factory=list)
     error: str | None = None
+    attempts: int = 1
 
     @property
     def all_passed(self) -> bool:
@@ -252,6 +261,30 @@ def run_tests(code: str, tests: Sequence[TestCase], limits: SandboxLimits = Sand
             while len(_CACHE) > _CACHE_MAX:
                 _CACHE.popitem(last=False)
     return report
+
+
+def with_retries(run: Callable[[], TestReport], retries: int = ENV_RETRIES) -> TestReport:
+    """Call ``run()`` until its status is not ``'sandbox_error'``, at most ``1 + retries`` times.
+
+    ``run`` must re-run the same check (same code, tests and limits): a retry repeats a
+    deterministic verification and never samples the policy again. Returns the last report
+    with ``attempts`` = the number of calls made; when every call failed its ``error``
+    says how many attempts were made. Raises ValueError for ``retries < 0``.
+
+    >>> flaky = iter([TestReport("sandbox_error", 0, 1, [], "spawn failed"), TestReport("ok", 1, 1)])
+    >>> r = with_retries(lambda: next(flaky))
+    >>> (r.status, r.attempts)
+    ('ok', 2)
+    """
+    if retries < 0:
+        raise ValueError(f"retries must be >= 0, got {retries}")
+    for attempt in range(1, retries + 2):
+        report = run()
+        if report.status != "sandbox_error":
+            return replace(report, attempts=attempt)
+    n = retries + 1
+    return replace(report, attempts=n,
+                   error=f"{report.error}; gave up after {n} attempt{'s' if n > 1 else ''}")
 
 
 @functools.lru_cache(maxsize=1)
