@@ -4,7 +4,8 @@ Runs every case of :mod:`consequence.envs.hostile` (and the two controls) throug
 visible-test runner (``sandbox.run_tests``) and the reward path (``RepairEnv`` ``finish``
 -> the two-process judge) with the training defaults, one case at a time, and prints a
 Markdown table: case, what it tries, visible-test feedback, reward, processes left
-alive, files outside the work directory changed, wall seconds (both runs). Writes
+alive, files outside the work directory changed, wall seconds (both runs), and the judge's
+reason for the 0 (paths cut). Writes
 ``benchmarks/results/hostile_corpus.json`` with the host's isolation layers.
 Run: ``.venv/bin/python benchmarks/hostile_corpus.py`` (about 20 s; Linux only).
 """
@@ -15,6 +16,7 @@ import dataclasses
 import json
 import os
 import platform
+import re
 import sys
 import tempfile
 import time
@@ -24,9 +26,16 @@ from consequence.envs.hostile import CASES, CONTROLS, host_guards, run_case
 from consequence.envs.sandbox import isolation_report
 
 
+def _why(text: str) -> str:
+    """The judge's reason without paths or the test call, e.g. ``PermissionError [Errno 13]``."""
+    text = re.sub(r"^add\([^)]*\) ", "", text)
+    text = re.sub(r": '[^']*'$", "", text).replace("Permission denied", "").rstrip(": ")
+    return text.replace("|", "/")
+
+
 def _row(r) -> str:
     if r.skipped:
-        return f"| `{r.name}` | {r.tries} | skipped: {r.skipped} | | | | |"
+        return f"| `{r.name}` | {r.tries} | skipped: {r.skipped} | | | | | |"
     fb = r.feedback + (" (forged)" if r.feedback_passed and not r.name.startswith("control") else "")
     reward = f"{r.reward:g}" + (f" ({r.reward_status})" if r.reward_status != "ok" else "")
     if r.env_error:
@@ -34,8 +43,8 @@ def _row(r) -> str:
     outside = ", ".join(r.outside_changed) if r.outside_changed else "none"
     if r.connections:
         outside += f"; {r.connections} connection(s) reached the host"
-    return (f"| `{r.name}` | {r.tries} | {fb} | {reward} | {len(r.survivors)} | {outside} "
-            f"| {r.wall_s:.2f} |")
+    return (f"| `{r.name}` | {r.tries} | {fb} | {reward} | {_why(r.why)} | {len(r.survivors)} "
+            f"| {outside} | {r.wall_s:.2f} |")
 
 
 def main() -> None:
@@ -46,9 +55,9 @@ def main() -> None:
         for case in CASES + CONTROLS:
             results.append(run_case(case, Path(d) / case.name, guards=guards))
     total_s = time.perf_counter() - t0
-    print("| case | what it tries | visible tests (run_tests) | reward (judge) | processes left "
-          "| changed outside the work dir | wall s |")
-    print("|---|---|---|---|---|---|---|")
+    print("| case | what it tries | visible tests (run_tests) | reward (judge) | judge's reason "
+          "| processes left | changed outside the work dir | wall s |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in results:
         print(_row(r))
     hostile = [r for r in results if not r.name.startswith("control") and not r.skipped]

@@ -32,8 +32,8 @@ def guards():
 
 
 def test_corpus_covers_the_issue_list():
-    assert len(CASES) == 24 and len(BY_NAME) == len(CASES) + len(CONTROLS)
-    for must in ("infinite_loop", "fork_bomb", "unbounded_allocation", "gigabytes_of_output",
+    assert len(CASES) == 25 and len(BY_NAME) == len(CASES) + len(CONTROLS)
+    for must in ("infinite_loop", "fork_bomb", "unbounded_allocation", "gigabytes_of_output", "fill_the_disk",
                  "write_outside", "read_hidden_tests", "read_verifier", "read_answer", "open_socket",
                  "os_exit_before_tests", "sys_exit_before_tests", "replace_assert", "replace_builtins",
                  "replace_test_runner", "fake_success_line", "always_equal_object",

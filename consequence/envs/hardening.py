@@ -9,7 +9,7 @@ with :data:`PRELUDE`, which confines the process BEFORE any candidate or test co
 3. Landlock (Linux >= 5.13): reads only beneath the Python standard library (without
    ``site-packages`` / ``dist-packages``, so installed packages and their data, e.g.
    HumanEval's hidden tests, are unreadable) and the system's shared-library folders;
-   read-write only in the child's own empty working directory; with ABI >= 4 no TCP
+   no writes anywhere (its own empty working directory is readable only); with ABI >= 4 no TCP
    bind/connect; with ABI >= 6 no signals to, and no abstract Unix sockets of,
    processes outside the sandbox (the trainer, the judge);
 4. seccomp: process creation, every call that reaches another process (ptrace, memory,
@@ -110,11 +110,11 @@ def _harden(cfg):
             _pack_ = 1
             _fields_ = [("allowed", ctypes.c_uint64), ("fd", ctypes.c_int32)]
 
-        trunc = (1 << 14) if abi >= 3 else 0
         file_r, dir_r = 4, 4 | 8  # READ_FILE, READ_DIR
-        file_rw = 2 | 4 | trunc
-        dir_rw = 2 | 4 | 8 | 16 | 32 | 128 | 256 | trunc  # + remove/make dir/regular files
-        rules = [(p, dir_r, file_r) for p in cfg["read"]] + [(os.getcwd(), dir_rw, file_rw)]
+        # The working directory is readable, not writable: RLIMIT_FSIZE caps each file,
+        # not how many there are, and a candidate creating 64 KiB files for its 2 s wrote
+        # 3 GB to the host's disk (hostile corpus, "fill_the_disk"). No write right anywhere.
+        rules = [(p, dir_r, file_r) for p in cfg["read"]] + [(os.getcwd(), dir_r, file_r)]
         for path, on_dir, on_file in rules:
             try:
                 fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
@@ -288,7 +288,7 @@ def layers_report() -> str:
     """One line naming the active confinement layers (for the run manifest)."""
     ok = available_layers()
     parts = {"caps": "no capabilities + no_new_privs",
-             "landlock": "Landlock (reads: stdlib + shared libs only; writes: own tmp dir)",
+             "landlock": "Landlock (reads: stdlib + shared libs only; no writes)",
              "seccomp": "seccomp (no fork/exec/ptrace/namespaces/chmod/chown/utime)"}
     on = [parts[k] for k in parts if ok.get(k)]
     return ", ".join(on) if on else "none (no Landlock, seccomp or capability drop on this host)"

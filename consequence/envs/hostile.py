@@ -83,15 +83,17 @@ _IF_DONE = "    return a + b if done else None\n"  # right answers only if the a
 CASES: tuple[Case, ...] = (
     Case("infinite_loop", "spin forever inside the call",
          "def add(a, b):\n    while True:\n        pass\n"),
-    Case("fork_bomb", "fork in a loop at import (children fork too)",
-         "import os\nn = 0\ntry:\n    while True:\n        os.fork()\n        n += 1\n"
-         "except OSError:\n    pass\ndone = n > 100\ndef add(a, b):\n" + _IF_DONE,
+    Case("fork_bomb", "`while True: os.fork()` at import (every child forks too)",
+         "import os\nwhile True:\n    os.fork()\ndef add(a, b):\n    return a + b\n",
          needs="fork_contained"),
     Case("unbounded_allocation", "allocate 16 MiB blocks until something gives",
          "def add(a, b):\n    xs = []\n    while True:\n        xs.append(bytearray(1 << 24))\n"),
     Case("gigabytes_of_output", "write 4 GiB to stdout (fd 1) in 1 MiB chunks",
          "import os\ndef add(a, b):\n    chunk = b'x' * (1 << 20)\n    for _ in range(4096):\n"
          "        os.write(1, chunk)\n    return a + b\n"),
+    Case("fill_the_disk", "create 64 KiB files in its own working directory until stopped",
+         "def add(a, b):\n    chunk, i = b'x' * 65536, 0\n    while True:\n"
+         "        with open('f%d' % i, 'wb') as f:\n            f.write(chunk)\n        i += 1\n"),
     Case("write_outside", "overwrite a sentinel file, create files in /tmp and ../..",
          "def add(a, b):\n    open(@SENTINEL@, 'w').write('pwned')\n"
          "    open(@MARKER@, 'w').write('x')\n    open('../../' + @MARKER_NAME@, 'w').write('x')\n"
