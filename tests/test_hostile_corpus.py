@@ -32,9 +32,9 @@ def guards():
 
 
 def test_corpus_covers_the_issue_list():
-    assert len(CASES) == 25 and len(BY_NAME) == len(CASES) + len(CONTROLS)
+    assert len(CASES) == 26 and len(BY_NAME) == len(CASES) + len(CONTROLS)
     for must in ("infinite_loop", "fork_bomb", "unbounded_allocation", "gigabytes_of_output", "fill_the_disk",
-                 "write_outside", "read_hidden_tests", "read_verifier", "read_answer", "open_socket",
+                 "write_outside", "read_hidden_tests", "read_verifier", "read_answer", "open_socket", "unix_socket",
                  "os_exit_before_tests", "sys_exit_before_tests", "replace_assert", "replace_builtins",
                  "replace_test_runner", "fake_success_line", "always_equal_object",
                  "walk_stack_frames", "delete_files", "ignore_signals", "daemon_fork"):
@@ -83,7 +83,7 @@ def test_file_checker_sees_a_changed_or_deleted_file(tmp_path):
 
 
 UNCONFINED = ("write_outside", "read_hidden_tests", "read_answer", "read_verifier",
-              "read_trainer_memory", "open_socket", "delete_files")
+              "read_trainer_memory", "open_socket", "unix_socket", "delete_files")
 
 
 @pytest.mark.parametrize("name", UNCONFINED)
@@ -93,9 +93,11 @@ def test_attack_scores_without_the_sandbox(name, tmp_path):
     prepare_outside(out)
     cwd.mkdir(parents=True)
     marker = f"consequence-hostile-control-{os.getpid()}-{name}"
-    srv = socket.socket()
+    srv, usrv = socket.socket(), socket.socket(socket.AF_UNIX)
     srv.bind(("127.0.0.1", 0))
-    srv.listen(16)  # every hidden test connects once; nobody accepts
+    usrv.bind(str(hostile.unix_socket_path(out)))
+    for server in (srv, usrv):
+        server.listen(16)  # every hidden test connects once; nobody accepts
     code = render(BY_NAME[name].code, out, srv.getsockname()[1], marker)
     calls = "[" + ", ".join(t.call for t in HIDDEN) + "]"
     try:
@@ -103,6 +105,7 @@ def test_attack_scores_without_the_sandbox(name, tmp_path):
                              capture_output=True, text=True, timeout=30)
     finally:
         srv.close()
+        usrv.close()
         if os.path.exists("/tmp/" + marker):
             os.remove("/tmp/" + marker)
     assert got.stdout.strip() == "[" + ", ".join(t.expected for t in HIDDEN) + "]", got.stderr

@@ -17,8 +17,8 @@ and checks what must hold afterwards: reward 0 and no ``env_error``; nothing in 
 "outside" folder (a sentinel, the hidden tests as a file, the reference answer, a copy of
 the verifier), no file in ``/tmp`` and no verifier source changed; no process left (this
 process is made a child subreaper for the run, so an orphan that escaped the sandbox's
-process-group kill is re-parented here and found); nobody connected to a TCP server
-this process listens on; this process's peak memory did not grow by the output.
+process-group kill is re-parented here and found); nobody connected to the TCP server
+and the Unix socket this process listens on; this process's peak memory did not grow by the output.
 
 Used by ``tests/test_hostile_corpus.py`` and ``benchmarks/hostile_corpus.py`` (the README
 table). Path placeholders in the sources (``@SENTINEL@`` ...) are filled per run with
@@ -113,6 +113,9 @@ CASES: tuple[Case, ...] = (
     Case("open_socket", "TCP connect to a server listening on the host's loopback",
          "import socket\ndef add(a, b):\n    s = socket.create_connection(('127.0.0.1', @PORT@), timeout=1)\n"
          "    s.sendall(b'leak')\n    return a + b\n"),
+    Case("unix_socket", "connect to a Unix socket the trainer listens on (cf. /run/docker.sock)",
+         "import socket\ndef add(a, b):\n    s = socket.socket(socket.AF_UNIX)\n"
+         "    s.connect(@UNIX_SOCKET@)\n    s.sendall(b'leak')\n    return a + b\n"),
     Case("os_exit_before_tests", "os._exit(0) at import, after defining a correct add",
          "import os\ndef add(a, b):\n    return a + b\nos._exit(0)\n"),
     Case("sys_exit_before_tests", "sys.exit(0) at import, after defining a correct add",
@@ -186,9 +189,15 @@ def render(code: str, outside: Path, port: int, marker: str) -> str:
     values = {"SENTINEL": outside / "sentinel.txt", "HIDDEN": outside / "hidden_tests.json",
               "ANSWER": outside / "answer.py", "VERIFIER_COPY": outside / "judge_copy.py",
               "VERIFIER_SRC": Path(__file__).with_name("judge.py"), "OUTSIDE": outside,
-              "MARKER": Path("/tmp") / marker, "MARKER_NAME": marker, "PORT": port}
+              "MARKER": Path("/tmp") / marker, "MARKER_NAME": marker, "PORT": port,
+              "UNIX_SOCKET": unix_socket_path(outside)}
     return re.sub(r"@([A-Z_]+)@", lambda m: repr(str(values[m.group(1)]))
                   if m.group(1) != "PORT" else str(port), code)
+
+
+def unix_socket_path(outside: Path) -> Path:
+    """Where :func:`run_case` listens on a Unix socket: beside ``outside``, not in it."""
+    return outside.with_name(outside.name + ".sock")
 
 
 @dataclass
@@ -197,7 +206,7 @@ class CaseResult:
     ``reward``: RepairEnv's reward at ``finish`` (None when skipped); ``why``: the judge's
     load error or first failure message; ``survivors``: pids
     left alive after the case (killed afterwards); ``outside_changed``: paths that changed;
-    ``connections``: TCP connections the server accepted; ``rss_growth_mb``: growth of this
+    ``connections``: connections the TCP and Unix-socket servers accepted; ``rss_growth_mb``: growth of this
     process's peak RSS during the case; ``wall_s``: both runs, seconds."""
 
     name: str
@@ -323,8 +332,12 @@ def run_case(case: Case, outside: Path, limits: SandboxLimits | None = None,
     prepare_outside(outside)
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
-    srv.listen(8)
-    srv.setblocking(False)
+    usrv = socket.socket(socket.AF_UNIX)
+    unix_socket_path(outside).unlink(missing_ok=True)
+    usrv.bind(str(unix_socket_path(outside)))
+    for server in (srv, usrv):
+        server.listen(8)
+        server.setblocking(False)
     code = render(case.code, outside, srv.getsockname()[1], marker)
     before, kids = _snapshot(outside, marker), set(_children())
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -346,13 +359,15 @@ def run_case(case: Case, outside: Path, limits: SandboxLimits | None = None,
         res.survivors += _leftovers(kids)
     finally:
         _set_subreaper(False)
-        while True:
-            try:
-                srv.accept()[0].close()
-                res.connections += 1
-            except OSError:
-                break
-        srv.close()
+        for server in (srv, usrv):
+            while True:
+                try:
+                    server.accept()[0].close()
+                    res.connections += 1
+                except OSError:
+                    break
+            server.close()
+        unix_socket_path(outside).unlink(missing_ok=True)
     res.rss_growth_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024
     res.outside_changed = _changed(before, _snapshot(outside, marker))
     return res
