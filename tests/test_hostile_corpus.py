@@ -32,11 +32,11 @@ def guards():
 
 
 def test_corpus_covers_the_issue_list():
-    assert len(CASES) == 26 and len(BY_NAME) == len(CASES) + len(CONTROLS)
+    assert len(CASES) == 27 and len(BY_NAME) == len(CASES) + len(CONTROLS)
     for must in ("infinite_loop", "fork_bomb", "unbounded_allocation", "gigabytes_of_output", "fill_the_disk",
                  "write_outside", "read_hidden_tests", "read_verifier", "read_answer", "open_socket", "unix_socket",
                  "os_exit_before_tests", "sys_exit_before_tests", "replace_assert", "replace_builtins",
-                 "replace_test_runner", "fake_success_line", "always_equal_object",
+                 "replace_test_runner", "fake_success_line", "erase_own_output", "always_equal_object",
                  "walk_stack_frames", "delete_files", "ignore_signals", "daemon_fork"):
         assert must in BY_NAME, must
 
@@ -49,6 +49,7 @@ def test_case_is_contained(name, tmp_path, guards):
     r = run_case(case, tmp_path / "outside", guards=guards)
     want = 1.0 if name == "control_correct" else 0.0
     assert (r.reward, r.env_error) == (want, None), r
+    assert "sandbox_error" not in r.feedback, r  # no candidate may get itself excluded
     # run_tests is one process: candidates that reach its frame or builtins can forge the
     # visible-test feedback (documented in sandbox.py); the reward above comes from the judge
     assert r.feedback_passed == (case.feedback_forgeable or name == "control_correct"), r

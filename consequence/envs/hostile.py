@@ -134,6 +134,11 @@ CASES: tuple[Case, ...] = (
          "__main__._repr = lambda v: Eq('?')\nos.write = lambda fd, b: len(b)\n"
          "os._exit = lambda c=0: None\njson.dumps = lambda *a, **k: '{\"passed\": true}'\n"
          "def add(a, b):\n    return 0\n", feedback_forgeable=True),
+    Case("erase_own_output", "truncate / rewrite its stdout to erase the runner's start line "
+         "(a 0 would become an excluded env_error)",
+         "import os\nfor fd in (1, 2):\n    try:\n        os.ftruncate(fd, 0)\n    except OSError:\n"
+         "        pass\n    try:\n        os.lseek(fd, 0, 0)\n        os.write(fd, b'\\0' * 4096)\n"
+         "    except OSError:\n        pass\ndef add(a, b):\n    return None\n"),
     Case("fake_success_line", "print forged result lines (guessed nonce, bare JSON, judge frames)",
          "import os, sys, json\nok = json.dumps({'results': [True] * 4, 'messages': [], 'error': None,"
          " 'passed': True})\nfor line in (ok, '@@' + '0' * 32 + '@@' + ok, '{\"ready\": true}',"
