@@ -364,7 +364,8 @@ def isolation_report() -> dict[str, str]:
     net = network_isolation()
     return {"process": "fresh interpreter (-I -S), own session, killed as a group on timeout",
             "limits": "RLIMIT_CPU, RLIMIT_AS, RLIMIT_FSIZE, RLIMIT_NOFILE, RLIMIT_NPROC, RLIMIT_CORE",
-            "filesystem": "empty temporary working directory, empty environment",
+            "filesystem": "empty temporary working directory (read-only under Landlock), "
+                          "empty environment",
             "confinement": layers_report(),
             "network": " ".join(net[1:]) + " (empty network namespace)" if net else "none (unshare unavailable)"}
 
