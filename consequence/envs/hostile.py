@@ -18,7 +18,8 @@ and checks what must hold afterwards: reward 0 and no ``env_error``; nothing in 
 the verifier), no file in ``/tmp`` and no verifier source changed; no process left (this
 process is made a child subreaper for the run, so an orphan that escaped the sandbox's
 process-group kill is re-parented here and found); nobody connected to the TCP server
-and the Unix socket this process listens on; this process's peak memory did not grow by the output.
+and the Unix socket this process listens on; this process's peak memory did not grow by
+the output.
 
 Used by ``tests/test_hostile_corpus.py`` and ``benchmarks/hostile_corpus.py`` (the README
 table). Path placeholders in the sources (``@SENTINEL@`` ...) are filled per run with
@@ -45,8 +46,8 @@ from consequence.envs.repair_env import RepairEnv
 from consequence.envs.sandbox import SandboxLimits, run_tests
 from consequence.tasks.repair import RepairTask, TestCase
 
-__all__ = ["Case", "CASES", "CONTROLS", "CaseResult", "TASK", "HIDDEN", "VISIBLE", "render", "run_case",
-           "host_guards", "prepare_outside"]
+__all__ = ["Case", "CASES", "CONTROLS", "CaseResult", "TASK", "HIDDEN", "VISIBLE", "render",
+           "run_case", "host_guards", "prepare_outside", "unix_socket_path"]
 
 VISIBLE = (TestCase("add(1, 2)", "3"), TestCase("add(-4, 4)", "0"))
 HIDDEN = (TestCase("add(2, 3)", "5"), TestCase("add(10, -3)", "7"), TestCase("add(0, 0)", "0"),
@@ -207,12 +208,15 @@ def unix_socket_path(outside: Path) -> Path:
 
 @dataclass
 class CaseResult:
-    """What one case did. ``feedback``: ``"passed/total status"`` of ``run_tests``;
-    ``reward``: RepairEnv's reward at ``finish`` (None when skipped); ``why``: the judge's
-    load error or first failure message; ``survivors``: pids
-    left alive after the case (killed afterwards); ``outside_changed``: paths that changed;
-    ``connections``: connections the TCP and Unix-socket servers accepted; ``rss_growth_mb``: growth of this
-    process's peak RSS during the case; ``wall_s``: both runs, seconds."""
+    """What one case did.
+
+    ``feedback``: ``"passed/total status"`` of ``run_tests``; ``reward``: RepairEnv's reward
+    at ``finish`` (None when skipped); ``why``: the judge's load error or first failure
+    message; ``survivors``: pids left alive after the case (killed afterwards);
+    ``outside_changed``: paths that changed; ``connections``: connections the TCP and
+    Unix-socket servers accepted; ``rss_growth_mb``: growth of this process's peak RSS
+    (MiB) during the case; ``wall_s``: seconds of the two sandbox runs, checks excluded.
+    """
 
     name: str
     tries: str
@@ -347,20 +351,22 @@ def run_case(case: Case, outside: Path, limits: SandboxLimits | None = None,
     before, kids = _snapshot(outside, marker), set(_children())
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     _set_subreaper(True)
-    t0 = time.perf_counter()
     try:
+        t0 = time.perf_counter()
         rep = run_tests(code, VISIBLE, limits or SandboxLimits(), cache=False)
+        res.wall_s = time.perf_counter() - t0
         res.feedback, res.feedback_passed = f"{rep.passed}/{rep.total} {rep.status}", rep.all_passed
         res.survivors += _leftovers(kids)
         # the candidate's code is the episode's final code, as if the policy had written it
         env = RepairEnv(dataclasses.replace(TASK, buggy_code=code), limits)
         env.reset()
+        t0 = time.perf_counter()
         _, reward, _, _, info = env.step({"name": "finish", "arguments": {}})
+        res.wall_s += time.perf_counter() - t0
         v = info["verifier"]
         res.reward, res.reward_status = reward, v.status
         res.why = v.error or (v.messages[0] if v.messages else "")
         res.env_error = info.get("env_error")
-        res.wall_s = time.perf_counter() - t0
         res.survivors += _leftovers(kids)
     finally:
         _set_subreaper(False)
