@@ -62,6 +62,8 @@ class Trajectory:
     position in a batch (shared/cases/02-group-by-task-id.md).
     ``reward`` is ``None`` until the reward box scores the trajectory, and stays ``None``
     for an ``env_error`` (excluded from statistics and loss, never scored 0).
+    ``env_retries`` counts re-runs of a sandbox that could not start, over all of the
+    episode's environment steps (the limit per step is ``envs.sandbox.ENV_RETRIES``).
     """
 
     task_id: str
@@ -81,6 +83,7 @@ class Trajectory:
     wall_time_s: float = 0.0
     final_code: str | None = None
     advantage: float | None = None
+    env_retries: int = 0
     messages: list[dict[str, Any]] = field(default_factory=list)  # readable view; never trained on
 
     @property

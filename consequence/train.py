@@ -294,6 +294,7 @@ def iteration(it, cfg, learner: Learner, renderer, split, budgets, sampling, run
         "tool_calls_mean": sum(t.n_tool_calls for t in trajs) / max(1, len(trajs)),
         "truncated_fraction": sum(t.outcome == "truncated" for t in trajs) / max(1, len(trajs)),
         "env_errors": sum(t.outcome == "env_error" for t in trajs),
+        "env_retries": sum(t.env_retries for t in trajs),  # sandbox re-runs, whatever the outcome
         "diagnose_first": sum(_diagnoses_first(t) for t in trajs) / max(1, len(trajs)),
         "rollout_tokens_per_s": n_gen / max(t_rollout, 1e-9),
         "rollout_s": t_rollout,

@@ -1,5 +1,7 @@
 import json
 
+import pytest
+
 from consequence.harness.renderer import replay_conversation
 from consequence.harness.tools import check_tool_specs, validate_call
 from consequence.records import ModelCall, Trajectory, trajectory_to_rows
@@ -34,6 +36,21 @@ def test_argument_validation_against_schema():
     assert "line" in validate_call({"name": "replace_line", "arguments": {"line": "2", "code": "x"}}, specs)
     assert "unknown tool" in validate_call({"name": "rm", "arguments": {}}, specs)
     assert "Additional" in validate_call({"name": "run_tests", "arguments": {"x": 1}}, specs)
+
+
+@pytest.mark.parametrize("params,needle", [
+    ({"type": "objekt"}, "'replace_line': parameters are not a valid JSON schema: 'objekt' is not valid"),
+    ({"type": "object", "properties": {"line": {"type": 5}}}, "are not a valid JSON schema: 5 is not valid"),
+    ({"type": "object", "required": "line"}, "are not a valid JSON schema: 'line' is not of type 'array'"),
+    ({"type": "string"}, "parameters must be a JSON schema of type 'object', got type 'string'"),
+])
+def test_invalid_tool_schema_is_rejected_with_the_tool_name(params, needle):
+    bad = [TOOLS[0], {"type": "function", "function": {"name": "replace_line", "parameters": params}}]
+    with pytest.raises(ValueError) as e:
+        check_tool_specs(bad)
+    assert needle in str(e.value)
+    with pytest.raises(ValueError, match="tool spec #0 must look like"):
+        check_tool_specs([{"type": "function", "function": {"parameters": {}}}])  # no name
 
 
 def test_episode_stream_equals_chat_template_and_mask_covers_only_sampled(renderer):

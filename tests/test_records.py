@@ -47,6 +47,22 @@ def test_parquet_round_trip_is_exact(tmp_path):
     assert not list(tmp_path.glob(".*tmp*"))  # nothing half-written left behind
 
 
+def test_parquet_round_trip_keeps_env_retries(tmp_path):
+    ok, failed = _traj(), _traj()
+    ok.env_retries, ok.reward = 2, 1.0  # scored after two re-runs of its sandbox
+    failed.outcome, failed.env_retries, failed.error = "env_error", 2, "sandbox: x; gave up after 3 attempts"
+    path = tmp_path / "iter_0001.parquet"
+    write_trajectories(path, [ok, failed, _traj()])
+    back = read_trajectories(path)
+    assert [t.env_retries for t in back] == [2, 2, 0] and back == [ok, failed, _traj()]
+    # a file written before the field existed reads back with 0 retries
+    import pyarrow.parquet as pq
+
+    old = tmp_path / "old.parquet"
+    pq.write_table(pq.read_table(path).drop_columns(["env_retries"]), old)
+    assert [t.env_retries for t in read_trajectories(old)] == [0, 0, 0]
+
+
 def test_unknown_stop_reason_is_rejected():
     with pytest.raises(ValueError, match="stop_reason"):
         ModelCall([1], [2], [-1.0], "stopp")

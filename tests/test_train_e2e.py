@@ -40,6 +40,7 @@ def test_run_writes_every_artifact(run_dir):
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["iteration"] for m in metrics] == [0, 1]
     assert all(0.0 <= m["reward_mean"] <= 1.0 and "val_success" in m for m in metrics)
+    assert all(type(m["env_retries"]) is int and m["env_retries"] >= 0 for m in metrics)
     report = json.loads((run_dir / "report.json").read_text())
     assert {(r["split"][:4], r["decoding"]) for r in report["results"]} == {
         ("test", "greedy"), ("test", "sampled"), ("trai", "greedy"), ("trai", "sampled")}

@@ -26,7 +26,7 @@ from typing import Collection, Sequence
 
 from consequence.fileio import cache_root, write_text_atomic
 from consequence.envs.judge import PROGRAM_LIMITS, run_cases, run_program
-from consequence.envs.sandbox import SandboxLimits, TestReport, run_tests
+from consequence.envs.sandbox import SandboxLimits, TestReport, run_tests, with_retries
 from consequence.tasks import bugs as _bugs
 from consequence.tasks import humaneval as _he
 from consequence.tasks.jsonl import (CodeTask, as_repair_task, dump_jsonl, load_jsonl,
@@ -69,7 +69,7 @@ def _try_problem(cands: list[CodeTask], keep: int, max_tries: int,
     for task in cands[:max_tries]:
         if len(kept) >= keep:
             break
-        rep = run_hidden(task.starting_code, task.hidden_tests, limits)
+        rep = with_retries(lambda: run_hidden(task.starting_code, task.hidden_tests, limits))
         if rep.status == "sandbox_error":
             raise RuntimeError(f"sandbox failed while building {task.task_id}: {rep.error}")
         seen["tried"] += 1
@@ -104,7 +104,8 @@ def build_humaneval_repair(seed: int = 0, bugs_per_problem: int = 1, max_tries: 
         tasks whose visible tests already fail on the buggy code).
 
     Raises:
-        RuntimeError: the sandbox itself failed (nothing is cached).
+        RuntimeError: the sandbox itself failed, after ``sandbox.ENV_RETRIES`` re-runs
+            (nothing is cached).
     """
     cands = _he.repair_candidates(seed)
     if task_ids is not None:

@@ -9,12 +9,13 @@ with :data:`PRELUDE`, which confines the process BEFORE any candidate or test co
 3. Landlock (Linux >= 5.13): reads only beneath the Python standard library (without
    ``site-packages`` / ``dist-packages``, so installed packages and their data, e.g.
    HumanEval's hidden tests, are unreadable) and the system's shared-library folders;
-   read-write only in the child's own empty working directory; with ABI >= 4 no TCP
+   no writes anywhere (its own empty working directory is readable only); with ABI >= 4 no TCP
    bind/connect; with ABI >= 6 no signals to, and no abstract Unix sockets of,
    processes outside the sandbox (the trainer, the judge);
 4. seccomp: process creation, every call that reaches another process (ptrace, memory,
-   priorities, rlimits), namespaces, mounts, kernel modules, and the file-metadata calls
-   Landlock does not cover (chmod, chown, utime, xattrs) fail with EPERM.
+   priorities, rlimits), namespaces, mounts, kernel modules, socket creation (a named
+   Unix socket is reachable through Landlock and the network namespace), and the
+   file-metadata calls Landlock does not cover (chmod, chown, utime, xattrs) fail with EPERM.
 
 Which layers this host supports is probed once (:func:`available_layers`); a layer that
 was probed as working and then fails in a child aborts that child before it reads any
@@ -65,17 +66,20 @@ def _harden(cfg):
     # keyctl add_key request_key io_uring_setup mount_setattr open_tree move_mount fsopen
     # fsmount. File metadata, which Landlock does not cover: chmod fchmod fchmodat
     # fchmodat2 chown fchown lchown fchownat utime utimes utimensat futimesat and the
-    # xattr setters/removers (incl. setxattrat/removexattrat).
+    # xattr setters/removers (incl. setxattrat/removexattrat). Sockets: socket socketpair
+    # (Landlock does not cover connect() to a named Unix socket, and the network namespace
+    # does not hide the file system's: the hostile corpus reached a Unix socket the
+    # trainer listened on, as it would reach /run/docker.sock; no child needs a socket).
     new = (435, 425, 442, 428, 429, 430, 432, 438, 440, 452, 463, 466)
     nr = {"x86_64": {"capset": 126, "audit": 0xC000003E, "deny": new + (
               57, 58, 56, 59, 322, 101, 310, 311, 312, 279, 256, 141, 144, 142, 203, 251, 302,
               272, 308, 165, 166, 155, 161, 169, 246, 175, 313, 176, 321, 298, 323, 250, 248,
               249, 90, 91, 268, 92, 93, 94, 260, 132, 235, 280, 261, 188, 189, 190, 197, 198,
-              199)},
+              199, 41, 53)},
           "aarch64": {"capset": 91, "audit": 0xC00000B7, "deny": new + (
               220, 221, 281, 117, 270, 271, 272, 239, 238, 140, 119, 118, 122, 30, 261, 97,
               268, 40, 39, 41, 51, 142, 104, 105, 273, 106, 280, 241, 282, 219, 217, 218, 52,
-              53, 54, 55, 88, 5, 6, 7, 14, 15, 16)}}.get(arch)
+              53, 54, 55, 88, 5, 6, 7, 14, 15, 16, 198, 199)}}.get(arch)
 
     def fail(what):
         e = ctypes.get_errno()
@@ -110,11 +114,11 @@ def _harden(cfg):
             _pack_ = 1
             _fields_ = [("allowed", ctypes.c_uint64), ("fd", ctypes.c_int32)]
 
-        trunc = (1 << 14) if abi >= 3 else 0
         file_r, dir_r = 4, 4 | 8  # READ_FILE, READ_DIR
-        file_rw = 2 | 4 | trunc
-        dir_rw = 2 | 4 | 8 | 16 | 32 | 128 | 256 | trunc  # + remove/make dir/regular files
-        rules = [(p, dir_r, file_r) for p in cfg["read"]] + [(os.getcwd(), dir_rw, file_rw)]
+        # The working directory is readable, not writable: RLIMIT_FSIZE caps each file,
+        # not how many there are, and a candidate creating 64 KiB files for its 2 s wrote
+        # 3 GB to the host's disk (hostile corpus, "fill_the_disk"). No write right anywhere.
+        rules = [(p, dir_r, file_r) for p in cfg["read"]] + [(os.getcwd(), dir_r, file_r)]
         for path, on_dir, on_file in rules:
             try:
                 fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
@@ -288,7 +292,7 @@ def layers_report() -> str:
     """One line naming the active confinement layers (for the run manifest)."""
     ok = available_layers()
     parts = {"caps": "no capabilities + no_new_privs",
-             "landlock": "Landlock (reads: stdlib + shared libs only; writes: own tmp dir)",
-             "seccomp": "seccomp (no fork/exec/ptrace/namespaces/chmod/chown/utime)"}
+             "landlock": "Landlock (reads: stdlib + shared libs only; no writes)",
+             "seccomp": "seccomp (no fork/exec/ptrace/namespaces/sockets/chmod/chown/utime)"}
     on = [parts[k] for k in parts if ok.get(k)]
     return ", ".join(on) if on else "none (no Landlock, seccomp or capability drop on this host)"

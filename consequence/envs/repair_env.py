@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from consequence.envs.code_tasks import run_hidden
-from consequence.envs.sandbox import SandboxLimits, TestReport, run_tests
+from consequence.envs.sandbox import ENV_RETRIES, SandboxLimits, TestReport, run_tests, with_retries
 from consequence.tasks.repair import RepairTask
 
 __all__ = ["TOOLS", "SYSTEM_PROMPT", "RepairEnv", "verify", "format_report"]
@@ -63,15 +63,19 @@ class RepairEnv:
 
     ``step`` takes ``{"name": str, "arguments": dict}`` already validated against TOOLS and
     returns ``(observation, reward, terminated, truncated, info)``. Reward is 0.0 except at
-    ``finish``. ``info["env_error"]`` is set when the sandbox itself failed; the episode then
+    ``finish``. A sandbox that cannot start is re-run up to ``env_retries`` more times (the
+    same check on the same code); ``info["env_retries"]`` counts those re-runs for the step.
+    ``info["env_error"]`` is set when the sandbox still failed after them; the episode then
     terminates with reward 0.0 and the caller must exclude it.
     """
 
     tools = TOOLS
 
-    def __init__(self, task: RepairTask, limits: SandboxLimits | None = None):
+    def __init__(self, task: RepairTask, limits: SandboxLimits | None = None,
+                 env_retries: int = ENV_RETRIES):
         self.task = task
         self.limits = limits  # None: each test mode's default limits
+        self.env_retries = env_retries
         self._lines: list[str] = task.buggy_code.split("\n")
         self._done = False
 
@@ -111,16 +115,20 @@ class RepairEnv:
         if name == "replace_line":
             return self._replace(args), 0.0, False, False, self._info()
         if name == "run_tests":
-            rep = run_tests(self.code, self.task.visible_tests, self.limits or SandboxLimits())
+            code, lim = self.code, self.limits or SandboxLimits()
+            rep = with_retries(lambda: run_tests(code, self.task.visible_tests, lim),
+                               self.env_retries)
+            info = self._info(env_retries=rep.attempts - 1)
             if rep.status == "sandbox_error":
                 self._done = True
-                return ("sandbox error", 0.0, True, False,
-                        self._info(env_error=f"sandbox: {rep.error}"))
-            return format_report(rep), 0.0, False, False, self._info()
+                info["env_error"] = f"sandbox: {rep.error}"
+                return "sandbox error", 0.0, True, False, info
+            return format_report(rep), 0.0, False, False, info
         # finish
         self._done = True
-        rep = verify(self.task, self.code, self.limits)
-        info = self._info(verifier=rep)
+        code = self.code
+        rep = with_retries(lambda: verify(self.task, code, self.limits), self.env_retries)
+        info = self._info(verifier=rep, env_retries=rep.attempts - 1)
         if rep.status == "sandbox_error":
             info["env_error"] = f"sandbox: {rep.error}"
             return "done", 0.0, True, False, info

@@ -7,7 +7,8 @@ of :mod:`consequence.envs.hardening` (no capabilities, Landlock, seccomp; whiche
 host supports), applied by the runner itself before any candidate code is read. Code and
 tests arrive on stdin as JSON; the child prints one result line prefixed by a random
 nonce; the parent takes the LAST nonce line and decides pass/fail from that plain data.
-Candidate prints go to a capped buffer.
+Candidate prints go to a capped buffer; the runner's stdout is a pipe the parent reads at
+most ``max_output_bytes`` (+4 KiB) from, so output beyond that ends the run as a crash.
 
 Limit: candidate and runner share one interpreter, so candidate code can read the
 runner's frame (the tests, the nonce) and print a forged result line. Use
@@ -23,19 +24,29 @@ import hashlib
 import json
 import os
 import secrets
+import select
+import selectors
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
-from typing import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Callable, Sequence
 
 from consequence.envs.hardening import PRELUDE, child_config, layers_report
 from consequence.tasks.repair import TestCase
 
-__all__ = ["SandboxLimits", "TestReport", "run_tests", "clear_cache", "RUNNER"]
+__all__ = ["SandboxLimits", "TestReport", "run_tests", "clear_cache", "RUNNER", "ENV_RETRIES",
+           "with_retries"]
+
+# A sandbox that cannot start is re-run up to this many more times (so at most 3 runs) before
+# the episode becomes an env_error. A retry re-runs the same deterministic check on the same
+# code; it never samples the policy again. Only ``sandbox_error`` is retried: a timeout or a
+# crash is the candidate's own result and would repeat.
+ENV_RETRIES = 2
 
 
 @dataclass(frozen=True)
@@ -57,6 +68,7 @@ class TestReport:
     limit hit: all tests failed), ``'crash'`` (child died or printed no result: all tests
     failed), ``'sandbox_error'`` (the sandbox itself failed: exclude, never score 0).
     messages: one line per failing test, in test order. error: load error / crash reason.
+    attempts: sandbox runs this report took (> 1 only after :func:`with_retries` retried).
     """
 
     __test__ = False
@@ -65,6 +77,7 @@ class TestReport:
     total: int
     messages: list[str] = field(default_factory=list)
     error: str | None = None
+    attempts: int = 1
 
     @property
     def all_passed(self) -> bool:
@@ -179,34 +192,77 @@ def tagged_messages(raw: bytes, nonce: str) -> tuple[bool, dict | None]:
     return started, last
 
 
+def _exchange(proc: subprocess.Popen, payload: bytes, cap: int, deadline: float
+              ) -> tuple[bytes, str | None]:
+    """Write ``payload`` to the child's stdin while reading at most ``cap`` bytes of its
+    stdout, until it exits or ``deadline`` (``time.monotonic()``) passes.
+
+    Returns (bytes read, None | ``"timeout"`` | ``"overflow"``). A pipe, not a file: the
+    candidate shares the runner's stdout and could truncate or rewrite a file (erasing the
+    runner's start line, which turned its run into a sandbox_error); bytes in a pipe are
+    the parent's once written, and the parent never holds more than ``cap`` of them.
+    """
+    out = bytearray()
+    todo = memoryview(payload)
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    sel.register(proc.stdin, selectors.EVENT_WRITE)
+    try:
+        while sel.get_map():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return bytes(out), "timeout"
+            for key, _ in sel.select(left):
+                if key.fileobj is proc.stdin:
+                    try:  # PIPE_BUF bytes never block once the pipe is writable
+                        todo = todo[os.write(proc.stdin.fileno(), todo[:select.PIPE_BUF]):]
+                    except OSError:  # the child closed stdin or died; judged from its output
+                        todo = todo[:0]
+                    if not todo:
+                        sel.unregister(proc.stdin)
+                        proc.stdin.close()
+                    continue
+                chunk = os.read(proc.stdout.fileno(), 65536)
+                if not chunk:
+                    sel.unregister(proc.stdout)
+                    continue
+                out += chunk
+                if len(out) > cap:
+                    return bytes(out[:cap]), "overflow"
+    finally:
+        sel.close()
+    try:
+        proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:  # stdout closed but still running
+        return bytes(out), "timeout"
+    return bytes(out), None
+
+
 def _run(code: str, tests: Sequence[TestCase], lim: SandboxLimits) -> TestReport:
     n = len(tests)
     nonce = "@@" + secrets.token_hex(16) + "@@"
     payload = json.dumps({"nonce": nonce, "code": code, "cap": lim.max_output_bytes,
                           "tests": [[t.call, t.expected] for t in tests]}).encode()
     limits = child_config(lim.cpu_s, lim.memory_mb, lim.max_output_bytes)
-    with tempfile.TemporaryDirectory(prefix="sbx-") as work, \
-            tempfile.TemporaryFile() as out:
+    cap = lim.max_output_bytes + 4096  # room for the runner's own lines
+    with tempfile.TemporaryDirectory(prefix="sbx-") as work:
         cwd = os.path.join(work, "cwd")
         os.mkdir(cwd)
+        deadline = time.monotonic() + lim.wall_s
         try:
             proc = subprocess.Popen(
-                [*network_isolation(), sys.executable, "-I", "-S", "-c", RUNNER, limits], stdin=subprocess.PIPE,
-                stdout=out, stderr=subprocess.DEVNULL, cwd=cwd, env={},
-                start_new_session=True, close_fds=True)
+                [*network_isolation(), sys.executable, "-I", "-S", "-c", RUNNER, limits],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                cwd=cwd, env={}, start_new_session=True, close_fds=True)
         except OSError as e:
             return TestReport("sandbox_error", 0, n, [], f"cannot spawn: {e}")
-        timed_out = False
         try:
-            proc.communicate(payload, timeout=lim.wall_s)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-        except (BrokenPipeError, OSError):
-            pass  # the child died before reading stdin; judged below
+            raw, stop = _exchange(proc, payload, cap, deadline)
         finally:
             kill_group(proc)
-        out.seek(0)
-        raw = out.read(lim.max_output_bytes + 4096)
+            for pipe in (proc.stdin, proc.stdout):
+                pipe.close()
+    timed_out = stop == "timeout"
     started, res = tagged_messages(raw, nonce)
     res = res if res is not None and "results" in res else None
     if not started:
@@ -217,9 +273,10 @@ def _run(code: str, tests: Sequence[TestCase], lim: SandboxLimits) -> TestReport
         return TestReport("timeout", 0, n, [f"timeout after {lim.wall_s:g} s"] * n,
                           f"timeout after {lim.wall_s:g} s")
     ok = (res is not None and proc.returncode == 0 and isinstance(res.get("results"), list)
-          and len(res["results"]) == n)
+          and len(res["results"]) == n and stop is None)
     if not ok:
-        why = f"process exited with code {proc.returncode} before reporting"
+        why = (f"output exceeded {cap} bytes" if stop == "overflow" else
+               f"process exited with code {proc.returncode} before reporting")
         return TestReport("crash", 0, n, [why] * n, why)
     passed = sum(1 for r in res["results"] if r is True)
     msgs = [str(m) for m in res.get("messages", [])][: n - passed]
@@ -254,6 +311,30 @@ def run_tests(code: str, tests: Sequence[TestCase], limits: SandboxLimits = Sand
     return report
 
 
+def with_retries(run: Callable[[], TestReport], retries: int = ENV_RETRIES) -> TestReport:
+    """Call ``run()`` until its status is not ``'sandbox_error'``, at most ``1 + retries`` times.
+
+    ``run`` must re-run the same check (same code, tests and limits): a retry repeats a
+    deterministic verification and never samples the policy again. Returns the last report
+    with ``attempts`` = the number of calls made; when every call failed its ``error``
+    says how many attempts were made. Raises ValueError for ``retries < 0``.
+
+    >>> flaky = iter([TestReport("sandbox_error", 0, 1, [], "spawn failed"), TestReport("ok", 1, 1)])
+    >>> r = with_retries(lambda: next(flaky))
+    >>> (r.status, r.attempts)
+    ('ok', 2)
+    """
+    if retries < 0:
+        raise ValueError(f"retries must be >= 0, got {retries}")
+    for attempt in range(1, retries + 2):
+        report = run()
+        if report.status != "sandbox_error":
+            return replace(report, attempts=attempt)
+    n = retries + 1
+    return replace(report, attempts=n,
+                   error=f"{report.error}; gave up after {n} attempt{'s' if n > 1 else ''}")
+
+
 @functools.lru_cache(maxsize=1)
 def network_isolation() -> tuple[str, ...]:
     """Command prefix that gives the child an empty network namespace, if this host allows it.
@@ -283,7 +364,8 @@ def isolation_report() -> dict[str, str]:
     net = network_isolation()
     return {"process": "fresh interpreter (-I -S), own session, killed as a group on timeout",
             "limits": "RLIMIT_CPU, RLIMIT_AS, RLIMIT_FSIZE, RLIMIT_NOFILE, RLIMIT_NPROC, RLIMIT_CORE",
-            "filesystem": "empty temporary working directory, empty environment",
+            "filesystem": "empty temporary working directory (read-only under Landlock), "
+                          "empty environment",
             "confinement": layers_report(),
             "network": " ".join(net[1:]) + " (empty network namespace)" if net else "none (unshare unavailable)"}
 

@@ -14,10 +14,10 @@ Protocol (DESIGN.md §7; Chen et al. 2021 §2.1 for pass@k):
 - score: :func:`consequence.envs.code_tasks.verify_completion` (the same function as
   the training reward), on ``workers`` threads while the model keeps sampling;
 - rules: a sample cut by ``max_new_tokens`` or whose prompt does not fit the model's
-  context stays in n as a failure (shared/cases/04); a sandbox error is retried once,
-  then dropped from that task's n and counted; a task left with fewer than k samples
-  is excluded from pass@k and counted; pass@k is computed per task, then averaged,
-  with a percentile bootstrap CI over tasks.
+  context stays in n as a failure (shared/cases/04); a sandbox error is retried up to
+  ``sandbox.ENV_RETRIES`` times, then dropped from that task's n and counted; a task
+  left with fewer than k samples is excluded from pass@k and counted; pass@k is
+  computed per task, then averaged, with a percentile bootstrap CI over tasks.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import Callable, Sequence
 
 from consequence.fileio import write_text_atomic
 from consequence.envs.code_tasks import verify_completion
-from consequence.envs.sandbox import SandboxLimits, isolation_report
+from consequence.envs.sandbox import ENV_RETRIES, SandboxLimits, isolation_report, with_retries
 from consequence.evaluate.stats import bootstrap_mean_ci, pass_at_k
 from consequence.tasks.jsonl import CodeTask
 
@@ -123,10 +123,9 @@ def _aggregate(tasks: Sequence[CodeTask], reports: list[list], ks: Sequence[int]
 
 
 def _score_one(task: CodeTask, completion: str, limits: SandboxLimits | None):
-    rep = verify_completion(task, completion, limits)
-    if rep.status == "sandbox_error":  # retry once: a transient failure of the host
-        rep = verify_completion(task, completion, limits)
-    return rep
+    # a sandbox error is a failure of the host, not of the sample: re-run the same check up
+    # to the stated limit (the same as training episodes), then it is dropped and counted
+    return with_retries(lambda: verify_completion(task, completion, limits), ENV_RETRIES)
 
 
 def score_completions(tasks: Sequence[CodeTask], completions: Sequence[Sequence[str]],

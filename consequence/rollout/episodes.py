@@ -149,6 +149,7 @@ def _advance(e: _Live, sample: Any, renderer: Renderer, tool_specs: dict, budget
             results.append({"role": "tool", "name": tc["name"], "content": f"error: {problem}"})
             continue
         obs, reward, terminated, truncated, info = e.spec.env.step(tc)
+        e.traj.env_retries += int(info.get("env_retries", 0))  # re-runs of a failed sandbox
         if info.get("env_error"):
             e.messages = e.messages + [parsed.message] + results
             return _end(e, "env_error", error=str(info["env_error"]))
