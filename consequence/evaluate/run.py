@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from consequence.envs.repair_env import TOOLS
-from consequence.envs.sandbox import isolation_report, run_tests
+from consequence.envs.sandbox import ENV_RETRIES, isolation_report, run_tests
 from consequence.envs.sources import TASK_SOURCES, load_task_source
 from consequence.evaluate.compare import ArmResult, paired_comparison
 from consequence.evaluate.episode_eval import (EXCLUSION_RULE, cost_summary, outcome_shares, per_task_counts,
@@ -129,6 +129,9 @@ def evaluate_episodes(model_path: Path, tasks: str, split: str, n: int, ks: list
                      "budgets": vars(budgets), "isolation": isolation_report()},
         "exclusion_rule": EXCLUSION_RULE,
         "env_errors": sum(d["env_errors"] for d in counts),
+        "env_retries": sum(t.env_retries for t in trajs),
+        "retry_rule": f"a sandbox that cannot start is re-run (same code, tests, limits) up to {ENV_RETRIES} more "
+                      "times; still failing, the episode is an env_error",
         "pass_at_k": summarize_pass_at_k(counts, ks, seed=seed),
         "final_selection": summarize_selection(trajs, ks, selection, lambda t: _visible_passed(t, by_id), seed=seed),
         "outcomes": outcome_shares(trajs),
@@ -216,7 +219,8 @@ def markdown(result: dict[str, Any]) -> str:
               f"Cost per episode: {c['gen_tokens_per_episode']:.1f} generated tokens, "
               f"{c['tool_calls_per_episode']:.2f} tool calls, {c['wall_s_per_episode']:.2f} s (batched: wall times overlap); "
               f"{c['gen_tokens_per_success']:.0f} generated tokens per success (curves: `cost.png`).",
-              f"Environment errors: {result['env_errors']} ({result['exclusion_rule']}).",
+              f"Environment errors: {result['env_errors']} ({result['exclusion_rule']}). Sandbox re-runs: "
+              f"{result.get('env_retries', 0)} ({result.get('retry_rule', 'no retry rule recorded')}).",
               f"Isolation: {', '.join(f'{k}={v}' for k, v in s['isolation'].items())}.", "",
               "## Splits touched", ""]
     for t in result.get("splits_touched", []):

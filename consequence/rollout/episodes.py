@@ -106,6 +106,7 @@ def _start(index: int, spec: EpisodeSpec, renderer: Renderer, system_prompt: str
     e = _Live(index, spec, traj, messages, [], time.perf_counter())
     for name, arguments in spec.opening:
         obs, _r, terminated, truncated, info = spec.env.step({"name": name, "arguments": arguments})
+        e.traj.env_retries += int(info.get("env_retries", 0))
         if info.get("env_error"):
             _end(e, "env_error", error=str(info["env_error"]))
             return e
