@@ -326,6 +326,7 @@ def compare_cmd(a: str = typer.Argument(..., help="Policy A: checkpoint or run f
                 tasks: str = typer.Option("repair", help="repair or humaneval-repair."),
                 split: str = typer.Option("validation", help="validation or test."),
                 n: int = typer.Option(4, "-n", help="Episodes per task for each policy."),
+                k: str = typer.Option("1", "-k", help="Comma-separated k of pass@k and final selection in each policy's report, each <= n."),
                 problems: int = typer.Option(0, help="Only the first this many problems (0 = all)."),
                 temperature: float = typer.Option(1.0, help="Sampling temperature, the same for both."),
                 seed: int = typer.Option(0, help="Seed of the instances and the sampling, the same for both."),
@@ -339,14 +340,15 @@ def compare_cmd(a: str = typer.Argument(..., help="Policy A: checkpoint or run f
     try:
         if tasks == "humaneval":
             raise ValueError("compare runs multi-turn sources (repair, humaneval-repair)")
-        check_request(tasks, split, n, [1], temperature, problems)
+        ks = _ks(k)
+        check_request(tasks, split, n, ks, temperature, problems)
         pa, pb = resolve_model(a, "A"), resolve_model(b, "B")
         _check_run_dir(out)
     except ValueError as e:
         console.print(f"[red]error:[/] {escape(str(e))}")
         raise typer.Exit(2)
     _quiet_libraries()
-    res = compare_policies(pa, pb, tasks, split, n, problems=problems, temperature=temperature, seed=seed,
+    res = compare_policies(pa, pb, tasks, split, n, ks=ks, problems=problems, temperature=temperature, seed=seed,
                            recovery=recovery)
     write_text_atomic(out / "compare.json", __import__("json").dumps(res, indent=1, default=str))
     write_text_atomic(out / "compare.md", compare_markdown(res))

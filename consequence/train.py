@@ -134,8 +134,8 @@ def _start(cfg: TrainConfig, console, run: Path, resume: bool, state: ResumeStat
                                     chat_template=tokenizer.chat_template, isolation=isolation_report())
         policy = [str(run / "checkpoints")]
         r.manifest["splits_touched"] = [record_touch(cfg.tasks, cfg.split_seed, "train", "RL rollouts", policy)] + (
-            [record_touch(cfg.tasks, cfg.split_seed, "validation", "validation during training (greedy success of "
-                          "each checkpoint; selects checkpoints)", policy)] if cfg.eval_every else [])
+            [record_touch(cfg.tasks, cfg.split_seed, "validation", "greedy success of each checkpoint during "
+                          "training (selects checkpoints)", policy)] if cfg.eval_every else [])
     else:
         load_learner_state(state, learner)
         r.manifest, r.history, r.start = state.manifest, state.history, state.iteration

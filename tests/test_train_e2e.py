@@ -49,9 +49,9 @@ def test_run_writes_every_artifact(run_dir):
         assert c["low"] <= c["diff"] <= c["high"] and c["episodes"] == 6
     manifest = json.loads((run_dir / "manifest.json").read_text())
     touched = [(t["split"], t["purpose"].split(" ")[0]) for t in manifest["splits_touched"]]
-    assert touched == [("train", "RL"), ("validation", "validation"), ("test", "final"), ("train", "final")]
+    assert touched == [("train", "RL"), ("validation", "greedy"), ("test", "final"), ("train", "final")]
     assert report["splits_touched"] == manifest["splits_touched"] and report["warnings"] == []
-    assert "Splits touched: train (RL rollouts)" in (run_dir / "report.md").read_text()
+    assert "Splits touched:\n- train: RL rollouts\n- validation: greedy" in (run_dir / "report.md").read_text()
 
 
 def test_loss_mask_covers_exactly_the_generated_tokens(run_dir):

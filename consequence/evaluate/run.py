@@ -261,16 +261,17 @@ def _recovery_lines(rec: dict[str, Any] | None) -> list[str]:
             "recovery rate next to the plain success."]
 
 
-def compare_policies(a: Path, b: Path, tasks: str, split: str, n: int, *, problems: int = 0,
-                     temperature: float = 1.0, seed: int = 0, budgets: Budgets = Budgets(),
+def compare_policies(a: Path, b: Path, tasks: str, split: str, n: int, *, ks: Sequence[int] = (1,),
+                     problems: int = 0, temperature: float = 1.0, seed: int = 0, budgets: Budgets = Budgets(),
                      recovery: bool = True) -> dict[str, Any]:
     """Both policies on the same task instances with the same seeds; paired difference of
     success (b − a) with a bootstrap CI over problems, and per-problem wins; with
-    ``recovery`` the same for the recovery diagnostic (same openings, same seeds)."""
-    kw = dict(problems=problems, temperature=temperature, seed=seed, budgets=budgets, selection=("first",),
-              recovery=recovery, purpose="consequence compare")
-    ea = evaluate_episodes(a, tasks, split, n, [1], **kw)
-    eb = evaluate_episodes(b, tasks, split, n, [1], **kw)
+    ``recovery`` the same for the recovery diagnostic (same openings, same seeds). Each
+    policy's own report (pass@k and final selection at ``ks``) is kept under "a" / "b"."""
+    kw = dict(problems=problems, temperature=temperature, seed=seed, budgets=budgets, recovery=recovery,
+              purpose="consequence compare")
+    ea = evaluate_episodes(a, tasks, split, n, list(ks), **kw)
+    eb = evaluate_episodes(b, tasks, split, n, list(ks), **kw)
     out = {"a": ea.result, "b": eb.result,
            "paired": paired_comparison(ArmResult(str(a), ea.episodes), ArmResult(str(b), eb.episodes), seed=seed)}
     if recovery and ea.recovery_episodes:

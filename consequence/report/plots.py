@@ -66,5 +66,5 @@ def write_markdown_report(report: dict[str, Any], out_md: Path) -> None:
         lines += ["", f"Wall time of the whole run: {report['train_seconds'] / 60:.1f} min."]
     touched = report.get("splits_touched", [])
     if touched:
-        lines += ["", "Splits touched: " + "; ".join(f"{t['split']} ({t['purpose']})" for t in touched) + "."]
+        lines += ["", "Splits touched:"] + [f"- {t['split']}: {t['purpose']}" for t in touched]
     write_text_atomic(out_md, "\n".join(lines) + "\n")
