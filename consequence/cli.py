@@ -69,21 +69,21 @@ def _run_train(cfg: TrainConfig, resume: bool) -> None:
         raise typer.Exit(2)
 
 
-def _check_model_dir(model: str | None) -> None:
+def _check_model_dir(model: str | None, option: str = "--model", chat_template: bool = True) -> None:
     """A local checkpoint needs its config and tokenizer files (checked before any work)."""
     if model is None:
         return
     p = Path(model)
     if not p.is_dir():
-        raise ValueError(f"--model {p}: no such directory (give a local Hugging Face checkpoint folder)")
+        raise ValueError(f"{option} {p}: no such directory (give a local Hugging Face checkpoint folder)")
     missing = [n for n in ("config.json",) if not (p / n).is_file()]
     if not any((p / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json")):
         missing.append("tokenizer.json or tokenizer_config.json")
     if missing:
-        raise ValueError(f"--model {p}: not a Hugging Face checkpoint, missing {', '.join(missing)} "
+        raise ValueError(f"{option} {p}: not a Hugging Face checkpoint, missing {', '.join(missing)} "
                          "(save both the model and its tokenizer with save_pretrained)")
-    if not _has_chat_template(p):
-        raise ValueError(f"--model {p}: the tokenizer has no chat template, which the harness needs to render "
+    if chat_template and not _has_chat_template(p):
+        raise ValueError(f"{option} {p}: the tokenizer has no chat template, which the harness needs to render "
                          "conversations and tool calls; set tokenizer.chat_template (e.g. "
                          "consequence.policy.tiny.chat_template(), Qwen2.5 layout) and save_pretrained it again")
 
@@ -102,14 +102,14 @@ def _has_chat_template(p: Path) -> bool:
         return False
 
 
-def _check_run_dir(run: Path) -> None:
+def _check_run_dir(run: Path, option: str = "--run-dir") -> None:
     try:
         run.mkdir(parents=True, exist_ok=True)
         probe = run / ".write-test"
         probe.write_text("")
         probe.unlink()
     except OSError as e:
-        raise ValueError(f"--run-dir {run}: cannot write there ({e.strerror or e})") from None
+        raise ValueError(f"{option} {run}: cannot write there ({e.strerror or e})") from None
 
 
 def _train_signature() -> inspect.Signature:
@@ -256,9 +256,12 @@ def reproduce_cmd(run: Path = typer.Argument(..., help="Run folder with a manife
 
 def _ks(text: str) -> list[int]:
     try:
-        return sorted({int(x) for x in text.split(",") if x.strip()})
+        ks = sorted({int(x) for x in text.split(",") if x.strip()})
     except ValueError:
-        raise ValueError(f"-k {text!r}: give comma-separated integers, e.g. 1,4,16") from None
+        ks = []
+    if not ks:
+        raise ValueError(f"-k {text!r}: give comma-separated integers, e.g. 1,4,16")
+    return ks
 
 
 @app.command("eval")
@@ -267,7 +270,7 @@ def eval_cmd(model: Optional[str] = typer.Option(None, help="Checkpoint folder, 
              split: str = typer.Option("validation", help="train, validation or test (humaneval also: all, the 164 problems); the test split is only run when asked for, and the report says so."),
              n: int = typer.Option(10, "-n", help="Samples per task."),
              k: str = typer.Option("1", "-k", help="Comma-separated k of pass@k, each <= n."),
-             problems: int = typer.Option(0, help="Evaluate only the first this many problems of the split (0 = all)."),
+             problems: int = typer.Option(0, help="Evaluate only this many problems of the split (0 = all): drawn with --seed for repair sources, the first ones for humaneval."),
              temperature: float = typer.Option(1.0, help="Sampling temperature (0 = greedy; then n = 1 makes sense)."),
              seed: int = typer.Option(0, help="Seed of the instances and the sampling."),
              selection: str = typer.Option("first,majority,visible", help="Final-selection rules, comma-separated: first (first submission), majority (most frequent final program), visible (most visible tests passed)."),
@@ -283,10 +286,12 @@ def eval_cmd(model: Optional[str] = typer.Option(None, help="Checkpoint folder, 
         check_request(tasks, split, n, ks, temperature, problems)
         rules = [r.strip() for r in selection.split(",") if r.strip()]
         bad = [r for r in rules if r not in SELECTION_RULES]
-        if bad:
-            raise ValueError(f"--selection {','.join(bad)}: valid rules are {', '.join(SELECTION_RULES)}")
+        if bad or not rules:
+            raise ValueError(f"--selection {selection!r}: give one or more of {', '.join(SELECTION_RULES)}, "
+                             "comma-separated")
         model_path = resolve_model(model)
-        _check_run_dir(out)
+        _check_model_dir(str(model_path), chat_template=tasks != "humaneval")
+        _check_run_dir(out, "--out")
     except ValueError as e:
         console.print(f"[red]error:[/] {escape(str(e))}")
         raise typer.Exit(2)
@@ -295,21 +300,25 @@ def eval_cmd(model: Optional[str] = typer.Option(None, help="Checkpoint folder, 
         from consequence.envs.code_tasks import load_humaneval
         from consequence.evaluate.completions import evaluate_completions, save_eval
 
+        from consequence.evaluate.splits import record_touch, reuse_warning
+
         task_list = load_humaneval(split, seed=0)
         if problems:
             task_list = task_list[:problems]
-        from consequence.evaluate.splits import record_touch, reuse_warning
-
-        if split == "test" and (w := reuse_warning(tasks, 0, [str(model_path)])):
-            console.print(f"[yellow]warning:[/] {escape(w)}")
-        record_touch(tasks, 0, split, "consequence eval", [str(model_path)])
-        console.print(f"HumanEval {split}: {len(task_list)} problems × n = {n} completions of {model_path}")
+        console.print(f"HumanEval {split}: {len(task_list)} problems × n = {n} completions of {model_path} "
+                      "(single-turn: --selection and --recovery do not apply)")
+        warning = reuse_warning(tasks, 0, [str(model_path)]) if split == "test" else None
         res = evaluate_completions(model_path, task_list, n=n, ks=tuple(ks), temperature=temperature, seed=seed)
+        res.settings |= {"tasks": tasks, "split": split, "split_seed": 0, "warnings": [warning] if warning else [],
+                         "splits_touched": [record_touch(tasks, 0, split, "consequence eval", [str(model_path)])]}
         path = save_eval(res, out / "eval.json")
+        if warning:
+            console.print(f"[yellow]warning:[/] {escape(warning)}")
         console.print(res.summary())
         console.print(f"written: {path}")
         return
-    console.print(f"{tasks} {split}: {problems or 'all'} problems × n = {n} episodes of {model_path}")
+    console.print(f"{tasks} {split}: {str(problems) + ' (drawn with --seed)' if problems else 'all'} problems of the split "
+                  f"× n = {n} episodes of {model_path}")
     ev = evaluate_episodes(model_path, tasks, split, n, ks, problems=problems, temperature=temperature,
                            seed=seed, selection=rules, recovery=recovery)
     write_outputs(ev, out)
@@ -321,13 +330,13 @@ def eval_cmd(model: Optional[str] = typer.Option(None, help="Checkpoint folder, 
 
 
 @app.command("compare")
-def compare_cmd(a: str = typer.Argument(..., help="Policy A: checkpoint or run folder."),
-                b: str = typer.Argument(..., help="Policy B: checkpoint or run folder."),
+def compare_cmd(a: str = typer.Argument(..., metavar="A", help="Policy A: checkpoint or run folder."),
+                b: str = typer.Argument(..., metavar="B", help="Policy B: checkpoint or run folder."),
                 tasks: str = typer.Option("repair", help="repair or humaneval-repair."),
-                split: str = typer.Option("validation", help="validation or test."),
+                split: str = typer.Option("validation", help="train, validation or test (test only when asked for; choose settings on validation)."),
                 n: int = typer.Option(4, "-n", help="Episodes per task for each policy."),
                 k: str = typer.Option("1", "-k", help="Comma-separated k of pass@k and final selection in each policy's report, each <= n."),
-                problems: int = typer.Option(0, help="Only the first this many problems (0 = all)."),
+                problems: int = typer.Option(0, help="Only this many problems, drawn with --seed (0 = all; at least 2 for a CI)."),
                 temperature: float = typer.Option(1.0, help="Sampling temperature, the same for both."),
                 seed: int = typer.Option(0, help="Seed of the instances and the sampling, the same for both."),
                 recovery: bool = typer.Option(True, help="Also compare recovery from the same wrong first patch (n more episodes per task and policy)."),
@@ -342,8 +351,12 @@ def compare_cmd(a: str = typer.Argument(..., help="Policy A: checkpoint or run f
             raise ValueError("compare runs multi-turn sources (repair, humaneval-repair)")
         ks = _ks(k)
         check_request(tasks, split, n, ks, temperature, problems)
+        if problems == 1:
+            raise ValueError("--problems 1: a paired CI over problems needs at least 2 problems")
         pa, pb = resolve_model(a, "A"), resolve_model(b, "B")
-        _check_run_dir(out)
+        for p, name in ((pa, "A"), (pb, "B")):
+            _check_model_dir(str(p), name)
+        _check_run_dir(out, "--out")
     except ValueError as e:
         console.print(f"[red]error:[/] {escape(str(e))}")
         raise typer.Exit(2)
@@ -360,7 +373,7 @@ def compare_cmd(a: str = typer.Argument(..., help="Policy A: checkpoint or run f
                       f"B − A = {c['diff']:+.3f} [{c['low']:+.3f}, {c['high']:+.3f}] (95 % CI, bootstrap over "
                       f"{c['n_groups']} problems); problems won: B {c['b_wins']}, A {c['a_wins']}, tied {c['ties']}; "
                       f"env-error pairs excluded: {c['env_errors_excluded']}")
-    for w in res["b"]["warnings"]:
+    for w in res["a"]["warnings"]:
         console.print(f"[yellow]warning:[/] {escape(w)}")
     console.print(f"written: {out}/compare.json, compare.md")
 

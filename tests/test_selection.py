@@ -110,7 +110,9 @@ def test_ledger_warns_on_test_reuse_by_other_policies(tmp_path):
     record_touch("repair", 0, "test", "consequence eval", ["A"], path)
     assert reuse_warning("repair", 0, ["A"], path) is None  # the same policy again
     w = reuse_warning("repair", 0, ["C"], path)
-    assert w is not None and "1 other policy (A;" in w and "optimistic" in w
+    from pathlib import Path
+
+    assert w is not None and f"1 other policy ({Path('A').resolve()};" in w and "optimistic" in w
     assert reuse_warning("repair", 1, ["C"], path) is None  # another split seed: other problems
     assert reuse_warning("humaneval-repair", 0, ["C"], path) is None
     assert [e["split"] for e in read_ledger(path)] == ["validation", "test"]
@@ -145,7 +147,7 @@ def test_eval_cli_records_the_touch_and_warns_on_test_reuse(tmp_path):
     assert set(r2["final_selection"]) == {"first", "majority"} and "recovery" not in r2
     assert "**Warning:**" in (tmp_path / "e2" / "report.md").read_text()
     bad = runner.invoke(app, ["eval", "--selection", "best", "--out", str(tmp_path / "e3")])
-    assert bad.exit_code == 2 and "valid rules are first, majority, visible" in bad.output
+    assert bad.exit_code == 2 and "give one or more of first, majority, visible" in bad.output
 
 
 def test_compare_cli_pairs_success_and_recovery(tmp_path):
@@ -166,3 +168,62 @@ def test_compare_cli_pairs_success_and_recovery(tmp_path):
         assert c["diff"] == 0.0 and c["a_mean"] == c["b_mean"] and c["episodes"] == 4 and c["ties"] == 2
     md = (tmp_path / "c" / "compare.md").read_text()
     assert "| recovery after the same wrong first patch |" in md and "# Policy B" in md
+
+
+def test_ledger_knows_a_policy_by_its_folder_and_weights(tmp_path, monkeypatch):
+    import os
+    import shutil
+
+    from consequence.warmstart import BUNDLED
+
+    path = tmp_path / "ledger.jsonl"
+    model = tmp_path / "m"
+    shutil.copytree(BUNDLED, model)
+    record_touch("repair", 0, "test", "consequence eval", [str(model)], path)
+    monkeypatch.chdir(tmp_path)
+    assert reuse_warning("repair", 0, ["m"], path) is None  # the same folder, named relatively
+    weights = model / "model.safetensors"
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))  # retrained in place
+    w = reuse_warning("repair", 0, ["m"], path)
+    assert w is not None and str(model) in w
+
+
+def test_bad_eval_and_compare_requests_fail_before_any_touch(tmp_path):
+    import os
+
+    from consequence.cli import app
+
+    runner = CliRunner()
+    ledger = tmp_path / "split-ledger.jsonl"
+    assert os.environ["CONSEQUENCE_LEDGER"] == str(ledger)
+    half = tmp_path / "half"
+    half.mkdir()
+    (half / "config.json").write_text("{}")
+    blocker = tmp_path / "afile"
+    blocker.write_text("")
+    cases = [(["eval", "-k", "", "--out", str(tmp_path / "e")], "-k ''"),
+             (["eval", "--selection", "", "--out", str(tmp_path / "e")], "--selection ''"),
+             (["eval", "--model", str(half), "--out", str(tmp_path / "e")], "missing tokenizer.json"),
+             (["eval", "--out", str(blocker)], "--out"),
+             (["compare", str(half), str(half), "--out", str(tmp_path / "c")], "A "),
+             (["compare", "consequence/assets/tiny-repair", "consequence/assets/tiny-repair", "--problems", "1",
+               "--out", str(tmp_path / "c")], "at least 2 problems")]
+    for args, needle in cases:
+        res = runner.invoke(app, args)
+        assert res.exit_code == 2 and needle in res.output, (args, res.output)
+    assert not ledger.exists()
+
+
+def test_a_first_comparison_on_test_does_not_warn_about_its_own_arms(tmp_path):
+    import shutil
+
+    from consequence.cli import app
+    from consequence.warmstart import BUNDLED
+
+    other = tmp_path / "b"
+    shutil.copytree(BUNDLED, other)
+    res = CliRunner().invoke(app, ["compare", str(BUNDLED), str(other), "--split", "test", "--problems", "2",
+                                   "-n", "1", "--no-recovery", "--out", str(tmp_path / "c")])
+    assert res.exit_code == 0, res.output
+    out = json.loads((tmp_path / "c" / "compare.json").read_text())
+    assert out["a"]["warnings"] == [] and out["b"]["warnings"] == [] and "warning" not in res.output

@@ -33,6 +33,7 @@ from typing import Callable, Sequence
 
 from consequence.fileio import write_text_atomic
 from consequence.envs.code_tasks import verify_completion
+from consequence.envs.judge import PROGRAM_LIMITS
 from consequence.envs.sandbox import ENV_RETRIES, SandboxLimits, isolation_report, with_retries
 from consequence.evaluate.stats import bootstrap_mean_ci, pass_at_k
 from consequence.tasks.jsonl import CodeTask
@@ -270,7 +271,7 @@ def evaluate_completions(model_path: str | os.PathLike, tasks: Sequence[CodeTask
         row["completions"] = cs
     res.settings = {"model": str(model_path), "n": n, "ks": list(ks), "temperature": temperature,
                     "top_p": top_p, "max_new_tokens": max_new_tokens, "prompt_mode": mode,
-                    "seed": seed, "limits": asdict(limits) if limits else "judge.PROGRAM_LIMITS",
+                    "seed": seed, "limits": asdict(limits or PROGRAM_LIMITS),
                     "isolation": isolation_report(), "wall_s": round(time.perf_counter() - t0, 2)}
     return res
 

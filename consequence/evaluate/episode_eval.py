@@ -92,8 +92,13 @@ def summarize_pass_at_k(counts: Sequence[dict[str, Any]], ks: Sequence[int], con
     return out
 
 
-def cost_summary(trajs: Sequence[Trajectory]) -> dict[str, float]:
-    """Per-episode cost (generated tokens, tool calls, wall seconds) and cost per success."""
+def cost_summary(trajs: Sequence[Trajectory], wall_s: float | None = None) -> dict[str, float]:
+    """Per-episode cost (generated tokens, tool calls, wall seconds) and cost per success.
+
+    ``wall_s``: the wall time of the whole batch of episodes; episodes run concurrently, so
+    the per-episode wall time is ``wall_s / episodes`` (without it: the mean of each
+    episode's own start-to-end time, which overlap).
+    """
     valid = [t for t in trajs if t.outcome != "env_error"]
     n = max(1, len(valid))
     wins = sum(solved(t) for t in valid)
@@ -103,7 +108,7 @@ def cost_summary(trajs: Sequence[Trajectory]) -> dict[str, float]:
         "success": wins / n,
         "gen_tokens_per_episode": tokens / n,
         "tool_calls_per_episode": sum(t.n_tool_calls for t in valid) / n,
-        "wall_s_per_episode": sum(t.wall_time_s or 0.0 for t in valid) / n,
+        "wall_s_per_episode": (wall_s if wall_s is not None else sum(t.wall_time_s or 0.0 for t in valid)) / n,
         "gen_tokens_per_success": tokens / wins if wins else float("inf"),
     }
 

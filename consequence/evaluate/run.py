@@ -95,15 +95,16 @@ class EpisodeEval:
 def evaluate_episodes(model_path: Path, tasks: str, split: str, n: int, ks: list[int], *, problems: int = 0,
                       temperature: float = 1.0, seed: int = 0, budgets: Budgets = Budgets(), split_seed: int = 0,
                       selection: Sequence[str] = SELECTION_RULES, recovery: bool = True,
-                      purpose: str = "consequence eval") -> EpisodeEval:
+                      purpose: str = "consequence eval", companions: Sequence[Path] = ()) -> EpisodeEval:
     """n episodes per task of the split's problems (the first ``problems`` when > 0).
 
     Reports pass@k (unbiased, per task then averaged, bootstrap CI over problems),
     final-selection success per rule and k, outcome shares (a prompt that does not fit
     stays in the denominator: case 04), cost and success against caps, environment
     errors with the exclusion rule, the recovery diagnostic (n more episodes per task
-    that has a wrong first patch), and the split touch (recorded in the ledger, with a
-    warning when other policies were evaluated on test before).
+    that has a wrong first patch), and the split touch (recorded in the ledger once the
+    model has loaded, with a warning when policies other than this one and its
+    ``companions`` — the other arm of a comparison — were evaluated on test before).
 
     Raises:
         ValueError: unknown selection rule.
@@ -115,12 +116,14 @@ def evaluate_episodes(model_path: Path, tasks: str, split: str, n: int, ks: list
     pool = source.split[split]
     count = min(problems, len(pool)) if problems else len(pool)
     task_list = source.sample(split, count, seed=seed_of(seed, "eval", split))
-    warning = reuse_warning(tasks, split_seed, [str(model_path)]) if split == "test" else None
-    touch = record_touch(tasks, split_seed, split, purpose, [str(model_path)])
     model, tok = load_policy(model_path)
+    mine = [str(model_path), *map(str, companions)]
+    warning = reuse_warning(tasks, split_seed, mine) if split == "test" else None
+    touch = record_touch(tasks, split_seed, split, purpose, [str(model_path)])
     renderer = Renderer(tok, TOOLS)
     t0 = time.perf_counter()
     trajs = sample_episodes(model, renderer, task_list, n, budgets, seed, temperature)
+    plain_wall = time.perf_counter() - t0
     counts = per_task_counts(trajs)
     by_id = {t.task_id: t for t in task_list}
     result = {
@@ -135,7 +138,7 @@ def evaluate_episodes(model_path: Path, tasks: str, split: str, n: int, ks: list
         "pass_at_k": summarize_pass_at_k(counts, ks, seed=seed),
         "final_selection": summarize_selection(trajs, ks, selection, lambda t: _visible_passed(t, by_id), seed=seed),
         "outcomes": outcome_shares(trajs),
-        "cost": cost_summary(trajs),
+        "cost": cost_summary(trajs, wall_s=plain_wall),
         "success_vs_tool_call_cap": dict(zip(map(str, TOOL_CAPS), success_under_caps(trajs, "n_tool_calls", TOOL_CAPS))),
         "success_vs_token_cap": dict(zip(map(str, TOKEN_CAPS), success_under_caps(trajs, "n_generated_tokens", TOKEN_CAPS))),
         "per_task": counts,
@@ -199,15 +202,16 @@ def markdown(result: dict[str, Any]) -> str:
     b = s["budgets"]
     lines = [f"# Evaluation: {s['tasks']} / {s['split']}", ""]
     lines += [f"> **Warning:** {w}" for w in result.get("warnings", [])]
-    lines += [f"Model `{s['model']}`; {s['problems']} problems × n = {s['n']} samples at temperature "
+    lines += [f"Model `{s['model']}`; {s['problems']} problem{'s' if s['problems'] != 1 else ''} × n = {s['n']} samples at temperature "
               f"{s['temperature']}, seed {s['seed']}. Budget per episode: {b['max_turns']} turns, "
               f"{b['max_new_tokens']} tokens per call, {b['max_total_tokens']} tokens in all, "
               f"{b['max_tool_calls']} tool calls.", "",
               "## pass@k (a correct candidate exists among k)", "",
-              "| k | pass@k | 95 % CI (bootstrap over problems) | binomial SE | tasks | excluded |",
+              "| k | pass@k | 95 % CI (bootstrap over problems) | binomial SE (k = 1) | tasks | excluded |",
               "|---|---|---|---|---|---|"]
     for k, v in result["pass_at_k"].items():
-        lines.append(f"| {k} | {v['pass_at_k']:.3f} | [{v['low']:.3f}, {v['high']:.3f}] | {v['se']:.3f} | "
+        se = f"{v['se']:.3f}" if k == "1" else "—"  # pass@k for k > 1 is not a proportion of Bernoulli trials
+        lines.append(f"| {k} | {v['pass_at_k']:.3f} | [{v['low']:.3f}, {v['high']:.3f}] | {se} | "
                      f"{v['tasks']} | {v['tasks_excluded']} |")
     o = result["outcomes"]
     lines += ["", "Outcomes of all episodes (every one stays in the denominator): "
@@ -217,7 +221,7 @@ def markdown(result: dict[str, Any]) -> str:
     c = result["cost"]
     lines += ["", "## Cost and errors", "",
               f"Cost per episode: {c['gen_tokens_per_episode']:.1f} generated tokens, "
-              f"{c['tool_calls_per_episode']:.2f} tool calls, {c['wall_s_per_episode']:.2f} s (batched: wall times overlap); "
+              f"{c['tool_calls_per_episode']:.2f} tool calls, {c['wall_s_per_episode']:.2f} s of wall time (the batch's time / episodes); "
               f"{c['gen_tokens_per_success']:.0f} generated tokens per success (curves: `cost.png`).",
               f"Environment errors: {result['env_errors']} ({result['exclusion_rule']}). Sandbox re-runs: "
               f"{result.get('env_retries', 0)} ({result.get('retry_rule', 'no retry rule recorded')}).",
@@ -270,8 +274,8 @@ def compare_policies(a: Path, b: Path, tasks: str, split: str, n: int, *, ks: Se
     policy's own report (pass@k and final selection at ``ks``) is kept under "a" / "b"."""
     kw = dict(problems=problems, temperature=temperature, seed=seed, budgets=budgets, recovery=recovery,
               purpose="consequence compare")
-    ea = evaluate_episodes(a, tasks, split, n, list(ks), **kw)
-    eb = evaluate_episodes(b, tasks, split, n, list(ks), **kw)
+    ea = evaluate_episodes(a, tasks, split, n, list(ks), companions=[b], **kw)
+    eb = evaluate_episodes(b, tasks, split, n, list(ks), companions=[a], **kw)
     out = {"a": ea.result, "b": eb.result,
            "paired": paired_comparison(ArmResult(str(a), ea.episodes), ArmResult(str(b), eb.episodes), seed=seed)}
     if recovery and ea.recovery_episodes:
@@ -284,7 +288,7 @@ def compare_markdown(res: dict[str, Any]) -> str:
     """The report of ``consequence compare``: paired differences, then each policy's report."""
     s = res["a"]["settings"]
     lines = [f"# Comparison on {s['tasks']} / {s['split']}", ""]
-    lines += [f"> **Warning:** {w}" for w in res["b"].get("warnings", [])]
+    lines += [f"> **Warning:** {w}" for w in res["a"].get("warnings", [])]
     lines += [f"A = `{res['a']['settings']['model']}`, B = `{res['b']['settings']['model']}`; the same "
               f"{s['problems']} problems × n = {s['n']} episodes with the same seeds for both. B − A with a 95 % "
               "paired bootstrap CI over problems; a pair is dropped when either arm had an environment error.", "",
@@ -296,8 +300,10 @@ def compare_markdown(res: dict[str, Any]) -> str:
             lines.append(f"| {what} | {c['a_mean']:.3f} | {c['b_mean']:.3f} | {c['diff']:+.3f} | "
                          f"[{c['low']:+.3f}, {c['high']:+.3f}] | {c['b_wins']} / {c['a_wins']} / {c['ties']} | "
                          f"{c['env_errors_excluded']} |")
+    if res["a"]["settings"]["model"] == res["b"]["settings"]["model"]:
+        lines += ["", "A and B are the same checkpoint folder: the difference measures nothing but the evaluation."]
     for arm in ("a", "b"):
-        body = markdown(res[arm]).split("\n", 1)[1]
+        body = markdown({**res[arm], "warnings": []}).split("\n", 1)[1]
         lines += ["", f"# Policy {arm.upper()}", body]
     return "\n".join(lines) + "\n"
 

@@ -46,12 +46,24 @@ def read_ledger(path: Path | None = None) -> list[dict[str, Any]]:
     return out
 
 
+def fingerprint(policy: str | os.PathLike) -> str:
+    """Identity of a checkpoint: its absolute path plus the size and modification time of
+    its weight files (cheap for any model size), so retraining into the same folder is a
+    new policy and the same folder named another way is the same one."""
+    p = Path(policy).resolve()
+    weights = sorted(p.glob("*.safetensors")) + sorted(p.glob("*.bin")) if p.is_dir() else []
+    stamp = ";".join(f"{w.name}:{w.stat().st_size}:{w.stat().st_mtime_ns}" for w in weights)
+    return f"{p}|{stamp}"
+
+
 def reuse_warning(tasks: str, split_seed: int, policies: list[str], path: Path | None = None) -> str | None:
-    """The warning for a new test evaluation of ``policies``, or None when it is the first
-    test evaluation of these problems (or only these policies were evaluated on test)."""
+    """The warning for a new test evaluation of ``policies`` (every policy of this run,
+    e.g. both arms of a comparison), or None when no OTHER policy was evaluated on the
+    test split of these problems before (policies are told apart by :func:`fingerprint`)."""
     earlier = [e for e in read_ledger(path) if e.get("split") == "test" and e.get("tasks") == tasks
                and e.get("split_seed") == split_seed]
-    others = sorted({p for e in earlier for p in e.get("policies", [])} - set(policies))
+    mine = {fingerprint(p) for p in policies}
+    others = sorted({f.split("|")[0] for e in earlier for f in e.get("fingerprints", []) if f not in mine})
     if not others:
         return None
     shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
@@ -69,13 +81,14 @@ def record_touch(tasks: str, split_seed: int, split: str, purpose: str, policies
         tasks: task source name; split_seed: the split's seed (together: the problems).
         split: ``train``, ``validation``, ``test`` (or ``all`` for HumanEval).
         purpose: e.g. ``"consequence eval"``, ``"final evaluation of a training run"``.
-        policies: the evaluated checkpoints (paths as given).
+        policies: the evaluated checkpoints (stored as absolute paths and fingerprints).
 
     A ledger that cannot be written (read-only cache) does not stop the evaluation; the
     returned record says ``"ledger": null``.
     """
     entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "tasks": tasks, "split_seed": split_seed,
-             "split": split, "purpose": purpose, "policies": [str(p) for p in policies], "pid": os.getpid()}
+             "split": split, "purpose": purpose, "policies": [str(Path(p).resolve()) for p in policies],
+             "fingerprints": [fingerprint(p) for p in policies], "pid": os.getpid()}
     path = path or ledger_path()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
