@@ -7,6 +7,8 @@ that names the key and what is allowed.
 
 from __future__ import annotations
 
+import difflib
+
 from pathlib import Path
 from typing import Literal
 
@@ -110,6 +112,10 @@ class TrainConfig(BaseModel):
             for err in e.errors():
                 key = ".".join(str(x) for x in err["loc"])
                 key = f"{key} (--{key.replace('_', '-')})"
-                hint = "unknown option; see `consequence train --help`" if err["type"] == "extra_forbidden" else err["msg"]
+                hint = err["msg"]
+                if err["type"] == "extra_forbidden":
+                    close = difflib.get_close_matches(str(err["loc"][0]), list(cls.model_fields), n=2)
+                    hint = ("unknown option" + (f"; did you mean {' or '.join(close)}?" if close else "")
+                            + " (see `consequence train --help`)")
                 lines.append(f"  {key}: {hint} (got {err.get('input')!r})")
             raise ValueError("invalid training config:\n" + "\n".join(lines)) from None

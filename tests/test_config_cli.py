@@ -15,7 +15,7 @@ def test_defaults_are_valid_and_yaml_overrides(tmp_path):
 
 
 @pytest.mark.parametrize("text,needle", [
-    ("iteratons: 3\n", "iteratons (--iteratons): unknown option"),
+    ("iteratons: 3\n", "iteratons (--iteratons): unknown option; did you mean iterations?"),
     ("group_size: 1\n", "group_size (--group-size): Input should be greater than or equal to 2"),
     ("reduction: mean\n", "reduction (--reduction): Input should be"),
     ("- 1\n- 2\n", "must hold a mapping"),
