@@ -44,6 +44,8 @@ def outcome_shares(trajs: Sequence[Trajectory]) -> dict[str, Any]:
             key = f"truncated_{t.truncation_reason}"
         counts[key] = counts.get(key, 0) + 1
     n = max(1, len(trajs))
+    rank = {"solved": 0, "submitted_wrong": 1, "prompt_too_long": 3, "env_error": 4}  # truncated_*: 2
+    counts = dict(sorted(counts.items(), key=lambda kv: (rank.get(kv[0], 2), kv[0])))
     return {"episodes": len(trajs), "counts": counts, "shares": {k: v / n for k, v in counts.items()}}
 
 
