@@ -151,8 +151,8 @@ def test_process_logits_temperature_case():
     logits = torch.tensor([2.0, 1.0, 0.0])
     lp = torch.log_softmax(process_logits(logits, temperature=0.5), -1)
     assert lp[0].item() == pytest.approx(-0.1429, abs=1e-4)
-    assert lp[0].item() != pytest.approx(-0.8152, abs=1e-3)  # softmax at T=1
-    assert lp[0].item() != pytest.approx(-0.4076, abs=1e-3)  # T=1 log-prob times T
+    assert lp[0].item() != pytest.approx(-0.8152, abs=1e-3)  # T=1 log-prob divided by T
+    assert lp[0].item() != pytest.approx(-0.4076, abs=1e-3)  # log-softmax at T=1
     # Greedy (T=0) reports the unprocessed T=1 log-prob.
     lp0 = torch.log_softmax(process_logits(logits, temperature=0.0), -1)
     assert lp0[0].item() == pytest.approx(2.0 - math.log(math.exp(2) + math.exp(1) + 1), abs=1e-6)
