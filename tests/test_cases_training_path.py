@@ -135,3 +135,18 @@ def test_case_13_two_tool_calls_in_one_sampled_turn_share_one_observation(tmp_pa
     # the row is the template's own rendering of the conversation (no re-tokenisation drift)
     text = renderer.render_text(t.messages[:-2], add_generation_prompt=True)  # before the finish turn
     assert renderer.tokenizer.decode(second.context_ids) == text
+
+
+def test_case_08_a_template_that_rewrites_earlier_turns_is_refused(tiny_tokenizer):
+    import copy
+
+    from consequence.harness.renderer import Renderer
+
+    tok = copy.deepcopy(tiny_tokenizer)
+    # the turn count is printed first, so every new message changes the text before it
+    tok.chat_template = ("{{ messages|length }}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+                         "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    r = Renderer(tok, [])
+    history = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+    with pytest.raises(ValueError, match="re-renders earlier turns differently"):
+        r.observation_ids(history, {"role": "assistant", "content": "a"}, [{"role": "tool", "content": "ok"}])
