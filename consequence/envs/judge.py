@@ -22,20 +22,18 @@ The parent decides from the judge's exit status and its last nonce line only.
 from __future__ import annotations
 
 import ast
-import hashlib
 import json
 import os
 import secrets
 import subprocess
 import sys
 import tempfile
-import threading
-from collections import OrderedDict
 from typing import Sequence
 
 from consequence.envs.hardening import child_config
 from consequence.envs.judge_children import CANDIDATE, CODEC, JUDGE
-from consequence.envs.sandbox import SandboxLimits, TestReport, kill_group, network_isolation, tagged_messages
+from consequence.envs.sandbox import (ReportCache, SandboxLimits, TestReport, kill_group, network_isolation,
+                                      tagged_messages)
 from consequence.tasks.repair import TestCase, TestProgram
 
 __all__ = ["PROGRAM_LIMITS", "run_program", "run_cases", "clear_cache", "CODEC", "CANDIDATE", "JUDGE"]
@@ -45,15 +43,12 @@ __all__ = ["PROGRAM_LIMITS", "run_program", "run_cases", "clear_cache", "CODEC",
 PROGRAM_LIMITS = SandboxLimits(wall_s=6.0, cpu_s=4, memory_mb=512)
 MAX_FRAME_BYTES = 4 << 20  # one answer of the candidate; larger is a hard failure
 
-_CACHE: "OrderedDict[str, TestReport]" = OrderedDict()
-_CACHE_MAX = 4096
-_LOCK = threading.Lock()
+_CACHE = ReportCache()
 
 
 def clear_cache() -> None:
     """Forget all cached reports."""
-    with _LOCK:
-        _CACHE.clear()
+    _CACHE.clear()
 
 
 def _spawn(code: str, job: dict, lim: SandboxLimits, work: str, out, nonce: str):
@@ -136,22 +131,7 @@ def _report(started: bool, verdict: dict | None, timed_out: bool, rc: int | None
 
 def _cached_run(key_parts: list, code: str, job: dict, n: int, lim: SandboxLimits,
                 cache: bool) -> TestReport:
-    key = hashlib.sha256(json.dumps([code, key_parts, list(vars(lim).values())]).encode()
-                         ).hexdigest()
-    if cache:
-        with _LOCK:
-            hit = _CACHE.get(key)
-            if hit is not None:
-                _CACHE.move_to_end(key)
-                return TestReport(hit.status, hit.passed, hit.total, list(hit.messages), hit.error)
-    report = _run(code, job, n, lim)
-    if cache and report.status != "sandbox_error":
-        with _LOCK:
-            _CACHE[key] = TestReport(report.status, report.passed, report.total,
-                                     list(report.messages), report.error)
-            while len(_CACHE) > _CACHE_MAX:
-                _CACHE.popitem(last=False)
-    return report
+    return _CACHE.run([code, key_parts, list(vars(lim).values())], lambda: _run(code, job, n, lim), cache)
 
 
 def run_program(code: str, program: TestProgram, limits: SandboxLimits = PROGRAM_LIMITS,

@@ -142,19 +142,51 @@ def _main():
 _main()
 '''
 
-_CACHE: "OrderedDict[str, TestReport]" = OrderedDict()
-_CACHE_MAX = 4096
-_LOCK = threading.Lock()
+class ReportCache:
+    """Thread-safe LRU of reports keyed by the sha256 of their inputs (code, tests, limits).
 
+    A ``sandbox_error`` is never stored: it says nothing about the code and is retried.
+    Hits and stored entries are copies, so a caller may edit the report it gets.
+    """
 
-def clear_cache() -> None:
-    """Forget all cached reports."""
-    with _LOCK:
-        _CACHE.clear()
+    def __init__(self, max_entries: int = 4096):
+        self._entries: "OrderedDict[str, TestReport]" = OrderedDict()
+        self._max = max_entries
+        self._lock = threading.Lock()
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+    def run(self, key_parts: list, run: Callable[[], TestReport], use: bool = True) -> TestReport:
+        """The cached report for ``key_parts`` (JSON-serialisable), else ``run()``, stored."""
+        if not use:
+            return run()
+        key = hashlib.sha256(json.dumps(key_parts).encode()).hexdigest()
+        with self._lock:
+            hit = self._entries.get(key)
+            if hit is not None:
+                self._entries.move_to_end(key)
+                return _copy(hit)
+        report = run()
+        if report.status != "sandbox_error":
+            with self._lock:
+                self._entries[key] = _copy(report)
+                while len(self._entries) > self._max:
+                    self._entries.popitem(last=False)
+        return report
 
 
 def _copy(r: TestReport) -> TestReport:
     return TestReport(r.status, r.passed, r.total, list(r.messages), r.error)
+
+
+_CACHE = ReportCache()
+
+
+def clear_cache() -> None:
+    """Forget all cached reports."""
+    _CACHE.clear()
 
 
 def kill_group(proc: subprocess.Popen | None) -> None:
@@ -294,21 +326,8 @@ def run_tests(code: str, tests: Sequence[TestCase], limits: SandboxLimits = Sand
     Results are cached (LRU, keyed by code, tests and limits) when ``cache`` is true;
     sandbox errors are never cached. Typical cost: one interpreter start (~20-40 ms).
     """
-    key = hashlib.sha256(json.dumps([code, [[t.call, t.expected] for t in tests],
-                                     list(vars(limits).values())]).encode()).hexdigest()
-    if cache:
-        with _LOCK:
-            hit = _CACHE.get(key)
-            if hit is not None:
-                _CACHE.move_to_end(key)
-                return _copy(hit)
-    report = _run(code, list(tests), limits)
-    if cache and report.status != "sandbox_error":
-        with _LOCK:
-            _CACHE[key] = _copy(report)
-            while len(_CACHE) > _CACHE_MAX:
-                _CACHE.popitem(last=False)
-    return report
+    key = [code, [[t.call, t.expected] for t in tests], list(vars(limits).values())]
+    return _CACHE.run(key, lambda: _run(code, list(tests), limits), cache)
 
 
 def with_retries(run: Callable[[], TestReport], retries: int = ENV_RETRIES) -> TestReport:
