@@ -279,16 +279,12 @@ def eval_cmd(model: Optional[str] = typer.Option(None, help="Checkpoint folder, 
     """Evaluate a policy: pass@k and final-selection success with bootstrap CIs over problems,
     the recovery diagnostic, outcomes, budgets, cost, env errors and the split touched."""
     from consequence.evaluate.run import check_request, evaluate_episodes, resolve_model, write_outputs
-    from consequence.evaluate.selection import SELECTION_RULES
+    from consequence.evaluate.selection import check_rules
 
     try:
         ks = _ks(k)
         check_request(tasks, split, n, ks, temperature, problems)
-        rules = [r.strip() for r in selection.split(",") if r.strip()]
-        bad = [r for r in rules if r not in SELECTION_RULES]
-        if bad or not rules:
-            raise ValueError(f"--selection {selection!r}: give one or more of {', '.join(SELECTION_RULES)}, "
-                             "comma-separated")
+        rules = check_rules([r.strip() for r in selection.split(",") if r.strip()])
         model_path = resolve_model(model)
         _check_model_dir(str(model_path), chat_template=tasks != "humaneval")
         _check_run_dir(out, "--out")

@@ -24,7 +24,7 @@ from consequence.evaluate.episode_eval import (EXCLUSION_RULE, cost_summary, out
                                                success_under_caps, summarize_pass_at_k)
 from consequence.evaluate.recovery import recovery_openings
 from consequence.evaluate.rollouts import sample_episodes
-from consequence.evaluate.selection import SELECTION_RULES, summarize_selection
+from consequence.evaluate.selection import SELECTION_RULES, check_rules, summarize_selection
 from consequence.evaluate.splits import record_touch, reuse_warning
 from consequence.fileio import write_text_atomic
 from consequence.figures import pyplot, save_figure
@@ -96,7 +96,7 @@ def evaluate_episodes(model_path: Path, tasks: str, split: str, n: int, ks: list
                       temperature: float = 1.0, seed: int = 0, budgets: Budgets = Budgets(), split_seed: int = 0,
                       selection: Sequence[str] = SELECTION_RULES, recovery: bool = True,
                       purpose: str = "consequence eval", companions: Sequence[Path] = ()) -> EpisodeEval:
-    """n episodes per task of the split's problems (the first ``problems`` when > 0).
+    """n episodes per task of the split's problems (``problems`` of them, drawn with ``seed``, when > 0).
 
     Reports pass@k (unbiased, per task then averaged, bootstrap CI over problems),
     final-selection success per rule and k, outcome shares (a prompt that does not fit
@@ -109,9 +109,7 @@ def evaluate_episodes(model_path: Path, tasks: str, split: str, n: int, ks: list
     Raises:
         ValueError: unknown selection rule.
     """
-    bad = [r for r in selection if r not in SELECTION_RULES]
-    if bad:
-        raise ValueError(f"--selection {bad}: valid rules are {', '.join(SELECTION_RULES)}")
+    selection = check_rules(selection)
     source = load_task_source(tasks, split_seed)
     pool = source.split[split]
     count = min(problems, len(pool)) if problems else len(pool)

@@ -38,6 +38,19 @@ SELECTION_RULES: tuple[str, ...] = ("first", "majority", "visible")
 VisibleScore = Callable[[Trajectory], int]
 
 
+def check_rules(rules: Sequence[str]) -> list[str]:
+    """The rules as a list, checked.
+
+    Raises:
+        ValueError: no rule, or one not in :data:`SELECTION_RULES`.
+    """
+    rules = list(rules)
+    if not rules or any(r not in SELECTION_RULES for r in rules):
+        raise ValueError(f"--selection {','.join(rules)!r}: give one or more of {', '.join(SELECTION_RULES)}, "
+                         "comma-separated")
+    return rules
+
+
 def _program(t: Trajectory) -> str:
     return "\n".join(line.rstrip() for line in (t.final_code or "").split("\n")).strip()
 
@@ -82,6 +95,17 @@ def task_selection_success(episodes: Sequence[Trajectory], k: int, rule: str,
     return wins / len(blocks)
 
 
+def _once_per_candidate(score: VisibleScore) -> VisibleScore:
+    """Every k and block asks again about the same episodes: run the visible tests once each."""
+    seen: dict[int, int] = {}
+
+    def cached(t: Trajectory) -> int:
+        if id(t) not in seen:
+            seen[id(t)] = score(t)
+        return seen[id(t)]
+    return cached
+
+
 def summarize_selection(trajs: Sequence[Trajectory], ks: Sequence[int], rules: Sequence[str] = SELECTION_RULES,
                         visible_score: VisibleScore | None = None, confidence: float = 0.95,
                         seed: int = 0) -> dict[str, Any]:
@@ -97,6 +121,8 @@ def summarize_selection(trajs: Sequence[Trajectory], ks: Sequence[int], rules: S
     by_task: dict[str, list[Trajectory]] = {}
     for t in trajs:
         by_task.setdefault(t.group_id, []).append(t)
+    if visible_score is not None:
+        visible_score = _once_per_candidate(visible_score)
     out: dict[str, Any] = {}
     for rule in rules:
         out[rule] = {}
