@@ -38,7 +38,7 @@ Equivalences (TRL 1.16 ``GRPOConfig`` field = our setting):
   token mean over B·G rows, as ours);
 - ``scale_rewards="group"``: TRL divides by the Bessel-corrected group std + 1e-4, so we
   call ``group_advantages(..., std_correction=1, eps=1e-4)`` (our default is the
-  population std + 1e-6, DESIGN.md §4);
+  population std + 1e-6, docs/design.md §4);
 - AdamW (β 0.9/0.999, ε 1e-8, weight decay 0), constant learning rate (TRL:
   ``lr_scheduler_type="constant"``, no warm-up), gradient-norm clip 1.0;
 - temperature 1, ``top_k=0``, ``top_p=1``; stop at ``<|im_end|>`` (kept as a target);

@@ -1,4 +1,4 @@
-"""Checks before the first optimizer step (DESIGN.md §6).
+"""Checks before the first optimizer step (docs/design.md §6).
 
 They run on the first collected batch of every training run, print a pass/fail table and
 stop the run with :class:`PreStepCheckError` on a failure; ``--skip-checks`` turns them
@@ -198,7 +198,7 @@ def _print(results: list[CheckResult], console) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    table = Table(title="checks before the first optimizer step (DESIGN.md §6)")
+    table = Table(title="checks before the first optimizer step (docs/design.md §6)")
     table.add_column("check")
     table.add_column("result")
     table.add_column("detail", overflow="fold")

@@ -40,7 +40,7 @@ class TrainConfig(BaseModel):
     seed: int = _f(0, "run", "Seed of RL sampling and task order (vary it for several training seeds); does not change the split or the warm start.")
     tasks: Literal["repair", "humaneval-repair"] = _f("repair", "tasks", "Task source: our generated repair problems, or HumanEval solutions with one injected bug (split by HumanEval task id).")
     split_seed: int = _f(0, "tasks", "Seed of the train/validation/test problem split; the tiny warm start is built on its train split, so another value rebuilds the warm start (about 30 min on 2 cores).")
-    skip_checks: bool = _f(False, "run", "Skip the checks before the first optimizer step (DESIGN.md §6); recorded in manifest.json.")
+    skip_checks: bool = _f(False, "run", "Skip the checks before the first optimizer step (docs/design.md §6); recorded in manifest.json.")
     iterations: int = _f(18, "run", "Number of RL iterations (collect a batch, then update).", ge=1)
     checkpoint_every: int = _f(1, "run", "Write a resume state (weights, optimizer, RNG, metrics; for `train --resume`) every this many iterations and after the last; the tiny model's takes ~23 MB and well under a second.", ge=1)
     tasks_per_iteration: int = _f(16, "tasks", "B: train tasks sampled per iteration.", ge=1)

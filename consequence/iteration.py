@@ -137,7 +137,7 @@ class Batch:
 
 
 def credit(trajs: list[Trajectory], cfg: TrainConfig, learner: Learner, pad_id: int) -> Batch:
-    """Advantages over complete groups, before any mini- or micro-batching (DESIGN.md §4).
+    """Advantages over complete groups, before any mini- or micro-batching (docs/design.md §4).
 
     Sets ``t.advantage`` (the trajectory's scalar advantage; for GAE the mean over its
     tokens) and returns the rows to train on: env_error trajectories are left out, and

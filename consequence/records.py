@@ -1,8 +1,8 @@
-"""The data that flows through the loop: token-in, token-out (DESIGN.md §2).
+"""The data that flows through the loop: token-in, token-out (docs/design.md §2).
 
 A trajectory is stored as the exact token ids that went into and came out of the model,
 never as text to be re-tokenised. Re-tokenising breaks ratio = 1 (BPE merges, template
-whitespace); see shared/cases/09-no-retokenization.md.
+whitespace); see docs/cases.md (case 09).
 
 Shape suffixes used across the package (defined once here):
 ``_N`` rows (trajectories or training rows) in a batch, ``_G`` members of one group,
@@ -59,7 +59,7 @@ class Trajectory:
     """One episode of one rollout of one task.
 
     ``group_id`` is the task id plus the iteration: groups are built by identity, never by
-    position in a batch (shared/cases/02-group-by-task-id.md).
+    position in a batch (docs/cases.md, case 02).
     ``reward`` is ``None`` until the reward box scores the trajectory, and stays ``None``
     for an ``env_error`` (excluded from statistics and loss, never scored 0).
     ``env_retries`` counts re-runs of a sandbox that could not start, over all of the

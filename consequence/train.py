@@ -31,13 +31,13 @@ from consequence.config import TrainConfig
 from consequence.credit.advantages import mixed_group_fraction
 from consequence.envs.repair_env import SYSTEM_PROMPT, TOOLS
 from consequence.envs.sandbox import isolation_report
-from consequence.evaluate.compare import ArmResult, paired_comparison, summarize
+from consequence.evaluate.compare import summarize
 from consequence.harness.renderer import Renderer
 from consequence.policy.sampler import SamplingParams
 from consequence.policy.tiny import load_policy, save_policy
 from consequence.checks import run_pre_step_checks
 from consequence.diagnostics import iteration_extras, warnings_for
-from consequence.evaluate.rollouts import run_eval
+from consequence.evaluate.final import final_report, validate
 from consequence.evaluate.splits import record_touch, reuse_warning
 from consequence.report.manifest import build_manifest, sha256_of, write_manifest
 from consequence.resume import ResumeState, latest_state, load_learner_state, rewind_run_dir, save_state
@@ -308,41 +308,6 @@ def iteration(it, cfg, learner: Learner, renderer, split, budgets, sampling, run
     if cfg.dynamic_sampling:
         metrics |= {k: v for k, v in ds.items() if k.startswith("groups_")}
     return metrics
-
-
-def validate(model, renderer, split, budgets, cfg) -> dict[str, float]:
-    tasks = split.sample("validation", cfg.val_episodes, seed=seed_of(cfg.seed, "val"))
-    return summarize(run_eval(model, renderer, tasks, budgets, cfg.seed, greedy=True))
-
-
-def final_report(cfg, reference, model, renderer, split, budgets, console, run: Path) -> dict[str, Any]:
-    """Warm start vs RL checkpoint on the same episodes: (a) test split, (b) train problems.
-
-    Each split is evaluated with every decoding in ``cfg.final_eval_decoding``; sampled
-    episodes use the same seeds for both policies.
-    """
-    n = cfg.final_eval_episodes
-    sets = {
-        "test (unseen problems)": split.sample("test", n, seed=seed_of(cfg.seed, "test")),
-        "train problems, new instances (in-distribution)": split.sample("train", n, seed=seed_of(cfg.seed, "fresh")),
-    }
-    out: dict[str, Any] = {"episodes_per_split": n, "budgets": vars(budgets), "results": [], "evaluation_files": []}
-    for decoding in cfg.final_eval_decoding:
-        for name, tasks in sets.items():
-            if not tasks:
-                continue
-            console.print(f"final evaluation: {name}, {decoding}, {len(tasks)} episodes per policy")
-            greedy = decoding == "greedy"
-            a = ArmResult("warm start", run_eval(reference, renderer, tasks, budgets, cfg.seed, greedy))
-            b = ArmResult("RL", run_eval(model, renderer, tasks, budgets, cfg.seed, greedy))
-            for arm, tag in ((a, "warmstart"), (b, "rl")):
-                path = run / "eval" / f"{name.split(' ')[0]}-{decoding}-{tag}.parquet"
-                write_trajectories(path, arm.trajectories)
-                out["evaluation_files"].append(str(path.relative_to(run)))
-            out["results"].append({"split": name, "decoding": decoding,
-                                   "comparison": paired_comparison(a, b, seed=cfg.seed),
-                                   "warm_start": summarize(a.trajectories), "rl": summarize(b.trajectories)})
-    return out
 
 
 # ---- plumbing -----------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The collected cases (shared/cases/) on the paths a real run takes, not only in the fixed function."""
+"""The collected cases (docs/cases.md) on the paths a real run takes, not only in the fixed function."""
 
 import math
 from types import SimpleNamespace

@@ -1,4 +1,4 @@
-"""Token-level credit (returns-to-go, GAE), REINFORCE++ and the bandit of DESIGN.md §8."""
+"""Token-level credit (returns-to-go, GAE), REINFORCE++ and the bandit of docs/design.md §8."""
 
 import math
 import random

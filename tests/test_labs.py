@@ -1,4 +1,4 @@
-"""Labs: every printed number against its exact value (DESIGN.md §8) or a Monte-Carlo bound."""
+"""Labs: every printed number against its exact value (docs/design.md §8) or a Monte-Carlo bound."""
 
 import math
 

@@ -90,7 +90,7 @@ def _reference_batch():
 
 
 def test_reference_losses_sign_convention():
-    """loss = -reduce(objective); values of DESIGN.md §8."""
+    """loss = -reduce(objective); values of docs/design.md §8."""
     obj, mask = _reference_batch()
     loss = {r: -reduce_tokens(obj, mask, r).item() for r in REDUCTIONS}
     assert loss["seq_mean_token_mean"] == pytest.approx(0.0, abs=1e-6)

@@ -77,7 +77,7 @@ def test_pick_rejects_unknown_rules_and_visible_without_tests():
 
 
 def test_case_04_prompt_too_long_stays_in_the_denominator():
-    # shared/cases/04: 100 tasks, one sample each; 20 prompts did not fit; 40 of the other 80 passed.
+    # docs/cases.md (case 04): 100 tasks, one sample each; 20 prompts did not fit; 40 of the other 80 passed.
     eps = [_ep(f"t{i}#0", 0, outcome="truncated", reason="total_tokens", calls=0) for i in range(20)]
     eps += [_ep(f"t{i}#0", 0, ok=i < 60) for i in range(20, 100)]
     assert sum(map(prompt_too_long, eps)) == 20

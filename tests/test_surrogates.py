@@ -1,4 +1,4 @@
-"""Surrogates, regularisers and the step built from them (DESIGN.md §5, issue 3)."""
+"""Surrogates, regularisers and the step built from them (docs/design.md §5, issue 3)."""
 
 import math
 

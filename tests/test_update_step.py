@@ -155,7 +155,7 @@ def test_equal_rewards_give_exactly_zero_gradient():
 
 
 def test_reference_losses_through_ppo_step():
-    """Rewards (1,0,0,0), target lengths (2,4,4,6), rho = 1 (DESIGN.md §8); loss = -objective."""
+    """Rewards (1,0,0,0), target lengths (2,4,4,6), rho = 1 (docs/design.md §8); loss = -objective."""
     adv = group_advantages([1, 0, 0, 0], ["g"] * 4, "grpo")
     expected = {
         "seq_mean_token_mean": 0.0,

@@ -1,11 +1,11 @@
-"""Outcome-reward advantages for groups of rollouts (credit box, DESIGN.md §4).
+"""Outcome-reward advantages for groups of rollouts (credit box, docs/design.md §4).
 
 Every estimator maps one scalar reward per trajectory to one scalar advantage per
 trajectory; the update box gives that advantage to every generated token of the
 trajectory. Groups are formed by ``group_id`` (task id + iteration), never by position in
-the batch (shared/cases/02-group-by-task-id.md). A reward of ``None`` marks an
+the batch (docs/cases.md, case 02). A reward of ``None`` marks an
 ``env_error``: it is excluded from every statistic and its advantage is ``None``
-(shared/cases/03-env-error-not-zero.md).
+(docs/cases.md, case 03).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def _check_inputs(rewards: Sequence[float | None], group_ids: Sequence[str]) -> 
         if not ok:
             raise ValueError(
                 f"reward {i} is {r!r}, not finite; a reward that is not a finite number is an "
-                "env_error (None), never a score (shared/cases/11-reward-must-be-finite.md)"
+                "env_error (None), never a score (docs/cases.md, case 11)"
             )
 
 
@@ -85,7 +85,7 @@ def group_advantages(
 
     Warns:
         UserWarning: ``"grpo"`` / ``"dr_grpo"`` with a group of exactly one valid member
-        (advantage 0.0: G = 1 gives no comparison; shared/cases/12-single-rollout-group.md).
+        (advantage 0.0: G = 1 gives no comparison; docs/cases.md, case 12).
 
     Raises:
         ValueError: unknown estimator; lengths differ; a reward is not a finite number;
@@ -154,7 +154,7 @@ def mixed_group_fraction(rewards: Sequence[float | None], group_ids: Sequence[st
     """Fraction of groups whose valid rewards are not all equal.
 
     Only mixed groups carry a group-relative learning signal; for a binary reward with
-    success probability p the expected fraction is 1 − p^G − (1−p)^G (DESIGN.md §8).
+    success probability p the expected fraction is 1 − p^G − (1−p)^G (docs/design.md §8).
     Groups with no valid reward (all env_error) are left out of the denominator.
 
     Returns:

@@ -3,7 +3,7 @@
 A multi-turn row interleaves generated tokens (target mask 1) with prompt and
 observation tokens (mask 0). Time advances only on generated tokens: the running return
 and the GAE estimate skip over observation positions instead of restarting there
-(shared/cases/10-returns-across-observations.md). With mask [1, 1, 0, 0, 1, 1], γ = 1
+(docs/cases.md, case 10). With mask [1, 1, 0, 0, 1, 1], γ = 1
 and reward 1 on the last token, every generated token has return 1.
 
 Positions are those of the row's tokens (``len(row.input_ids)``); masked-out positions

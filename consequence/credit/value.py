@@ -1,4 +1,4 @@
-"""A learned value head (critic) for PPO + GAE (credit box, DESIGN.md §4).
+"""A learned value head (critic) for PPO + GAE (credit box, docs/design.md §4).
 
 The critic is a copy of the policy's transformer trunk (without its LM head) plus a
 scalar head, initialised from the policy's weights as in RLHF-style PPO (Ouyang et al.

@@ -1,4 +1,4 @@
-"""Paired evaluation of two policies on the same episodes (DESIGN.md §7).
+"""Paired evaluation of two policies on the same episodes (docs/design.md §7).
 
 Both policies see the same task instances with the same sampling seeds and the same
 budgets; success is the verifier's hidden-test result (the same scoring function as the

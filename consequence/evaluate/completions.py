@@ -1,6 +1,6 @@
 """pass@k of single-turn code completions (HumanEval; any ``completion`` CodeTask).
 
-Protocol (DESIGN.md §7; Chen et al. 2021 §2.1 for pass@k):
+Protocol (docs/design.md §7; Chen et al. 2021 §2.1 for pass@k):
 
 - n samples per task from a local Hugging Face checkpoint with
   :func:`consequence.policy.sampler.generate` (temperature, top-p; seeded per task);
@@ -14,7 +14,7 @@ Protocol (DESIGN.md §7; Chen et al. 2021 §2.1 for pass@k):
 - score: :func:`consequence.envs.code_tasks.verify_completion` (the same function as
   the training reward), on ``workers`` threads while the model keeps sampling;
 - rules: a sample cut by ``max_new_tokens`` or whose prompt does not fit the model's
-  context stays in n as a failure (shared/cases/04); a sandbox error is retried up to
+  context stays in n as a failure (docs/cases.md, case 04); a sandbox error is retried up to
   ``sandbox.ENV_RETRIES`` times, then dropped from that task's n and counted; a task
   left with fewer than k samples is excluded from pass@k and counted; pass@k is
   computed per task, then averaged, with a percentile bootstrap CI over tasks.

@@ -1,4 +1,4 @@
-"""pass@k, uncertainty and cost of multi-turn evaluation episodes (DESIGN.md §7).
+"""pass@k, uncertainty and cost of multi-turn evaluation episodes (docs/design.md §7).
 
 Input: n scored episodes per task (``sample_id`` 0 … n−1, ``group_id`` = task id).
 Success of an episode = the agent submitted (``finish``) and the hidden tests all pass.

@@ -1,4 +1,4 @@
-"""Final-selection success: the system submits ONE of k candidates (DESIGN.md §7).
+"""Final-selection success: the system submits ONE of k candidates (docs/design.md §7).
 
 pass@k says a correct candidate exists among k; a user gets only the one the system
 picks. Here each task's valid episodes (sample order, environment errors dropped) are cut

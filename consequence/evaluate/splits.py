@@ -1,7 +1,7 @@
 """Split discipline: which splits a run touched, and a warning when test chose settings.
 
 Validation picks settings and checkpoints; the test split is touched once, after the
-choice (DESIGN.md §7). Every evaluation on a split appends one line to a ledger,
+choice (docs/design.md §7). Every evaluation on a split appends one line to a ledger,
 ``$CONSEQUENCE_CACHE/split-ledger.jsonl`` (or ``$CONSEQUENCE_LEDGER``), keyed by task source and split seed (the
 same problems). Results and run manifests carry the list of splits they touched.
 

@@ -1,4 +1,4 @@
-"""Evaluation statistics: pass@k, binomial standard errors, paired bootstrap (DESIGN.md §7)."""
+"""Evaluation statistics: pass@k, binomial standard errors, paired bootstrap (docs/design.md §7)."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def mean_pass_at_k(counts: Sequence[tuple[int, int]], k: int) -> float:
 
     Args:
         counts: one ``(n, c)`` per task (samples, correct). Dropped episodes must stay in
-            n (shared/cases/04-dropped-episodes-passk.md).
+            n (docs/cases.md, case 04).
 
     Raises:
         ValueError: no tasks, or an invalid (n, c, k) (see :func:`pass_at_k`).

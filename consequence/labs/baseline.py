@@ -1,4 +1,4 @@
-"""Lab ``baseline``: which baseline keeps the policy gradient unbiased (DESIGN.md §8).
+"""Lab ``baseline``: which baseline keeps the policy gradient unbiased (docs/design.md §8).
 
 Two-action bandit, p = σ(θ) = P(A), Bernoulli rewards with q_A = 0.75, q_B = 0.35. At
 p = 0.5 the exact gradient of the expected reward is p(1−p)(q_A−q_B) = 0.1. Each

@@ -2,7 +2,7 @@
 
 μ(A) = 0.2 collects the data, π(A) = 0.6 is the target; the weights π/μ are 3 for A and
 0.5 for B. Bernoulli rewards with means r(A) = 0.75, r(B) = 0.35 give
-E_π[r] = 0.6·0.75 + 0.4·0.35 = 0.59 (DESIGN.md §8). Each estimate averages
+E_π[r] = 0.6·0.75 + 0.4·0.35 = 0.59 (docs/design.md §8). Each estimate averages
 w(a)·r over 24 samples drawn from μ.
 """
 

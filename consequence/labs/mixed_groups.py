@@ -1,7 +1,7 @@
 """Lab ``mixed-groups``: how often a group of G binary rewards carries a signal.
 
 A group-relative advantage is zero unless the group's rewards differ; with success
-probability p that happens with probability 1 − p^G − (1−p)^G (DESIGN.md §8). One point
+probability p that happens with probability 1 − p^G − (1−p)^G (docs/design.md §8). One point
 per marked case is checked by simulation with
 :func:`consequence.credit.advantages.mixed_group_fraction`.
 """

@@ -1,10 +1,10 @@
-"""Reward box: call a reward function and check what it returns (DESIGN.md §3, §7).
+"""Reward box: call a reward function and check what it returns (docs/design.md §3, §7).
 
 A reward that is not a finite number inside the declared range is an error, never a
 score: an exception, NaN/inf or an out-of-range value gives ``value=None`` and an error
 text showing the value or the exception, so the trajectory becomes an ``env_error`` and
 is excluded from the group statistics and the loss
-(shared/cases/11-reward-must-be-finite.md, shared/cases/03-env-error-not-zero.md).
+(docs/cases.md, case 11, docs/cases.md, case 03).
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def checked_reward(
 def score_trajectories(trajs: list[Trajectory], overlong_buffer: int = 0, max_total_tokens: int = 0) -> None:
     """Verifier's hidden-test score in [0, 1], checked finite; with ``overlong_buffer`` > 0
     plus DAPO's overlong penalty in [−1, 0] (total range [−1, 1]). A failed environment is
-    an env_error (reward None), never a 0 (shared/cases/03-env-error-not-zero.md)."""
+    an env_error (reward None), never a 0 (docs/cases.md, case 03)."""
     for t in trajs:
         if t.outcome == "env_error":
             t.reward = None

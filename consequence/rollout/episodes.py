@@ -4,7 +4,7 @@ All active episodes advance one model call at a time in one batched ``generate``
 harness parses each output, validates and executes the tool calls in the episode's own
 environment, and appends the observation ids the chat template adds. Nothing is
 re-tokenised: a call's ``context_ids`` are the previous context + sampled ids +
-observation ids (DESIGN.md §2).
+observation ids (docs/design.md §2).
 """
 
 from __future__ import annotations

@@ -1,15 +1,15 @@
-"""Reductions of per-token objectives to one scalar (update box, DESIGN.md §5).
+"""Reductions of per-token objectives to one scalar (update box, docs/design.md §5).
 
 The per-token objectives themselves live in :mod:`consequence.update.surrogates`.
 
 Sign convention: the functions here return OBJECTIVES (to be maximised). The loss that
 is minimised by the optimizer is ``loss = -reduce_tokens(objective, mask, ...)``; e.g.
 GRPO rewards (1,0,0,0), lengths (2,4,4,6), ρ = 1 give objective −1/(2√3) with
-``token_mean`` and hence loss +1/(2√3) ≈ 0.2887 (DESIGN.md §8).
+``token_mean`` and hence loss +1/(2√3) ≈ 0.2887 (docs/design.md §8).
 
 A reduction is defined over the whole optimizer step: a micro-batch passes the step's
 global totals so that the sum of the micro-batches' reduced values (and gradients)
-equals the unsplit batch's (shared/cases/01-token-mean-microbatch.md).
+equals the unsplit batch's (docs/cases.md, case 01).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def reduce_tokens(
     total_seqs: float | None = None,
     norm_const: float | None = None,
 ) -> Tensor:
-    """Reduce per-token terms u_ik with target mask m_ik to one scalar (DESIGN.md §5).
+    """Reduce per-token terms u_ik with target mask m_ik to one scalar (docs/design.md §5).
 
     - ``"token_mean"``: Σ_i Σ_k m u / total_tokens (DAPO, Yu et al. 2025, §3.3).
     - ``"seq_mean_token_mean"``: Σ_i (1/L_i) Σ_k m u / total_seqs (GRPO, Shao et al.

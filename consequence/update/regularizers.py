@@ -1,5 +1,5 @@
 """Terms that modify the surrogate: KL to a reference, truncated importance sampling,
-off-policy sequence masking (update box, DESIGN.md §5).
+off-policy sequence masking (update box, docs/design.md §5).
 
 All inputs are per-token [N, T] float32 log-probs of the sampled target tokens.
 """

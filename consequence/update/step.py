@@ -1,13 +1,13 @@
 """One optimizer step of any surrogate, with gradient accumulation (update box).
 
-Alignment (DESIGN.md §2): logits at position j predict token j+1, so the log-probs
+Alignment (docs/design.md §2): logits at position j predict token j+1, so the log-probs
 returned by ``logprob_fn`` (``[N, S-1]``) pair with ``input_ids[:, 1:]``,
 ``loss_mask[:, 1:]`` and ``old_logprobs[:, 1:]``.
 
 The reduction is defined over the whole step: every micro-batch is reduced with the
 step's global totals (target tokens, sequences with a target, length constant), so the
 accumulated gradient equals the unsplit batch's for every reduction
-(shared/cases/01-token-mean-microbatch.md). Loss sign: ``loss = −reduce(objective)``.
+(docs/cases.md, case 01). Loss sign: ``loss = −reduce(objective)``.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from consequence.update.surrogates import SURROGATES, surrogate_objective
 
 @dataclass
 class UpdateConfig:
-    """Settings of one optimizer step (update box, DESIGN.md §5).
+    """Settings of one optimizer step (update box, docs/design.md §5).
 
     Attributes:
         surrogate: one of ``SURROGATES`` (``consequence.update.surrogates``).
@@ -209,7 +209,7 @@ def accumulate_gradients(
     ``.grad`` of the model's parameters; no clipping, no optimizer step.
 
     Per target token the objective is ``surrogate × TIS weight − β·KL + c_H·H``
-    (DESIGN.md §5; the surrogate from ``cfg.surrogate``). Rows are sorted by length and
+    (docs/design.md §5; the surrogate from ``cfg.surrogate``). Rows are sorted by length and
     cut into micro-batches of ``cfg.micro_batch_size``; each is reduced with the step's
     global totals, so the accumulated gradient does not depend on the split (case 01).
     Rows with advantage 0 everywhere (all-equal groups) are counted in the totals but not
@@ -383,7 +383,7 @@ def ppo_step(
     gradient is finite, clip the global grad norm to ``cfg.max_grad_norm``,
     ``optimizer.step()``, ``optimizer.zero_grad()``.
 
-    The objective and shapes are those of :func:`accumulate_gradients` (DESIGN.md §5).
+    The objective and shapes are those of :func:`accumulate_gradients` (docs/design.md §5).
 
     Returns:
         metrics of :func:`accumulate_gradients` plus ``grad_norm`` (before clipping).

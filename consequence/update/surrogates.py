@@ -1,4 +1,4 @@
-"""Per-token surrogate objectives (update box, DESIGN.md §5).
+"""Per-token surrogate objectives (update box, docs/design.md §5).
 
 Every surrogate returns an OBJECTIVE per token (to be maximised), the detached ratio it
 used and where clipping removed the token's gradient. The reduction to one scalar is
@@ -56,7 +56,7 @@ def clipped_surrogate(
     ρ = exp(logπ_θ − logπ_old); objective = min(ρA, clip(ρ, 1−eps_low, 1+eps_high)·A).
     ``eps_low = eps_high = 0.2`` is PPO; ``eps_high = 0.28`` is DAPO clip-higher (Yu et
     al. 2025, §3.1). Example: ρ = 1.3, ε = 0.2 gives 2.078 for A = 1.732 and −0.750 for
-    A = −0.577 (DESIGN.md §8).
+    A = −0.577 (docs/design.md §8).
 
     Args:
         logprobs: [N, T] float32, logπ_θ of the target tokens (carries the gradient).

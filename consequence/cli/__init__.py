@@ -1,0 +1,13 @@
+"""Command-line interface: ``consequence train | eval | compare | explain | view | lab | reproduce | warmstart``.
+
+One module per group of commands; importing them registers each on ``app``.
+"""
+
+from consequence.cli.app import app
+from consequence.cli import train, evaluate, tools  # noqa: F401  (registers the commands)
+from consequence.cli.common import check_model_dir as _check_model_dir  # noqa: F401  (tests)
+
+__all__ = ["app"]
+
+if __name__ == "__main__":
+    app()

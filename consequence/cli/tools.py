@@ -1,0 +1,100 @@
+"""``consequence explain | warmstart | lab | view``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.markup import escape
+
+from consequence.cli.app import app
+from consequence.cli.common import console, quiet_libraries
+
+
+@app.command("explain")
+def explain(recipes: list[str] = typer.Argument(..., help="One recipe (its boxes) or two (their difference): "
+                                                          "reinforce, rloo, ppo, grpo, dr_grpo, dapo, gspo, cispo, or YAML paths.")) -> None:
+    """Show a recipe as the seven boxes of the loop, or the difference between two recipes."""
+    from consequence.recipes import load_recipe
+    from consequence.report.explain import render_difference, render_recipe
+
+    try:
+        loaded = [load_recipe(r) for r in recipes]
+    except ValueError as e:
+        console.print(f"[red]error:[/] {escape(str(e))}")
+        raise typer.Exit(2)
+    if len(loaded) == 1:
+        render_recipe(loaded[0], console)
+    elif len(loaded) == 2:
+        render_difference(loaded[0], loaded[1], console)
+    else:
+        console.print("[red]error:[/] give one recipe, or two to compare")
+        raise typer.Exit(2)
+
+
+@app.command("warmstart")
+def warmstart(seed: int = typer.Option(0, help="Seed of the problem split (train split) and the teacher."),
+              demos: int = typer.Option(4000, min=10, help="Teacher demonstrations to generate."),
+              epochs: float = typer.Option(8.0, min=0.01, help="SFT epochs."),
+              force: bool = typer.Option(False, help="Rebuild even if the cached checkpoint exists."),
+              bundle: bool = typer.Option(False, help="Write into the package's bundled checkpoint (maintainers).")) -> None:
+    """Build (or show) the tiny warm-start checkpoint: scripted teacher demos, then SFT.
+
+    Settings other than the defaults are built once (about 30 min on 2 cores) and cached
+    in $CONSEQUENCE_CACHE (default ~/.cache/consequence).
+    """
+    from consequence.warmstart import BUNDLED, WarmstartConfig, build_warmstart, ensure_warmstart, warmstart_path
+
+    quiet_libraries()
+    cfg = WarmstartConfig(seed=seed, n_demos=demos, sft_epochs=epochs)
+    if bundle or force:
+        path = build_warmstart(cfg, BUNDLED if bundle else warmstart_path(cfg), console.print)
+    else:
+        path = ensure_warmstart(cfg, console.print)
+    console.print(f"warm-start checkpoint: {path}")
+
+
+@app.command("lab")
+def lab(name: str = typer.Argument(..., help="Lab to run (see docs/labs.md)."),
+        out: Path = typer.Option(Path("runs/labs"), help="Folder for the lab's PNG."),
+        seed: int = typer.Option(0, help="Random seed of the lab.")) -> None:
+    """Run one lab: print its numbers and write its figure (docs/labs.md)."""
+    from rich.table import Table
+
+    from consequence.labs import LABS
+
+    if name not in LABS:
+        console.print(f"[red]error:[/] unknown lab {escape(name)!r}; labs: {', '.join(LABS)}")
+        raise typer.Exit(2)
+    result = dict(LABS[name](out, seed=seed))
+    png = result.pop("png")
+    table = Table(title=f"lab {name} (seed {seed})")
+    table.add_column("quantity")
+    table.add_column("value", justify="right")
+    for key, value in result.items():
+        table.add_row(escape(key), f"{value:.4f}" if isinstance(value, float) else escape(str(value)))
+    console.print(table)
+    console.print(f"figure: {png}")
+
+
+@app.command("view")
+def view(run_dir: Path = typer.Argument(..., help="Run directory of `consequence train`."),
+         out: Optional[Path] = typer.Option(None, help="HTML file to write [default: RUN_DIR/viewer.html]."),
+         iteration: Optional[int] = typer.Option(None, help="Show only this iteration (0-based, as in trajectories/iter_NNNN.parquet)."),
+         with_current_logprobs: bool = typer.Option(False, help="Recompute each token's log-prob with the checkpoint saved "
+                                                    "after its iteration (else final): one forward pass per trajectory."),
+         limit: int = typer.Option(200, min=1, help="Most trajectories on the page (whole groups, spread over iterations).")) -> None:
+    """Write one static HTML page of a run's trajectories, tokens coloured by loss-mask role (docs/viewer.md)."""
+    from consequence.report.viewer import ViewerError, build_page, write_page
+
+    try:
+        html, summary = build_page(run_dir, iteration, with_current_logprobs, limit, log=console.print)
+    except ViewerError as e:
+        console.print(f"[red]error:[/] {escape(str(e))}")
+        raise typer.Exit(2)
+    path = write_page(html, out or run_dir / "viewer.html")
+    left = f", {summary['n_left_out']} left out (page limit {limit})" if summary["n_left_out"] else ""
+    console.print(f"{summary['n_shown']} trajectories{left}: {path} ({len(html.encode()) / 1e6:.2f} MB)")
+
+

@@ -1,0 +1,52 @@
+"""The evaluation inside a training run: periodic validation and the final paired comparison.
+
+Both play the same harness, environment, budgets and verifier as training; the final
+comparison runs the starting policy (warm start) and the RL checkpoint on the same
+episodes (same task instances, same seeds) so their difference can be paired.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from consequence.evaluate.compare import ArmResult, paired_comparison, summarize
+from consequence.evaluate.rollouts import run_eval
+from consequence.records import write_trajectories
+from consequence.seeding import seed_of
+
+
+def validate(model, renderer, split, budgets, cfg) -> dict[str, float]:
+    """Greedy success on `cfg.val_episodes` validation tasks (chooses checkpoints, never test)."""
+    tasks = split.sample("validation", cfg.val_episodes, seed=seed_of(cfg.seed, "val"))
+    return summarize(run_eval(model, renderer, tasks, budgets, cfg.seed, greedy=True))
+
+
+def final_report(cfg, reference, model, renderer, split, budgets, console, run: Path) -> dict[str, Any]:
+    """Warm start vs RL checkpoint on the same episodes: (a) test split, (b) train problems.
+
+    Each split is evaluated with every decoding in ``cfg.final_eval_decoding``; sampled
+    episodes use the same seeds for both policies.
+    """
+    n = cfg.final_eval_episodes
+    sets = {
+        "test (unseen problems)": split.sample("test", n, seed=seed_of(cfg.seed, "test")),
+        "train problems, new instances (in-distribution)": split.sample("train", n, seed=seed_of(cfg.seed, "fresh")),
+    }
+    out: dict[str, Any] = {"episodes_per_split": n, "budgets": vars(budgets), "results": [], "evaluation_files": []}
+    for decoding in cfg.final_eval_decoding:
+        for name, tasks in sets.items():
+            if not tasks:
+                continue
+            console.print(f"final evaluation: {name}, {decoding}, {len(tasks)} episodes per policy")
+            greedy = decoding == "greedy"
+            a = ArmResult("warm start", run_eval(reference, renderer, tasks, budgets, cfg.seed, greedy))
+            b = ArmResult("RL", run_eval(model, renderer, tasks, budgets, cfg.seed, greedy))
+            for arm, tag in ((a, "warmstart"), (b, "rl")):
+                path = run / "eval" / f"{name.split(' ')[0]}-{decoding}-{tag}.parquet"
+                write_trajectories(path, arm.trajectories)
+                out["evaluation_files"].append(str(path.relative_to(run)))
+            out["results"].append({"split": name, "decoding": decoding,
+                                   "comparison": paired_comparison(a, b, seed=cfg.seed),
+                                   "warm_start": summarize(a.trajectories), "rl": summarize(b.trajectories)})
+    return out
