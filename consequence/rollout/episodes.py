@@ -66,8 +66,12 @@ class _Live:
 
 
 def run_episodes(generate_fn: GenerateFn, renderer: Renderer, specs: Sequence[EpisodeSpec],
-                 budgets: Budgets, system_prompt: str, policy_version: int = 0) -> list[Trajectory]:
+                 budgets: Budgets, system_prompt: str, policy_version: int = 0,
+                 progress: Callable[[int], None] | None = None) -> list[Trajectory]:
     """Run every episode to its end and return one Trajectory per spec, in order.
+
+    ``progress(n_done)``, when given, is called after every batched model call with the
+    number of episodes finished so far (for a progress bar), and once at the end.
 
     Outcome: ``finished`` when the environment terminated the episode, ``truncated`` when
     a budget ended it (a call cut at ``max_new_tokens`` counts, in any turn: case 05),
@@ -91,9 +95,13 @@ def run_episodes(generate_fn: GenerateFn, renderer: Renderer, specs: Sequence[Ep
         # Tool execution runs sandboxed subprocesses: overlap them across episodes.
         list(_POOL.map(lambda es: _advance(es[0], es[1], renderer, tool_specs, budgets),
                        zip(active, samples)))
+        if progress is not None:
+            progress(sum(e.done for e in live))
     for e in live:
         if not e.done:
             _end(e, "truncated", "max_turns")
+    if progress is not None:
+        progress(len(live))
     return [e.traj for e in live]
 
 
