@@ -126,18 +126,17 @@ def test_unwritable_ledger_does_not_stop_the_evaluation(tmp_path):
 
 
 def test_eval_cli_records_the_touch_and_warns_on_test_reuse(tmp_path):
-    import shutil
+    from policy_copies import other_policy
 
     from consequence.cli import app
     from consequence.warmstart import BUNDLED
 
-    other = tmp_path / "other-policy"
-    shutil.copytree(BUNDLED, other)
     runner = CliRunner()
     args = ["eval", "--split", "test", "--problems", "1", "-n", "2", "-k", "1,2", "--no-recovery",
             "--selection", "first,majority"]
     first = runner.invoke(app, args + ["--out", str(tmp_path / "e1")])
     assert first.exit_code == 0, first.output
+    other = other_policy(tmp_path / "other-policy")  # made after the bundled model's test result existed
     second = runner.invoke(app, args + ["--model", str(other), "--out", str(tmp_path / "e2")])
     assert second.exit_code == 0, second.output
     r1 = json.loads((tmp_path / "e1" / "eval.json").read_text())
@@ -151,18 +150,17 @@ def test_eval_cli_records_the_touch_and_warns_on_test_reuse(tmp_path):
 
 
 def test_compare_cli_pairs_success_and_recovery(tmp_path):
-    import shutil
+    from policy_copies import other_policy
 
     from consequence.cli import app
     from consequence.warmstart import BUNDLED
 
-    same = tmp_path / "same-weights"
-    shutil.copytree(BUNDLED, same)
+    same = other_policy(tmp_path / "pad-row-moved")  # other weights, the same behaviour
     res = CliRunner().invoke(app, ["compare", str(BUNDLED), str(same), "--problems", "2", "-n", "2",
                                    "--out", str(tmp_path / "c")])
     assert res.exit_code == 0, res.output
     out = json.loads((tmp_path / "c" / "compare.json").read_text())
-    # identical weights, identical seeds: every episode pair is identical
+    # the same behaviour, identical seeds: every episode pair is identical
     for key in ("paired", "paired_recovery"):
         c = out[key]
         assert c["diff"] == 0.0 and c["a_mean"] == c["b_mean"] and c["episodes"] == 4 and c["ties"] == 2
@@ -170,7 +168,7 @@ def test_compare_cli_pairs_success_and_recovery(tmp_path):
     assert "| recovery after the same wrong first patch |" in md and "# Policy B" in md
 
 
-def test_ledger_knows_a_policy_by_its_folder_and_weights(tmp_path, monkeypatch):
+def test_ledger_knows_a_policy_by_its_weights(tmp_path, monkeypatch):
     import os
     import shutil
 
@@ -183,7 +181,13 @@ def test_ledger_knows_a_policy_by_its_folder_and_weights(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert reuse_warning("repair", 0, ["m"], path) is None  # the same folder, named relatively
     weights = model / "model.safetensors"
-    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))  # retrained in place
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))  # touched, same bytes
+    assert reuse_warning("repair", 0, ["m"], path) is None
+    assert reuse_warning("repair", 0, [str(BUNDLED)], path) is None  # identical weights elsewhere
+    shutil.rmtree(model)
+    from policy_copies import other_policy
+
+    other_policy(model)  # retrained in place after the test result: other weights
     w = reuse_warning("repair", 0, ["m"], path)
     assert w is not None and str(model) in w
 
@@ -215,15 +219,15 @@ def test_bad_eval_and_compare_requests_fail_before_any_touch(tmp_path):
 
 
 def test_a_first_comparison_on_test_does_not_warn_about_its_own_arms(tmp_path):
-    import shutil
+    from policy_copies import other_policy
 
     from consequence.cli import app
     from consequence.warmstart import BUNDLED
 
-    other = tmp_path / "b"
-    shutil.copytree(BUNDLED, other)
-    res = CliRunner().invoke(app, ["compare", str(BUNDLED), str(other), "--split", "test", "--problems", "2",
-                                   "-n", "1", "--no-recovery", "--out", str(tmp_path / "c")])
-    assert res.exit_code == 0, res.output
-    out = json.loads((tmp_path / "c" / "compare.json").read_text())
-    assert out["a"]["warnings"] == [] and out["b"]["warnings"] == [] and "warning" not in res.output
+    other = other_policy(tmp_path / "b")
+    for out in ("c", "c-again"):  # the same comparison again: still only its own two arms
+        res = CliRunner().invoke(app, ["compare", str(BUNDLED), str(other), "--split", "test", "--problems", "2",
+                                       "-n", "1", "--no-recovery", "--out", str(tmp_path / out)])
+        assert res.exit_code == 0, res.output
+        result = json.loads((tmp_path / out / "compare.json").read_text())
+        assert result["a"]["warnings"] == [] and result["b"]["warnings"] == [] and "warning" not in res.output

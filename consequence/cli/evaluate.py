@@ -11,104 +11,185 @@ from rich.markup import escape
 from consequence.cli.app import app
 from consequence.cli.common import check_model_dir, check_run_dir, console, parse_ks, quiet_libraries
 
+_RUN = "default: the run's config.yaml when the policy is a run folder, else {}"
+
+
+def _fail(e: ValueError) -> None:
+    console.print(f"[red]error:[/] {escape(str(e))}")
+    raise typer.Exit(2)
+
+
+def _say(text: str) -> None:
+    console.print(text, markup=False, highlight=False)
+
+
+def _check_task_file(values: dict) -> None:
+    """A task file (e.g. from a run's config.yaml) must load before any work (ValueError if not)."""
+    from consequence.envs.sources import load_task_source
+    from consequence.evaluate.run import is_task_file
+
+    if is_task_file(str(values["tasks"])):
+        try:
+            load_task_source(values["tasks"], values["split_seed"])
+        except (ValueError, OSError) as e:
+            raise ValueError(f"--tasks {values['tasks']}: {e}") from None
+
 
 @app.command("eval")
-def eval_cmd(model: Optional[str] = typer.Option(None, help="Checkpoint folder, or a run folder (its checkpoints/final); default: the bundled tiny model."),
-             tasks: str = typer.Option("repair", help="Task source: repair, humaneval-repair (multi-turn, with tools) or humaneval (single-turn completion)."),
+def eval_cmd(model: Optional[str] = typer.Option(None, help="Checkpoint folder, or a run folder (its checkpoints/final; split seed, task source and budgets then come from its config.yaml); default: the bundled tiny model."),
+             tasks: Optional[str] = typer.Option(None, help="Task source: repair, humaneval-repair (multi-turn, with tools), a .jsonl task file, or humaneval (single-turn completion); " + _RUN.format("repair") + "."),
              split: str = typer.Option("validation", help="train, validation or test (humaneval also: all, the 164 problems); the test split is only run when asked for, and the report says so."),
+             split_seed: Optional[int] = typer.Option(None, help="Seed of the train/validation/test split; " + _RUN.format("0") + ". Another seed than the run's puts its training problems into test."),
+             max_turns: Optional[int] = typer.Option(None, help="Budget: model calls per episode; " + _RUN.format("8") + "."),
+             max_new_tokens: Optional[int] = typer.Option(None, help="Budget: tokens per model call; " + _RUN.format("48") + " (humaneval: tokens per completion, default 384)."),
+             max_total_tokens: Optional[int] = typer.Option(None, help="Budget: context + generated tokens per episode; " + _RUN.format("768") + "."),
              n: int = typer.Option(10, "-n", help="Samples per task."),
              k: str = typer.Option("1", "-k", help="Comma-separated k of pass@k, each <= n."),
              problems: int = typer.Option(0, help="Evaluate only this many problems of the split (0 = all): drawn with --seed for repair sources, the first ones for humaneval."),
              temperature: float = typer.Option(1.0, help="Sampling temperature (0 = greedy; then n = 1 makes sense)."),
-             seed: int = typer.Option(0, help="Seed of the instances and the sampling."),
+             seed: int = typer.Option(0, help="Seed of the instances and the sampling (humaneval: with the batch size, see docs/evaluation.md)."),
              selection: str = typer.Option("first,majority,visible", help="Final-selection rules, comma-separated: first (first submission), majority (most frequent final program), visible (most visible tests passed)."),
              recovery: bool = typer.Option(True, help="Also run the recovery diagnostic: n more episodes per task, each opened with the same wrong first patch."),
              out: Path = typer.Option(Path("runs/eval"), help="Output folder: eval.json, episodes.parquet, recovery_episodes.parquet, report.md, cost.png (humaneval: eval.json).")) -> None:
     """Evaluate a policy: pass@k and final-selection success with bootstrap CIs over problems,
     the recovery diagnostic, outcomes, budgets, cost, env errors and the split touched."""
-    from consequence.evaluate.run import check_request, evaluate_episodes, resolve_model, write_outputs
+    from consequence.evaluate.run import check_request, resolve_model
     from consequence.evaluate.selection import check_rules
+    from consequence.evaluate.settings import check_budgets, resolve_settings
 
+    options = {"tasks": tasks, "split_seed": split_seed, "max_turns": max_turns, "max_new_tokens": max_new_tokens,
+               "max_total_tokens": max_total_tokens}
     try:
         ks = parse_ks(k)
-        check_request(tasks, split, n, ks, temperature, problems)
+        completion = tasks == "humaneval"
+        if completion and (max_turns is not None or max_total_tokens is not None):
+            raise ValueError("--max-turns / --max-total-tokens: humaneval is single-turn; give --max-new-tokens "
+                             "(tokens per completion) instead")
+        st = (resolve_settings([("", model)], options, keys=("tasks", "split_seed")) if completion
+              else resolve_settings([("", model)], options))
+        check_budgets(st.values)
+        check_request(st.values["tasks"], split, n, ks, temperature, problems)
+        _check_task_file(st.values)
         rules = check_rules([r.strip() for r in selection.split(",") if r.strip()])
         model_path = resolve_model(model)
-        check_model_dir(str(model_path), chat_template=tasks != "humaneval")
+        check_model_dir(str(model_path), chat_template=not completion)
         check_run_dir(out, "--out")
     except ValueError as e:
-        console.print(f"[red]error:[/] {escape(str(e))}")
-        raise typer.Exit(2)
+        _fail(e)
     quiet_libraries()
-    if tasks == "humaneval":
-        from consequence.envs.code_tasks import load_humaneval
-        from consequence.evaluate.completions import evaluate_completions, save_eval
+    if completion:
+        return _eval_completions(model_path, st, split, n, ks, problems, temperature, seed, max_new_tokens, out)
+    from consequence.evaluate.progress import Phases
+    from consequence.evaluate.run import evaluate_episodes, write_outputs
+    from consequence.evaluate.settings import describe
 
-        from consequence.evaluate.splits import record_touch, reuse_warning
-
-        task_list = load_humaneval(split, seed=0)
-        if problems:
-            task_list = task_list[:problems]
-        console.print(f"HumanEval {split}: {len(task_list)} problems × n = {n} completions of {model_path} "
-                      "(single-turn: --selection and --recovery do not apply)")
-        warning = reuse_warning(tasks, 0, [str(model_path)]) if split == "test" else None
-        res = evaluate_completions(model_path, task_list, n=n, ks=tuple(ks), temperature=temperature, seed=seed)
-        res.settings |= {"tasks": tasks, "split": split, "split_seed": 0, "warnings": [warning] if warning else [],
-                         "splits_touched": [record_touch(tasks, 0, split, "consequence eval", [str(model_path)])]}
-        path = save_eval(res, out / "eval.json")
-        if warning:
-            console.print(f"[yellow]warning:[/] {escape(warning)}")
-        console.print(res.summary())
-        console.print(f"written: {path}")
-        return
-    console.print(f"{tasks} {split}: {str(problems) + ' (drawn with --seed)' if problems else 'all'} problems of the split "
-                  f"× n = {n} episodes of {model_path}")
-    ev = evaluate_episodes(model_path, tasks, split, n, ks, problems=problems, temperature=temperature,
-                           seed=seed, selection=rules, recovery=recovery)
+    record = st.record()
+    _say(f"{st.values['tasks']} {split}: {str(problems) + ' (drawn with --seed)' if problems else 'all'} problems of "
+         f"the split × n = {n} episodes of {model_path}")
+    _say(describe(record))
+    with Phases(console) as phases:
+        ev = evaluate_episodes(model_path, st.values["tasks"], split, n, ks, problems=problems,
+                               temperature=temperature, seed=seed, budgets=st.budgets(),
+                               split_seed=st.values["split_seed"], selection=rules, recovery=recovery,
+                               provenance=record, phases=phases)
     write_outputs(ev, out)
-    console.print((out / "report.md").read_text(), markup=False, highlight=False)
+    _say((out / "report.md").read_text())
     for w in ev.result["warnings"]:
         console.print(f"[yellow]warning:[/] {escape(w)}")
     console.print(f"written: {out}/eval.json, episodes.parquet{', recovery_episodes.parquet' if recovery else ''}, "
                   "report.md, cost.png")
 
 
+def _eval_completions(model_path: Path, st, split: str, n: int, ks: list[int], problems: int, temperature: float,
+                      seed: int, max_new_tokens: Optional[int], out: Path) -> None:
+    """``eval --tasks humaneval``: single-turn completions, batched across problems."""
+    from consequence.envs.code_tasks import load_humaneval
+    from consequence.evaluate.completions import evaluate_completions, save_eval
+    from consequence.evaluate.progress import Phases
+    from consequence.evaluate.settings import describe
+    from consequence.evaluate.splits import record_touch, reuse_warning
+
+    split_seed = st.values["split_seed"]
+    task_list = load_humaneval(split, seed=split_seed)
+    if problems:
+        task_list = task_list[:problems]
+    record = st.record()
+    tokens = max_new_tokens if max_new_tokens is not None else 384
+    _say(f"HumanEval {split}: {len(task_list)} problems × n = {n} completions of {model_path}, at most {tokens} "
+         "tokens each (single-turn: --selection and --recovery do not apply)")
+    _say(describe(record))
+    warning = reuse_warning("humaneval", split_seed, [str(model_path)]) if split == "test" else None
+    with Phases(console) as phases:
+        res = evaluate_completions(model_path, task_list, n=n, ks=tuple(ks), temperature=temperature, seed=seed,
+                                   max_new_tokens=tokens, phases=phases)
+    res.settings |= {"tasks": "humaneval", "split": split, "split_seed": split_seed, "provenance": record,
+                     "warnings": [warning] if warning else [],
+                     "splits_touched": [record_touch("humaneval", split_seed, split, "consequence eval",
+                                                     [str(model_path)])]}
+    path = save_eval(res, out / "eval.json")
+    if warning:
+        console.print(f"[yellow]warning:[/] {escape(warning)}")
+    _say(res.summary())
+    console.print(f"written: {path}")
+
+
 @app.command("compare")
 def compare_cmd(a: str = typer.Argument(..., metavar="A", help="Policy A: checkpoint or run folder."),
                 b: str = typer.Argument(..., metavar="B", help="Policy B: checkpoint or run folder."),
-                tasks: str = typer.Option("repair", help="repair or humaneval-repair."),
+                tasks: Optional[str] = typer.Option(None, help="repair, humaneval-repair or a .jsonl task file; " + _RUN.format("repair") + " (both runs must agree)."),
                 split: str = typer.Option("validation", help="train, validation or test (test only when asked for; choose settings on validation)."),
+                split_seed: Optional[int] = typer.Option(None, help="Seed of the problem split, the same for both; " + _RUN.format("0") + " (runs trained on different split seeds are refused without it)."),
+                max_turns: Optional[int] = typer.Option(None, help="Budget: model calls per episode, both arms; " + _RUN.format("8") + "."),
+                max_new_tokens: Optional[int] = typer.Option(None, help="Budget: tokens per model call, both arms; " + _RUN.format("48") + "."),
+                max_total_tokens: Optional[int] = typer.Option(None, help="Budget: tokens per episode, both arms; " + _RUN.format("768") + "."),
                 n: int = typer.Option(4, "-n", help="Episodes per task for each policy."),
                 k: str = typer.Option("1", "-k", help="Comma-separated k of pass@k and final selection in each policy's report, each <= n."),
                 problems: int = typer.Option(0, help="Only this many problems, drawn with --seed (0 = all; at least 2 for a CI)."),
                 temperature: float = typer.Option(1.0, help="Sampling temperature, the same for both."),
                 seed: int = typer.Option(0, help="Seed of the instances and the sampling, the same for both."),
                 recovery: bool = typer.Option(True, help="Also compare recovery from the same wrong first patch (n more episodes per task and policy)."),
-                out: Path = typer.Option(Path("runs/compare"), help="Output folder for compare.json and compare.md.")) -> None:
-    """Two policies on the same tasks and seeds: success of each, paired difference B − A with a
-    95 % bootstrap CI over problems, and how many problems each wins."""
-    from consequence.fileio import write_text_atomic
-    from consequence.evaluate.run import check_request, compare_markdown, compare_policies, resolve_model
+                out: Path = typer.Option(Path("runs/compare"), help="Output folder for compare.json, compare.md and each arm's cost plot.")) -> None:
+    """Two policies on the same tasks, seeds, split and budgets: success of each, paired
+    difference B − A with a 95 % bootstrap CI over problems, and how many problems each wins."""
+    from consequence.evaluate.run import check_distinct, check_request, resolve_model
+    from consequence.evaluate.settings import check_budgets, resolve_settings
 
+    options = {"tasks": tasks, "split_seed": split_seed, "max_turns": max_turns, "max_new_tokens": max_new_tokens,
+               "max_total_tokens": max_total_tokens}
     try:
         if tasks == "humaneval":
-            raise ValueError("compare runs multi-turn sources (repair, humaneval-repair)")
+            raise ValueError("--tasks humaneval: compare runs multi-turn sources (repair, humaneval-repair, a .jsonl file)")
         ks = parse_ks(k)
-        check_request(tasks, split, n, ks, temperature, problems)
+        st = resolve_settings([("A", a), ("B", b)], options)
+        check_budgets(st.values)
+        check_request(st.values["tasks"], split, n, ks, temperature, problems)
+        _check_task_file(st.values)
         if problems == 1:
             raise ValueError("--problems 1: a paired CI over problems needs at least 2 problems")
         pa, pb = resolve_model(a, "A"), resolve_model(b, "B")
         for p, name in ((pa, "A"), (pb, "B")):
             check_model_dir(str(p), name)
+        check_distinct(pa, pb)
         check_run_dir(out, "--out")
     except ValueError as e:
-        console.print(f"[red]error:[/] {escape(str(e))}")
-        raise typer.Exit(2)
+        _fail(e)
     quiet_libraries()
-    res = compare_policies(pa, pb, tasks, split, n, ks=ks, problems=problems, temperature=temperature, seed=seed,
-                           recovery=recovery)
-    write_text_atomic(out / "compare.json", __import__("json").dumps(res, indent=1, default=str))
-    write_text_atomic(out / "compare.md", compare_markdown(res))
+    _compare(pa, pb, st, split, n, ks, problems, temperature, seed, recovery, out)
+
+
+def _compare(pa: Path, pb: Path, st, split: str, n: int, ks: list[int], problems: int, temperature: float,
+             seed: int, recovery: bool, out: Path) -> None:
+    from consequence.evaluate.progress import Phases
+    from consequence.evaluate.run import compare_policies, write_compare
+    from consequence.evaluate.settings import describe
+
+    record = st.record()
+    _say(describe(record))
+    with Phases(console) as phases:
+        res = compare_policies(pa, pb, st.values["tasks"], split, n, ks=ks, problems=problems, temperature=temperature,
+                               seed=seed, budgets=st.budgets(), split_seed=st.values["split_seed"],
+                               recovery=recovery, provenance=record, phases=phases)
+    write_compare(res, out)
     for key, what in (("paired", "success"), ("paired_recovery", "recovery after the same wrong first patch")):
         if key not in res:
             continue
@@ -119,6 +200,4 @@ def compare_cmd(a: str = typer.Argument(..., metavar="A", help="Policy A: checkp
                       f"env-error pairs excluded: {c['env_errors_excluded']}")
     for w in res["a"]["warnings"]:
         console.print(f"[yellow]warning:[/] {escape(w)}")
-    console.print(f"written: {out}/compare.json, compare.md")
-
-
+    console.print(f"written: {out}/compare.json, compare.md, cost-a.png, cost-b.png")

@@ -3,7 +3,9 @@
 Protocol (docs/design.md §7; Chen et al. 2021 §2.1 for pass@k):
 
 - n samples per task from a local Hugging Face checkpoint with
-  :func:`consequence.policy.sampler.generate` (temperature, top-p; seeded per task);
+  :func:`consequence.policy.sampler.generate` (temperature, top-p), batched across tasks
+  (about ``batch_rows`` rows per call; one seeded generator per batch, see
+  :func:`sample_completions` for how batching and seeds interact);
 - prompt: ``"chat"`` renders one user message (the instruction below plus the prompt in
   a fenced block) with the tokenizer's chat template; ``"raw"`` feeds the prompt text
   itself (base models). ``"auto"`` = chat when the tokenizer has a chat template;
@@ -35,6 +37,7 @@ from consequence.fileio import write_text_atomic
 from consequence.envs.code_tasks import verify_completion
 from consequence.envs.judge import PROGRAM_LIMITS
 from consequence.envs.sandbox import ENV_RETRIES, SandboxLimits, isolation_report, with_retries
+from consequence.evaluate.progress import SILENT, Phases
 from consequence.evaluate.stats import bootstrap_mean_ci, pass_at_k
 from consequence.tasks.jsonl import CodeTask
 
@@ -44,6 +47,7 @@ __all__ = ["CHAT_INSTRUCTION", "STOP_SEQUENCES", "CompletionEval", "extract_comp
 CHAT_INSTRUCTION = ("Complete the following Python function. Reply with the complete "
                     "function in one ```python code block.\n\n")
 STOP_SEQUENCES = ("\ndef ", "\nclass ", "\nif ", "\nprint(", "\n#")
+BATCH_ROWS = 64  # sampled rows per batched generate call (tasks × n)
 
 
 @dataclass
@@ -180,17 +184,35 @@ def _stop_ids(model, tok) -> set[int]:
     return ids | ({end} if end is not None else set())
 
 
+def batches(lengths: Sequence[int], n: int, batch_rows: int) -> list[list[int]]:
+    """Task indices per ``generate`` call: tasks sorted by prompt length (stable, so that a
+    batch pads little), cut into runs of ``max(1, batch_rows // n)`` tasks.
+
+    >>> batches([5, 1, 3, 2], n=2, batch_rows=4)
+    [[1, 3], [2, 0]]
+    """
+    per = max(1, batch_rows // max(1, n))
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    return [order[j:j + per] for j in range(0, len(order), per)]
+
+
 def sample_completions(model, tok, tasks: Sequence[CodeTask], n: int, temperature: float,
                        seed: int, max_new_tokens: int = 384, top_p: float = 1.0,
                        prompt_mode: str = "auto",
-                       on_task: Callable[[int, list[str], list[str]], None] | None = None
-                       ) -> tuple[list[list[str]], list[list[str]], str]:
-    """n completions per task; returns (completions, flags, prompt mode used).
+                       on_task: Callable[[int, list[str], list[str]], None] | None = None,
+                       batch_rows: int = BATCH_ROWS) -> tuple[list[list[str]], list[list[str]], str]:
+    """n completions per task; returns (completions, flags, prompt mode used), in task order.
 
-    Task i is sampled with its own generator seeded ``seed * 1_000_003 + i``, so its
-    samples depend on its position and the seed, not on the other tasks' samples.
-    ``on_task(i, completions, flags)`` is called after each task (used to start scoring
-    while sampling continues). Stop tokens are removed before decoding.
+    Batching and seeds: the tasks whose prompt fits are grouped by :func:`batches` (about
+    ``batch_rows`` sampled rows per batched ``generate`` call, n rows per task); a batch
+    is sampled with one generator seeded ``seed * 1_000_003 + i``, i = the smallest task
+    index in it. So the completions are a function of the seed, the task list and
+    ``batch_rows``: the same call gives the same completions, while another
+    ``batch_rows`` (or another task list, e.g. another ``--problems``) regroups the tasks
+    and draws other samples from the same distribution. ``batch_rows <= n`` puts one task
+    in each batch, seeded ``seed * 1_000_003 + i`` as before batching existed.
+    ``on_task(i, completions, flags)`` is called for each task once its batch is done
+    (used to score while the next batch samples). Stop tokens are removed before decoding.
     """
     import torch
 
@@ -201,22 +223,25 @@ def sample_completions(model, tok, tasks: Sequence[CodeTask], n: int, temperatur
     ctx = getattr(model.config, "max_position_embeddings", None) or 10 ** 9
     params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens)
     stops = _stop_ids(model, tok)
-    comps, flags = [], []
-    for i, task in enumerate(tasks):
-        ids = _prompt_ids(tok, task, mode)
-        if len(ids) + max_new_tokens > ctx:
-            cs, fl = [""] * n, ["too_long"] * n
-        else:
-            gen = torch.Generator(device=model.device).manual_seed(seed * 1_000_003 + i)
-            samples = generate(model, [ids] * n, params, stops, gen)
-            cs = [extract_completion(tok.decode([t for t in s.output_ids if t not in stops],
-                                                skip_special_tokens=True), task, mode)
-                  for s in samples]
-            fl = [s.stop_reason for s in samples]
-        comps.append(cs)
-        flags.append(fl)
+    ids = [_prompt_ids(tok, task, mode) for task in tasks]
+    comps: list[list[str]] = [[] for _ in tasks]
+    flags: list[list[str]] = [[] for _ in tasks]
+    fits = [i for i in range(len(tasks)) if len(ids[i]) + max_new_tokens <= ctx]
+    for i in sorted(set(range(len(tasks))) - set(fits)):
+        comps[i], flags[i] = [""] * n, ["too_long"] * n
         if on_task is not None:
-            on_task(i, cs, fl)
+            on_task(i, comps[i], flags[i])
+    for batch in batches([len(ids[i]) for i in fits], n, batch_rows):
+        members = [fits[j] for j in batch]
+        gen = torch.Generator(device=model.device).manual_seed(seed * 1_000_003 + min(members))
+        samples = generate(model, [ids[i] for i in members for _ in range(n)], params, stops, gen)
+        for r, i in enumerate(members):
+            mine = samples[r * n:(r + 1) * n]
+            comps[i] = [extract_completion(tok.decode([t for t in s.output_ids if t not in stops],
+                                                      skip_special_tokens=True), tasks[i], mode) for s in mine]
+            flags[i] = [s.stop_reason for s in mine]
+            if on_task is not None:
+                on_task(i, comps[i], flags[i])
     return comps, flags, mode
 
 
@@ -224,7 +249,8 @@ def evaluate_completions(model_path: str | os.PathLike, tasks: Sequence[CodeTask
                          ks: Sequence[int] = (1, 10), temperature: float = 0.8, seed: int = 0,
                          max_new_tokens: int = 384, top_p: float = 1.0,
                          prompt_mode: str = "auto", limits: SandboxLimits | None = None,
-                         workers: int = 2) -> CompletionEval:
+                         workers: int = 2, batch_rows: int = BATCH_ROWS,
+                         phases: Phases = SILENT) -> CompletionEval:
     """Sample ``n`` completions per task from the local checkpoint and report pass@k.
 
     Args:
@@ -232,14 +258,19 @@ def evaluate_completions(model_path: str | os.PathLike, tasks: Sequence[CodeTask
         tasks: ``completion`` CodeTasks (e.g. ``consequence.envs.code_tasks.load_humaneval()``).
         n: samples per task; every k in ``ks`` must be <= n.
         temperature, top_p, max_new_tokens: sampling budget (reported in ``settings``).
-        seed: sampling seed (task i uses ``seed * 1_000_003 + i``) and bootstrap seed.
+        seed: sampling seed (one generator per batch, :func:`sample_completions`) and
+            bootstrap seed.
         prompt_mode: ``"auto"``, ``"chat"`` or ``"raw"`` (module docstring).
         limits: sandbox limits of the verifier (default: ``judge.PROGRAM_LIMITS``).
-        workers: scoring threads (each run is two sandbox processes).
+        workers: scoring threads (each run is two sandbox processes); scoring of a batch
+            runs while the next batch samples.
+        batch_rows: sampled rows per batched ``generate`` call (tasks × n; at least one
+            task per call). Part of what fixes the samples, with the seed.
+        phases: progress of sampling and scoring (samples done / total, samples/s).
 
     Returns:
         :class:`CompletionEval`; ``settings`` records model, n, ks, sampling, mode,
-        limits, sandbox isolation and wall time.
+        batch_rows, limits, sandbox isolation and wall time.
 
     Raises:
         FileNotFoundError: no model folder. ValueError: a k > n or < 1, n < 1, no tasks,
@@ -252,18 +283,28 @@ def evaluate_completions(model_path: str | os.PathLike, tasks: Sequence[CodeTask
     bad = [t.task_id for t in tasks if t.kind != "completion"]
     if bad:
         raise ValueError(f"evaluate_completions needs completion tasks; {bad[:3]} are not")
+    if batch_rows < 1:
+        raise ValueError(f"batch_rows must be >= 1, got {batch_rows}")
     t0 = time.perf_counter()
     model, tok = _load(model_path)
     ex = ThreadPoolExecutor(max(1, workers))
     futs: list[list[Future]] = [[] for _ in tasks]
-
-    def submit(i: int, cs: list[str], fl: list[str]) -> None:
-        futs[i] = [ex.submit(_score_one, tasks[i], c, limits) for c in cs]
-
+    total = len(tasks) * n
     try:
-        comps, flags, mode = sample_completions(model, tok, tasks, n, temperature, seed,
-                                                max_new_tokens, top_p, prompt_mode, submit)
-        reports = [[f.result() for f in fs] for fs in futs]
+        with phases.phase("completions scored (sandbox, overlapping the sampling)", total, "samples") as scored:
+            add_scored = phases.counter(scored)
+            with phases.phase("completions sampled", total, "samples") as sampled:
+                add_sampled = phases.counter(sampled)
+
+                def submit(i: int, cs: list[str], fl: list[str]) -> None:
+                    futs[i] = [ex.submit(_score_one, tasks[i], c, limits) for c in cs]
+                    for f in futs[i]:
+                        f.add_done_callback(lambda _f: add_scored(1))
+                    add_sampled(len(cs))
+
+                comps, flags, mode = sample_completions(model, tok, tasks, n, temperature, seed, max_new_tokens,
+                                                        top_p, prompt_mode, submit, batch_rows)
+            reports = [[f.result() for f in fs] for fs in futs]
     finally:
         ex.shutdown(wait=True, cancel_futures=True)
     res = _aggregate(tasks, reports, ks, flags, seed)
@@ -271,7 +312,7 @@ def evaluate_completions(model_path: str | os.PathLike, tasks: Sequence[CodeTask
         row["completions"] = cs
     res.settings = {"model": str(model_path), "n": n, "ks": list(ks), "temperature": temperature,
                     "top_p": top_p, "max_new_tokens": max_new_tokens, "prompt_mode": mode,
-                    "seed": seed, "limits": asdict(limits or PROGRAM_LIMITS),
+                    "seed": seed, "batch_rows": batch_rows, "limits": asdict(limits or PROGRAM_LIMITS),
                     "isolation": isolation_report(), "wall_s": round(time.perf_counter() - t0, 2)}
     return res
 

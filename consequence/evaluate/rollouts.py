@@ -7,7 +7,7 @@ evaluation's own, so two policies run on identical instances and seeds.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from consequence.envs.repair_env import SYSTEM_PROMPT, RepairEnv
 from consequence.policy.sampler import SamplingParams
@@ -19,25 +19,32 @@ from consequence.seeding import seed_of
 
 
 def run_eval(model, renderer, tasks: Sequence, budgets: Budgets, seed: int, greedy: bool = True,
-             policy_version: int = 0, temperature: float = 1.0) -> list[Trajectory]:
+             policy_version: int = 0, temperature: float = 1.0,
+             progress: Callable[[int], None] | None = None) -> list[Trajectory]:
     """One episode of ``model`` per task: greedy, or sampled at ``temperature``.
+
+    ``progress(n_done)``: see :func:`sample_episodes`.
 
     Returns:
         scored trajectories, in task order (``sample_id`` 0).
     """
     return sample_episodes(model, renderer, tasks, 1, budgets, seed, 0.0 if greedy else temperature,
-                           policy_version)
+                           policy_version, progress=progress)
 
 
 def sample_episodes(model, renderer, tasks: Sequence, n: int, budgets: Budgets, seed: int,
                     temperature: float = 1.0, policy_version: int = 0,
-                    openings: Sequence[tuple] | None = None) -> list[Trajectory]:
+                    openings: Sequence[tuple] | None = None,
+                    progress: Callable[[int], None] | None = None) -> list[Trajectory]:
     """``n`` episodes per task (``sample_id`` 0 … n−1, each with its own seed), scored.
 
     Episode j of task i has seed ``seed_of(seed, i)`` for j = 0 (so ``n = 1`` equals
     :func:`run_eval`) and ``seed_of(seed, i, j)`` after; the same (seed, tasks) gives the
     same episodes for every policy. ``group_id`` is the task id. ``openings[i]`` is the
     scripted start of task i's episodes (see ``EpisodeSpec.opening``), default none.
+    ``progress(n_done)``, when given, is called with the number of episodes finished so
+    far after each batched model call and once at the end (``run_episodes``); it does not
+    change the episodes.
 
     Raises:
         ValueError: ``n < 1``.
@@ -50,6 +57,6 @@ def sample_episodes(model, renderer, tasks: Sequence, n: int, budgets: Budgets, 
                          tuple(openings[i]))
              for i, t in enumerate(tasks) for j in range(n)]
     gen = policy_generate_fn(model, params, renderer.stop_ids, seed)
-    trajs = run_episodes(gen, renderer, specs, budgets, SYSTEM_PROMPT, policy_version)
+    trajs = run_episodes(gen, renderer, specs, budgets, SYSTEM_PROMPT, policy_version, progress=progress)
     score_trajectories(trajs)
     return trajs

@@ -1,17 +1,18 @@
 """``consequence eval`` and ``consequence compare``: evaluate policies on a task split.
 
-Multi-turn sources (``repair``, ``humaneval-repair``) run n episodes per task through the
-training harness with fixed budgets; ``humaneval`` samples n single-turn completions
-(``consequence.evaluate.completions``). Results go to an output folder: ``eval.json``
-(every number, the settings, the budgets, the exclusion rule), ``episodes.parquet``
-(raw per-episode results), ``report.md`` and ``cost.png``.
+Multi-turn sources (``repair``, ``humaneval-repair``, a JSONL task file) run n episodes
+per task through the training harness with fixed budgets; ``humaneval`` samples n
+single-turn completions (``consequence.evaluate.completions``). Results go to an output
+folder: ``eval.json`` (every number, the settings and where each came from, the budgets,
+the exclusion rule), ``episodes.parquet`` (raw per-episode results), ``report.md`` and
+``cost.png`` (``consequence.evaluate.report``).
 """
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,15 +23,15 @@ from consequence.envs.sources import TASK_SOURCES, load_task_source
 from consequence.evaluate.compare import ArmResult, paired_comparison
 from consequence.evaluate.episode_eval import (EXCLUSION_RULE, cost_summary, outcome_shares, per_task_counts,
                                                success_under_caps, summarize_pass_at_k)
+from consequence.evaluate.progress import SILENT, Phases
 from consequence.evaluate.recovery import recovery_openings
+from consequence.evaluate.report import compare_markdown, markdown, write_compare, write_outputs  # noqa: F401
 from consequence.evaluate.rollouts import sample_episodes
 from consequence.evaluate.selection import SELECTION_RULES, check_rules, summarize_selection
-from consequence.evaluate.splits import record_touch, reuse_warning
-from consequence.fileio import write_text_atomic
-from consequence.figures import pyplot, save_figure
+from consequence.evaluate.splits import record_touch, reuse_warning, weights_sha256
 from consequence.harness.renderer import Renderer
 from consequence.policy.tiny import load_policy
-from consequence.records import Trajectory, write_trajectories
+from consequence.records import Trajectory
 from consequence.rollout.episodes import Budgets
 from consequence.seeding import seed_of
 
@@ -58,20 +59,44 @@ def resolve_model(path: str | None, option: str = "--model") -> Path:
     return p
 
 
+def check_distinct(a: Path, b: Path) -> None:
+    """``compare`` needs two policies.
+
+    Raises:
+        ValueError: A and B are the same checkpoint folder, or their weight files are
+            identical (sha256), so the comparison would measure nothing.
+    """
+    if a.resolve() == b.resolve():
+        raise ValueError(f"A and B are the same checkpoint folder ({a.resolve()}): give two different policies")
+    ha, hb = weights_sha256(a), weights_sha256(b)
+    if ha is not None and ha == hb:
+        raise ValueError(f"A ({a}) and B ({b}) have identical weights (sha256 {ha[:12]}…): the comparison would "
+                         "measure nothing; give two different policies")
+
+
+def is_task_file(tasks: str) -> bool:
+    """A task source given as a JSONL file path (as a training config's ``tasks`` may be)."""
+    return tasks.endswith(".jsonl")
+
+
 def check_request(tasks: str, split: str, n: int, ks: list[int], temperature: float = 1.0,
                   problems: int = 0) -> None:
     """Reject a bad request before any work.
 
     Raises:
-        ValueError: unknown task source or split, n < 1, some k > n or k < 1, a negative
-            temperature or number of problems.
+        ValueError: unknown task source (neither a name nor an existing .jsonl file) or
+            split, n < 1, some k > n or k < 1, a negative temperature or number of problems.
     """
     if temperature < 0:
         raise ValueError(f"--temperature {temperature}: must be >= 0 (0 = greedy)")
     if problems < 0:
         raise ValueError(f"--problems {problems}: must be >= 0 (0 = every problem of the split)")
-    if tasks not in EVAL_SOURCES:
-        raise ValueError(f"--tasks {tasks!r}: valid sources are {', '.join(EVAL_SOURCES)}")
+    if is_task_file(tasks):
+        if not Path(tasks).is_file():
+            raise ValueError(f"--tasks {tasks}: no such task file (give an existing .jsonl file or one of "
+                             f"{', '.join(EVAL_SOURCES)})")
+    elif tasks not in EVAL_SOURCES:
+        raise ValueError(f"--tasks {tasks!r}: valid sources are {', '.join(EVAL_SOURCES)} or a .jsonl task file")
     valid = ("train", "validation", "test", "all") if tasks == "humaneval" else ("train", "validation", "test")
     if split not in valid:
         raise ValueError(f"--split {split!r}: valid splits for {tasks} are {', '.join(valid)}")
@@ -95,7 +120,9 @@ class EpisodeEval:
 def evaluate_episodes(model_path: Path, tasks: str, split: str, n: int, ks: list[int], *, problems: int = 0,
                       temperature: float = 1.0, seed: int = 0, budgets: Budgets = Budgets(), split_seed: int = 0,
                       selection: Sequence[str] = SELECTION_RULES, recovery: bool = True,
-                      purpose: str = "consequence eval", companions: Sequence[Path] = ()) -> EpisodeEval:
+                      purpose: str = "consequence eval", companions: Sequence[Path] = (),
+                      provenance: dict[str, Any] | None = None, phases: Phases = SILENT,
+                      label: str = "") -> EpisodeEval:
     """n episodes per task of the split's problems (``problems`` of them, drawn with ``seed``, when > 0).
 
     Reports pass@k (unbiased, per task then averaged, bootstrap CI over problems),
@@ -103,8 +130,10 @@ def evaluate_episodes(model_path: Path, tasks: str, split: str, n: int, ks: list
     stays in the denominator: case 04), cost and success against caps, environment
     errors with the exclusion rule, the recovery diagnostic (n more episodes per task
     that has a wrong first patch), and the split touch (recorded in the ledger once the
-    model has loaded, with a warning when policies other than this one and its
-    ``companions`` — the other arm of a comparison — were evaluated on test before).
+    model has loaded, with a warning by the rule of ``splits.reuse_warning``; the
+    ``companions`` — the other arm of a comparison — count as this evaluation's own).
+    ``provenance`` (``EvalSettings.record()``) is stored in the settings; ``phases``
+    shows each phase's progress (``label`` prefixes the phase names, e.g. ``"A "``).
 
     Raises:
         ValueError: unknown selection rule.
@@ -120,21 +149,23 @@ def evaluate_episodes(model_path: Path, tasks: str, split: str, n: int, ks: list
     touch = record_touch(tasks, split_seed, split, purpose, [str(model_path)])
     renderer = Renderer(tok, TOOLS)
     t0 = time.perf_counter()
-    trajs = sample_episodes(model, renderer, task_list, n, budgets, seed, temperature)
+    with phases.phase(f"{label}episodes", len(task_list) * n) as tick:
+        trajs = sample_episodes(model, renderer, task_list, n, budgets, seed, temperature, progress=tick)
     plain_wall = time.perf_counter() - t0
     counts = per_task_counts(trajs)
     by_id = {t.task_id: t for t in task_list}
+    visible = _visible_scores(trajs, by_id, phases, label) if "visible" in selection else None
     result = {
         "settings": {"model": str(model_path), "tasks": tasks, "split": split, "split_seed": split_seed,
                      "problems": count, "n": n, "ks": ks, "temperature": temperature, "seed": seed,
-                     "budgets": vars(budgets), "isolation": isolation_report()},
+                     "budgets": vars(budgets), "isolation": isolation_report(), "provenance": provenance},
         "exclusion_rule": EXCLUSION_RULE,
         "env_errors": sum(d["env_errors"] for d in counts),
         "env_retries": sum(t.env_retries for t in trajs),
         "retry_rule": f"a sandbox that cannot start is re-run (same code, tests, limits) up to {ENV_RETRIES} more "
                       "times; still failing, the episode is an env_error",
         "pass_at_k": summarize_pass_at_k(counts, ks, seed=seed),
-        "final_selection": summarize_selection(trajs, ks, selection, lambda t: _visible_passed(t, by_id), seed=seed),
+        "final_selection": summarize_selection(trajs, ks, selection, visible, seed=seed),
         "outcomes": outcome_shares(trajs),
         "cost": cost_summary(trajs, wall_s=plain_wall),
         "success_vs_tool_call_cap": dict(zip(map(str, TOOL_CAPS), success_under_caps(trajs, "n_tool_calls", TOOL_CAPS))),
@@ -146,17 +177,32 @@ def evaluate_episodes(model_path: Path, tasks: str, split: str, n: int, ks: list
     rtrajs: list[Trajectory] = []
     if recovery:
         kept, openings = recovery_openings(task_list)
-        rtrajs = sample_episodes(model, renderer, kept, n, budgets, seed_of(seed, "recovery"), temperature,
-                                 openings=openings) if kept else []
+        if kept:
+            with phases.phase(f"{label}recovery episodes", len(kept) * n) as tick:
+                rtrajs = sample_episodes(model, renderer, kept, n, budgets, seed_of(seed, "recovery"), temperature,
+                                         openings=openings, progress=tick)
         result["recovery"] = recovery_summary(trajs, rtrajs, len(task_list), seed)
     result["wall_s"] = time.perf_counter() - t0
     return EpisodeEval(result, trajs, rtrajs)
 
 
-def _visible_passed(t: Trajectory, tasks_by_id: dict) -> int:
-    """Visible tests the episode's final program passes (sandboxed; the selection rule's signal)."""
-    tests = tasks_by_id[t.task_id].visible_tests
-    return run_tests(t.final_code or "", tests).passed if tests else 0
+def _visible_scores(trajs: Sequence[Trajectory], tasks_by_id: dict, phases: Phases, label: str = ""):
+    """Visible tests passed by each submitted episode's final program, run in the sandbox
+    on 4 threads up front (the ``visible`` rule's signal); returns ``score(trajectory)``."""
+    todo = [t for t in trajs if t.outcome == "finished" and tasks_by_id[t.task_id].visible_tests]
+    scores: dict[int, int] = {}
+    with phases.phase(f"{label}visible tests (selection)", len(todo), "programs") as tick, \
+            ThreadPoolExecutor(4, thread_name_prefix="visible") as ex:
+        add = phases.counter(tick)
+
+        def one(t: Trajectory) -> None:
+            scores[id(t)] = run_tests(t.final_code or "", tasks_by_id[t.task_id].visible_tests).passed
+            add(1)
+        list(ex.map(one, todo))
+
+    def score(t: Trajectory) -> int:
+        return scores[id(t)] if id(t) in scores else 0
+    return score
 
 
 def recovery_summary(trajs: Sequence[Trajectory], recovery_trajs: Sequence[Trajectory], n_tasks: int,
@@ -175,147 +221,22 @@ def recovery_summary(trajs: Sequence[Trajectory], recovery_trajs: Sequence[Traje
             "recovery": rec, "plain_success_same_tasks": plain}
 
 
-def write_outputs(ev: EpisodeEval, out: Path) -> None:
-    """eval.json, episodes.parquet (and recovery_episodes.parquet), report.md and cost.png
-    into ``out``, each written atomically."""
-    out.mkdir(parents=True, exist_ok=True)
-    result = {**ev.result, "episodes_file": str(out / "episodes.parquet")}
-    if ev.episodes:
-        write_trajectories(out / "episodes.parquet", ev.episodes)
-    if ev.recovery_episodes:
-        write_trajectories(out / "recovery_episodes.parquet", ev.recovery_episodes)
-        result["recovery_episodes_file"] = str(out / "recovery_episodes.parquet")
-    write_text_atomic(out / "eval.json", json.dumps(result, indent=1))
-    write_text_atomic(out / "report.md", markdown(result))
-    _plot_costs(result, out / "cost.png")
-
-
-def _pct(v: float) -> str:
-    return f"{100 * v:.1f} %"
-
-
-def markdown(result: dict[str, Any]) -> str:
-    """The human-readable report of one evaluation."""
-    s = result["settings"]
-    b = s["budgets"]
-    lines = [f"# Evaluation: {s['tasks']} / {s['split']}", ""]
-    lines += [f"> **Warning:** {w}" for w in result.get("warnings", [])]
-    lines += [f"Model `{s['model']}`; {s['problems']} problem{'s' if s['problems'] != 1 else ''} × n = {s['n']} samples at temperature "
-              f"{s['temperature']}, seed {s['seed']}. Budget per episode: {b['max_turns']} turns, "
-              f"{b['max_new_tokens']} tokens per call, {b['max_total_tokens']} tokens in all, "
-              f"{b['max_tool_calls']} tool calls.", "",
-              "## pass@k (a correct candidate exists among k)", "",
-              "| k | pass@k | 95 % CI (bootstrap over problems) | binomial SE (k = 1) | tasks | excluded |",
-              "|---|---|---|---|---|---|"]
-    for k, v in result["pass_at_k"].items():
-        se = f"{v['se']:.3f}" if k == "1" else "—"  # pass@k for k > 1 is not a proportion of Bernoulli trials
-        lines.append(f"| {k} | {v['pass_at_k']:.3f} | [{v['low']:.3f}, {v['high']:.3f}] | {se} | "
-                     f"{v['tasks']} | {v['tasks_excluded']} |")
-    o = result["outcomes"]
-    lines += ["", "Outcomes of all episodes (every one stays in the denominator): "
-              + ", ".join(f"{name.replace('_', ' ')} {_pct(v)}" for name, v in o["shares"].items()) + "."]
-    lines += _selection_lines(result.get("final_selection", {}))
-    lines += _recovery_lines(result.get("recovery"))
-    c = result["cost"]
-    lines += ["", "## Cost and errors", "",
-              f"Cost per episode: {c['gen_tokens_per_episode']:.1f} generated tokens, "
-              f"{c['tool_calls_per_episode']:.2f} tool calls, {c['wall_s_per_episode']:.2f} s of wall time (the batch's time / episodes); "
-              f"{c['gen_tokens_per_success']:.0f} generated tokens per success (curves: `cost.png`).",
-              f"Environment errors: {result['env_errors']} ({result['exclusion_rule']}). Sandbox re-runs: "
-              f"{result.get('env_retries', 0)} ({result.get('retry_rule', 'no retry rule recorded')}).",
-              f"Isolation: {', '.join(f'{k}={v}' for k, v in s['isolation'].items())}.", "",
-              "## Splits touched", ""]
-    for t in result.get("splits_touched", []):
-        lines.append(f"- {t['split']} of {t['tasks']} (split seed {t['split_seed']}) by {t['purpose']}, "
-                     f"{t['time']}; ledger `{t['ledger']}`")
-    if s["split"] == "test":
-        lines.append("\nThis evaluation touched the **test** split: do not use it to choose settings or checkpoints.")
-    return "\n".join(lines) + "\n"
-
-
-def _selection_lines(sel: dict[str, Any]) -> list[str]:
-    if not sel:
-        return []
-    ks = list(next(iter(sel.values())))
-    lines = ["", "## Final-selection success (one of k candidates submitted, judged on hidden tests)", "",
-             "| rule | " + " | ".join(f"k = {k}" for k in ks) + " |", "|---|" + "---|" * len(ks)]
-    for rule, by_k in sel.items():
-        cells = [f"{v['success']:.3f} [{v['low']:.3f}, {v['high']:.3f}]" for v in by_k.values()]
-        lines.append(f"| {rule} | " + " | ".join(cells) + " |")
-    lines += ["", "Each task's valid episodes are cut into ⌊n/k⌋ disjoint blocks of k; the rule picks one "
-              "submitted candidate per block (first: the first submission; majority: the most frequent final "
-              "program; visible: the most visible tests passed), ties to the earliest; a block without a "
-              "submission fails. 95 % CI: bootstrap over problems. pass@k above is the oracle's upper bound."]
-    return lines
-
-
-def _recovery_lines(rec: dict[str, Any] | None) -> list[str]:
-    if rec is None:
-        return []
-    r, p = rec["recovery"], rec["plain_success_same_tasks"]
-    return ["", "## Recovery from the same wrong first patch", "",
-            f"Every episode opens with {rec['opening']}; the policy continues from the failing report.",
-            "", "| | success | 95 % CI | problems |", "|---|---|---|---|",
-            f"| recovered after the wrong patch | {r['pass_at_k']:.3f} | [{r['low']:.3f}, {r['high']:.3f}] | {r['problems']} |",
-            f"| plain episodes, same tasks | {p['pass_at_k']:.3f} | [{p['low']:.3f}, {p['high']:.3f}] | {p['problems']} |",
-            "", f"{rec['tasks']} tasks; {rec['tasks_without_wrong_patch']} tasks without a wrong patch left out; "
-            f"{rec['env_errors']} environment errors. The opened state is not the natural one: read the "
-            "recovery rate next to the plain success."]
-
-
 def compare_policies(a: Path, b: Path, tasks: str, split: str, n: int, *, ks: Sequence[int] = (1,),
                      problems: int = 0, temperature: float = 1.0, seed: int = 0, budgets: Budgets = Budgets(),
-                     recovery: bool = True) -> dict[str, Any]:
-    """Both policies on the same task instances with the same seeds; paired difference of
-    success (b − a) with a bootstrap CI over problems, and per-problem wins; with
-    ``recovery`` the same for the recovery diagnostic (same openings, same seeds). Each
-    policy's own report (pass@k and final selection at ``ks``) is kept under "a" / "b"."""
-    kw = dict(problems=problems, temperature=temperature, seed=seed, budgets=budgets, recovery=recovery,
-              purpose="consequence compare")
-    ea = evaluate_episodes(a, tasks, split, n, list(ks), companions=[b], **kw)
-    eb = evaluate_episodes(b, tasks, split, n, list(ks), companions=[a], **kw)
+                     split_seed: int = 0, recovery: bool = True, provenance: dict[str, Any] | None = None,
+                     phases: Phases = SILENT) -> dict[str, Any]:
+    """Both policies on the same task instances with the same seeds, split seed and budgets;
+    paired difference of success (b − a) with a bootstrap CI over problems, and per-problem
+    wins; with ``recovery`` the same for the recovery diagnostic (same openings, same
+    seeds). Each policy's own report (pass@k and final selection at ``ks``) is kept under
+    "a" / "b"."""
+    kw = dict(problems=problems, temperature=temperature, seed=seed, budgets=budgets, split_seed=split_seed,
+              recovery=recovery, purpose="consequence compare", provenance=provenance, phases=phases)
+    ea = evaluate_episodes(a, tasks, split, n, list(ks), companions=[b], label="A ", **kw)
+    eb = evaluate_episodes(b, tasks, split, n, list(ks), companions=[a], label="B ", **kw)
     out = {"a": ea.result, "b": eb.result,
            "paired": paired_comparison(ArmResult(str(a), ea.episodes), ArmResult(str(b), eb.episodes), seed=seed)}
     if recovery and ea.recovery_episodes:
         out["paired_recovery"] = paired_comparison(ArmResult(str(a), ea.recovery_episodes),
                                                    ArmResult(str(b), eb.recovery_episodes), seed=seed)
     return out
-
-
-def compare_markdown(res: dict[str, Any]) -> str:
-    """The report of ``consequence compare``: paired differences, then each policy's report."""
-    s = res["a"]["settings"]
-    lines = [f"# Comparison on {s['tasks']} / {s['split']}", ""]
-    lines += [f"> **Warning:** {w}" for w in res["a"].get("warnings", [])]
-    lines += [f"A = `{res['a']['settings']['model']}`, B = `{res['b']['settings']['model']}`; the same "
-              f"{s['problems']} problems × n = {s['n']} episodes with the same seeds for both. B − A with a 95 % "
-              "paired bootstrap CI over problems; a pair is dropped when either arm had an environment error.", "",
-              "| measure | A | B | B − A | 95 % CI | problems won B / A / tied | pairs excluded |",
-              "|---|---|---|---|---|---|---|"]
-    for key, what in (("paired", "success"), ("paired_recovery", "recovery after the same wrong first patch")):
-        if key in res:
-            c = res[key]
-            lines.append(f"| {what} | {c['a_mean']:.3f} | {c['b_mean']:.3f} | {c['diff']:+.3f} | "
-                         f"[{c['low']:+.3f}, {c['high']:+.3f}] | {c['b_wins']} / {c['a_wins']} / {c['ties']} | "
-                         f"{c['env_errors_excluded']} |")
-    if res["a"]["settings"]["model"] == res["b"]["settings"]["model"]:
-        lines += ["", "A and B are the same checkpoint folder: the difference measures nothing but the evaluation."]
-    for arm in ("a", "b"):
-        body = markdown({**res[arm], "warnings": []}).split("\n", 1)[1]
-        lines += ["", f"# Policy {arm.upper()}", body]
-    return "\n".join(lines) + "\n"
-
-
-def _plot_costs(result: dict[str, Any], path: Path) -> None:
-    plt = pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
-    for ax, key, label in ((axes[0], "success_vs_tool_call_cap", "tool calls ≤ cap"),
-                           (axes[1], "success_vs_token_cap", "generated tokens ≤ cap")):
-        caps = [int(c) for c in result[key]]
-        ax.plot(caps, list(result[key].values()), marker="o")
-        ax.set_xlabel(label)
-        ax.set_ylabel("success")
-        ax.set_ylim(0, 1)
-        ax.grid(alpha=0.3)
-    fig.suptitle(f"success vs cost ({result['settings']['tasks']} / {result['settings']['split']})")
-    save_figure(fig, path.parent, path.stem)

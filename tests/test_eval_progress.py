@@ -1,0 +1,70 @@
+"""Long evaluation phases report progress: a Rich bar on a terminal, start/end lines elsewhere."""
+
+import io
+import re
+
+from rich.console import Console
+from typer.testing import CliRunner
+
+from consequence.evaluate.progress import Phases
+
+
+def test_lines_per_phase_when_not_a_terminal():
+    buf = io.StringIO()
+    with Phases(Console(file=buf, force_terminal=False, width=200)) as phases:
+        with phases.phase("episodes", 4) as tick:
+            tick(1)
+            tick(3)
+            tick(2)  # an older count never moves it back
+    lines = buf.getvalue().splitlines()
+    assert lines[0] == "episodes: start, 4 episodes"
+    assert re.fullmatch(r"episodes: done, 3/4 episodes in \d+\.\d s \(\d+\.\d\d episodes/s\)", lines[1])
+
+
+def test_a_bar_with_counts_and_rate_on_a_terminal():
+    buf = io.StringIO()
+    console = Console(file=buf, force_terminal=True, width=120, color_system=None)
+    with Phases(console) as phases:
+        with phases.phase("episodes", 10) as tick:
+            add = phases.counter(tick)
+            for _ in range(10):
+                add(1)
+    text = buf.getvalue()
+    assert "episodes" in text and "10/10" in text and "episodes/s" in text and "start," not in text
+
+
+def test_silent_without_a_console():
+    with Phases(None) as phases, phases.phase("x", 2) as tick:
+        tick(2)  # nothing to print to, nothing raised
+
+
+def test_sample_episodes_reports_episodes_finished(renderer):
+    from consequence.evaluate.rollouts import sample_episodes
+    from consequence.policy.tiny import load_policy
+    from consequence.rollout.episodes import Budgets
+    from consequence.tasks.repair import load_split, make_tasks
+    from consequence.warmstart import BUNDLED
+
+    model, tok = load_policy(BUNDLED)
+    from consequence.envs.repair_env import TOOLS
+    from consequence.harness.renderer import Renderer
+
+    tasks = make_tasks(load_split(0)["validation"], 2, seed=0)
+    seen: list[int] = []
+    trajs = sample_episodes(model, Renderer(tok, TOOLS), tasks, 2, Budgets(max_turns=2, max_new_tokens=16), 0,
+                            progress=seen.append)
+    quiet = sample_episodes(model, Renderer(tok, TOOLS), tasks, 2, Budgets(max_turns=2, max_new_tokens=16), 0)
+    assert seen[-1] == 4 == len(trajs) and seen == sorted(seen) and len(seen) >= 2
+    assert [t.calls[-1].output_ids for t in trajs] == [t.calls[-1].output_ids for t in quiet]  # same episodes
+
+
+def test_eval_prints_each_phase_with_counts(tmp_path):
+    from consequence.cli import app
+
+    res = CliRunner().invoke(app, ["eval", "--problems", "2", "-n", "1", "--max-turns", "2", "--out", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    for name, total, unit in (("episodes", 2, "episodes"), ("recovery episodes", 2, "episodes")):
+        assert f"{name}: start, {total} {unit}" in res.output
+        assert re.search(rf"^{name}: done, {total}/{total} {unit} in \d+\.\d s \(\d+\.\d\d {unit}/s\)$",
+                         res.output, re.M), res.output
+    assert re.search(r"^visible tests \(selection\): done, (\d+)/\1 programs", res.output, re.M)
