@@ -6,19 +6,27 @@ import dataclasses
 
 import torch
 
-from consequence.policy.sampler import SamplingParams, generate
+from consequence.policy.prefix_cache import PrefixCache, generate_with_prefix
+from consequence.policy.sampler import SamplingParams
 
 
 def policy_generate_fn(model, params: SamplingParams, stop_ids, seed: int):
     """A ``generate_fn(prompts, max_new_tokens, episode_indices)`` sampling from ``model``.
 
     One torch.Generator seeded with ``seed`` drives every call, so a batch of episodes is
-    reproducible on CPU.
+    reproducible on CPU. Each episode's K/V is kept from one call to the next
+    (``policy.prefix_cache``), so a turn prefills only its new tokens; the cache lives as
+    long as this function, which must not outlive the weights it sampled with (one per
+    rollout round), and forgets episodes that stopped calling.
     """
     gen = torch.Generator().manual_seed(seed)
+    cache = PrefixCache()
 
     def fn(prompts: list[list[int]], max_new_tokens: int, episode_indices: list[int]):
         p = dataclasses.replace(params, max_new_tokens=max_new_tokens)
-        return generate(model, prompts, p, stop_ids, generator=gen)
+        cache.keep_only(set(episode_indices))
+        return generate_with_prefix(model, prompts, episode_indices, p, stop_ids, cache, generator=gen)
+
+    fn.prefix_cache = cache  # for metrics and benchmarks
 
     return fn

@@ -1,0 +1,191 @@
+"""Prefix reuse across the turns of multi-turn episodes (the rollout hot path, policy box).
+
+Turn t+1 of an episode prompts the model with turn t's context, the tokens it sampled and
+the observation the chat template appends, so almost all of the new prompt was already
+run through the model. :class:`PrefixCache` keeps each episode's K/V from its last call;
+:func:`generate_with_prefix` prefills only the tokens after the stored prefix and then
+decodes exactly as ``sampler.generate`` does (same processed distribution, same
+generator use, same stop handling, same ``Sample`` record). Prefill work per episode falls
+from Σ_t |context_t| to about |context_final| (measured in
+benchmarks/bench_generation.py).
+
+Exactness: the reused K/V of a sampled token was computed in a decode step rather than in
+a prefill of the whole context, so log-probs agree with a full prefill only to float32
+rounding (~1e-6 here), not bit for bit; the trainer recomputes π_old anyway and the
+pre-step checks compare it with the stored sampler log-probs. A prompt that does not
+extend its episode's stored prefix (the context builder rewrote history) is prefilled
+from scratch. The cache holds K/V of one set of weights: make a new one whenever the
+weights change (``rollout.sampling.policy_generate_fn`` makes one per rollout round).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Hashable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from consequence.policy.sampler import PREFILL_CHUNK_TOKENS, Sample, SamplingParams, _FastLlama, _pick, generate
+
+
+@dataclass
+class _Entry:
+    ids: list[int]  # tokens whose K/V is stored (the prompt + all sampled tokens but the last)
+    k: list[torch.Tensor]  # per layer [n_kv, P, D]
+    v: list[torch.Tensor]
+
+
+@dataclass
+class PrefixCache:
+    """Per-episode K/V of the tokens already run through the model (one set of weights).
+
+    Attributes:
+        entries: episode key → stored prefix.
+        reused_tokens, prefilled_tokens: counters over all calls (prompt tokens taken
+            from the cache / run through the model), for benchmarks and metrics.
+    """
+
+    entries: dict[Hashable, _Entry] = field(default_factory=dict)
+    reused_tokens: int = 0
+    prefilled_tokens: int = 0
+
+    def keep_only(self, keys: Collection[Hashable]) -> None:
+        """Forget every episode not in ``keys`` (ended episodes never call again)."""
+        for k in [k for k in self.entries if k not in keys]:
+            del self.entries[k]
+
+    def prefix_len(self, key: Hashable, prompt: Sequence[int]) -> int:
+        """Length of the stored prefix of ``key`` when it is a strict prefix of ``prompt``, else 0."""
+        e = self.entries.get(key)
+        if e is None or len(e.ids) >= len(prompt) or list(prompt[: len(e.ids)]) != e.ids:
+            return 0
+        return len(e.ids)
+
+
+def generate_with_prefix(model, prompts: list[list[int]], keys: Sequence[Hashable], params: SamplingParams,
+                         stop_ids: Collection[int], cache: PrefixCache,
+                         generator: torch.Generator | None = None) -> list[Sample]:
+    """``sampler.generate`` for episodes whose prompts extend their previous call's.
+
+    Args:
+        prompts: token ids per row (each non-empty).
+        keys: one hashable episode key per row (distinct within a call).
+        cache: updated in place with every row's new prefix.
+
+    Returns:
+        one ``Sample`` per prompt, in order. Models without the fast Llama path fall back
+        to ``sampler.generate`` (no reuse).
+
+    Raises:
+        ValueError: an empty prompt, or ``keys`` not one per prompt.
+    """
+    if len(keys) != len(prompts):
+        raise ValueError(f"generate_with_prefix: {len(keys)} keys for {len(prompts)} prompts")
+    if not prompts or params.max_new_tokens <= 0 or not _FastLlama.supports(model):
+        return generate(model, prompts, params, stop_ids, generator)
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("generate: every prompt needs at least one token")
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.inference_mode():
+            return _run(_FastLlama(model), prompts, list(keys), params, set(stop_ids), cache, generator)
+    finally:
+        if was_training:
+            model.train()
+
+
+def _run(fast: _FastLlama, prompts, keys, params, stop_ids, cache: PrefixCache, generator) -> list[Sample]:
+    n = len(prompts)
+    pre = [cache.prefix_len(k, p) for k, p in zip(keys, prompts)]
+    # Rows without a stored prefix and with the same prompt (a group's first turn) are
+    # prefilled once and their cache rows copied, as in ``sampler.generate``.
+    uniq: dict[object, int] = {}
+    src = [uniq.setdefault(tuple(p) if pre[i] == 0 else ("row", i), len(uniq)) for i, p in enumerate(prompts)]
+    first = {u: i for i, u in reversed(list(enumerate(src)))}  # unique row -> its first original row
+    rows_u = [first[u] for u in range(len(uniq))]
+    lens = [len(prompts[i]) for i in rows_u]
+    L, U = max(lens), len(rows_u)
+    S = max(len(prompts[i]) - pre[i] for i in rows_u)  # prefill window: the last S slots of every row
+    fast.alloc(U, L + params.max_new_tokens)
+    ids = torch.zeros(U, L, dtype=torch.long)
+    key_valid = torch.zeros(U, L + params.max_new_tokens, dtype=torch.bool)
+    for u, i in enumerate(rows_u):
+        ids[u, L - lens[u]:] = torch.tensor(prompts[i], dtype=torch.long)
+        key_valid[u, L - lens[u]:L] = True
+    pos = (key_valid[:, :L].long().cumsum(-1) - 1).clamp_min(0)
+    _restore(fast, cache, [keys[i] for i in rows_u], [pre[i] for i in rows_u], lens, L)
+    cache.reused_tokens += sum(max(0, ln - S) for ln in lens)  # slots before the window
+    cache.prefilled_tokens += sum(min(ln, S) for ln in lens)
+    step_rows = max(1, PREFILL_CHUNK_TOKENS // S)
+    logits = torch.cat([fast.forward(ids[r, L - S:], pos[r, L - S:], L - S, key_valid[r], rows=r)
+                        for r in (slice(a, min(U, a + step_rows)) for a in range(0, U, step_rows))], 0)
+    next_pos = pos[:, -1] + 1
+    if U != n:
+        rows = torch.tensor(src, dtype=torch.long)
+        fast.select_rows(rows)
+        logits, key_valid, next_pos = logits.index_select(0, rows), key_valid.index_select(0, rows), next_pos.index_select(0, rows)
+    return _decode(fast, logits, key_valid, next_pos, L, prompts, keys, params, stop_ids, cache, generator)
+
+
+def _restore(fast: _FastLlama, cache: PrefixCache, keys, pre, lens, L: int) -> None:
+    """Copy each row's stored prefix K/V into its slots (left padding: a row ends at slot L)."""
+    for i, (key, p) in enumerate(zip(keys, pre)):
+        if p == 0:
+            continue
+        e, s0 = cache.entries[key], L - lens[i]
+        for li in range(len(fast.layers)):
+            fast.k_cache[li][i, :, s0:s0 + p] = e.k[li][:, :p]
+            fast.v_cache[li][i, :, s0:s0 + p] = e.v[li][:, :p]
+
+
+def _store(fast: _FastLlama, cache: PrefixCache, key, b: int, prompt: list[int], out: list[int], L: int) -> None:
+    """Keep the K/V of batch row ``b``: the prompt and every sampled token that was fed back."""
+    fed = out[:-1]  # the last sampled token was never run through the model
+    s0, end = L - len(prompt), L + len(fed)
+    cache.entries[key] = _Entry(prompt + fed, [c[b, :, s0:end].clone() for c in fast.k_cache],
+                                [c[b, :, s0:end].clone() for c in fast.v_cache])
+
+
+def _decode(fast, logits, key_valid, next_pos, L, prompts, keys, params, stop_ids, cache, generator) -> list[Sample]:
+    """The decode loop of ``sampler._generate_fast``, storing each row's prefix as it leaves."""
+    n = len(prompts)
+    out_ids: list[list[int]] = [[] for _ in range(n)]
+    out_lp: list[list[float]] = [[] for _ in range(n)]
+    out_keep: list[list[list[int]]] | None = None
+    reason = ["length"] * n
+    active = list(range(n))  # batch row -> original index
+    done = [False] * n
+    stop_t = torch.tensor(sorted(stop_ids), dtype=torch.long) if stop_ids else None
+    for step in range(params.max_new_tokens):
+        tok, lp, keep = _pick(logits, params, generator)
+        if keep is not None and out_keep is None:
+            out_keep = [[] for _ in range(n)]
+        hit = torch.isin(tok, stop_t).tolist() if stop_t is not None else [False] * len(active)
+        for b, (i, t, p) in enumerate(zip(active, tok.tolist(), lp.tolist())):
+            if done[b]:
+                continue
+            out_ids[i].append(t)
+            out_lp[i].append(p)
+            if keep is not None:
+                out_keep[i].append(keep[b])
+            if hit[b]:
+                reason[i], done[b] = "stop", True
+        if step == params.max_new_tokens - 1 or all(done):
+            break
+        n_done = sum(done)
+        if n_done and n_done * 8 >= len(active):  # drop finished rows (same rule as the sampler)
+            for b, i in enumerate(active):
+                if done[b]:
+                    _store(fast, cache, keys[i], b, prompts[i], out_ids[i], L)
+            alive = [b for b, d in enumerate(done) if not d]
+            rows = torch.tensor(alive, dtype=torch.long)
+            fast.select_rows(rows)
+            key_valid, next_pos, tok = key_valid.index_select(0, rows), next_pos.index_select(0, rows), tok.index_select(0, rows)
+            active, done = [active[b] for b in alive], [False] * len(alive)
+        key_valid[:, L + step] = True
+        logits = fast.forward(tok[:, None], next_pos[:, None], L + step, key_valid)
+        next_pos = next_pos + 1
+    for b, i in enumerate(active):
+        _store(fast, cache, keys[i], b, prompts[i], out_ids[i], L)
+    return [Sample(out_ids[i], out_lp[i], reason[i], None if out_keep is None else out_keep[i]) for i in range(n)]

@@ -1,0 +1,80 @@
+"""Prefix reuse across turns gives the episodes a full prefill gives (policy.prefix_cache)."""
+
+import pytest
+import torch
+
+from consequence.envs.repair_env import SYSTEM_PROMPT, TOOLS, RepairEnv
+from consequence.envs.sources import load_task_source
+from consequence.harness.renderer import Renderer
+from consequence.policy.prefix_cache import PrefixCache, generate_with_prefix
+from consequence.policy.sampler import SamplingParams, generate
+from consequence.policy.tiny import load_policy
+from consequence.rollout.episodes import Budgets, EpisodeSpec, run_episodes
+from consequence.seeding import seed_of
+
+BUNDLED = "consequence/assets/tiny-repair"
+
+
+@pytest.fixture(scope="module")
+def policy():
+    model, tok = load_policy(BUNDLED)
+    return model, Renderer(tok, TOOLS)
+
+
+def _episodes(model, renderer, params, cached: bool, n_tasks=6, group=1):
+    tasks = load_task_source("repair", 0).sample("validation", n_tasks, seed=3)
+    gen, cache = torch.Generator().manual_seed(0), PrefixCache()
+
+    def fn(prompts, max_new_tokens, idx):
+        if cached:
+            return generate_with_prefix(model, prompts, idx, params, renderer.stop_ids, cache, gen)
+        return generate(model, prompts, params, renderer.stop_ids, gen)
+
+    specs = [EpisodeSpec(RepairEnv(t), t.task_id, t.task_id, g, seed_of(0, i, g))
+             for i, t in enumerate(tasks) for g in range(group)]
+    return run_episodes(fn, renderer, specs, Budgets(4, 24, 768), SYSTEM_PROMPT), cache
+
+
+@pytest.mark.parametrize("params,group", [(SamplingParams(temperature=0.0, max_new_tokens=24), 1),
+                                          (SamplingParams(temperature=1.0, max_new_tokens=24), 3),
+                                          (SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=24), 2)])
+def test_multi_turn_episodes_equal_full_prefill(policy, params, group):
+    model, renderer = policy
+    full, _ = _episodes(model, renderer, params, cached=False, group=group)
+    reused, cache = _episodes(model, renderer, params, cached=True, group=group)
+    assert sum(len(t.calls) for t in full) > len(full)  # multi-turn: later calls had a prefix to reuse
+    assert cache.reused_tokens > 0  # later calls took their prefix from the cache
+    for a, b in zip(full, reused):
+        assert [c.output_ids for c in a.calls] == [c.output_ids for c in b.calls]
+        assert [c.context_ids for c in a.calls] == [c.context_ids for c in b.calls]
+        for ca, cb in zip(a.calls, b.calls):
+            assert ca.sample_logprobs == pytest.approx(cb.sample_logprobs, abs=1e-4)
+            assert getattr(ca, "keep_ids", None) == getattr(cb, "keep_ids", None)
+
+
+def test_a_prompt_that_does_not_extend_the_prefix_is_prefilled_from_scratch(policy):
+    model, renderer = policy
+    params = SamplingParams(temperature=0.0, max_new_tokens=8)
+    cache = PrefixCache()
+    p = renderer.prompt_ids([{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "fix add"}])
+    first = generate_with_prefix(model, [p], [7], params, renderer.stop_ids, cache)[0]
+    assert cache.prefix_len(7, p + first.output_ids + [5]) == len(p) + len(first.output_ids) - 1
+    edited = list(p)
+    edited[len(p) // 2] = (edited[len(p) // 2] + 1) % 700  # history rewritten in the middle
+    assert cache.prefix_len(7, edited + [5]) == 0
+    want = generate(model, [edited], params, renderer.stop_ids)[0]
+    got = generate_with_prefix(model, [edited], [7], params, renderer.stop_ids, cache)[0]
+    assert got.output_ids == want.output_ids
+    assert got.logprobs == pytest.approx(want.logprobs, abs=1e-5)
+
+
+def test_keep_only_forgets_ended_episodes(policy):
+    model, renderer = policy
+    cache = PrefixCache()
+    p = renderer.prompt_ids([{"role": "user", "content": "hello"}])
+    generate_with_prefix(model, [p, p + [5]], [1, 2], SamplingParams(0.0, max_new_tokens=3), renderer.stop_ids, cache)
+    assert set(cache.entries) == {1, 2}
+    cache.keep_only({2})
+    assert set(cache.entries) == {2}
+    with pytest.raises(ValueError, match="2 keys for 1 prompts"):
+        generate_with_prefix(model, [p], [1, 2], SamplingParams(), renderer.stop_ids, cache)
