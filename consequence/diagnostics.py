@@ -9,6 +9,7 @@ apply at this iteration; the trainer prints them and logs them in ``metrics.json
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -50,11 +51,16 @@ def iteration_extras(trajs: Sequence[Trajectory]) -> dict[str, Any]:
 
 
 def warnings_for(history: Sequence[dict[str, Any]]) -> list[str]:
-    """Warnings that the newest metrics (``history[-1]``) trigger, given all before it."""
+    """Warnings that the newest metrics (``history[-1]``) trigger, given all before it.
+
+    A metric that an iteration does not report (left out, ``None`` or NaN: e.g. no
+    optimizer step trained a row) neither triggers a warning nor stops one; the entropy
+    baseline is the first iteration that reports an entropy.
+    """
     if not history:
         return []
     now, out = history[-1], []
-    first_ent = history[0].get("entropy")
+    first_ent = next((h["entropy"] for h in history if _num(h.get("entropy"))), None)
     ent = now.get("entropy")
     if _num(first_ent) and _num(ent) and first_ent > 0 and ent < ENTROPY_COLLAPSE * first_ent:
         out.append(f"entropy collapse: {ent:.4f} nats/token, below {ENTROPY_COLLAPSE:.0%} of the first "
@@ -68,8 +74,9 @@ def warnings_for(history: Sequence[dict[str, Any]]) -> list[str]:
             and trunc[2] - trunc[0] >= TRUNCATION_RISE:
         out.append(f"truncated episodes rising: {trunc[0]:.2f} → {trunc[2]:.2f} over 3 iterations; the policy "
                    "is running into its budgets")
-    vals = [(h["reward_mean"], h["val_success"]) for h in history if _num(h.get("val_success"))]
-    if "val_success" in now and len(vals) >= 3:
+    vals = [(h["reward_mean"], h["val_success"]) for h in history
+            if _num(h.get("val_success")) and _num(h.get("reward_mean"))]
+    if _num(now.get("val_success")) and len(vals) >= 3:
         (r0, v0), (r1, v1) = vals[-3], vals[-1]
         if r1 > r0 + 0.05 and v1 <= v0:
             out.append(f"training reward rose {r0:.2f} → {r1:.2f} while validation success went {v0:.2f} → "
@@ -78,4 +85,5 @@ def warnings_for(history: Sequence[dict[str, Any]]) -> list[str]:
 
 
 def _num(x) -> bool:
-    return isinstance(x, (int, float)) and x == x  # finite-ish: excludes None and NaN
+    """A finite number (not None, NaN, ±inf or a bool)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import math
 import random
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +26,7 @@ import torch
 from consequence.config import TrainConfig
 from consequence.credit.advantages import group_advantages
 from consequence.credit.returns import gae
-from consequence.credit.value import ValueModel, row_values
+from consequence.credit.value import ValueModel, explained_variance, row_values
 from consequence.envs.repair_env import SYSTEM_PROMPT, RepairEnv
 from consequence.policy.logprobs import token_logprobs
 from consequence.records import TrainingRow, Trajectory, trajectory_to_rows
@@ -240,22 +241,28 @@ def logprob_fn(cfg: TrainConfig):
 def update(batch: Batch, cfg: TrainConfig, learner: Learner, pad_id: int, seed: int) -> dict[str, float]:
     """``epochs_per_batch`` × ``mini_batches`` optimizer steps on one collected batch.
 
-    π_old is the behaviour snapshot: the sampler's log-probs, or with TIS the trainer's
-    recomputation before the first step (and the sampler's μ goes to the TIS weights).
+    Each epoch shuffles the rows (when ``mini_batches > 1``) and cuts them into exactly
+    ``mini_batches`` parts whose sizes differ by at most 1. π_old is the behaviour
+    snapshot: the sampler's log-probs, or with TIS the trainer's recomputation before the
+    first step (and the sampler's μ goes to the TIS weights); either is scored on the
+    supports the sampler drew from (``TrainingRow.keep_ids``).
 
     Returns:
-        step metrics averaged over the steps (ratio_min / ratio_max: extremes), plus
-        ``n_updates``, the first step's ratio range (on-policy, so ≈ 1) and value-head
-        metrics when a critic is trained.
+        the steps merged by :func:`merge_steps` (steps whose rows were all skipped add
+        nothing to means and extremes; the counts of steps taken and skipped), plus
+        ``value_explained_var`` of the critic over all target tokens of the batch when
+        a critic is trained and it is defined. Every value is a finite float.
 
     Raises:
+        ValueError: the batch has fewer rows than ``mini_batches`` (nothing is applied).
         NonFiniteError: a NaN / ±inf advantage, log-prob, ratio, KL, loss or gradient;
             the message names the tensor and the trajectories (task, group, sample) of
             the rows involved. That optimizer step is not taken (earlier ones were).
     """
     if not batch.rows:
-        return {"n_updates": 0.0}
+        return {"n_updates": 0.0, "optimizer_steps_taken": 0.0, "optimizer_steps_skipped": 0.0}
     rows = batch.rows
+    _check_mini_batches(len(rows), cfg.mini_batches)
     lp_fn = logprob_fn(cfg)
     if cfg.tis_cap > 0:
         old = compute_logprobs(learner.model, rows, pad_id, lp_fn, cfg.temperature, cfg.micro_batch_size)
@@ -268,8 +275,11 @@ def update(batch: Batch, cfg: TrainConfig, learner: Learner, pad_id: int, seed: 
             rng.shuffle(order)
         for part in _chunks(order, cfg.mini_batches):
             steps.append(_one_step(batch, rows, part, cfg, learner, pad_id, lp_fn, len(steps)))
-    merged = _merge_steps(steps)
-    merged["first_step_ratio_min"], merged["first_step_ratio_max"] = steps[0]["ratio_min"], steps[0]["ratio_max"]
+    merged = merge_steps(steps)
+    if learner.critic is not None:
+        ev = explained_variance(rows, batch.returns, batch.old_values)
+        if ev is not None and math.isfinite(ev):
+            merged["value_explained_var"] = ev
     return merged
 
 
@@ -290,15 +300,95 @@ def _one_step(batch: Batch, rows, part: list[int], cfg, learner: Learner, pad_id
     return m
 
 
+def _check_mini_batches(n_rows: int, mini_batches: int) -> None:
+    """Exactly ``mini_batches`` steps per epoch need at least one row per step."""
+    if mini_batches < 1:
+        raise ValueError(f"--mini-batches must be >= 1, got {mini_batches}")
+    if n_rows < mini_batches:
+        raise ValueError(
+            f"--mini-batches {mini_batches} asks for {mini_batches} optimizer steps per epoch, but this "
+            f"iteration has only {n_rows} training row(s) (environment errors or the overlong filter removed "
+            f"the others); nothing was applied. Lower --mini-batches to at most {n_rows}, or raise "
+            "--tasks-per-iteration / --group-size so that every step gets a row")
+
+
 def _chunks(order: list[int], n: int) -> list[list[int]]:
-    size = -(-len(order) // n)
-    return [order[k : k + size] for k in range(0, len(order), size)]
+    """``order`` cut into exactly ``n`` consecutive parts, sizes ⌈len/n⌉ first then ⌊len/n⌋.
+
+    Raises:
+        ValueError: fewer items than parts (a part would be empty).
+    """
+    if not 1 <= n <= len(order):
+        raise ValueError(f"cannot cut {len(order)} rows into {n} non-empty mini-batches")
+    q, r = divmod(len(order), n)
+    bounds = [k * q + min(k, r) for k in range(n + 1)]
+    return [order[bounds[k]: bounds[k + 1]] for k in range(n)]
 
 
-def _merge_steps(steps: list[dict[str, float]]) -> dict[str, float]:
+# Per-token means: weighted by the target tokens each step trained on (``n_tokens``).
+_TOKEN_MEANS = ("ratio_mean", "clip_frac_low", "clip_frac_high", "entropy", "kl_ref", "tis_weight_mean")
+_COUNTS = ("n_tokens", "n_rows", "n_rows_trained", "rows_skipped_zero_advantage", "offpolicy_masked_rows",
+           "value_n_tokens")
+# step bookkeeping, consumed by merge_steps
+_SKIP = ("optimizer_stepped",)
+
+
+def merge_steps(steps: list[dict[str, float]]) -> dict[str, float]:
+    """The metrics of one update from the metrics of its optimizer steps.
+
+    Rules (a step that trained no row, i.e. ``n_rows_trained == 0``, contributes only to
+    the counts):
+      * token means (ratio_mean, clip fractions, entropy, kl_ref, tis_weight_mean):
+        Σ_k n_tokens_k · m_k / Σ_k n_tokens_k over the steps that trained, so equal to the
+        mean over every target token trained on;
+      * ratio_min / ratio_max: the extremes over the steps that trained (order-free);
+      * value_loss: weighted by ``value_n_tokens``; loss and grad_norm (one value per
+        step): plain mean over the steps that trained;
+      * counts (n_tokens, n_rows, n_rows_trained, rows_skipped_zero_advantage,
+        offpolicy_masked_rows, value_n_tokens): summed over all steps (a row counts once
+        per epoch);
+      * any other key: plain mean over the steps that report it.
+    A metric no trained step reports is left out; non-finite values never enter.
+
+    Returns:
+        the merged metrics plus ``n_updates`` (steps scheduled), ``optimizer_steps_taken``,
+        ``optimizer_steps_skipped`` (every row's advantage 0: no gradient, no step) and
+        ``first_step_ratio_min`` / ``first_step_ratio_max`` of the first step that
+        trained (on-policy, so ≈ 1); every value a finite float.
+    """
+    trained = [s for s in steps if s.get("n_rows_trained", 1.0) > 0]
     out: dict[str, float] = {}
-    for key in steps[0]:
-        vals = [s[key] for s in steps if key in s]
-        out[key] = min(vals) if key == "ratio_min" else max(vals) if key == "ratio_max" else sum(vals) / len(vals)
-    out["n_updates"] = float(len(steps))
+    for key in dict.fromkeys(k for s in steps for k in s):
+        if key in _SKIP:
+            continue
+        if key in _COUNTS:
+            out[key] = sum(s.get(key, 0.0) for s in steps)
+        elif key in _TOKEN_MEANS:
+            _weighted(out, key, [(s.get(key), s.get("n_tokens", 0.0)) for s in trained])
+        elif key == "value_loss":
+            _weighted(out, key, [(s.get(key), s.get("value_n_tokens", 0.0)) for s in steps])
+        elif key in ("ratio_min", "ratio_max"):
+            vals = [s[key] for s in trained if _finite(s.get(key))]
+            if vals:
+                out[key] = min(vals) if key == "ratio_min" else max(vals)
+        else:
+            _weighted(out, key, [(s.get(key), 1.0) for s in (trained if key in ("loss", "grad_norm") else steps)])
+    first = next((s for s in trained if _finite(s.get("ratio_min")) and _finite(s.get("ratio_max"))), None)
+    if first is not None:
+        out["first_step_ratio_min"], out["first_step_ratio_max"] = first["ratio_min"], first["ratio_max"]
+    taken = sum(1 for s in steps if s.get("optimizer_stepped", 1.0) > 0)
+    out |= {"n_updates": float(len(steps)), "optimizer_steps_taken": float(taken),
+            "optimizer_steps_skipped": float(len(steps) - taken)}
     return out
+
+
+def _weighted(out: dict[str, float], key: str, pairs: list[tuple[Any, float]]) -> None:
+    """out[key] = Σ w·x / Σ w over finite x with w > 0; left out when there is none."""
+    pairs = [(float(x), float(w)) for x, w in pairs if _finite(x) and w > 0]
+    total = sum(w for _, w in pairs)
+    if total > 0:
+        out[key] = sum(x * w for x, w in pairs) / total
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)

@@ -34,6 +34,11 @@ class ModelCall:
         parse_error: why the output could not be parsed into a tool call, else ``None``.
         observation_ids: token ids appended after this call by the harness (template
             boundary, tool results, next assistant header); never targets.
+        keep_ids: the keep-sampling mask: per sampled token, the ids of the support it
+            was drawn from when top-k / top-p cut the vocabulary (the sampled id is one
+            of them); ``None`` when the support was the whole vocabulary. The trainer
+            scores π_θ and π_ref on exactly this support, however far the weights have
+            moved since sampling (``consequence.policy.logprobs``).
     """
 
     context_ids: list[int]
@@ -43,6 +48,7 @@ class ModelCall:
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
     parse_error: str | None = None
     observation_ids: list[int] = field(default_factory=list)
+    keep_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         if self.stop_reason not in ("stop", "length"):
@@ -52,6 +58,19 @@ class ModelCall:
                 f"ModelCall: {len(self.output_ids)} output ids but {len(self.sample_logprobs)} "
                 "sample log-probs; the sampler must return one log-prob per sampled token"
             )
+        if self.keep_ids is not None:
+            _check_supports(self.output_ids, self.keep_ids, "ModelCall")
+
+
+def _check_supports(tokens: Sequence[int], supports: Sequence[Sequence[int] | None], who: str) -> None:
+    """Raise ValueError unless there is one support per token and each holds its token."""
+    if len(supports) != len(tokens):
+        raise ValueError(f"{who}: {len(tokens)} tokens but {len(supports)} keep-id lists; the sampler "
+                         "must return one support per sampled token")
+    for k, (tok, keep) in enumerate(zip(tokens, supports)):
+        if keep is not None and tok not in keep:
+            raise ValueError(f"{who}: token {tok} at position {k} is outside its stored support "
+                             f"({len(keep)} ids); a sampled token is always inside the support it was drawn from")
 
 
 @dataclass
@@ -104,17 +123,21 @@ class Trajectory:
 class TrainingRow:
     """One causal training row built from an append-only run of model calls.
 
-    All three lists have the same length S. ``loss_mask[j] == 1`` only where token j was
+    All lists have the same length S. ``loss_mask[j] == 1`` only where token j was
     sampled by the policy (end-of-turn included); ``old_logprobs[j]`` is the sampling
-    log-prob of token j where the mask is 1, else 0. Alignment for training: logits at
-    position j predict token j+1, so pair ``logits[:, :-1]`` with ``input_ids[:, 1:]``,
-    ``loss_mask[:, 1:]`` and ``old_logprobs[:, 1:]``.
+    log-prob of token j where the mask is 1, else 0. ``keep_ids[j]`` is the support
+    token j was sampled from (the calls' ``keep_ids``) where the mask is 1 and top-k /
+    top-p cut the vocabulary, else ``None``; ``keep_ids is None`` when no call of the
+    row stored supports. Alignment for training: logits at position j predict token
+    j+1, so pair ``logits[:, :-1]`` with ``input_ids[:, 1:]``, ``loss_mask[:, 1:]`` and
+    ``old_logprobs[:, 1:]``.
     """
 
     input_ids: list[int]
     loss_mask: list[int]
     old_logprobs: list[float]
     traj_index: int = 0
+    keep_ids: list[list[int] | None] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.input_ids)
@@ -123,6 +146,8 @@ class TrainingRow:
                 f"TrainingRow: lengths differ (ids {n}, mask {len(self.loss_mask)}, "
                 f"old_logprobs {len(self.old_logprobs)})"
             )
+        if self.keep_ids is not None:
+            _check_supports(self.input_ids, self.keep_ids, "TrainingRow")
 
 
 def trajectory_to_rows(traj: Trajectory, traj_index: int = 0) -> list[TrainingRow]:
@@ -139,33 +164,39 @@ def trajectory_to_rows(traj: Trajectory, traj_index: int = 0) -> list[TrainingRo
     ids: list[int] = []
     mask: list[int] = []
     lps: list[float] = []
+    keeps: list[list[int] | None] = []
     for call in traj.calls:
         ctx = call.context_ids
         if ids and len(ctx) >= len(ids) and ctx[: len(ids)] == ids:
             extra = ctx[len(ids):]  # tokens the harness added that we have not seen yet
         else:
             if ids:
-                rows.append(_close_row(ids, mask, lps, traj_index))
-            ids, mask, lps, extra = [], [], [], ctx
+                rows.append(_close_row(ids, mask, lps, keeps, traj_index))
+            ids, mask, lps, keeps, extra = [], [], [], [], ctx
         ids = ids + list(extra)
         mask = mask + [0] * len(extra)
         lps = lps + [0.0] * len(extra)
+        keeps = keeps + [None] * len(extra)
         ids += call.output_ids
         mask += [1] * len(call.output_ids)
         lps += list(call.sample_logprobs)
+        keeps += list(call.keep_ids) if call.keep_ids is not None else [None] * len(call.output_ids)
         # Observation ids after the last call are not trained and need no row.
         ids += call.observation_ids
         mask += [0] * len(call.observation_ids)
         lps += [0.0] * len(call.observation_ids)
+        keeps += [None] * len(call.observation_ids)
     if ids:
-        rows.append(_close_row(ids, mask, lps, traj_index))
+        rows.append(_close_row(ids, mask, lps, keeps, traj_index))
     return rows
 
 
-def _close_row(ids: list[int], mask: list[int], lps: list[float], traj_index: int) -> TrainingRow:
+def _close_row(ids: list[int], mask: list[int], lps: list[float], keeps: list[list[int] | None],
+               traj_index: int) -> TrainingRow:
     """Drop trailing non-target tokens (the last observation): they carry no signal."""
     end = max((j for j, m in enumerate(mask) if m), default=len(mask) - 1) + 1
-    return TrainingRow(ids[:end], mask[:end], lps[:end], traj_index)
+    stored = any(k is not None for k in keeps[:end])
+    return TrainingRow(ids[:end], mask[:end], lps[:end], traj_index, keeps[:end] if stored else None)
 
 
 # ---- storage: one Parquet file per iteration, written atomically -------------------
@@ -226,7 +257,11 @@ def pad_rows(rows: Sequence[TrainingRow], pad_id: int) -> dict[str, Any]:
     Returns:
         dict with ``input_ids`` [N, S] long (``pad_id`` on padding), ``attention_mask``
         [N, S] long (1 on real tokens), ``loss_mask`` [N, S] float32 and ``old_logprobs``
-        [N, S] float32 (0 on padding); S = longest row.
+        [N, S] float32 (0 on padding); S = longest row. When some row stores supports
+        (``keep_ids``), also ``keep_index`` [K, 3] long, one ``(row, position, kept id)``
+        per id of every stored support (position indexes ``input_ids``; the argument of
+        ``policy.logprobs.token_logprobs``), and ``keep_rows`` [N] bool (rows with
+        stored supports).
 
     Raises:
         ValueError: no rows, or an empty row.
@@ -251,9 +286,28 @@ def pad_rows(rows: Sequence[TrainingRow], pad_id: int) -> dict[str, Any]:
         attention_mask[i, :n] = 1
         loss_mask[i, :n] = torch.tensor(r.loss_mask, dtype=torch.float32)
         old_logprobs[i, :n] = torch.tensor(r.old_logprobs, dtype=torch.float32)
-    return {
+    out = {
         "input_ids": input_ids,
         "attention_mask": attention_mask,
         "loss_mask": loss_mask,
         "old_logprobs": old_logprobs,
     }
+    if any(r.keep_ids is not None for r in rows):
+        out["keep_index"] = _keep_index(rows, torch)
+        out["keep_rows"] = torch.tensor([r.keep_ids is not None for r in rows], dtype=torch.bool)
+    return out
+
+
+def _keep_index(rows: Sequence[TrainingRow], torch) -> Any:
+    """[K, 3] long ``(row, position, kept id)`` of every stored support of ``rows``."""
+    where, sizes, ids = [], [], []
+    for i, r in enumerate(rows):
+        for j, keep in enumerate(r.keep_ids or ()):
+            if keep is not None:
+                where.append((i, j))
+                sizes.append(len(keep))
+                ids.extend(keep)
+    if not ids:
+        return torch.zeros((0, 3), dtype=torch.long)
+    at = torch.repeat_interleave(torch.tensor(where, dtype=torch.long), torch.tensor(sizes), dim=0)
+    return torch.cat([at, torch.tensor(ids, dtype=torch.long)[:, None]], 1)

@@ -49,3 +49,17 @@ def test_iteration_extras_counts():
     assert x["tool_histogram"] == {"finish": 1, "run_tests": 3}
     assert x["groups_all_equal"] == 1 and x["groups_no_valid"] == 1
     assert x["env_error_rate"] == 1 / 3 and x["gen_tokens_max"] == 3 and x["rows_per_trajectory"] == 1.0
+
+
+def test_warnings_when_an_iteration_left_metrics_out():
+    # iteration 0 trained no row (every group all-equal): no entropy, no first-step ratio
+    skipped = {"reward_mean": 0.0, "truncated_fraction": 0.1}
+    assert warnings_for([skipped]) == []
+    # the entropy baseline is the first iteration that reports one (0.1), so 0.01 is a collapse
+    (w,) = warnings_for([skipped, _m(entropy=0.1), _m(entropy=0.01)])
+    assert w.startswith("entropy collapse") and "0.1000" in w
+    # null / NaN values neither trigger nor crash; the first-step check still fires when present
+    assert warnings_for([_m(entropy=None, first_step_ratio_min=None, first_step_ratio_max=None)]) == []
+    assert warnings_for([_m(entropy=float("nan"))]) == []
+    (w,) = warnings_for([skipped, _m(first_step_ratio_max=1.05)])
+    assert "ratio far from 1" in w and "1.0500" in w

@@ -327,3 +327,17 @@ def test_hf_fallback_matches_fast(model, tok, monkeypatch):
     for a, b in zip(fast, slow):
         assert a.output_ids == b.output_ids
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+
+
+def test_kv_slots_never_written_are_zero_and_give_finite_logits(model, tok):
+    """A masked slot enters attention as weight 0 × value: it must not hold uninitialised
+    memory (0 × NaN = NaN), e.g. when prefix reuse fills only some slots."""
+    fast = _FastLlama(model)
+    fast.alloc(2, 6)
+    assert all(bool((c == 0).all()) for c in fast.k_cache + fast.v_cache)
+    key_valid = torch.zeros(2, 6, dtype=torch.bool)
+    key_valid[:, 4] = True  # slots 0-3 were never written
+    with torch.inference_mode():
+        logits = fast.forward(torch.tensor([[5], [7]]), torch.tensor([[0], [0]]), 4, key_valid)
+        hf = model(input_ids=torch.tensor([[5], [7]])).logits[:, -1]
+    assert torch.isfinite(logits).all() and torch.allclose(logits, hf, atol=1e-4)

@@ -70,3 +70,39 @@ def row_values(critic: ValueModel, rows: Sequence[TrainingRow], pad_id: int,
             values[i] = [0.0] + v[j, : n - 1].tolist()
             final[i] = float(v[j, n - 1])
     return values, final
+
+
+def explained_variance(rows: Sequence[TrainingRow], returns: Sequence[Sequence[float]],
+                       values: Sequence[Sequence[float]]) -> float | None:
+    """1 − Var(R − V) / Var(R) over every target token of ``rows`` (population variances).
+
+    The standard diagnostic of a critic (e.g. OpenAI Baselines' ``explained_variance``):
+    1 is a perfect fit, 0 no better than a constant, < 0 worse than one.
+
+    Args:
+        rows: training rows; their ``loss_mask`` picks the target tokens.
+        returns: per row, value targets R aligned with ``input_ids``.
+        values: per row, the critic's V aligned the same way (``row_values``).
+
+    Returns:
+        the explained variance, or ``None`` when it is undefined (no target token, or
+        Var(R) = 0: every return equal).
+
+    Raises:
+        ValueError: the three sequences differ in length.
+    """
+    if not (len(rows) == len(returns) == len(values)):
+        raise ValueError(f"{len(rows)} rows, {len(returns)} returns, {len(values)} values")
+    r, v = [], []
+    for row, ret, val in zip(rows, returns, values):
+        for j, m in enumerate(row.loss_mask):
+            if m and j > 0:  # position 0 is never a target (no logit predicts it)
+                r.append(ret[j])
+                v.append(val[j])
+    if not r:
+        return None
+    r_t, v_t = torch.tensor(r, dtype=torch.float64), torch.tensor(v, dtype=torch.float64)
+    var_r = float(r_t.var(unbiased=False))
+    if var_r <= 0.0:
+        return None
+    return 1.0 - float((r_t - v_t).var(unbiased=False)) / var_r

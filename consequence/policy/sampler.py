@@ -7,7 +7,10 @@ Other architectures fall back to HF ``model(...)`` with ``past_key_values``.
 
 Log-probs are those of the distribution actually sampled from (``logprobs.process_logits``:
 temperature, then top-k, then top-p, renormalised); ``temperature == 0`` is greedy and its
-log-probs are under the unprocessed ``T = 1`` distribution.
+log-probs are under the unprocessed ``T = 1`` distribution. When top-k or top-p cuts the
+support, each sampled token also comes with the ids of the support it was drawn from
+(``Sample.keep_ids``, the keep-sampling mask), so that the trainer scores it under that
+same support after the weights have moved (``logprobs`` module doc).
 
 Speed notes (2-core CPU, tiny model; see benchmarks/bench_generation.py):
 - identical prompts (a GRPO group) are prefilled once and their cache rows copied;
@@ -27,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from consequence.policy.logprobs import process_logits
+from consequence.policy.logprobs import keep_mask, kept_ids
 
 
 @dataclass(frozen=True)
@@ -48,11 +51,15 @@ class Sample:
         output_ids: sampled ids; the stop id is included when one was sampled.
         logprobs: log μ(y_k | prefix) per sampled token; ``len == len(output_ids)``.
         stop_reason: ``"stop"`` (a stop id was sampled) or ``"length"`` (max_new_tokens hit).
+        keep_ids: per sampled token, the ascending ids of the support it was sampled from
+            (top-k / top-p on); ``None`` when the support was the whole vocabulary
+            (neither filter on, or greedy).
     """
 
     output_ids: list[int]
     logprobs: list[float]
     stop_reason: str
+    keep_ids: list[list[int]] | None = None
 
 
 PREFILL_CHUNK_TOKENS = 2048
@@ -143,9 +150,12 @@ class _FastLlama:
         return x * cos + rot * sin
 
     def alloc(self, batch: int, length: int) -> None:
+        # zeros, not empty: a masked slot still enters attention as weight 0 × value, and
+        # 0 × (uninitialised NaN) = NaN; a caller that fills only some slots (prefix reuse)
+        # would otherwise sample from NaN probabilities
         shape = (batch, self.n_kv, length, self.head_dim)
-        self.k_cache = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
-        self.v_cache = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        self.k_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        self.v_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
 
     def select_rows(self, rows: torch.Tensor) -> None:
         self.k_cache = [c.index_select(0, rows) for c in self.k_cache]
@@ -230,17 +240,26 @@ class _FastLlama:
         return F.linear(self._rms(x, self.norm_w), self.lm_head)
 
 
-def _pick(logits_BV: torch.Tensor, params: SamplingParams, generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row; returns (ids [B] long, logprobs [B] float32)."""
+def _pick(logits_BV: torch.Tensor, params: SamplingParams, generator
+          ) -> tuple[torch.Tensor, torch.Tensor, list[list[int]] | None]:
+    """Sample one token per row under ``logprobs.process_logits``'s distribution.
+
+    Returns:
+        ids [B] long, logprobs [B] float32, and the kept ids of each row's support
+        (``None`` when no top-k / top-p cut applies).
+    """
     logits_BV = logits_BV.float()
+    keep = None
     if params.temperature == 0:
         tok = logits_BV.argmax(-1)
         logp = torch.log_softmax(logits_BV, -1)
     else:
-        proc = process_logits(logits_BV, params.temperature, params.top_k, params.top_p)
+        scaled = logits_BV / params.temperature if params.temperature != 1.0 else logits_BV
+        keep = keep_mask(scaled, params.top_k, params.top_p)
+        proc = scaled if keep is None else scaled.masked_fill(~keep, float("-inf"))
         logp = torch.log_softmax(proc, -1)
         tok = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
-    return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+    return tok, logp.gather(-1, tok[:, None]).squeeze(-1), None if keep is None else kept_ids(keep)
 
 
 def _left_pad(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -323,19 +342,24 @@ def _generate_fast(model, prompts, params, stop_ids, generator) -> list[Sample]:
 
     out_ids: list[list[int]] = [[] for _ in range(n)]
     out_lp: list[list[float]] = [[] for _ in range(n)]
+    out_keep: list[list[list[int]]] | None = None
     reason = ["length"] * n
     active = list(range(n))  # batch row -> original index
     done_in_batch = [False] * n
     stop_t = torch.tensor(sorted(stop_ids), dtype=torch.long, device=dev) if stop_ids else None
     for step in range(params.max_new_tokens):
-        tok, lp = _pick(logits, params, generator)
+        tok, lp, keep = _pick(logits, params, generator)
         tok_l, lp_l = tok.tolist(), lp.tolist()
+        if keep is not None and out_keep is None:
+            out_keep = [[] for _ in range(n)]
         hit = torch.isin(tok, stop_t).tolist() if stop_t is not None else [False] * len(active)
         for b, i in enumerate(active):
             if done_in_batch[b]:
                 continue
             out_ids[i].append(tok_l[b])
             out_lp[i].append(lp_l[b])
+            if keep is not None:
+                out_keep[i].append(keep[b])
             if hit[b]:
                 reason[i] = "stop"
                 done_in_batch[b] = True
@@ -345,19 +369,24 @@ def _generate_fast(model, prompts, params, stop_ids, generator) -> list[Sample]:
         if n_done == len(active):
             break
         if n_done and n_done * 8 >= len(active):  # drop finished rows from batch + cache
-            keep = [b for b, d in enumerate(done_in_batch) if not d]
-            keep_d = torch.tensor(keep, dtype=torch.long, device=dev)
+            alive = [b for b, d in enumerate(done_in_batch) if not d]
+            keep_d = torch.tensor(alive, dtype=torch.long, device=dev)
             fast.select_rows(keep_d)
             key_valid = key_valid.index_select(0, keep_d)
             next_pos = next_pos.index_select(0, keep_d)
             tok = tok.index_select(0, keep_d)
-            active = [active[b] for b in keep]
+            active = [active[b] for b in alive]
             done_in_batch = [False] * len(active)
         slot = L + step
         key_valid[:, slot] = True
         logits = fast.forward(tok[:, None], next_pos[:, None], slot, key_valid)
         next_pos = next_pos + 1
-    return [Sample(out_ids[i], out_lp[i], reason[i]) for i in range(n)]
+    return _samples(out_ids, out_lp, reason, out_keep)
+
+
+def _samples(out_ids, out_lp, reason, out_keep) -> list[Sample]:
+    return [Sample(out_ids[i], out_lp[i], reason[i], None if out_keep is None else out_keep[i])
+            for i in range(len(out_ids))]
 
 
 def _generate_hf(model, prompts, params, stop_ids, generator) -> list[Sample]:
@@ -375,15 +404,20 @@ def _generate_hf(model, prompts, params, stop_ids, generator) -> list[Sample]:
     next_pos = pos[:, -1] + 1
     out_ids: list[list[int]] = [[] for _ in range(n)]
     out_lp: list[list[float]] = [[] for _ in range(n)]
+    out_keep: list[list[list[int]]] | None = None
     reason = ["length"] * n
     done = [False] * n
     for step in range(params.max_new_tokens):
-        tok, lp = _pick(logits, params, generator)
+        tok, lp, keep = _pick(logits, params, generator)
+        if keep is not None and out_keep is None:
+            out_keep = [[] for _ in range(n)]
         for i, (t, l) in enumerate(zip(tok.tolist(), lp.tolist())):
             if done[i]:
                 continue
             out_ids[i].append(t)
             out_lp[i].append(l)
+            if keep is not None:
+                out_keep[i].append(keep[i])
             if t in stop_ids:
                 reason[i], done[i] = "stop", True
         if all(done) or step == params.max_new_tokens - 1:
@@ -396,4 +430,4 @@ def _generate_hf(model, prompts, params, stop_ids, generator) -> list[Sample]:
         past = getattr(out, key)
         logits = out.logits[:, -1]
         next_pos = next_pos + 1
-    return [Sample(out_ids[i], out_lp[i], reason[i]) for i in range(n)]
+    return _samples(out_ids, out_lp, reason, out_keep)

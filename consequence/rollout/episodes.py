@@ -19,8 +19,9 @@ from consequence.harness.tools import check_tool_specs, validate_call
 from consequence.records import ModelCall, Trajectory
 
 # generate_fn(prompts, max_new_tokens, episode_indices) -> one sample per prompt with
-# .output_ids, .logprobs, .stop_reason. episode_indices say which spec each prompt belongs
-# to (a policy ignores them; a scripted teacher needs them).
+# .output_ids, .logprobs, .stop_reason and optionally .keep_ids (the support of each sampled
+# token under top-k / top-p, stored in the ModelCall for the trainer). episode_indices say
+# which spec each prompt belongs to (a policy ignores them; a scripted teacher needs them).
 _POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tools")
 
 GenerateFn = Callable[[list[list[int]], int, list[int]], list[Any]]
@@ -138,11 +139,18 @@ def _end(e: _Live, outcome: str, reason: str | None = None, error: str | None = 
     e.traj.messages = e.messages
 
 
+def _supports(sample: Any) -> list[list[int]] | None:
+    """The sample's keep-sampling mask (``Sample.keep_ids``); ``None`` for a scripted sample without one."""
+    keep = getattr(sample, "keep_ids", None)
+    return None if keep is None else [list(k) for k in keep]
+
+
 def _advance(e: _Live, sample: Any, renderer: Renderer, tool_specs: dict, budgets: Budgets) -> None:
     parsed = renderer.parse(sample.output_ids, sample.stop_reason)
     call = ModelCall(context_ids=list(e.context), output_ids=list(sample.output_ids),
                      sample_logprobs=list(sample.logprobs), stop_reason=sample.stop_reason,
-                     tool_calls=parsed.tool_calls, parse_error=parsed.parse_error)
+                     tool_calls=parsed.tool_calls, parse_error=parsed.parse_error,
+                     keep_ids=_supports(sample))
     e.traj.calls.append(call)
     if sample.stop_reason == "length":
         e.messages = e.messages + [parsed.message]

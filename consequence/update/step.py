@@ -65,8 +65,15 @@ class UpdateConfig:
     offpolicy_delta: float = 0.0
 
 
-def _call_logprob_fn(logprob_fn: Callable[..., Any], model, input_ids, attention_mask, temperature):
-    out = logprob_fn(model, input_ids, attention_mask, temperature=temperature)
+def _call_logprob_fn(logprob_fn: Callable[..., Any], model, batch: dict[str, Tensor], temperature: float):
+    """``logprob_fn`` on a padded batch; the stored supports go with it when the rows have them.
+
+    A ``logprob_fn`` that cannot take ``keep_index`` / ``keep_rows`` fails with a
+    TypeError on rows with stored supports instead of silently recomputing top-k / top-p
+    from logits the sampler never saw.
+    """
+    support = {k: batch[k] for k in ("keep_index", "keep_rows") if k in batch}
+    out = logprob_fn(model, batch["input_ids"], batch["attention_mask"], temperature=temperature, **support)
     if isinstance(out, (tuple, list)):
         lp = out[0]
         ent = out[1] if len(out) > 1 else None
@@ -183,6 +190,7 @@ class _Metrics:
     def __init__(self) -> None:
         self.sums: dict[str, float] = {}
         self.n_tok = 0
+        self.n_rows_run = 0
         self.ratio_min = math.inf
         self.ratio_max = -math.inf
         self.n_rows_masked = 0
@@ -190,8 +198,14 @@ class _Metrics:
     def add(self, name: str, values: Tensor) -> None:
         self.sums[name] = self.sums.get(name, 0.0) + float(values.double().sum())
 
-    def mean(self, name: str) -> float:
-        return self.sums[name] / self.n_tok if self.n_tok and name in self.sums else float("nan")
+    def means(self) -> dict[str, float]:
+        """Token means over the targets that ran; a metric without data is left out."""
+        if not self.n_tok:
+            return {}
+        names = {"ratio": "ratio_mean", "clip_low": "clip_frac_low", "clip_high": "clip_frac_high",
+                 "entropy": "entropy", "kl_ref": "kl_ref", "tis_weight": "tis_weight_mean"}
+        out = {names[k]: v / self.n_tok for k, v in self.sums.items()}
+        return out | {"ratio_min": self.ratio_min, "ratio_max": self.ratio_max}
 
 
 def accumulate_gradients(
@@ -220,7 +234,10 @@ def accumulate_gradients(
     Args:
         model: the policy; ``logprob_fn(model, input_ids [n,S] long, attention_mask [n,S]
             long, temperature=T)`` returns ``(logprobs [n,S-1] float32, entropy [n,S-1]
-            float32 or None)`` or just the logprobs tensor.
+            float32 or None)`` or just the logprobs tensor; when rows store the sampler's
+            supports it also gets ``keep_index`` [K,3] long and ``keep_rows`` [n] bool
+            (``records.pad_rows``) and must score targets on them
+            (``policy.logprobs.token_logprobs``).
         rows: training rows; ``old_logprobs`` are logπ_old of the targets (the behaviour
             snapshot: sampler log-probs, or the trainer's recomputation when TIS is on).
         advantages_N: per row a finite float (broadcast to its targets) or a list of
@@ -231,10 +248,12 @@ def accumulate_gradients(
             TIS and off-policy masking; default: the rows' ``old_logprobs``).
 
     Returns:
-        metrics: loss (step loss = Σ micro-batch losses), ratio_mean/min/max,
-        clip_frac_low, clip_frac_high, entropy, kl_ref, tis_weight_mean,
-        offpolicy_masked_rows (token means over targets; NaN when unavailable),
-        rows_skipped_zero_advantage, n_tokens (targets that ran), n_rows.
+        metrics: loss (step loss = Σ micro-batch losses), n_tokens (targets that ran),
+        n_rows, n_rows_trained (rows that ran a forward/backward),
+        rows_skipped_zero_advantage, offpolicy_masked_rows, and over the targets that
+        ran: ratio_mean, ratio_min, ratio_max, clip_frac_low, clip_frac_high, entropy,
+        kl_ref, tis_weight_mean (token means). A metric without data (no target ran, no
+        entropy returned, no reference, TIS off) is left out, never NaN.
 
     Raises:
         ValueError: lengths differ, unknown reduction/surrogate, bad advantage, a target
@@ -271,21 +290,15 @@ def accumulate_gradients(
         loss.backward()
         _check_grads(model, idx)  # per micro-batch, so the rows that made a NaN are known
         loss_sum += float(loss.item())
-    n = met.n_tok
+        met.n_rows_run += len(idx)
     return {
         "loss": loss_sum,
-        "ratio_mean": met.mean("ratio"),
-        "ratio_min": met.ratio_min if n else float("nan"),
-        "ratio_max": met.ratio_max if n else float("nan"),
-        "clip_frac_low": met.mean("clip_low") if n else 0.0,
-        "clip_frac_high": met.mean("clip_high") if n else 0.0,
-        "entropy": met.mean("entropy"),
-        "kl_ref": met.mean("kl_ref"),
-        "tis_weight_mean": met.mean("tis_weight"),
+        **met.means(),
         "offpolicy_masked_rows": float(met.n_rows_masked),
         "rows_skipped_zero_advantage": float(len(rows) - len(live)),
-        "n_tokens": float(n),
+        "n_tokens": float(met.n_tok),
         "n_rows": float(len(rows)),
+        "n_rows_trained": float(met.n_rows_run),
     }
 
 
@@ -313,7 +326,7 @@ def _micro_batch_loss(model, batch: dict[str, Tensor], cfg: UpdateConfig, logpro
 
     ``idx`` are the step's row indices of the micro-batch's rows (for error messages).
     """
-    lp, ent = _call_logprob_fn(logprob_fn, model, batch["input_ids"], batch["attention_mask"], cfg.temperature)
+    lp, ent = _call_logprob_fn(logprob_fn, model, batch, cfg.temperature)
     mask = batch["loss_mask"][:, 1:]
     old = batch["old_logprobs"][:, 1:]
     if lp.shape != mask.shape:
@@ -384,9 +397,12 @@ def ppo_step(
     ``optimizer.step()``, ``optimizer.zero_grad()``.
 
     The objective and shapes are those of :func:`accumulate_gradients` (docs/design.md §5).
+    When no row ran (every row's advantage 0 and no KL or entropy term) the policy
+    gradient is exactly 0 and the optimizer does not step.
 
     Returns:
-        metrics of :func:`accumulate_gradients` plus ``grad_norm`` (before clipping).
+        metrics of :func:`accumulate_gradients` plus ``optimizer_stepped`` (1.0 or 0.0)
+        and, when it stepped, ``grad_norm`` (before clipping).
 
     Raises:
         ValueError: see :func:`accumulate_gradients`.
@@ -399,13 +415,16 @@ def ppo_step(
     try:
         metrics = accumulate_gradients(model, rows, advantages_N, cfg, pad_id, logprob_fn,
                                        ref_logprobs=ref_logprobs, sampler_logprobs=sampler_logprobs)
-        grad_norm = _clip_grad_norm(model, cfg.max_grad_norm, len(rows))
+        stepped = metrics["n_rows_trained"] > 0
+        grad_norm = _clip_grad_norm(model, cfg.max_grad_norm, len(rows)) if stepped else None
     except Exception:  # never leave half-accumulated gradients behind
         optimizer.zero_grad(set_to_none=True)
         raise
-    optimizer.step()
+    if stepped:
+        optimizer.step()
+        metrics["grad_norm"] = grad_norm
     optimizer.zero_grad(set_to_none=True)
-    metrics["grad_norm"] = grad_norm
+    metrics["optimizer_stepped"] = float(stepped)
     return metrics
 
 
@@ -433,7 +452,9 @@ def compute_logprobs(model: torch.nn.Module, rows: Sequence[TrainingRow], pad_id
     ``row.input_ids`` (position 0 holds 0: no logit predicts it).
 
     Used for the behaviour snapshot (π_old recomputed by the trainer) and the frozen
-    reference policy (π_ref). Positions outside the top-k/top-p support hold -inf.
+    reference policy (π_ref). Targets are scored on the support the sampler drew them
+    from when the rows store it (``TrainingRow.keep_ids``), whatever the weights of
+    ``model``; a token outside its support holds -inf.
 
     Returns:
         list of N lists of floats, lengths ``len(row.input_ids)``.
@@ -442,9 +463,8 @@ def compute_logprobs(model: torch.nn.Module, rows: Sequence[TrainingRow], pad_id
     out: list[list[float]] = [[] for _ in rows]
     for start in range(0, len(rows), micro_batch_size):
         idx = list(range(start, min(start + micro_batch_size, len(rows))))
-        batch = pad_rows([rows[i] for i in idx], pad_id)
-        lp, _ = _call_logprob_fn(logprob_fn, model, batch["input_ids"].to(device),
-                                 batch["attention_mask"].to(device), temperature)
+        batch = {k: v.to(device) for k, v in pad_rows([rows[i] for i in idx], pad_id).items()}
+        lp, _ = _call_logprob_fn(logprob_fn, model, batch, temperature)
         lp = lp.float().cpu()
         for j, i in enumerate(idx):
             n = len(rows[i].input_ids)

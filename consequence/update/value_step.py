@@ -48,9 +48,10 @@ def value_step(
         clip: ε_v of value clipping (``<= 0`` turns it off).
 
     Returns:
-        ``value_loss`` (float, squared units of reward) and ``value_explained_var``
-        (1 − Var(R − V_old)/Var(R) over target tokens; 1 is perfect, ≤ 0 no better than
-        a constant).
+        ``value_n_tokens`` (targets fitted) and, when there was at least one target,
+        ``value_loss`` (float, squared units of reward; the critic then stepped). The
+        explained variance of V_old is a property of the whole batch, not of a step:
+        :func:`consequence.credit.value.explained_variance`.
 
     Raises:
         ValueError: lengths differ.
@@ -63,7 +64,6 @@ def value_step(
     optimizer.zero_grad(set_to_none=True)
     device = next(critic.parameters()).device
     loss_sum = 0.0
-    resid, targets = [], []
     for start in range(0, len(rows), micro_batch_size):
         idx = list(range(start, min(start + micro_batch_size, len(rows))))
         batch = pad_rows([rows[i] for i in idx], pad_id)
@@ -83,16 +83,12 @@ def value_step(
             raise NonFiniteError("value_loss", idx, f"micro-batch value loss {loss.item()}")
         loss.backward()
         loss_sum += float(loss.item())
-        resid.append((ret - v_old)[mask].detach().cpu())
-        targets.append(ret[mask].detach().cpu())
+    if n_tok == 0:
+        return {"value_n_tokens": 0.0}  # nothing to fit: no gradient, no step
     grad_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), max_grad_norm if max_grad_norm > 0 else math.inf)
     if not torch.isfinite(grad_norm):
         optimizer.zero_grad(set_to_none=True)
         raise NonFiniteError("value_gradient", range(len(rows)), f"critic grad norm {float(grad_norm)}")
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    ev = float("nan")
-    if targets:
-        r, t = torch.cat(resid), torch.cat(targets)
-        ev = float(1.0 - r.var(unbiased=False) / t.var(unbiased=False)) if t.var(unbiased=False) > 0 else float("nan")
-    return {"value_loss": loss_sum, "value_explained_var": ev}
+    return {"value_loss": loss_sum, "value_n_tokens": float(n_tok)}
