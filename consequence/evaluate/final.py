@@ -11,22 +11,27 @@ from pathlib import Path
 from typing import Any
 
 from consequence.evaluate.compare import ArmResult, paired_comparison, summarize
+from consequence.evaluate.progress import Phases, Tick
 from consequence.evaluate.rollouts import run_eval
 from consequence.records import write_trajectories
 from consequence.seeding import seed_of
 
 
-def validate(model, renderer, split, budgets, cfg) -> dict[str, float]:
-    """Greedy success on `cfg.val_episodes` validation tasks (chooses checkpoints, never test)."""
+def validate(model, renderer, split, budgets, cfg, progress: Tick | None = None) -> dict[str, float]:
+    """Greedy success on ``cfg.val_episodes`` validation tasks (chooses checkpoints, never test).
+
+    ``progress(n_done)`` is called with the episodes finished so far.
+    """
     tasks = split.sample("validation", cfg.val_episodes, seed=seed_of(cfg.seed, "val"))
-    return summarize(run_eval(model, renderer, tasks, budgets, cfg.seed, greedy=True))
+    return summarize(run_eval(model, renderer, tasks, budgets, cfg.seed, greedy=True, progress=progress))
 
 
 def final_report(cfg, reference, model, renderer, split, budgets, console, run: Path) -> dict[str, Any]:
     """Warm start vs RL checkpoint on the same episodes: (a) test split, (b) train problems.
 
     Each split is evaluated with every decoding in ``cfg.final_eval_decoding``; sampled
-    episodes use the same seeds for both policies.
+    episodes use the same seeds for both policies. Every (split, decoding, policy) is one
+    phase with its progress bar (episodes done / total, episodes/s) on ``console``.
     """
     n = cfg.final_eval_episodes
     sets = {
@@ -34,19 +39,27 @@ def final_report(cfg, reference, model, renderer, split, budgets, console, run: 
         "train problems, new instances (in-distribution)": split.sample("train", n, seed=seed_of(cfg.seed, "fresh")),
     }
     out: dict[str, Any] = {"episodes_per_split": n, "budgets": vars(budgets), "results": [], "evaluation_files": []}
-    for decoding in cfg.final_eval_decoding:
-        for name, tasks in sets.items():
-            if not tasks:
-                continue
-            console.print(f"final evaluation: {name}, {decoding}, {len(tasks)} episodes per policy")
-            greedy = decoding == "greedy"
-            a = ArmResult("warm start", run_eval(reference, renderer, tasks, budgets, cfg.seed, greedy))
-            b = ArmResult("RL", run_eval(model, renderer, tasks, budgets, cfg.seed, greedy))
-            for arm, tag in ((a, "warmstart"), (b, "rl")):
-                path = run / "eval" / f"{name.split(' ')[0]}-{decoding}-{tag}.parquet"
-                write_trajectories(path, arm.trajectories)
-                out["evaluation_files"].append(str(path.relative_to(run)))
-            out["results"].append({"split": name, "decoding": decoding,
-                                   "comparison": paired_comparison(a, b, seed=cfg.seed),
-                                   "warm_start": summarize(a.trajectories), "rl": summarize(b.trajectories)})
+    with Phases(console) as phases:
+        for decoding in cfg.final_eval_decoding:
+            for name, tasks in sets.items():
+                if tasks:
+                    out["results"].append(_compare_arms(cfg, reference, model, renderer, budgets, run, phases,
+                                                        name, tasks, decoding, out["evaluation_files"]))
     return out
+
+
+def _compare_arms(cfg, reference, model, renderer, budgets, run: Path, phases: Phases, name: str, tasks,
+                  decoding: str, files: list[str]) -> dict[str, Any]:
+    """Both policies on the same episodes of one split and decoding; their raw episodes are written."""
+    greedy = decoding == "greedy"
+    arms = []
+    for label, policy in (("warm start", reference), ("RL", model)):
+        with phases.phase(f"final evaluation: {name.split(' ')[0]}, {decoding}, {label}", len(tasks)) as tick:
+            arms.append(ArmResult(label, run_eval(policy, renderer, tasks, budgets, cfg.seed, greedy, progress=tick)))
+    a, b = arms
+    for arm, tag in ((a, "warmstart"), (b, "rl")):
+        path = run / "eval" / f"{name.split(' ')[0]}-{decoding}-{tag}.parquet"
+        write_trajectories(path, arm.trajectories)
+        files.append(str(path.relative_to(run)))
+    return {"split": name, "decoding": decoding, "comparison": paired_comparison(a, b, seed=cfg.seed),
+            "warm_start": summarize(a.trajectories), "rl": summarize(b.trajectories)}
