@@ -20,7 +20,8 @@ demo: install  ## the default training job, end to end
 test: install  ## the test suite
 	$(BIN)/python -m pytest -q -n 2 -p no:cacheprovider
 
-bench: install  ## generation speed vs transformers, training-step FLOP/s vs matmul, hostile corpus
+bench: install  ## generation speed vs transformers, prefix reuse, evaluation and sandbox speed, training-step FLOP/s, hostile corpus
 	$(BIN)/python benchmarks/bench_generation.py
+	$(BIN)/python benchmarks/bench_prefix_reuse.py
 	$(BIN)/python benchmarks/bench_train_step.py
 	$(BIN)/python benchmarks/hostile_corpus.py
