@@ -108,8 +108,6 @@ def _run(fast: _FastLlama, prompts, keys, params, stop_ids, cache: PrefixCache, 
     L, U = max(lens), len(rows_u)
     S = max(len(prompts[i]) - pre[i] for i in rows_u)  # prefill window: the last S slots of every row
     fast.alloc(U, L + params.max_new_tokens)
-    for c in fast.k_cache + fast.v_cache:  # slots before the window that no prefix fills stay
-        c[:, :, : L - S].zero_()           # masked, but 0 × NaN of uninitialised memory is NaN
     ids = torch.zeros(U, L, dtype=torch.long)
     key_valid = torch.zeros(U, L + params.max_new_tokens, dtype=torch.bool)
     for u, i in enumerate(rows_u):
