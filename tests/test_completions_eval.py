@@ -91,3 +91,47 @@ def test_evaluate_argument_errors(he, tmp_path):
         comp.evaluate_completions(TINY, list(he), n=2, ks=(1, 10))
     with pytest.raises(FileNotFoundError):
         comp.evaluate_completions(tmp_path / "nope", list(he), n=1, ks=(1,))
+
+
+def test_batches_group_by_prompt_length():
+    assert comp.batches([5, 1, 3, 2], n=2, batch_rows=4) == [[1, 3], [2, 0]]
+    assert comp.batches([5, 1, 3], n=4, batch_rows=2) == [[1], [2], [0]]  # at least one task per batch
+
+
+def test_one_task_per_batch_keeps_the_unbatched_seeds(he):
+    import torch
+
+    from consequence.policy.sampler import SamplingParams, generate
+
+    model, tok = comp._load(TINY)
+    tasks = list(he)
+    one, _, mode = comp.sample_completions(model, tok, tasks, 2, 1.0, 5, max_new_tokens=8, batch_rows=2)
+    stops = comp._stop_ids(model, tok)
+    for i, task in enumerate(tasks):  # the loop before batching: one generator per task
+        gen = torch.Generator().manual_seed(5 * 1_000_003 + i)
+        samples = generate(model, [comp._prompt_ids(tok, task, mode)] * 2, SamplingParams(1.0, max_new_tokens=8),
+                           stops, gen)
+        want = [comp.extract_completion(tok.decode([t for t in s.output_ids if t not in stops],
+                                                   skip_special_tokens=True), task, mode) for s in samples]
+        assert one[i] == want
+
+
+def test_batched_sampling_is_reproducible_and_reports_progress(he):
+    import io
+
+    import torch
+    from rich.console import Console
+
+    from consequence.evaluate.progress import Phases
+
+    buf = io.StringIO()
+    threads = torch.get_num_threads()
+    with Phases(Console(file=buf, force_terminal=False, width=200)) as phases:
+        a = comp.evaluate_completions(TINY, list(he), n=2, ks=(1,), seed=4, max_new_tokens=8, phases=phases)
+    b = comp.evaluate_completions(TINY, list(he), n=2, ks=(1,), seed=4, max_new_tokens=8)
+    assert [r["completions"] for r in a.per_task] == [r["completions"] for r in b.per_task]
+    assert a.settings["batch_rows"] == comp.BATCH_ROWS and a.settings["torch_threads"] >= 1
+    assert torch.get_num_threads() == threads  # restored after sampling
+    out = buf.getvalue()
+    assert "completions sampled: start, 4 samples" in out and "completions sampled: done, 4/4 samples in" in out
+    assert "completions scored (sandbox, overlapping the sampling): done, 4/4 samples" in out

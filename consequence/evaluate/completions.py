@@ -29,6 +29,7 @@ import os
 import re
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
@@ -47,7 +48,7 @@ __all__ = ["CHAT_INSTRUCTION", "STOP_SEQUENCES", "CompletionEval", "extract_comp
 CHAT_INSTRUCTION = ("Complete the following Python function. Reply with the complete "
                     "function in one ```python code block.\n\n")
 STOP_SEQUENCES = ("\ndef ", "\nclass ", "\nif ", "\nprint(", "\n#")
-BATCH_ROWS = 64  # sampled rows per batched generate call (tasks × n)
+BATCH_ROWS = 32  # sampled rows per batched generate call (tasks × n)
 
 
 @dataclass
@@ -249,7 +250,7 @@ def evaluate_completions(model_path: str | os.PathLike, tasks: Sequence[CodeTask
                          ks: Sequence[int] = (1, 10), temperature: float = 0.8, seed: int = 0,
                          max_new_tokens: int = 384, top_p: float = 1.0,
                          prompt_mode: str = "auto", limits: SandboxLimits | None = None,
-                         workers: int = 2, batch_rows: int = BATCH_ROWS,
+                         workers: int = 2, batch_rows: int = BATCH_ROWS, threads: int | None = None,
                          phases: Phases = SILENT) -> CompletionEval:
     """Sample ``n`` completions per task from the local checkpoint and report pass@k.
 
@@ -266,11 +267,15 @@ def evaluate_completions(model_path: str | os.PathLike, tasks: Sequence[CodeTask
             runs while the next batch samples.
         batch_rows: sampled rows per batched ``generate`` call (tasks × n; at least one
             task per call). Part of what fixes the samples, with the seed.
+        threads: torch threads while sampling (restored afterwards); default: the CPU
+            count minus ``workers``, at least 1, so that the sandbox processes scoring the
+            previous batch get cores of their own (on 2 cores, 2 torch threads next to
+            the sandbox made the whole evaluation several times slower: ``benchmarks/bench_eval.py``).
         phases: progress of sampling and scoring (samples done / total, samples/s).
 
     Returns:
         :class:`CompletionEval`; ``settings`` records model, n, ks, sampling, mode,
-        batch_rows, limits, sandbox isolation and wall time.
+        batch_rows, torch threads, limits, sandbox isolation and wall time.
 
     Raises:
         FileNotFoundError: no model folder. ValueError: a k > n or < 1, n < 1, no tasks,
@@ -287,6 +292,7 @@ def evaluate_completions(model_path: str | os.PathLike, tasks: Sequence[CodeTask
         raise ValueError(f"batch_rows must be >= 1, got {batch_rows}")
     t0 = time.perf_counter()
     model, tok = _load(model_path)
+    threads = threads if threads is not None else max(1, (os.cpu_count() or 1) - max(1, workers))
     ex = ThreadPoolExecutor(max(1, workers))
     futs: list[list[Future]] = [[] for _ in tasks]
     total = len(tasks) * n
@@ -302,8 +308,9 @@ def evaluate_completions(model_path: str | os.PathLike, tasks: Sequence[CodeTask
                         f.add_done_callback(lambda _f: add_scored(1))
                     add_sampled(len(cs))
 
-                comps, flags, mode = sample_completions(model, tok, tasks, n, temperature, seed, max_new_tokens,
-                                                        top_p, prompt_mode, submit, batch_rows)
+                with _torch_threads(threads):
+                    comps, flags, mode = sample_completions(model, tok, tasks, n, temperature, seed, max_new_tokens,
+                                                            top_p, prompt_mode, submit, batch_rows)
             reports = [[f.result() for f in fs] for fs in futs]
     finally:
         ex.shutdown(wait=True, cancel_futures=True)
@@ -312,9 +319,22 @@ def evaluate_completions(model_path: str | os.PathLike, tasks: Sequence[CodeTask
         row["completions"] = cs
     res.settings = {"model": str(model_path), "n": n, "ks": list(ks), "temperature": temperature,
                     "top_p": top_p, "max_new_tokens": max_new_tokens, "prompt_mode": mode,
-                    "seed": seed, "batch_rows": batch_rows, "limits": asdict(limits or PROGRAM_LIMITS),
+                    "seed": seed, "batch_rows": batch_rows, "torch_threads": threads, "limits": asdict(limits or PROGRAM_LIMITS),
                     "isolation": isolation_report(), "wall_s": round(time.perf_counter() - t0, 2)}
     return res
+
+
+@contextmanager
+def _torch_threads(k: int):
+    """torch's intra-op thread count set to ``k`` for the block, then restored."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(k)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def save_eval(result: CompletionEval, path: str | os.PathLike) -> Path:
