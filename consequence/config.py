@@ -8,15 +8,17 @@ that names the key and what is allowed.
 from __future__ import annotations
 
 import difflib
-
+import os
 from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 BOXES: tuple[str, ...] = ("tasks", "policy", "rollout", "reward", "credit", "update", "evaluate")
+TASK_SOURCES: tuple[str, ...] = ("repair", "humaneval-repair")  # besides a path to a .jsonl file
+DEFAULT_RUN_DIR = "runs/repair-default"  # a recipe's runs go to runs/repair-<recipe> instead
 
 
 def _f(default, box: str, description: str, **limits):
@@ -34,14 +36,14 @@ class TrainConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
-    run_dir: str = _f("runs/repair-grpo", "run", "Directory for checkpoints, trajectories, metrics, plots and the report.")
-    recipe: str | None = _f(None, "run", "Start from this recipe (reinforce, rloo, ppo, grpo, dr_grpo, dapo, gspo, cispo, or a recipe YAML path; see `consequence explain`); other options override it.")
-    model: str | None = _f(None, "policy", "Path of a local Hugging Face causal LM with a chat template; default: the bundled tiny warm-start checkpoint (built on first use, then cached).")
+    run_dir: str = _f(DEFAULT_RUN_DIR, "run", "Directory for checkpoints, trajectories, metrics, plots and the report (default: runs/repair-<recipe> with a recipe, else runs/repair-default; stored as an absolute path). A new run (without --resume) into a folder that holds an earlier run first deletes that run's outputs: config.yaml, manifest.json, split.json, metrics.jsonl, curves.png, report.md, report.json, viewer.html, trajectories/iter_*.parquet, eval/*.parquet and checkpoints/ (iter_*, state-*, final); other files there are kept.", validate_default=True)
+    recipe: str | None = _f(None, "run", "Start from this recipe (reinforce, rloo, ppo, grpo, dr_grpo, dapo, gspo, cispo, or a recipe YAML path; see `consequence explain`), also as `recipe:` in a --config file; layers: recipe < --config file < command-line options.")
+    model: str | None = _f(None, "policy", "Path of a local Hugging Face causal LM with a chat template (stored as an absolute path); default: the bundled tiny warm-start checkpoint (built on first use, then cached).")
     seed: int = _f(0, "run", "Seed of RL sampling and task order (vary it for several training seeds); does not change the split or the warm start.")
-    tasks: Literal["repair", "humaneval-repair"] = _f("repair", "tasks", "Task source: our generated repair problems, or HumanEval solutions with one injected bug (split by HumanEval task id).")
+    tasks: str = _f("repair", "tasks", "Task source: repair (our generated repair problems), humaneval-repair (HumanEval solutions with one injected bug, split by HumanEval task id), or the path of a .jsonl file of repair tasks (docs/tasks.md; split by problem_id with --split-seed; stored as an absolute path).")
     split_seed: int = _f(0, "tasks", "Seed of the train/validation/test problem split; the tiny warm start is built on its train split, so another value rebuilds the warm start (about 30 min on 2 cores).")
     skip_checks: bool = _f(False, "run", "Skip the checks before the first optimizer step (docs/design.md §6); recorded in manifest.json.")
-    iterations: int = _f(18, "run", "Number of RL iterations (collect a batch, then update).", ge=1)
+    iterations: int = _f(18, "run", "Number of RL iterations (collect a batch, then update). Iterations are numbered from 0 everywhere (console, warnings, metrics.jsonl, trajectories/iter_NNNN.parquet); checkpoints/iter_NNNN and state-NNNN count iterations completed.", ge=1)
     checkpoint_every: int = _f(1, "run", "Write a resume state (weights, optimizer, RNG, metrics; for `train --resume`) every this many iterations and after the last; the tiny model's takes ~23 MB and well under a second.", ge=1)
     tasks_per_iteration: int = _f(16, "tasks", "B: train tasks sampled per iteration.", ge=1)
     group_size: int = _f(8, "rollout", "G: rollouts per task; advantages are computed within each group.", ge=2)
@@ -80,26 +82,80 @@ class TrainConfig(BaseModel):
     eval_every: int = _f(6, "evaluate", "Validate every this many iterations (0 = never).", ge=0)
     val_episodes: int = _f(128, "evaluate", "Episodes (greedy) of each periodic validation.", ge=0)
     final_eval_episodes: int = _f(400, "evaluate", "Episodes per split in the final warm-start vs RL comparison.", ge=0)
-    final_eval_decoding: list[Literal["greedy", "sampled"]] = _f(["greedy", "sampled"], "evaluate", "Decodings of the final comparison (sampled uses the training temperature and the same seeds for both policies).")
+    final_eval_decoding: list[Literal["greedy", "sampled"]] = _f(["greedy", "sampled"], "evaluate", "Decodings of the final comparison, comma-separated (e.g. greedy,sampled; the option may also be repeated; in YAML a list or a comma string; duplicates are dropped, order kept); sampled uses the training temperature and the same seeds for both policies.")
     warmstart_demos: int = _f(4000, "policy", "Teacher demonstrations for building the tiny warm start.", ge=10)
     warmstart_epochs: float = _f(8.0, "policy", "SFT epochs over the demonstrations when building the tiny warm start.", gt=0)
 
+    @field_validator("model", "run_dir")
     @classmethod
-    def from_yaml(cls, path: str | Path, base: dict | None = None, **overrides) -> "TrainConfig":
-        """Load a YAML config over ``base`` (e.g. a recipe's settings), then apply overrides.
+    def _absolute(cls, v: str | None) -> str | None:
+        """Paths are stored absolute, so a run can be resumed or reproduced from any folder."""
+        return None if v is None else absolute(v)
+
+    @field_validator("recipe")
+    @classmethod
+    def _recipe_path(cls, v: str | None) -> str | None:
+        return absolute(v) if v and Path(v).suffix in (".yaml", ".yml") else v
+
+    @field_validator("tasks")
+    @classmethod
+    def _task_source(cls, v: str) -> str:
+        if v in TASK_SOURCES:
+            return v
+        if Path(v).suffix == ".jsonl":
+            return absolute(v)
+        hint = (" (humaneval is single-turn completion: evaluate it with `consequence eval --tasks humaneval`; "
+                "train on humaneval-repair)" if v == "humaneval" else "")
+        raise ValueError(f"give one of {', '.join(TASK_SOURCES)}, or the path of a .jsonl task file (docs/tasks.md){hint}")
+
+    @field_validator("final_eval_decoding", mode="before")
+    @classmethod
+    def _decodings(cls, v):
+        return comma_list(v, "give greedy, sampled or greedy,sampled (to skip the final evaluation, "
+                             "set --final-eval-episodes 0)")
+
+    @model_validator(mode="after")
+    def _batch_fits(self) -> "TrainConfig":
+        batch = self.tasks_per_iteration * self.group_size
+        if self.mini_batches > batch:
+            raise ValueError(f"--mini-batches {self.mini_batches} is more than the {batch} trajectories of a batch "
+                             f"(--tasks-per-iteration {self.tasks_per_iteration} × --group-size {self.group_size}); "
+                             f"lower --mini-batches to at most {batch} or raise those two")
+        return self
+
+    @classmethod
+    def read_yaml(cls, path: str | Path) -> dict:
+        """The mapping of a YAML config file, unvalidated.
 
         Raises:
-            ValueError: the file is missing, not a mapping, or has bad keys/values.
+            ValueError: the file is missing, not valid YAML, or not a mapping.
         """
         p = Path(path)
         if not p.is_file():
-            raise ValueError(f"config file {p} " + ("is a directory" if p.is_dir() else "does not exist"))
+            raise ValueError(f"--config {p}: " + ("is a directory" if p.is_dir() else "does not exist"))
         try:
             data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
         except (yaml.YAMLError, UnicodeDecodeError) as e:
             raise ValueError(f"config file {p} is not valid YAML: {e}") from None
         if not isinstance(data, dict):
             raise ValueError(f"config file {p} must hold a mapping of option: value")
+        return data
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, base: dict | None = None, **overrides) -> "TrainConfig":
+        """Load a YAML config over ``base`` (e.g. a recipe's settings), then apply overrides.
+
+        A ``recipe:`` key is applied by ``consequence.recipes.resolve_config``, which the CLI
+        uses; here it is refused unless ``base`` is given, so that a run is never labelled with
+        a recipe whose settings it does not have.
+
+        Raises:
+            ValueError: the file is missing, not a mapping, or has bad keys/values.
+        """
+        data = cls.read_yaml(path)
+        if data.get("recipe") and base is None:
+            raise ValueError(f"config file {path} names recipe {data['recipe']!r}: load it with "
+                             "consequence.recipes.resolve_config(path), which applies the recipe's settings")
         return cls.checked(**{**(base or {}), **data, **overrides})
 
     @classmethod
@@ -110,12 +166,42 @@ class TrainConfig(BaseModel):
         except ValidationError as e:
             lines = []
             for err in e.errors():
-                key = ".".join(str(x) for x in err["loc"])
+                if not err["loc"]:  # a check across options: its message names them
+                    lines.append(f"  {err['msg'].removeprefix('Value error, ')}")
+                    continue
+                key = ".".join(str(x) for x in err["loc"][:1])
                 key = f"{key} (--{key.replace('_', '-')})"
-                hint = err["msg"]
+                hint = err["msg"].removeprefix("Value error, ")
                 if err["type"] == "extra_forbidden":
                     close = difflib.get_close_matches(str(err["loc"][0]), list(cls.model_fields), n=2)
                     hint = ("unknown option" + (f"; did you mean {' or '.join(close)}?" if close else "")
                             + " (see `consequence train --help`)")
                 lines.append(f"  {key}: {hint} (got {err.get('input')!r})")
             raise ValueError("invalid training config:\n" + "\n".join(lines)) from None
+
+
+def absolute(path: str | os.PathLike) -> str:
+    """``path`` with ``~`` expanded, made absolute against the current folder (symlinks kept)."""
+    return os.path.abspath(os.path.expanduser(str(path)))
+
+
+def comma_list(value, hint: str) -> list:
+    """A list option from a comma string, a list (of comma strings) or a tuple: items
+    stripped, empty ones dropped, duplicates dropped with the first order kept.
+
+    Raises:
+        ValueError: no item at all (``hint`` says what to give).
+    """
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, (list, tuple)):
+        return value  # let the type check report it
+    items: list = []
+    for v in value:
+        for x in (v.split(",") if isinstance(v, str) else [v]):
+            x = x.strip() if isinstance(x, str) else x
+            if x != "" and x not in items:
+                items.append(x)
+    if not items:
+        raise ValueError(f"empty list; {hint}")
+    return items

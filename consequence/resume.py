@@ -27,6 +27,7 @@ counted twice.
 from __future__ import annotations
 
 import base64
+import errno
 import json
 import os
 import random
@@ -40,7 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from consequence.fileio import as_write_error
+from consequence.fileio import as_write_error, write_text_atomic
 
 STATE_FORMAT = 1
 STATE_RE = re.compile(r"^state-(\d{4,})$")
@@ -251,6 +252,63 @@ def rewind_run_dir(run: Path, done: int, history: list[dict[str, Any]]) -> None:
     os.replace(tmp, run / "metrics.jsonl")
 
 
+# ---- how a stopped run continues -----------------------------------------------------------
+def stop_message(e: BaseException, run: Path) -> str:
+    """What stopped the run (a NaN / ±inf in an update, or a failed write), which resume state
+    is intact, and how to continue."""
+    try:
+        state = latest_state(run)
+    except ValueError:
+        state = None
+    where = (f"the resume state {state.path} (after iteration {state.iteration - 1}) is intact" if state
+             else "no resume state was written yet")
+    if isinstance(e, FloatingPointError):
+        it = getattr(e, "iteration", None)
+        at = "" if it is None else f" in iteration {it} (trajectory numbers index trajectories/iter_{it:04d}.parquet)"
+        what = (f"stopped{at}: {e}. Nothing of this step was applied; {where}. Inspect those trajectories "
+                f"(`consequence view {run}`). A resume with the same config repeats the same computation; to go "
+                "on with other settings (e.g. a lower --learning-rate) start a new run from the state's policy "
+                "folder (--model STATE/policy), or, once the cause is fixed in code, continue")
+    else:
+        fix = {errno.EFBIG: "Raise the file-size limit (ulimit -f)",
+               errno.EROFS: "Make the run folder writable"}.get(getattr(e, "errno", None),
+                                                                "Free disk space (a resume state takes about 3 x "
+                                                                "the model's weights, 6 x with a value head)")
+        what = (f"stopped: cannot write {getattr(e, 'filename', None) or run} ({getattr(e, 'strerror', None) or e}); "
+                f"{where} and no file was left half-written. {fix}, then continue")
+    return f"{what} with `consequence train --resume {run}`."
+
+
+def interrupt_message(run: Path, done: int, iterations: int) -> str:
+    """The message for Ctrl-C after ``done`` completed iterations (numbered from 0): the last one
+    completed, what a resume repeats when the newest resume state is older, and the command."""
+    try:
+        state = latest_state(run)
+    except ValueError:
+        state = None
+    if done >= iterations:
+        what = f"interrupted during the final evaluation, after iteration {done - 1} (the last)"
+    else:
+        what = f"interrupted after iteration {done - 1}" if done else "interrupted during iteration 0 (none completed)"
+    kept = state.iteration if state else 0
+    if kept < done:
+        what += (f" (the newest resume state covers iterations 0–{kept - 1}, so a resume repeats from iteration {kept})"
+                 if kept else " (no resume state was written yet, so a resume starts again at iteration 0)")
+    return f"{what}; continue with `consequence train --resume {run}`"
+
+
+def mark_status(run: Path, status: str, reason: str) -> None:
+    """Set ``status`` and ``stop_reason`` in manifest.json when that is still possible (it may
+    be the disk that failed, or the manifest was not written yet)."""
+    path = Path(run) / "manifest.json"
+    try:
+        manifest = json.loads(path.read_text())
+        manifest.update(status=status, stop_reason=reason)
+        write_text_atomic(path, json.dumps(manifest, indent=1, default=str))
+    except (OSError, ValueError):
+        pass
+
+
 # ---- the CLI's side ------------------------------------------------------------------
 def resume_config(run: Path, given: dict[str, Any], config_file: Path | None):
     """The TrainConfig of ``train --resume RUN``: the run's saved config.
@@ -277,8 +335,9 @@ def resume_config(run: Path, given: dict[str, Any], config_file: Path | None):
     if "run_dir" in given and Path(given.pop("run_dir")).resolve() != run.resolve():
         raise ValueError(f"--run-dir conflicts with --resume {run}: a resumed run stays in its own folder")
     asked = TrainConfig.checked(**{**saved, **given}).model_dump()  # validates and normalises the types
-    clashes = [f"--{k.replace('_', '-')} {asked[k]!r} (the run has {saved.get(k)!r})"
-               for k in given if asked[k] != saved.get(k)]
+    had = TrainConfig.checked(**saved).model_dump()  # the same normal form (absolute paths, lists)
+    clashes = [f"--{k.replace('_', '-')} {asked[k]!r} (the run has {had[k]!r})"
+               for k in given if asked[k] != had[k]]
     if clashes:
         raise ValueError(f"--resume {run} continues the run with its saved config ({saved_path}); these options "
                          "differ from it: " + "; ".join(clashes) + ". Drop them, or start a new run in another "

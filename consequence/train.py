@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import errno
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +27,7 @@ from typing import Any
 
 import torch
 import yaml
+from rich.markup import escape
 
 from consequence.config import TrainConfig
 from consequence.credit.advantages import mixed_group_fraction
@@ -39,8 +41,10 @@ from consequence.checks import run_pre_step_checks
 from consequence.diagnostics import iteration_extras, warnings_for
 from consequence.evaluate.final import final_report, validate
 from consequence.evaluate.splits import record_touch, reuse_warning
-from consequence.report.manifest import build_manifest, sha256_of, write_manifest
-from consequence.resume import ResumeState, latest_state, load_learner_state, rewind_run_dir, save_state
+from consequence.report.manifest import build_manifest, clear_run_outputs, sha256_of, write_manifest
+from consequence.recipes import run_label
+from consequence.resume import (ResumeState, interrupt_message, latest_state, load_learner_state,
+                                mark_status, rewind_run_dir, save_state, stop_message)
 from consequence.iteration import Learner, collect, credit, logprob_fn, make_learner, update
 from consequence.fileio import append_line, write_text_atomic
 from consequence.seeding import seed_of
@@ -60,6 +64,20 @@ class RunStopped(RuntimeError):
     """
 
 
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) stopped the run; manifest.json says ``status: interrupted``.
+
+    ``str()`` is the message for the user: the last iteration completed and the resume command.
+    """
+
+    def __init__(self, message: str, completed: int):
+        super().__init__(message)
+        self.message, self.completed = message, completed
+
+    def __str__(self) -> str:
+        return self.message
+
+
 @dataclass
 class _Run:
     """Everything one training run carries from iteration to iteration."""
@@ -75,11 +93,12 @@ class _Run:
     budgets: Budgets
     sampling: SamplingParams
     manifest: dict[str, Any]
+    label: str = ""  # what the run is (recipes.run_label)
     history: list[dict[str, Any]] = field(default_factory=list)
     start: int = 0  # first iteration to run (iterations completed by the resume state)
 
 
-def train(cfg: TrainConfig, console=None, resume: bool = False) -> dict[str, Any]:
+def train(cfg: TrainConfig, console=None, resume: bool = False, reproduces: str | Path | None = None) -> dict[str, Any]:
     """Run one training job end to end; returns the final report as a dict.
 
     Args:
@@ -87,23 +106,37 @@ def train(cfg: TrainConfig, console=None, resume: bool = False) -> dict[str, Any
             (``consequence.resume``; written every ``cfg.checkpoint_every`` iterations),
             dropping trajectory files and metric lines of later iterations; without a
             state the run starts again at iteration 0 in the same folder.
+        reproduces: the run folder this run reproduces (``consequence reproduce``); recorded
+            in the manifest, and that run's evaluations of the test split do not count as
+            another policy's in the split-reuse warning (same recipe, same seeds).
+
+    A run without a resume state first deletes the outputs of an earlier run in
+    ``cfg.run_dir`` (``consequence.resume.clear_run_outputs``; other files are kept), after
+    every check passed.
 
     Raises:
         RunStopped: a NaN / ±inf tensor in an update (named, with its trajectories) or an
             OSError while writing (disk full, ...); the newest resume state is intact.
-        ValueError: bad input found before work starts (model, resume state).
+        RunInterrupted: Ctrl-C; the message names the last iteration completed and how to resume.
+        ValueError: bad input found before work starts (model, resume state, settings that
+            cannot work with this model or these tasks: :func:`preflight`); nothing written.
     """
     from rich.console import Console
 
     console = console or Console()
     t_start = time.perf_counter()
     run_path = Path(cfg.run_dir)
-    run_path.mkdir(parents=True, exist_ok=True)
     state = latest_state(run_path) if resume else None
+    r = None
     try:
-        r = _start(cfg, console, run_path, resume, state)
+        r = _start(cfg, console, run_path, resume, state, reproduces)
         _loop(r, console)
         return _finish(r, console, t_start)
+    except KeyboardInterrupt as e:
+        done = len(r.history) if r is not None else 0
+        if r is not None:
+            mark_status(run_path, "interrupted", "interrupted (Ctrl-C / SIGINT)")
+        raise RunInterrupted(interrupt_message(run_path, done, cfg.iterations), done) from e
     except FloatingPointError as e:
         raise _stopped(e, run_path) from e
     except OSError as e:
@@ -112,26 +145,40 @@ def train(cfg: TrainConfig, console=None, resume: bool = False) -> dict[str, Any
         raise _stopped(e, run_path) from e
 
 
-def _start(cfg: TrainConfig, console, run: Path, resume: bool, state: ResumeState | None) -> _Run:
-    """Load model, tasks and learner (from the resume state when there is one); write the run's files."""
-    if not resume:
-        write_text_atomic(run / "config.yaml", yaml.safe_dump(cfg.model_dump(), sort_keys=False))
+def _start(cfg: TrainConfig, console, run: Path, resume: bool, state: ResumeState | None,
+           reproduces: str | Path | None = None) -> _Run:
+    """Load model, tasks and learner (from the resume state when there is one), check that the
+    settings can work (:func:`preflight`); only then clear an earlier run's outputs and write
+    the run's files."""
     torch.manual_seed(cfg.seed)
     model_path = _resolve_model(cfg, console)
     model, tokenizer = load_policy(model_path)
-    reference = copy.deepcopy(model).eval()  # the warm start, kept for the final paired comparison
+    renderer = Renderer(tokenizer, TOOLS)
+    split = load_task_source(cfg.tasks, cfg.split_seed)
+    preflight(cfg, tokenizer, renderer, split, model_path)
     if state is not None:
         _check_same_start(state, model_path)
+    run.mkdir(parents=True, exist_ok=True)
+    if state is None:
+        cleared = clear_run_outputs(run)
+        if cleared:
+            console.print(f"{run} held an earlier run: deleted its {len(cleared)} outputs (other files kept)")
+        write_text_atomic(run / "config.yaml", yaml.safe_dump(cfg.model_dump(), sort_keys=False))
+    reference = copy.deepcopy(model).eval()  # the warm start, kept for the final paired comparison
+    if state is not None:
         model = load_policy(state.path / "policy")[0]
-    split = load_task_source(cfg.tasks, cfg.split_seed)
     write_text_atomic(run / "split.json", json.dumps(split.problem_ids()))
     learner = make_learner(cfg, model, reference)
-    r = _Run(cfg, run, model_path, tokenizer, reference, learner, Renderer(tokenizer, TOOLS), split,
+    r = _Run(cfg, run, model_path, tokenizer, reference, learner, renderer, split,
              Budgets(cfg.max_turns, cfg.max_new_tokens, cfg.max_total_tokens),
-             SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p, cfg.max_new_tokens), manifest={})
+             SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p, cfg.max_new_tokens), manifest={},
+             label=run_label(cfg))
     if state is None:
         r.manifest = build_manifest(cfg, model_path, split.problem_ids(), tools=TOOLS, system_prompt=SYSTEM_PROMPT,
                                     chat_template=tokenizer.chat_template, isolation=isolation_report())
+        r.manifest |= {"run_label": r.label, "cwd": os.getcwd()}
+        if reproduces is not None:
+            r.manifest["reproduces"] = os.path.abspath(reproduces)
         policy = [str(run / "checkpoints")]
         r.manifest["splits_touched"] = [record_touch(cfg.tasks, cfg.split_seed, "train", "RL rollouts", policy)] + (
             [record_touch(cfg.tasks, cfg.split_seed, "validation", "greedy success of each checkpoint during "
@@ -143,11 +190,38 @@ def _start(cfg: TrainConfig, console, run: Path, resume: bool, state: ResumeStat
         r.manifest["status"] = "running"
     rewind_run_dir(run, r.start, r.history)
     write_manifest(r.manifest, run)
-    console.print(f"[bold]consequence train[/]: {cfg.iterations} iterations × {cfg.tasks_per_iteration} tasks "
-                  f"× {cfg.group_size} rollouts, model {model_path}, run dir {run}"
-                  + (f"; resumed after iteration {r.start} from {state.path}" if state else
+    console.print(f"[bold]consequence train[/] ({escape(r.label)}): {cfg.iterations} iterations (numbered 0–"
+                  f"{cfg.iterations - 1}) × {cfg.tasks_per_iteration} tasks × {cfg.group_size} rollouts, model "
+                  f"{escape(str(model_path))}, run dir {escape(str(run))}"
+                  + (f"; resuming at iteration {r.start} from {escape(str(state.path))}" if state else
                      "; no resume state, starting at iteration 0" if resume else ""))
     return r
+
+
+def preflight(cfg: TrainConfig, tokenizer, renderer: Renderer, split, model_path: Path) -> None:
+    """Settings that cannot work with this model and these tasks, refused before any rollout
+    (whether or not the pre-step checks run).
+
+    Raises:
+        ValueError: ``--top-k`` above the vocabulary size; a split the run needs is empty (a
+            small task file); the longest prompt of the train tasks plus ``--max-new-tokens``
+            does not fit in ``--max-total-tokens`` (every such episode would end truncated
+            before the policy acts). Each message names the option and the fix.
+    """
+    vocab = len(tokenizer)
+    if cfg.top_k > vocab:
+        raise ValueError(f"--top-k {cfg.top_k} is larger than the vocabulary of {model_path} ({vocab} tokens), so it "
+                         f"would keep every token, the same as off; use --top-k 0 (off) or a value up to {vocab}")
+    split.check_splits({"train": "training", "validation": "--eval-every" if cfg.eval_every and cfg.val_episodes else None,
+                        "test": "--final-eval-episodes" if cfg.final_eval_episodes else None})
+    longest = split.longest_prompt(lambda request: len(renderer.prompt_ids(
+        [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": request}])),
+        seed=seed_of(cfg.seed, "prompt-check"))
+    if longest + cfg.max_new_tokens > cfg.max_total_tokens:
+        raise ValueError(f"--max-total-tokens {cfg.max_total_tokens} is too small: the longest prompt of the train "
+                         f"tasks is {longest} tokens and a model call may add --max-new-tokens {cfg.max_new_tokens}, "
+                         "so such episodes would end truncated before the policy acts; raise --max-total-tokens "
+                         f"to at least {longest + cfg.max_new_tokens} (or lower --max-new-tokens)")
 
 
 def _check_same_start(state: ResumeState, model_path: Path) -> None:
@@ -168,7 +242,7 @@ def _loop(r: _Run, console) -> None:
     with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(),
                   TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(), TimeRemainingColumn(),
                   TextColumn("{task.fields[status]}"), console=console) as bar:
-        job = bar.add_task(cfg.recipe or "GRPO", total=cfg.iterations, completed=r.start, status="")
+        job = bar.add_task(escape(r.label), total=cfg.iterations, completed=r.start, status="")
         for it in range(r.start, cfg.iterations):
             m = _run_iteration(r, it, bar.console)
             status = f"reward {m['reward_mean']:.2f}  mixed {m['mixed_group_fraction']:.2f}"
@@ -176,7 +250,7 @@ def _loop(r: _Run, console) -> None:
                 status += f"  val {m['val_success']:.2f}"
             bar.update(job, advance=1, status=status)
             if not console.is_terminal:  # logs and pipes get one line per iteration instead
-                console.print(f"iteration {it + 1}/{cfg.iterations}  {status}")
+                console.print(f"iteration {it} ({it + 1}/{cfg.iterations} done)  {status}")
 
 
 def _run_iteration(r: _Run, it: int, console) -> dict[str, Any]:
@@ -197,7 +271,7 @@ def _run_iteration(r: _Run, it: int, console) -> dict[str, Any]:
     r.history.append(m)
     m["warnings"] = warnings_for(r.history)
     for w in m["warnings"]:
-        console.print(f"[yellow]warning (iteration {it + 1}):[/] {w}")
+        console.print(f"[yellow]warning (iteration {it}):[/] {w}")
     append_line(r.dir / "metrics.jsonl", json.dumps(m))
     if (it + 1) % cfg.checkpoint_every == 0 or it + 1 == cfg.iterations:
         save_state(r.dir, it + 1, r.learner, r.tokenizer, r.history, r.manifest, cfg.model_dump())
@@ -209,7 +283,12 @@ def _finish(r: _Run, console, t_start: float) -> dict[str, Any]:
     run = r.dir
     save_policy(r.learner.model, r.tokenizer, run / "checkpoints" / "final")
     policies = [str(r.model_path), str(run / "checkpoints" / "final")]
-    warning = reuse_warning(r.cfg.tasks, r.cfg.split_seed, policies) if r.cfg.final_eval_episodes else None
+    # a reproduction is the same recipe with the same seeds: the original's final checkpoint is not "another policy"
+    same = [str(Path(r.manifest["reproduces"]) / "checkpoints" / "final")] if r.manifest.get("reproduces") else []
+    warning = reuse_warning(r.cfg.tasks, r.cfg.split_seed, policies + same) if r.cfg.final_eval_episodes else None
+    skipped = "final evaluation skipped (--final-eval-episodes 0)" if not r.cfg.final_eval_episodes else None
+    if skipped:
+        console.print(skipped)
     report = final_report(r.cfg, r.reference, r.learner.model, r.renderer, r.split, r.budgets, console, run)
     touches = [record_touch(r.cfg.tasks, r.cfg.split_seed, s, "final evaluation of consequence train", policies)
                for s in ("test", "train") if r.cfg.final_eval_episodes]
@@ -218,6 +297,9 @@ def _finish(r: _Run, console, t_start: float) -> dict[str, Any]:
     report["splits_touched"] = r.manifest["splits_touched"]
     report["train_seconds"] = time.perf_counter() - t_start
     report["sandbox_isolation"] = isolation_report()
+    report["run_label"] = r.label
+    if skipped:
+        report["final_evaluation"] = skipped
     write_text_atomic(run / "report.json", json.dumps(report, indent=2))
     r.manifest.update(status="finished", evaluation_files=report.pop("evaluation_files", []), report="report.json")
     write_manifest(r.manifest, run)
@@ -225,44 +307,19 @@ def _finish(r: _Run, console, t_start: float) -> dict[str, Any]:
 
     plot_metrics(run / "metrics.jsonl", run / "curves.png")
     write_markdown_report(report, run / "report.md")
+    if skipped:  # say so at the top of report.md, not only as an empty table
+        title, _, rest = (run / "report.md").read_text().partition("\n")
+        write_text_atomic(run / "report.md", f"{title}\n\n**{skipped[0].upper() + skipped[1:]}**: the warm start "
+                                             f"and the RL checkpoint were not compared.\n{rest}")
     console.print((run / "report.md").read_text())
     return report
 
 
 def _stopped(e: BaseException, run: Path) -> RunStopped:
     """The RunStopped for a numerics error or a failed write, naming the state to resume from."""
-    try:
-        state = latest_state(run)
-    except ValueError:
-        state = None
-    where = (f"the resume state {state.path} (after iteration {state.iteration}) is intact" if state
-             else "no resume state was written yet")
-    if isinstance(e, FloatingPointError):
-        it = getattr(e, "iteration", None)
-        at = "" if it is None else f" in iteration {it} (trajectory numbers index trajectories/iter_{it:04d}.parquet)"
-        what = (f"stopped{at}: {e}. Nothing of this step was applied; {where}. Inspect those trajectories "
-                f"(`consequence view {run}`). A resume with the same config repeats the same computation; to go "
-                "on with other settings (e.g. a lower --learning-rate) start a new run from the state's policy "
-                "folder (--model STATE/policy), or, once the cause is fixed in code, continue")
-    else:
-        fix = {errno.EFBIG: "Raise the file-size limit (ulimit -f)",
-               errno.EROFS: "Make the run folder writable"}.get(e.errno, "Free disk space (a resume state takes about "
-                                                                   "3 x the model's weights, 6 x with a value head)")
-        what = (f"stopped: cannot write {getattr(e, 'filename', None) or run} ({e.strerror or e}); {where} and "
-                f"no file was left half-written. {fix}, then continue")
-    _mark_stopped(run, str(e))
-    return RunStopped(f"{what} with `consequence train --resume {run}`.")
-
-
-def _mark_stopped(run: Path, reason: str) -> None:
-    """Record the stop in manifest.json when that is still possible (it may be the disk that failed)."""
-    path = run / "manifest.json"
-    try:
-        manifest = json.loads(path.read_text())
-        manifest.update(status="stopped", stop_reason=reason)
-        write_manifest(manifest, run)
-    except (OSError, ValueError):
-        pass
+    message = stop_message(e, run)
+    mark_status(run, "stopped", str(e))
+    return RunStopped(message)
 
 
 def iteration(it, cfg, learner: Learner, renderer, split, budgets, sampling, run, first: bool = False,

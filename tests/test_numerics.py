@@ -108,7 +108,7 @@ def test_nan_in_a_run_stops_it_and_keeps_the_last_state(tmp_path, monkeypatch):
         train(cfg, Console(quiet=True))
     msg = str(e.value)
     assert "stopped in iteration 1 (trajectory numbers index trajectories/iter_0001.parquet): logprobs is not finite in row(s)" in msg and "group 1/" in msg and "sample " in msg, msg
-    assert "state-0001 (after iteration 1) is intact" in msg and f"--resume {run}" in msg
+    assert "state-0001 (after iteration 0) is intact" in msg and f"--resume {run}" in msg
     state = latest_state(run)
     assert state.iteration == 1 and not (run / "checkpoints" / "state-0002").exists()
     got = hashlib.sha256((state.path / "policy" / "model.safetensors").read_bytes()).hexdigest()

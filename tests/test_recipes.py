@@ -1,6 +1,7 @@
 """Recipes: each loads, explains itself, and trains on the default task with one command."""
 
 import json
+import os
 
 import pytest
 from rich.console import Console
@@ -24,7 +25,7 @@ def test_the_eight_recipes_are_bundled_and_valid():
     for name in ALL:
         r = load_recipe(name)
         cfg = r.train_config()
-        assert cfg.recipe == name and cfg.run_dir == f"runs/repair-{name}"
+        assert cfg.recipe == name and cfg.run_dir == os.path.abspath(f"runs/repair-{name}")  # stored absolute
 
 
 def test_recipes_name_their_papers_choices():

@@ -120,7 +120,7 @@ def test_kill_during_second_iteration_then_resume_matches(uninterrupted, tmp_pat
     _kill(proc)
     assert latest_state(run).iteration == 1
     out = _finish(_child(["--resume", str(run)]))
-    assert "resumed after iteration 1" in out
+    assert "resuming at iteration 1" in out
     worst = _assert_same_run(uninterrupted, run)
     print(f"kill in iteration 1, resume: max |Δ metric| = {worst:.3g}")
     manifest = json.loads((run / "manifest.json").read_text())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from rich.console import Console
@@ -29,6 +30,9 @@ def check_model_dir(model: str | None, option: str = "--model", chat_template: b
     if missing:
         raise ValueError(f"{option} {p}: not a Hugging Face checkpoint, missing {', '.join(missing)} "
                          "(save both the model and its tokenizer with save_pretrained)")
+    from consequence.policy.tiny import check_model_folder
+
+    check_model_folder(p, option)
     if chat_template and not has_chat_template(p):
         raise ValueError(f"{option} {p}: the tokenizer has no chat template, which the harness needs to render "
                          "conversations and tool calls; set tokenizer.chat_template (e.g. "
@@ -49,23 +53,78 @@ def has_chat_template(p: Path) -> bool:
         return False
 
 
-def check_run_dir(run: Path, option: str = "--run-dir") -> None:
+def check_run_dir(run: Path, option: str = "--run-dir", keep: bool = True) -> None:
+    """``run`` is a folder we can create and write in (checked with a probe file).
+
+    Args:
+        keep: leave the folder in place (else folders this check created are removed
+            again, so a later refusal leaves nothing behind).
+
+    Raises:
+        ValueError: it is a file, or it cannot be created or written (names ``option``).
+    """
+    run = Path(run)
+    new = []  # folders this check creates, deepest last
+    p = run
+    while not p.exists() and p != p.parent:
+        new.append(p)
+        p = p.parent
+    if run.exists() and not run.is_dir():
+        raise ValueError(f"{option} {run}: cannot write there (it is a file, not a folder); give a folder")
     try:
         run.mkdir(parents=True, exist_ok=True)
-        probe = run / ".write-test"
+        probe = run / f".write-test-{os.getpid()}"
         probe.write_text("")
         probe.unlink()
     except OSError as e:
-        raise ValueError(f"{option} {run}: cannot write there ({e.strerror or e})") from None
+        raise ValueError(f"{option} {run}: cannot write there ({e.strerror or e}); give a writable folder") from None
+    finally:
+        if not keep:
+            for d in new:
+                try:
+                    d.rmdir()
+                except OSError:
+                    break
+
+
+def check_out_file(path: Path, option: str = "--out") -> None:
+    """The file ``path`` can be written: not a folder, and its folder is writable (nothing is left behind).
+
+    Raises:
+        ValueError: names ``option`` and the fix.
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{option} {path}: is a folder; give the path of a file to write")
+    try:
+        check_run_dir(path.parent, option, keep=False)
+    except ValueError as e:
+        why = str(e).split("cannot write there", 1)[-1].split(";")[0].strip()
+        raise ValueError(f"{option} {path}: cannot write there: its folder {path.parent} is not writable {why}; "
+                         "give a file in a writable folder") from None
+
+
+def parse_list(text: str | list[str], option: str, example: str) -> list[str]:
+    """A list option: comma-separated (the option may also be repeated), items stripped,
+    duplicates dropped with the first order kept.
+
+    Raises:
+        ValueError: no item (names ``option`` and gives ``example``).
+    """
+    from consequence.config import comma_list
+
+    try:
+        return comma_list(text, "")
+    except ValueError:
+        raise ValueError(f"{option} {text!r}: give a comma-separated list, e.g. {example}") from None
 
 
 def parse_ks(text: str) -> list[int]:
+    """The ``-k`` list: comma-separated positive integers, duplicates dropped, order kept."""
     try:
-        ks = sorted({int(x) for x in text.split(",") if x.strip()})
+        ks = [int(x) for x in parse_list(text, "-k", "1,4,16")]
     except ValueError:
         ks = []
     if not ks:
         raise ValueError(f"-k {text!r}: give comma-separated integers, e.g. 1,4,16")
     return ks
-
-

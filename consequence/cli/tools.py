@@ -9,18 +9,20 @@ import typer
 from rich.markup import escape
 
 from consequence.cli.app import app
-from consequence.cli.common import console, quiet_libraries
+from consequence.cli.common import check_out_file, check_run_dir, console, quiet_libraries
 
 
 @app.command("explain")
 def explain(recipes: list[str] = typer.Argument(..., help="One recipe (its boxes) or two (their difference): "
-                                                          "reinforce, rloo, ppo, grpo, dr_grpo, dapo, gspo, cispo, or YAML paths.")) -> None:
+                                                          "reinforce, rloo, ppo, grpo, dr_grpo, dapo, gspo, cispo, the path "
+                                                          "of a recipe YAML, or of a train config (`train --config` file; "
+                                                          "shown with its recipe applied, as train runs it).")) -> None:
     """Show a recipe as the seven boxes of the loop, or the difference between two recipes."""
-    from consequence.recipes import load_recipe
+    from consequence.recipes import load_for_explain
     from consequence.report.explain import render_difference, render_recipe
 
     try:
-        loaded = [load_recipe(r) for r in recipes]
+        loaded = [load_for_explain(r) for r in recipes]
     except ValueError as e:
         console.print(f"[red]error:[/] {escape(str(e))}")
         raise typer.Exit(2)
@@ -56,16 +58,28 @@ def warmstart(seed: int = typer.Option(0, help="Seed of the problem split (train
 
 
 @app.command("lab")
-def lab(name: str = typer.Argument(..., help="Lab to run (see docs/labs.md)."),
+def lab(name: Optional[str] = typer.Argument(None, help="Lab to run (see docs/labs.md); without a name, list the labs."),
         out: Path = typer.Option(Path("runs/labs"), help="Folder for the lab's PNG."),
-        seed: int = typer.Option(0, help="Random seed of the lab.")) -> None:
-    """Run one lab: print its numbers and write its figure (docs/labs.md)."""
+        seed: int = typer.Option(0, min=0, help="Random seed of the lab (a non-negative integer).")) -> None:
+    """Run one lab: print its numbers and write its figure (docs/labs.md); without a name, list the labs."""
     from rich.table import Table
 
-    from consequence.labs import LABS
+    from consequence.labs import LABS, describe
 
-    if name not in LABS:
-        console.print(f"[red]error:[/] unknown lab {escape(name)!r}; labs: {', '.join(LABS)}")
+    if name is None:
+        table = Table(title="labs (run one with `consequence lab NAME`; docs/labs.md)")
+        table.add_column("lab")
+        table.add_column("what it shows")
+        for lab_name in LABS:
+            table.add_row(lab_name, escape(describe(lab_name)))
+        console.print(table)
+        return
+    try:
+        if name not in LABS:
+            raise ValueError(f"unknown lab {name!r}; labs: {', '.join(LABS)} (`consequence lab` lists them)")
+        check_run_dir(out, "--out", keep=False)
+    except ValueError as e:
+        console.print(f"[red]error:[/] {escape(str(e))}")
         raise typer.Exit(2)
     result = dict(LABS[name](out, seed=seed))
     png = result.pop("png")
@@ -81,20 +95,21 @@ def lab(name: str = typer.Argument(..., help="Lab to run (see docs/labs.md)."),
 @app.command("view")
 def view(run_dir: Path = typer.Argument(..., help="Run directory of `consequence train`."),
          out: Optional[Path] = typer.Option(None, help="HTML file to write [default: RUN_DIR/viewer.html]."),
-         iteration: Optional[int] = typer.Option(None, help="Show only this iteration (0-based, as in trajectories/iter_NNNN.parquet)."),
+         iteration: Optional[int] = typer.Option(None, help="Show only this iteration (numbered from 0, as in trajectories/iter_NNNN.parquet and the console)."),
          with_current_logprobs: bool = typer.Option(False, help="Recompute each token's log-prob with the checkpoint saved "
                                                     "after its iteration (else final): one forward pass per trajectory."),
          limit: int = typer.Option(200, min=1, help="Most trajectories on the page (whole groups, spread over iterations).")) -> None:
     """Write one static HTML page of a run's trajectories, tokens coloured by loss-mask role (docs/viewer.md)."""
-    from consequence.report.viewer import ViewerError, build_page, write_page
+    from consequence.report.viewer import ViewerError, build_page, find_run_files, write_page
 
+    path = out or run_dir / "viewer.html"
     try:
+        find_run_files(run_dir)
+        check_out_file(path, "--out" if out else "RUN_DIR")
         html, summary = build_page(run_dir, iteration, with_current_logprobs, limit, log=console.print)
-    except ViewerError as e:
+    except (ViewerError, ValueError) as e:
         console.print(f"[red]error:[/] {escape(str(e))}")
         raise typer.Exit(2)
-    path = write_page(html, out or run_dir / "viewer.html")
+    path = write_page(html, path)
     left = f", {summary['n_left_out']} left out (page limit {limit})" if summary["n_left_out"] else ""
     console.print(f"{summary['n_shown']} trajectories{left}: {path} ({len(html.encode()) / 1e6:.2f} MB)")
-
-

@@ -123,12 +123,45 @@ def build_model(
     return model
 
 
+WEIGHT_FILES: tuple[str, ...] = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json",
+                                 "pytorch_model.bin.index.json")
+
+
+def check_model_folder(path, option: str = "--model") -> None:
+    """A checkpoint folder has weights and a ``config.json`` that names its ``model_type``.
+
+    Raises:
+        ValueError: no weights file (one of ``WEIGHT_FILES``), or config.json missing, not
+            valid JSON, not an object, or without ``model_type``; the message starts with
+            ``option`` and the folder and says what to fix.
+    """
+    import json
+
+    p = Path(path)
+    cfg = p / "config.json"
+    if not cfg.is_file():
+        raise ValueError(f"{option} {p}: no config.json (save the model with save_pretrained)")
+    try:
+        data = json.loads(cfg.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{option} {p}: config.json is not valid JSON ({e}); save the model again with "
+                         "save_pretrained") from None
+    if not isinstance(data, dict) or not data.get("model_type"):
+        raise ValueError(f"{option} {p}: config.json has no model_type, so transformers cannot tell which "
+                         "architecture to build; save the model again with save_pretrained")
+    if not any((p / n).is_file() for n in WEIGHT_FILES):
+        raise ValueError(f"{option} {p}: no weights ({', '.join(WEIGHT_FILES)}); save the model with "
+                         "save_pretrained into that folder")
+
+
 def load_policy(path):
     """Load ``(model, tokenizer)`` saved with ``save_pretrained`` at ``path``.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        ValueError: the tokenizer has no chat template.
+        ValueError: the folder lacks weights or a usable config.json
+            (:func:`check_model_folder`), transformers cannot load it (its message is
+            kept), or the tokenizer has no chat template.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -138,14 +171,21 @@ def load_policy(path):
             f"load_policy: no policy at {p}; build one (consequence.policy.tiny.build_tokenizer "
             "+ build_model, then save_pretrained both to that folder) or fix the path"
         )
-    tokenizer = AutoTokenizer.from_pretrained(str(p))
+    check_model_folder(p, "model folder")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(p))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"model folder {p}: transformers cannot load its tokenizer ({e})") from None
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(
             f"load_policy: the tokenizer at {p} has no chat template; set "
             "tokenizer.chat_template (e.g. consequence.policy.tiny.chat_template()) and "
             "save_pretrained it again"
         )
-    model = AutoModelForCausalLM.from_pretrained(str(p), dtype=torch.float32)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(p), dtype=torch.float32)
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
+        raise ValueError(f"model folder {p}: transformers cannot load the model ({str(e).splitlines()[0]})") from None
     model.eval()
     return model, tokenizer
 

@@ -2,8 +2,13 @@
 
 A recipe is a YAML file with ``name``, ``title``, ``summary``, ``paper``, ``cite`` (box →
 paper section that motivates the box's setting) and ``config`` (TrainConfig keys). The
-bundled ones live next to this file; ``consequence train --recipe NAME|PATH`` starts from
-a recipe's config, and ``consequence explain NAME [NAME]`` shows its boxes.
+bundled ones live next to this file; ``consequence train --recipe NAME|PATH`` (or
+``recipe:`` in a ``--config`` file) starts from a recipe's config, and
+``consequence explain NAME [NAME]`` shows its boxes.
+
+A recipe means the same thing wherever it is named: :func:`resolve_config` layers the
+recipe's settings < the ``--config`` YAML < command-line options, for ``train`` and for
+``explain`` of a train-config file alike; :func:`run_label` names what a config is.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from consequence.config import BOXES, TrainConfig, box_of
+from consequence.config import BOXES, TrainConfig, absolute, box_of
 
 HERE = Path(__file__).parent
 BASELINE = "reinforce"  # the recipe every other one is explained against
@@ -31,6 +36,8 @@ class Recipe:
     paper: str
     config: dict[str, Any]
     cite: dict[str, str] = field(default_factory=dict)
+    ref: str = ""  # what config.yaml records as ``recipe``: the bundled name, or the file's absolute path
+    run_command: str = ""  # how to run it (``explain`` prints it); default ``consequence train --recipe REF``
 
     def train_config(self, **overrides) -> TrainConfig:
         """The TrainConfig of this recipe (defaults for keys it does not set), with overrides.
@@ -38,8 +45,14 @@ class Recipe:
         Raises:
             ValueError: a key or value is invalid (names the key).
         """
-        return TrainConfig.checked(**{"run_dir": f"runs/repair-{self.name}", "recipe": self.name,
+        return TrainConfig.checked(**{"run_dir": default_run_dir(self.name), "recipe": self.ref or self.name,
                                       **self.config, **overrides})
+
+
+def default_run_dir(name: str) -> str:
+    """The run folder of a recipe's runs when none is given: ``runs/repair-<name>``
+    (the default run without a recipe goes to ``runs/repair-default``)."""
+    return f"runs/repair-{name}"
 
 
 def recipe_names() -> list[str]:
@@ -55,8 +68,13 @@ def load_recipe(name_or_path: str | Path) -> Recipe:
             (missing field, config key that TrainConfig does not have, bad value).
     """
     p = Path(name_or_path)
-    if not (p.suffix in (".yaml", ".yml") and p.is_file()):
-        p = HERE / f"{name_or_path}.yaml"
+    if p.suffix in (".yaml", ".yml"):
+        if not p.is_file():
+            raise ValueError(f"recipe file {p} " + ("is a directory" if p.is_dir() else "does not exist")
+                             + f"; bundled recipes: {', '.join(recipe_names())}")
+        ref = absolute(p)
+    else:
+        ref, p = str(name_or_path), HERE / f"{name_or_path}.yaml"
         if not p.is_file():
             raise ValueError(f"unknown recipe {str(name_or_path)!r}; bundled recipes: {', '.join(recipe_names())} "
                              "(or give the path of a recipe .yaml file)")
@@ -67,14 +85,20 @@ def load_recipe(name_or_path: str | Path) -> Recipe:
     missing = [k for k in ("name", "title", "summary", "paper", "config") if not isinstance(data, dict) or k not in data]
     if missing:
         raise ValueError(f"recipe {p} lacks {', '.join(missing)}")
+    if not isinstance(data["config"], dict):
+        raise ValueError(f"recipe {p}: config must be a mapping of option: value")
     unknown = [k for k in data["config"] if k not in TrainConfig.model_fields]
     if unknown:
         raise ValueError(f"recipe {p}: unknown config key(s) {', '.join(unknown)}; see `consequence train --help`")
+    not_algorithm = [k for k in data["config"] if box_of(k) not in BOXES]
+    if not_algorithm:
+        raise ValueError(f"recipe {p}: config sets {', '.join(not_algorithm)}, which belong to a run, not to an "
+                         "algorithm; put them in a --config file or on the command line")
     bad_boxes = [b for b in data.get("cite", {}) if b not in BOXES]
     if bad_boxes:
         raise ValueError(f"recipe {p}: cite names unknown box(es) {', '.join(bad_boxes)}; boxes: {', '.join(BOXES)}")
     recipe = Recipe(data["name"], data["title"], data["summary"], data["paper"], dict(data["config"]),
-                    dict(data.get("cite", {})))
+                    dict(data.get("cite", {})), ref=ref)
     recipe.train_config()  # validate the values now, not when training starts
     return recipe
 
@@ -93,7 +117,7 @@ def box_settings(recipe: Recipe) -> dict[str, dict[str, Any]]:
     """
     cfg = recipe.train_config().model_dump()
     cfg["clip_eps_high"] = cfg["clip_eps_high"] or cfg["clip_eps"]  # show the effective upper range
-    knobs = sorted(set(_bundled_knobs()) | set(recipe.config))
+    knobs = [k for k in sorted(set(_bundled_knobs()) | set(recipe.config)) if box_of(k) in BOXES]
     out: dict[str, dict[str, Any]] = {b: {} for b in BOXES}
     for k in knobs:
         out[box_of(k)][k] = cfg[k]
@@ -110,3 +134,103 @@ def differences(a: Recipe, b: Recipe) -> dict[str, dict[str, tuple[Any, Any]]]:
         if diff:
             out[box] = diff
     return out
+
+
+# ---- layers: recipe < --config YAML < command line ------------------------------------------
+def resolve_config(config_file: str | Path | None = None, given: dict[str, Any] | None = None) -> TrainConfig:
+    """The TrainConfig of ``consequence train [--config FILE] [options]``.
+
+    The recipe named on the command line (``given["recipe"]``), else in the YAML file,
+    supplies the base (its settings and its run folder ``runs/repair-<name>``); the YAML
+    file's keys override it, and command-line options override both.
+
+    Raises:
+        ValueError: bad file, unknown recipe (says where it was named), bad key or value.
+    """
+    given = dict(given or {})
+    data = TrainConfig.read_yaml(config_file) if config_file else {}
+    named = given.get("recipe") or data.get("recipe")
+    base: dict[str, Any] = {}
+    if named:
+        where = "--recipe" if given.get("recipe") else f"recipe: in {config_file}"
+        try:
+            recipe = load_recipe(named)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+        base = {"run_dir": default_run_dir(recipe.name), **recipe.config}
+        given["recipe"] = recipe.ref
+    return TrainConfig.checked(**{**base, **data, **given})
+
+
+def _knobs(recipe: Recipe | None = None) -> list[str]:
+    return sorted(set(_bundled_knobs()) | set(recipe.config if recipe else ()))
+
+
+def overrides(cfg: TrainConfig, recipe: Recipe) -> dict[str, tuple[Any, Any]]:
+    """Algorithm settings where ``cfg`` departs from ``recipe``: {key: (recipe's, cfg's)}."""
+    mine, theirs = cfg.model_dump(), recipe.train_config().model_dump()
+    return {k: (theirs[k], mine[k]) for k in _knobs(recipe) if mine[k] != theirs[k]}
+
+
+def run_label(cfg: TrainConfig) -> str:
+    """What a run is, in a few words: the recipe's name when the settings are the recipe's,
+    ``NAME (modified: k=v, ...)`` when a recipe's settings were changed, else the advantage,
+    surrogate and reduction of the default loop (e.g. ``grpo advantages, ppo_clip, token_mean``).
+
+    A config without a recipe whose algorithm settings equal a bundled recipe's is named
+    after that recipe.
+    """
+    if cfg.recipe:
+        try:
+            recipe = load_recipe(cfg.recipe)
+        except ValueError:
+            return f"{cfg.recipe} (recipe not found)"
+        changed = overrides(cfg, recipe)
+        return recipe.name + (" (modified: " + ", ".join(f"{k}={_short(v)}" for k, (_, v) in changed.items()) + ")"
+                              if changed else "")
+    for name in recipe_names():
+        if not overrides(cfg, load_recipe(name)):
+            return name
+    return (f"{cfg.advantage} advantages, {cfg.surrogate}, {cfg.reduction}"
+            + (f", KL β {cfg.kl_coef:g}" if cfg.kl_coef else ""))
+
+
+def _short(v: Any) -> str:
+    return f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def recipe_of_train_config(path: str | Path) -> Recipe:
+    """A train-config YAML (``consequence train --config PATH``) as a Recipe for ``explain``:
+    its resolved settings (recipe < file) box by box, with the recipe's paper and sections.
+
+    Raises:
+        ValueError: the file is not a valid train config.
+    """
+    data = TrainConfig.read_yaml(path)
+    cfg = resolve_config(path, {})
+    base = load_recipe(cfg.recipe) if cfg.recipe else None
+    keys = [k for k in TrainConfig.model_fields if box_of(k) in BOXES and (k in data or (base is not None and k in base.config))]
+    dumped = cfg.model_dump()
+    return Recipe(name=Path(path).name, title=run_label(cfg),
+                  summary=(f"train config on recipe {base.name}: " + base.summary) if base else
+                  "train config without a recipe (the default loop with the file's settings)",
+                  paper=base.paper if base else "none (no recipe)", config={k: dumped[k] for k in keys},
+                  cite=dict(base.cite) if base else {}, ref=cfg.recipe or "",
+                  run_command=f"consequence train --config {path}")
+
+
+def load_for_explain(name_or_path: str) -> Recipe:
+    """A bundled recipe, a recipe file, or a train-config file (``recipe_of_train_config``).
+
+    Raises:
+        ValueError: unknown name, or a file that is neither a recipe nor a train config.
+    """
+    p = Path(name_or_path)
+    if p.suffix in (".yaml", ".yml") and p.is_file():
+        try:
+            data = yaml.safe_load(p.read_text(encoding="utf-8"))
+        except (yaml.YAMLError, UnicodeDecodeError) as e:
+            raise ValueError(f"{p} is not valid YAML: {e}") from None
+        if isinstance(data, dict) and "config" not in data:
+            return recipe_of_train_config(p)
+    return load_recipe(name_or_path)

@@ -29,6 +29,9 @@ def render_recipe(recipe: Recipe, console: Console) -> None:
     box that differs from REINFORCE, and the paper section that motivates it follows."""
     base = load_recipe(BASELINE)
     mine, ref = box_settings(recipe), box_settings(base)
+    base_cfg = base.train_config().model_dump()
+    for box in BOXES:  # a setting REINFORCE does not choose: its default value
+        ref[box] = {k: ref[box].get(k, base_cfg.get(k)) for k in set(ref[box]) | set(mine[box])}
     console.print(f"[bold]{escape(recipe.title)}[/] ({escape(recipe.name)}): {escape(recipe.summary)}")
     console.print(f"paper: {escape(recipe.paper)}")
     table = Table(show_lines=True)
@@ -52,7 +55,7 @@ def render_recipe(recipe: Recipe, console: Console) -> None:
     for box in BOXES:
         if box in recipe.cite:
             console.print(f"  {'● ' if box in changed_boxes else ''}{box}: {escape(recipe.cite[box])}")
-    console.print(f"Run it: consequence train --recipe {escape(recipe.name)}")
+    console.print(f"Run it: {escape(recipe.run_command or 'consequence train --recipe ' + (recipe.ref or recipe.name))}")
 
 
 def render_difference(a: Recipe, b: Recipe, console: Console) -> None:

@@ -6,7 +6,8 @@ environment and verifier versions with the active isolation, tool schemas and pr
 the context builder, sampling, reward components, the recipe (every box's choice),
 reduction and optimizer settings, seeds, library versions, the project's git commit,
 the retry and exclusion rules, whether the pre-step checks ran, and the paths of the raw
-evaluation results. ``consequence reproduce RUN_DIR`` reads it back.
+evaluation results. ``consequence reproduce RUN_DIR`` reads it back. A fresh run into a
+folder that holds an earlier run deletes that run's outputs first (:func:`clear_run_outputs`).
 """
 
 from __future__ import annotations
@@ -14,10 +15,14 @@ from __future__ import annotations
 import hashlib
 import json
 import platform
+import re
+import shutil
 import subprocess
 from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from consequence.config import BOXES, TrainConfig, box_of
 from consequence.envs.sandbox import ENV_RETRIES
@@ -92,6 +97,7 @@ def build_manifest(cfg: TrainConfig, model_path: Path, split_ids: dict[str, list
                   "tokenizer_sha256": sha256_of(model_path / "tokenizer.json"),
                   "chat_template_sha256": _text_hash(chat_template or "")},
         "tasks": {"source": cfg.tasks, "split_seed": cfg.split_seed,
+                  **({"file_sha256": sha256_of(Path(cfg.tasks))} if cfg.tasks.endswith(".jsonl") else {}),
                   "sizes": {k: len(v) for k, v in split_ids.items()},
                   "split_sha256": _text_hash(json.dumps(split_ids, sort_keys=True)), "split_file": "split.json"},
         "environment": {"verifier": "hidden tests in a fresh sandboxed interpreter, judged in a separate process",
@@ -139,3 +145,61 @@ def read_manifest(run_dir: Path) -> dict[str, Any]:
         return json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{path} is not valid JSON: {e}") from None
+
+
+# Outputs of a run in its folder: a fresh run (no resume state) deletes these, and only these.
+RUN_FILES = ("config.yaml", "manifest.json", "split.json", "metrics.jsonl", "curves.png", "report.md", "report.json",
+             "viewer.html")
+RUN_PATTERNS = {"trajectories": re.compile(r"^(iter_\d+\.parquet|\..*\.tmp.*)$"),
+                "eval": re.compile(r"^(\w+-(greedy|sampled)-(warmstart|rl)\.parquet|\..*\.tmp.*)$"),
+                "checkpoints": re.compile(r"^(iter_\d+|state-\d+|final|\..*\.tmp.*)$")}
+
+
+def clear_run_outputs(run: Path) -> list[str]:
+    """Delete the outputs of an earlier run in ``run`` (before a fresh run starts there).
+
+    Removed: the files of ``RUN_FILES`` and temporary files of interrupted writes in the
+    folder; in ``trajectories/``, ``eval/`` and ``checkpoints/`` the names a run writes
+    there (``RUN_PATTERNS``), then those folders if they are left empty. Any other file
+    (the user's) is kept. Returns the names removed, relative to ``run``.
+
+    Raises:
+        ValueError: ``run`` holds files with those names but is not the folder of a
+            ``consequence train`` run (no run's manifest.json or config.yaml); nothing is
+            deleted then.
+    """
+    run = Path(run)
+    files = [p for p in [run / n for n in RUN_FILES] + sorted(run.glob(".*.tmp*")) if p.is_file() or p.is_symlink()]
+    inside = [(sub, p) for sub, pattern in RUN_PATTERNS.items() if (run / sub).is_dir()
+              for p in sorted((run / sub).iterdir()) if pattern.match(p.name)]
+    if (files or inside) and not _is_run_folder(run):
+        names = [p.name for p in files] + [f"{sub}/{p.name}" for sub, p in inside]
+        raise ValueError(f"--run-dir {run}: holds {', '.join(names[:5])}{' ...' if len(names) > 5 else ''} but is not "
+                         "the folder of a `consequence train` run (no manifest.json or config.yaml of a run), so "
+                         "nothing there was deleted; give a new or empty folder, or move those files")
+    removed = []
+    for p in files:
+        p.unlink()
+        removed.append(p.name)
+    for sub, p in inside:
+        shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+        removed.append(f"{sub}/{p.name}")
+    for sub in RUN_PATTERNS:
+        if (run / sub).is_dir() and not any((run / sub).iterdir()):
+            (run / sub).rmdir()
+    return removed
+
+
+def _is_run_folder(run: Path) -> bool:
+    """A run wrote here: a manifest.json object with a config or status, or a config.yaml of TrainConfig keys."""
+    try:
+        manifest = json.loads((run / "manifest.json").read_text())
+        if isinstance(manifest, dict) and ("config" in manifest or "status" in manifest):
+            return True
+    except (OSError, ValueError):
+        pass
+    try:
+        cfg = yaml.safe_load((run / "config.yaml").read_text())
+    except (OSError, ValueError, yaml.YAMLError):
+        return False
+    return isinstance(cfg, dict) and "run_dir" in cfg and set(cfg) <= set(TrainConfig.model_fields)

@@ -345,12 +345,12 @@ def build_page(run_dir: str | os.PathLike, iteration: int | None = None, with_cu
                                   "nor checkpoints/final")
             model = policy(ckpt)
             current, ckpt_name = current_logprobs(model, tokenizer, t, temperature, top_k, top_p), ckpt.name
-            if n % 20 == 0:
-                log(f"current log-probs: {n + 1}/{len(kept)} trajectories")
+            if n % 20 == 0 or n + 1 == len(kept):
+                log(f"recomputing current log-probs: trajectory {n + 1} of {len(kept)}")
         records.append(trajectory_record(it, t, tokenizer, vocab_used, bool(cfg.get("overlong_filter")), current, ckpt_name))
 
     data = {
-        "run": str(run.resolve()), "recipe": cfg.get("recipe") or "grpo (default)",
+        "run": str(run.resolve()), "recipe": _run_label(run, cfg),
         "sampling": {"temperature": temperature, "top_k": top_k, "top_p": top_p},
         "n_total": len(kept) + left_out, "n_left_out": left_out, "limit": limit,
         "with_current": with_current_logprobs, "vocab": {str(k): v for k, v in sorted(vocab_used.items())},
@@ -361,6 +361,15 @@ def build_page(run_dir: str | os.PathLike, iteration: int | None = None, with_cu
     payload = json.dumps(data, separators=(",", ":"), ensure_ascii=False).replace("<", "\\u003c")
     html = env.get_template("viewer.html.jinja").render(title=f"consequence view: {run.name}", data_json=payload)
     return html, {"n_shown": len(kept), "n_left_out": left_out, "iterations": sorted(by_iter)}
+
+
+def _run_label(run: Path, cfg: dict) -> str:
+    """What the run is, as its manifest names it (``run_label``); older runs: the recipe, or the default loop."""
+    try:
+        label = json.loads((run / "manifest.json").read_text()).get("run_label")
+    except (OSError, ValueError, AttributeError):
+        label = None
+    return label or cfg.get("recipe") or "default (GRPO advantages, token-mean, no KL)"
 
 
 def write_page(html: str, out: str | os.PathLike) -> Path:

@@ -1,0 +1,264 @@
+"""`consequence train` options without a training run: recipe layers (YAML = --recipe =
+explain), absolute paths, --name/--no-name booleans, one list syntax, run labels and
+folders, batch checks, JSONL task files, model-folder checks, and the lab / reproduce
+commands' input checks. Each bad input exits 2 with one message, before any work."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+from typer.testing import CliRunner
+
+import consequence.cli.train as cli_train
+from consequence.cli import app
+from consequence.config import TrainConfig
+from consequence.recipes import load_recipe
+from consequence.warmstart import BUNDLED
+
+ENV = {"COLUMNS": "250"}
+
+
+def run_label(cfg) -> str:
+    from consequence.recipes import run_label as label  # imported here: each test fails on its own without it
+
+    return label(cfg)
+
+
+def _text(res) -> str:
+    return " ".join(res.output.split())
+
+
+@pytest.fixture()
+def captured(monkeypatch):
+    """`consequence train` up to the run: the config it would train with, nothing started."""
+    seen: dict = {}
+    monkeypatch.setattr(cli_train, "_run_train", lambda cfg, resume, reproduces=None: seen.setdefault("cfg", cfg))
+
+    def invoke(*args: str):
+        seen.clear()
+        res = CliRunner().invoke(app, ["train", *args], env=ENV)
+        return res, seen.get("cfg")
+    return invoke
+
+
+def _repair_record(i: int, **extra) -> dict:
+    return {"task_id": f"max-{i}", "problem_id": f"p{i}", "kind": "repair", "prompt": "Return the largest element.",
+            "starting_code": "def f(xs):\n    return min(xs)", "entry_point": "f",
+            "visible_tests": [{"call": "f([1, 2])", "expected": "2"}],
+            "hidden_tests": [{"call": f"f([{i}, {i + 5}, 1])", "expected": str(i + 5)}],
+            "patch": [2, "    return max(xs)"], **extra}
+
+
+def write_tasks(path, n: int = 12, bad_line: dict | None = None) -> None:
+    """``n`` valid repair tasks as JSONL (distinct problems); ``bad_line`` replaces line 3."""
+    records = [_repair_record(i) for i in range(n)]
+    if bad_line is not None:
+        records[2] = bad_line
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+# ---- 1. a recipe means the same from YAML, --recipe and explain ---------------------------------
+def test_recipe_in_yaml_is_applied_as_with_the_recipe_option(tmp_path, captured):
+    (tmp_path / "dapo.yaml").write_text("recipe: dapo\n")
+    res, from_yaml = captured("--config", str(tmp_path / "dapo.yaml"))
+    assert res.exit_code == 0, res.output
+    _, from_option = captured("--recipe", "dapo")
+    assert from_yaml == from_option  # every field, the run folder included
+    assert (from_yaml.dynamic_sampling, from_yaml.clip_eps_high, from_yaml.overlong_buffer) == (True, 0.28, 128)
+    assert from_yaml.run_dir == os.path.abspath("runs/repair-dapo") and run_label(from_yaml) == "dapo"
+    # layers: recipe < YAML < command line; the command line's recipe supplies the base
+    (tmp_path / "mine.yaml").write_text("recipe: dapo\nclip_eps_high: 0.3\ngroup_size: 4\n")
+    _, cfg = captured("--config", str(tmp_path / "mine.yaml"), "--group-size", "3")
+    assert (cfg.dynamic_sampling, cfg.clip_eps_high, cfg.group_size) == (True, 0.3, 3)
+    assert run_label(cfg) == "dapo (modified: clip_eps_high=0.3)"
+    _, cfg = captured("--config", str(tmp_path / "mine.yaml"), "--recipe", "ppo")
+    assert (cfg.recipe, cfg.advantage, cfg.dynamic_sampling, cfg.clip_eps_high) == ("ppo", "gae", False, 0.3)
+    (tmp_path / "typo.yaml").write_text("recipe: dapoo\n")
+    res, cfg = captured("--config", str(tmp_path / "typo.yaml"))
+    assert res.exit_code == 2 and cfg is None and f"recipe: in {tmp_path / 'typo.yaml'}: unknown recipe 'dapoo'" in _text(res)
+    with pytest.raises(ValueError, match="resolve_config"):  # the library never labels a run with an unapplied recipe
+        TrainConfig.from_yaml(tmp_path / "dapo.yaml")
+
+
+def test_explain_shows_a_train_config_with_its_recipe_applied(tmp_path):
+    p = tmp_path / "my.yaml"
+    p.write_text("recipe: dapo\nrun_dir: somewhere\niterations: 3\nmax_turns: 3\ndynamic_sampling: false\n")
+    res = CliRunner().invoke(app, ["explain", str(p)], env=ENV)
+    out = _text(res)
+    assert res.exit_code == 0, res.output
+    assert "dapo (modified: dynamic_sampling=False) (my.yaml)" in out and f"consequence train --config {p}" in out
+    assert "overlong_buffer │ 128" in out and "max_turns │ 3 │ 8" in out  # recipe setting; file setting vs REINFORCE's
+    res = CliRunner().invoke(app, ["explain", str(p), "dapo"], env=ENV)
+    assert res.exit_code == 0 and "dynamic_sampling │ False │ True" in _text(res)
+    p.write_text("run: 3\n")
+    res = CliRunner().invoke(app, ["explain", str(p)], env=ENV)
+    assert res.exit_code == 2 and "run (--run): unknown option; did you mean run_dir?" in _text(res)
+    p.write_text("name: x\ntitle: X\nsummary: s\npaper: p\nconfig: {advantage: rloo, iterations: 2}\n")
+    res = CliRunner().invoke(app, ["explain", str(p)], env=ENV)
+    assert res.exit_code == 2 and "config sets iterations, which belong to a run" in _text(res)
+
+
+# ---- 2. paths are stored absolute ----------------------------------------------------------------
+def test_path_options_are_stored_absolute(tmp_path, monkeypatch, captured):
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(BUNDLED, tmp_path / "model")
+    write_tasks(tmp_path / "tasks.jsonl")
+    (tmp_path / "rec.yaml").write_text("name: mine\ntitle: Mine\nsummary: s\npaper: p\nconfig: {advantage: rloo}\n")
+    res, cfg = captured("--model", "model", "--tasks", "tasks.jsonl", "--run-dir", "out/run", "--recipe", "rec.yaml")
+    assert res.exit_code == 0, res.output
+    assert (cfg.model, cfg.tasks, cfg.run_dir, cfg.recipe) == tuple(
+        str(tmp_path / n) for n in ("model", "tasks.jsonl", "out/run", "rec.yaml"))
+    assert not (tmp_path / "out").exists()  # the write check leaves nothing behind
+
+
+# ---- 5. booleans switch off -----------------------------------------------------------------------
+def test_every_boolean_option_has_a_no_form_that_overrides_the_recipe(captured):
+    res = CliRunner().invoke(app, ["train", "--help"], env=ENV)
+    bools = [n for n, f in TrainConfig.model_fields.items() if f.annotation is bool]
+    assert set(bools) >= {"skip_checks", "dynamic_sampling", "overlong_filter"}
+    for n in bools:
+        assert "--no-" + n.replace("_", "-") in res.output
+    _, cfg = captured("--recipe", "dapo", "--no-dynamic-sampling")
+    assert cfg.dynamic_sampling is False and run_label(cfg) == "dapo (modified: dynamic_sampling=False)"
+    _, cfg = captured("--recipe", "dapo")
+    assert cfg.dynamic_sampling is True  # not given: the recipe's value
+    _, cfg = captured("--overlong-filter", "--no-skip-checks")
+    assert (cfg.overlong_filter, cfg.skip_checks) == (True, False)
+
+
+# ---- 6. one list syntax ---------------------------------------------------------------------------
+def test_list_options_are_comma_separated_or_repeated_without_duplicates(tmp_path, captured):
+    res, cfg = captured("--final-eval-decoding", "greedy,sampled")
+    assert res.exit_code == 0 and cfg.final_eval_decoding == ["greedy", "sampled"]
+    _, cfg = captured("--final-eval-decoding", "sampled, greedy,sampled", "--final-eval-decoding", "greedy")
+    assert cfg.final_eval_decoding == ["sampled", "greedy"]  # order kept, each once
+    for text in ("final_eval_decoding: [sampled, sampled]\n", "final_eval_decoding: sampled,sampled\n"):
+        (tmp_path / "c.yaml").write_text(text)
+        _, cfg = captured("--config", str(tmp_path / "c.yaml"))
+        assert cfg.final_eval_decoding == ["sampled"]
+    res, cfg = captured("--final-eval-decoding", ",")
+    assert res.exit_code == 2 and "--final-eval-decoding): empty list" in _text(res) and "--final-eval-episodes 0" in _text(res)
+    res, _ = captured("--final-eval-decoding", "greedy,beam")
+    assert res.exit_code == 2 and "Input should be 'greedy' or 'sampled' (got 'beam')" in _text(res)
+    from consequence.cli.common import parse_ks
+
+    assert parse_ks("4,1,4, 16") == [4, 1, 16]
+
+
+# ---- 7. names and folders of runs -------------------------------------------------------------------
+def test_a_run_is_named_by_what_it_is_and_a_recipe_has_its_own_folder(captured):
+    _, default = captured()
+    _, grpo = captured("--recipe", "grpo")
+    assert default.run_dir == os.path.abspath("runs/repair-default") != grpo.run_dir == os.path.abspath("runs/repair-grpo")
+    assert run_label(default) == "grpo advantages, ppo_clip, token_mean" and run_label(grpo) == "grpo"
+    _, gae = captured("--advantage", "gae")
+    assert run_label(gae) == "gae advantages, ppo_clip, token_mean"
+    _, rloo = captured("--advantage", "rloo", "--surrogate", "pg")
+    assert run_label(rloo) == "rloo"  # exactly the rloo recipe's settings
+    _, grpo_kl = captured("--recipe", "grpo", "--kl-coef", "0.1")
+    assert run_label(grpo_kl) == "grpo (modified: kl_coef=0.1)"
+    assert run_label(load_recipe("gspo").train_config()) == "gspo"
+
+
+# ---- 10. mini-batches fit the batch ------------------------------------------------------------------
+def test_mini_batches_larger_than_the_batch_are_refused(captured):
+    res, cfg = captured("--mini-batches", "5", "--tasks-per-iteration", "2", "--group-size", "2")
+    assert res.exit_code == 2 and cfg is None
+    assert ("--mini-batches 5 is more than the 4 trajectories of a batch (--tasks-per-iteration 2 × --group-size 2)"
+            in _text(res))
+    _, cfg = captured("--mini-batches", "4", "--tasks-per-iteration", "2", "--group-size", "2")
+    assert cfg.mini_batches == 4
+
+
+# ---- 11. JSONL task files -----------------------------------------------------------------------------
+def test_a_jsonl_task_file_is_accepted_and_checked_before_work(tmp_path, captured):
+    from consequence.envs.sources import load_task_source
+
+    write_tasks(tmp_path / "tasks.jsonl")
+    res, cfg = captured("--tasks", str(tmp_path / "tasks.jsonl"), "--run-dir", str(tmp_path / "run"))
+    assert res.exit_code == 0 and cfg.tasks == str(tmp_path / "tasks.jsonl")
+    src = load_task_source(cfg.tasks, 0)
+    assert sum(len(v) for v in src.split.values()) == 12 and len(src.split["train"]) >= 8
+    assert src.sample("train", 3, seed=1)[0].func_name == "f"
+    cases = [(_repair_record(2, hidden_test=[]), ":3: unknown field(s) ['hidden_test']"),
+             (_repair_record(2, kind="completion"), ":3: task 'max-2' has kind 'completion'")]
+    for bad, needle in cases:
+        write_tasks(tmp_path / "bad.jsonl", bad_line=bad)
+        res, cfg = captured("--tasks", str(tmp_path / "bad.jsonl"), "--run-dir", str(tmp_path / "run"))
+        assert res.exit_code == 2 and cfg is None and f"--tasks {tmp_path / 'bad.jsonl'}{needle}" in _text(res), res.output
+    res, _ = captured("--tasks", str(tmp_path / "none.jsonl"))
+    assert res.exit_code == 2 and "none.jsonl: no such file" in _text(res)
+    res, _ = captured("--tasks", "mbpp")
+    assert res.exit_code == 2 and "give one of repair, humaneval-repair, or the path of a .jsonl task file" in _text(res)
+    assert not (tmp_path / "run").exists()
+
+
+# ---- 4. model folders --------------------------------------------------------------------------------
+@pytest.mark.parametrize("damage,needle", [
+    ("weights", "no weights (model.safetensors, pytorch_model.bin, model.safetensors.index.json"),
+    ("json", "config.json is not valid JSON"),
+    ("model_type", "config.json has no model_type"),
+])
+def test_a_broken_model_folder_is_refused_before_work(tmp_path, damage, needle):
+    model = tmp_path / "model"
+    shutil.copytree(BUNDLED, model)
+    if damage == "weights":
+        (model / "model.safetensors").unlink()
+    elif damage == "json":
+        (model / "config.json").write_text('{"model_type": "llama",')
+    else:
+        (model / "config.json").write_text('{"vocab_size": 768}')
+    run = tmp_path / "run"
+    res = CliRunner().invoke(app, ["train", "--model", str(model), "--run-dir", str(run)], env=ENV)
+    assert res.exit_code == 2 and f"error: --model {model}: {needle}" in _text(res) and res.exception is not None
+    assert not run.exists()
+    from consequence.policy.tiny import load_policy
+
+    with pytest.raises(ValueError, match=needle.split(" (")[0]):  # the library says the same
+        load_policy(model)
+
+
+# ---- 4, 9. labs ---------------------------------------------------------------------------------------
+def test_lab_without_a_name_lists_the_labs_and_bad_options_are_refused_first(tmp_path):
+    from consequence.labs import LABS
+
+    res = CliRunner().invoke(app, ["lab"], env=ENV)
+    assert res.exit_code == 0
+    for name in LABS:
+        assert name in res.output
+    assert "where the clipped surrogate stops giving a gradient" in _text(res)
+    res = CliRunner().invoke(app, ["lab", "clip", "--out", "/proc/x"], env=ENV)
+    assert res.exit_code == 2 and "--out /proc/x: cannot write there" in _text(res)
+    res = CliRunner().invoke(app, ["lab", "baseline", "--seed", "-5", "--out", str(tmp_path / "o")], env=ENV)
+    assert res.exit_code == 2 and "--seed" in _text(res) and not (tmp_path / "o").exists()
+    res = CliRunner().invoke(app, ["lab", "nope"], env=ENV)
+    assert res.exit_code == 2 and "unknown lab 'nope'" in _text(res)
+
+
+# ---- 12. reproduce says how long it takes and can be shortened -------------------------------------------
+def test_reproduce_help_gives_its_duration_and_how_to_shorten_it():
+    res = CliRunner().invoke(app, ["reproduce", "--help"], env=ENV)
+    out = _text(res)
+    assert "about as long as the original run (the default run: ~12 min on 2 cores)" in out
+    assert "--iterations" in out and "--final-eval-episodes" in out
+
+
+def test_reproduce_checks_everything_before_making_its_folder(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    run.mkdir()
+    cfg = TrainConfig(run_dir=str(run)).model_dump()
+    manifest = {"config": {**cfg, "model": "relative/model"}, "cwd": str(tmp_path / "elsewhere")}
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    monkeypatch.chdir(tmp_path)
+    res = CliRunner().invoke(app, ["reproduce", str(run), "--run-dir", str(tmp_path / "new")], env=ENV)
+    assert res.exit_code == 2 and "the run's model folder relative/model (--model) does not exist from here" in _text(res)
+    manifest["config"]["model"] = str(tmp_path / "gone")
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    res = CliRunner().invoke(app, ["reproduce", str(run), "--run-dir", str(tmp_path / "new")], env=ENV)
+    assert res.exit_code == 2 and "does not exist; nothing was started" in _text(res)
+    res = CliRunner().invoke(app, ["reproduce", str(run), "--run-dir", str(tmp_path / "new"), "--iterations", "0"], env=ENV)
+    assert res.exit_code == 2 and "--iterations" in _text(res)
+    assert not (tmp_path / "new").exists()
