@@ -122,8 +122,9 @@ app.command("train", help="Train the policy on the code-repair task (default: GR
 def reproduce_cmd(run: Path = typer.Argument(..., help="Run folder with a manifest.json."),
                   run_dir: Optional[Path] = typer.Option(None, help="Folder of the new run (default: RUN-reproduce)."),
                   iterations: Optional[int] = typer.Option(None, min=1, help=(
-                      "Run only the first N iterations (same seeds, so they are comparable with the original's "
-                          "first N); default: as many as the original.")),
+                      TrainConfig.model_fields["iterations"].description
+                      + " Default: the original's; a smaller N runs only the first N iterations (same seeds, so "
+                        "they are comparable) and only those are compared.")),
                   final_eval_episodes: Optional[int] = typer.Option(None, min=0, help=(
                       TrainConfig.model_fields["final_eval_episodes"].description
                       + " Default: the original's; 0 skips the final evaluation.")),
