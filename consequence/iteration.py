@@ -70,7 +70,8 @@ def make_learner(cfg: TrainConfig, model: torch.nn.Module, reference: torch.nn.M
 
 
 # ---- rollout box ---------------------------------------------------------------------
-def collect(it: int, cfg: TrainConfig, model, renderer, split, budgets, sampling) -> tuple[list[Trajectory], dict]:
+def collect(it: int, cfg: TrainConfig, model, renderer, split, budgets, sampling,
+            progress=None) -> tuple[list[Trajectory], dict]:
     """Roll out B tasks × G episodes, scored; with dynamic sampling keep only groups whose
     rewards differ, sampling new tasks for up to ``dynamic_sampling_max_rounds`` rounds.
 
@@ -82,7 +83,7 @@ def collect(it: int, cfg: TrainConfig, model, renderer, split, budgets, sampling
     kept: list[list[Trajectory]] = []
     generated = tokens = 0
     for r in range(rounds):
-        groups = _roll_out_round(it, r, cfg, model, renderer, split, budgets, sampling)
+        groups = _roll_out_round(it, r, cfg, model, renderer, split, budgets, sampling, progress)
         generated += len(groups)
         tokens += sum(t.n_generated_tokens for g in groups for t in g)
         kept += [g for g in groups if not cfg.dynamic_sampling or _is_mixed(g)]
@@ -94,14 +95,14 @@ def collect(it: int, cfg: TrainConfig, model, renderer, split, budgets, sampling
     return [t for g in kept for t in g], stats
 
 
-def _roll_out_round(it, r, cfg, model, renderer, split, budgets, sampling) -> list[list[Trajectory]]:
+def _roll_out_round(it, r, cfg, model, renderer, split, budgets, sampling, progress=None) -> list[list[Trajectory]]:
     tag = (it,) if r == 0 else (it, "round", r)  # round 0 keeps the seeds of plain sampling
     tasks = split.sample("train", cfg.tasks_per_iteration, seed=seed_of(cfg.seed, *tag))
     prefix = f"{it}" if r == 0 else f"{it}.{r}"
     specs = [EpisodeSpec(RepairEnv(t), t.task_id, f"{prefix}/{t.task_id}", g, seed_of(cfg.seed, *tag, g))
              for t in tasks for g in range(cfg.group_size)]
     gen = policy_generate_fn(model, sampling, renderer.stop_ids, seed_of(cfg.seed, *tag, "rollout"))
-    trajs = run_episodes(gen, renderer, specs, budgets, SYSTEM_PROMPT, policy_version=it)
+    trajs = run_episodes(gen, renderer, specs, budgets, SYSTEM_PROMPT, policy_version=it, progress=progress)
     score_trajectories(trajs, cfg.overlong_buffer, budgets.max_total_tokens)
     groups: dict[str, list[Trajectory]] = {}
     for t in trajs:

@@ -244,7 +244,8 @@ def _loop(r: _Run, console) -> None:
                   TextColumn("{task.fields[status]}"), console=console) as bar:
         job = bar.add_task(escape(r.label), total=cfg.iterations, completed=r.start, status="")
         for it in range(r.start, cfg.iterations):
-            m = _run_iteration(r, it, bar.console)
+            show = lambda text: bar.update(job, status=text)  # noqa: E731  (live phase within the iteration)
+            m = _run_iteration(r, it, bar.console, show)
             status = f"reward {m['reward_mean']:.2f}  mixed {m['mixed_group_fraction']:.2f}"
             if "val_success" in m:
                 status += f"  val {m['val_success']:.2f}"
@@ -253,17 +254,22 @@ def _loop(r: _Run, console) -> None:
                 console.print(f"iteration {it} ({it + 1}/{cfg.iterations} done)  {status}")
 
 
-def _run_iteration(r: _Run, it: int, console) -> dict[str, Any]:
-    """One iteration with its validation, metrics line and resume state; returns its metrics."""
+def _run_iteration(r: _Run, it: int, console, show=lambda text: None) -> dict[str, Any]:
+    """One iteration with its validation, metrics line and resume state; returns its metrics.
+
+    ``show(text)`` displays the phase in progress (rollout and validation episodes done).
+    """
     cfg, model = r.cfg, r.learner.model
+    n_roll = cfg.tasks_per_iteration * cfg.group_size
     try:
         m = iteration(it, cfg, r.learner, r.renderer, r.split, r.budgets, r.sampling, r.dir, first=it == 0,
-                      console=console)
+                      console=console, progress=lambda d: show(f"iteration {it}: rollouts {d}/{n_roll} episodes"))
     except FloatingPointError as e:
         e.iteration = it  # for RunStopped's message: which trajectory file the indices point into
         raise
     if cfg.eval_every and ((it + 1) % cfg.eval_every == 0 or it + 1 == cfg.iterations):
-        m["val_success"] = validate(model, r.renderer, r.split, r.budgets, cfg)["success"]
+        m["val_success"] = validate(model, r.renderer, r.split, r.budgets, cfg, progress=lambda d: show(
+            f"iteration {it}: validation {d}/{cfg.val_episodes} episodes"))["success"]
         save_policy(model, r.tokenizer, r.dir / "checkpoints" / f"iter_{it + 1:04d}")
     if "pre_step_checks" in m:
         r.manifest["checks"]["results"] = m.pop("pre_step_checks")
@@ -272,7 +278,7 @@ def _run_iteration(r: _Run, it: int, console) -> dict[str, Any]:
     m["warnings"] = warnings_for(r.history)
     for w in m["warnings"]:
         console.print(f"[yellow]warning (iteration {it}):[/] {w}")
-    append_line(r.dir / "metrics.jsonl", json.dumps(m))
+    append_line(r.dir / "metrics.jsonl", json.dumps(m, allow_nan=False))  # strict JSON: a NaN here is a bug
     if (it + 1) % cfg.checkpoint_every == 0 or it + 1 == cfg.iterations:
         save_state(r.dir, it + 1, r.learner, r.tokenizer, r.history, r.manifest, cfg.model_dump())
     return m
@@ -323,10 +329,10 @@ def _stopped(e: BaseException, run: Path) -> RunStopped:
 
 
 def iteration(it, cfg, learner: Learner, renderer, split, budgets, sampling, run, first: bool = False,
-              console=None) -> dict[str, Any]:
+              console=None, progress=None) -> dict[str, Any]:
     """One collect → score → credit → update step (``consequence.iteration``); returns its metrics."""
     t0 = time.perf_counter()
-    trajs, ds = collect(it, cfg, learner.model, renderer, split, budgets, sampling)
+    trajs, ds = collect(it, cfg, learner.model, renderer, split, budgets, sampling, progress)
     t_rollout = time.perf_counter() - t0
     pad_id = renderer.tokenizer.pad_token_id
     batch = credit(trajs, cfg, learner, pad_id)

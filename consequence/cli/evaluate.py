@@ -9,7 +9,7 @@ import typer
 from rich.markup import escape
 
 from consequence.cli.app import app
-from consequence.cli.common import check_model_dir, check_run_dir, console, parse_ks, quiet_libraries
+from consequence.cli.common import check_model_dir, check_run_dir, console, parse_ks, parse_list, quiet_libraries
 
 _RUN = "default: the run's config.yaml when the policy is a run folder, else {}"
 
@@ -70,7 +70,7 @@ def eval_cmd(model: Optional[str] = typer.Option(None, help="Checkpoint folder, 
         check_budgets(st.values)
         check_request(st.values["tasks"], split, n, ks, temperature, problems)
         _check_task_file(st.values)
-        rules = check_rules([r.strip() for r in selection.split(",") if r.strip()])
+        rules = check_rules(parse_list(selection, "--selection", "first,majority"))
         model_path = resolve_model(model)
         check_model_dir(str(model_path), chat_template=not completion)
         check_run_dir(out, "--out")

@@ -271,7 +271,10 @@ def current_logprobs(model, tokenizer, t: Trajectory, temperature: float, top_k:
         return []
     batch = pad_rows(rows, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
     with torch.inference_mode():
-        lp, _ = token_logprobs(model, batch["input_ids"], batch["attention_mask"], temperature, top_k, top_p)  # [N, S-1]
+        # Sampled targets are scored on the support they were drawn from (the stored keep
+        # mask), not on a top-k / top-p support recomputed from the checkpoint's logits.
+        lp, _ = token_logprobs(model, batch["input_ids"], batch["attention_mask"], temperature, top_k, top_p,
+                               keep_index=batch.get("keep_index"), keep_rows=batch.get("keep_rows"))  # [N, S-1]
     out = []
     for k in range(len(rows)):
         att = batch["attention_mask"][k].tolist()
