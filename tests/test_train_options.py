@@ -83,7 +83,10 @@ def test_recipe_in_yaml_is_applied_as_with_the_recipe_option(tmp_path, captured)
         TrainConfig.from_yaml(tmp_path / "dapo.yaml")
 
 
-def test_explain_shows_a_train_config_with_its_recipe_applied(tmp_path):
+def test_explain_shows_a_train_config_with_its_recipe_applied(tmp_path, monkeypatch):
+    from consequence.cli.common import console
+
+    monkeypatch.setattr(console, "width", 250)  # the shared console's width is fixed when first used
     p = tmp_path / "my.yaml"
     p.write_text("recipe: dapo\nrun_dir: somewhere\niterations: 3\nmax_turns: 3\ndynamic_sampling: false\n")
     res = CliRunner().invoke(app, ["explain", str(p)], env=ENV)
