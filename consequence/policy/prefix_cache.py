@@ -4,8 +4,8 @@ Turn t+1 of an episode prompts the model with turn t's context, the tokens it sa
 the observation the chat template appends, so almost all of the new prompt was already
 run through the model. :class:`PrefixCache` keeps each episode's K/V from its last call;
 :func:`generate_with_prefix` prefills only the tokens after the stored prefix and then
-decodes exactly as ``sampler.generate`` does (same processed distribution, same
-generator use, same stop handling, same ``Sample`` record). Prefill work per episode falls
+decodes with ``sampler.generate``'s own loop (``sampler.decode``: same processed
+distribution, generator use, stop handling and ``Sample`` record). Prefill work per episode falls
 from Σ_t |context_t| to about |context_final| (measured in
 benchmarks/bench_generation.py).
 
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from consequence.policy.sampler import PREFILL_CHUNK_TOKENS, Sample, SamplingParams, _FastLlama, _pick, generate
+from consequence.policy.sampler import PREFILL_CHUNK_TOKENS, Sample, SamplingParams, _FastLlama, decode, generate
 
 
 @dataclass
@@ -125,7 +125,11 @@ def _run(fast: _FastLlama, prompts, keys, params, stop_ids, cache: PrefixCache, 
         rows = torch.tensor(src, dtype=torch.long)
         fast.select_rows(rows)
         logits, key_valid, next_pos = logits.index_select(0, rows), key_valid.index_select(0, rows), next_pos.index_select(0, rows)
-    return _decode(fast, logits, key_valid, next_pos, L, prompts, keys, params, stop_ids, cache, generator)
+
+    def keep(b: int, i: int, out: list[int]) -> None:  # a row leaves the batch: store its prefix
+        _store(fast, cache, keys[i], b, prompts[i], out, L)
+
+    return decode(fast, logits, key_valid, next_pos, L, n, params, stop_ids, generator, on_leave=keep)
 
 
 def _restore(fast: _FastLlama, cache: PrefixCache, keys, pre, lens, L: int) -> None:
@@ -145,47 +149,3 @@ def _store(fast: _FastLlama, cache: PrefixCache, key, b: int, prompt: list[int],
     s0, end = L - len(prompt), L + len(fed)
     cache.entries[key] = _Entry(prompt + fed, [c[b, :, s0:end].clone() for c in fast.k_cache],
                                 [c[b, :, s0:end].clone() for c in fast.v_cache])
-
-
-def _decode(fast, logits, key_valid, next_pos, L, prompts, keys, params, stop_ids, cache, generator) -> list[Sample]:
-    """The decode loop of ``sampler._generate_fast``, storing each row's prefix as it leaves."""
-    n = len(prompts)
-    out_ids: list[list[int]] = [[] for _ in range(n)]
-    out_lp: list[list[float]] = [[] for _ in range(n)]
-    out_keep: list[list[list[int]]] | None = None
-    reason = ["length"] * n
-    active = list(range(n))  # batch row -> original index
-    done = [False] * n
-    stop_t = torch.tensor(sorted(stop_ids), dtype=torch.long) if stop_ids else None
-    for step in range(params.max_new_tokens):
-        tok, lp, keep = _pick(logits, params, generator)
-        if keep is not None and out_keep is None:
-            out_keep = [[] for _ in range(n)]
-        hit = torch.isin(tok, stop_t).tolist() if stop_t is not None else [False] * len(active)
-        for b, (i, t, p) in enumerate(zip(active, tok.tolist(), lp.tolist())):
-            if done[b]:
-                continue
-            out_ids[i].append(t)
-            out_lp[i].append(p)
-            if keep is not None:
-                out_keep[i].append(keep[b])
-            if hit[b]:
-                reason[i], done[b] = "stop", True
-        if step == params.max_new_tokens - 1 or all(done):
-            break
-        n_done = sum(done)
-        if n_done and n_done * 8 >= len(active):  # drop finished rows (same rule as the sampler)
-            for b, i in enumerate(active):
-                if done[b]:
-                    _store(fast, cache, keys[i], b, prompts[i], out_ids[i], L)
-            alive = [b for b, d in enumerate(done) if not d]
-            rows = torch.tensor(alive, dtype=torch.long)
-            fast.select_rows(rows)
-            key_valid, next_pos, tok = key_valid.index_select(0, rows), next_pos.index_select(0, rows), tok.index_select(0, rows)
-            active, done = [active[b] for b in alive], [False] * len(alive)
-        key_valid[:, L + step] = True
-        logits = fast.forward(tok[:, None], next_pos[:, None], L + step, key_valid)
-        next_pos = next_pos + 1
-    for b, i in enumerate(active):
-        _store(fast, cache, keys[i], b, prompts[i], out_ids[i], L)
-    return [Sample(out_ids[i], out_lp[i], reason[i], None if out_keep is None else out_keep[i]) for i in range(n)]

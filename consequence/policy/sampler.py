@@ -340,6 +340,25 @@ def _generate_fast(model, prompts, params, stop_ids, generator) -> list[Sample]:
     key_valid = key_valid_u.index_select(0, rows)
     next_pos = pos_u[:, -1].index_select(0, rows) + 1  # [B]
 
+    return decode(fast, logits, key_valid, next_pos, L, n, params, stop_ids, generator)
+
+
+def decode(fast: _FastLlama, logits: torch.Tensor, key_valid: torch.Tensor, next_pos: torch.Tensor, L: int, n: int,
+           params: SamplingParams, stop_ids, generator, on_leave=None) -> list[Sample]:
+    """The decode loop after a prefill: sample, append, drop finished rows, feed the tokens back.
+
+    Args:
+        fast: the forward pass whose cache holds the n prefilled rows (prompt ends at slot L).
+        logits: [n, V] next-token logits of the prefill; key_valid: [n, L + max_new] bool;
+            next_pos: [n] long RoPE position of the first sampled token.
+        on_leave: ``on_leave(b, i, output_ids)`` is called for every row just before it
+            leaves the batch (batch row b of the cache, original index i), e.g. to keep its
+            K/V (``prefix_cache``).
+
+    Returns:
+        one ``Sample`` per row, in the original order.
+    """
+    dev = fast.device
     out_ids: list[list[int]] = [[] for _ in range(n)]
     out_lp: list[list[float]] = [[] for _ in range(n)]
     out_keep: list[list[list[int]]] | None = None
@@ -369,6 +388,10 @@ def _generate_fast(model, prompts, params, stop_ids, generator) -> list[Sample]:
         if n_done == len(active):
             break
         if n_done and n_done * 8 >= len(active):  # drop finished rows from batch + cache
+            if on_leave is not None:
+                for b, i in enumerate(active):
+                    if done_in_batch[b]:
+                        on_leave(b, i, out_ids[i])
             alive = [b for b, d in enumerate(done_in_batch) if not d]
             keep_d = torch.tensor(alive, dtype=torch.long, device=dev)
             fast.select_rows(keep_d)
@@ -381,6 +404,9 @@ def _generate_fast(model, prompts, params, stop_ids, generator) -> list[Sample]:
         key_valid[:, slot] = True
         logits = fast.forward(tok[:, None], next_pos[:, None], slot, key_valid)
         next_pos = next_pos + 1
+    if on_leave is not None:
+        for b, i in enumerate(active):
+            on_leave(b, i, out_ids[i])
     return _samples(out_ids, out_lp, reason, out_keep)
 
 
