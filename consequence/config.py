@@ -31,6 +31,13 @@ def box_of(name: str) -> str:
     return TrainConfig.model_fields[name].json_schema_extra["box"]  # type: ignore[index]
 
 
+def yaml_problem(e: Exception) -> str:
+    """One line for a YAML parse error: ``line L, column C: what`` (PyYAML's marks are 0-based)."""
+    mark = getattr(e, "problem_mark", None)
+    what = getattr(e, "problem", None) or str(e).splitlines()[0]
+    return f"line {mark.line + 1}, column {mark.column + 1}: {what}" if mark is not None else what
+
+
 class TrainConfig(BaseModel):
     """Settings of one training run (synchronous; defaults: GRPO on the code-repair task)."""
 
@@ -41,7 +48,7 @@ class TrainConfig(BaseModel):
     model: str | None = _f(None, "policy", "Path of a local Hugging Face causal LM with a chat template (stored as an absolute path); default: the bundled tiny warm-start checkpoint (built on first use, then cached).")
     seed: int = _f(0, "run", "Seed of RL sampling and task order (vary it for several training seeds); does not change the split or the warm start.")
     tasks: str = _f("repair", "tasks", "Task source: repair (our generated repair problems), humaneval-repair (HumanEval solutions with one injected bug, split by HumanEval task id), or the path of a .jsonl file of repair tasks (docs/tasks.md; split by problem_id with --split-seed; stored as an absolute path).")
-    split_seed: int = _f(0, "tasks", "Seed of the train/validation/test problem split; the tiny warm start is built on its train split, so another value rebuilds the warm start (about 30 min on 2 cores).")
+    split_seed: int = _f(0, "tasks", "Seed of the train/validation/test problem split; the tiny warm start is built on its train split, so another value rebuilds the warm start (about 30 min on 2 cores).", ge=0)
     skip_checks: bool = _f(False, "run", "Skip the checks before the first optimizer step (docs/design.md §6); recorded in manifest.json.")
     iterations: int = _f(18, "run", "Number of RL iterations (collect a batch, then update). Iterations are numbered from 0 everywhere (console, warnings, metrics.jsonl, trajectories/iter_NNNN.parquet); checkpoints/iter_NNNN and state-NNNN count iterations completed.", ge=1)
     checkpoint_every: int = _f(1, "run", "Write a resume state (weights, optimizer, RNG, metrics; for `train --resume`) every this many iterations and after the last; the tiny model's takes ~23 MB and well under a second.", ge=1)
@@ -136,7 +143,7 @@ class TrainConfig(BaseModel):
         try:
             data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
         except (yaml.YAMLError, UnicodeDecodeError) as e:
-            raise ValueError(f"config file {p} is not valid YAML: {e}") from None
+            raise ValueError(f"config file {p} is not valid YAML ({yaml_problem(e)})") from None
         if not isinstance(data, dict):
             raise ValueError(f"config file {p} must hold a mapping of option: value")
         return data

@@ -32,7 +32,8 @@ def _check_task_file(values: dict) -> None:
         try:
             load_task_source(values["tasks"], values["split_seed"])
         except (ValueError, OSError) as e:
-            raise ValueError(f"--tasks {values['tasks']}: {e}") from None
+            msg = str(e)  # the loader's message names the file already
+            raise ValueError(msg if msg.startswith("--tasks") else f"--tasks {values['tasks']}: {msg}") from None
 
 
 @app.command("eval")
@@ -87,11 +88,14 @@ def eval_cmd(model: Optional[str] = typer.Option(None, help="Checkpoint folder, 
     _say(f"{st.values['tasks']} {split}: {str(problems) + ' (drawn with --seed)' if problems else 'all'} problems of "
          f"the split × n = {n} episodes of {model_path}")
     _say(describe(record))
-    with Phases(console) as phases:
-        ev = evaluate_episodes(model_path, st.values["tasks"], split, n, ks, problems=problems,
-                               temperature=temperature, seed=seed, budgets=st.budgets(),
-                               split_seed=st.values["split_seed"], selection=rules, recovery=recovery,
-                               provenance=record, phases=phases)
+    try:
+        with Phases(console) as phases:
+            ev = evaluate_episodes(model_path, st.values["tasks"], split, n, ks, problems=problems,
+                                   temperature=temperature, seed=seed, budgets=st.budgets(),
+                                   split_seed=st.values["split_seed"], selection=rules, recovery=recovery,
+                                   provenance=record, phases=phases)
+    except ValueError as e:  # settings that cannot work with this model (checked once it has loaded)
+        _fail(e)
     write_outputs(ev, out)
     _say((out / "report.md").read_text())
     for w in ev.result["warnings"]:
@@ -185,10 +189,14 @@ def _compare(pa: Path, pb: Path, st, split: str, n: int, ks: list[int], problems
 
     record = st.record()
     _say(describe(record))
-    with Phases(console) as phases:
-        res = compare_policies(pa, pb, st.values["tasks"], split, n, ks=ks, problems=problems, temperature=temperature,
-                               seed=seed, budgets=st.budgets(), split_seed=st.values["split_seed"],
-                               recovery=recovery, provenance=record, phases=phases)
+    try:
+        with Phases(console) as phases:
+            res = compare_policies(pa, pb, st.values["tasks"], split, n, ks=ks, problems=problems,
+                                   temperature=temperature, seed=seed, budgets=st.budgets(),
+                                   split_seed=st.values["split_seed"], recovery=recovery, provenance=record,
+                                   phases=phases)
+    except ValueError as e:  # settings that cannot work with this model (checked once it has loaded)
+        _fail(e)
     write_compare(res, out)
     for key, what in (("paired", "success"), ("paired_recovery", "recovery after the same wrong first patch")):
         if key not in res:

@@ -60,7 +60,7 @@ def warmstart(seed: int = typer.Option(0, help="Seed of the problem split (train
 @app.command("lab")
 def lab(name: Optional[str] = typer.Argument(None, help="Lab to run (see docs/labs.md); without a name, list the labs."),
         out: Path = typer.Option(Path("runs/labs"), help="Folder for the lab's PNG."),
-        seed: int = typer.Option(0, min=0, help="Random seed of the lab (a non-negative integer).")) -> None:
+        seed: int = typer.Option(0, help="Random seed of the lab (a non-negative integer).")) -> None:
     """Run one lab: print its numbers and write its figure (docs/labs.md); without a name, list the labs."""
     from rich.table import Table
 
@@ -77,6 +77,8 @@ def lab(name: Optional[str] = typer.Argument(None, help="Lab to run (see docs/la
     try:
         if name not in LABS:
             raise ValueError(f"unknown lab {name!r}; labs: {', '.join(LABS)} (`consequence lab` lists them)")
+        if seed < 0:
+            raise ValueError(f"--seed {seed}: give a non-negative integer (numpy's generators take no negative seed)")
         check_run_dir(out, "--out", keep=False)
     except ValueError as e:
         console.print(f"[red]error:[/] {escape(str(e))}")
@@ -104,6 +106,8 @@ def view(run_dir: Path = typer.Argument(..., help="Run directory of `consequence
 
     path = out or run_dir / "viewer.html"
     try:
+        if iteration is not None and iteration < 0:
+            raise ValueError(f"--iteration {iteration}: iterations are numbered from 0 (trajectories/iter_0000.parquet)")
         find_run_files(run_dir)
         check_out_file(path, "--out" if out else "RUN_DIR")
         html, summary = build_page(run_dir, iteration, with_current_logprobs, limit, log=console.print)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from consequence.envs.repair_env import TOOLS
+from consequence.envs.repair_env import SYSTEM_PROMPT, TOOLS, RepairEnv
 from consequence.envs.sandbox import ENV_RETRIES, isolation_report, run_tests
 from consequence.envs.sources import TASK_SOURCES, load_task_source
 from consequence.evaluate.compare import ArmResult, paired_comparison
@@ -117,6 +117,26 @@ class EpisodeEval:
     recovery_episodes: list[Trajectory] = field(default_factory=list)
 
 
+def check_budget_fits(renderer, task_list, budgets: Budgets) -> None:
+    """Refuse a token budget in which no episode could make one model call (before any work).
+
+    A prompt too long for the budget is an outcome (``prompt too long``, counted as a
+    failure; case 04), but when even the shortest prompt plus ``max_new_tokens`` exceeds
+    ``max_total_tokens`` every episode would be empty and the report meaningless.
+
+    Raises:
+        ValueError: names ``--max-total-tokens``, the shortest prompt and the smallest budget that fits.
+    """
+    shortest = min((len(renderer.prompt_ids([{"role": "system", "content": SYSTEM_PROMPT},
+                                             {"role": "user", "content": RepairEnv(t).reset(seed=0)[0]}]))
+                    for t in task_list), default=0)
+    if task_list and shortest + budgets.max_new_tokens > budgets.max_total_tokens:
+        raise ValueError(f"--max-total-tokens {budgets.max_total_tokens} is too small: the shortest prompt of these "
+                         f"tasks is {shortest} tokens and a model call may add --max-new-tokens "
+                         f"{budgets.max_new_tokens}, so no episode could act; raise --max-total-tokens to at least "
+                         f"{shortest + budgets.max_new_tokens}")
+
+
 def evaluate_episodes(model_path: Path, tasks: str, split: str, n: int, ks: list[int], *, problems: int = 0,
                       temperature: float = 1.0, seed: int = 0, budgets: Budgets = Budgets(), split_seed: int = 0,
                       selection: Sequence[str] = SELECTION_RULES, recovery: bool = True,
@@ -144,10 +164,11 @@ def evaluate_episodes(model_path: Path, tasks: str, split: str, n: int, ks: list
     count = min(problems, len(pool)) if problems else len(pool)
     task_list = source.sample(split, count, seed=seed_of(seed, "eval", split))
     model, tok = load_policy(model_path)
+    renderer = Renderer(tok, TOOLS)
+    check_budget_fits(renderer, task_list, budgets)
     mine = [str(model_path), *map(str, companions)]
     warning = reuse_warning(tasks, split_seed, mine) if split == "test" else None
     touch = record_touch(tasks, split_seed, split, purpose, [str(model_path)])
-    renderer = Renderer(tok, TOOLS)
     t0 = time.perf_counter()
     with phases.phase(f"{label}episodes", len(task_list) * n) as tick:
         trajs = sample_episodes(model, renderer, task_list, n, budgets, seed, temperature, progress=tick)

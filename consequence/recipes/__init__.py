@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from consequence.config import BOXES, TrainConfig, absolute, box_of
+from consequence.config import BOXES, TrainConfig, absolute, box_of, yaml_problem
 
 HERE = Path(__file__).parent
 BASELINE = "reinforce"  # the recipe every other one is explained against
@@ -75,13 +75,16 @@ def load_recipe(name_or_path: str | Path) -> Recipe:
         ref = absolute(p)
     else:
         ref, p = str(name_or_path), HERE / f"{name_or_path}.yaml"
+        if Path(name_or_path).is_dir():
+            raise ValueError(f"{name_or_path} is a directory, not a recipe name or recipe .yaml file; "
+                             f"bundled recipes: {', '.join(recipe_names())}")
         if not p.is_file():
             raise ValueError(f"unknown recipe {str(name_or_path)!r}; bundled recipes: {', '.join(recipe_names())} "
                              "(or give the path of a recipe .yaml file)")
     try:
         data = yaml.safe_load(p.read_text(encoding="utf-8"))
     except yaml.YAMLError as e:
-        raise ValueError(f"recipe {p} is not valid YAML: {e}") from None
+        raise ValueError(f"recipe {p} is not valid YAML ({yaml_problem(e)})") from None
     missing = [k for k in ("name", "title", "summary", "paper", "config") if not isinstance(data, dict) or k not in data]
     if missing:
         raise ValueError(f"recipe {p} lacks {', '.join(missing)}")
@@ -159,6 +162,8 @@ def resolve_config(config_file: str | Path | None = None, given: dict[str, Any] 
             raise ValueError(f"{where}: {e}") from None
         base = {"run_dir": default_run_dir(recipe.name), **recipe.config}
         given["recipe"] = recipe.ref
+    if data:  # the file's own values are checked even where the command line overrides them
+        TrainConfig.checked(**{**base, **data, **({"recipe": given["recipe"]} if named else {})})
     return TrainConfig.checked(**{**base, **data, **given})
 
 
@@ -230,7 +235,7 @@ def load_for_explain(name_or_path: str) -> Recipe:
         try:
             data = yaml.safe_load(p.read_text(encoding="utf-8"))
         except (yaml.YAMLError, UnicodeDecodeError) as e:
-            raise ValueError(f"{p} is not valid YAML: {e}") from None
+            raise ValueError(f"{p} is not valid YAML ({yaml_problem(e)})") from None
         if isinstance(data, dict) and "config" not in data:
             return recipe_of_train_config(p)
     return load_recipe(name_or_path)

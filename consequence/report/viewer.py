@@ -72,7 +72,8 @@ def find_run_files(run_dir: str | os.PathLike) -> RunFiles:
 
     run = Path(run_dir)
     if not run.is_dir():
-        raise ViewerError(f"run directory {run}: no such directory (give the --run-dir of a training run)")
+        what = "is a file, not a folder" if run.exists() else "no such directory"
+        raise ViewerError(f"run directory {run}: {what} (give the --run-dir of a training run)")
     files = {}
     for p in sorted((run / "trajectories").glob("iter_*.parquet")):
         m = _ITER_RE.search(p.name)

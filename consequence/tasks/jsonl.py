@@ -175,7 +175,7 @@ def load_jsonl(path: str | os.PathLike) -> list[CodeTask]:
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
-                raise TaskFormatError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+                raise TaskFormatError(f"{where}: not valid JSON ({e.msg.removesuffix(' at')} at column {e.colno})") from None
             task = parse_record(obj, where)
             if task.task_id in first_line:
                 raise TaskFormatError(f"{where}: task_id {task.task_id!r} already used on line "
