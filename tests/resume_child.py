@@ -43,7 +43,14 @@ def _pause_at(name: str, n: int, marker: str) -> None:
 
 
 def main(argv: list[str]) -> None:
+    import signal
+
     import torch
+
+    # A job started in the background by a non-interactive shell (as CI may start the test
+    # suite) inherits SIGINT ignored, and Python then installs no KeyboardInterrupt handler;
+    # restore what a terminal's Ctrl-C meets so the SIGINT test means the same everywhere.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     torch.set_num_threads(1)  # same arithmetic in every child, light on a shared machine
     split = argv.index("--")
