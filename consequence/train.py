@@ -17,6 +17,7 @@ KL-to-reference term (β = 0), as in DAPO and Dr.GRPO.
 from __future__ import annotations
 
 import copy
+import functools
 import errno
 import json
 import os
@@ -49,7 +50,7 @@ from consequence.iteration import Learner, collect, credit, logprob_fn, make_lea
 from consequence.fileio import append_line, write_text_atomic
 from consequence.seeding import seed_of
 from consequence.records import Trajectory, write_trajectories
-from consequence.rollout.episodes import Budgets
+from consequence.rollout.episodes import Budgets, opening_prompt_len
 from consequence.envs.sources import load_task_source
 
 
@@ -214,9 +215,8 @@ def preflight(cfg: TrainConfig, tokenizer, renderer: Renderer, split, model_path
                          f"would keep every token, the same as off; use --top-k 0 (off) or a value up to {vocab}")
     split.check_splits({"train": "training", "validation": "--eval-every" if cfg.eval_every and cfg.val_episodes else None,
                         "test": "--final-eval-episodes" if cfg.final_eval_episodes else None})
-    longest = split.longest_prompt(lambda request: len(renderer.prompt_ids(
-        [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": request}])),
-        seed=seed_of(cfg.seed, "prompt-check"))
+    longest = split.longest_prompt(functools.partial(opening_prompt_len, renderer, SYSTEM_PROMPT),
+                                   seed=seed_of(cfg.seed, "prompt-check"))
     if longest + cfg.max_new_tokens > cfg.max_total_tokens:
         raise ValueError(f"--max-total-tokens {cfg.max_total_tokens} is too small: the longest prompt of the train "
                          f"tasks is {longest} tokens and a model call may add --max-new-tokens {cfg.max_new_tokens}, "

@@ -8,7 +8,7 @@ import time
 import yaml
 from typer.testing import CliRunner
 
-from consequence.evaluate.splits import earlier_choosers, read_ledger, record_touch, reuse_warning
+from consequence.evaluate.splits import earlier_choosers, read_ledger, record_touch, reuse_warning, weights_sha256
 from consequence.warmstart import BUNDLED
 from policy_copies import fake_run, other_policy
 
@@ -70,7 +70,7 @@ def test_reproducing_the_same_run_bit_for_bit_is_the_same_policy(tmp_path):
     time.sleep(0.02)
     b = other_policy(tmp_path / "b")  # written later, identical bytes
     assert reuse_warning("repair", 0, [str(b)], path) is None
-    assert read_ledger(path)[0]["weights_sha256"][0] is not None
+    assert read_ledger(path)[0]["weights_sha256"][0] == weights_sha256(b) == weights_sha256(a)
 
 
 def test_old_ledger_lines_without_hashes_still_count_by_path(tmp_path):

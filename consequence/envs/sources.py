@@ -62,14 +62,19 @@ class TaskSource:
         """Length of the longest opening request among ``n`` train instances (all problems
         when there are fewer), as ``n_tokens(request_text)`` counts it (e.g. the rendered
         prompt with the system message)."""
-        from consequence.envs.repair_env import RepairEnv
-
         tasks = self.sample("train", min(n, len(self.split["train"])), seed=seed)
-        return max((n_tokens(RepairEnv(t).reset(seed=0)[0]) for t in tasks), default=0)
+        return max(opening_lengths(tasks, n_tokens), default=0)
 
     def problem_ids(self) -> dict[str, list[str]]:
         """split → problem ids (what ``split.json`` and the manifest record)."""
         return {k: [p.problem_id for p in v] for k, v in self.split.items()}
+
+
+def opening_lengths(tasks, n_tokens) -> list[int]:
+    """``n_tokens(request_text)`` of each task's opening request (what ``reset`` shows the policy)."""
+    from consequence.envs.repair_env import RepairEnv
+
+    return [n_tokens(RepairEnv(t).reset(seed=0)[0]) for t in tasks]
 
 
 def load_task_source(name: str, split_seed: int = 0) -> TaskSource:

@@ -10,6 +10,7 @@ the exclusion rule), ``episodes.parquet`` (raw per-episode results), ``report.md
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -17,9 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from consequence.envs.repair_env import SYSTEM_PROMPT, TOOLS, RepairEnv
+from consequence.envs.repair_env import SYSTEM_PROMPT, TOOLS
 from consequence.envs.sandbox import ENV_RETRIES, isolation_report, run_tests
-from consequence.envs.sources import TASK_SOURCES, load_task_source
+from consequence.envs.sources import TASK_SOURCES, load_task_source, opening_lengths
 from consequence.evaluate.compare import ArmResult, paired_comparison
 from consequence.evaluate.episode_eval import (EXCLUSION_RULE, cost_summary, outcome_shares, per_task_counts,
                                                success_under_caps, summarize_pass_at_k)
@@ -32,7 +33,7 @@ from consequence.evaluate.splits import record_touch, reuse_warning, weights_sha
 from consequence.harness.renderer import Renderer
 from consequence.policy.tiny import load_policy
 from consequence.records import Trajectory
-from consequence.rollout.episodes import Budgets
+from consequence.rollout.episodes import Budgets, opening_prompt_len
 from consequence.seeding import seed_of
 
 EVAL_SOURCES: tuple[str, ...] = (*TASK_SOURCES, "humaneval")
@@ -127,9 +128,8 @@ def check_budget_fits(renderer, task_list, budgets: Budgets) -> None:
     Raises:
         ValueError: names ``--max-total-tokens``, the shortest prompt and the smallest budget that fits.
     """
-    shortest = min((len(renderer.prompt_ids([{"role": "system", "content": SYSTEM_PROMPT},
-                                             {"role": "user", "content": RepairEnv(t).reset(seed=0)[0]}]))
-                    for t in task_list), default=0)
+    shortest = min(opening_lengths(task_list, functools.partial(opening_prompt_len, renderer, SYSTEM_PROMPT)),
+                   default=0)
     if task_list and shortest + budgets.max_new_tokens > budgets.max_total_tokens:
         raise ValueError(f"--max-total-tokens {budgets.max_total_tokens} is too small: the shortest prompt of these "
                          f"tasks is {shortest} tokens and a model call may add --max-new-tokens "

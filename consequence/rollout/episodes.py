@@ -106,10 +106,20 @@ def run_episodes(generate_fn: GenerateFn, renderer: Renderer, specs: Sequence[Ep
     return [e.traj for e in live]
 
 
+def opening_messages(system_prompt: str, request: str) -> list[dict]:
+    """The conversation an episode starts from: the system prompt, then the task's request."""
+    return [{"role": "system", "content": system_prompt}, {"role": "user", "content": request}]
+
+
+def opening_prompt_len(renderer: Renderer, system_prompt: str, request: str) -> int:
+    """Tokens of an episode's first prompt (before any opening turns): what a budget must fit."""
+    return len(renderer.prompt_ids(opening_messages(system_prompt, request)))
+
+
 def _start(index: int, spec: EpisodeSpec, renderer: Renderer, system_prompt: str,
            version: int) -> _Live:
     obs, _info = spec.env.reset(seed=spec.seed)
-    messages = [{"role": "system", "content": system_prompt}, {"role": "user", "content": obs}]
+    messages = opening_messages(system_prompt, obs)
     traj = Trajectory(task_id=spec.task_id, group_id=spec.group_id, sample_id=spec.sample_id,
                       seed=spec.seed, policy_version=version)
     e = _Live(index, spec, traj, messages, [], time.perf_counter())
