@@ -10,14 +10,13 @@ from __future__ import annotations
 import difflib
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 BOXES: tuple[str, ...] = ("tasks", "policy", "rollout", "reward", "credit", "update", "evaluate")
-TASK_SOURCES: tuple[str, ...] = ("repair", "humaneval-repair")  # besides a path to a .jsonl file
 DEFAULT_RUN_DIR = "runs/repair-default"  # a recipe's runs go to runs/repair-<recipe> instead
 
 
@@ -47,7 +46,9 @@ class TrainConfig(BaseModel):
     recipe: str | None = _f(None, "run", "Start from this recipe (reinforce, rloo, ppo, grpo, dr_grpo, dapo, gspo, cispo, or a recipe YAML path; see `consequence explain`), also as `recipe:` in a --config file; layers: recipe < --config file < command-line options.")
     model: str | None = _f(None, "policy", "Path of a local Hugging Face causal LM with a chat template (stored as an absolute path); default: the bundled tiny warm-start checkpoint (built on first use, then cached).")
     seed: int = _f(0, "run", "Seed of RL sampling and task order (vary it for several training seeds); does not change the split or the warm start.")
-    tasks: str = _f("repair", "tasks", "Task source: repair (our generated repair problems), humaneval-repair (HumanEval solutions with one injected bug, split by HumanEval task id), or the path of a .jsonl file of repair tasks (docs/tasks.md; split by problem_id with --split-seed; stored as an absolute path).")
+    env: str = _f("repair", "tasks", "Environment (docs/environments.md): repair (our generated repair problems), humaneval-repair (HumanEval solutions with one injected bug), humaneval (single-turn completion), jsonl (your repair tasks: --tasks-file), reasoning-gym (procedural tasks of the reasoning-gym package), calculator (arithmetic with a calculator tool), a name an installed package registers (entry point group consequence.environments), or module:attr; a .jsonl path means jsonl on that file. --tasks is an older name of this option.", validation_alias=AliasChoices("env", "tasks"))
+    tasks_file: str | None = _f(None, "tasks", "Task file of the environment (jsonl: repair tasks in the format of docs/tasks.md, split by problem_id with --split-seed); stored as an absolute path.")
+    env_options: dict[str, Any] = _f({}, "tasks", "Environment-specific options (the keyword arguments of its class; docs/environments.md): on the command line --env-option key=value (repeatable; the value is read as YAML: 3, 0.5, true, a,b), in a --config YAML an env_options: mapping. An option the environment does not take is refused.")
     split_seed: int = _f(0, "tasks", "Seed of the train/validation/test problem split; the tiny warm start is built on its train split, so another value rebuilds the warm start (about 30 min on 2 cores).", ge=0)
     skip_checks: bool = _f(False, "run", "Skip the checks before the first optimizer step (docs/design.md §6); recorded in manifest.json.")
     iterations: int = _f(18, "run", "Number of RL iterations (collect a batch, then update). Iterations are numbered from 0 everywhere (console, warnings, metrics.jsonl, trajectories/iter_NNNN.parquet); checkpoints/iter_NNNN and state-NNNN count iterations completed.", ge=1)
@@ -104,16 +105,38 @@ class TrainConfig(BaseModel):
     def _recipe_path(cls, v: str | None) -> str | None:
         return absolute(v) if v and Path(v).suffix in (".yaml", ".yml") else v
 
-    @field_validator("tasks")
+    @model_validator(mode="before")
     @classmethod
-    def _task_source(cls, v: str) -> str:
-        if v in TASK_SOURCES:
-            return v
-        if Path(v).suffix == ".jsonl":
-            return absolute(v)
-        hint = (" (humaneval is single-turn completion: evaluate it with `consequence eval --tasks humaneval`; "
-                "train on humaneval-repair)" if v == "humaneval" else "")
-        raise ValueError(f"give one of {', '.join(TASK_SOURCES)}, or the path of a .jsonl task file (docs/tasks.md){hint}")
+    def _env_shorthands(cls, data):
+        """``tasks`` is an older name of ``env``; an ``env`` that is a .jsonl path means jsonl on that file."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        if "tasks" in data:
+            old = data.pop("tasks")
+            if "env" in data and data["env"] != old:
+                raise ValueError(f"--tasks {old} and --env {data['env']} disagree; --tasks is an older name of "
+                                 "--env: give one of them")
+            data["env"] = old
+        env = data.get("env")
+        if isinstance(env, str) and env.endswith(".jsonl"):
+            if data.get("tasks_file") and absolute(data["tasks_file"]) != absolute(env):
+                raise ValueError(f"--env {env} is a task file, and --tasks-file {data['tasks_file']} names another; "
+                                 "give --env jsonl --tasks-file FILE")
+            data["env"], data["tasks_file"] = "jsonl", env
+        return data
+
+    @field_validator("tasks_file")
+    @classmethod
+    def _task_file(cls, v: str | None) -> str | None:
+        return None if v is None else absolute(v)
+
+    @field_validator("env")
+    @classmethod
+    def _env_name(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("give an environment name (see `consequence envs`), module:attr, or a .jsonl task file")
+        return v
 
     @field_validator("final_eval_decoding", mode="before")
     @classmethod

@@ -27,7 +27,6 @@ from consequence.config import TrainConfig
 from consequence.credit.advantages import group_advantages
 from consequence.credit.returns import gae
 from consequence.credit.value import ValueModel, explained_variance, row_values
-from consequence.envs.repair_env import SYSTEM_PROMPT, RepairEnv
 from consequence.policy.logprobs import token_logprobs
 from consequence.records import TrainingRow, Trajectory, trajectory_to_rows
 from consequence.reward.scoring import score_trajectories
@@ -97,16 +96,19 @@ def collect(it: int, cfg: TrainConfig, model, renderer, split, budgets, sampling
 
 def _roll_out_round(it, r, cfg, model, renderer, split, budgets, sampling, progress=None) -> list[list[Trajectory]]:
     tag = (it,) if r == 0 else (it, "round", r)  # round 0 keeps the seeds of plain sampling
-    tasks = split.sample("train", cfg.tasks_per_iteration, seed=seed_of(cfg.seed, *tag))
+    env = split
+    tasks = env.sample("train", cfg.tasks_per_iteration, seed=seed_of(cfg.seed, *tag))
     prefix = f"{it}" if r == 0 else f"{it}.{r}"
-    specs = [EpisodeSpec(RepairEnv(t), t.task_id, f"{prefix}/{t.task_id}", g, seed_of(cfg.seed, *tag, g))
-             for t in tasks for g in range(cfg.group_size)]
+    specs = [EpisodeSpec(episode, t.task_id, f"{prefix}/{t.task_id}", g, seed_of(cfg.seed, *tag, g))
+             for t in tasks for g, episode in enumerate(env.make_group(t, cfg.group_size))]
     gen = policy_generate_fn(model, sampling, renderer.stop_ids, seed_of(cfg.seed, *tag, "rollout"))
-    trajs = run_episodes(gen, renderer, specs, budgets, SYSTEM_PROMPT, policy_version=it, progress=progress)
-    score_trajectories(trajs, cfg.overlong_buffer, budgets.max_total_tokens)
+    trajs = run_episodes(gen, renderer, specs, budgets, env.system_prompt, policy_version=it, progress=progress)
+    score_trajectories(trajs, cfg.overlong_buffer, budgets.max_total_tokens, env.reward_components, env.reward_range)
     groups: dict[str, list[Trajectory]] = {}
     for t in trajs:
         groups.setdefault(t.group_id, []).append(t)
+    for task, group in zip(tasks, groups.values()):  # groups keep the order of their tasks
+        env.score_group(task, group)
     return list(groups.values())
 
 

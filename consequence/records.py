@@ -39,6 +39,10 @@ class ModelCall:
             of them); ``None`` when the support was the whole vocabulary. The trainer
             scores π_θ and π_ref on exactly this support, however far the weights have
             moved since sampling (``consequence.policy.logprobs``).
+        reward: the reward of the environment steps this call caused (its tool calls,
+            or its answer): a per-turn / process reward; 0.0 when none. The trajectory's
+            reward is the sum over its calls (and shaping); GAE places each call's reward
+            on that call's last sampled token (returns-to-go, docs/environments.md).
     """
 
     context_ids: list[int]
@@ -49,6 +53,7 @@ class ModelCall:
     parse_error: str | None = None
     observation_ids: list[int] = field(default_factory=list)
     keep_ids: list[list[int]] | None = None
+    reward: float = 0.0
 
     def __post_init__(self) -> None:
         if self.stop_reason not in ("stop", "length"):
@@ -83,6 +88,9 @@ class Trajectory:
     for an ``env_error`` (excluded from statistics and loss, never scored 0).
     ``env_retries`` counts re-runs of a sandbox that could not start, over all of the
     episode's environment steps (the limit per step is ``envs.sandbox.ENV_RETRIES``).
+    ``env_rewards`` are the rewards the environment's steps gave, per named component and
+    summed over steps (each step's reward is also on its call: ``ModelCall.reward``); the
+    reward box turns them (plus shaping) into ``reward_components`` and ``reward``.
     """
 
     task_id: str
@@ -104,6 +112,7 @@ class Trajectory:
     advantage: float | None = None
     env_retries: int = 0
     messages: list[dict[str, Any]] = field(default_factory=list)  # readable view; never trained on
+    env_rewards: dict[str, float] = field(default_factory=dict)  # per component, summed over the steps
 
     @property
     def n_generated_tokens(self) -> int:
@@ -200,7 +209,7 @@ def _close_row(ids: list[int], mask: list[int], lps: list[float], keeps: list[li
 
 
 # ---- storage: one Parquet file per iteration, written atomically -------------------
-_JSON_FIELDS = ("reward_components", "tool_histogram", "messages")
+_JSON_FIELDS = ("reward_components", "tool_histogram", "messages", "env_rewards")
 
 
 def write_trajectories(path, trajectories: list[Trajectory]) -> None:
@@ -244,7 +253,8 @@ def read_trajectories(path) -> list[Trajectory]:
     out = []
     for d in pq.read_table(path).to_pylist():
         for k in _JSON_FIELDS:
-            d[k] = json.loads(d[k])
+            if k in d:  # files of older versions lack newer fields: their defaults apply
+                d[k] = json.loads(d[k])
         for c in d["calls"]:
             c["tool_calls"] = json.loads(c["tool_calls"])
         out.append(Trajectory.from_dict(d))

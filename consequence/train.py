@@ -32,7 +32,6 @@ from rich.markup import escape
 
 from consequence.config import TrainConfig
 from consequence.credit.advantages import mixed_group_fraction
-from consequence.envs.repair_env import SYSTEM_PROMPT, TOOLS
 from consequence.envs.sandbox import isolation_report
 from consequence.evaluate.compare import summarize
 from consequence.harness.renderer import Renderer
@@ -51,7 +50,7 @@ from consequence.fileio import append_line, write_text_atomic
 from consequence.seeding import seed_of
 from consequence.records import Trajectory, write_trajectories
 from consequence.rollout.episodes import Budgets, opening_prompt_len
-from consequence.envs.sources import load_task_source
+from consequence.envs.registry import env_of
 
 
 # A write that fails with one of these stops the run cleanly (RunStopped); others propagate.
@@ -154,8 +153,8 @@ def _start(cfg: TrainConfig, console, run: Path, resume: bool, state: ResumeStat
     torch.manual_seed(cfg.seed)
     model_path = _resolve_model(cfg, console)
     model, tokenizer = load_policy(model_path)
-    renderer = Renderer(tokenizer, TOOLS)
-    split = load_task_source(cfg.tasks, cfg.split_seed)
+    split = env_of(cfg)
+    renderer = Renderer(tokenizer, split.tools)
     preflight(cfg, tokenizer, renderer, split, model_path)
     if state is not None:
         _check_same_start(state, model_path)
@@ -175,14 +174,14 @@ def _start(cfg: TrainConfig, console, run: Path, resume: bool, state: ResumeStat
              SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p, cfg.max_new_tokens), manifest={},
              label=run_label(cfg))
     if state is None:
-        r.manifest = build_manifest(cfg, model_path, split.problem_ids(), tools=TOOLS, system_prompt=SYSTEM_PROMPT,
+        r.manifest = build_manifest(cfg, model_path, split, 
                                     chat_template=tokenizer.chat_template, isolation=isolation_report())
         r.manifest |= {"run_label": r.label, "cwd": os.getcwd()}
         if reproduces is not None:
             r.manifest["reproduces"] = os.path.abspath(reproduces)
         policy = [str(run / "checkpoints")]
-        r.manifest["splits_touched"] = [record_touch(cfg.tasks, cfg.split_seed, "train", "RL rollouts", policy)] + (
-            [record_touch(cfg.tasks, cfg.split_seed, "validation", "greedy success of each checkpoint during "
+        r.manifest["splits_touched"] = [record_touch(split.label, cfg.split_seed, "train", "RL rollouts", policy)] + (
+            [record_touch(split.label, cfg.split_seed, "validation", "greedy success of each checkpoint during "
                           "training (selects checkpoints)", policy)] if cfg.eval_every else [])
     else:
         load_learner_state(state, learner)
@@ -215,7 +214,7 @@ def preflight(cfg: TrainConfig, tokenizer, renderer: Renderer, split, model_path
                          f"would keep every token, the same as off; use --top-k 0 (off) or a value up to {vocab}")
     split.check_splits({"train": "training", "validation": "--eval-every" if cfg.eval_every and cfg.val_episodes else None,
                         "test": "--final-eval-episodes" if cfg.final_eval_episodes else None})
-    longest = split.longest_prompt(functools.partial(opening_prompt_len, renderer, SYSTEM_PROMPT),
+    longest = split.longest_prompt(functools.partial(opening_prompt_len, renderer, split.system_prompt),
                                    seed=seed_of(cfg.seed, "prompt-check"))
     if longest + cfg.max_new_tokens > cfg.max_total_tokens:
         raise ValueError(f"--max-total-tokens {cfg.max_total_tokens} is too small: the longest prompt of the train "
@@ -291,12 +290,12 @@ def _finish(r: _Run, console, t_start: float) -> dict[str, Any]:
     policies = [str(r.model_path), str(run / "checkpoints" / "final")]
     # a reproduction is the same recipe with the same seeds: the original's final checkpoint is not "another policy"
     same = [str(Path(r.manifest["reproduces"]) / "checkpoints" / "final")] if r.manifest.get("reproduces") else []
-    warning = reuse_warning(r.cfg.tasks, r.cfg.split_seed, policies + same) if r.cfg.final_eval_episodes else None
+    warning = reuse_warning(r.split.label, r.cfg.split_seed, policies + same) if r.cfg.final_eval_episodes else None
     skipped = "final evaluation skipped (--final-eval-episodes 0)" if not r.cfg.final_eval_episodes else None
     if skipped:
         console.print(skipped)
     report = final_report(r.cfg, r.reference, r.learner.model, r.renderer, r.split, r.budgets, console, run)
-    touches = [record_touch(r.cfg.tasks, r.cfg.split_seed, s, "final evaluation of consequence train", policies)
+    touches = [record_touch(r.split.label, r.cfg.split_seed, s, "final evaluation of consequence train", policies)
                for s in ("test", "train") if r.cfg.final_eval_episodes]
     r.manifest["splits_touched"] = r.manifest.get("splits_touched", []) + touches
     report["warnings"] = [warning] if warning else []

@@ -27,13 +27,13 @@ import torch
 
 from consequence.fileio import cache_root
 from consequence.distill.teacher import ScriptedTeacher, TeacherHabits, plan_episode
-from consequence.envs.repair_env import SYSTEM_PROMPT, TOOLS, RepairEnv
+from consequence.envs.registry import load_environment
 from consequence.harness.renderer import Renderer, replay_conversation
 from consequence.policy.logprobs import token_logprobs
 from consequence.policy.tiny import BUNDLED, build_model, build_tokenizer, save_policy
 from consequence.records import ModelCall, Trajectory, trajectory_to_rows
 from consequence.rollout.episodes import Budgets, EpisodeSpec, run_episodes
-from consequence.tasks.repair import load_split, make_tasks
+from consequence.tasks.repair import RepairTask
 from consequence.records import pad_rows
 
 WARMSTART_VERSION = 1
@@ -57,9 +57,18 @@ class WarmstartConfig:
     p_read_only: float = 0.3
     p_wrong_patch_first: float = 0.25
     p_verify_before_finish: float = 0.5
+    env: str = "repair"  # whose train split the teacher solves (a repair-type environment)
+
+    def settings(self) -> dict:
+        """What the cache key and ``warmstart.json`` hold (``env`` only when not the default,
+        so checkpoints built before environments were plug-ins keep their key)."""
+        d = asdict(self)
+        if d["env"] == "repair":
+            del d["env"]
+        return d
 
     def key(self) -> str:
-        blob = json.dumps({"v": WARMSTART_VERSION, **asdict(self)}, sort_keys=True)
+        blob = json.dumps({"v": WARMSTART_VERSION, **self.settings()}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
@@ -90,23 +99,26 @@ def _built_with(path: Path, cfg: WarmstartConfig) -> bool:
     if not info.exists():
         return False
     meta = json.loads(info.read_text())
-    return meta.get("config") == asdict(cfg) and meta.get("version") == WARMSTART_VERSION
+    return meta.get("config") == cfg.settings() and meta.get("version") == WARMSTART_VERSION
 
 
 def teacher_conversations(cfg: WarmstartConfig, log: Callable[[str], None] = print) -> list[list[dict]]:
     """Run the scripted teacher on train-split tasks; keep verified demonstrations."""
-    split = load_split(cfg.seed)
-    tasks = make_tasks(split["train"], cfg.n_demos, seed=cfg.seed + 1)
+    env = load_environment(cfg.env, cfg.seed)
+    tasks = env.sample("train", cfg.n_demos, seed=cfg.seed + 1)
+    if not all(isinstance(t, RepairTask) for t in tasks[:1]):
+        raise ValueError(f"--env {cfg.env}: the scripted teacher solves repair tasks only (repair, humaneval-repair, "
+                         "jsonl); train in this environment from a model of your own (--model PATH)")
     rng = random.Random(cfg.seed)
     habits = TeacherHabits(cfg.p_diagnose_first, cfg.p_read_only, cfg.p_wrong_patch_first,
                            cfg.p_verify_before_finish)
     plans = [plan_episode(t, rng, habits) for t in tasks]
     # Any tokenizer will do to drive the episodes: demonstrations are re-rendered below.
-    boot = build_tokenizer([SYSTEM_PROMPT] + [t.buggy_code for t in tasks[:200]], vocab_size=300)
-    renderer = Renderer(boot, TOOLS)
-    specs = [EpisodeSpec(RepairEnv(t), t.task_id, t.task_id, 0, cfg.seed) for t in tasks]
+    boot = build_tokenizer([env.system_prompt] + [t.buggy_code for t in tasks[:200]], vocab_size=300)
+    renderer = Renderer(boot, env.tools)
+    specs = [EpisodeSpec(env.make_episode(t), t.task_id, t.task_id, 0, cfg.seed) for t in tasks]
     budgets = Budgets(max_turns=12, max_new_tokens=10_000, max_total_tokens=10**9, max_tool_calls=12)
-    trajs = run_episodes(ScriptedTeacher(renderer, plans), renderer, specs, budgets, SYSTEM_PROMPT)
+    trajs = run_episodes(ScriptedTeacher(renderer, plans), renderer, specs, budgets, env.system_prompt)
     kept = [t.messages for t in trajs if t.outcome == "finished" and t.verifier_score == 1.0]
     log(f"teacher: {len(kept)}/{len(trajs)} demonstrations verified")
     return kept
@@ -129,16 +141,17 @@ def build_warmstart(cfg: WarmstartConfig, path: Path, log: Callable[[str], None]
     torch.manual_seed(cfg.seed)
     convs = teacher_conversations(cfg, log)
     boot = build_tokenizer(["x"], vocab_size=300)
-    corpus = [Renderer(boot, TOOLS).render_text(m, add_generation_prompt=False) for m in convs]
+    tools = load_environment(cfg.env, cfg.seed).tools
+    corpus = [Renderer(boot, tools).render_text(m, add_generation_prompt=False) for m in convs]
     tokenizer = build_tokenizer(corpus, vocab_size=cfg.vocab_size)
-    renderer = Renderer(tokenizer, TOOLS)
+    renderer = Renderer(tokenizer, tools)
     rows = demo_rows(renderer, convs)
     model = build_model(tokenizer, seed=cfg.seed, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
                         num_heads=cfg.num_heads, intermediate_size=cfg.intermediate_size)
     n_tokens = sum(len(r.input_ids) for r in rows)
     log(f"SFT: {len(rows)} rows, {n_tokens} tokens, {sum(p.numel() for p in model.parameters())} parameters")
     losses = sft(model, rows, tokenizer.pad_token_id, cfg, log)
-    info = {"config": asdict(cfg), "n_demos": len(convs), "n_rows": len(rows), "n_tokens": n_tokens,
+    info = {"config": cfg.settings(), "n_demos": len(convs), "n_rows": len(rows), "n_tokens": n_tokens,
             "final_loss": losses[-1] if losses else None, "seconds": time.perf_counter() - t0,
             "version": WARMSTART_VERSION}
     save_policy(model, tokenizer, path, {"warmstart.json": json.dumps(info, indent=2)})

@@ -128,3 +128,29 @@ def parse_ks(text: str) -> list[int]:
     if not ks:
         raise ValueError(f"-k {text!r}: give comma-separated integers, e.g. 1,4,16")
     return ks
+
+
+def parse_env_options(items: list[str] | dict) -> dict:
+    """``--env-option key=value`` (repeatable) → ``{key: value}``; each value is read as YAML
+    (``3`` → 3, ``0.5`` → 0.5, ``true`` → True, ``a,b`` → "a,b").
+
+    Raises:
+        ValueError: an item without ``=``, an empty key, a key given twice, or a value that is not YAML.
+    """
+    import yaml
+
+    if isinstance(items, dict):
+        return items
+    out: dict = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        key = key.strip()
+        if not eq or not key:
+            raise ValueError(f"--env-option {item!r}: give key=value (e.g. --env-option dataset=chain_sum)")
+        if key in out:
+            raise ValueError(f"--env-option {key}: given twice ({out[key]!r} and {value!r}); give it once")
+        try:
+            out[key] = yaml.safe_load(value) if value.strip() else ""
+        except yaml.YAMLError as e:
+            raise ValueError(f"--env-option {item!r}: the value is not readable ({str(e).splitlines()[0]})") from None
+    return out

@@ -9,7 +9,8 @@ import typer
 from rich.markup import escape
 
 from consequence.cli.app import app
-from consequence.cli.common import check_model_dir, check_run_dir, console, parse_ks, parse_list, quiet_libraries
+from consequence.cli.common import (check_model_dir, check_run_dir, console, parse_env_options, parse_ks, parse_list,
+                                     quiet_libraries)
 
 _RUN = "default: the run's config.yaml when the policy is a run folder, else {}"
 
@@ -23,22 +24,37 @@ def _say(text: str) -> None:
     console.print(text, markup=False, highlight=False)
 
 
-def _check_task_file(values: dict) -> None:
-    """A task file (e.g. from a run's config.yaml) must load before any work (ValueError if not)."""
-    from consequence.envs.sources import load_task_source
-    from consequence.evaluate.run import is_task_file
+_ENV_HELP = ("Environment: repair, humaneval-repair, humaneval (single-turn completion, pass@k protocol), jsonl "
+             "(with --tasks-file), reasoning-gym, calculator, an installed plug-in's name, or module:attr; "
+             "--tasks is an older name; ")
 
-    if is_task_file(str(values["tasks"])):
-        try:
-            load_task_source(values["tasks"], values["split_seed"])
-        except (ValueError, OSError) as e:
-            msg = str(e)  # the loader's message names the file already
-            raise ValueError(msg if msg.startswith("--tasks") else f"--tasks {values['tasks']}: {msg}") from None
+
+def _env_options(env: Optional[str], tasks: Optional[str], tasks_file: Optional[str],
+                 env_option: Optional[list[str]]) -> dict:
+    """The environment options as given (None = not given, so a run folder's value applies)."""
+    if tasks is not None and env is not None and tasks != env:
+        raise ValueError(f"--tasks {tasks} and --env {env} disagree; --tasks is an older name of --env: give one")
+    env = env if env is not None else tasks
+    if env is not None and env.endswith(".jsonl"):
+        env, tasks_file = "jsonl", tasks_file or env
+    return {"env": env, "tasks_file": None if tasks_file is None else str(Path(tasks_file).resolve()),
+            "env_options": parse_env_options(env_option) if env_option else None}
+
+
+def _load_env(values: dict):
+    """The environment of the settings, loaded before any model (ValueError names what is wrong)."""
+    from consequence.envs.registry import environment_options, load_environment
+
+    return load_environment(values["env"], values["split_seed"],
+                            environment_options(values["env_options"], values["tasks_file"]))
 
 
 @app.command("eval")
 def eval_cmd(model: Optional[str] = typer.Option(None, help="Checkpoint folder, or a run folder (its checkpoints/final; split seed, task source and budgets then come from its config.yaml); default: the bundled tiny model."),
-             tasks: Optional[str] = typer.Option(None, help="Task source: repair, humaneval-repair (multi-turn, with tools), a .jsonl task file, or humaneval (single-turn completion); " + _RUN.format("repair") + "."),
+             env: Optional[str] = typer.Option(None, help=_ENV_HELP + _RUN.format("repair") + "."),
+             tasks: Optional[str] = typer.Option(None, hidden=True),
+             tasks_file: Optional[str] = typer.Option(None, help="Task file of the environment (jsonl); " + _RUN.format("none") + "."),
+             env_option: Optional[list[str]] = typer.Option(None, metavar="KEY=VALUE", help="Environment option (repeatable; value read as YAML); " + _RUN.format("none") + "."),
              split: str = typer.Option("validation", help="train, validation or test (humaneval also: all, the 164 problems); the test split is only run when asked for, and the report says so."),
              split_seed: Optional[int] = typer.Option(None, help="Seed of the train/validation/test split; " + _RUN.format("0") + ". Another seed than the run's puts its training problems into test."),
              max_turns: Optional[int] = typer.Option(None, help="Budget: model calls per episode; " + _RUN.format("8") + "."),
@@ -58,19 +74,19 @@ def eval_cmd(model: Optional[str] = typer.Option(None, help="Checkpoint folder, 
     from consequence.evaluate.selection import check_rules
     from consequence.evaluate.settings import check_budgets, resolve_settings
 
-    options = {"tasks": tasks, "split_seed": split_seed, "max_turns": max_turns, "max_new_tokens": max_new_tokens,
-               "max_total_tokens": max_total_tokens}
     try:
+        options = {**_env_options(env, tasks, tasks_file, env_option), "split_seed": split_seed,
+                   "max_turns": max_turns, "max_new_tokens": max_new_tokens, "max_total_tokens": max_total_tokens}
         ks = parse_ks(k)
-        completion = tasks == "humaneval"
+        st = resolve_settings([("", model)], options)
+        environment = _load_env(st.values)
+        completion = getattr(environment, "completion_protocol", False)
         if completion and (max_turns is not None or max_total_tokens is not None):
-            raise ValueError("--max-turns / --max-total-tokens: humaneval is single-turn; give --max-new-tokens "
-                             "(tokens per completion) instead")
-        st = (resolve_settings([("", model)], options, keys=("tasks", "split_seed")) if completion
-              else resolve_settings([("", model)], options))
+            raise ValueError(f"--max-turns / --max-total-tokens: {environment.name} is evaluated as single-turn "
+                             "completions; give --max-new-tokens (tokens per completion) instead")
         check_budgets(st.values)
-        check_request(st.values["tasks"], split, n, ks, temperature, problems)
-        _check_task_file(st.values)
+        check_request(split, n, ks, temperature, problems, splits=("train", "validation", "test", "all")
+                      if completion else ("train", "validation", "test"))
         rules = check_rules(parse_list(selection, "--selection", "first,majority"))
         model_path = resolve_model(model)
         check_model_dir(str(model_path), chat_template=not completion)
@@ -79,20 +95,21 @@ def eval_cmd(model: Optional[str] = typer.Option(None, help="Checkpoint folder, 
         _fail(e)
     quiet_libraries()
     if completion:
-        return _eval_completions(model_path, st, split, n, ks, problems, temperature, seed, max_new_tokens, out)
+        return _eval_completions(model_path, environment, st, split, n, ks, problems, temperature, seed,
+                                 max_new_tokens, out)
     from consequence.evaluate.progress import Phases
     from consequence.evaluate.run import evaluate_episodes, write_outputs
     from consequence.evaluate.settings import describe
 
     record = st.record()
-    _say(f"{st.values['tasks']} {split}: {str(problems) + ' (drawn with --seed)' if problems else 'all'} problems of "
+    _say(f"{environment.label} {split}: {str(problems) + ' (drawn with --seed)' if problems else 'all'} problems of "
          f"the split × n = {n} episodes of {model_path}")
     _say(describe(record))
     try:
         with Phases(console) as phases:
-            ev = evaluate_episodes(model_path, st.values["tasks"], split, n, ks, problems=problems,
+            ev = evaluate_episodes(model_path, environment, split, n, ks, problems=problems,
                                    temperature=temperature, seed=seed, budgets=st.budgets(),
-                                   split_seed=st.values["split_seed"], selection=rules, recovery=recovery,
+                                   selection=rules, recovery=recovery,
                                    provenance=record, phases=phases)
     except ValueError as e:  # settings that cannot work with this model (checked once it has loaded)
         _fail(e)
@@ -104,17 +121,16 @@ def eval_cmd(model: Optional[str] = typer.Option(None, help="Checkpoint folder, 
                   "report.md, cost.png")
 
 
-def _eval_completions(model_path: Path, st, split: str, n: int, ks: list[int], problems: int, temperature: float,
-                      seed: int, max_new_tokens: Optional[int], out: Path) -> None:
-    """``eval --tasks humaneval``: single-turn completions, batched across problems."""
-    from consequence.envs.code_tasks import load_humaneval
+def _eval_completions(model_path: Path, environment, st, split: str, n: int, ks: list[int], problems: int,
+                      temperature: float, seed: int, max_new_tokens: Optional[int], out: Path) -> None:
+    """``eval --env humaneval``: single-turn completions, batched across problems (pass@k protocol)."""
     from consequence.evaluate.completions import evaluate_completions, save_eval
     from consequence.evaluate.progress import Phases
     from consequence.evaluate.settings import describe
     from consequence.evaluate.splits import record_touch, reuse_warning
 
     split_seed = st.values["split_seed"]
-    task_list = load_humaneval(split, seed=split_seed)
+    task_list = environment.completion_tasks(split)
     if problems:
         task_list = task_list[:problems]
     record = st.record()
@@ -122,13 +138,13 @@ def _eval_completions(model_path: Path, st, split: str, n: int, ks: list[int], p
     _say(f"HumanEval {split}: {len(task_list)} problems × n = {n} completions of {model_path}, at most {tokens} "
          "tokens each (single-turn: --selection and --recovery do not apply)")
     _say(describe(record))
-    warning = reuse_warning("humaneval", split_seed, [str(model_path)]) if split == "test" else None
+    warning = reuse_warning(environment.label, split_seed, [str(model_path)]) if split == "test" else None
     with Phases(console) as phases:
         res = evaluate_completions(model_path, task_list, n=n, ks=tuple(ks), temperature=temperature, seed=seed,
                                    max_new_tokens=tokens, phases=phases)
-    res.settings |= {"tasks": "humaneval", "split": split, "split_seed": split_seed, "provenance": record,
-                     "warnings": [warning] if warning else [],
-                     "splits_touched": [record_touch("humaneval", split_seed, split, "consequence eval",
+    res.settings |= {"tasks": environment.label, "environment": environment.describe(), "split": split,
+                     "split_seed": split_seed, "provenance": record, "warnings": [warning] if warning else [],
+                     "splits_touched": [record_touch(environment.label, split_seed, split, "consequence eval",
                                                      [str(model_path)])]}
     path = save_eval(res, out / "eval.json")
     if warning:
@@ -140,7 +156,10 @@ def _eval_completions(model_path: Path, st, split: str, n: int, ks: list[int], p
 @app.command("compare")
 def compare_cmd(a: str = typer.Argument(..., metavar="A", help="Policy A: checkpoint or run folder."),
                 b: str = typer.Argument(..., metavar="B", help="Policy B: checkpoint or run folder."),
-                tasks: Optional[str] = typer.Option(None, help="repair, humaneval-repair or a .jsonl task file; " + _RUN.format("repair") + " (both runs must agree)."),
+                env: Optional[str] = typer.Option(None, help=_ENV_HELP + _RUN.format("repair") + " (both runs must agree; humaneval runs as single-turn episodes here)."),
+                tasks: Optional[str] = typer.Option(None, hidden=True),
+                tasks_file: Optional[str] = typer.Option(None, help="Task file of the environment (jsonl); " + _RUN.format("none") + "."),
+                env_option: Optional[list[str]] = typer.Option(None, metavar="KEY=VALUE", help="Environment option (repeatable; value read as YAML); " + _RUN.format("none") + "."),
                 split: str = typer.Option("validation", help="train, validation or test (test only when asked for; choose settings on validation)."),
                 split_seed: Optional[int] = typer.Option(None, help="Seed of the problem split, the same for both; " + _RUN.format("0") + " (runs trained on different split seeds are refused without it)."),
                 max_turns: Optional[int] = typer.Option(None, help="Budget: model calls per episode, both arms; " + _RUN.format("8") + "."),
@@ -158,16 +177,14 @@ def compare_cmd(a: str = typer.Argument(..., metavar="A", help="Policy A: checkp
     from consequence.evaluate.run import check_distinct, check_request, resolve_model
     from consequence.evaluate.settings import check_budgets, resolve_settings
 
-    options = {"tasks": tasks, "split_seed": split_seed, "max_turns": max_turns, "max_new_tokens": max_new_tokens,
-               "max_total_tokens": max_total_tokens}
     try:
-        if tasks == "humaneval":
-            raise ValueError("--tasks humaneval: compare runs multi-turn sources (repair, humaneval-repair, a .jsonl file)")
+        options = {**_env_options(env, tasks, tasks_file, env_option), "split_seed": split_seed,
+                   "max_turns": max_turns, "max_new_tokens": max_new_tokens, "max_total_tokens": max_total_tokens}
         ks = parse_ks(k)
         st = resolve_settings([("A", a), ("B", b)], options)
+        environment = _load_env(st.values)
         check_budgets(st.values)
-        check_request(st.values["tasks"], split, n, ks, temperature, problems)
-        _check_task_file(st.values)
+        check_request(split, n, ks, temperature, problems)
         if problems == 1:
             raise ValueError("--problems 1: a paired CI over problems needs at least 2 problems")
         pa, pb = resolve_model(a, "A"), resolve_model(b, "B")
@@ -178,10 +195,10 @@ def compare_cmd(a: str = typer.Argument(..., metavar="A", help="Policy A: checkp
     except ValueError as e:
         _fail(e)
     quiet_libraries()
-    _compare(pa, pb, st, split, n, ks, problems, temperature, seed, recovery, out)
+    _compare(pa, pb, environment, st, split, n, ks, problems, temperature, seed, recovery, out)
 
 
-def _compare(pa: Path, pb: Path, st, split: str, n: int, ks: list[int], problems: int, temperature: float,
+def _compare(pa: Path, pb: Path, environment, st, split: str, n: int, ks: list[int], problems: int, temperature: float,
              seed: int, recovery: bool, out: Path) -> None:
     from consequence.evaluate.progress import Phases
     from consequence.evaluate.run import compare_policies, write_compare
@@ -191,9 +208,9 @@ def _compare(pa: Path, pb: Path, st, split: str, n: int, ks: list[int], problems
     _say(describe(record))
     try:
         with Phases(console) as phases:
-            res = compare_policies(pa, pb, st.values["tasks"], split, n, ks=ks, problems=problems,
+            res = compare_policies(pa, pb, environment, split, n, ks=ks, problems=problems,
                                    temperature=temperature, seed=seed, budgets=st.budgets(),
-                                   split_seed=st.values["split_seed"], recovery=recovery, provenance=record,
+                                   recovery=recovery, provenance=record,
                                    phases=phases)
     except ValueError as e:  # settings that cannot work with this model (checked once it has loaded)
         _fail(e)

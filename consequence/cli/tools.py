@@ -40,7 +40,9 @@ def warmstart(seed: int = typer.Option(0, help="Seed of the problem split (train
               demos: int = typer.Option(4000, min=10, help="Teacher demonstrations to generate."),
               epochs: float = typer.Option(8.0, min=0.01, help="SFT epochs."),
               force: bool = typer.Option(False, help="Rebuild even if the cached checkpoint exists."),
-              bundle: bool = typer.Option(False, help="Write into the package's bundled checkpoint (maintainers).")) -> None:
+              bundle: bool = typer.Option(False, help="Write into the package's bundled checkpoint (maintainers)."),
+              env: str = typer.Option("repair", help="Environment whose train split the scripted teacher solves: a "
+                                                     "repair-type one (repair, humaneval-repair, or jsonl via a .jsonl path).")) -> None:
     """Build (or show) the tiny warm-start checkpoint: scripted teacher demos, then SFT.
 
     Settings other than the defaults are built once (about 30 min on 2 cores) and cached
@@ -48,8 +50,18 @@ def warmstart(seed: int = typer.Option(0, help="Seed of the problem split (train
     """
     from consequence.warmstart import BUNDLED, WarmstartConfig, build_warmstart, ensure_warmstart, warmstart_path
 
+    from consequence.envs.registry import load_environment
+
     quiet_libraries()
-    cfg = WarmstartConfig(seed=seed, n_demos=demos, sft_epochs=epochs)
+    cfg = WarmstartConfig(seed=seed, n_demos=demos, sft_epochs=epochs, env=env)
+    try:
+        sample = load_environment(env, seed).sample("train", 1, seed=0)
+        if sample and not hasattr(sample[0], "buggy_code"):
+            raise ValueError(f"--env {env}: the scripted teacher solves repair tasks only (repair, humaneval-repair, "
+                             "jsonl); train in this environment from a model of your own (--model PATH)")
+    except ValueError as e:
+        console.print(f"[red]error:[/] {escape(str(e))}")
+        raise typer.Exit(2)
     if bundle or force:
         path = build_warmstart(cfg, BUNDLED if bundle else warmstart_path(cfg), console.print)
     else:

@@ -11,13 +11,15 @@ import typer
 from rich.markup import escape
 
 from consequence.cli.app import app
-from consequence.cli.common import check_model_dir, check_run_dir, console, quiet_libraries
+from consequence.cli.common import check_model_dir, check_run_dir, console, parse_env_options, quiet_libraries
 from consequence.config import TrainConfig
 
 
 def _train(config: Optional[Path] = None, resume: Optional[Path] = None, **options) -> None:
     given = {k: v for k, v in options.items() if v is not None and v != [] and v != ()}
     try:
+        if "env_options" in given:
+            given["env_options"] = parse_env_options(given["env_options"])
         if resume is not None:
             from consequence.resume import resume_config
 
@@ -38,11 +40,10 @@ def check_before_work(cfg: TrainConfig) -> None:
     Raises:
         ValueError: names the option and the fix; nothing is left on disk.
     """
-    check_model_dir(cfg.model)
-    if cfg.tasks.endswith(".jsonl"):
-        from consequence.envs.sources import load_task_source
+    from consequence.envs.registry import env_of
 
-        load_task_source(cfg.tasks, cfg.split_seed)
+    check_model_dir(cfg.model)
+    env_of(cfg)  # the environment and its task source load (a user's plug-in, a task file)
     check_run_dir(Path(cfg.run_dir), keep=False)
 
 
@@ -82,7 +83,14 @@ def _train_signature() -> inspect.Signature:
                                 default=typer.Option(None, "--resume", metavar="RUN_DIR", help=(
                                     "Continue the run in RUN_DIR from its last resume state (checkpoints/state-NNNN), "
                                     "with the config saved in RUN_DIR/config.yaml; other options must match it.")))]
+    params.append(inspect.Parameter("tasks", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[str],
+                                    default=typer.Option(None, "--tasks", hidden=True)))  # older name of --env
     for name, field in TrainConfig.model_fields.items():
+        if name == "env_options":
+            params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=Optional[list[str]],
+                                            default=typer.Option(None, "--env-option", metavar="KEY=VALUE",
+                                                                 help=escape(field.description))))
+            continue
         ann, choices = _option_type(field.annotation)
         default_text = {"model": "bundled tiny warm start"}.get(name, "none") if field.default is None else str(field.default)
         if isinstance(field.default, list):
@@ -112,7 +120,7 @@ def _option_type(annotation) -> tuple[type, list[str]]:
 _train.__signature__ = _train_signature()
 
 
-app.command("train", help="Train the policy on the code-repair task (default: GRPO advantages with token-mean and no KL, "
+app.command("train", help="Train the policy in an environment (--env; default: the code-repair task, with GRPO advantages with token-mean and no KL, "
                           "as in DAPO / Dr.GRPO, into runs/repair-default; --recipe picks another algorithm, e.g. grpo "
                           "for the paper's settings, into runs/repair-<recipe>). Runs end to end on CPU. Ctrl-C stops "
                           "after saying how to continue (`--resume`), exit code 130.")(_train)

@@ -70,6 +70,7 @@ class RepairEnv:
     """
 
     tools = TOOLS
+    answer_ends_episode = False  # a reply without a tool call is an ordinary turn
 
     def __init__(self, task: RepairTask, limits: SandboxLimits | None = None,
                  env_retries: int = ENV_RETRIES):
@@ -132,7 +133,9 @@ class RepairEnv:
         if rep.status == "sandbox_error":
             info["env_error"] = f"sandbox: {rep.error}"
             return "done", 0.0, True, False, info
-        return "done", 1.0 if rep.all_passed else 0.0, True, False, info
+        reward = 1.0 if rep.all_passed else 0.0
+        info["reward_components"] = {"hidden_tests": reward}
+        return "done", reward, True, False, info
 
     def _replace(self, args: dict) -> str:
         n = len(self._lines)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -36,6 +35,7 @@ from typing import Callable, Sequence
 
 from consequence.fileio import write_text_atomic
 from consequence.envs.code_tasks import verify_completion
+from consequence.envs.completion_env import CHAT_INSTRUCTION, STOP_SEQUENCES, chat_request, extract_completion
 from consequence.envs.judge import PROGRAM_LIMITS
 from consequence.envs.sandbox import ENV_RETRIES, SandboxLimits, isolation_report, with_retries
 from consequence.evaluate.progress import SILENT, Phases
@@ -45,9 +45,6 @@ from consequence.tasks.jsonl import CodeTask
 __all__ = ["CHAT_INSTRUCTION", "STOP_SEQUENCES", "CompletionEval", "extract_completion",
            "score_completions", "sample_completions", "evaluate_completions", "save_eval"]
 
-CHAT_INSTRUCTION = ("Complete the following Python function. Reply with the complete "
-                    "function in one ```python code block.\n\n")
-STOP_SEQUENCES = ("\ndef ", "\nclass ", "\nif ", "\nprint(", "\n#")
 BATCH_ROWS = 32  # sampled rows per batched generate call (tasks × n)
 
 
@@ -80,25 +77,6 @@ class CompletionEval:
         lines.append(f"samples {self.samples}: env errors {self.env_errors}, cut by "
                      f"max_new_tokens {self.truncated}, prompt too long {self.prompt_too_long}")
         return "\n".join(lines)
-
-
-def extract_completion(text: str, task: CodeTask, mode: str) -> str:
-    """The text appended to ``task.starting_code`` for one sampled reply (see module doc).
-
-    Raises:
-        ValueError: unknown ``mode`` (``"raw"`` or ``"chat"``).
-    """
-    if mode == "raw":
-        cut = min([i for s in STOP_SEQUENCES if (i := text.find(s)) >= 0], default=len(text))
-        return text[:cut]
-    if mode != "chat":
-        raise ValueError(f"unknown prompt mode {mode!r}; expected 'raw' or 'chat'")
-    blocks = re.findall(r"```(?:python|py)?[^\n]*\n(.*?)(?:```|$)", text, re.S)
-    defines = [b for b in blocks if re.search(rf"^\s*def {re.escape(task.entry_point)}\(", b, re.M)]
-    code = (defines or blocks or [text])[0]
-    if re.search(rf"^\s*def {re.escape(task.entry_point)}\(", code, re.M):
-        return "\n" + code  # a full definition after the prompt replaces the stub
-    return code
 
 
 def _aggregate(tasks: Sequence[CodeTask], reports: list[list], ks: Sequence[int],
@@ -171,7 +149,7 @@ def _load(model_path: str | os.PathLike):
 def _prompt_ids(tok, task: CodeTask, mode: str) -> list[int]:
     if mode == "raw":
         return list(tok(task.prompt)["input_ids"])
-    msgs = [{"role": "user", "content": f"{CHAT_INSTRUCTION}```python\n{task.prompt}```"}]
+    msgs = [{"role": "user", "content": chat_request(task)}]
     text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     return list(tok(text, add_special_tokens=False)["input_ids"])
 

@@ -23,7 +23,7 @@ def validate(model, renderer, split, budgets, cfg, progress: Tick | None = None)
     ``progress(n_done)`` is called with the episodes finished so far.
     """
     tasks = split.sample("validation", cfg.val_episodes, seed=seed_of(cfg.seed, "val"))
-    return summarize(run_eval(model, renderer, tasks, budgets, cfg.seed, greedy=True, progress=progress))
+    return summarize(run_eval(model, renderer, split, tasks, budgets, cfg.seed, greedy=True, progress=progress))
 
 
 def final_report(cfg, reference, model, renderer, split, budgets, console, run: Path) -> dict[str, Any]:
@@ -43,19 +43,19 @@ def final_report(cfg, reference, model, renderer, split, budgets, console, run: 
         for decoding in cfg.final_eval_decoding:
             for name, tasks in sets.items():
                 if tasks:
-                    out["results"].append(_compare_arms(cfg, reference, model, renderer, budgets, run, phases,
+                    out["results"].append(_compare_arms(cfg, reference, model, renderer, split, budgets, run, phases,
                                                         name, tasks, decoding, out["evaluation_files"]))
     return out
 
 
-def _compare_arms(cfg, reference, model, renderer, budgets, run: Path, phases: Phases, name: str, tasks,
+def _compare_arms(cfg, reference, model, renderer, env, budgets, run: Path, phases: Phases, name: str, tasks,
                   decoding: str, files: list[str]) -> dict[str, Any]:
     """Both policies on the same episodes of one split and decoding; their raw episodes are written."""
     greedy = decoding == "greedy"
     arms = []
     for label, policy in (("warm start", reference), ("RL", model)):
         with phases.phase(f"final evaluation: {name.split(' ')[0]}, {decoding}, {label}", len(tasks)) as tick:
-            arms.append(ArmResult(label, run_eval(policy, renderer, tasks, budgets, cfg.seed, greedy, progress=tick)))
+            arms.append(ArmResult(label, run_eval(policy, renderer, env, tasks, budgets, cfg.seed, greedy, progress=tick)))
     a, b = arms
     for arm, tag in ((a, "warmstart"), (b, "rl")):
         path = run / "eval" / f"{name.split(' ')[0]}-{decoding}-{tag}.parquet"

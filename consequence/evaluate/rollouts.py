@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from consequence.envs.repair_env import SYSTEM_PROMPT, RepairEnv
 from consequence.policy.sampler import SamplingParams
 from consequence.records import Trajectory
 from consequence.reward.scoring import score_trajectories
@@ -18,7 +17,7 @@ from consequence.rollout.sampling import policy_generate_fn
 from consequence.seeding import seed_of
 
 
-def run_eval(model, renderer, tasks: Sequence, budgets: Budgets, seed: int, greedy: bool = True,
+def run_eval(model, renderer, env, tasks: Sequence, budgets: Budgets, seed: int, greedy: bool = True,
              policy_version: int = 0, temperature: float = 1.0,
              progress: Callable[[int], None] | None = None) -> list[Trajectory]:
     """One episode of ``model`` per task: greedy, or sampled at ``temperature``.
@@ -28,15 +27,16 @@ def run_eval(model, renderer, tasks: Sequence, budgets: Budgets, seed: int, gree
     Returns:
         scored trajectories, in task order (``sample_id`` 0).
     """
-    return sample_episodes(model, renderer, tasks, 1, budgets, seed, 0.0 if greedy else temperature,
+    return sample_episodes(model, renderer, env, tasks, 1, budgets, seed, 0.0 if greedy else temperature,
                            policy_version, progress=progress)
 
 
-def sample_episodes(model, renderer, tasks: Sequence, n: int, budgets: Budgets, seed: int,
+def sample_episodes(model, renderer, env, tasks: Sequence, n: int, budgets: Budgets, seed: int,
                     temperature: float = 1.0, policy_version: int = 0,
                     openings: Sequence[tuple] | None = None,
                     progress: Callable[[int], None] | None = None) -> list[Trajectory]:
-    """``n`` episodes per task (``sample_id`` 0 … n−1, each with its own seed), scored.
+    """``n`` episodes per task of environment ``env`` (``sample_id`` 0 … n−1, each with its
+    own seed), scored with the environment's reward components (``score_group`` per task).
 
     Episode j of task i has seed ``seed_of(seed, i)`` for j = 0 (so ``n = 1`` equals
     :func:`run_eval`) and ``seed_of(seed, i, j)`` after; the same (seed, tasks) gives the
@@ -53,10 +53,12 @@ def sample_episodes(model, renderer, tasks: Sequence, n: int, budgets: Budgets, 
         raise ValueError(f"n (samples per task) must be >= 1, got {n}")
     params = SamplingParams(temperature=temperature, max_new_tokens=budgets.max_new_tokens)
     openings = openings or [()] * len(tasks)
-    specs = [EpisodeSpec(RepairEnv(t), t.task_id, t.task_id, j, seed_of(seed, i) if j == 0 else seed_of(seed, i, j),
+    specs = [EpisodeSpec(episode, t.task_id, t.task_id, j, seed_of(seed, i) if j == 0 else seed_of(seed, i, j),
                          tuple(openings[i]))
-             for i, t in enumerate(tasks) for j in range(n)]
+             for i, t in enumerate(tasks) for j, episode in enumerate(env.make_group(t, n))]
     gen = policy_generate_fn(model, params, renderer.stop_ids, seed)
-    trajs = run_episodes(gen, renderer, specs, budgets, SYSTEM_PROMPT, policy_version, progress=progress)
-    score_trajectories(trajs)
+    trajs = run_episodes(gen, renderer, specs, budgets, env.system_prompt, policy_version, progress=progress)
+    score_trajectories(trajs, components=env.reward_components, reward_range=env.reward_range)
+    for i, t in enumerate(tasks):
+        env.score_group(t, trajs[i * n:(i + 1) * n])
     return trajs

@@ -10,7 +10,6 @@ the exclusion rule), ``episodes.parquet`` (raw per-episode results), ``report.md
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -18,9 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from consequence.envs.repair_env import SYSTEM_PROMPT, TOOLS
 from consequence.envs.sandbox import ENV_RETRIES, isolation_report, run_tests
-from consequence.envs.sources import TASK_SOURCES, load_task_source, opening_lengths
 from consequence.evaluate.compare import ArmResult, paired_comparison
 from consequence.evaluate.episode_eval import (EXCLUSION_RULE, cost_summary, outcome_shares, per_task_counts,
                                                success_under_caps, summarize_pass_at_k)
@@ -36,7 +33,6 @@ from consequence.records import Trajectory
 from consequence.rollout.episodes import Budgets, opening_prompt_len
 from consequence.seeding import seed_of
 
-EVAL_SOURCES: tuple[str, ...] = (*TASK_SOURCES, "humaneval")
 TOOL_CAPS = (1, 2, 3, 4, 5, 6, 8, 10)
 TOKEN_CAPS = (32, 64, 96, 128, 192, 256, 384)
 
@@ -75,32 +71,20 @@ def check_distinct(a: Path, b: Path) -> None:
                          "measure nothing; give two different policies")
 
 
-def is_task_file(tasks: str) -> bool:
-    """A task source given as a JSONL file path (as a training config's ``tasks`` may be)."""
-    return tasks.endswith(".jsonl")
-
-
-def check_request(tasks: str, split: str, n: int, ks: list[int], temperature: float = 1.0,
-                  problems: int = 0) -> None:
+def check_request(split: str, n: int, ks: list[int], temperature: float = 1.0, problems: int = 0,
+                  splits: Sequence[str] = ("train", "validation", "test")) -> None:
     """Reject a bad request before any work.
 
     Raises:
-        ValueError: unknown task source (neither a name nor an existing .jsonl file) or
-            split, n < 1, some k > n or k < 1, a negative temperature or number of problems.
+        ValueError: a split not in ``splits``, n < 1, some k > n or k < 1, a negative
+            temperature or number of problems.
     """
     if temperature < 0:
         raise ValueError(f"--temperature {temperature}: must be >= 0 (0 = greedy)")
     if problems < 0:
         raise ValueError(f"--problems {problems}: must be >= 0 (0 = every problem of the split)")
-    if is_task_file(tasks):
-        if not Path(tasks).is_file():
-            raise ValueError(f"--tasks {tasks}: no such task file (give an existing .jsonl file or one of "
-                             f"{', '.join(EVAL_SOURCES)})")
-    elif tasks not in EVAL_SOURCES:
-        raise ValueError(f"--tasks {tasks!r}: valid sources are {', '.join(EVAL_SOURCES)} or a .jsonl task file")
-    valid = ("train", "validation", "test", "all") if tasks == "humaneval" else ("train", "validation", "test")
-    if split not in valid:
-        raise ValueError(f"--split {split!r}: valid splits for {tasks} are {', '.join(valid)}")
+    if split not in splits:
+        raise ValueError(f"--split {split!r}: valid splits are {', '.join(splits)}")
     if n < 1:
         raise ValueError(f"-n must be >= 1 (samples per task), got {n}")
     bad = [k for k in ks if not 1 <= k <= n]
@@ -118,7 +102,7 @@ class EpisodeEval:
     recovery_episodes: list[Trajectory] = field(default_factory=list)
 
 
-def check_budget_fits(renderer, task_list, budgets: Budgets) -> None:
+def check_budget_fits(renderer, env, task_list, budgets: Budgets) -> None:
     """Refuse a token budget in which no episode could make one model call (before any work).
 
     A prompt too long for the budget is an outcome (``prompt too long``, counted as a
@@ -128,8 +112,7 @@ def check_budget_fits(renderer, task_list, budgets: Budgets) -> None:
     Raises:
         ValueError: names ``--max-total-tokens``, the shortest prompt and the smallest budget that fits.
     """
-    shortest = min(opening_lengths(task_list, functools.partial(opening_prompt_len, renderer, SYSTEM_PROMPT)),
-                   default=0)
+    shortest = min((opening_prompt_len(renderer, env.system_prompt, env.request(t)) for t in task_list), default=0)
     if task_list and shortest + budgets.max_new_tokens > budgets.max_total_tokens:
         raise ValueError(f"--max-total-tokens {budgets.max_total_tokens} is too small: the shortest prompt of these "
                          f"tasks is {shortest} tokens and a model call may add --max-new-tokens "
@@ -137,13 +120,15 @@ def check_budget_fits(renderer, task_list, budgets: Budgets) -> None:
                          f"{shortest + budgets.max_new_tokens}")
 
 
-def evaluate_episodes(model_path: Path, tasks: str, split: str, n: int, ks: list[int], *, problems: int = 0,
-                      temperature: float = 1.0, seed: int = 0, budgets: Budgets = Budgets(), split_seed: int = 0,
+def evaluate_episodes(model_path: Path, env, split: str, n: int, ks: list[int], *, problems: int = 0,
+                      temperature: float = 1.0, seed: int = 0, budgets: Budgets = Budgets(),
                       selection: Sequence[str] = SELECTION_RULES, recovery: bool = True,
                       purpose: str = "consequence eval", companions: Sequence[Path] = (),
                       provenance: dict[str, Any] | None = None, phases: Phases = SILENT,
                       label: str = "") -> EpisodeEval:
-    """n episodes per task of the split's problems (``problems`` of them, drawn with ``seed``, when > 0).
+    """n episodes per task of the split's problems of environment ``env`` (an
+    :class:`~consequence.envs.api.Environment`, made with its split seed; ``problems`` of
+    them, drawn with ``seed``, when > 0).
 
     Reports pass@k (unbiased, per task then averaged, bootstrap CI over problems),
     final-selection success per rule and k, outcome shares (a prompt that does not fit
@@ -159,25 +144,26 @@ def evaluate_episodes(model_path: Path, tasks: str, split: str, n: int, ks: list
         ValueError: unknown selection rule.
     """
     selection = check_rules(selection)
-    source = load_task_source(tasks, split_seed)
-    pool = source.split[split]
+    split_seed = env.split_seed
+    pool = env.split[split]
     count = min(problems, len(pool)) if problems else len(pool)
-    task_list = source.sample(split, count, seed=seed_of(seed, "eval", split))
+    task_list = env.sample(split, count, seed=seed_of(seed, "eval", split))
     model, tok = load_policy(model_path)
-    renderer = Renderer(tok, TOOLS)
-    check_budget_fits(renderer, task_list, budgets)
+    renderer = Renderer(tok, env.tools)
+    check_budget_fits(renderer, env, task_list, budgets)
     mine = [str(model_path), *map(str, companions)]
-    warning = reuse_warning(tasks, split_seed, mine) if split == "test" else None
-    touch = record_touch(tasks, split_seed, split, purpose, [str(model_path)])
+    warning = reuse_warning(env.label, split_seed, mine) if split == "test" else None
+    touch = record_touch(env.label, split_seed, split, purpose, [str(model_path)])
     t0 = time.perf_counter()
     with phases.phase(f"{label}episodes", len(task_list) * n) as tick:
-        trajs = sample_episodes(model, renderer, task_list, n, budgets, seed, temperature, progress=tick)
+        trajs = sample_episodes(model, renderer, env, task_list, n, budgets, seed, temperature, progress=tick)
     plain_wall = time.perf_counter() - t0
     counts = per_task_counts(trajs)
     by_id = {t.task_id: t for t in task_list}
     visible = _visible_scores(trajs, by_id, phases, label) if "visible" in selection else None
     result = {
-        "settings": {"model": str(model_path), "tasks": tasks, "split": split, "split_seed": split_seed,
+        "settings": {"model": str(model_path), "tasks": env.label, "environment": env.describe(), "split": split,
+                     "split_seed": split_seed,
                      "problems": count, "n": n, "ks": ks, "temperature": temperature, "seed": seed,
                      "budgets": vars(budgets), "isolation": isolation_report(), "provenance": provenance},
         "exclusion_rule": EXCLUSION_RULE,
@@ -200,7 +186,7 @@ def evaluate_episodes(model_path: Path, tasks: str, split: str, n: int, ks: list
         kept, openings = recovery_openings(task_list)
         if kept:
             with phases.phase(f"{label}recovery episodes", len(kept) * n) as tick:
-                rtrajs = sample_episodes(model, renderer, kept, n, budgets, seed_of(seed, "recovery"), temperature,
+                rtrajs = sample_episodes(model, renderer, env, kept, n, budgets, seed_of(seed, "recovery"), temperature,
                                          openings=openings, progress=tick)
         result["recovery"] = recovery_summary(trajs, rtrajs, len(task_list), seed)
     result["wall_s"] = time.perf_counter() - t0
@@ -210,7 +196,7 @@ def evaluate_episodes(model_path: Path, tasks: str, split: str, n: int, ks: list
 def _visible_scores(trajs: Sequence[Trajectory], tasks_by_id: dict, phases: Phases, label: str = ""):
     """Visible tests passed by each submitted episode's final program, run in the sandbox
     on 4 threads up front (the ``visible`` rule's signal); returns ``score(trajectory)``."""
-    todo = [t for t in trajs if t.outcome == "finished" and tasks_by_id[t.task_id].visible_tests]
+    todo = [t for t in trajs if t.outcome == "finished" and getattr(tasks_by_id[t.task_id], "visible_tests", None)]
     scores: dict[int, int] = {}
     with phases.phase(f"{label}visible tests (selection)", len(todo), "programs") as tick, \
             ThreadPoolExecutor(4, thread_name_prefix="visible") as ex:
@@ -242,19 +228,18 @@ def recovery_summary(trajs: Sequence[Trajectory], recovery_trajs: Sequence[Traje
             "recovery": rec, "plain_success_same_tasks": plain}
 
 
-def compare_policies(a: Path, b: Path, tasks: str, split: str, n: int, *, ks: Sequence[int] = (1,),
+def compare_policies(a: Path, b: Path, env, split: str, n: int, *, ks: Sequence[int] = (1,),
                      problems: int = 0, temperature: float = 1.0, seed: int = 0, budgets: Budgets = Budgets(),
-                     split_seed: int = 0, recovery: bool = True, provenance: dict[str, Any] | None = None,
+                     recovery: bool = True, provenance: dict[str, Any] | None = None,
                      phases: Phases = SILENT) -> dict[str, Any]:
     """Both policies on the same task instances with the same seeds, split seed and budgets;
     paired difference of success (b − a) with a bootstrap CI over problems, and per-problem
     wins; with ``recovery`` the same for the recovery diagnostic (same openings, same
     seeds). Each policy's own report (pass@k and final selection at ``ks``) is kept under
     "a" / "b"."""
-    kw = dict(problems=problems, temperature=temperature, seed=seed, budgets=budgets, split_seed=split_seed,
-              recovery=recovery, purpose="consequence compare", provenance=provenance, phases=phases)
-    ea = evaluate_episodes(a, tasks, split, n, list(ks), companions=[b], label="A ", **kw)
-    eb = evaluate_episodes(b, tasks, split, n, list(ks), companions=[a], label="B ", **kw)
+    kw = dict(problems=problems, temperature=temperature, seed=seed, budgets=budgets, recovery=recovery, purpose="consequence compare", provenance=provenance, phases=phases)
+    ea = evaluate_episodes(a, env, split, n, list(ks), companions=[b], label="A ", **kw)
+    eb = evaluate_episodes(b, env, split, n, list(ks), companions=[a], label="B ", **kw)
     out = {"a": ea.result, "b": eb.result,
            "paired": paired_comparison(ArmResult(str(a), ea.episodes), ArmResult(str(b), eb.episodes), seed=seed)}
     if recovery and ea.recovery_episodes:

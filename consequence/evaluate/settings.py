@@ -5,8 +5,10 @@ trained on one split of the problems and under given budgets; evaluating it on a
 split seed scores "test" problems it trained on, and other budgets measure another
 system. So for a run folder these settings are read from its ``config.yaml``:
 
-    tasks (the task source, passed through as a name or a path), split_seed,
+    env, tasks_file, env_options (the environment and its task source), split_seed,
     max_turns, max_new_tokens, max_total_tokens
+
+(a run written before environments were plug-ins has ``tasks`` instead of ``env``: read as ``env``).
 
 A command-line option that is given (not None) overrides the run's value, and the report
 says so. Without a run folder the option or the default applies. For ``compare``, the two
@@ -25,10 +27,12 @@ import yaml
 
 from consequence.rollout.episodes import Budgets
 
-RUN_KEYS: tuple[str, ...] = ("tasks", "split_seed", "max_turns", "max_new_tokens", "max_total_tokens")
-DEFAULTS: dict[str, Any] = {"tasks": "repair", "split_seed": 0, "max_turns": Budgets.max_turns,
+ENV_KEYS: tuple[str, ...] = ("env", "tasks_file", "env_options")
+RUN_KEYS: tuple[str, ...] = (*ENV_KEYS, "split_seed", "max_turns", "max_new_tokens", "max_total_tokens")
+DEFAULTS: dict[str, Any] = {"env": "repair", "tasks_file": None, "env_options": {}, "split_seed": 0,
+                            "max_turns": Budgets.max_turns,
                             "max_new_tokens": Budgets.max_new_tokens, "max_total_tokens": Budgets.max_total_tokens}
-OPTION = {k: "--" + k.replace("_", "-") for k in RUN_KEYS}
+OPTION = {k: "--" + k.replace("_", "-") for k in RUN_KEYS} | {"env_options": "--env-option"}
 
 
 def run_config(path: str | Path | None) -> tuple[Path, dict[str, Any]] | None:
@@ -52,6 +56,9 @@ def run_config(path: str | Path | None) -> tuple[Path, dict[str, Any]] | None:
         raise ValueError(f"{cfg}: the run's config is not readable YAML ({e}); fix or remove it") from None
     if not isinstance(data, dict):
         raise ValueError(f"{cfg}: the run's config must be a mapping of option: value")
+    if "tasks" in data and "env" not in data:  # written before environments were plug-ins
+        old = data.pop("tasks")
+        data |= {"env": "jsonl", "tasks_file": old} if str(old).endswith(".jsonl") else {"env": old}
     return cfg, data
 
 
@@ -87,7 +94,8 @@ def describe(record: Mapping[str, Any]) -> str:
     """One sentence for reports and the console: which settings came from the run(s),
     which options overrode them, which are defaults."""
     keys = record["keys"]
-    name = {"tasks": "task source", "split_seed": "split seed"}
+    name = {"env": "environment", "tasks_file": "task file", "env_options": "environment options",
+            "split_seed": "split seed"}
     def show(k: str) -> str:
         return f"{name.get(k, k)} {keys[k]['value']}"
 
@@ -104,7 +112,7 @@ def describe(record: Mapping[str, Any]) -> str:
     given = [show(k) for k in keys if keys[k]["from"] == "option" and not keys[k]["runs"]]
     if given:
         parts.append("given on the command line: " + ", ".join(given))
-    defaults = [show(k) for k in keys if keys[k]["from"] == "default"]
+    defaults = [show(k) for k in keys if keys[k]["from"] == "default" and keys[k]["value"] not in (None, {})]
     if defaults:
         parts.append("defaults: " + ", ".join(defaults))
     return "Settings " + "; ".join(parts) + "."
@@ -161,5 +169,5 @@ def check_budgets(values: Mapping[str, Any]) -> None:
 def _disagreement(key: str, seen: Mapping[str, Any]) -> str:
     what = ", ".join(f"{arm} was trained with {OPTION[key]} {v}" for arm, v in seen.items())
     why = ("their splits differ, so one arm's test problems are the other's training problems"
-           if key in ("split_seed", "tasks") else "their budgets differ, so one setting would misjudge the other arm")
+           if key in ("split_seed", *ENV_KEYS) else "their budgets differ, so one setting would misjudge the other arm")
     return f"{what}: {why}; pass {OPTION[key]} to evaluate both under one setting"

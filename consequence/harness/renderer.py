@@ -108,24 +108,26 @@ class Renderer:
         return self.encode(after[cut:])
 
     # ---- tokens → message ----------------------------------------------------------
-    def parse(self, output_ids: list[int], stop_reason: str) -> ParsedTurn:
+    def parse(self, output_ids: list[int], stop_reason: str, answers: bool = False) -> ParsedTurn:
         """Parse sampled ids into an assistant message and its tool calls.
 
         A malformed call is reported in ``parse_error`` (it becomes an error observation),
-        never raised.
+        never raised. With ``answers`` (the environment takes a reply without a tool call
+        as its answer) such a reply is not an error; with no tools declared at all, no
+        text is read as a tool call: the whole reply is the answer.
         """
         ids = output_ids[:-1] if output_ids and output_ids[-1] in self.stop_ids else output_ids
         text = self.tokenizer.decode(ids, skip_special_tokens=False)
         calls, errors = [], []
-        for block in _TOOL_CALL_RE.findall(text):
+        for block in _TOOL_CALL_RE.findall(text) if self.tools else ():
             call, err = _parse_call(block)
             (errors.append(err) if err else calls.append(call))
-        content = _TOOL_CALL_RE.sub("", text).strip()
+        content = _TOOL_CALL_RE.sub("", text).strip() if self.tools else text.strip()
         if stop_reason == "length":
             error = "output cut at the token limit"
         elif errors:
             error = errors[0]
-        elif not calls:
+        elif not calls and not answers:
             error = 'no tool call; answer with <tool_call>{"name": ..., "arguments": {...}}</tool_call>'
         else:
             error = None

@@ -82,12 +82,16 @@ def library_versions() -> dict[str, str | None]:
     return out
 
 
-def build_manifest(cfg: TrainConfig, model_path: Path, split_ids: dict[str, list[str]], *, tools: list[dict],
-                   system_prompt: str, chat_template: str, isolation: dict[str, str]) -> dict[str, Any]:
-    """The manifest of a run that is about to start (see module doc)."""
-    from consequence.envs import judge, repair_env, sandbox  # noqa: PLC0415  (sources hashed as versions)
+def build_manifest(cfg: TrainConfig, model_path: Path, env, *, chat_template: str,
+                   isolation: dict[str, str]) -> dict[str, Any]:
+    """The manifest of a run that is about to start (see module doc); ``env`` is the run's
+    :class:`~consequence.envs.api.Environment` (its name, version, source hash, options,
+    split, tools and prompt are recorded)."""
+    from consequence.envs import judge, sandbox  # noqa: PLC0415  (sources hashed as versions)
 
     config = cfg.model_dump()
+    split_ids = env.problem_ids()
+    task_file = getattr(env, "path", None)
     return {
         "format": 1,
         "config": config,
@@ -96,20 +100,21 @@ def build_manifest(cfg: TrainConfig, model_path: Path, split_ids: dict[str, list
                   "config_sha256": sha256_of(model_path / "config.json"),
                   "tokenizer_sha256": sha256_of(model_path / "tokenizer.json"),
                   "chat_template_sha256": _text_hash(chat_template or "")},
-        "tasks": {"source": cfg.tasks, "split_seed": cfg.split_seed,
-                  **({"file_sha256": sha256_of(Path(cfg.tasks))} if cfg.tasks.endswith(".jsonl") else {}),
+        "tasks": {"source": env.label, "split_seed": cfg.split_seed,
+                  **({"file_sha256": sha256_of(Path(task_file))} if task_file else {}),
                   "sizes": {k: len(v) for k, v in split_ids.items()},
                   "split_sha256": _text_hash(json.dumps(split_ids, sort_keys=True)), "split_file": "split.json"},
-        "environment": {"verifier": "hidden tests in a fresh sandboxed interpreter, judged in a separate process",
-                        "source_sha256": {m.__name__: sha256_of(Path(m.__file__)) for m in (sandbox, judge, repair_env)},
+        "environment": {**env.describe(),
+                        "sandbox_source_sha256": {m.__name__: sha256_of(Path(m.__file__)) for m in (sandbox, judge)},
                         "isolation": isolation},
-        "harness": {"tools": tools, "system_prompt": system_prompt,
+        "harness": {"tools": env.tools, "system_prompt": env.system_prompt,
                     "context_builder": "append-only: each call sees the full history; observation ids are the "
                                        "chat template's delta after the sampled end-of-turn",
                     "budgets": {k: config[k] for k in ("max_turns", "max_new_tokens", "max_total_tokens")}},
+        "reward": {"components": list(env.reward_components) + (["overlong"] if cfg.overlong_buffer else []),
+                   "rule": "sum over steps and components",
+                   "range": [env.reward_range[0] - (1.0 if cfg.overlong_buffer else 0.0), env.reward_range[1]]},
         "sampling": {k: config[k] for k in ("temperature", "top_k", "top_p", "max_new_tokens")},
-        "reward": {"components": ["hidden_tests"] + (["overlong"] if cfg.overlong_buffer else []),
-                   "range": [-1.0 if cfg.overlong_buffer else 0.0, 1.0]},
         "recipe": cfg.recipe,
         "optimizer": {"name": "AdamW", "learning_rate": cfg.learning_rate, "betas": [0.9, 0.999], "eps": 1e-8,
                       "weight_decay": 0.0, "max_grad_norm": 1.0, "reduction": cfg.reduction},

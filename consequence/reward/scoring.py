@@ -101,20 +101,39 @@ def checked_reward(
     return RewardResult(total, components, None)
 
 
-def score_trajectories(trajs: list[Trajectory], overlong_buffer: int = 0, max_total_tokens: int = 0) -> None:
-    """Verifier's hidden-test score in [0, 1], checked finite; with ``overlong_buffer`` > 0
-    plus DAPO's overlong penalty in [−1, 0] (total range [−1, 1]). A failed environment is
-    an env_error (reward None), never a 0 (docs/cases.md, case 03)."""
+def score_trajectories(trajs: list[Trajectory], overlong_buffer: int = 0, max_total_tokens: int = 0,
+                       components: tuple[str, ...] = ("hidden_tests",),
+                       reward_range: tuple[float, float] = (0.0, 1.0)) -> None:
+    """Score each trajectory from what its environment gave: every step's reward, per named
+    component and summed over steps (``Trajectory.env_rewards``; a declared component the
+    episode never earned counts 0, so an episode that never submitted scores 0), plus with
+    ``overlong_buffer`` > 0 DAPO's overlong penalty in [−1, 0] (DAPO §3.4). The total
+    (rule: sum) must be finite and inside ``reward_range`` (lowered by 1 with the overlong
+    penalty). A failed environment or a rejected reward is an env_error (reward None),
+    never a 0 (docs/cases.md, case 03).
+
+    ``verifier_score`` of a finished episode becomes its first (primary) component, the
+    verifier's score that evaluation calls success when it is 1.
+
+    Args:
+        components: the environment's declared reward components (``Environment.reward_components``).
+        reward_range: its declared (low, high) of the total.
+    """
+    low, high = reward_range
     for t in trajs:
         if t.outcome == "env_error":
             t.reward = None
             continue
-        parts = {"hidden_tests": t.verifier_score if t.outcome == "finished" else 0.0}  # no submission → 0
+        parts = {c: 0.0 for c in components} | dict(t.env_rewards)
+        if t.env_rewards and t.outcome == "finished":
+            t.verifier_score = parts[components[0]]  # the primary component: what success means
+        elif not t.env_rewards and t.outcome == "finished" and t.verifier_score is not None:
+            parts[components[0]] = t.verifier_score  # a trajectory recorded without per-step rewards
         if overlong_buffer and t.calls:
             last = t.calls[-1]
             parts["overlong"] = overlong_penalty(len(last.context_ids) + len(last.output_ids),
                                                  max_total_tokens, overlong_buffer)
-        res = checked_reward(lambda p=parts: p, low=-1.0 if overlong_buffer else 0.0)
+        res = checked_reward(lambda p=parts: p, low=low - 1.0 if overlong_buffer else low, high=high)
         t.reward, t.reward_components = res.value, res.components
         if res.value is None:
             t.outcome, t.error = "env_error", res.error

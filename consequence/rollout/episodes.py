@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from consequence.envs.api import ANSWER_KEY
 from consequence.harness.renderer import Renderer
 from consequence.harness.tools import check_tool_specs, validate_call
 from consequence.records import ModelCall, Trajectory
@@ -107,8 +108,9 @@ def run_episodes(generate_fn: GenerateFn, renderer: Renderer, specs: Sequence[Ep
 
 
 def opening_messages(system_prompt: str, request: str) -> list[dict]:
-    """The conversation an episode starts from: the system prompt, then the task's request."""
-    return [{"role": "system", "content": system_prompt}, {"role": "user", "content": request}]
+    """The conversation an episode starts from: the system prompt (none when empty), then the task's request."""
+    return ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
+        {"role": "user", "content": request}]
 
 
 def opening_prompt_len(renderer: Renderer, system_prompt: str, request: str) -> int:
@@ -118,11 +120,15 @@ def opening_prompt_len(renderer: Renderer, system_prompt: str, request: str) -> 
 
 def _start(index: int, spec: EpisodeSpec, renderer: Renderer, system_prompt: str,
            version: int) -> _Live:
-    obs, _info = spec.env.reset(seed=spec.seed)
-    messages = opening_messages(system_prompt, obs)
     traj = Trajectory(task_id=spec.task_id, group_id=spec.group_id, sample_id=spec.sample_id,
                       seed=spec.seed, policy_version=version)
-    e = _Live(index, spec, traj, messages, [], time.perf_counter())
+    e = _Live(index, spec, traj, [], [], time.perf_counter())
+    try:
+        obs, _info = spec.env.reset(seed=spec.seed)
+    except Exception as err:  # the environment's fault, not the policy's: excluded, counted
+        _end(e, "env_error", error=_raised("reset", err))
+        return e
+    e.messages = opening_messages(system_prompt, obs)
     for name, arguments in spec.opening:
         obs, _r, terminated, truncated, info = spec.env.step({"name": name, "arguments": arguments})
         e.traj.env_retries += int(info.get("env_retries", 0))
@@ -149,6 +155,25 @@ def _end(e: _Live, outcome: str, reason: str | None = None, error: str | None = 
     e.traj.messages = e.messages
 
 
+def _raised(where: str, err: Exception) -> str:
+    return f"environment {where} raised {type(err).__name__}: {err}"
+
+
+def _take_reward(traj: Trajectory, call: ModelCall, reward: Any, info: dict) -> str | None:
+    """Keep one step's reward on its call and per component on the trajectory; an error
+    text when the reward or its components are not numbers (then: env_error)."""
+    try:
+        value = float(reward)
+        parts = info.get("reward_components") or ({"reward": value} if value else {})
+        parts = {str(k): float(v) for k, v in parts.items()}
+    except (TypeError, ValueError, AttributeError) as err:
+        return f"environment step returned a reward that is not a number: {reward!r} ({err})"
+    call.reward += value
+    for k, v in parts.items():
+        traj.env_rewards[k] = traj.env_rewards.get(k, 0.0) + v
+    return None
+
+
 def _supports(sample: Any) -> list[list[int]] | None:
     """The sample's keep-sampling mask (``Sample.keep_ids``); ``None`` for a scripted sample without one."""
     keep = getattr(sample, "keep_ids", None)
@@ -156,7 +181,8 @@ def _supports(sample: Any) -> list[list[int]] | None:
 
 
 def _advance(e: _Live, sample: Any, renderer: Renderer, tool_specs: dict, budgets: Budgets) -> None:
-    parsed = renderer.parse(sample.output_ids, sample.stop_reason)
+    answers = getattr(e.spec.env, "answer_ends_episode", True)
+    parsed = renderer.parse(sample.output_ids, sample.stop_reason, answers=answers)
     call = ModelCall(context_ids=list(e.context), output_ids=list(sample.output_ids),
                      sample_logprobs=list(sample.logprobs), stop_reason=sample.stop_reason,
                      tool_calls=parsed.tool_calls, parse_error=parsed.parse_error,
@@ -165,25 +191,36 @@ def _advance(e: _Live, sample: Any, renderer: Renderer, tool_specs: dict, budget
     if sample.stop_reason == "length":
         e.messages = e.messages + [parsed.message]
         return _end(e, "truncated", "max_new_tokens")
-    results, terminated = [], False
+    results: list[dict] = []
     if parsed.parse_error:
         results.append({"role": "tool", "name": "error", "content": f"error: {parsed.parse_error}"})
-    for tc in parsed.tool_calls:
-        e.traj.n_tool_calls += 1
-        e.traj.tool_histogram[tc["name"]] = e.traj.tool_histogram.get(tc["name"], 0) + 1
-        problem = validate_call(tc, tool_specs)
-        if problem:
-            results.append({"role": "tool", "name": tc["name"], "content": f"error: {problem}"})
-            continue
-        obs, reward, terminated, truncated, info = e.spec.env.step(tc)
+    actions = list(parsed.tool_calls)
+    if not actions and not parsed.parse_error and answers:
+        actions = [{ANSWER_KEY: parsed.message.get("content") or ""}]
+    for tc in actions:
+        answer = ANSWER_KEY in tc
+        if not answer:
+            e.traj.n_tool_calls += 1
+            e.traj.tool_histogram[tc["name"]] = e.traj.tool_histogram.get(tc["name"], 0) + 1
+            problem = validate_call(tc, tool_specs)
+            if problem:
+                results.append({"role": "tool", "name": tc["name"], "content": f"error: {problem}"})
+                continue
+        try:
+            obs, reward, terminated, truncated, info = e.spec.env.step(tc)
+            error = _take_reward(e.traj, call, reward, info)
+        except Exception as err:  # an environment that raises is an env_error, never a 0
+            obs, terminated, truncated, info = "", False, False, {}
+            error = _raised("step", err)
         e.traj.env_retries += int(info.get("env_retries", 0))  # re-runs of a failed sandbox
-        if info.get("env_error"):
+        if error or info.get("env_error"):
             e.messages = e.messages + [parsed.message] + results
-            return _end(e, "env_error", error=str(info["env_error"]))
-        results.append({"role": "tool", "name": tc["name"], "content": obs})
+            return _end(e, "env_error", error=error or str(info["env_error"]))
+        results.append({"role": "user", "content": obs} if answer else
+                       {"role": "tool", "name": tc["name"], "content": obs})
         if terminated or truncated:
             e.messages = e.messages + [parsed.message] + results
-            e.traj.verifier_score = float(reward) if terminated else None
+            e.traj.verifier_score = sum(c.reward for c in e.traj.calls) if terminated else None
             return _end(e, "finished" if terminated else "truncated",
                         None if terminated else "environment")
     if e.traj.n_tool_calls >= budgets.max_tool_calls:

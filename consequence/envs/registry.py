@@ -1,0 +1,152 @@
+"""Environments by name: built-ins, installed plug-ins (entry points), ``module:attr`` paths.
+
+``--env NAME`` resolves, in order:
+
+1. a built-in name (:data:`BUILTINS`);
+2. a name registered by an installed package under the entry point group
+   ``consequence.environments`` (``[project.entry-points."consequence.environments"]
+   my-env = "my_pkg.env:MyEnvironment"`` in its pyproject.toml);
+3. ``module:attr``, importable from the current Python path (``attr`` may be dotted);
+4. a path ending in ``.jsonl``: the ``jsonl`` environment on that file.
+
+The object found is an :class:`~consequence.envs.api.Environment` subclass, or a
+function returning an instance; it is called with ``split_seed`` and the options.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from consequence.envs.api import Environment, check_environment
+
+__all__ = ["BUILTINS", "ENTRY_POINT_GROUP", "available", "load_environment", "resolve"]
+
+ENTRY_POINT_GROUP = "consequence.environments"
+BUILTINS: dict[str, str] = {
+    "repair": "consequence.envs.repair_tasks:RepairEnvironment",
+    "humaneval-repair": "consequence.envs.repair_tasks:HumanEvalRepairEnvironment",
+    "jsonl": "consequence.envs.repair_tasks:JsonlRepairEnvironment",
+    "humaneval": "consequence.envs.completion_env:HumanEvalEnvironment",
+    "reasoning-gym": "consequence.envs.reasoning_gym_env:ReasoningGymEnvironment",
+    "calculator": "consequence.envs.calculator_env:CalculatorEnvironment",
+}
+
+
+def _entry_points() -> dict[str, metadata.EntryPoint]:
+    return {ep.name: ep for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def available() -> dict[str, str]:
+    """Every name ``--env`` accepts → where it comes from (``module:attr``), built-ins first."""
+    out = dict(BUILTINS)
+    for name, ep in _entry_points().items():
+        out.setdefault(name, ep.value)
+    return out
+
+
+def _import(target: str, what: str) -> Any:
+    module, _, attr = target.partition(":")
+    try:
+        obj = importlib.import_module(module)
+    except ImportError as e:
+        raise ValueError(f"--env {what}: cannot import module {module!r} ({e}); check the spelling, or "
+                         "install the package that provides it") from None
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ValueError(f"--env {what}: module {module!r} has no attribute {attr!r}") from None
+    return obj
+
+
+def resolve(name: str) -> Any:
+    """The Environment class (or factory) that ``name`` stands for.
+
+    Raises:
+        ValueError: an unknown name (lists the valid ones), a module that does not import,
+            a missing attribute, or an entry point that fails to load.
+    """
+    if name in BUILTINS:
+        return _import(BUILTINS[name], name)
+    eps = _entry_points()
+    if name in eps:
+        try:
+            return eps[name].load()
+        except Exception as e:  # a broken plug-in is the plug-in's fault: say which
+            raise ValueError(f"--env {name}: the entry point {eps[name].value!r} of group "
+                             f"{ENTRY_POINT_GROUP} failed to load: {type(e).__name__}: {e}") from None
+    if ":" in name:
+        return _import(name, name)
+    raise ValueError(f"--env {name!r}: unknown environment; valid: " + ", ".join(available())
+                     + ", a module:attr path, or a .jsonl task file (docs/environments.md)")
+
+
+def load_environment(name: str, split_seed: int = 0, options: dict[str, Any] | None = None) -> Environment:
+    """The environment ``name`` with its splits, made with ``options``.
+
+    Args:
+        name: see the module doc; a ``.jsonl`` path means ``jsonl`` with ``tasks_file=name``.
+        split_seed: seed of the problem-level split.
+        options: environment-specific options (keyword arguments of its ``__init__``).
+
+    Raises:
+        ValueError: unknown name, an option the environment does not take (lists the ones
+            it takes), bad declarations, or a task source that cannot be read.
+    """
+    options = dict(options or {})
+    if name.endswith(".jsonl"):
+        name, options = "jsonl", {"tasks_file": str(Path(name).resolve()), **options}
+    factory = resolve(name)
+    _check_options(factory, name, options)
+    try:
+        env = factory(split_seed=split_seed, **options)
+    except ValueError:
+        raise
+    except Exception as e:  # the user's environment failed while loading its tasks
+        raise ValueError(f"--env {name}: making the environment raised {type(e).__name__}: {e}") from e
+    if not isinstance(env, Environment):
+        raise ValueError(f"--env {name}: {factory!r} made a {type(env).__name__}, not a "
+                         "consequence.envs.api.Environment (subclass it; docs/environments.md)")
+    env._options = options  # what the manifest and reports record
+    check_environment(env)
+    return env
+
+
+def _check_options(factory: Any, name: str, options: dict[str, Any]) -> None:
+    """Refuse an option the factory does not declare (applied or refused, never dropped)."""
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return
+    if isinstance(factory, type) and factory.__init__ is Environment.__init__:
+        params = {}  # the base class takes no option
+    elif any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return  # the environment checks its own options
+    takes = [k for k, p in params.items() if k != "split_seed" and p.kind in
+             (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+    bad = [k for k in options if k not in takes]
+    if bad == ["tasks_file"]:
+        raise ValueError(f"--tasks-file: environment {name!r} takes no task file (jsonl does: --env jsonl "
+                         "--tasks-file FILE)")
+    if bad:
+        raise ValueError(f"--env {name}: unknown option{'s' if len(bad) > 1 else ''} {', '.join(map(repr, bad))}; "
+                         + (f"it takes {', '.join(takes)}" if takes else "it takes none")
+                         + " (--env-option key=value, or env_options: in a --config YAML)")
+
+
+def environment_options(env_options: dict[str, Any] | None, tasks_file: str | None) -> dict[str, Any]:
+    """The keyword arguments an environment is made with: its options plus ``tasks_file`` when given."""
+    return {**(env_options or {}), **({"tasks_file": tasks_file} if tasks_file else {})}
+
+
+def env_of(cfg) -> Environment:
+    """The environment of a training config (``env``, ``split_seed``, ``env_options``, ``tasks_file``).
+
+    Raises:
+        ValueError: see :func:`load_environment`.
+    """
+    return load_environment(cfg.env, cfg.split_seed, environment_options(cfg.env_options, cfg.tasks_file))

@@ -1,0 +1,112 @@
+"""The code-repair environments: ``repair``, ``humaneval-repair`` and ``jsonl``.
+
+All three run :class:`~consequence.envs.repair_env.RepairEnv` episodes (four tools, reward
+``hidden_tests`` at ``finish``) and differ in their task source:
+
+``repair``: the generated single-line repair problems (``consequence.tasks.repair``);
+an instance renames variables and redraws test inputs. ``humaneval-repair``: HumanEval
+canonical solutions with one injected bug, split by HumanEval task id
+(``consequence.envs.code_tasks``); an instance is the same task under a new id.
+``jsonl``: your own repair tasks in the format of ``docs/tasks.md``
+(``consequence.tasks.jsonl``), split by ``problem_id`` with the split seed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from consequence.envs.api import SPLITS, Environment
+from consequence.envs.repair_env import SYSTEM_PROMPT, TOOLS, RepairEnv
+
+__all__ = ["RepairEnvironment", "HumanEvalRepairEnvironment", "JsonlRepairEnvironment"]
+
+
+class RepairEnvironment(Environment):
+    """Generated single-line repair problems (781 problems, 21 families; split 625 / 78 / 78)."""
+
+    name = "repair"
+    version = "1"
+    system_prompt = SYSTEM_PROMPT
+    tools = TOOLS
+    reward_components = ("hidden_tests",)
+    answer_ends_episode = False  # a reply without a tool call is a turn; the episode ends at finish
+
+    def load_splits(self, split_seed: int) -> dict[str, list]:
+        from consequence.tasks.repair import load_split
+
+        return load_split(split_seed)
+
+    def sample(self, split: str, n: int, seed: int) -> list:
+        """``n`` RepairTask instances of ``split`` (variables renamed, inputs redrawn), deterministic in ``seed``."""
+        from consequence.tasks.repair import make_tasks
+
+        return make_tasks(self._pool(split), n, seed=seed)
+
+    def make_episode(self, task) -> RepairEnv:
+        return RepairEnv(task)
+
+
+class HumanEvalRepairEnvironment(RepairEnvironment):
+    """HumanEval canonical solutions with one injected bug (145 tasks, split by task id)."""
+
+    name = "humaneval-repair"
+
+    def load_splits(self, split_seed: int) -> dict[str, list]:
+        from consequence.envs.code_tasks import load_humaneval_repair
+
+        return load_humaneval_repair(seed=split_seed)
+
+    sample = Environment.sample
+
+
+class JsonlRepairEnvironment(RepairEnvironment):
+    """Your repair tasks from a JSONL file (docs/tasks.md), split by ``problem_id``.
+
+    Args:
+        tasks_file: path of the ``.jsonl`` file (``--tasks-file``).
+
+    Raises:
+        ValueError: no file given, a missing or unreadable file, a malformed line (named
+            with its line number), no task, or a task whose kind is not ``repair``.
+    """
+
+    name = "jsonl"
+    sample = Environment.sample
+
+    def __init__(self, split_seed: int = 0, tasks_file: str | None = None):
+        if not tasks_file:
+            raise ValueError("--env jsonl needs a task file: --tasks-file FILE.jsonl (format: docs/tasks.md)")
+        self.path = Path(tasks_file).resolve()
+        super().__init__(split_seed)
+
+    @property
+    def label(self) -> str:
+        return str(self.path)
+
+    def load_splits(self, split_seed: int) -> dict[str, list]:
+        from consequence.tasks.jsonl import TaskFormatError, as_repair_task, load_jsonl, split_by_problem
+
+        path = self.path
+        if not path.is_file():
+            raise ValueError(f"--tasks-file {path}: " + ("is a directory" if path.is_dir() else "no such file")
+                             + " (give a .jsonl file of tasks in the format of docs/tasks.md)")
+        try:
+            tasks = load_jsonl(path)
+        except TaskFormatError as e:
+            raise ValueError(f"--tasks-file {e} (format: docs/tasks.md)") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--tasks-file {path}: cannot read it ({e})") from None
+        if not tasks:
+            raise ValueError(f"--tasks-file {path}: the file holds no task (one JSON object per line, docs/tasks.md)")
+        other = [t for t in tasks if t.kind != "repair"]
+        if other:
+            lines = {json.loads(x).get("task_id"): no for no, x in
+                     enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if x.strip()}
+            t = other[0]
+            raise ValueError(f"--tasks-file {path}:{lines.get(t.task_id)}: task {t.task_id!r} has kind {t.kind!r}; "
+                             "the jsonl environment runs multi-turn repair episodes with the tools, so every task "
+                             f"needs kind 'repair' ({len(other)} of {len(tasks)} tasks are not; evaluate completion "
+                             "tasks on their own)")
+        ids = split_by_problem([t.problem_id for t in tasks], seed=split_seed)
+        return {s: [as_repair_task(t) for t in tasks if t.problem_id in ids[s]] for s in SPLITS}
