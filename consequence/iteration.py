@@ -24,16 +24,14 @@ from typing import Any
 import torch
 
 from consequence.config import TrainConfig
-from consequence.credit.advantages import group_advantages
-from consequence.credit.returns import gae
-from consequence.credit.value import ValueModel, explained_variance, row_values
+from consequence.credit.batch import Batch, assign_credit, training_rows
+from consequence.credit.value import ValueModel, explained_variance
 from consequence.policy.logprobs import token_logprobs
-from consequence.records import TrainingRow, Trajectory, trajectory_to_rows
+from consequence.records import Trajectory
 from consequence.reward.scoring import score_trajectories
 from consequence.rollout.episodes import EpisodeSpec, run_episodes
 from consequence.seeding import seed_of
 from consequence.rollout.sampling import policy_generate_fn
-from consequence.update.regularizers import kl_estimate
 from consequence.update.step import NonFiniteError, UpdateConfig, compute_logprobs, ppo_step
 from consequence.update.value_step import value_step
 
@@ -117,121 +115,18 @@ def _is_mixed(group: list[Trajectory]) -> bool:
 
 
 # ---- credit box ----------------------------------------------------------------------
-@dataclass
-class Batch:
-    """Rows of one iteration with their advantages and per-token side inputs."""
-
-    rows: list[TrainingRow]
-    advantages: list[Any]  # float per row, or per-token list (GAE)
-    sampler_logprobs: list[list[float]]
-    ref_logprobs: list[list[float]] | None = None
-    returns: list[list[float]] | None = None
-    old_values: list[list[float]] | None = None
-    trajectories: list[Trajectory] | None = None  # what rows[j].traj_index points into
-
-    def describe_rows(self, rows: list[int]) -> str:
-        """The trajectories of ``rows`` (indices into ``self.rows``), for error messages."""
-        out = []
-        for j in rows:
-            i = self.rows[j].traj_index
-            t = self.trajectories[i] if self.trajectories and i < len(self.trajectories) else None
-            out.append(f"task {t.task_id} group {t.group_id} sample {t.sample_id} (trajectory {i})" if t
-                       else f"trajectory {i}")
-        return "; ".join(dict.fromkeys(out))  # a trajectory split into several rows is named once
-
-
 def credit(trajs: list[Trajectory], cfg: TrainConfig, learner: Learner, pad_id: int) -> Batch:
     """Advantages over complete groups, before any mini- or micro-batching (docs/design.md §4).
 
-    Sets ``t.advantage`` (the trajectory's scalar advantage; for GAE the mean over its
-    tokens) and returns the rows to train on: env_error trajectories are left out, and
-    with ``overlong_filter`` so are truncated ones (after they entered group statistics).
+    The credit box does the work (:func:`consequence.credit.batch.assign_credit`); here
+    only the reference policy's log-probs are computed for it (a forward pass of the
+    update box's model code), when the recipe has a KL term.
     """
-    rows, owner = [], []
-    for i, t in enumerate(trajs):
-        if t.reward is None or not t.calls:
-            continue
-        for r in trajectory_to_rows(t, i):
-            rows.append(r)
-            owner.append(i)
-    batch = Batch(rows, [], [list(r.old_logprobs) for r in rows], trajectories=trajs)
-    lp_fn = logprob_fn(cfg)
+    rows, owner = training_rows(trajs)
+    ref = None
     if learner.reference is not None and rows:
-        batch.ref_logprobs = compute_logprobs(learner.reference, rows, pad_id, lp_fn, cfg.temperature,
-                                              cfg.micro_batch_size)
-    penalty = _kl_reward_penalty(batch, cfg) if cfg.kl_mode == "reward" and cfg.kl_coef > 0 else None
-    if cfg.advantage == "gae":
-        _gae_advantages(trajs, batch, owner, cfg, learner, pad_id, penalty)
-    else:
-        rewards = [t.reward for t in trajs]
-        if penalty is not None:
-            for j, i in enumerate(owner):
-                rewards[i] -= sum(penalty[j])
-        adv = group_advantages(rewards, [t.group_id for t in trajs], estimator=cfg.advantage,
-                               std_correction=1 if cfg.grpo_std == "sample" else 0)
-        for t, a in zip(trajs, adv):
-            t.advantage = a
-        batch.advantages = [trajs[i].advantage for i in owner]
-    if cfg.overlong_filter:
-        keep = [j for j, i in enumerate(owner) if trajs[i].outcome != "truncated"]
-        batch = _select(batch, keep)
-    return batch
-
-
-def _kl_reward_penalty(batch: Batch, cfg: TrainConfig) -> list[list[float]]:
-    """β·k(logμ, logπ_ref) per position of each row (0 off target): KL as a reward penalty."""
-    out = []
-    for r, mu, ref in zip(batch.rows, batch.sampler_logprobs, batch.ref_logprobs or []):
-        m = torch.tensor(r.loss_mask, dtype=torch.bool)
-        lp = torch.where(m, torch.tensor(mu), 0.0)
-        rf = torch.where(m, torch.tensor(ref), 0.0)
-        k = kl_estimate(lp, rf, cfg.kl_estimator)
-        out.append((cfg.kl_coef * torch.where(m, k, 0.0)).tolist())
-    return out
-
-
-def _gae_advantages(trajs, batch: Batch, owner, cfg, learner: Learner, pad_id, penalty) -> None:
-    """Per-token GAE; the outcome reward sits on the last generated token of a trajectory.
-
-    V = 0 after a finished episode, the critic's value of the final state after a
-    truncation; a row that is not its trajectory's last bootstraps from its own end.
-    Advantages are whitened over the batch's target tokens (PPO practice).
-    """
-    values, final = row_values(learner.critic, batch.rows, pad_id, cfg.micro_batch_size)
-    last_row = {i: j for j, i in enumerate(owner)}
-    advs, rets = [], []
-    for j, (r, i) in enumerate(zip(batch.rows, owner)):
-        rewards = [0.0] * len(r.input_ids)
-        is_last = last_row[i] == j
-        if is_last:
-            rewards[max(t for t, m in enumerate(r.loss_mask) if m)] = float(trajs[i].reward)
-        if penalty is not None:
-            rewards = [x - p for x, p in zip(rewards, penalty[j])]
-        last_value = 0.0 if is_last and trajs[i].outcome == "finished" else final[j]
-        a, ret = gae(rewards, values[j], r.loss_mask, cfg.gamma, cfg.gae_lambda, last_value)
-        advs.append(a)
-        rets.append(ret)
-    flat = torch.tensor([a for r, adv in zip(batch.rows, advs) for a, m in zip(adv, r.loss_mask) if m])
-    mean, std = (flat.mean().item(), flat.std(unbiased=False).item()) if flat.numel() else (0.0, 1.0)
-    batch.advantages = [[(a - mean) / (std + 1e-6) if m else 0.0 for a, m in zip(adv, r.loss_mask)]
-                        for r, adv in zip(batch.rows, advs)]
-    batch.returns, batch.old_values = rets, values
-    sums: dict[int, list[float]] = {}  # trajectory → [Σ advantage, n targets] over its rows
-    for i, r, adv in zip(owner, batch.rows, batch.advantages):
-        acc = sums.setdefault(i, [0.0, 0])
-        for a, m in zip(adv, r.loss_mask):
-            if m:
-                acc[0] += a
-                acc[1] += 1
-    for i, t in enumerate(trajs):
-        total, n = sums.get(i, (0.0, 0))
-        t.advantage = total / n if n else None
-
-
-def _select(batch: Batch, keep: list[int]) -> Batch:
-    pick = lambda xs: None if xs is None else [xs[j] for j in keep]  # noqa: E731
-    return Batch(pick(batch.rows), pick(batch.advantages), pick(batch.sampler_logprobs),
-                 pick(batch.ref_logprobs), pick(batch.returns), pick(batch.old_values), batch.trajectories)
+        ref = compute_logprobs(learner.reference, rows, pad_id, logprob_fn(cfg), cfg.temperature, cfg.micro_batch_size)
+    return assign_credit(trajs, rows, owner, cfg, ref_logprobs=ref, critic=learner.critic, pad_id=pad_id)
 
 
 # ---- update box ----------------------------------------------------------------------

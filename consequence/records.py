@@ -137,8 +137,10 @@ class TrainingRow:
     log-prob of token j where the mask is 1, else 0. ``keep_ids[j]`` is the support
     token j was sampled from (the calls' ``keep_ids``) where the mask is 1 and top-k /
     top-p cut the vocabulary, else ``None``; ``keep_ids is None`` when no call of the
-    row stored supports. Alignment for training: logits at position j predict token
-    j+1, so pair ``logits[:, :-1]`` with ``input_ids[:, 1:]``, ``loss_mask[:, 1:]`` and
+    row stored supports. ``token_rewards[j]`` is the per-turn reward of the call whose
+    last sampled token is j (``ModelCall.reward``), 0 elsewhere; ``None`` when not built
+    from calls. Alignment for training: logits at position j predict token j+1, so pair
+    ``logits[:, :-1]`` with ``input_ids[:, 1:]``, ``loss_mask[:, 1:]`` and
     ``old_logprobs[:, 1:]``.
     """
 
@@ -147,6 +149,7 @@ class TrainingRow:
     old_logprobs: list[float]
     traj_index: int = 0
     keep_ids: list[list[int] | None] | None = None
+    token_rewards: list[float] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.input_ids)
@@ -157,6 +160,8 @@ class TrainingRow:
             )
         if self.keep_ids is not None:
             _check_supports(self.input_ids, self.keep_ids, "TrainingRow")
+        if self.token_rewards is not None and len(self.token_rewards) != n:
+            raise ValueError(f"TrainingRow: {n} ids but {len(self.token_rewards)} token rewards")
 
 
 def trajectory_to_rows(traj: Trajectory, traj_index: int = 0) -> list[TrainingRow]:
@@ -174,38 +179,45 @@ def trajectory_to_rows(traj: Trajectory, traj_index: int = 0) -> list[TrainingRo
     mask: list[int] = []
     lps: list[float] = []
     keeps: list[list[int] | None] = []
+    rew: list[float] = []
     for call in traj.calls:
         ctx = call.context_ids
         if ids and len(ctx) >= len(ids) and ctx[: len(ids)] == ids:
             extra = ctx[len(ids):]  # tokens the harness added that we have not seen yet
         else:
             if ids:
-                rows.append(_close_row(ids, mask, lps, keeps, traj_index))
-            ids, mask, lps, keeps, extra = [], [], [], [], ctx
+                rows.append(_close_row(ids, mask, lps, keeps, rew, traj_index))
+            ids, mask, lps, keeps, rew, extra = [], [], [], [], [], ctx
         ids = ids + list(extra)
         mask = mask + [0] * len(extra)
         lps = lps + [0.0] * len(extra)
         keeps = keeps + [None] * len(extra)
+        rew = rew + [0.0] * len(extra)
         ids += call.output_ids
         mask += [1] * len(call.output_ids)
         lps += list(call.sample_logprobs)
         keeps += list(call.keep_ids) if call.keep_ids is not None else [None] * len(call.output_ids)
+        rew += [0.0] * len(call.output_ids)
+        if call.output_ids:  # the turn's reward sits on its last sampled token
+            rew[-1] = float(call.reward)
         # Observation ids after the last call are not trained and need no row.
         ids += call.observation_ids
         mask += [0] * len(call.observation_ids)
         lps += [0.0] * len(call.observation_ids)
         keeps += [None] * len(call.observation_ids)
+        rew += [0.0] * len(call.observation_ids)
     if ids:
-        rows.append(_close_row(ids, mask, lps, keeps, traj_index))
+        rows.append(_close_row(ids, mask, lps, keeps, rew, traj_index))
     return rows
 
 
 def _close_row(ids: list[int], mask: list[int], lps: list[float], keeps: list[list[int] | None],
-               traj_index: int) -> TrainingRow:
+               rewards: list[float], traj_index: int) -> TrainingRow:
     """Drop trailing non-target tokens (the last observation): they carry no signal."""
     end = max((j for j, m in enumerate(mask) if m), default=len(mask) - 1) + 1
     stored = any(k is not None for k in keeps[:end])
-    return TrainingRow(ids[:end], mask[:end], lps[:end], traj_index, keeps[:end] if stored else None)
+    return TrainingRow(ids[:end], mask[:end], lps[:end], traj_index, keeps[:end] if stored else None,
+                       rewards[:end])
 
 
 # ---- storage: one Parquet file per iteration, written atomically -------------------

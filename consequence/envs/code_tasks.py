@@ -20,6 +20,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Collection, Sequence
@@ -33,7 +34,7 @@ from consequence.tasks.jsonl import (CodeTask, as_repair_task, dump_jsonl, load_
                                      split_by_problem)
 from consequence.tasks.repair import RepairTask, TestCase, TestProgram
 
-__all__ = ["run_hidden", "verify_completion", "build_humaneval_repair",
+__all__ = ["CHAT_INSTRUCTION", "STOP_SEQUENCES", "chat_request", "extract_completion", "run_hidden", "verify_completion", "build_humaneval_repair",
            "humaneval_repair_tasks", "humaneval_split", "load_humaneval",
            "load_humaneval_repair", "BUILD_LIMITS", "SPLITS"]
 
@@ -41,6 +42,37 @@ SPLITS = ("train", "validation", "test")
 # Building runs every kept mutant once; a canonical check takes <= 0.5 s here, so a
 # mutant still running after 2 CPU seconds is an infinite loop, not a slow bug.
 BUILD_LIMITS = SandboxLimits(wall_s=4.0, cpu_s=2, memory_mb=512)
+
+
+CHAT_INSTRUCTION = ("Complete the following Python function. Reply with the complete "
+                    "function in one ```python code block.\n\n")
+STOP_SEQUENCES = ("\ndef ", "\nclass ", "\nif ", "\nprint(", "\n#")
+
+
+def chat_request(task: CodeTask) -> str:
+    """The user message of a completion task in chat mode: instruction + fenced prompt."""
+    return f"{CHAT_INSTRUCTION}```python\n{task.prompt}```"
+
+
+def extract_completion(text: str, task: CodeTask, mode: str) -> str:
+    """The text appended to ``task.starting_code`` for one sampled reply (see module doc).
+
+    ``raw`` mode (base models fed the prompt itself) cuts at the Codex stop sequences.
+
+    Raises:
+        ValueError: unknown ``mode`` (``"raw"`` or ``"chat"``).
+    """
+    if mode == "raw":
+        cut = min([i for s in STOP_SEQUENCES if (i := text.find(s)) >= 0], default=len(text))
+        return text[:cut]
+    if mode != "chat":
+        raise ValueError(f"unknown prompt mode {mode!r}; expected 'raw' or 'chat'")
+    blocks = re.findall(r"```(?:python|py)?[^\n]*\n(.*?)(?:```|$)", text, re.S)
+    defines = [b for b in blocks if re.search(rf"^\s*def {re.escape(task.entry_point)}\(", b, re.M)]
+    code = (defines or blocks or [text])[0]
+    if re.search(rf"^\s*def {re.escape(task.entry_point)}\(", code, re.M):
+        return "\n" + code  # a full definition after the prompt replaces the stub
+    return code
 
 
 def run_hidden(code: str, tests: Sequence[TestCase] | TestProgram,

@@ -13,46 +13,14 @@ re-run up to ``sandbox.ENV_RETRIES`` times, then the episode is an ``env_error``
 
 from __future__ import annotations
 
-import re
-
 from consequence.envs.api import Environment
-from consequence.envs.code_tasks import SPLITS, load_humaneval, verify_completion
+from consequence.envs.code_tasks import (CHAT_INSTRUCTION, STOP_SEQUENCES, SPLITS, chat_request, extract_completion,
+                                         load_humaneval, verify_completion)
 from consequence.envs.sandbox import ENV_RETRIES, with_retries
 from consequence.tasks.jsonl import CodeTask
 
 __all__ = ["CHAT_INSTRUCTION", "STOP_SEQUENCES", "extract_completion", "chat_request", "CompletionEpisode",
            "HumanEvalEnvironment"]
-
-CHAT_INSTRUCTION = ("Complete the following Python function. Reply with the complete "
-                    "function in one ```python code block.\n\n")
-STOP_SEQUENCES = ("\ndef ", "\nclass ", "\nif ", "\nprint(", "\n#")
-
-
-def chat_request(task: CodeTask) -> str:
-    """The user message of a completion task in chat mode: instruction + fenced prompt."""
-    return f"{CHAT_INSTRUCTION}```python\n{task.prompt}```"
-
-
-def extract_completion(text: str, task: CodeTask, mode: str) -> str:
-    """The text appended to ``task.starting_code`` for one sampled reply (see module doc).
-
-    ``raw`` mode (base models fed the prompt itself) cuts at the Codex stop sequences.
-
-    Raises:
-        ValueError: unknown ``mode`` (``"raw"`` or ``"chat"``).
-    """
-    if mode == "raw":
-        cut = min([i for s in STOP_SEQUENCES if (i := text.find(s)) >= 0], default=len(text))
-        return text[:cut]
-    if mode != "chat":
-        raise ValueError(f"unknown prompt mode {mode!r}; expected 'raw' or 'chat'")
-    blocks = re.findall(r"```(?:python|py)?[^\n]*\n(.*?)(?:```|$)", text, re.S)
-    defines = [b for b in blocks if re.search(rf"^\s*def {re.escape(task.entry_point)}\(", b, re.M)]
-    code = (defines or blocks or [text])[0]
-    if re.search(rf"^\s*def {re.escape(task.entry_point)}\(", code, re.M):
-        return "\n" + code  # a full definition after the prompt replaces the stub
-    return code
-
 
 class CompletionEpisode:
     """One completion: ``reset`` shows the request, ``step({"answer": text})`` scores it and ends."""

@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from consequence.fileio import write_text_atomic
-from consequence.envs.code_tasks import verify_completion
-from consequence.envs.completion_env import CHAT_INSTRUCTION, STOP_SEQUENCES, chat_request, extract_completion
+from consequence.envs.code_tasks import (CHAT_INSTRUCTION, STOP_SEQUENCES, chat_request, extract_completion,
+                                         verify_completion)
 from consequence.envs.judge import PROGRAM_LIMITS
 from consequence.envs.sandbox import ENV_RETRIES, SandboxLimits, isolation_report, with_retries
 from consequence.evaluate.progress import SILENT, Phases

@@ -49,10 +49,10 @@ class Recipe:
                                       **self.config, **overrides})
 
 
-def default_run_dir(name: str) -> str:
-    """The run folder of a recipe's runs when none is given: ``runs/repair-<name>``
-    (the default run without a recipe goes to ``runs/repair-default``)."""
-    return f"runs/repair-{name}"
+def default_run_dir(name: str, env: str = "repair") -> str:
+    """The run folder when none is given: ``runs/<env>-<recipe>``, ``runs/<env>-default``
+    without a recipe (the default run: ``runs/repair-default``)."""
+    return f"runs/{env}-{name}"
 
 
 def recipe_names() -> list[str]:
@@ -144,8 +144,9 @@ def resolve_config(config_file: str | Path | None = None, given: dict[str, Any] 
     """The TrainConfig of ``consequence train [--config FILE] [options]``.
 
     The recipe named on the command line (``given["recipe"]``), else in the YAML file,
-    supplies the base (its settings and its run folder ``runs/repair-<name>``); the YAML
-    file's keys override it, and command-line options override both.
+    supplies the base (its settings); the YAML file's keys override it, and command-line
+    options override both. Without a ``run_dir`` the run goes to ``runs/<env>-<recipe>``
+    (``runs/<env>-default`` without a recipe).
 
     Raises:
         ValueError: bad file, unknown recipe (says where it was named), bad key or value.
@@ -164,7 +165,18 @@ def resolve_config(config_file: str | Path | None = None, given: dict[str, Any] 
         given["recipe"] = recipe.ref
     if data:  # the file's own values are checked even where the command line overrides them
         TrainConfig.checked(**{**base, **data, **({"recipe": given["recipe"]} if named else {})})
-    return TrainConfig.checked(**{**base, **data, **given})
+    merged = {**base, **data, **given}
+    if "run_dir" not in data and "run_dir" not in given:  # a run is named by its environment and recipe
+        merged["run_dir"] = default_run_dir(recipe.name if named else "default", _env_name(merged))
+    return TrainConfig.checked(**merged)
+
+
+def _env_name(values: dict[str, Any]) -> str:
+    """The environment part of a default run folder: a name, a module:attr's attribute, a task file's stem."""
+    env = str(values.get("env") or values.get("tasks") or "repair")
+    if env.endswith(".jsonl"):
+        return "jsonl"
+    return env.rsplit(":", 1)[-1].rsplit(".", 1)[-1] if ":" in env else env
 
 
 def _knobs(recipe: Recipe | None = None) -> list[str]:

@@ -1,0 +1,164 @@
+"""Credit for one iteration's batch: its training rows, the KL reward penalty and the
+advantages, over complete groups and before any mini- or micro-batching (docs/design.md §4).
+
+Every advantage of a training run is computed here: the scalar estimators of
+:mod:`consequence.credit.advantages` over groups built by identity, and per-token GAE with
+a learned value head (:mod:`consequence.credit.returns`, :mod:`consequence.credit.value`).
+Rewards may arrive at any turn: each call's reward sits on its last sampled token
+(``TrainingRow.token_rewards``) and reaches earlier tokens through returns-to-go (GAE);
+the scalar estimators use each trajectory's total reward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from consequence.config import TrainConfig
+from consequence.credit.advantages import group_advantages
+from consequence.credit.kl import kl_estimate
+from consequence.credit.returns import gae
+from consequence.credit.value import ValueModel, row_values
+from consequence.records import TrainingRow, Trajectory, trajectory_to_rows
+
+__all__ = ["Batch", "training_rows", "assign_credit", "kl_reward_penalty"]
+
+
+@dataclass
+class Batch:
+    """Rows of one iteration with their advantages and per-token side inputs."""
+
+    rows: list[TrainingRow]
+    advantages: list[Any]  # float per row, or per-token list (GAE)
+    sampler_logprobs: list[list[float]]
+    ref_logprobs: list[list[float]] | None = None
+    returns: list[list[float]] | None = None
+    old_values: list[list[float]] | None = None
+    trajectories: list[Trajectory] | None = None  # what rows[j].traj_index points into
+
+    def describe_rows(self, rows: list[int]) -> str:
+        """The trajectories of ``rows`` (indices into ``self.rows``), for error messages."""
+        out = []
+        for j in rows:
+            i = self.rows[j].traj_index
+            t = self.trajectories[i] if self.trajectories and i < len(self.trajectories) else None
+            out.append(f"task {t.task_id} group {t.group_id} sample {t.sample_id} (trajectory {i})" if t
+                       else f"trajectory {i}")
+        return "; ".join(dict.fromkeys(out))  # a trajectory split into several rows is named once
+
+    def select(self, keep: list[int]) -> "Batch":
+        """The batch restricted to rows ``keep`` (indices into ``self.rows``)."""
+        pick = lambda xs: None if xs is None else [xs[j] for j in keep]  # noqa: E731
+        return Batch(pick(self.rows), pick(self.advantages), pick(self.sampler_logprobs),
+                     pick(self.ref_logprobs), pick(self.returns), pick(self.old_values), self.trajectories)
+
+
+def training_rows(trajs: list[Trajectory]) -> tuple[list[TrainingRow], list[int]]:
+    """The rows to train on and, per row, the index of its trajectory; env_error trajectories
+    (reward None) and trajectories without a model call have none."""
+    rows, owner = [], []
+    for i, t in enumerate(trajs):
+        if t.reward is None or not t.calls:
+            continue
+        for r in trajectory_to_rows(t, i):
+            rows.append(r)
+            owner.append(i)
+    return rows, owner
+
+
+def assign_credit(trajs: list[Trajectory], rows: list[TrainingRow], owner: list[int], cfg: TrainConfig, *,
+                  ref_logprobs: list[list[float]] | None = None, critic: ValueModel | None = None,
+                  pad_id: int = 0) -> Batch:
+    """Advantages of ``rows`` (from :func:`training_rows`) by the recipe's estimator.
+
+    Sets ``t.advantage`` (the trajectory's scalar advantage; for GAE the mean over its
+    tokens). With ``cfg.kl_mode == "reward"`` the KL penalty β·k(μ, π_ref) per target token
+    is taken off the reward (off the total for scalar estimators; per token for GAE). With
+    ``overlong_filter`` truncated trajectories leave the rows after entering the group
+    statistics (DAPO §3.4).
+
+    Args:
+        ref_logprobs: per row, logπ_ref of every position (needed when ``cfg.kl_coef > 0``).
+        critic: the value model (needed for ``cfg.advantage == "gae"``).
+
+    Raises:
+        ValueError: GAE without a critic, or a KL reward penalty without reference log-probs.
+    """
+    batch = Batch(rows, [], [list(r.old_logprobs) for r in rows], ref_logprobs=ref_logprobs, trajectories=trajs)
+    penalty = None
+    if cfg.kl_mode == "reward" and cfg.kl_coef > 0 and rows:
+        if ref_logprobs is None:
+            raise ValueError("a KL reward penalty needs the reference policy's log-probs (ref_logprobs)")
+        penalty = kl_reward_penalty(rows, batch.sampler_logprobs, ref_logprobs, cfg.kl_coef, cfg.kl_estimator)
+    if cfg.advantage == "gae":
+        if critic is None:
+            raise ValueError("--advantage gae needs a value model (critic)")
+        _gae_advantages(trajs, batch, owner, cfg, critic, pad_id, penalty)
+    else:
+        rewards = [t.reward for t in trajs]
+        if penalty is not None:
+            for j, i in enumerate(owner):
+                rewards[i] -= sum(penalty[j])
+        adv = group_advantages(rewards, [t.group_id for t in trajs], estimator=cfg.advantage,
+                               std_correction=1 if cfg.grpo_std == "sample" else 0)
+        for t, a in zip(trajs, adv):
+            t.advantage = a
+        batch.advantages = [trajs[i].advantage for i in owner]
+    if cfg.overlong_filter:
+        batch = batch.select([j for j, i in enumerate(owner) if trajs[i].outcome != "truncated"])
+    return batch
+
+
+def kl_reward_penalty(rows: list[TrainingRow], sampler_logprobs: list[list[float]],
+                      ref_logprobs: list[list[float]], coef: float, estimator: str) -> list[list[float]]:
+    """β·k(logμ, logπ_ref) per position of each row, 0 off target: KL as a reward penalty
+    (Ouyang et al. 2022, eq. 2; estimator k1 / k2 / k3 of :func:`consequence.credit.kl.kl_estimate`)."""
+    out = []
+    for r, mu, ref in zip(rows, sampler_logprobs, ref_logprobs):
+        m = torch.tensor(r.loss_mask, dtype=torch.bool)
+        lp = torch.where(m, torch.tensor(mu), 0.0)
+        rf = torch.where(m, torch.tensor(ref), 0.0)
+        k = kl_estimate(lp, rf, estimator)
+        out.append((coef * torch.where(m, k, 0.0)).tolist())
+    return out
+
+
+def _gae_advantages(trajs, batch: Batch, owner, cfg, critic: ValueModel, pad_id, penalty) -> None:
+    """Per-token GAE (Schulman et al. 2016, eq. 16) over the generated tokens.
+
+    V = 0 after a finished episode, the critic's value of the final state after a
+    truncation; a row that is not its trajectory's last bootstraps from its own end.
+    Advantages are whitened over the batch's target tokens (PPO practice).
+    """
+    values, final = row_values(critic, batch.rows, pad_id, cfg.micro_batch_size)
+    last_row = {i: j for j, i in enumerate(owner)}
+    call_totals = {i: sum(c.reward for c in trajs[i].calls) for i in set(owner)}
+    advs, rets = [], []
+    for j, (r, i) in enumerate(zip(batch.rows, owner)):
+        is_last = last_row[i] == j
+        rewards = list(r.token_rewards) if r.token_rewards is not None else [0.0] * len(r.input_ids)
+        if is_last:  # the rest of the trajectory's reward (shaping, rescoring) on its last target token
+            rewards[max(t for t, m in enumerate(r.loss_mask) if m)] += float(trajs[i].reward) - call_totals[i]
+        if penalty is not None:
+            rewards = [x - p for x, p in zip(rewards, penalty[j])]
+        last_value = 0.0 if is_last and trajs[i].outcome == "finished" else final[j]
+        a, ret = gae(rewards, values[j], r.loss_mask, cfg.gamma, cfg.gae_lambda, last_value)
+        advs.append(a)
+        rets.append(ret)
+    flat = torch.tensor([a for r, adv in zip(batch.rows, advs) for a, m in zip(adv, r.loss_mask) if m])
+    mean, std = (flat.mean().item(), flat.std(unbiased=False).item()) if flat.numel() else (0.0, 1.0)
+    batch.advantages = [[(a - mean) / (std + 1e-6) if m else 0.0 for a, m in zip(adv, r.loss_mask)]
+                        for r, adv in zip(batch.rows, advs)]
+    batch.returns, batch.old_values = rets, values
+    sums: dict[int, list[float]] = {}  # trajectory → [Σ advantage, n targets] over its rows
+    for i, r, adv in zip(owner, batch.rows, batch.advantages):
+        acc = sums.setdefault(i, [0.0, 0])
+        for a, m in zip(adv, r.loss_mask):
+            if m:
+                acc[0] += a
+                acc[1] += 1
+    for i, t in enumerate(trajs):
+        total, n = sums.get(i, (0.0, 0))
+        t.advantage = total / n if n else None

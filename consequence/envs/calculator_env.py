@@ -1,0 +1,470 @@
+"""Arithmetic with a calculator tool: ``calculator``, a multi-turn environment that is not code.
+
+A task is an arithmetic question too long to do reliably in one's head: an expression
+("What is 4837 * 29 - 1204?", ``terms`` operands of ``digits`` digits joined by + - *,
+sometimes with one pair of parentheses) or a small word problem (a stock that grows,
+shrinks and is multiplied step by step, evaluated in the order told). The reference answer
+is an integer.
+
+The policy MAY call the tool ``calculator`` with one argument ``expression`` (a string)
+before it answers. The expression is checked with :mod:`ast` first (numbers, ``+ - * / //
+% **``, unary ``-`` / ``+``, parentheses; at most :data:`MAX_EXPRESSION_CHARS` characters;
+an exponent must be a number literal of magnitude at most :data:`MAX_EXPONENT`; an integer
+part whose magnitude could exceed ``10 ** MAX_DIGITS`` by an upper bound is refused), and only an accepted
+expression is evaluated, in the existing sandbox (:func:`consequence.envs.sandbox.run_tests`:
+a fresh isolated interpreter, :data:`CALC_LIMITS`: 2 s wall, 1 s CPU). The observation is
+the value's ``repr`` (``"84"``, ``"3.5"``) or ``"error: ..."``; a refused expression runs
+nothing and is an error observation, never an exception.
+
+The episode ends when the policy replies without a tool call: that reply is the answer.
+Answer rule (:func:`extract_answer`): the content of the last ``<answer>…</answer>`` in the
+reply, which must be one number (``-12``, ``139069``, ``1,234``, ``84.0``); without that tag,
+the last number in the reply. The answer is correct when its value equals the reference
+exactly (``84``, ``84.0`` and ``84.00`` are 84; ``83.99`` is not).
+
+Reward (rule: sum over steps and components), per step:
+
+- ``accuracy`` (primary; success when 1): at the answer step, 1.0 if the answer is correct,
+  else 0.0 (also 0.0 when the reply holds no number);
+- ``tool_cost``: at each calculator call's step, ``-tool_cost`` (option, >= 0, default 0.0),
+  for every call within the budget of ``max_calls`` (option, default 4), whether or not its
+  expression was accepted. A call beyond the budget is refused with an error observation
+  (``error: calculator limit reached ...``), evaluates nothing and costs 0.0; the episode
+  goes on (the policy should answer).
+
+So an episode's reward is ``accuracy - tool_cost * n_calls`` with ``n_calls <= max_calls``,
+and ``reward_range = (-tool_cost * max_calls * (1 + 1e-9), 1.0)`` (the factor covers the
+rounding of the per-step sum); an episode that never answers (a budget ended it) scores
+``-tool_cost * n_calls``. A sandbox that cannot start is re-run up to
+``sandbox.ENV_RETRIES`` times, then the episode is an ``env_error`` (excluded, never 0).
+
+Tasks: ``n_problems`` problems generated deterministically from ``digits`` and ``terms``
+(not from the split seed: problem ``i`` is the same for every seed and every
+``n_problems``); the split seed splits them by problem id ≈ 80 / 10 / 10
+(:func:`consequence.tasks.jsonl.split_by_problem`). Question texts are unique, so no
+question is in two splits. One task per problem; the problem id names the difficulty
+(``calc-d3t3-0042``).
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import random
+import re
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+
+from consequence.envs.api import SPLITS, Environment
+from consequence.envs.sandbox import ENV_RETRIES, SandboxLimits, TestReport, run_tests, with_retries
+from consequence.tasks.repair import TestCase
+
+__all__ = ["TOOLS", "CALC_LIMITS", "MAX_EXPRESSION_CHARS", "MAX_EXPONENT", "MAX_DIGITS", "ArithmeticTask",
+           "check_expression", "calculate", "extract_answer", "is_correct", "make_problems",
+           "CalculatorEpisode", "CalculatorEnvironment"]
+
+TOOLS: list[dict] = [{"type": "function", "function": {
+    "name": "calculator",
+    "description": "Evaluate an arithmetic expression: numbers, + - * / // % **, parentheses.",
+    "parameters": {"type": "object", "properties": {
+        "expression": {"type": "string", "description": "e.g. 4837 * 29 - 1204"}},
+        "required": ["expression"]}}}]
+
+# wall_s: seconds for the whole sandbox run; cpu_s: CPU seconds; memory_mb: MiB of address space.
+CALC_LIMITS = SandboxLimits(wall_s=2.0, cpu_s=1, memory_mb=256, max_output_bytes=4096)
+MAX_EXPRESSION_CHARS = 200
+MAX_EXPONENT = 1000  # |k| of a ** k, a number literal
+MAX_DIGITS = 100  # an integer part whose magnitude could exceed 10 ** MAX_DIGITS is refused (an upper bound)
+_CHUNK = 64  # characters of the value read back per sandbox test (the runner shows <= 80)
+_CHUNKS = 3  # so values of up to 192 characters come back whole
+
+_BINOPS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/", ast.FloorDiv: "//", ast.Mod: "%",
+           ast.Pow: "**"}
+
+
+# ---- the tool -----------------------------------------------------------------------
+class _Refused(Exception):
+    pass
+
+
+def _literal(node: ast.AST) -> int | float | None:
+    """The value of a number literal with optional unary signs, else None."""
+    sign = 1
+    while isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        sign = -sign if isinstance(node.op, ast.USub) else sign
+        node = node.operand
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        return sign * node.value
+    return None
+
+
+def _bound(node: ast.AST) -> tuple[str, float]:
+    """(``"int"`` or ``"float"``, an upper bound on log10 of the magnitude of an int value).
+
+    Float arithmetic is O(1) (it overflows instead of growing), so only int parts are bounded.
+
+    Raises:
+        _Refused: a node that is not arithmetic, an exponent that is not a small literal,
+            or an int part that could exceed ``10 ** MAX_DIGITS``.
+    """
+    if isinstance(node, ast.Constant):
+        if type(node.value) is int:
+            return "int", math.log10(abs(node.value)) if node.value else 0.0
+        if type(node.value) is float:
+            return "float", 0.0
+        raise _Refused(f"only numbers are allowed, not {node.value!r}")
+    if isinstance(node, ast.UnaryOp):
+        if not isinstance(node.op, (ast.USub, ast.UAdd)):
+            raise _Refused(f"operator {type(node.op).__name__} is not allowed (use + - * / // % **)")
+        return _bound(node.operand)
+    if isinstance(node, ast.BinOp):
+        if type(node.op) not in _BINOPS:
+            raise _Refused(f"operator {type(node.op).__name__} is not allowed (use + - * / // % **)")
+        ka, la = _bound(node.left)
+        if isinstance(node.op, ast.Pow):
+            k = _literal(node.right)
+            if k is None:
+                _bound(node.right)  # name the offending node when there is one
+                raise _Refused("an exponent must be a number literal (e.g. 2 ** 10), not an expression")
+            if abs(k) > MAX_EXPONENT:
+                raise _Refused(f"exponent {k} is too large (at most {MAX_EXPONENT} in magnitude)")
+            if ka == "int" and type(k) is int and k >= 0:
+                kind, log = "int", la * k
+            else:
+                kind, log = "float", 0.0
+        else:
+            kb, lb = _bound(node.right)
+            if isinstance(node.op, ast.Div) or "float" in (ka, kb):
+                kind, log = "float", 0.0
+            elif isinstance(node.op, (ast.Add, ast.Sub)):
+                kind, log = "int", max(la, lb) + math.log10(2)
+            elif isinstance(node.op, ast.Mult):
+                kind, log = "int", la + lb
+            elif isinstance(node.op, ast.FloorDiv):  # |a // b| <= |a| for an int b != 0
+                kind, log = "int", la
+            else:  # Mod: |a % b| < |b|
+                kind, log = "int", lb
+        if kind == "int" and log > MAX_DIGITS + 1e-9:
+            raise _Refused(f"the result could exceed 10**{MAX_DIGITS}; split the computation")
+        return kind, log
+    what = {ast.Name: "names", ast.Call: "function calls", ast.Attribute: "attributes",
+            ast.Subscript: "subscripts"}.get(type(node), type(node).__name__)
+    raise _Refused(f"only arithmetic is allowed (numbers, + - * / // % **, parentheses), not {what}")
+
+
+def check_expression(expression: str) -> str | None:
+    """Why ``expression`` is refused (the text after ``error: ``), or None when it may run.
+
+    >>> check_expression("12*(3+4)") is None
+    True
+    >>> check_expression("9**9**9")
+    'an exponent must be a number literal (e.g. 2 ** 10), not an expression'
+    """
+    if not isinstance(expression, str):
+        return f"expression must be a string, got {type(expression).__name__}"
+    if not expression.strip():
+        return "empty expression"
+    if len(expression) > MAX_EXPRESSION_CHARS:
+        return f"expression too long ({len(expression)} characters; at most {MAX_EXPRESSION_CHARS})"
+    try:
+        tree = ast.parse(expression.strip(), mode="eval")
+    except (SyntaxError, ValueError) as e:
+        return f"not an arithmetic expression ({getattr(e, 'msg', e)})"
+    try:
+        _bound(tree.body)
+    except _Refused as e:
+        return str(e)
+    except RecursionError:
+        return "expression nested too deeply"
+    return None
+
+
+def calculate(expression: str, limits: SandboxLimits = CALC_LIMITS,
+              env_retries: int = ENV_RETRIES) -> tuple[str, TestReport | None]:
+    """Evaluate ``expression`` in the sandbox: (observation, the sandbox's report).
+
+    The observation is the value's ``repr`` or ``"error: ..."``; the report is None when
+    :func:`check_expression` refused the expression (then nothing ran), and has status
+    ``'sandbox_error'`` when the sandbox failed ``1 + env_retries`` times (the caller makes
+    that an env_error). Never raises for a bad expression.
+
+    The accepted expression is the body of a one-line program (``_r = repr(EXPR)``) whose
+    value is read back through the sandbox's test messages, 64 characters per test.
+    """
+    refused = check_expression(expression)
+    if refused is not None:
+        return f"error: {refused}", None
+    code = f"_r = repr({expression.strip()})\n"
+    tests = [TestCase(f"_r[{i * _CHUNK}:{(i + 1) * _CHUNK}]", "<value>") for i in range(_CHUNKS)]
+    tests.append(TestCase("len(_r)", "<value>"))
+    rep = with_retries(lambda: run_tests(code, tests, limits), env_retries)
+    if rep.status == "sandbox_error":
+        return "error: the calculator is unavailable", rep
+    if rep.status == "timeout":
+        return f"error: the calculation took longer than {limits.wall_s:g} s", rep
+    if rep.status == "crash":
+        return f"error: the calculation failed ({rep.error})", rep
+    if rep.error is not None:  # the expression raised (ZeroDivisionError, OverflowError, ...)
+        return f"error: {rep.error}", rep
+    parts = []
+    for t, msg in zip(tests, rep.messages):
+        head = f"{t.call} returned "
+        tail = f", expected {t.expected}"
+        if not (msg.startswith(head) and msg.endswith(tail)):
+            return f"error: the calculation failed ({msg})", rep
+        parts.append(ast.literal_eval(msg[len(head):-len(tail)]))
+    if len(parts) != len(tests):
+        return "error: the calculation failed (no value came back)", rep
+    value, length = "".join(parts[:-1]), parts[-1]
+    if len(value) != length:
+        return f"error: the value has {length} characters, too long to show", rep
+    return value, rep
+
+
+# ---- the answer ---------------------------------------------------------------------
+_NUMBER = r"\d+(?:,\d{3})*(?:\.\d+)?(?!\d|,\d)"
+_LAST_NUMBER = re.compile(r"(?:(?<![\w).\]])-)?" + _NUMBER)
+_TAGGED = re.compile(r"<answer>(.*?)</answer>", re.S)
+_WHOLE = re.compile(r"[+-]?\d+(?:,\d{3})*(?:\.\d*)?")
+_PLAIN = re.compile(r"-?\d+(?:\.\d*)?")
+
+
+def extract_answer(reply: str) -> str | None:
+    """The answer in ``reply``: the content of the last ``<answer>…</answer>`` (it must be
+    one number, thousands commas allowed), else the last number in the reply (a ``-``
+    right after a letter, digit or closing bracket is a minus sign, not a sign of the
+    number). Commas and a leading ``+`` are dropped; None when there is no answer.
+
+    >>> extract_answer("4837 * 29 = 140273, minus 1204 is 139069.")
+    '139069'
+    >>> extract_answer("I think <answer> -1,204 </answer>")
+    '-1204'
+    >>> extract_answer("<answer>about 5</answer> 7") is None
+    True
+    """
+    tagged = _TAGGED.findall(reply)
+    if tagged:
+        text = tagged[-1].strip()
+        return text.replace(",", "").lstrip("+") if _WHOLE.fullmatch(text) else None
+    found = _LAST_NUMBER.findall(reply)
+    return found[-1].replace(",", "") if found else None
+
+
+def is_correct(answer: str | None, reference: int) -> bool:
+    """Whether ``answer`` (from :func:`extract_answer`) has exactly the value ``reference``."""
+    if answer is None or not _PLAIN.fullmatch(answer):  # "1e3", "NaN": not what the answer rule yields
+        return False
+    try:
+        return Decimal(answer) == Decimal(reference)
+    except InvalidOperation:
+        return False
+
+
+# ---- the tasks ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class ArithmeticTask:
+    """One question: ``answer`` is the exact integer result of ``expression`` (the
+    computation the question stands for; a word problem's in the order told); ``kind`` is
+    ``"expression"`` or ``"word"``."""
+
+    task_id: str
+    problem_id: str
+    question: str
+    answer: int
+    kind: str
+    expression: str
+
+
+_THEMES = (("A warehouse", "boxes"), ("A library", "books"), ("A farm", "eggs"), ("A factory", "bolts"),
+           ("A bakery", "rolls"), ("A school", "pencils"), ("A harbour", "crates"), ("A garden centre", "seeds"))
+_ADD = ("A delivery brings {n} more {u}.", "It receives {n} {u}.", "{n} {u} are returned to it.")
+_SUB = ("It sends away {n} {u}.", "{n} {u} are sold.", "{n} {u} are given away.")
+_MUL = ("Then the number of {u} is multiplied by {n}.", "Then it ends up with {n} times as many {u}.")
+
+
+def _operand(rng: random.Random, digits: int) -> int:
+    return rng.randint(10 ** (digits - 1) if digits > 1 else 1, 10 ** digits - 1)
+
+
+def _expression_problem(rng: random.Random, digits: int, terms: int) -> tuple[str, str, int]:
+    nums = [str(_operand(rng, digits)) for _ in range(terms)]
+    ops = [rng.choice("+-*") for _ in range(terms - 1)]
+    toks = [nums[0]]
+    for op, n in zip(ops, nums[1:]):
+        toks += [op, n]
+    if terms > 2 and rng.random() < 0.5:  # one pair of parentheses around 2 .. terms-1 operands
+        width = rng.randint(2, terms - 1)
+        start = rng.randint(0, terms - width)
+        toks[2 * start] = "(" + toks[2 * start]
+        toks[2 * (start + width - 1)] += ")"
+    expr = " ".join(toks)
+    return f"What is {expr}?", expr, eval(expr)  # trusted: generated digits and operators only
+
+
+def _word_problem(rng: random.Random, digits: int, terms: int) -> tuple[str, str, int]:
+    place, unit = rng.choice(_THEMES)
+    value = _operand(rng, digits)
+    lines, expr = [f"{place} starts the week with {value} {unit}."], str(value)
+    for _ in range(terms - 1):
+        n = _operand(rng, digits)
+        op = rng.choice("+-*")
+        if op == "-" and n > value:
+            op = "+"  # a stock never goes below zero
+        if op == "*":
+            n = _operand(rng, max(1, digits - 1))  # a multiplier, kept shorter than the counts
+        text = rng.choice({"+": _ADD, "-": _SUB, "*": _MUL}[op])
+        lines.append(text.format(n=n, u=unit)[0].upper() + text.format(n=n, u=unit)[1:])
+        expr = f"({expr} {op} {n})"
+        value = value + n if op == "+" else value - n if op == "-" else value * n
+    lines.append(f"How many {unit} does it have now?")
+    return " ".join(lines), expr[1:-1] if expr.startswith("(") else expr, value
+
+
+def make_problems(n_problems: int, digits: int, terms: int) -> list[ArithmeticTask]:
+    """``n_problems`` distinct questions, deterministic in (``digits``, ``terms``): problem
+    ``i`` is the same for every ``n_problems``; about a third are word problems.
+
+    Raises:
+        ValueError: that many distinct questions cannot be made with these ``digits`` and ``terms``.
+    """
+    out: list[ArithmeticTask] = []
+    seen: set[str] = set()
+    for i in range(n_problems):
+        rng = random.Random(f"calculator|d{digits}|t{terms}|{i}")
+        for _ in range(200):
+            kind = "word" if rng.random() < 1 / 3 else "expression"
+            make = _word_problem if kind == "word" else _expression_problem
+            question, expr, answer = make(rng, digits, terms)
+            if question not in seen:
+                break
+        else:
+            raise ValueError(f"n_problems={n_problems}: only {len(out)} distinct questions could be made with "
+                             f"digits={digits} and terms={terms}; lower n_problems or raise digits or terms")
+        seen.add(question)
+        pid = f"calc-d{digits}t{terms}-{i:04d}"
+        out.append(ArithmeticTask(pid, pid, question, int(answer), kind, expr))
+    return out
+
+
+# ---- the episode and the environment ------------------------------------------------
+class CalculatorEpisode:
+    """One question: calculator calls (``-tool_cost`` each, at most ``max_calls`` charged and
+    evaluated), then the answer (``accuracy`` 1.0 / 0.0, ends the episode); see the module doc.
+
+    ``code`` is None until the answer, then the extracted answer (``""`` when the reply held
+    no number): what the runner stores as the trajectory's ``final_code``.
+    """
+
+    answer_ends_episode = True
+
+    def __init__(self, task: ArithmeticTask, tool_cost: float = 0.0, max_calls: int = 4,
+                 limits: SandboxLimits = CALC_LIMITS, env_retries: int = ENV_RETRIES):
+        self.task = task
+        self.tool_cost = float(tool_cost)
+        self.max_calls = max_calls
+        self.limits = limits
+        self.env_retries = env_retries
+        self.calls = 0  # calculator calls charged so far
+        self.code: str | None = None
+        self._done = False
+
+    def _info(self, **kw) -> dict:
+        return {"task_id": self.task.task_id, "problem_id": self.task.problem_id, "calculator_calls": self.calls, **kw}
+
+    def reset(self, seed: int | None = None, options: dict | None = None) -> tuple[str, dict]:
+        """Start over; the observation is the question."""
+        self.calls, self.code, self._done = 0, None, False
+        return self.task.question, self._info()
+
+    def step(self, action: dict) -> tuple[str, float, bool, bool, dict]:
+        """One calculator call or the answer (see the class doc).
+
+        Raises:
+            ValueError: a tool other than ``calculator``.
+            RuntimeError: the episode already ended (call ``reset``).
+        """
+        if self._done:
+            raise RuntimeError("episode is over; call reset()")
+        if "answer" in action:
+            self._done = True
+            answer = extract_answer(str(action["answer"]))
+            self.code = answer if answer is not None else ""
+            reward = 1.0 if is_correct(answer, self.task.answer) else 0.0
+            info = self._info(answer=answer, reference=self.task.answer, reward_components={"accuracy": reward})
+            return ("correct" if reward else "incorrect"), reward, True, False, info
+        if action.get("name") != "calculator":
+            raise ValueError(f"{self.task.task_id}: unknown tool {action.get('name')!r}; the only tool is 'calculator'")
+        if self.calls >= self.max_calls:
+            return (f"error: calculator limit reached ({self.max_calls} calls); reply with your answer",
+                    0.0, False, False, self._info(reward_components={"tool_cost": 0.0}))
+        self.calls += 1
+        cost = -self.tool_cost if self.tool_cost else 0.0
+        obs, rep = calculate((action.get("arguments") or {}).get("expression"), self.limits, self.env_retries)
+        info = self._info(reward_components={"tool_cost": cost},
+                          env_retries=rep.attempts - 1 if rep is not None else 0)
+        if rep is not None and rep.status == "sandbox_error":
+            self._done = True
+            info["env_error"] = f"sandbox: {rep.error}"
+            return obs, cost, True, False, info
+        return obs, cost, False, False, info
+
+
+_PROMPT = ("You solve arithmetic problems exactly. You may call the calculator tool with an arithmetic "
+           "expression (numbers, + - * / // % **, parentheses); it returns the value. {budget}When you know "
+           "the result, reply without a tool call and put the final number in <answer></answer>, e.g. "
+           "<answer>42</answer>; without that tag the last number in your reply is your answer.")
+
+
+class CalculatorEnvironment(Environment):
+    """Arithmetic questions with a calculator tool (see the module doc for the answer rule and reward).
+
+    Args:
+        split_seed: seed of the problem-level split (≈ 80 / 10 / 10).
+        n_problems: number of problems (10 .. 100000; default 600).
+        digits: decimal digits of each operand (1 .. 12; default 3).
+        terms: operands per question (2 .. 8; default 3).
+        tool_cost: reward per calculator call is ``-tool_cost`` (>= 0; default 0.0).
+        max_calls: calculator calls charged and evaluated per episode (0 .. 64; default 4);
+            a further call gets an error observation and costs nothing.
+
+    Raises:
+        ValueError: an option of the wrong type or out of range (names it and the range),
+            before any problem is made.
+    """
+
+    name = "calculator"
+    version = "1"
+    system_prompt = _PROMPT.format(budget="")
+    tools = TOOLS
+    reward_components = ("accuracy", "tool_cost")
+    reward_range = (0.0, 1.0)  # per instance: (-tool_cost * max_calls * (1 + 1e-9), 1.0)
+    answer_ends_episode = True
+
+    def __init__(self, split_seed: int = 0, n_problems: int = 600, digits: int = 3, terms: int = 3,
+                 tool_cost: float = 0.0, max_calls: int = 4):
+        for opt, value, low, high in (("n_problems", n_problems, 10, 100000), ("digits", digits, 1, 12),
+                                      ("terms", terms, 2, 8), ("max_calls", max_calls, 0, 64)):
+            if type(value) is not int or not low <= value <= high:
+                raise ValueError(f"--env calculator: option {opt}={value!r} must be an integer from {low} to "
+                                 f"{high} (--env-option {opt}=N)")
+        if (type(tool_cost) not in (int, float) or not math.isfinite(tool_cost) or tool_cost < 0):
+            raise ValueError(f"--env calculator: option tool_cost={tool_cost!r} must be a finite number >= 0 "
+                             "(the reward per calculator call is -tool_cost; --env-option tool_cost=0.05)")
+        self.n_problems, self.digits, self.terms = n_problems, digits, terms
+        self.tool_cost, self.max_calls = float(tool_cost), max_calls
+        low = -self.tool_cost * max_calls * (1 + 1e-9)
+        self.reward_range = (low if low else 0.0, 1.0)
+        budget = (f"You have at most {max_calls} calculator call{'s' if max_calls != 1 else ''}"
+                  + (f", each costing {self.tool_cost:g} reward" if self.tool_cost else "") + ". ")
+        self.system_prompt = _PROMPT.format(budget=budget)
+        super().__init__(split_seed)
+
+    def load_splits(self, split_seed: int) -> dict[str, list]:
+        from consequence.tasks.jsonl import split_by_problem
+
+        tasks = make_problems(self.n_problems, self.digits, self.terms)
+        ids = split_by_problem([t.problem_id for t in tasks], seed=split_seed)
+        return {s: [t for t in tasks if t.problem_id in ids[s]] for s in SPLITS}
+
+    def make_episode(self, task: ArithmeticTask) -> CalculatorEpisode:
+        return CalculatorEpisode(task, self.tool_cost, self.max_calls)

@@ -1,0 +1,70 @@
+"""Small environments for the API tests (importable as ``env_fixtures:NAME``, module:attr form)."""
+
+from dataclasses import dataclass
+
+from consequence.envs.api import Environment
+
+
+@dataclass(frozen=True)
+class Word:
+    task_id: str
+    problem_id: str
+    word: str
+
+
+TOOL = {"type": "function", "function": {"name": "hint", "description": "A hint, costs 0.1.",
+                                         "parameters": {"type": "object", "properties": {}}}}
+
+
+class HintEpisode:
+    """Answer with the word reversed; each ``hint`` call gives a per-turn reward of −0.1."""
+
+    def __init__(self, task, boom=None):
+        self.task, self.boom = task, boom
+
+    def reset(self, seed=None, options=None):
+        if self.boom == "reset":
+            raise RuntimeError("reset broke")
+        return f"Reverse {self.task.word}.", {}
+
+    def step(self, action):
+        if self.boom == "step":
+            raise RuntimeError("step broke")
+        if "answer" not in action:
+            return "the first letter is " + self.task.word[-1], -0.1, False, False, {"reward_components": {"hints": -0.1}}
+        ok = action["answer"].strip() == self.task.word[::-1]
+        return "", 1.0 if ok else 0.0, True, False, {"reward_components": {"accuracy": 1.0 if ok else 0.0}}
+
+
+class ReverseEnvironment(Environment):
+    name = "reverse"
+    version = "3"
+    system_prompt = "Reverse the word."
+    tools = [TOOL]
+    reward_components = ("accuracy", "hints")
+    reward_range = (-1.0, 1.0)
+
+    def __init__(self, split_seed=0, words=("abc", "de", "fgh", "ij"), boom=None):
+        self.words, self.boom = tuple(words), boom
+        super().__init__(split_seed)
+
+    def load_splits(self, split_seed):
+        ws = [Word(f"w{i}", f"p{i}", w) for i, w in enumerate(self.words)]
+        return {"train": ws[:2], "validation": ws[2:3], "test": ws[3:]}
+
+    def make_episode(self, task):
+        return HintEpisode(task, self.boom)
+
+    def score_group(self, task, trajectories):
+        self.scored = getattr(self, "scored", []) + [(task.task_id, len(trajectories))]
+
+
+class NoOptions(Environment):
+    name = "plain"
+
+    def load_splits(self, split_seed):
+        return {"train": [], "validation": [], "test": []}
+
+
+def not_an_environment(split_seed=0):
+    return object()

@@ -1,0 +1,148 @@
+"""The environment API: registry, options, per-turn rewards, answers, env errors, group hooks."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from consequence.config import TrainConfig
+from consequence.credit.returns import discounted_returns
+from consequence.envs.registry import BUILTINS, available, load_environment
+from consequence.harness.renderer import Renderer
+from consequence.records import trajectory_to_rows
+from consequence.reward.scoring import score_trajectories
+from consequence.rollout.episodes import Budgets, EpisodeSpec, run_episodes
+
+
+def test_builtins_resolve_with_their_splits():
+    assert {"repair", "humaneval-repair", "jsonl", "humaneval", "reasoning-gym", "calculator"} <= set(BUILTINS)
+    env = load_environment("repair")
+    assert (env.name, {k: len(v) for k, v in env.split.items()}) == ("repair", {"train": 625, "validation": 78, "test": 78})
+    assert env.reward_components == ("hidden_tests",) and env.answer_ends_episode is False
+    d = env.describe()
+    assert d["name"] == "repair" and len(d["source_sha256"]) == 64 and d["tools"] == ["run_tests", "read_code",
+                                                                                      "replace_line", "finish"]
+
+
+def test_unknown_names_and_options_are_refused_with_what_is_valid():
+    with pytest.raises(ValueError, match="unknown environment; valid: repair, humaneval-repair"):
+        load_environment("nope")
+    with pytest.raises(ValueError, match="cannot import module 'no_such_mod'"):
+        load_environment("no_such_mod:Env")
+    with pytest.raises(ValueError, match="has no attribute 'Missing'"):
+        load_environment("env_fixtures:Missing")
+    with pytest.raises(ValueError, match="unknown option 'colour'; it takes words, boom"):
+        load_environment("env_fixtures:ReverseEnvironment", 0, {"colour": "red"})
+    with pytest.raises(ValueError, match="unknown option 'x'; it takes none"):
+        load_environment("env_fixtures:NoOptions", 0, {"x": 1})
+    with pytest.raises(ValueError, match="takes no task file"):
+        load_environment("repair", 0, {"tasks_file": "/tmp/t.jsonl"})
+    with pytest.raises(ValueError, match="not a consequence.envs.api.Environment"):
+        load_environment("env_fixtures:not_an_environment")
+    with pytest.raises(ValueError, match="needs a task file: --tasks-file"):
+        load_environment("jsonl")
+
+
+def test_module_attr_with_options_is_applied_and_recorded():
+    env = load_environment("env_fixtures:ReverseEnvironment", 3, {"words": ["ab", "cd", "ef", "gh"]})
+    assert [t.word for t in env.split["train"]] == ["ab", "cd"] and env.split_seed == 3
+    d = env.describe()
+    assert (d["name"], d["version"], d["options"], d["class"]) == ("reverse", "3", {"words": ["ab", "cd", "ef", "gh"]},
+                                                                   "env_fixtures:ReverseEnvironment")
+    assert "reverse" not in available()  # a module:attr environment needs no registration
+    assert len(env.sample("train", 5, seed=1)) == 5
+
+
+def _scripted(renderer, turns):
+    """A generate function that plays ``turns`` (text per call) for a single episode."""
+    outputs = iter([renderer.encode(t) + [renderer.eot_id] for t in turns])
+
+    def generate(prompts, max_new_tokens, idx):
+        ids = next(outputs)
+        return [SimpleNamespace(output_ids=ids, logprobs=[-0.25] * len(ids), stop_reason="stop")]
+    return generate
+
+
+def _run(env, turns, tokenizer):
+    renderer = Renderer(tokenizer, env.tools)
+    task = env.split["train"][0]
+    [t] = run_episodes(_scripted(renderer, turns), renderer, [EpisodeSpec(env.make_episode(task), task.task_id,
+                                                                         "g", 0, 0)],
+                       Budgets(max_turns=4, max_new_tokens=64, max_total_tokens=4000), env.system_prompt)
+    score_trajectories([t], components=env.reward_components, reward_range=env.reward_range)
+    return t, renderer
+
+
+def test_per_turn_rewards_are_kept_on_their_calls_and_summed(tiny_tokenizer):
+    env = load_environment("env_fixtures:ReverseEnvironment", 0, {"words": ["ab", "cd", "ef", "gh"]})
+    hint = '<tool_call>\n{"name": "hint", "arguments": {}}\n</tool_call>'
+    t, renderer = _run(env, [hint, hint, "ba"], tiny_tokenizer)
+    assert [c.reward for c in t.calls] == [-0.1, -0.1, 1.0]
+    assert t.env_rewards == pytest.approx({"hints": -0.2, "accuracy": 1.0})
+    assert (t.outcome, t.verifier_score) == ("finished", 1.0)  # primary component = accuracy
+    assert t.reward == pytest.approx(0.8) and t.reward_components == pytest.approx({"accuracy": 1.0, "hints": -0.2})
+    assert t.n_tool_calls == 2 and t.messages[-1] == {"role": "user", "content": ""}
+    [row] = trajectory_to_rows(t)
+    ends = [j for j, r in enumerate(row.token_rewards) if r]
+    assert [row.token_rewards[j] for j in ends] == [-0.1, -0.1, 1.0]
+    assert all(row.loss_mask[j] for j in ends)  # each turn's reward sits on a sampled token
+    # returns-to-go of each call's tokens: what that turn and the later ones earned
+    g = discounted_returns(row.token_rewards, row.loss_mask, 1.0)
+    first = row.loss_mask.index(1)
+    assert g[first] == pytest.approx(0.8) and g[ends[1]] == pytest.approx(0.9) and g[ends[2]] == pytest.approx(1.0)
+
+
+def test_a_wrong_answer_ends_the_episode_with_zero_accuracy(tiny_tokenizer):
+    env = load_environment("env_fixtures:ReverseEnvironment", 0, {"words": ["ab", "cd", "ef", "gh"]})
+    t, _ = _run(env, ["ab"], tiny_tokenizer)
+    assert (t.outcome, t.reward, len(t.calls), t.n_tool_calls) == ("finished", 0.0, 1, 0)
+
+
+@pytest.mark.parametrize("where", ["reset", "step"])
+def test_an_environment_that_raises_is_an_env_error_not_a_zero(tiny_tokenizer, where):
+    env = load_environment("env_fixtures:ReverseEnvironment", 0, {"boom": where})
+    t, _ = _run(env, ["cba"], tiny_tokenizer)
+    assert (t.outcome, t.reward) == ("env_error", None)
+    assert t.error == f"environment {where} raised RuntimeError: {where} broke"
+
+
+def test_a_reward_outside_the_declared_range_is_an_env_error(tiny_tokenizer):
+    env = load_environment("env_fixtures:ReverseEnvironment", 0, {"words": ["ab", "cd", "ef", "gh"]})
+    hint = '<tool_call>\n{"name": "hint", "arguments": {}}\n</tool_call>'
+    renderer = Renderer(tiny_tokenizer, env.tools)
+    task = env.split["train"][0]
+    [t] = run_episodes(_scripted(renderer, [hint] * 3 + ["ba"]), renderer,
+                       [EpisodeSpec(env.make_episode(task), task.task_id, "g", 0, 0)],
+                       Budgets(max_turns=4, max_new_tokens=64, max_total_tokens=4000), env.system_prompt)
+    score_trajectories([t], components=env.reward_components, reward_range=(0.0, 0.5))  # total 0.7
+    assert (t.outcome, t.reward) == ("env_error", None) and "outside the declared range [0.0, 0.5]" in t.error
+
+
+def test_collect_builds_groups_with_the_group_builder_and_calls_score_group(monkeypatch):
+    import consequence.iteration as it
+    from consequence.records import Trajectory
+
+    env = load_environment("env_fixtures:ReverseEnvironment", 0, {"words": ["ab", "cd", "ef", "gh"]})
+    made = []
+    real = env.make_group
+    monkeypatch.setattr(env, "make_group", lambda task, size: made.append((task.word, size)) or real(task, size))
+    monkeypatch.setattr(it, "run_episodes", lambda gen, r, specs, *a, **k: [
+        Trajectory(s.task_id, s.group_id, s.sample_id, s.seed, 0) for s in specs])
+    monkeypatch.setattr(it, "policy_generate_fn", lambda *a, **k: None)
+    cfg = TrainConfig(tasks_per_iteration=2, group_size=3)
+    groups = it._roll_out_round(0, 0, cfg, None, SimpleNamespace(stop_ids=set()), env, Budgets(), None)
+    assert [len(g) for g in groups] == [3, 3] and [s for _, s in made] == [3, 3]
+    assert [n for _, n in env.scored] == [3, 3]
+
+
+def test_config_env_shorthands(tmp_path):
+    f = tmp_path / "t.jsonl"
+    assert TrainConfig(tasks="humaneval-repair").env == "humaneval-repair"
+    c = TrainConfig(env=str(f))
+    assert (c.env, c.tasks_file) == ("jsonl", str(f))
+    with pytest.raises(ValueError, match="--tasks repair and --env calculator disagree"):
+        TrainConfig(tasks="repair", env="calculator")
+    from consequence.recipes import resolve_config
+
+    assert resolve_config(None, {"env": "calculator"}).run_dir.endswith("runs/calculator-default")
+    assert resolve_config(None, {"env": "calculator", "recipe": "dapo"}).run_dir.endswith("runs/calculator-dapo")
+    assert resolve_config(None, {}).run_dir.endswith("runs/repair-default")
