@@ -42,18 +42,18 @@ def test_sample_episodes_reports_episodes_finished(renderer):
     from consequence.evaluate.rollouts import sample_episodes
     from consequence.policy.tiny import load_policy
     from consequence.rollout.episodes import Budgets
-    from consequence.tasks.repair import load_split, make_tasks
+    from consequence.envs.registry import load_environment
     from consequence.warmstart import BUNDLED
 
     model, tok = load_policy(BUNDLED)
-    from consequence.envs.repair_env import TOOLS
     from consequence.harness.renderer import Renderer
 
-    tasks = make_tasks(load_split(0)["validation"], 2, seed=0)
+    env = load_environment("repair")
+    tasks = env.sample("validation", 2, seed=0)
     seen: list[int] = []
-    trajs = sample_episodes(model, Renderer(tok, TOOLS), tasks, 2, Budgets(max_turns=2, max_new_tokens=16), 0,
+    trajs = sample_episodes(model, Renderer(tok, env.tools), env, tasks, 2, Budgets(max_turns=2, max_new_tokens=16), 0,
                             progress=seen.append)
-    quiet = sample_episodes(model, Renderer(tok, TOOLS), tasks, 2, Budgets(max_turns=2, max_new_tokens=16), 0)
+    quiet = sample_episodes(model, Renderer(tok, env.tools), env, tasks, 2, Budgets(max_turns=2, max_new_tokens=16), 0)
     assert seen[-1] == 4 == len(trajs) and seen == sorted(seen) and len(seen) >= 2
     assert [t.calls[-1].output_ids for t in trajs] == [t.calls[-1].output_ids for t in quiet]  # same episodes
 

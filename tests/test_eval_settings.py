@@ -26,8 +26,8 @@ def _links_exist(md: Path) -> list[str]:
 
 def test_settings_come_from_the_run_and_options_override():
     st = resolve_settings([("", None)], {"split_seed": None})
-    assert st.values == {"tasks": "repair", "split_seed": 0, "max_turns": 8, "max_new_tokens": 48,
-                         "max_total_tokens": 768} and set(st.origin.values()) == {"default"}
+    assert st.values == {"env": "repair", "tasks_file": None, "env_options": {}, "split_seed": 0, "max_turns": 8,
+                         "max_new_tokens": 48, "max_total_tokens": 768} and set(st.origin.values()) == {"default"}
 
 
 def test_eval_of_a_run_uses_its_split_seed_and_budgets(tmp_path):
@@ -39,12 +39,14 @@ def test_eval_of_a_run_uses_its_split_seed_and_budgets(tmp_path):
     s = out["settings"]
     assert s["split_seed"] == 1 and s["model"] == str(run / "checkpoints" / "final")
     assert s["budgets"] == {"max_turns": 2, "max_new_tokens": 16, "max_total_tokens": 1024, "max_tool_calls": 10}
-    assert {k: v["from"] for k, v in s["provenance"]["keys"].items()} == dict.fromkeys(RUN_CFG, "run")
+    # the run's config.yaml is of the older format (tasks: repair): read as env: repair
+    assert {k: v["from"] for k, v in s["provenance"]["keys"].items()} == {
+        "env": "run", "tasks_file": "default", "env_options": "default", **dict.fromkeys(list(RUN_CFG)[1:], "run")}
     # the problems are validation problems of the run's split (seed 1), not of seed 0
     ids = {t["problem_id"] for t in out["per_task"]}
     assert ids <= {p.problem_id for p in load_split(1)["validation"]}
     assert not ids & {p.problem_id for p in load_split(1)["train"]}
-    line = "Settings from the run (`%s`): task source repair, split seed 1, max_turns 2" % (run / "config.yaml")
+    line = "Settings from the run (`%s`): environment repair, split seed 1, max_turns 2" % (run / "config.yaml")
     assert line in res.output and line in (tmp_path / "e" / "report.md").read_text()
     assert _links_exist(tmp_path / "e" / "report.md") == []
 
@@ -124,11 +126,11 @@ def test_compare_refuses_the_same_policy_twice(tmp_path):
 def test_describe_without_a_run_names_options_and_defaults():
     st = resolve_settings([("", None)], {"split_seed": 3})
     assert describe(st.record()) == ("Settings not a run folder, so nothing is taken from a run; given on the command "
-                                     "line: split seed 3; defaults: task source repair, max_turns 8, max_new_tokens 48, "
+                                     "line: split seed 3; defaults: environment repair, max_turns 8, max_new_tokens 48, "
                                      "max_total_tokens 768.")
 
 
 def test_a_missing_task_file_from_a_run_is_an_error_before_any_work(tmp_path):
     run = fake_run(tmp_path / "run", **{**RUN_CFG, "tasks": str(tmp_path / "mine.jsonl")})
     res = CliRunner().invoke(app, ["eval", "--model", str(run), "--out", str(tmp_path / "e")])
-    assert res.exit_code == 2 and f"--tasks {tmp_path / 'mine.jsonl'}: no such task file" in res.output
+    assert res.exit_code == 2 and f"--tasks-file {tmp_path / 'mine.jsonl'}: no such file" in res.output

@@ -76,10 +76,12 @@ def test_episode_stream_equals_chat_template_and_mask_covers_only_sampled(render
 
 
 class _Env:
-    """A stub environment: run_tests forever, finish scores 1."""
+    """A stub environment: run_tests forever, finish scores 1; a reply without a tool call
+    is an ordinary turn (as in code repair), not an answer."""
 
     tools = TOOLS
     code = "x = 1"
+    answer_ends_episode = False
 
     def reset(self, seed=None, options=None):
         return "Fix find_max.", {}
@@ -140,3 +142,16 @@ def test_max_turns_and_parse_errors(renderer):
     assert all(c.parse_error for c in t.calls)
     assert "error: no tool call" in renderer.tokenizer.decode(t.calls[0].observation_ids)
     assert json.dumps(t.messages)  # the readable view is plain JSON
+
+
+def test_a_reply_without_a_tool_call_is_the_answer_by_default(renderer):
+    class Answering(_Env):
+        answer_ends_episode = True  # the API's default
+
+        def step(self, action):
+            return "", float(action.get("answer") == "hello"), True, False, {}
+
+    gen = _Scripted(renderer, [(renderer.encode("hello") + [renderer.eot_id], "stop")])
+    [t] = run_episodes(gen, renderer, [EpisodeSpec(Answering(), "t", "g", 0, 0)], Budgets(max_turns=3), "sys")
+    assert (t.outcome, t.verifier_score, len(t.calls), t.calls[0].parse_error) == ("finished", 1.0, 1, None)
+    assert t.calls[0].reward == 1.0 and t.env_rewards == {"reward": 1.0}

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from consequence.envs.repair_env import SYSTEM_PROMPT, TOOLS, RepairEnv
-from consequence.envs.sources import load_task_source
+from consequence.envs.registry import load_environment
 from consequence.harness.renderer import Renderer
 from consequence.policy.prefix_cache import PrefixCache, generate_with_prefix
 from consequence.policy.sampler import SamplingParams, generate
@@ -22,7 +22,7 @@ def policy():
 
 
 def _episodes(model, renderer, params, cached: bool, n_tasks=6, group=1):
-    tasks = load_task_source("repair", 0).sample("validation", n_tasks, seed=3)
+    tasks = load_environment("repair", 0).sample("validation", n_tasks, seed=3)
     gen, cache = torch.Generator().manual_seed(0), PrefixCache()
 
     def fn(prompts, max_new_tokens, idx):

@@ -112,8 +112,9 @@ def test_path_options_are_stored_absolute(tmp_path, monkeypatch, captured):
     (tmp_path / "rec.yaml").write_text("name: mine\ntitle: Mine\nsummary: s\npaper: p\nconfig: {advantage: rloo}\n")
     res, cfg = captured("--model", "model", "--tasks", "tasks.jsonl", "--run-dir", "out/run", "--recipe", "rec.yaml")
     assert res.exit_code == 0, res.output
-    assert (cfg.model, cfg.tasks, cfg.run_dir, cfg.recipe) == tuple(
+    assert (cfg.model, cfg.tasks_file, cfg.run_dir, cfg.recipe) == tuple(
         str(tmp_path / n) for n in ("model", "tasks.jsonl", "out/run", "rec.yaml"))
+    assert cfg.env == "jsonl"  # --tasks FILE.jsonl (its older name) = --env jsonl --tasks-file FILE
     assert not (tmp_path / "out").exists()  # the write check leaves nothing behind
 
 
@@ -178,24 +179,27 @@ def test_mini_batches_larger_than_the_batch_are_refused(captured):
 
 # ---- 11. JSONL task files -----------------------------------------------------------------------------
 def test_a_jsonl_task_file_is_accepted_and_checked_before_work(tmp_path, captured):
-    from consequence.envs.sources import load_task_source
+    from consequence.envs.registry import env_of
 
     write_tasks(tmp_path / "tasks.jsonl")
-    res, cfg = captured("--tasks", str(tmp_path / "tasks.jsonl"), "--run-dir", str(tmp_path / "run"))
-    assert res.exit_code == 0 and cfg.tasks == str(tmp_path / "tasks.jsonl")
-    src = load_task_source(cfg.tasks, 0)
+    for args in (["--tasks", str(tmp_path / "tasks.jsonl")], ["--env", "jsonl", "--tasks-file", str(tmp_path / "tasks.jsonl")]):
+        res, cfg = captured(*args, "--run-dir", str(tmp_path / "run"))
+        assert res.exit_code == 0 and (cfg.env, cfg.tasks_file) == ("jsonl", str(tmp_path / "tasks.jsonl"))
+    src = env_of(cfg)
     assert sum(len(v) for v in src.split.values()) == 12 and len(src.split["train"]) >= 8
-    assert src.sample("train", 3, seed=1)[0].func_name == "f"
+    assert src.sample("train", 3, seed=1)[0].func_name == "f" and src.label == str(tmp_path / "tasks.jsonl")
     cases = [(_repair_record(2, hidden_test=[]), ":3: unknown field(s) ['hidden_test']"),
              (_repair_record(2, kind="completion"), ":3: task 'max-2' has kind 'completion'")]
     for bad, needle in cases:
         write_tasks(tmp_path / "bad.jsonl", bad_line=bad)
         res, cfg = captured("--tasks", str(tmp_path / "bad.jsonl"), "--run-dir", str(tmp_path / "run"))
-        assert res.exit_code == 2 and cfg is None and f"--tasks {tmp_path / 'bad.jsonl'}{needle}" in _text(res), res.output
+        assert res.exit_code == 2 and cfg is None and f"--tasks-file {tmp_path / 'bad.jsonl'}{needle}" in _text(res), res.output
     res, _ = captured("--tasks", str(tmp_path / "none.jsonl"))
     assert res.exit_code == 2 and "none.jsonl: no such file" in _text(res)
+    res, _ = captured("--env", "jsonl")
+    assert res.exit_code == 2 and "--env jsonl needs a task file: --tasks-file FILE.jsonl" in _text(res)
     res, _ = captured("--tasks", "mbpp")
-    assert res.exit_code == 2 and "give one of repair, humaneval-repair, or the path of a .jsonl task file" in _text(res)
+    assert res.exit_code == 2 and "--env 'mbpp': unknown environment; valid: repair, humaneval-repair, jsonl" in _text(res)
     assert not (tmp_path / "run").exists()
 
 

@@ -368,12 +368,16 @@ def build_page(run_dir: str | os.PathLike, iteration: int | None = None, with_cu
 
 
 def _run_label(run: Path, cfg: dict) -> str:
-    """What the run is, as its manifest names it (``run_label``); older runs: the recipe, or the default loop."""
+    """What the run is, as its manifest names it (``run_label``, and its environment's name and
+    version); older runs: the recipe, or the default loop."""
     try:
-        label = json.loads((run / "manifest.json").read_text()).get("run_label")
+        manifest = json.loads((run / "manifest.json").read_text())
+        label, env = manifest.get("run_label"), manifest.get("environment", {})
     except (OSError, ValueError, AttributeError):
-        label = None
-    return label or cfg.get("recipe") or "default (GRPO advantages, token-mean, no KL)"
+        label, env = None, {}
+    label = label or cfg.get("recipe") or "default (GRPO advantages, token-mean, no KL)"
+    name = env.get("name") if isinstance(env, dict) else None
+    return f"{label} · environment {name} v{env.get('version')}" if name else label
 
 
 def write_page(html: str, out: str | os.PathLike) -> Path:
