@@ -135,7 +135,7 @@ class TrainConfig(BaseModel):
     @classmethod
     def _env_name(cls, v: str) -> str:
         if not v.strip():
-            raise ValueError("give an environment name (see `consequence envs`), module:attr, or a .jsonl task file")
+            raise ValueError("give an environment name (`consequence envs` lists them), module:attr, or a .jsonl task file")
         return v
 
     @field_validator("final_eval_decoding", mode="before")

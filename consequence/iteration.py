@@ -28,7 +28,8 @@ from consequence.credit.batch import Batch, assign_credit, training_rows
 from consequence.credit.value import ValueModel, explained_variance
 from consequence.policy.logprobs import token_logprobs
 from consequence.records import Trajectory
-from consequence.reward.scoring import score_trajectories
+from consequence.reward.scoring import rescore_group, score_trajectories
+from consequence.rollout.groups import group_of
 from consequence.rollout.episodes import EpisodeSpec, run_episodes
 from consequence.seeding import seed_of
 from consequence.rollout.sampling import policy_generate_fn
@@ -97,16 +98,17 @@ def _roll_out_round(it, r, cfg, model, renderer, split, budgets, sampling, progr
     env = split
     tasks = env.sample("train", cfg.tasks_per_iteration, seed=seed_of(cfg.seed, *tag))
     prefix = f"{it}" if r == 0 else f"{it}.{r}"
-    specs = [EpisodeSpec(episode, t.task_id, f"{prefix}/{t.task_id}", g, seed_of(cfg.seed, *tag, g))
-             for t in tasks for g, episode in enumerate(env.make_group(t, cfg.group_size))]
+    specs = [EpisodeSpec(episode, t.task_id, f"{prefix}/{t.task_id}", g, seed_of(cfg.seed, *tag, g),
+                         answer_ends_episode=env.answer_ends_episode)
+             for t in tasks for g, episode in enumerate(group_of(env, t, cfg.group_size))]
     gen = policy_generate_fn(model, sampling, renderer.stop_ids, seed_of(cfg.seed, *tag, "rollout"))
     trajs = run_episodes(gen, renderer, specs, budgets, env.system_prompt, policy_version=it, progress=progress)
     score_trajectories(trajs, cfg.overlong_buffer, budgets.max_total_tokens, env.reward_components, env.reward_range)
     groups: dict[str, list[Trajectory]] = {}
     for t in trajs:
         groups.setdefault(t.group_id, []).append(t)
-    for task, group in zip(tasks, groups.values()):  # groups keep the order of their tasks
-        env.score_group(task, group)
+    for task in tasks:
+        rescore_group(env, task, groups[f"{prefix}/{task.task_id}"], overlong=bool(cfg.overlong_buffer))
     return list(groups.values())
 
 

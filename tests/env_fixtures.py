@@ -68,3 +68,33 @@ class NoOptions(Environment):
 
 def not_an_environment(split_seed=0):
     return object()
+
+
+class Plain:
+    """A task that is not a dataclass."""
+
+    def __init__(self, i):
+        self.task_id, self.problem_id, self.word = f"t{i}", f"p{i}", "ab"
+
+
+class PlainTasks(ReverseEnvironment):
+    def load_splits(self, split_seed):
+        return {"train": [Plain(0), Plain(1)], "validation": [Plain(2)], "test": [Plain(3)]}
+
+
+class LeakyEnvironment(ReverseEnvironment):
+    def load_splits(self, split_seed):
+        ws = [Word("w0", "p0", "ab"), Word("w1", "p0", "ab")]
+        return {"train": ws[:1], "validation": [], "test": ws[1:]}
+
+
+class ShortGroups(ReverseEnvironment):
+    def make_group(self, task, size):
+        return [self.make_episode(task)] * size  # one shared episode: not isolated
+
+
+class BadSums(ReverseEnvironment):
+    def make_episode(self, task):
+        ep = HintEpisode(task)
+        ep.step = lambda action: ("", 1.0, True, False, {"reward_components": {"accuracy": 0.5}})
+        return ep

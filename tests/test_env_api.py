@@ -146,3 +146,50 @@ def test_config_env_shorthands(tmp_path):
     assert resolve_config(None, {"env": "calculator"}).run_dir.endswith("runs/calculator-default")
     assert resolve_config(None, {"env": "calculator", "recipe": "dapo"}).run_dir.endswith("runs/calculator-dapo")
     assert resolve_config(None, {}).run_dir.endswith("runs/repair-default")
+
+
+def test_declarations_are_checked_when_the_environment_loads():
+    with pytest.raises(ValueError, match="problem 'p0' is in both the train and the test split"):
+        load_environment("env_fixtures:LeakyEnvironment")
+    env = load_environment("env_fixtures:PlainTasks")  # tasks need not be dataclasses
+    drawn = env.sample("train", 3, seed=2)
+    assert [t.task_id.split("#")[1] for t in drawn] == ["2-0", "2-1", "2-2"] and env.split["train"][0].task_id == "t0"
+
+
+def test_a_group_builder_must_make_isolated_episodes():
+    from consequence.rollout.groups import group_of
+
+    env = load_environment("env_fixtures:ShortGroups")
+    with pytest.raises(ValueError, match="returned the same episode object more than once"):
+        group_of(env, env.split["train"][0], 3)
+
+
+def test_components_that_do_not_add_up_to_the_reward_are_an_env_error(tiny_tokenizer):
+    env = load_environment("env_fixtures:BadSums")
+    t, _ = _run(env, ["ba"], tiny_tokenizer)
+    assert (t.outcome, t.reward) == ("env_error", None)
+    assert "returned reward 1.0 but its reward_components {'accuracy': 0.5} sum to 0.5" in t.error
+
+
+def test_a_rescored_group_is_checked_again():
+    from consequence.records import Trajectory
+    from consequence.reward.scoring import rescore_group
+
+    env = load_environment("env_fixtures:ReverseEnvironment")
+    group = [Trajectory("w0", "g", k, 0, 0, reward=0.0) for k in range(2)]
+    env.score_group = lambda task, ts: [setattr(t, "reward", r) for t, r in zip(ts, (1.0, 7.0))]
+    rescore_group(env, env.split["train"][0], group)
+    assert (group[0].outcome, group[0].reward) == ("finished", 1.0)
+    assert (group[1].outcome, group[1].reward) == ("env_error", None) and "score_group:" in group[1].error
+
+
+def test_envs_command_lists_every_environment():
+    from typer.testing import CliRunner
+
+    from consequence.cli import app
+
+    res = CliRunner().invoke(app, ["envs"], env={"COLUMNS": "250"})
+    assert res.exit_code == 0
+    for name in BUILTINS:
+        assert name in res.output
+    assert "tasks_file=None" in res.output and "accuracy, tool_cost" in res.output

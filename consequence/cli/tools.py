@@ -35,6 +35,45 @@ def explain(recipes: list[str] = typer.Argument(..., help="One recipe (its boxes
         raise typer.Exit(2)
 
 
+@app.command("envs")
+def envs_cmd() -> None:
+    """List the environments `--env` accepts: built-ins, installed plug-ins (entry point group
+    consequence.environments); any module:attr path works too (docs/environments.md)."""
+    from rich.table import Table
+
+    from consequence.envs.registry import BUILTINS, available, resolve
+
+    table = Table(title="environments (--env NAME)")
+    for col in ("name", "from", "version", "tools", "reward components", "options (--env-option)", "what"):
+        table.add_column(col)
+    for name, target in available().items():
+        try:
+            cls = resolve(name)
+            doc = (cls.__doc__ or "").strip().splitlines()
+            row = [str(getattr(cls, "version", "?")), ", ".join(t["function"]["name"] for t in getattr(cls, "tools", []))
+                   or "none (answer in text)", ", ".join(getattr(cls, "reward_components", ())), _options_of(cls),
+                   doc[0] if doc else ""]
+        except ValueError as e:
+            row = ["?", "?", "?", "?", f"[red]cannot load: {escape(str(e))}[/]"]
+        table.add_row(name, "built-in" if name in BUILTINS else f"plug-in {escape(target)}", *row)
+    console.print(table)
+    console.print("Also: --env module:attr (an Environment subclass importable from the Python path), or a .jsonl "
+                  "task file. Options: --env-option key=value, or env_options: in a --config YAML.")
+
+
+def _options_of(cls) -> str:
+    """``name=default`` for each option an environment's constructor takes (``split_seed`` aside)."""
+    import inspect
+
+    try:
+        params = inspect.signature(cls).parameters.values()
+    except (TypeError, ValueError):
+        return "?"
+    shown = [p.name if p.default is inspect.Parameter.empty else f"{p.name}={p.default!r}" for p in params
+             if p.name != "split_seed" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+    return escape(", ".join(shown)) or "none"
+
+
 @app.command("warmstart")
 def warmstart(seed: int = typer.Option(0, help="Seed of the problem split (train split) and the teacher."),
               demos: int = typer.Option(4000, min=10, help="Teacher demonstrations to generate."),

@@ -96,10 +96,12 @@ class Environment:
 
     # ---- what a subclass implements -------------------------------------------------
     def load_splits(self, split_seed: int) -> dict[str, list]:
-        """``{"train": [...], "validation": [...], "test": [...]}``: tasks split by problem.
+        """``{"train": [...], "validation": [...], "test": [...]}``: tasks split by problem
+        (or problems from which :meth:`sample` draws tasks, as ``repair`` does).
 
-        A task is any object with ``task_id`` and ``problem_id`` (str) attributes; tasks of
-        one problem must all land in the same split."""
+        A task is any object with ``task_id`` and ``problem_id`` (str) attributes (a
+        dataclass, a NamedTuple or a plain object; the default :meth:`sample` copies it with
+        a new ``task_id``); tasks of one problem must all land in the same split (checked)."""
         raise NotImplementedError(f"{type(self).__name__}.load_splits")
 
     def make_episode(self, task: Any) -> Episode:
@@ -121,9 +123,28 @@ class Environment:
         Raises:
             ValueError: unknown split, or an empty split and ``n > 0``.
         """
-        from consequence.tasks.jsonl import cycle_tasks
+        import copy
+        import dataclasses
+        import random
 
-        return cycle_tasks(self._pool(split), n, seed)
+        pool = self._pool(split)
+        if n > 0 and not pool:
+            raise ValueError(f"--env {self.label}: the {split} split has no task to draw from")
+        order = list(range(len(pool)))
+        random.Random(seed).shuffle(order)
+        out = []
+        for k in range(n):
+            task = pool[order[k % len(order)]]
+            new_id = f"{task.task_id}#{seed}-{k}"
+            if dataclasses.is_dataclass(task):
+                out.append(dataclasses.replace(task, task_id=new_id))
+            elif hasattr(task, "_replace"):  # a NamedTuple
+                out.append(task._replace(task_id=new_id))
+            else:
+                twin = copy.copy(task)
+                object.__setattr__(twin, "task_id", new_id)
+                out.append(twin)
+        return out
 
     # ---- derived -------------------------------------------------------------------
     def _pool(self, split: str) -> list:
@@ -208,8 +229,9 @@ def check_environment(env: Environment) -> None:
     """The declarations a run relies on, before any work.
 
     Raises:
-        ValueError: no name, no split key, a reward rule other than sum, an empty or
-            reversed reward range, or a tool spec that is not JSON-able.
+        ValueError: no name, no split key, a split entry without a string ``problem_id``,
+            a problem in two splits, a reward rule other than sum, an empty or reversed
+            reward range, or a tool spec that is not JSON-able.
     """
     who = f"environment {type(env).__module__}:{type(env).__qualname__}"
     if not env.name:
@@ -217,6 +239,15 @@ def check_environment(env: Environment) -> None:
     missing = [s for s in SPLITS if s not in env.split]
     if missing:
         raise ValueError(f"{who}: load_splits() must return the splits {', '.join(SPLITS)}; missing {', '.join(missing)}")
+    seen: dict[str, str] = {}
+    for split in SPLITS:
+        for task in env.split[split]:
+            if not isinstance(getattr(task, "problem_id", None), str):
+                raise ValueError(f"{who}: an entry of the {split} split has no string `problem_id` ({task!r:.80})")
+            other = seen.setdefault(task.problem_id, split)
+            if other != split:
+                raise ValueError(f"{who}: problem {task.problem_id!r} is in both the {other} and the {split} split; "
+                                 "split by problem so that no test problem is trained on")
     if env.reward_rule != "sum":
         raise ValueError(f"{who}: reward_rule {env.reward_rule!r} is not supported (only 'sum')")
     low, high = env.reward_range

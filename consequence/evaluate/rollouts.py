@@ -11,7 +11,8 @@ from collections.abc import Callable, Sequence
 
 from consequence.policy.sampler import SamplingParams
 from consequence.records import Trajectory
-from consequence.reward.scoring import score_trajectories
+from consequence.reward.scoring import rescore_group, score_trajectories
+from consequence.rollout.groups import group_of
 from consequence.rollout.episodes import Budgets, EpisodeSpec, run_episodes
 from consequence.rollout.sampling import policy_generate_fn
 from consequence.seeding import seed_of
@@ -54,11 +55,11 @@ def sample_episodes(model, renderer, env, tasks: Sequence, n: int, budgets: Budg
     params = SamplingParams(temperature=temperature, max_new_tokens=budgets.max_new_tokens)
     openings = openings or [()] * len(tasks)
     specs = [EpisodeSpec(episode, t.task_id, t.task_id, j, seed_of(seed, i) if j == 0 else seed_of(seed, i, j),
-                         tuple(openings[i]))
-             for i, t in enumerate(tasks) for j, episode in enumerate(env.make_group(t, n))]
+                         tuple(openings[i]), env.answer_ends_episode)
+             for i, t in enumerate(tasks) for j, episode in enumerate(group_of(env, t, n))]
     gen = policy_generate_fn(model, params, renderer.stop_ids, seed)
     trajs = run_episodes(gen, renderer, specs, budgets, env.system_prompt, policy_version, progress=progress)
     score_trajectories(trajs, components=env.reward_components, reward_range=env.reward_range)
     for i, t in enumerate(tasks):
-        env.score_group(t, trajs[i * n:(i + 1) * n])
+        rescore_group(env, t, trajs[i * n:(i + 1) * n])
     return trajs

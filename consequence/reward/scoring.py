@@ -137,3 +137,18 @@ def score_trajectories(trajs: list[Trajectory], overlong_buffer: int = 0, max_to
         t.reward, t.reward_components = res.value, res.components
         if res.value is None:
             t.outcome, t.error = "env_error", res.error
+
+
+def rescore_group(env, task, group: list[Trajectory], overlong: bool = False) -> None:
+    """``env.score_group(task, group)`` (joint scoring of one group, e.g. a pairwise judge),
+    then every total checked again: a rescored reward that is not a finite number inside
+    the environment's range (lowered by 1 with the overlong penalty) makes that trajectory
+    an env_error, never a score."""
+    env.score_group(task, group)
+    low, high = env.reward_range
+    for t in group:
+        if t.reward is None:
+            continue
+        res = checked_reward(lambda r=t.reward: r, low=low - 1.0 if overlong else low, high=high)
+        if res.value is None:
+            t.reward, t.outcome, t.error = None, "env_error", f"score_group: {res.error}"

@@ -9,6 +9,7 @@ observation ids (docs/design.md §2).
 
 from __future__ import annotations
 
+import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -54,6 +55,7 @@ class EpisodeSpec:
     sample_id: int
     seed: int
     opening: tuple[tuple[str, dict], ...] = ()
+    answer_ends_episode: bool = True  # the environment's setting; an episode's own attribute wins
 
 
 @dataclass
@@ -168,6 +170,9 @@ def _take_reward(traj: Trajectory, call: ModelCall, reward: Any, info: dict) -> 
         parts = {str(k): float(v) for k, v in parts.items()}
     except (TypeError, ValueError, AttributeError) as err:
         return f"environment step returned a reward that is not a number: {reward!r} ({err})"
+    if parts and not math.isclose(math.fsum(parts.values()), value, rel_tol=1e-9, abs_tol=1e-9):
+        return (f"environment step returned reward {value!r} but its reward_components {parts!r} sum to "
+                f"{math.fsum(parts.values())!r}; the components must add up to the step's reward")
     call.reward += value
     for k, v in parts.items():
         traj.env_rewards[k] = traj.env_rewards.get(k, 0.0) + v
@@ -181,7 +186,7 @@ def _supports(sample: Any) -> list[list[int]] | None:
 
 
 def _advance(e: _Live, sample: Any, renderer: Renderer, tool_specs: dict, budgets: Budgets) -> None:
-    answers = getattr(e.spec.env, "answer_ends_episode", True)
+    answers = getattr(e.spec.env, "answer_ends_episode", e.spec.answer_ends_episode)
     parsed = renderer.parse(sample.output_ids, sample.stop_reason, answers=answers)
     call = ModelCall(context_ids=list(e.context), output_ids=list(sample.output_ids),
                      sample_logprobs=list(sample.logprobs), stop_reason=sample.stop_reason,
