@@ -1,7 +1,8 @@
 """pass@k, uncertainty and cost of multi-turn evaluation episodes (docs/design.md §7).
 
 Input: n scored episodes per task (``sample_id`` 0 … n−1, ``group_id`` = task id).
-Success of an episode = the agent submitted (``finish``) and the hidden tests all pass.
+Success of an episode = the environment ended it (e.g. ``finish``, or an answer) and its
+primary reward component (the verifier's score: hidden tests for code) is 1.
 Environment errors are excluded from their task's n by a stated rule and counted; a task
 left with fewer than k valid episodes is left out of pass@k and counted.
 """
@@ -20,7 +21,8 @@ EXCLUSION_RULE = ("an episode whose environment failed (env_error) is dropped fr
 
 
 def solved(t: Trajectory) -> bool:
-    """The episode submitted (``finish``) and its final program passed every hidden test."""
+    """The environment ended the episode and the verifier's score (the primary reward
+    component, e.g. every hidden test passed) is 1."""
     return t.outcome == "finished" and t.verifier_score == 1.0
 
 

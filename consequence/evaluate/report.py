@@ -50,6 +50,7 @@ def markdown(result: dict[str, Any], cost_png: str = "cost.png") -> str:
     b = s["budgets"]
     lines = [f"# Evaluation: {s['tasks']} / {s['split']}", ""]
     lines += [f"> **Warning:** {w}" for w in result.get("warnings", [])]
+    lines += [f"> Note: {n}" for n in result.get("notes", [])]
     lines += [f"Model `{s['model']}`; {s['problems']} problem{'s' if s['problems'] != 1 else ''} × n = {s['n']} samples at temperature "
               f"{s['temperature']}, seed {s['seed']}, split seed {s['split_seed']}. Budget per episode: {b['max_turns']} turns, "
               f"{b['max_new_tokens']} tokens per call, {b['max_total_tokens']} tokens in all, "
@@ -89,14 +90,14 @@ def _selection_lines(sel: dict[str, Any]) -> list[str]:
     if not sel:
         return []
     ks = list(next(iter(sel.values())))
-    lines = ["", "## Final-selection success (one of k candidates submitted, judged on hidden tests)", "",
+    lines = ["", "## Final-selection success (one of k candidates submitted, judged by the verifier)", "",
              "| rule | " + " | ".join(f"k = {k}" for k in ks) + " |", "|---|" + "---|" * len(ks)]
     for rule, by_k in sel.items():
         cells = [f"{v['success']:.3f} [{v['low']:.3f}, {v['high']:.3f}]" for v in by_k.values()]
         lines.append(f"| {rule} | " + " | ".join(cells) + " |")
     lines += ["", "Each task's valid episodes are cut into ⌊n/k⌋ disjoint blocks of k; the rule picks one "
               "submitted candidate per block (first: the first submission; majority: the most frequent final "
-              "program; visible: the most visible tests passed), ties to the earliest; a block without a "
+              "answer (program, for code); visible: the most visible tests passed), ties to the earliest; a block without a "
               "submission fails. 95 % CI: bootstrap over problems. pass@k above is the oracle's upper bound."]
     return lines
 

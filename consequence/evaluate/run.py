@@ -160,6 +160,10 @@ def evaluate_episodes(model_path: Path, env, split: str, n: int, ks: list[int], 
     plain_wall = time.perf_counter() - t0
     counts = per_task_counts(trajs)
     by_id = {t.task_id: t for t in task_list}
+    notes = []
+    if "visible" in selection and not any(getattr(t, "visible_tests", None) for t in task_list):
+        selection = tuple(r for r in selection if r != "visible")
+        notes.append("final-selection rule 'visible' left out: these tasks have no visible tests to run")
     visible = _visible_scores(trajs, by_id, phases, label) if "visible" in selection else None
     result = {
         "settings": {"model": str(model_path), "tasks": env.label, "environment": env.describe(), "split": split,
@@ -180,6 +184,7 @@ def evaluate_episodes(model_path: Path, env, split: str, n: int, ks: list[int], 
         "per_task": counts,
         "splits_touched": [touch],
         "warnings": [warning] if warning else [],
+        "notes": notes,
     }
     rtrajs: list[Trajectory] = []
     if recovery:
