@@ -65,3 +65,25 @@ def test_train_one_iteration_then_evaluate(tmp_path, monkeypatch):
     out = json.loads((tmp_path / "e" / "eval.json").read_text())
     assert out["settings"]["tasks"] == "humaneval" and out["tasks"] == 2  # the pass@k completion protocol
     assert out["settings"]["provenance"]["keys"]["env"]["from"] == "run"
+
+
+def test_humaneval_repair_trains_one_iteration_and_evaluates(tmp_path, monkeypatch):
+    monkeypatch.setenv("CONSEQUENCE_LEDGER", str(tmp_path / "ledger.jsonl"))
+    run = tmp_path / "run"
+    res = CliRunner().invoke(app, ["train", "--env", "humaneval-repair", "--max-turns", "2", "--max-new-tokens", "16",
+                                   "--max-total-tokens", "2048", "--iterations", "1", "--tasks-per-iteration", "2",
+                                   "--group-size", "2", "--eval-every", "0", "--final-eval-episodes", "2",
+                                   "--final-eval-decoding", "greedy", "--run-dir", str(run)])
+    assert res.exit_code == 0, res.output
+    manifest = json.loads((run / "manifest.json").read_text())
+    env = load_environment("humaneval-repair")
+    assert manifest["environment"]["name"] == "humaneval-repair"
+    assert manifest["tasks"]["sizes"] == {k: len(v) for k, v in env.split.items()}
+    trajs = read_trajectories(run / "trajectories" / "iter_0000.parquet")
+    train_ids = {t.task_id for t in env.split["train"]}  # instances are train tasks under new ids
+    assert len(trajs) == 4 and {t.task_id.split("#")[0] for t in trajs} <= train_ids
+    ev = CliRunner().invoke(app, ["eval", "--model", str(run), "--problems", "2", "-n", "1", "--no-recovery",
+                                  "--out", str(tmp_path / "e")])
+    assert ev.exit_code == 0, ev.output
+    out = json.loads((tmp_path / "e" / "eval.json").read_text())
+    assert out["settings"]["environment"]["name"] == "humaneval-repair" and len(out["per_task"]) == 2
