@@ -183,12 +183,14 @@ def test_a_rescored_group_is_checked_again():
     assert (group[1].outcome, group[1].reward) == ("env_error", None) and "score_group:" in group[1].error
 
 
-def test_envs_command_lists_every_environment():
+def test_envs_command_lists_every_environment(monkeypatch):
     from typer.testing import CliRunner
 
     from consequence.cli import app
+    from consequence.cli.common import console
 
-    res = CliRunner().invoke(app, ["envs"], env={"COLUMNS": "250"})
+    monkeypatch.setattr(console, "_width", 400)  # one line per row, whatever the worker's terminal
+    res = CliRunner().invoke(app, ["envs"])
     assert res.exit_code == 0
     for name in BUILTINS:
         assert name in res.output
