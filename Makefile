@@ -10,6 +10,7 @@ $(BIN)/consequence: pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q --no-deps openenv-core==0.3.0  # the OpenEnv server the adapter's tests run
 	touch $@
 
 install: $(BIN)/consequence

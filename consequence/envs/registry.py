@@ -33,6 +33,7 @@ BUILTINS: dict[str, str] = {
     "humaneval": "consequence.envs.completion_env:HumanEvalEnvironment",
     "reasoning-gym": "consequence.envs.reasoning_gym_env:ReasoningGymEnvironment",
     "calculator": "consequence.envs.calculator_env:CalculatorEnvironment",
+    "openenv": "consequence.envs.openenv_env:OpenEnvEnvironment",
 }
 
 
