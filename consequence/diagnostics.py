@@ -21,6 +21,14 @@ FIRST_STEP_RATIO_TOL = 0.01  # |ρ − 1| on the first step of an iteration (on-
 TRUNCATION_RISE = 0.10  # warn when the truncated share grew by this much over the last 3 iterations
 
 
+def component_means(scored: Sequence[Trajectory]) -> dict[str, float]:
+    """Mean of each named reward component over scored trajectories (a component a
+    trajectory lacks counts 0), so the parts of ``reward_mean`` are logged separately."""
+    names = list(dict.fromkeys(k for t in scored for k in t.reward_components))
+    n = max(1, len(scored))
+    return {k: sum(t.reward_components.get(k, 0.0) for t in scored) / n for k in names}
+
+
 def iteration_extras(trajs: Sequence[Trajectory]) -> dict[str, Any]:
     """Per-iteration diagnostics of the collected batch.
 

@@ -38,7 +38,7 @@ from consequence.harness.renderer import Renderer
 from consequence.policy.sampler import SamplingParams
 from consequence.policy.tiny import load_policy, save_policy
 from consequence.checks import run_pre_step_checks
-from consequence.diagnostics import iteration_extras, warnings_for
+from consequence.diagnostics import component_means, iteration_extras, warnings_for
 from consequence.evaluate.final import final_report, validate
 from consequence.evaluate.splits import record_touch, reuse_warning
 from consequence.report.manifest import build_manifest, clear_run_outputs, sha256_of, write_manifest
@@ -48,7 +48,7 @@ from consequence.resume import (ResumeState, interrupt_message, latest_state, lo
 from consequence.iteration import Learner, collect, credit, logprob_fn, make_learner, update
 from consequence.fileio import append_line, write_text_atomic
 from consequence.seeding import seed_of
-from consequence.records import Trajectory, write_trajectories
+from consequence.records import write_trajectories
 from consequence.rollout.episodes import Budgets, opening_prompt_len
 from consequence.envs.registry import env_of
 
@@ -350,6 +350,7 @@ def iteration(it, cfg, learner: Learner, renderer, split, budgets, sampling, run
     metrics = {
         "iteration": it,
         "reward_mean": sum(t.reward for t in valid) / max(1, len(valid)),
+        "reward_components_mean": component_means(valid),
         "success": summarize(trajs)["success"],
         "mixed_group_fraction": mixed_group_fraction([t.reward for t in trajs], [t.group_id for t in trajs]),
         "gen_tokens_mean": n_gen / max(1, len(trajs)),
@@ -357,7 +358,7 @@ def iteration(it, cfg, learner: Learner, renderer, split, budgets, sampling, run
         "truncated_fraction": sum(t.outcome == "truncated" for t in trajs) / max(1, len(trajs)),
         "env_errors": sum(t.outcome == "env_error" for t in trajs),
         "env_retries": sum(t.env_retries for t in trajs),  # sandbox re-runs, whatever the outcome
-        "diagnose_first": sum(_diagnoses_first(t) for t in trajs) / max(1, len(trajs)),
+        **split.iteration_metrics(trajs),  # the environment's own (repair: diagnose_first)
         "rollout_tokens_per_s": n_gen / max(t_rollout, 1e-9),
         "rollout_s": t_rollout,
         "update_s": t_update,
@@ -373,11 +374,6 @@ def iteration(it, cfg, learner: Learner, renderer, split, budgets, sampling, run
 
 
 # ---- plumbing -----------------------------------------------------------------------
-def _diagnoses_first(t: Trajectory) -> bool:
-    first = t.calls[0].tool_calls if t.calls else []
-    return bool(first) and first[0]["name"] in ("run_tests", "read_code")
-
-
 def _resolve_model(cfg: TrainConfig, console) -> Path:
     if cfg.model:
         return Path(cfg.model)

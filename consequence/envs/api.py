@@ -116,6 +116,11 @@ class Environment:
     def score_group(self, task: Any, trajectories: list) -> None:
         """Rescore a finished group jointly (set ``t.reward`` / ``t.reward_components``); default: nothing."""
 
+    def iteration_metrics(self, trajectories: list) -> dict[str, float]:
+        """Metrics of one training iteration's batch that only this environment can compute
+        (logged in ``metrics.jsonl`` beside the loop's own); default none."""
+        return {}
+
     def sample(self, split: str, n: int, seed: int) -> list:
         """``n`` task instances of ``split``, deterministic in ``seed``: a seeded permutation of
         the split, cycled; each copy's ``task_id`` is made unique (``id#seed-k``).

@@ -46,6 +46,12 @@ class RepairEnvironment(Environment):
     def make_episode(self, task) -> RepairEnv:
         return RepairEnv(task)
 
+    def iteration_metrics(self, trajectories: list) -> dict[str, float]:
+        """``diagnose_first``: share of episodes whose first call runs the tests or reads the code."""
+        first = [t.calls[0].tool_calls if t.calls else [] for t in trajectories]
+        hits = sum(bool(c) and c[0]["name"] in ("run_tests", "read_code") for c in first)
+        return {"diagnose_first": hits / max(1, len(trajectories))}
+
 
 class HumanEvalRepairEnvironment(RepairEnvironment):
     """HumanEval canonical solutions with one injected bug (145 tasks, split by task id)."""
