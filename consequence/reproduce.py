@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from consequence.config import TrainConfig
+from consequence.config import MODEL_NAMES, TrainConfig
 from consequence.report.manifest import git_commit, library_versions, read_manifest, sha256_of
 
 COMPARED = ("reward_mean", "success", "loss", "grad_norm", "entropy", "gen_tokens_mean")
@@ -34,6 +34,10 @@ def drift(manifest: dict[str, Any]) -> list[str]:
     model = manifest.get("model", {})
     if model.get("path") and sha256_of(Path(model["path"]) / "model.safetensors") != model.get("weights_sha256"):
         out.append(f"model weights at {model['path']} changed since the run (sha256 differs)")
+    if model.get("source"):  # a registered model name: the package file it was converted from
+        from consequence.policy.named import source_changes
+
+        out += source_changes(model["source"])
     tasks = manifest.get("tasks", {})
     if tasks.get("file_sha256") and sha256_of(Path(tasks["source"])) != tasks["file_sha256"]:
         out.append(f"task file {tasks['source']} changed since the run (sha256 differs)")
@@ -64,7 +68,7 @@ def reproduce_config(run_dir: Path, new_dir: Path | None = None, overrides: dict
     cwd = manifest.get("cwd")
     for key, what in (("model", "model folder"), ("tasks", "task file")):
         value = config.get(key)
-        if not value or (key == "tasks" and not str(value).endswith(".jsonl")):
+        if not value or (key == "tasks" and not str(value).endswith(".jsonl")) or (key == "model" and value in MODEL_NAMES):
             continue
         p = Path(value)
         if not p.is_absolute() and cwd:

@@ -376,7 +376,9 @@ def iteration(it, cfg, learner: Learner, renderer, split, budgets, sampling, run
 # ---- plumbing -----------------------------------------------------------------------
 def _resolve_model(cfg: TrainConfig, console) -> Path:
     if cfg.model:
-        return Path(cfg.model)
+        from consequence.policy.named import model_folder  # a registered name: converted on first use
+
+        return model_folder(cfg.model, log=lambda line: console.print(escape(line)))
     from consequence.warmstart import WarmstartConfig, ensure_warmstart
 
     ws = WarmstartConfig(seed=cfg.split_seed, n_demos=cfg.warmstart_demos, sft_epochs=cfg.warmstart_epochs)

@@ -18,9 +18,14 @@ def quiet_libraries() -> None:
 
 
 def check_model_dir(model: str | None, option: str = "--model", chat_template: bool = True) -> None:
-    """A local checkpoint needs its config and tokenizer files (checked before any work)."""
+    """A local checkpoint needs its config and tokenizer files (checked before any work); a
+    registered model name (consequence.policy.named) needs its package, not yet its conversion."""
     if model is None:
         return
+    from consequence.policy.named import check_available, is_named
+
+    if is_named(model):
+        return check_available(model, option)
     p = Path(model)
     if not p.is_dir():
         raise ValueError(f"{option} {p}: no such directory (give a local Hugging Face checkpoint folder)")

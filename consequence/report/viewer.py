@@ -321,7 +321,9 @@ def build_page(run_dir: str | os.PathLike, iteration: int | None = None, with_cu
 
     cfg = files.config
     temperature, top_k, top_p = float(cfg.get("temperature", 1.0)), int(cfg.get("top_k", 0)), float(cfg.get("top_p", 1.0))
-    tok_path = checkpoint_after(run, max(by_iter)) or (Path(cfg["model"]) if cfg.get("model") else None)
+    from consequence.policy.named import model_folder  # a registered model name: its converted folder
+
+    tok_path = checkpoint_after(run, max(by_iter)) or (model_folder(cfg["model"], log=log) if cfg.get("model") else None)
     if tok_path is None:
         from consequence.policy.tiny import BUNDLED
         tok_path = BUNDLED
