@@ -137,6 +137,14 @@ class TrainConfig(BaseModel):
     def _task_file(cls, v: str | None) -> str | None:
         return None if v is None else absolute(v)
 
+    @field_validator("env_options")
+    @classmethod
+    def _no_task_file_option(cls, v: dict) -> dict:
+        if "tasks_file" in v:
+            raise ValueError("give the task file as --tasks-file FILE (tasks_file: in YAML), not as an environment "
+                             "option: it is stored as an absolute path and hashed in the manifest")
+        return v
+
     @field_validator("env")
     @classmethod
     def _env_name(cls, v: str) -> str:
@@ -206,7 +214,7 @@ class TrainConfig(BaseModel):
                     lines.append(f"  {err['msg'].removeprefix('Value error, ')}")
                     continue
                 key = ".".join(str(x) for x in err["loc"][:1])
-                key = f"{key} (--{key.replace('_', '-')})"
+                key = f"{key} ({'--env-option' if key == 'env_options' else '--' + key.replace('_', '-')})"
                 hint = err["msg"].removeprefix("Value error, ")
                 if err["type"] == "extra_forbidden":
                     close = difflib.get_close_matches(str(err["loc"][0]), list(cls.model_fields), n=2)

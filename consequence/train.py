@@ -37,7 +37,7 @@ from consequence.evaluate.compare import summarize
 from consequence.harness.renderer import Renderer
 from consequence.policy.sampler import SamplingParams
 from consequence.policy.tiny import load_policy, save_policy
-from consequence.checks import run_pre_step_checks
+from consequence.checks import PreStepCheckError, run_pre_step_checks
 from consequence.diagnostics import component_means, iteration_extras, warnings_for
 from consequence.evaluate.final import final_report, validate
 from consequence.evaluate.splits import record_touch, reuse_warning
@@ -139,6 +139,9 @@ def train(cfg: TrainConfig, console=None, resume: bool = False, reproduces: str 
         raise RunInterrupted(interrupt_message(run_path, done, cfg.iterations), done) from e
     except FloatingPointError as e:
         raise _stopped(e, run_path) from e
+    except PreStepCheckError as e:  # the table was printed; the message says what failed and how to skip
+        mark_status(run_path, "stopped", str(e))
+        raise RunStopped(f"stopped before the first optimizer step: {e}") from e
     except OSError as e:
         if e.errno not in WRITE_ERRNOS:
             raise
@@ -214,6 +217,10 @@ def preflight(cfg: TrainConfig, tokenizer, renderer: Renderer, split, model_path
                          f"would keep every token, the same as off; use --top-k 0 (off) or a value up to {vocab}")
     split.check_splits({"train": "training", "validation": "--eval-every" if cfg.eval_every and cfg.val_episodes else None,
                         "test": "--final-eval-episodes" if cfg.final_eval_episodes else None})
+    if cfg.final_eval_episodes and len(split.split["test"]) < 2:
+        raise ValueError(f"--env {split.label}: the test split has {len(split.split['test'])} problem, and the final "
+                         "paired comparison's CI (a bootstrap over problems) needs at least 2; add problems or set "
+                         "--final-eval-episodes 0")
     longest = split.longest_prompt(functools.partial(opening_prompt_len, renderer, split.system_prompt),
                                    seed=seed_of(cfg.seed, "prompt-check"))
     if longest + cfg.max_new_tokens > cfg.max_total_tokens:
@@ -245,7 +252,8 @@ def _loop(r: _Run, console) -> None:
         for it in range(r.start, cfg.iterations):
             show = lambda text: bar.update(job, status=text)  # noqa: E731  (live phase within the iteration)
             m = _run_iteration(r, it, bar.console, show)
-            status = f"reward {m['reward_mean']:.2f}  mixed {m['mixed_group_fraction']:.2f}"
+            reward = "n/a (all env errors)" if m["reward_mean"] is None else f"{m['reward_mean']:.2f}"
+            status = f"reward {reward}  mixed {m['mixed_group_fraction']:.2f}"
             if "val_success" in m:
                 status += f"  val {m['val_success']:.2f}"
             bar.update(job, advance=1, status=status)
@@ -336,6 +344,12 @@ def iteration(it, cfg, learner: Learner, renderer, split, budgets, sampling, run
     pad_id = renderer.tokenizer.pad_token_id
     batch = credit(trajs, cfg, learner, pad_id)
     write_trajectories(run / "trajectories" / f"iter_{it:04d}.parquet", trajs)
+    if first and trajs and all(t.outcome == "env_error" for t in trajs):
+        errors = list(dict.fromkeys(t.error for t in trajs))
+        raise PreStepCheckError(f"every episode of the first batch is an env_error ({len(trajs)} of {len(trajs)}), "
+                                f"so nothing can be trained; the environment said: {'; '.join(errors[:3])}. Fix the "
+                                f"environment (docs/environments.md §4); the episodes are in "
+                                f"trajectories/iter_{it:04d}.parquet")
     if first and not cfg.skip_checks:
         expected = {i for i, t in enumerate(trajs) if t.reward is not None and t.calls
                     and not (cfg.overlong_filter and t.outcome == "truncated")}
@@ -349,7 +363,7 @@ def iteration(it, cfg, learner: Learner, renderer, split, budgets, sampling, run
     n_gen = sum(t.n_generated_tokens for t in trajs)
     metrics = {
         "iteration": it,
-        "reward_mean": sum(t.reward for t in valid) / max(1, len(valid)),
+        "reward_mean": sum(t.reward for t in valid) / len(valid) if valid else None,  # none scored: not a 0
         "reward_components_mean": component_means(valid),
         "success": summarize(trajs)["success"],
         "mixed_group_fraction": mixed_group_fraction([t.reward for t in trajs], [t.group_id for t in trajs]),

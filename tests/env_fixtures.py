@@ -23,7 +23,7 @@ class HintEpisode:
         self.task, self.boom = task, boom
 
     def reset(self, seed=None, options=None):
-        if self.boom == "reset":
+        if self.boom == "reset" or (self.boom == "rollout-reset" and seed != 0):  # seed 0: the prompt check
             raise RuntimeError("reset broke")
         return f"Reverse {self.task.word}.", {}
 

@@ -1,5 +1,7 @@
 """The environment API: registry, options, per-turn rewards, answers, env errors, group hooks."""
 
+import json
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -195,3 +197,56 @@ def test_envs_command_lists_every_environment(monkeypatch):
     for name in BUILTINS:
         assert name in res.output
     assert "tasks_file=None" in res.output and "accuracy, tool_cost" in res.output
+
+
+def test_broken_declarations_and_modules_are_messages_not_tracebacks(tmp_path, monkeypatch):
+    (tmp_path / "brokenmod.py").write_text("raise RuntimeError('half-written module')\n")
+    (tmp_path / "decl.py").write_text(
+        "from env_fixtures import ReverseEnvironment\n"
+        "class NoRange(ReverseEnvironment):\n    reward_range = None\n"
+        "class NoSplits(ReverseEnvironment):\n    def load_splits(self, s):\n        return None\n"
+        "class BadTool(ReverseEnvironment):\n    tools = [{'type': 'function'}]\n"
+        "class ResetRaises(ReverseEnvironment):\n    def make_episode(self, task):\n        raise KeyError('nope')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name, needle in [("brokenmod:X", "importing module 'brokenmod' raised RuntimeError: half-written module"),
+                         (":X", "give module:attr"), ("decl:NoRange", "reward_range must be (low, high) numbers"),
+                         ("decl:NoSplits", "load_splits() returned a NoneType"),
+                         ("decl:BadTool", "tools[0] must look like")]:
+        with pytest.raises(ValueError, match=re.escape(needle)):
+            load_environment(name)
+    env = load_environment("decl:ResetRaises")
+    with pytest.raises(ValueError, match="making or resetting an episode of task 'w0' raised KeyError"):
+        env.request(env.split["train"][0])
+
+
+def test_env_options_merge_key_by_key_and_a_task_file_is_not_an_option(tmp_path):
+    from consequence.recipes import resolve_config
+
+    y = tmp_path / "c.yaml"
+    y.write_text("env: reasoning-gym\nenv_options: {dataset: leg_counting, size: 60}\n")
+    cfg = resolve_config(y, {"env_options": {"size": 3}})
+    assert cfg.env_options == {"dataset": "leg_counting", "size": 3}
+    with pytest.raises(ValueError, match="give the task file as --tasks-file FILE"):
+        TrainConfig.checked(env="jsonl", env_options={"tasks_file": "x.jsonl"})
+
+
+def test_a_first_batch_of_env_errors_stops_the_run_with_the_environments_message(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from consequence.cli import app
+
+    monkeypatch.setenv("CONSEQUENCE_LEDGER", str(tmp_path / "ledger.jsonl"))
+    run = tmp_path / "run"
+    res = CliRunner().invoke(app, ["train", "--env", "env_fixtures:ReverseEnvironment", "--env-option", "boom=rollout-reset",
+                                   "--iterations", "1", "--tasks-per-iteration", "2", "--group-size", "2",
+                                   "--eval-every", "0", "--final-eval-episodes", "0", "--max-turns", "1",
+                                   "--max-new-tokens", "8", "--run-dir", str(run)])
+    assert res.exit_code == 1, res.output
+    text = " ".join(res.output.split())
+    assert "every episode of the first batch is an env_error (4 of 4)" in text
+    assert "environment reset raised RuntimeError: reset broke" in text
+    assert json.loads((run / "manifest.json").read_text())["status"] == "stopped"
+    early = CliRunner().invoke(app, ["train", "--env", "env_fixtures:ReverseEnvironment", "--env-option", "boom=reset",
+                                     "--final-eval-episodes", "0", "--eval-every", "0", "--run-dir", str(tmp_path / "early")])
+    assert early.exit_code == 2 and "raised RuntimeError: reset broke" in " ".join(early.output.split())
+    assert not (tmp_path / "early").exists()  # refused before any work

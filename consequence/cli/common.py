@@ -7,7 +7,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-console = Console(soft_wrap=True)
+console = Console(soft_wrap=True, emoji=False)  # ":X:" in a module:attr is not an emoji
 
 
 def quiet_libraries() -> None:

@@ -37,8 +37,14 @@ def _env_options(env: Optional[str], tasks: Optional[str], tasks_file: Optional[
     env = env if env is not None else tasks
     if env is not None and env.endswith(".jsonl"):
         env, tasks_file = "jsonl", tasks_file or env
-    return {"env": env, "tasks_file": None if tasks_file is None else str(Path(tasks_file).resolve()),
-            "env_options": parse_env_options(env_option) if env_option else None}
+    options = parse_env_options(env_option) if env_option else None
+    if env is not None:  # another environment than the run's: none of the run's options or task file carry over
+        options = options or {}
+        tasks_file = tasks_file or ""
+    if options and "tasks_file" in options:
+        raise ValueError("--env-option tasks_file=...: give the task file as --tasks-file FILE")
+    return {"env": env, "tasks_file": None if tasks_file is None else str(Path(tasks_file).resolve()) if tasks_file else "",
+            "env_options": options}
 
 
 def _load_env(values: dict):
@@ -46,7 +52,7 @@ def _load_env(values: dict):
     from consequence.envs.registry import environment_options, load_environment
 
     return load_environment(values["env"], values["split_seed"],
-                            environment_options(values["env_options"], values["tasks_file"]))
+                            environment_options(values["env_options"], values["tasks_file"] or None))
 
 
 @app.command("eval")
@@ -134,7 +140,8 @@ def _eval_completions(model_path: Path, environment, st, split: str, n: int, ks:
     if problems:
         task_list = task_list[:problems]
     record = st.record()
-    tokens = max_new_tokens if max_new_tokens is not None else 384
+    tokens = max_new_tokens if max_new_tokens is not None else (
+        st.values["max_new_tokens"] if st.origin["max_new_tokens"] == "run" else 384)
     _say(f"HumanEval {split}: {len(task_list)} problems × n = {n} completions of {model_path}, at most {tokens} "
          "tokens each (single-turn: --selection and --recovery do not apply)")
     _say(describe(record))

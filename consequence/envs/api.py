@@ -158,8 +158,20 @@ class Environment:
         return self.split[split]
 
     def request(self, task: Any) -> str:
-        """The opening observation of ``task`` (what ``reset`` shows the policy)."""
-        return self.make_episode(task).reset(seed=0)[0]
+        """The opening observation of ``task`` (what ``reset`` shows the policy).
+
+        Raises:
+            ValueError: ``make_episode`` or ``reset`` raised, or the observation is not a string.
+        """
+        try:
+            obs = self.make_episode(task).reset(seed=0)[0]
+        except Exception as e:  # the environment's code failed before any work: say where
+            raise ValueError(f"--env {self.label}: making or resetting an episode of task "
+                             f"{getattr(task, 'task_id', task)!r} raised {type(e).__name__}: {e}") from None
+        if not isinstance(obs, str):
+            raise ValueError(f"--env {self.label}: reset() must return (observation: str, info: dict); the "
+                             f"observation is a {type(obs).__name__}")
+        return obs
 
     def check_splits(self, needed: dict[str, str | None]) -> None:
         """Every split that a setting needs holds problems.
@@ -239,6 +251,16 @@ def check_environment(env: Environment) -> None:
             reward range, or a tool spec that is not JSON-able.
     """
     who = f"environment {type(env).__module__}:{type(env).__qualname__}"
+    if not isinstance(env.split, dict):
+        raise ValueError(f"{who}: load_splits() returned a {type(env.split).__name__}, not a dict of split → tasks")
+    if not (isinstance(env.reward_range, (tuple, list)) and len(env.reward_range) == 2
+            and all(isinstance(x, (int, float)) for x in env.reward_range)):
+        raise ValueError(f"{who}: reward_range must be (low, high) numbers, got {env.reward_range!r}")
+    for i, spec in enumerate(env.tools if isinstance(env.tools, list) else [None]):
+        fn = spec.get("function") if isinstance(spec, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ValueError(f"{who}: tools[{i}] must look like {{\"type\": \"function\", \"function\": "
+                             f"{{\"name\": ..., \"parameters\": {{...}}}}}} (OpenAI function specs), got {spec!r:.80}")
     if not env.name:
         raise ValueError(f"{who} has no `name`; set the class attribute name = '...'")
     missing = [s for s in SPLITS if s not in env.split]

@@ -51,11 +51,15 @@ def available() -> dict[str, str]:
 
 def _import(target: str, what: str) -> Any:
     module, _, attr = target.partition(":")
+    if not module or not attr:
+        raise ValueError(f"--env {what}: give module:attr, e.g. my_pkg.env:MyEnvironment (an Environment subclass)")
     try:
         obj = importlib.import_module(module)
     except ImportError as e:
         raise ValueError(f"--env {what}: cannot import module {module!r} ({e}); check the spelling, or "
                          "install the package that provides it") from None
+    except Exception as e:  # the module itself is broken: name the error, not a traceback
+        raise ValueError(f"--env {what}: importing module {module!r} raised {type(e).__name__}: {e}") from None
     for part in attr.split("."):
         try:
             obj = getattr(obj, part)

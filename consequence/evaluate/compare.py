@@ -57,11 +57,13 @@ def paired_comparison(a: ArmResult, b: ArmResult, confidence: float = 0.95, seed
 
 
 def summarize(trajs: Sequence[Trajectory]) -> dict[str, float]:
-    """Outcome shares and costs of a set of episodes."""
+    """Outcome shares and costs of a set of episodes; ``success`` is over the episodes whose
+    environment did not fail (env errors are excluded, as everywhere), the shares over all."""
     n = max(1, len(trajs))
+    valid = [t for t in trajs if t.outcome != "env_error"]
     return {
         "episodes": len(trajs),
-        "success": sum(solved(t) for t in trajs) / n,
+        "success": sum(solved(t) for t in valid) / max(1, len(valid)),
         "finished": sum(t.outcome == "finished" for t in trajs) / n,
         "truncated": sum(t.outcome == "truncated" for t in trajs) / n,
         "env_error": sum(t.outcome == "env_error" for t in trajs) / n,

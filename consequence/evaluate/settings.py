@@ -104,15 +104,16 @@ def describe(record: Mapping[str, Any]) -> str:
         runs = ", ".join(f"{arm} `{p}`" if arm else f"`{p}`" for arm, p in record["runs"].items())
         taken = [show(k) for k in keys if keys[k]["from"] == "run"]
         parts.append(f"from the run ({runs}): " + (", ".join(taken) if taken else "nothing"))
-        over = [f"{show(k)} ({OPTION[k]}; run: {', '.join(map(str, dict.fromkeys(keys[k]['runs'].values())))})"
+        over = [f"{show(k)} ({OPTION[k]}; run: {', '.join(dict.fromkeys(map(str, keys[k]['runs'].values())))})"
                 for k in keys if keys[k]["from"] == "option" and keys[k]["runs"]]
         parts.append("overridden on the command line: " + (", ".join(over) if over else "nothing"))
     else:
         parts.append("not a run folder, so nothing is taken from a run")
-    given = [show(k) for k in keys if keys[k]["from"] == "option" and not keys[k]["runs"]]
+    given = [show(k) for k in keys if keys[k]["from"] == "option" and not keys[k]["runs"]
+             and keys[k]["value"] not in (None, {}, "")]
     if given:
         parts.append("given on the command line: " + ", ".join(given))
-    defaults = [show(k) for k in keys if keys[k]["from"] == "default" and keys[k]["value"] not in (None, {})]
+    defaults = [show(k) for k in keys if keys[k]["from"] == "default" and keys[k]["value"] not in (None, {}, "")]
     if defaults:
         parts.append("defaults: " + ", ".join(defaults))
     return "Settings " + "; ".join(parts) + "."

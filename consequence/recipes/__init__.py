@@ -166,6 +166,8 @@ def resolve_config(config_file: str | Path | None = None, given: dict[str, Any] 
     if data:  # the file's own values are checked even where the command line overrides them
         TrainConfig.checked(**{**base, **data, **({"recipe": given["recipe"]} if named else {})})
     merged = {**base, **data, **given}
+    if isinstance(data.get("env_options"), dict) and isinstance(given.get("env_options"), dict):
+        merged["env_options"] = {**data["env_options"], **given["env_options"]}  # key by key, like every layer
     if "run_dir" not in data and "run_dir" not in given:  # a run is named by its environment and recipe
         merged["run_dir"] = default_run_dir(recipe.name if named else "default", _env_name(merged))
     return TrainConfig.checked(**merged)

@@ -127,6 +127,9 @@ def _start(index: int, spec: EpisodeSpec, renderer: Renderer, system_prompt: str
     e = _Live(index, spec, traj, [], [], time.perf_counter())
     try:
         obs, _info = spec.env.reset(seed=spec.seed)
+        if not isinstance(obs, str):
+            raise TypeError(f"reset() must return (observation: str, info: dict); the observation is a "
+                            f"{type(obs).__name__}")
     except Exception as err:  # the environment's fault, not the policy's: excluded, counted
         _end(e, "env_error", error=_raised("reset", err))
         return e
@@ -213,6 +216,9 @@ def _advance(e: _Live, sample: Any, renderer: Renderer, tool_specs: dict, budget
                 continue
         try:
             obs, reward, terminated, truncated, info = e.spec.env.step(tc)
+            if not isinstance(obs, str) or not isinstance(info, dict):
+                raise TypeError("step() must return (observation: str, reward, terminated, truncated, info: dict); "
+                                f"got observation {type(obs).__name__}, info {type(info).__name__}")
             error = _take_reward(e.traj, call, reward, info)
         except Exception as err:  # an environment that raises is an env_error, never a 0
             obs, terminated, truncated, info = "", False, False, {}
