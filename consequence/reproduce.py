@@ -41,6 +41,26 @@ def drift(manifest: dict[str, Any]) -> list[str]:
     tasks = manifest.get("tasks", {})
     if tasks.get("file_sha256") and sha256_of(Path(tasks["source"])) != tasks["file_sha256"]:
         out.append(f"task file {tasks['source']} changed since the run (sha256 differs)")
+    out += _environment_drift(manifest.get("environment", {}))
+    return out
+
+
+def _environment_drift(env: dict) -> list[str]:
+    """The environment's version or source hash now, against the recorded ones."""
+    if not env.get("class"):
+        return []
+    from consequence.envs.api import source_sha256
+    from consequence.envs.registry import resolve
+
+    try:
+        cls = resolve(env["class"])
+    except ValueError as e:
+        return [f"environment {env.get('name')}: {e}"]
+    out = []
+    if str(getattr(cls, "version", None)) != str(env.get("version")):
+        out.append(f"environment {env.get('name')} version {env.get('version')} then, {getattr(cls, 'version', None)} now")
+    if env.get("source_sha256") and source_sha256(cls) != env["source_sha256"]:
+        out.append(f"environment {env.get('name')}: its source changed since the run (sha256 differs)")
     return out
 
 

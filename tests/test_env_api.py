@@ -250,3 +250,16 @@ def test_a_first_batch_of_env_errors_stops_the_run_with_the_environments_message
                                      "--final-eval-episodes", "0", "--eval-every", "0", "--run-dir", str(tmp_path / "early")])
     assert early.exit_code == 2 and "raised RuntimeError: reset broke" in " ".join(early.output.split())
     assert not (tmp_path / "early").exists()  # refused before any work
+
+
+def test_source_hash_covers_the_episode_module_and_reproduce_names_a_changed_environment(monkeypatch):
+    from consequence.envs import api
+    from consequence.reproduce import _environment_drift
+
+    env = load_environment("repair")
+    d = env.describe()
+    assert _environment_drift(d) == []
+    real = api.Path.read_bytes
+    monkeypatch.setattr(api.Path, "read_bytes", lambda p: real(p) + (b"#" if p.name == "repair_env.py" else b""))
+    assert api.source_sha256(type(env)) != d["source_sha256"]  # RepairEnv's file is part of the hash
+    assert _environment_drift(d) == ["environment repair: its source changed since the run (sha256 differs)"]

@@ -86,6 +86,7 @@ class Environment:
     reward_rule: ClassVar[str] = "sum"
     reward_range: ClassVar[tuple[float, float]] = (0.0, 1.0)
     answer_ends_episode: ClassVar[bool] = True
+    sources: ClassVar[tuple[str, ...]] = ()  # further modules whose code makes the episodes (hashed too)
 
     def __init__(self, split_seed: int = 0, **options: Any):
         if options:
@@ -221,8 +222,9 @@ class Environment:
 
 
 def source_sha256(cls: type) -> str | None:
-    """sha256 of the source files of ``cls`` and of every Environment class it derives from
-    inside its package (None when a source cannot be read, e.g. a class built at run time)."""
+    """sha256 of the source files of ``cls``, of every Environment class it derives from, and
+    of the modules it lists in ``sources`` (where its episodes and verifier live); None when
+    a source cannot be read (e.g. a class built at run time)."""
     h = hashlib.sha256()
     files: list[str] = []
     for base in cls.__mro__:
@@ -231,6 +233,15 @@ def source_sha256(cls: type) -> str | None:
         try:
             path = inspect.getsourcefile(base)
         except TypeError:
+            return None
+        if path and path not in files:
+            files.append(path)
+    import importlib
+
+    for module in getattr(cls, "sources", ()):
+        try:
+            path = inspect.getsourcefile(importlib.import_module(module))
+        except (ImportError, TypeError):
             return None
         if path and path not in files:
             files.append(path)

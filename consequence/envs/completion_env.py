@@ -65,6 +65,7 @@ class HumanEvalEnvironment(Environment):
     system_prompt = ""  # one user message, as the completion protocol's chat mode renders it
     tools: list[dict] = []
     reward_components = ("hidden_tests",)
+    sources = ("consequence.envs.code_tasks",)  # the verifier and the prompt
     completion_protocol = True  # `consequence eval` scores it with the pass@k completion protocol
 
     def load_splits(self, split_seed: int) -> dict[str, list]:

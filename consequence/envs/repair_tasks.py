@@ -30,6 +30,7 @@ class RepairEnvironment(Environment):
     system_prompt = SYSTEM_PROMPT
     tools = TOOLS
     reward_components = ("hidden_tests",)
+    sources = ("consequence.envs.repair_env", "consequence.envs.code_tasks")  # the episode and its verifier
     answer_ends_episode = False  # a reply without a tool call is a turn; the episode ends at finish
 
     def load_splits(self, split_seed: int) -> dict[str, list]:
