@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from consequence.harness.renderer import replay_conversation
+from consequence.harness.renderer import Renderer, replay_conversation
 from consequence.harness.tools import check_tool_specs, validate_call
 from consequence.records import ModelCall, Trajectory, trajectory_to_rows
 from consequence.rollout.episodes import Budgets, EpisodeSpec, run_episodes
@@ -155,3 +155,14 @@ def test_a_reply_without_a_tool_call_is_the_answer_by_default(renderer):
     [t] = run_episodes(gen, renderer, [EpisodeSpec(Answering(), "t", "g", 0, 0)], Budgets(max_turns=3), "sys")
     assert (t.outcome, t.verifier_score, len(t.calls), t.calls[0].parse_error) == ("finished", 1.0, 1, None)
     assert t.calls[0].reward == 1.0 and t.env_rewards == {"reward": 1.0}
+
+
+def test_a_template_that_drops_tools_is_refused(tiny_tokenizer):
+    """SmolLM2's template ignores tools=: such a prompt would hide the tools from the policy."""
+    import copy
+
+    tok = copy.deepcopy(tiny_tokenizer)
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}<|im_end|>{% endfor %}"
+    with pytest.raises(ValueError, match="does not render the environment's tools \\(no run_tests"):
+        Renderer(tok, TOOLS)
+    assert Renderer(tok, []).tools == []  # an environment without tools needs none rendered

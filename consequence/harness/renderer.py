@@ -66,6 +66,24 @@ class Renderer:
         self.stop_ids = {self.eot_id}
         if tokenizer.eos_token_id is not None:
             self.stop_ids.add(tokenizer.eos_token_id)
+        self._check_tools_rendered()
+
+    def _check_tools_rendered(self) -> None:
+        """A template that silently drops ``tools=`` would give the policy a prompt without
+        them (SmolLM2's does): refuse instead of training on such prompts.
+
+        Raises:
+            ValueError: some tool's name does not appear in the rendered prompt.
+        """
+        if not self.tools:
+            return
+        text = self.render_text([{"role": "user", "content": "x"}], add_generation_prompt=True)
+        missing = [t["function"]["name"] for t in self.tools if t["function"]["name"] not in text]
+        if missing:
+            raise ValueError(f"this model's chat template does not render the environment's tools (no "
+                             f"{', '.join(missing)} in the prompt): the policy would never see them. Use an "
+                             "environment without tools (e.g. --env reasoning-gym) or a model whose chat template "
+                             "renders tools= (a Hermes / Qwen-style template)")
 
     # ---- messages → tokens -------------------------------------------------------
     def render_text(self, messages: list[dict], add_generation_prompt: bool) -> str:
