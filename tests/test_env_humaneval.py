@@ -46,14 +46,20 @@ def test_one_step_scored_by_the_completion_verifier(tiny_tokenizer):
     assert wrong.final_code.endswith("    return None\n")
 
 
-def test_train_one_iteration_then_evaluate(tmp_path, monkeypatch):
+def _train_one_iteration(tmp_path, monkeypatch, env: str, turns: int, total: int):
+    """``consequence train --env ENV`` for one tiny iteration into ``tmp_path/run``; returns the run folder."""
     monkeypatch.setenv("CONSEQUENCE_LEDGER", str(tmp_path / "ledger.jsonl"))
     run = tmp_path / "run"
-    res = CliRunner().invoke(app, ["train", "--env", "humaneval", "--max-turns", "1", "--max-new-tokens", "16",
-                                   "--max-total-tokens", "1500", "--iterations", "1", "--tasks-per-iteration", "2",
+    res = CliRunner().invoke(app, ["train", "--env", env, "--max-turns", str(turns), "--max-new-tokens", "16",
+                                   "--max-total-tokens", str(total), "--iterations", "1", "--tasks-per-iteration", "2",
                                    "--group-size", "2", "--eval-every", "0", "--final-eval-episodes", "2",
                                    "--final-eval-decoding", "greedy", "--run-dir", str(run)])
     assert res.exit_code == 0, res.output
+    return run
+
+
+def test_train_one_iteration_then_evaluate(tmp_path, monkeypatch):
+    run = _train_one_iteration(tmp_path, monkeypatch, "humaneval", 1, 1500)
     manifest = json.loads((run / "manifest.json").read_text())
     assert manifest["environment"]["name"] == "humaneval" and manifest["tasks"]["sizes"]["train"] == 131
     trajs = read_trajectories(run / "trajectories" / "iter_0000.parquet")
@@ -68,13 +74,7 @@ def test_train_one_iteration_then_evaluate(tmp_path, monkeypatch):
 
 
 def test_humaneval_repair_trains_one_iteration_and_evaluates(tmp_path, monkeypatch):
-    monkeypatch.setenv("CONSEQUENCE_LEDGER", str(tmp_path / "ledger.jsonl"))
-    run = tmp_path / "run"
-    res = CliRunner().invoke(app, ["train", "--env", "humaneval-repair", "--max-turns", "2", "--max-new-tokens", "16",
-                                   "--max-total-tokens", "2048", "--iterations", "1", "--tasks-per-iteration", "2",
-                                   "--group-size", "2", "--eval-every", "0", "--final-eval-episodes", "2",
-                                   "--final-eval-decoding", "greedy", "--run-dir", str(run)])
-    assert res.exit_code == 0, res.output
+    run = _train_one_iteration(tmp_path, monkeypatch, "humaneval-repair", 2, 2048)
     manifest = json.loads((run / "manifest.json").read_text())
     env = load_environment("humaneval-repair")
     assert manifest["environment"]["name"] == "humaneval-repair"
