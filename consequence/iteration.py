@@ -26,7 +26,7 @@ import torch
 from consequence.config import TrainConfig
 from consequence.credit.batch import Batch, assign_credit, training_rows
 from consequence.credit.value import ValueModel, explained_variance
-from consequence.policy.logprobs import token_logprobs
+from consequence.policy.logprobs import enable_gradient_checkpointing, token_logprobs
 from consequence.records import Trajectory
 from consequence.reward.scoring import rescore_group, score_trajectories
 from consequence.rollout.groups import group_of
@@ -64,6 +64,8 @@ def make_learner(cfg: TrainConfig, model: torch.nn.Module, reference: torch.nn.M
         learner.critic = ValueModel(model)
         learner.critic_optimizer = torch.optim.AdamW(learner.critic.parameters(), lr=cfg.value_learning_rate,
                                                      weight_decay=0.0)
+    if cfg.gradient_checkpointing:  # after the reference and critic are copied: only the policy recomputes layers
+        enable_gradient_checkpointing(model)
     return learner
 
 

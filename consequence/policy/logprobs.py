@@ -25,11 +25,44 @@ sampling temperature, for π_θ, π_ref and every recomputation of π_old alike.
 recorded without supports (files written before supports were stored) fall back to
 recomputing top-k / top-p from the current logits, which is exact only on the behaviour
 weights.
+
+Memory (chunking). The trainer never holds the full ``[N, S-1, V]`` float32 logits (for
+SmolLM2-135M at 32 rows × 200 tokens that is 1.26 GB per copy, and the unchunked path
+makes several: logits, processed logits, log-softmax, the entropy's terms, and their
+gradients). :func:`token_logprobs` runs the transformer trunk once to the final hidden
+states, then, per chunk of ``chunk_size`` target positions (rows × positions flattened,
+padded targets skipped), applies the LM head, the processing above, the log-softmax
+gather of the target and the entropy. With autograd on, each chunk runs under
+``torch.utils.checkpoint`` (non-reentrant): only its ``[chunk, H]`` hidden states are
+kept, and its ``[chunk, V]`` logits are recomputed in the backward pass. Values and
+gradients equal :func:`token_logprobs_unchunked` (the direct computation) to float32
+rounding. A model whose logits are not ``lm_head(trunk(...).last_hidden_state)`` (not a
+known Hugging Face causal LM) is run whole and only its processing is chunked.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
+from torch.utils.checkpoint import checkpoint
+
+# Real target positions (rows × positions, flattened) per chunk of the LM head and processing.
+# Measured at SmolLM2-135M's head (vocabulary 49,152, hidden 576), 32 rows × 200 tokens,
+# forward + backward, 2 CPU cores: CPU time 1.24-1.29× the unchunked head at 512-4096
+# (the head's matmul is recomputed in the backward pass), 1.38× at 256; the chunk's
+# [1024, 49152] float32 temporaries are 0.2 GB each (the unchunked ones 1.26 GB).
+DEFAULT_CHUNK_SIZE = 1024
+
+# ``chunk_size=None`` chunks only when the real targets' float32 logits would exceed this:
+# a small-vocabulary model (the tiny policy: 768 ids, ~30 MB per micro-batch) keeps the
+# direct computation, so its runs stay bit-identical to before chunking existed (the two
+# differ by float32 rounding only, ~1e-9 in the loss, which changes later samples).
+AUTO_CHUNK_BYTES = 256 * 2**20
+
+# Hugging Face causal LMs whose logits are exactly ``lm_head(model(...).last_hidden_state)``
+# (no soft-capping or logit scaling), so the head can be applied per chunk.
+_PLAIN_HEAD_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "smollm3"})
 
 
 def keep_mask(scaled_V: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor | None:
@@ -153,7 +186,7 @@ def _processed(logits: torch.Tensor, temperature: float, top_k: int, top_p: floa
     return mask_to_support(proc, keep_index)
 
 
-def token_logprobs(
+def token_logprobs_unchunked(
     model,
     input_ids: torch.LongTensor,
     attention_mask: torch.Tensor,
@@ -165,7 +198,9 @@ def token_logprobs(
     keep_index: torch.Tensor | None = None,
     keep_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log π(next token | prefix) for every position, differentiable (HF forward).
+    """Log π(next token | prefix) for every position, differentiable (HF forward), with the
+    whole ``[N, S-1, V]`` logits in memory: the direct computation that
+    :func:`token_logprobs` (``chunk_size=0``) falls back to and is tested against.
 
     Args:
         model: a causal LM (HF ``model(input_ids, attention_mask).logits``).
@@ -214,3 +249,311 @@ def token_logprobs(
             ent = -(safe.exp() * safe).sum(-1)
             ent = torch.where(valid, ent, torch.zeros_like(ent))
     return lp, ent
+
+
+def token_logprobs(
+    model,
+    input_ids: torch.LongTensor,
+    attention_mask: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
+    keep_index: torch.Tensor | None = None,
+    keep_rows: torch.Tensor | None = None,
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log π(next token | prefix) for every position, differentiable, computed in chunks.
+
+    Same arguments, values and gradients as :func:`token_logprobs_unchunked` (see there
+    and the module doc for the processed distribution and ``keep_index`` / ``keep_rows``),
+    without ever holding the ``[N, S-1, V]`` logits: the trunk runs once, then the LM head,
+    processing, log-softmax gather and entropy run per chunk of target positions, each
+    chunk recomputed in the backward pass (``torch.utils.checkpoint``) instead of stored.
+
+    Args:
+        model: a causal LM. A Hugging Face ``*ForCausalLM`` of a type in
+            ``_PLAIN_HEAD_TYPES`` (also wrapped by PEFT LoRA; tied or untied head) gets
+            the trunk / head split; any other model (``model(input_ids,
+            attention_mask).logits``) runs whole and only its processing is chunked.
+        input_ids: [N, S] long, right-padded.
+        attention_mask: [N, S] (1 = real token, 0 = padding).
+        chunk_size: target positions per chunk (real targets only; padded ones are
+            skipped). ``None``: ``DEFAULT_CHUNK_SIZE`` when the real targets' float32
+            logits would exceed ``AUTO_CHUNK_BYTES``, else unchunked; ``0``: unchunked.
+
+    Returns:
+        logprobs [N, S-1] float32 (0 at padded targets, -inf outside a target's support),
+        entropy [N, S-1] float32 in nats (0 at padded targets) or ``None``; as
+        :func:`token_logprobs_unchunked`.
+
+    Raises:
+        ValueError: a negative temperature or chunk size, or ``keep_index`` naming a
+            position or id outside the batch.
+    """
+    chunk = _auto_chunk(model, attention_mask) if chunk_size is None else int(chunk_size)
+    if chunk < 0:
+        raise ValueError(f"chunk_size must be >= 0 (0 = unchunked), got {chunk_size}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if chunk == 0:
+        return token_logprobs_unchunked(model, input_ids, attention_mask, temperature, top_k, top_p,
+                                        with_entropy, entropy_grad, keep_index, keep_rows)
+    N, S = input_ids.shape
+    S1 = S - 1
+    valid = attention_mask[:, 1:].bool()
+    lin = valid.reshape(-1).nonzero().squeeze(1)  # [P] flat index row * S1 + j of each real target
+    rows_P, pos_P = lin // max(S1, 1), lin % max(S1, 1)
+    split = lm_head_split(model)
+    if split is not None:
+        trunk, head = split
+        hidden = trunk(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        feats_PX = hidden[:, :-1][rows_P, pos_P]  # [P, H]: hidden states that predict a real target
+        vocab = _out_features(head)
+        del hidden
+        if torch.is_grad_enabled() and feats_PX.device.type == "cpu":
+            _trim_host_heap()
+    else:  # logits from the whole model; only the processing is chunked
+        head = None
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+        feats_PX = logits[:, :-1][rows_P, pos_P]  # [P, V] (the full logits are freed here)
+        vocab = logits.shape[-1]
+        del logits
+    terms = _ChunkSpec(temperature, top_k, top_p, with_entropy, entropy_grad and torch.is_grad_enabled())
+    support = None
+    if keep_index is not None and temperature != 0:
+        support = _support_slots(keep_index, keep_rows, lin, rows_P, N, S1, vocab)
+    targets_P = input_ids[:, 1:][rows_P, pos_P]
+    lps, ents = [], []
+    P = lin.numel()
+    for a in range(0, P, chunk):
+        b = min(a + chunk, P)
+        args = (feats_PX[a:b], targets_P[a:b]) + (_chunk_support(support, a, b) if support is not None else (None, None, None))
+        fn = functools.partial(_chunk_terms, head, terms)
+        if torch.is_grad_enabled():
+            lp_c, ent_c = checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
+        else:
+            lp_c, ent_c = fn(*args)
+        lps.append(lp_c)
+        ents.append(ent_c)
+    # no real target: 0 everywhere, still on the graph (as the unchunked outputs are)
+    zero = None if P else feats_PX.sum().float()  # feats_PX is [0, X]
+    lp = _scatter(lps, lin, N * S1, zero).view(N, S1)
+    ent = None
+    if with_entropy:
+        ent = _scatter(ents, lin, N * S1, zero if terms.entropy_grad else None).view(N, S1)
+    return lp, ent
+
+
+def _scatter(parts: list[torch.Tensor], lin: torch.Tensor, n: int, zero: torch.Tensor | None) -> torch.Tensor:
+    """[n] float32: zeros with the concatenated ``parts`` at flat indices ``lin`` [P] long."""
+    out = torch.zeros(n, dtype=torch.float32, device=lin.device)
+    if parts:
+        out = out.index_copy(0, lin, torch.cat(parts))
+    return out if zero is None else out + zero
+
+
+class _ChunkSpec:
+    """Settings shared by every chunk of one :func:`token_logprobs` call."""
+
+    __slots__ = ("temperature", "top_k", "top_p", "with_entropy", "entropy_grad")
+
+    def __init__(self, temperature: float, top_k: int, top_p: float, with_entropy: bool, entropy_grad: bool):
+        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+        self.with_entropy, self.entropy_grad = with_entropy, entropy_grad
+
+
+def _chunk_terms(head, spec: _ChunkSpec, feats_cX: torch.Tensor, targets_c: torch.Tensor,
+                 bare_b: torch.Tensor | None, where_m: torch.Tensor | None,
+                 keep_2: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Target log-prob and entropy of ``c`` positions under the processed distribution.
+
+    Args:
+        head: the LM head (``[c, H] -> [c, V]``), or ``None`` when ``feats_cX`` are logits.
+        feats_cX: [c, H] hidden states (or [c, V] logits), any float dtype.
+        targets_c: [c] long target ids.
+        bare_b: [b] long chunk positions whose row has no stored supports (top-k / top-p
+            of these logits), or ``None``. Only when stored supports are used.
+        where_m: [m] long chunk positions with a stored support (ascending, unique).
+        keep_2: [k, 2] long ``(slot in where_m, kept id)`` pairs of those supports.
+
+    Returns:
+        (log-probs [c] float32, entropy [c] float32; empty when not asked for).
+    """
+    z = head(feats_cX) if head is not None else feats_cX
+    if z.dtype != torch.float32:
+        z = z.float()
+    T = spec.temperature
+    if where_m is None:  # no stored supports: the current logits' top-k / top-p (greedy: raw)
+        proc = process_logits(z, T, spec.top_k, spec.top_p)
+    else:
+        proc = z / T if T != 1.0 else z
+        if bare_b is not None and bare_b.numel():
+            proc = proc.index_copy(0, bare_b, process_logits(proc.index_select(0, bare_b), 1.0, spec.top_k, spec.top_p))
+        if where_m.numel():
+            keep_mV = torch.zeros((where_m.numel(), proc.shape[-1]), dtype=torch.bool, device=proc.device)
+            keep_mV[keep_2[:, 0], keep_2[:, 1]] = True
+            masked = proc.index_select(0, where_m).masked_fill(~keep_mV, float("-inf"))
+            proc = proc.index_copy(0, where_m, masked)
+    logp_cV = torch.log_softmax(proc, dim=-1)
+    del proc, z
+    lp = logp_cV.gather(-1, targets_c.unsqueeze(-1)).squeeze(-1)
+    ent = lp.new_zeros(0)
+    if spec.with_entropy:
+        with torch.set_grad_enabled(spec.entropy_grad):
+            safe = torch.where(torch.isfinite(logp_cV), logp_cV, torch.zeros_like(logp_cV))
+            ent = -(safe.exp() * safe).sum(-1)
+    return lp, ent
+
+
+def _support_slots(keep_index: torch.Tensor, keep_rows: torch.Tensor | None, lin: torch.Tensor,
+                   rows_P: torch.Tensor, N: int, S1: int, V: int) -> dict[str, torch.Tensor]:
+    """The stored supports of :func:`token_logprobs_unchunked` re-indexed by computed position.
+
+    Args:
+        keep_index: [K, 3] long ``(row, target position in input_ids, kept id)``.
+        keep_rows: [N] bool rows with stored supports, or ``None`` (all).
+        lin: [P] long flat index ``row * (S-1) + j`` of each computed (real) target.
+        rows_P: [P] long row of each computed target.
+
+    Returns:
+        ``slot`` [K'] long computed position of each entry on a real target (ascending),
+        ``tok`` [K'] long its kept id, ``bare`` [B] long computed positions of rows
+        without stored supports (ascending; empty when every row has them).
+
+    Raises:
+        ValueError: as :func:`mask_to_support`.
+    """
+    dev = lin.device
+    if keep_index.numel():
+        row, pos, tok = keep_index[:, 0], keep_index[:, 1] - 1, keep_index[:, 2]
+        if bool((pos < 0).any() | (pos >= S1).any() | (row >= N).any() | (tok >= V).any()):
+            raise ValueError(f"keep_index names a position outside the [{N}, {S1 + 1}] batch, position 0, "
+                             f"or a token id >= the vocabulary size {V}")
+        slot_of = torch.full((N * S1,), -1, dtype=torch.long, device=dev)
+        slot_of[lin] = torch.arange(lin.numel(), device=dev)
+        slot = slot_of[row * S1 + pos]
+        on = slot >= 0  # entries on padded targets change nothing (their log-prob is 0)
+        slot, tok = slot[on], tok[on]
+        order = torch.argsort(slot, stable=True)
+        slot, tok = slot[order], tok[order]
+    else:
+        slot = tok = torch.zeros(0, dtype=torch.long, device=dev)
+    if keep_rows is not None and not bool(keep_rows.all()):
+        bare = (~keep_rows.bool())[rows_P].nonzero().flatten()
+    else:
+        bare = torch.zeros(0, dtype=torch.long, device=dev)
+    return {"slot": slot, "tok": tok, "bare": bare}
+
+
+def _chunk_support(support: dict[str, torch.Tensor], a: int, b: int):
+    """(bare [b'], where [m], keep [k, 2]) of computed positions ``a:b``, chunk-local."""
+    slot, tok, bare = support["slot"], support["tok"], support["bare"]
+    lo, hi = torch.searchsorted(slot, torch.tensor([a, b], device=slot.device)).tolist()
+    where, inv = torch.unique(slot[lo:hi] - a, return_inverse=True)
+    blo, bhi = torch.searchsorted(bare, torch.tensor([a, b], device=bare.device)).tolist()
+    return bare[blo:bhi] - a, where, torch.stack([inv, tok[lo:hi]], dim=1)
+
+
+_LIBC: list = []  # [glibc handle or None], looked up once
+
+
+def _trim_host_heap() -> None:
+    """Return the free pages of glibc's heap to the OS (``malloc_trim(0)``); no-op elsewhere.
+
+    The trunk's forward frees many [N·S, H]-sized temporaries (below glibc's dynamic mmap
+    threshold, so on the heap) between tensors that stay alive for the backward pass
+    (checkpointed layer inputs, saved activations); glibc keeps those holes resident. At
+    SmolLM2-135M's shapes, micro-batch 32, with gradient checkpointing, the step's peak
+    resident memory was 3.9-5.0 GB without this call and 3.3 GB with it (live tensors:
+    2.8 GB), at no measurable time cost (benchmarks/bench_logprob_memory.py).
+    """
+    if not _LIBC:
+        try:
+            import ctypes
+
+            lib = ctypes.CDLL("libc.so.6")
+            _LIBC.append(lib if hasattr(lib, "malloc_trim") else None)
+        except OSError:  # not glibc (macOS, musl): nothing to do
+            _LIBC.append(None)
+    if _LIBC[0] is not None:
+        _LIBC[0].malloc_trim(0)
+
+
+def _auto_chunk(model, attention_mask: torch.Tensor) -> int:
+    """``DEFAULT_CHUNK_SIZE``, or 0 when the full logits of the real targets are small."""
+    head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if isinstance(head, torch.nn.Module):
+        vocab = _out_features(head)
+    if not vocab:
+        return DEFAULT_CHUNK_SIZE
+    targets = int(attention_mask[:, 1:].sum())
+    return DEFAULT_CHUNK_SIZE if targets * vocab * 4 > AUTO_CHUNK_BYTES else 0
+
+
+def _out_features(head) -> int:
+    w = getattr(head, "weight", None)
+    return int(w.shape[0]) if w is not None else int(head.out_features)
+
+
+def lm_head_split(model) -> tuple[torch.nn.Module, torch.nn.Module] | None:
+    """(trunk, LM head) of a model whose logits are ``head(trunk(...).last_hidden_state)``.
+
+    Args:
+        model: a Hugging Face ``*ForCausalLM`` (or a PEFT model wrapping one).
+
+    Returns:
+        the trunk (called with ``input_ids``, ``attention_mask``, ``use_cache=False``;
+        ``.last_hidden_state`` [N, S, H]) and the head (``[.., H] -> [.., V]``; the
+        embedding matrix itself when tied), or ``None`` when ``model`` is not a known
+        plain-head causal LM (its logits may be soft-capped, scaled or computed otherwise)
+        or is a PEFT prompt-learning model (virtual tokens).
+    """
+    base = model
+    if callable(getattr(model, "get_base_model", None)):  # PEFT
+        peft_cfg = getattr(model, "active_peft_config", None)
+        if peft_cfg is None or getattr(peft_cfg, "is_prompt_learning", False):
+            return None
+        base = model.get_base_model()
+    cls = type(base)
+    cfg = getattr(base, "config", None)
+    if (not cls.__module__.startswith("transformers.models.") or not cls.__name__.endswith("ForCausalLM")
+            or getattr(cfg, "model_type", None) not in _PLAIN_HEAD_TYPES):
+        return None
+    if any(getattr(cfg, k, None) not in (None, 1, 1.0) for k in ("final_logit_softcapping", "logit_scale",
+                                                                  "logits_scaling")):
+        return None
+    trunk, head = getattr(base, "model", None), base.get_output_embeddings()
+    if not isinstance(trunk, torch.nn.Module) or not isinstance(head, torch.nn.Module):
+        return None
+    return trunk, head
+
+
+def enable_gradient_checkpointing(model) -> None:
+    """Recompute each transformer layer's activations in the backward pass instead of storing them.
+
+    Calls the Hugging Face ``activation_checkpointing_enable`` (non-reentrant
+    ``torch.utils.checkpoint``, so frozen inputs such as a LoRA base still get layer
+    gradients) and puts ``model`` in training mode, because Hugging Face checkpoints a
+    layer only in training mode (the sampler switches to eval mode and back by itself).
+    Values and gradients are unchanged for models without dropout (Llama, Qwen, SmolLM2);
+    a model with dropout > 0 would now train with it on.
+
+    Args:
+        model: a Hugging Face ``PreTrainedModel`` (or a PEFT model wrapping one).
+
+    Raises:
+        ValueError: the model does not support gradient checkpointing.
+    """
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    if not getattr(base, "supports_gradient_checkpointing", False):
+        raise ValueError(f"gradient_checkpointing: {type(base).__name__} does not support it "
+                         "(needs a Hugging Face model with supports_gradient_checkpointing)")
+    kwargs = {"use_reentrant": False}
+    if callable(getattr(base, "activation_checkpointing_enable", None)):
+        base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:  # transformers < 5
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    model.train()
