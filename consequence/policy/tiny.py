@@ -128,7 +128,8 @@ WEIGHT_FILES: tuple[str, ...] = ("model.safetensors", "pytorch_model.bin", "mode
 
 
 def check_model_folder(path, option: str = "--model") -> None:
-    """A checkpoint folder has weights and a ``config.json`` that names its ``model_type``.
+    """A checkpoint folder has weights and a ``config.json`` that names its ``model_type``
+    (or is a LoRA adapter checkpoint whose base folder exists: ``policy.lora``).
 
     Raises:
         ValueError: no weights file (one of ``WEIGHT_FILES``), or config.json missing, not
@@ -137,7 +138,14 @@ def check_model_folder(path, option: str = "--model") -> None:
     """
     import json
 
+    from consequence.policy.lora import adapter_base, is_adapter_folder
+
     p = Path(path)
+    if is_adapter_folder(p):  # a LoRA checkpoint: the adapter, and the base folder it names
+        adapter_base(p)
+        if not (p / "adapter_model.safetensors").is_file():
+            raise ValueError(f"{option} {p}: a LoRA checkpoint without adapter_model.safetensors; save it again")
+        return
     cfg = p / "config.json"
     if not cfg.is_file():
         raise ValueError(f"{option} {p}: no config.json (save the model with save_pretrained)")
@@ -155,7 +163,8 @@ def check_model_folder(path, option: str = "--model") -> None:
 
 
 def load_policy(path):
-    """Load ``(model, tokenizer)`` saved with ``save_pretrained`` at ``path``.
+    """Load ``(model, tokenizer)`` saved with ``save_pretrained`` at ``path`` (a LoRA adapter
+    checkpoint loads as its base model with the adapter: ``policy.lora.load_adapter_policy``).
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
@@ -172,6 +181,10 @@ def load_policy(path):
             "+ build_model, then save_pretrained both to that folder) or fix the path"
         )
     check_model_folder(p, "model folder")
+    from consequence.policy.lora import is_adapter_folder, load_adapter_policy
+
+    if is_adapter_folder(p):
+        return load_adapter_policy(p)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(p))
     except (OSError, ValueError, KeyError, TypeError) as e:

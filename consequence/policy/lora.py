@@ -1,0 +1,180 @@
+"""LoRA adapters through PEFT: wrap a policy, load and merge adapter checkpoints, and give
+the sampler the weights the trainer differentiates.
+
+LoRA (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models", §4.1) keeps a
+pretrained weight W₀ [out, in] frozen and trains ``B`` [out, r] and ``A`` [r, in]; the layer
+computes ``x W₀ᵀ + (α / r) · x Aᵀ Bᵀ``. ``B`` starts at zero, so the wrapped policy equals
+the base model before its first step. Only ``A`` and ``B`` get gradients and AdamW state.
+
+The trainer's forward (``policy.logprobs``) runs the PEFT model, so the adapter is in it.
+The sampler's fast Llama path reads weight matrices directly, so it must read the
+*effective* weight ``W₀ + (α / r) B A`` of every adapted layer (:func:`effective_weight`):
+reading ``.weight`` of a PEFT layer gives W₀ alone, and then rollouts come from the base
+model while the trainer scores them under the adapter, which looks like staleness (the
+ratio drifts from 1 at every iteration after the first). The pre-step ratio check and the
+``first_step_ratio_*`` metrics of every iteration measure exactly this.
+
+A checkpoint of a LoRA run holds the adapter (``adapter_config.json`` +
+``adapter_model.safetensors``, PEFT's format) and the tokenizer; ``adapter_config.json``
+names the base model's folder (absolute). :func:`load_adapter_policy` loads one;
+:func:`merge_adapter` (``consequence merge``) writes a plain Hugging Face folder with
+``W₀ + (α / r) B A`` folded in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import warnings
+from pathlib import Path
+
+import torch
+
+ADAPTER_CONFIG = "adapter_config.json"
+# All linear projections of a Llama-layout block (attention and MLP): what "all-linear" means in PEFT
+# for these models, and what QLoRA (Dettmers et al. 2023, §4) found necessary to match full fine-tuning.
+DEFAULT_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def is_peft(model) -> bool:
+    """Whether ``model`` is a PEFT model (has an adapter)."""
+    return callable(getattr(model, "get_base_model", None)) and hasattr(model, "peft_config")
+
+
+def is_adapter_folder(path) -> bool:
+    """Whether ``path`` is a PEFT adapter checkpoint (has ``adapter_config.json``)."""
+    return (Path(path) / ADAPTER_CONFIG).is_file()
+
+
+def apply_lora(model, rank: int, alpha: float, targets: list[str] | tuple[str, ...], base_path) -> torch.nn.Module:
+    """Wrap ``model`` with a fresh LoRA adapter (B = 0: the output is unchanged).
+
+    Args:
+        model: a Hugging Face causal LM (float32), not already a PEFT model.
+        rank: r ≥ 1, the adapter's rank.
+        alpha: α > 0; the update is scaled by α / r.
+        targets: module names to adapt (e.g. ``q_proj``); each must name a linear layer.
+        base_path: the base model's folder, recorded (absolute) in ``adapter_config.json``
+            so that a checkpoint can be loaded offline.
+
+    Returns:
+        the ``PeftModel``; only the adapter's parameters require gradients.
+
+    Raises:
+        ValueError: a bad rank or alpha, ``model`` already has an adapter, or a target
+            names no linear layer of the model (the message lists the ones it has).
+    """
+    from peft import LoraConfig, get_peft_model
+
+    if rank < 1 or not alpha > 0:
+        raise ValueError(f"--lora-rank must be >= 1 and --lora-alpha > 0 (got {rank}, {alpha})")
+    if is_peft(model):
+        raise ValueError("the policy already has a LoRA adapter; merge it first (consequence merge) to train another")
+    linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+    missing = [t for t in targets if t not in linear]
+    if missing or not targets:
+        raise ValueError(f"--lora-targets {','.join(missing) or '(empty)'}: no linear layer of that name in "
+                         f"{type(model).__name__}; it has {', '.join(linear)}")
+    cfg = LoraConfig(r=int(rank), lora_alpha=float(alpha), target_modules=list(targets), lora_dropout=0.0,
+                     bias="none", task_type="CAUSAL_LM", base_model_name_or_path=str(Path(base_path).resolve()))
+    with _quiet_peft():
+        peft_model = get_peft_model(model, cfg)
+    peft_model.peft_config["default"].base_model_name_or_path = str(Path(base_path).resolve())
+    return peft_model
+
+
+@contextlib.contextmanager
+def _quiet_peft():
+    """PEFT 0.21 calls a transformers method that transformers 5 deprecates (a FutureWarning
+    on every load that says nothing about the user's run)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        yield
+
+
+def effective_weight(layer: torch.nn.Module) -> torch.Tensor:
+    """The weight [out, in] a linear layer applies: ``W₀ + Σ (α / r) B A`` over its active
+    LoRA adapters for a PEFT layer (unless merged or disabled), else ``layer.weight``."""
+    base = getattr(layer, "base_layer", None)
+    if base is None:
+        return layer.weight
+    w = base.weight
+    if getattr(layer, "merged", False) or getattr(layer, "disable_adapters", False):
+        return w
+    for name in layer.active_adapters:
+        if name in getattr(layer, "lora_A", {}):
+            w = w + layer.get_delta_weight(name).to(w.dtype)
+    return w
+
+
+def unwrap(model) -> torch.nn.Module:
+    """The Hugging Face model inside a PEFT model (its layers carry the adapter), else ``model``."""
+    return model.get_base_model() if is_peft(model) else model
+
+
+def adapter_base(path) -> Path:
+    """The base model folder an adapter checkpoint was trained on.
+
+    Raises:
+        ValueError: ``adapter_config.json`` is unreadable or names no existing local folder.
+    """
+    p = Path(path)
+    try:
+        base = json.loads((p / ADAPTER_CONFIG).read_text(encoding="utf-8")).get("base_model_name_or_path")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
+        raise ValueError(f"adapter checkpoint {p}: {ADAPTER_CONFIG} is not a readable JSON object ({e})") from None
+    if not base or not Path(base).is_dir():
+        raise ValueError(f"adapter checkpoint {p}: its base model {base!r} ({ADAPTER_CONFIG}: "
+                         "base_model_name_or_path) is not a folder here; put the base model there or edit that field")
+    return Path(base)
+
+
+def load_adapter_policy(path, trainable: bool = True):
+    """``(PeftModel, tokenizer)`` of an adapter checkpoint: its base folder, then the adapter.
+
+    Args:
+        path: a folder written by ``save_policy`` of a LoRA policy (adapter + tokenizer).
+        trainable: leave the adapter's parameters requiring gradients (resume); ``False``
+            for evaluation.
+
+    Raises:
+        ValueError: as :func:`adapter_base`, or the base / adapter cannot be loaded.
+    """
+    from peft import PeftModel
+    from transformers import AutoTokenizer
+
+    from consequence.policy.tiny import load_policy
+
+    p = Path(path)
+    base, _ = load_policy(adapter_base(p))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(p))
+        with _quiet_peft():
+            model = PeftModel.from_pretrained(base, str(p), is_trainable=trainable)
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
+        raise ValueError(f"adapter checkpoint {p}: cannot load it ({str(e).splitlines()[0]})") from None
+    model.eval()
+    return model, tokenizer
+
+
+def merge_adapter(path, out) -> Path:
+    """Fold an adapter checkpoint into its base weights and save a plain Hugging Face folder.
+
+    Args:
+        path: an adapter checkpoint (e.g. ``runs/<run>/checkpoints/final`` of a LoRA run).
+        out: the folder to write (atomically; replaced if it exists).
+
+    Returns:
+        ``out``; its logits equal the adapter model's to float32 rounding.
+
+    Raises:
+        ValueError: ``path`` is not an adapter checkpoint, or as :func:`load_adapter_policy`.
+    """
+    from consequence.policy.tiny import save_policy
+
+    if not is_adapter_folder(path):
+        raise ValueError(f"{path}: not a LoRA adapter checkpoint (no {ADAPTER_CONFIG}); it is already a plain model")
+    model, tokenizer = load_adapter_policy(path, trainable=False)
+    merged = model.merge_and_unload()
+    merged.config.name_or_path = str(Path(out).resolve())
+    return save_policy(merged, tokenizer, out)
