@@ -6,6 +6,16 @@ harness appends after a model call) are the suffix the chat template adds when t
 results are rendered after the assistant turn, so the token stream of an episode equals
 what ``apply_chat_template`` renders for the whole conversation (case 13), while the
 assistant's own tokens stay exactly the sampled ids (case 09).
+
+Tool formats. A template that renders ``tools=`` and ``tool_calls`` itself (Qwen2.5,
+Hermes, the bundled tiny model's) is used as it is (``"native"``). A plain template
+that drops them but renders the content of every turn (SmolLM2's ChatML) gets the tools
+in the Hermes function-calling format instead (``"hermes"``, :func:`hermes_messages`):
+the tool specs go into the system message in the wording of the Qwen2.5 chat template,
+tool calls become ``<tool_call>`` blocks in the assistant's content, and tool results
+become one user turn of ``<tool_response>`` blocks; the template then renders those
+messages, so everything it renders is still exactly ``apply_chat_template``'s text.
+A template that does neither is refused (:class:`Renderer`).
 """
 
 from __future__ import annotations
@@ -16,6 +26,82 @@ from dataclasses import dataclass, field
 from typing import Any
 
 _TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+TOOL_FORMATS = ("auto", "native", "hermes")
+
+# The Hermes function-calling system text, worded as the Qwen2.5 chat template writes it;
+# the tool specs go between the two parts, one JSON object per line.
+HERMES_TOOLS_HEAD = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+                     "You are provided with function signatures within <tools></tools> XML tags:\n<tools>")
+HERMES_TOOLS_TAIL = ("\n</tools>\n\nFor each function call, return a json object with function name and "
+                     "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+                     '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+
+
+def format_call(name: str, arguments: dict | str) -> str:
+    """One tool call as assistant text: ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``.
+
+    ``arguments`` given as a JSON string (the OpenAI wire shape) is decoded first.
+    """
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            pass
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+
+
+def hermes_tools_text(tools: list[dict]) -> str:
+    """The system-message text that declares ``tools`` in the Hermes / Qwen2.5 format."""
+    return HERMES_TOOLS_HEAD + "".join("\n" + json.dumps(t) for t in tools) + HERMES_TOOLS_TAIL
+
+
+def hermes_messages(messages: list[dict], tools: list[dict]) -> list[dict]:
+    """``messages`` with the tools written into their content (pure; the input is not changed).
+
+    - The tool specs (:func:`hermes_tools_text`) are appended to the first message's
+      content when it is a system message (after a blank line), else a system message
+      holding only them is put first (so a template's default system prompt is not added
+      on top of them).
+    - An assistant message's ``tool_calls`` become its content: the original content (if
+      any) and a newline, then each call as :func:`format_call` writes it, joined by
+      newlines; the ``tool_calls`` key is dropped.
+    - Consecutive ``tool`` messages become one ``user`` message whose content is each
+      result as ``<tool_response>\\n{content}\\n</tool_response>``, joined by newlines, so
+      parallel results share one turn (case 13), as in the Qwen2.5 template.
+    """
+    spec = hermes_tools_text(tools)
+    out: list[dict] = []
+    if messages and messages[0].get("role") == "system":
+        first = messages[0].get("content") or ""
+        out.append({**messages[0], "content": (first + "\n\n" if first else "") + spec})
+        rest = messages[1:]
+    else:
+        out.append({"role": "system", "content": spec})
+        rest = messages
+    previous = None
+    for m in rest:
+        role = m.get("role")
+        if role == "tool":
+            block = "<tool_response>\n" + str(m.get("content") or "") + "\n</tool_response>"
+            if previous == "tool":
+                out[-1]["content"] += "\n" + block
+            else:
+                out.append({"role": "user", "content": block})
+        elif role == "assistant" and m.get("tool_calls"):
+            calls = "\n".join(format_call(*_name_and_arguments(c)) for c in m["tool_calls"])
+            content = m.get("content") or ""
+            out.append({**{k: v for k, v in m.items() if k != "tool_calls"},
+                        "content": (content + "\n" if content else "") + calls})
+        else:
+            out.append(dict(m))
+        previous = role
+    return out
+
+
+def _name_and_arguments(call: dict) -> tuple[str, dict | str]:
+    fn = call.get("function", call)
+    return fn["name"], fn.get("arguments", {})
 
 
 @dataclass
@@ -39,17 +125,46 @@ class ParsedTurn:
 class Renderer:
     """Renders conversations with a Hugging Face tokenizer's chat template.
 
+    Tool calls are read and written in the Hermes / Qwen2.5 convention
+    ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``. How the tools
+    reach the prompt is ``tool_format``:
+
+    - ``"native"``: the template renders ``tools=`` and ``tool_calls`` itself.
+    - ``"hermes"``: the template only renders the content of turns (SmolLM2's ChatML);
+      the messages are rewritten by :func:`hermes_messages` (tool specs in the system
+      message in the Qwen2.5 template's wording, calls in the assistant's content,
+      results as ``<tool_response>`` blocks in one user turn) and rendered without
+      ``tools=``. The text is still exactly what ``apply_chat_template`` renders for the
+      rewritten messages, so the observation ids and the token stream of an episode work
+      as in ``"native"``.
+    - ``"auto"``: ``"native"`` when the template shows every tool's name given
+      ``tools=``, else ``"hermes"`` when the rewritten messages show every tool's name, a
+      probe tool call and a probe tool result verbatim and the generation prompt adds an
+      assistant header.
+
     Args:
         tokenizer: a ``PreTrainedTokenizerBase`` with ``chat_template`` set.
         tools: JSON-schema function specs (OpenAI function-calling shape).
         end_of_turn: the token that ends an assistant turn (``<|im_end|>`` for Qwen-style
             templates); defaults to ``<|im_end|>`` when the vocabulary has it, else EOS.
+        tool_format: ``"auto"`` (default), ``"native"`` or ``"hermes"``.
+
+    Attributes:
+        tool_format: the format in use: ``"native"``, ``"hermes"``, or ``"none"`` when
+            there are no tools (then nothing is rewritten).
 
     Raises:
-        ValueError: the tokenizer has no chat template, or no end-of-turn token.
+        ValueError: the tokenizer has no chat template, or no end-of-turn token; an
+            unknown ``tool_format``; ``"native"`` with a template that drops ``tools=``;
+            ``"hermes"`` (or ``"auto"`` after ``"native"`` failed) with a template that
+            does not show the rewritten content (the message says what is missing).
     """
 
-    def __init__(self, tokenizer, tools: list[dict], end_of_turn: str | None = None):
+    def __init__(self, tokenizer, tools: list[dict], end_of_turn: str | None = None,
+                 tool_format: str = "auto"):
+        if tool_format not in TOOL_FORMATS:
+            raise ValueError(f"tool_format must be one of {', '.join(map(repr, TOOL_FORMATS))}, "
+                             f"not {tool_format!r}")
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError(
                 "the tokenizer has no chat template; set tokenizer.chat_template (a Jinja "
@@ -66,27 +181,78 @@ class Renderer:
         self.stop_ids = {self.eot_id}
         if tokenizer.eos_token_id is not None:
             self.stop_ids.add(tokenizer.eos_token_id)
-        self._check_tools_rendered()
+        self.tool_format = "none" if not tools else self._resolve_tool_format(tool_format)
 
-    def _check_tools_rendered(self) -> None:
-        """A template that silently drops ``tools=`` would give the policy a prompt without
-        them (SmolLM2's does): refuse instead of training on such prompts.
+    def _resolve_tool_format(self, requested: str) -> str:
+        """The tool format in use (see the class doc).
+
+        A template that silently drops ``tools=`` would give the policy a prompt without
+        them (SmolLM2's does): the Hermes format stands in for it only where the template
+        shows what the rewritten messages carry; otherwise refuse instead of training on
+        such prompts.
 
         Raises:
-            ValueError: some tool's name does not appear in the rendered prompt.
+            ValueError: as in the class doc.
         """
-        if not self.tools:
-            return
-        text = self.render_text([{"role": "user", "content": "x"}], add_generation_prompt=True)
-        missing = [t["function"]["name"] for t in self.tools if t["function"]["name"] not in text]
+        names = [t["function"]["name"] for t in self.tools]
+        if requested in ("auto", "native"):
+            self.tool_format = "native"
+            text = self.render_text([{"role": "user", "content": "x"}], add_generation_prompt=True)
+            missing = [n for n in names if n not in text]
+            if not missing:
+                return "native"
+            dropped = (f"this model's chat template does not render the environment's tools (no "
+                       f"{', '.join(missing)} in the prompt)")
+            if requested == "native":
+                raise ValueError(f"{dropped}: the policy would never see them (tool_format='native'). Use "
+                                 "tool_format='auto' or 'hermes' to write them into the messages, an environment "
+                                 "without tools (e.g. --env reasoning-gym) or a model whose chat template renders "
+                                 "tools= (a Hermes / Qwen-style template)")
+        else:
+            dropped = "tool_format='hermes' was asked for"
+        self.tool_format = "hermes"
+        gaps = self._hermes_gaps(names)
+        if gaps:
+            raise ValueError(f"{dropped}, and the Hermes tool format cannot stand in: with the tools written into "
+                             f"the messages, {'; '.join(gaps)}. Pass a chat template that renders tools= and "
+                             "tool_calls (tokenizer.chat_template, e.g. a Hermes / Qwen2.5-style template), use a "
+                             "model whose chat template renders the content of system, assistant and tool turns "
+                             "and an assistant header for the generation prompt, or an environment without tools "
+                             "(e.g. --env reasoning-gym)")
+        return "hermes"
+
+    def _hermes_gaps(self, names: list[str]) -> list[str]:
+        """What the template fails to show of a probe conversation in the Hermes format."""
+        call = {"type": "function", "function": {"name": names[0], "arguments": {"probe": 1}}}
+        probe = [{"role": "system", "content": "probe-system"}, {"role": "user", "content": "probe-user"},
+                 {"role": "assistant", "content": "", "tool_calls": [call]},
+                 {"role": "tool", "name": names[0], "content": "probe-result"}]
+        try:
+            text = self.render_text(probe, add_generation_prompt=False)
+            prompt = self.render_text(probe[:2], add_generation_prompt=True)
+            no_header = self.render_text(probe[:2], add_generation_prompt=False)
+        except Exception as e:  # noqa: BLE001  (a template may raise on roles it does not know)
+            return [f"the template raised {type(e).__name__}: {e}"]
+        gaps = []
+        missing = [n for n in names if n not in prompt]
         if missing:
-            raise ValueError(f"this model's chat template does not render the environment's tools (no "
-                             f"{', '.join(missing)} in the prompt): the policy would never see them. Use an "
-                             "environment without tools (e.g. --env reasoning-gym) or a model whose chat template "
-                             "renders tools= (a Hermes / Qwen-style template)")
+            gaps.append(f"the prompt does not show the tools {', '.join(missing)} (system message content)")
+        if format_call(names[0], {"probe": 1}) not in text:
+            gaps.append("an assistant tool call is not rendered verbatim (assistant message content)")
+        if "<tool_response>\nprobe-result\n</tool_response>" not in text:
+            gaps.append("a tool result is not rendered verbatim (user message content)")
+        if prompt == no_header:
+            gaps.append("the generation prompt adds no assistant header (add_generation_prompt renders nothing)")
+        return gaps
 
     # ---- messages → tokens -------------------------------------------------------
     def render_text(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        """``apply_chat_template``'s text of ``messages`` (rewritten first in ``"hermes"``)."""
+        if getattr(self, "tool_format", None) == "hermes":
+            return self.tokenizer.apply_chat_template(
+                hermes_messages(messages, self.tools), tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+            )
         return self.tokenizer.apply_chat_template(
             messages, tools=self.tools, tokenize=False,
             add_generation_prompt=add_generation_prompt,
@@ -155,8 +321,9 @@ class Renderer:
         return ParsedTurn(message, calls if error is None else [], error, stop_reason)
 
     def format_call(self, name: str, arguments: dict) -> str:
-        """The assistant text of one tool call, exactly as the template renders it."""
-        return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+        """The assistant text of one tool call, exactly as the template renders it
+        (:func:`format_call`; in ``"hermes"`` that is what the template is given)."""
+        return format_call(name, arguments)
 
 
 def _parse_call(block: str) -> tuple[dict | None, str | None]:
