@@ -105,7 +105,8 @@ def _roll_out_round(it, r, cfg, model, renderer, split, budgets, sampling, progr
                          answer_ends_episode=env.answer_ends_episode)
              for t in tasks for g, episode in enumerate(group_of(env, t, cfg.group_size))]
     gen = policy_generate_fn(model, sampling, renderer.stop_ids, seed_of(cfg.seed, *tag, "rollout"))
-    trajs = run_episodes(gen, renderer, specs, budgets, env.system_prompt, policy_version=it, progress=progress)
+    trajs = run_episodes(gen, renderer, specs, budgets, env.system_prompt, policy_version=it, progress=progress,
+                         examples=env.examples)
     score_trajectories(trajs, cfg.overlong_buffer, budgets.max_total_tokens, env.reward_components, env.reward_range)
     groups: dict[str, list[Trajectory]] = {}
     for t in trajs:

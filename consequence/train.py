@@ -180,8 +180,8 @@ def _start(cfg: TrainConfig, console, run: Path, resume: bool, state: ResumeStat
              SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p, cfg.max_new_tokens), manifest={},
              label=run_label(cfg))
     if state is None:
-        r.manifest = build_manifest(cfg, model_path, split, 
-                                    chat_template=tokenizer.chat_template, isolation=isolation_report())
+        r.manifest = build_manifest(cfg, model_path, split, chat_template=tokenizer.chat_template,
+                                    isolation=isolation_report(), tool_format=renderer.tool_format)
         r.manifest |= {"run_label": r.label, "cwd": os.getcwd(), "policy_training": policy_training(cfg, model)}
         if reproduces is not None:
             r.manifest["reproduces"] = os.path.abspath(reproduces)
@@ -231,7 +231,8 @@ def preflight(cfg: TrainConfig, tokenizer, renderer: Renderer, split, model_path
         raise ValueError(f"--env {split.label}: the test split has {len(split.split['test'])} problem, and the final "
                          "paired comparison's CI (a bootstrap over problems) needs at least 2; add problems or set "
                          "--final-eval-episodes 0")
-    longest = split.longest_prompt(functools.partial(opening_prompt_len, renderer, split.system_prompt),
+    longest = split.longest_prompt(functools.partial(opening_prompt_len, renderer, split.system_prompt,
+                                                     examples=split.examples),
                                    seed=seed_of(cfg.seed, "prompt-check"))
     if longest + cfg.max_new_tokens > cfg.max_total_tokens:
         raise ValueError(f"--max-total-tokens {cfg.max_total_tokens} is too small: the longest prompt of the train "

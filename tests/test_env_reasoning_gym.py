@@ -139,6 +139,8 @@ def test_repeated_questions_are_one_problem_in_one_split():
     ({"format_weight": float("nan")}, "option format_weight", ">= 0"),
     ({"size": 0}, "option size", "positive integer"),
     ({"size": 2.5}, "option size", "positive integer"),
+    ({"shots": -1}, "option shots", "integer >= 0"),
+    ({"shots": True}, "option shots", "integer >= 0"),
     ({"difficulty": 3}, "unknown option 'difficulty'", "dataset, config, size, format_weight"),
 ])
 def test_bad_options_are_refused_before_any_work(options, option, fix, monkeypatch):
@@ -185,6 +187,39 @@ def test_episodes_through_the_runner_and_reward_box(tiny_tokenizer):
     assert [t.reward_components["format"] for t in trajs] == [0.25, 0.0, 0.0, 0.25]
     ref = tasks[3].answer  # partial credit of the base scorer: len(ref) / len(answer)
     assert trajs[3].reward_components["accuracy"] == pytest.approx(len(ref) / (len(ref) + 2))
+
+
+def test_worked_examples_are_train_problems_shown_as_earlier_turns(tiny_tokenizer):
+    """shots=2: the first two train problems, answered in the R1-Zero format, open every
+    episode after the system prompt; they leave the train split; context only."""
+    from consequence.harness.renderer import Renderer
+    from consequence.rollout.episodes import Budgets, EpisodeSpec, run_episodes
+
+    plain, shot = _env(size=40), _env(size=40, shots=2)
+    first = plain.split["train"][:2]
+    assert shot.examples == tuple((t.question, f"<think>I work it out, then give only the final answer.</think> "
+                                               f"<answer>{t.answer}</answer>") for t in first)
+    assert [t.problem_id for t in shot.split["train"]] == [t.problem_id for t in plain.split["train"][2:]]
+    assert shot.problem_ids()["test"] == plain.problem_ids()["test"]
+    assert shot.problem_ids()["validation"] == plain.problem_ids()["validation"]
+    assert shot.describe()["examples"] == [list(x) for x in shot.examples] and plain.examples == ()
+    renderer = Renderer(tiny_tokenizer, shot.tools)
+    task = shot.sample("test", 1, seed=0)[0]
+    reply = renderer.encode(f"<answer>{task.answer}</answer>") + [renderer.eot_id]
+
+    def generate(prompts, max_new_tokens, idx):
+        return [SimpleNamespace(output_ids=reply, logprobs=[-0.5] * len(reply), stop_reason="stop") for _ in idx]
+
+    spec = EpisodeSpec(shot.make_episode(task), task.task_id, "g", 0, 0)
+    traj, = run_episodes(generate, renderer, [spec], Budgets(max_turns=1, max_new_tokens=64), shot.system_prompt,
+                         examples=shot.examples)
+    assert [(m["role"], m["content"]) for m in traj.messages[:6]] == [
+        ("system", SYSTEM_PROMPT), ("user", first[0].question), ("assistant", shot.examples[0][1]),
+        ("user", first[1].question), ("assistant", shot.examples[1][1]), ("user", task.question)]
+    call = traj.calls[0]
+    assert call.context_ids == renderer.prompt_ids(traj.messages[:6]) and call.output_ids == reply
+    with pytest.raises(ValueError, match="shots=3 would take every one of the 3 train problems"):
+        _env(size=4, shots=3)
 
 
 def test_train_and_eval_cli(tmp_path):

@@ -64,6 +64,9 @@ class Environment:
     Class attributes:
         name: registry name (``--env NAME``); version: bump it when episodes or scores change.
         system_prompt: the first message of every episode.
+        examples: worked examples ``(request, reply)`` shown as earlier user / assistant
+            turns after the system prompt (few-shot prompting); context only, never
+            trained on. An instance may set its own (e.g. from an option).
         tools: JSON-schema function specs; ``[]`` for a task answered in plain text.
         reward_components: names of the reward's parts, logged separately.
         reward_rule: how parts combine into the reward (only ``"sum"``: over steps and parts).
@@ -81,6 +84,7 @@ class Environment:
     name: ClassVar[str] = ""
     version: ClassVar[str] = "0"
     system_prompt: ClassVar[str] = ""
+    examples: tuple[tuple[str, str], ...] = ()
     tools: ClassVar[list[dict]] = []
     reward_components: ClassVar[tuple[str, ...]] = ("reward",)
     reward_rule: ClassVar[str] = "sum"
@@ -216,7 +220,8 @@ class Environment:
         return {"name": self.name, "version": self.version, "class": f"{cls.__module__}:{cls.__qualname__}",
                 "source_sha256": source_sha256(cls), "options": self.options, "label": self.label,
                 "split_seed": self.split_seed, "tools": [t["function"]["name"] for t in self.tools],
-                "system_prompt": self.system_prompt, "reward_components": list(self.reward_components),
+                "system_prompt": self.system_prompt, "examples": [list(x) for x in self.examples],
+                "reward_components": list(self.reward_components),
                 "reward_rule": self.reward_rule, "reward_range": list(self.reward_range),
                 "answer_ends_episode": self.answer_ends_episode}
 

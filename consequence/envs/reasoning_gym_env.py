@@ -57,6 +57,7 @@ SYSTEM_PROMPT = (
     "the answer. The reasoning process and answer are enclosed within <think> </think> and <answer> "
     "</answer> tags, respectively, i.e., <think> reasoning process here </think> <answer> answer here "
     "</answer>.")
+EXAMPLE_THOUGHT = "I work it out, then give only the final answer."  # the worked examples' reasoning (option shots)
 GENERATOR_SEED = 0  # seed of every generator: a problem set is named by (dataset, config, size)
 _RESERVED = {"seed": f"the generator seed is fixed ({GENERATOR_SEED}) so that a problem set is named by its "
                      "dataset, config and size",
@@ -193,13 +194,20 @@ class ReasoningGymEnvironment(Environment):
         size: items drawn from the generator (indices ``0 … size-1``); repeated questions
             are kept once, so the environment may hold fewer problems.
         format_weight: weight (≥ 0) of the ``format`` component; 0 leaves it out.
+        shots: worked examples shown before each question as earlier user / assistant turns
+            (few-shot prompting; a small instruct model rarely finds the answer format
+            without them). They are the first ``shots`` problems of the train split,
+            answered ``<think>…</think> <answer>ANSWER</answer>`` with the generator's own
+            answer, and are then removed from the train split (no problem is trained on
+            with its answer in the context; validation and test never supply examples).
 
     Raises:
         ValueError: an unknown dataset (lists the valid ones), a config that is not a
             mapping, a config key the generator does not take (names it and lists the valid
             ones), settings the generator rejects (its message), a size that is not a
-            positive integer, a format_weight that is not a finite number ≥ 0. All before
-            any problem is generated.
+            positive integer, a format_weight that is not a finite number ≥ 0, shots that
+            is not an integer ≥ 0 or leaves no train problem. All before any problem is
+            generated (shots: right after).
     """
 
     name = "reasoning-gym"
@@ -210,7 +218,7 @@ class ReasoningGymEnvironment(Environment):
     answer_ends_episode = True
 
     def __init__(self, split_seed: int = 0, dataset: str = "basic_arithmetic", config: dict | None = None,
-                 size: int = 500, format_weight: float = 0.0):
+                 size: int = 500, format_weight: float = 0.0, shots: int = 0):
         where = "--env reasoning-gym: option"
         registry = _registry()
         if not isinstance(dataset, str) or dataset not in registry:
@@ -237,6 +245,9 @@ class ReasoningGymEnvironment(Environment):
                 or not math.isfinite(format_weight) or format_weight < 0):
             raise ValueError(f"{where} format_weight must be a finite number >= 0 (0: no format component), "
                              f"got {format_weight!r}")
+        if isinstance(shots, bool) or not isinstance(shots, int) or shots < 0:
+            raise ValueError(f"{where} shots must be an integer >= 0 (worked examples before each question), got {shots!r}")
+        self.shots = shots
         self.dataset = dataset
         self.config = copy.deepcopy(config)
         self.size = size
@@ -276,7 +287,15 @@ class ReasoningGymEnvironment(Environment):
                 tasks[pid] = ReasoningGymTask(f"{self.dataset}/{i}", pid, self.dataset, i, question,
                                               None if answer is None else str(answer), entry)
         ids = split_by_problem(tasks, seed=split_seed)
-        return {s: [t for pid, t in tasks.items() if pid in ids[s]] for s in SPLITS}
+        split = {s: [t for pid, t in tasks.items() if pid in ids[s]] for s in SPLITS}
+        if self.shots:
+            if self.shots >= len(split["train"]):
+                raise ValueError(f"--env reasoning-gym: option shots={self.shots} would take every one of the "
+                                 f"{len(split['train'])} train problems as an example; lower shots or raise size")
+            shown, split["train"] = split["train"][: self.shots], split["train"][self.shots:]
+            self.examples = tuple((t.question, f"<think>{EXAMPLE_THOUGHT}</think> <answer>{t.answer}</answer>")
+                                  for t in shown)
+        return split
 
     def make_episode(self, task: ReasoningGymTask) -> ReasoningGymEpisode:
         return ReasoningGymEpisode(task, self.generator.score_answer, self.format_weight)

@@ -58,7 +58,8 @@ def sample_episodes(model, renderer, env, tasks: Sequence, n: int, budgets: Budg
                          tuple(openings[i]), env.answer_ends_episode)
              for i, t in enumerate(tasks) for j, episode in enumerate(group_of(env, t, n))]
     gen = policy_generate_fn(model, params, renderer.stop_ids, seed)
-    trajs = run_episodes(gen, renderer, specs, budgets, env.system_prompt, policy_version, progress=progress)
+    trajs = run_episodes(gen, renderer, specs, budgets, env.system_prompt, policy_version, progress=progress,
+                         examples=env.examples)
     score_trajectories(trajs, components=env.reward_components, reward_range=env.reward_range)
     for i, t in enumerate(tasks):
         rescore_group(env, t, trajs[i * n:(i + 1) * n])

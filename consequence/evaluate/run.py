@@ -118,7 +118,7 @@ def check_budget_fits(renderer, env, task_list, budgets: Budgets) -> None:
     Raises:
         ValueError: names ``--max-total-tokens``, the shortest prompt and the smallest budget that fits.
     """
-    shortest = min((opening_prompt_len(renderer, env.system_prompt, env.request(t)) for t in task_list), default=0)
+    shortest = min((opening_prompt_len(renderer, env.system_prompt, env.request(t), env.examples) for t in task_list), default=0)
     if task_list and shortest + budgets.max_new_tokens > budgets.max_total_tokens:
         raise ValueError(f"--max-total-tokens {budgets.max_total_tokens} is too small: the shortest prompt of these "
                          f"tasks is {shortest} tokens and a model call may add --max-new-tokens "

@@ -84,10 +84,11 @@ def library_versions() -> dict[str, str | None]:
 
 
 def build_manifest(cfg: TrainConfig, model_path: Path, env, *, chat_template: str,
-                   isolation: dict[str, str]) -> dict[str, Any]:
+                   isolation: dict[str, str], tool_format: str = "native") -> dict[str, Any]:
     """The manifest of a run that is about to start (see module doc); ``env`` is the run's
     :class:`~consequence.envs.api.Environment` (its name, version, source hash, options,
-    split, tools and prompt are recorded)."""
+    split, tools and prompt are recorded); ``tool_format`` is the renderer's (``native``:
+    the chat template renders tools; ``hermes``: our Hermes rendering; ``none``: no tools)."""
     from consequence.envs import judge, sandbox  # noqa: PLC0415  (sources hashed as versions)
 
     config = cfg.model_dump()
@@ -109,7 +110,8 @@ def build_manifest(cfg: TrainConfig, model_path: Path, env, *, chat_template: st
         "environment": {**env.describe(),
                         "sandbox_source_sha256": {m.__name__: sha256_of(Path(m.__file__)) for m in (sandbox, judge)},
                         "isolation": isolation},
-        "harness": {"tools": env.tools, "system_prompt": env.system_prompt,
+        "harness": {"tools": env.tools, "system_prompt": env.system_prompt, "tool_format": tool_format,
+                    "examples": [list(x) for x in env.examples],
                     "context_builder": "append-only: each call sees the full history; observation ids are the "
                                        "chat template's delta after the sampled end-of-turn",
                     "budgets": {k: config[k] for k in ("max_turns", "max_new_tokens", "max_total_tokens")}},

@@ -71,8 +71,13 @@ class _Live:
 
 def run_episodes(generate_fn: GenerateFn, renderer: Renderer, specs: Sequence[EpisodeSpec],
                  budgets: Budgets, system_prompt: str, policy_version: int = 0,
-                 progress: Callable[[int], None] | None = None) -> list[Trajectory]:
+                 progress: Callable[[int], None] | None = None,
+                 examples: Sequence[tuple[str, str]] = ()) -> list[Trajectory]:
     """Run every episode to its end and return one Trajectory per spec, in order.
+
+    Every episode opens with ``system_prompt``, then the environment's worked
+    ``examples`` (request, reply) as earlier turns, then the task's request
+    (:func:`opening_messages`).
 
     ``progress(n_done)``, when given, is called after every batched model call with the
     number of episodes finished so far (for a progress bar), and once at the end.
@@ -85,7 +90,7 @@ def run_episodes(generate_fn: GenerateFn, renderer: Renderer, specs: Sequence[Ep
         ValueError: a tool spec is malformed, or a spec's ``opening`` ends its episode.
     """
     tool_specs = check_tool_specs(renderer.tools)
-    live = [_start(i, s, renderer, system_prompt, policy_version) for i, s in enumerate(specs)]
+    live = [_start(i, s, renderer, system_prompt, policy_version, examples) for i, s in enumerate(specs)]
     for turn in range(budgets.max_turns):
         active = [e for e in live if not e.done]
         for e in active:
@@ -109,19 +114,22 @@ def run_episodes(generate_fn: GenerateFn, renderer: Renderer, specs: Sequence[Ep
     return [e.traj for e in live]
 
 
-def opening_messages(system_prompt: str, request: str) -> list[dict]:
-    """The conversation an episode starts from: the system prompt (none when empty), then the task's request."""
-    return ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
+def opening_messages(system_prompt: str, request: str, examples: Sequence[tuple[str, str]] = ()) -> list[dict]:
+    """The conversation an episode starts from: the system prompt (none when empty), the worked
+    examples as user / assistant turns, then the task's request."""
+    shots = [{"role": role, "content": text} for q, a in examples for role, text in (("user", q), ("assistant", a))]
+    return ([{"role": "system", "content": system_prompt}] if system_prompt else []) + shots + [
         {"role": "user", "content": request}]
 
 
-def opening_prompt_len(renderer: Renderer, system_prompt: str, request: str) -> int:
+def opening_prompt_len(renderer: Renderer, system_prompt: str, request: str,
+                       examples: Sequence[tuple[str, str]] = ()) -> int:
     """Tokens of an episode's first prompt (before any opening turns): what a budget must fit."""
-    return len(renderer.prompt_ids(opening_messages(system_prompt, request)))
+    return len(renderer.prompt_ids(opening_messages(system_prompt, request, examples)))
 
 
 def _start(index: int, spec: EpisodeSpec, renderer: Renderer, system_prompt: str,
-           version: int) -> _Live:
+           version: int, examples: Sequence[tuple[str, str]] = ()) -> _Live:
     traj = Trajectory(task_id=spec.task_id, group_id=spec.group_id, sample_id=spec.sample_id,
                       seed=spec.seed, policy_version=version)
     e = _Live(index, spec, traj, [], [], time.perf_counter())
@@ -133,7 +141,7 @@ def _start(index: int, spec: EpisodeSpec, renderer: Renderer, system_prompt: str
     except Exception as err:  # the environment's fault, not the policy's: excluded, counted
         _end(e, "env_error", error=_raised("reset", err))
         return e
-    e.messages = opening_messages(system_prompt, obs)
+    e.messages = opening_messages(system_prompt, obs, examples)
     for name, arguments in spec.opening:
         obs, _r, terminated, truncated, info = spec.env.step({"name": name, "arguments": arguments})
         e.traj.env_retries += int(info.get("env_retries", 0))
