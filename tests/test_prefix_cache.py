@@ -78,3 +78,33 @@ def test_keep_only_forgets_ended_episodes(policy):
     assert set(cache.entries) == {2}
     with pytest.raises(ValueError, match="2 keys for 1 prompts"):
         generate_with_prefix(model, [p], [1, 2], SamplingParams(), renderer.stop_ids, cache)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.0, max_new_tokens=24),
+                                    SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=24)])
+def test_a_prefix_shared_by_first_turns_is_prefilled_once(policy, params, monkeypatch):
+    """The repair prompts of different tasks share their first 78 tokens (system prompt and
+    tool specs). With the threshold lowered below that, the prefix runs once per call and
+    every episode equals the direct computation (tokens exact, log-probs to 1e-4)."""
+    import consequence.policy.prefix_cache as pc
+
+    model, renderer = policy
+    full, _ = _episodes(model, renderer, params, cached=False, group=2)
+    direct, direct_cache = _episodes(model, renderer, params, cached=True, group=2)
+    monkeypatch.setattr(pc, "SHARED_PREFIX_MIN_TOKENS", 16)
+    shared, cache = _episodes(model, renderer, params, cached=True, group=2)
+    first = [t.calls[0].context_ids for t in shared[::2]]  # 6 distinct first prompts
+    P = next(j for j in range(min(map(len, first))) if len({p[j] for p in first}) > 1)
+    assert P == 78
+    # first turns of the 6 tasks: the shared 78 tokens run once; each row then prefills the last
+    # S slots, S its longest suffix (later turns are the same in both runs)
+    lens = [len(p) for p in first]
+    S = max(n - P for n in lens)
+    assert direct_cache.prefilled_tokens - cache.prefilled_tokens == sum(lens) - (P + sum(min(n, S) for n in lens))
+    assert sum(lens) - (P + sum(min(n, S) for n in lens)) > 4 * P
+    for a, b in zip(full, shared):
+        assert [c.output_ids for c in a.calls] == [c.output_ids for c in b.calls]
+        assert [c.context_ids for c in a.calls] == [c.context_ids for c in b.calls]
+        for ca, cb in zip(a.calls, b.calls):
+            assert ca.sample_logprobs == pytest.approx(cb.sample_logprobs, abs=1e-4)
+    assert [[c.output_ids for c in t.calls] for t in direct] == [[c.output_ids for c in t.calls] for t in shared]

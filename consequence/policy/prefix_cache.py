@@ -98,10 +98,18 @@ def generate_with_prefix(model, prompts: list[list[int]], keys: Sequence[Hashabl
 def _run(fast: _FastLlama, prompts, keys, params, stop_ids, cache: PrefixCache, generator) -> list[Sample]:
     n = len(prompts)
     pre = [cache.prefix_len(k, p) for k, p in zip(keys, prompts)]
+    stored: list[_Entry | None] = [cache.entries[k] if p else None for k, p in zip(keys, pre)]
+    shared = _shared_prefix(fast, [p for p, q in zip(prompts, pre) if q == 0])
+    if shared is not None:  # first turns that open alike (system prompt, worked examples): prefilled once
+        for i, p in enumerate(pre):
+            if p == 0 and tuple(prompts[i][:len(shared.ids)]) == tuple(shared.ids):
+                pre[i], stored[i] = len(shared.ids), shared
+        cache.prefilled_tokens += len(shared.ids)  # run once; each row's copy counts as reused below
     # Rows without a stored prefix and with the same prompt (a group's first turn) are
     # prefilled once and their cache rows copied, as in ``sampler.generate``.
     uniq: dict[object, int] = {}
-    src = [uniq.setdefault(tuple(p) if pre[i] == 0 else ("row", i), len(uniq)) for i, p in enumerate(prompts)]
+    src = [uniq.setdefault(tuple(p) if stored[i] is None or stored[i] is shared else ("row", i), len(uniq))
+           for i, p in enumerate(prompts)]
     first = {u: i for i, u in reversed(list(enumerate(src)))}  # unique row -> its first original row
     rows_u = [first[u] for u in range(len(uniq))]
     lens = [len(prompts[i]) for i in rows_u]
@@ -114,7 +122,7 @@ def _run(fast: _FastLlama, prompts, keys, params, stop_ids, cache: PrefixCache, 
         ids[u, L - lens[u]:] = torch.tensor(prompts[i], dtype=torch.long)
         key_valid[u, L - lens[u]:L] = True
     pos = (key_valid[:, :L].long().cumsum(-1) - 1).clamp_min(0)
-    _restore(fast, cache, [keys[i] for i in rows_u], [pre[i] for i in rows_u], lens, L)
+    _restore(fast, [stored[i] for i in rows_u], [pre[i] for i in rows_u], lens, L)
     cache.reused_tokens += sum(max(0, ln - S) for ln in lens)  # slots before the window
     cache.prefilled_tokens += sum(min(ln, S) for ln in lens)
     step_rows = max(1, PREFILL_CHUNK_TOKENS // S)
@@ -132,15 +140,46 @@ def _run(fast: _FastLlama, prompts, keys, params, stop_ids, cache: PrefixCache, 
     return decode(fast, logits, key_valid, next_pos, L, n, params, stop_ids, generator, on_leave=keep)
 
 
-def _restore(fast: _FastLlama, cache: PrefixCache, keys, pre, lens, L: int) -> None:
+def _restore(fast: _FastLlama, stored: list[_Entry | None], pre, lens, L: int) -> None:
     """Copy each row's stored prefix K/V into its slots (left padding: a row ends at slot L)."""
-    for i, (key, p) in enumerate(zip(keys, pre)):
+    for i, (e, p) in enumerate(zip(stored, pre)):
         if p == 0:
             continue
-        e, s0 = cache.entries[key], L - lens[i]
+        s0 = L - lens[i]
         for li in range(len(fast.layers)):
             fast.k_cache[li][i, :, s0:s0 + p] = e.k[li][:, :p]
             fast.v_cache[li][i, :, s0:s0 + p] = e.v[li][:, :p]
+
+
+# A prefix shared by the first turns of a call is prefilled once when it is at least this long
+# and at least two distinct prompts start with it (few-shot prompts: SmolLM2 with two worked
+# examples shares ~190 of ~230 prompt tokens, and an evaluation batch of 192 distinct questions
+# prefills 44 k tokens without sharing, 8 k with it). Shorter prefixes keep the direct path:
+# the tiny model's repair prompts share 78 tokens, and its runs stay bit for bit as they were.
+SHARED_PREFIX_MIN_TOKENS = 128
+
+
+def _shared_prefix(fast: _FastLlama, prompts: list[list[int]]) -> _Entry | None:
+    """K/V of the longest prefix all ``prompts`` share (one row, positions 0..P-1), or None when
+    fewer than two distinct prompts share at least SHARED_PREFIX_MIN_TOKENS tokens. The
+    prefix stops one token short of the shortest prompt, so every row still prefills a token
+    (its next-token logits come from that pass)."""
+    distinct = list({tuple(p): None for p in prompts})
+    if len(distinct) < 2:
+        return None
+    P = min(len(p) for p in distinct) - 1
+    first = distinct[0]
+    for p in distinct[1:]:
+        P = next((j for j in range(P) if p[j] != first[j]), P)
+    if P < SHARED_PREFIX_MIN_TOKENS:
+        return None
+    ids = torch.tensor([first[:P]], dtype=torch.long, device=fast.device)
+    pos = torch.arange(P, device=fast.device)[None]
+    fast.alloc(1, P)
+    for a in range(0, P, PREFILL_CHUNK_TOKENS):  # chunks of the one row: same slots, causal over the cache
+        b = min(P, a + PREFILL_CHUNK_TOKENS)
+        fast.forward(ids[:, a:b], pos[:, a:b], a, torch.ones(1, b, dtype=torch.bool, device=fast.device))
+    return _Entry(list(first[:P]), [c[0].clone() for c in fast.k_cache], [c[0].clone() for c in fast.v_cache])
 
 
 def _store(fast: _FastLlama, cache: PrefixCache, key, b: int, prompt: list[int], out: list[int], L: int) -> None:
