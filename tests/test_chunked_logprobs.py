@@ -333,3 +333,16 @@ def test_default_chunks_only_when_the_full_logits_are_large(monkeypatch):
         assert L._auto_chunk(model, am) == L.DEFAULT_CHUNK_SIZE
         big = token_logprobs(model, ids, am, with_entropy=True)
     torch.testing.assert_close(big[0], want[0], atol=ATOL, rtol=0)
+
+
+def test_target_mask_computes_only_the_loss_positions(model):
+    """target_mask (the loss mask): the same log-probs and entropy there, 0 elsewhere."""
+    ids, am, _ = _sample_batch(model, 1.0, 0, 1.0)
+    tm = _loss_mask(am) > 0
+    with torch.no_grad():
+        want_lp, want_ent = token_logprobs_unchunked(model, ids, am, 0.9, with_entropy=True)
+        lp, ent = token_logprobs(model, ids, am, 0.9, with_entropy=True, chunk_size=5, target_mask=tm)
+    torch.testing.assert_close(lp[tm], want_lp[tm], atol=ATOL, rtol=0)
+    torch.testing.assert_close(ent[tm], want_ent[tm], atol=ATOL, rtol=0)
+    assert bool((lp[~tm] == 0).all()) and bool((ent[~tm] == 0).all())
+    assert int(tm.sum()) < int(am[:, 1:].sum())  # some real targets were left out

@@ -263,6 +263,7 @@ def token_logprobs(
     keep_index: torch.Tensor | None = None,
     keep_rows: torch.Tensor | None = None,
     chunk_size: int | None = None,
+    target_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log π(next token | prefix) for every position, differentiable, computed in chunks.
 
@@ -282,6 +283,11 @@ def token_logprobs(
         chunk_size: target positions per chunk (real targets only; padded ones are
             skipped). ``None``: ``DEFAULT_CHUNK_SIZE`` when the real targets' float32
             logits would exceed ``AUTO_CHUNK_BYTES``, else unchunked; ``0``: unchunked.
+        target_mask: [N, S-1] bool, the targets the caller uses (the loss mask: sampled
+            tokens); the chunked path runs the LM head only there (a prompt's positions
+            cost trunk work only) and holds 0 log-prob and entropy elsewhere. The
+            unchunked path computes every target (same values where the mask is true).
+            ``None``: every real target.
 
     Returns:
         logprobs [N, S-1] float32 (0 at padded targets, -inf outside a target's support),
@@ -303,7 +309,9 @@ def token_logprobs(
     N, S = input_ids.shape
     S1 = S - 1
     valid = attention_mask[:, 1:].bool()
-    lin = valid.reshape(-1).nonzero().squeeze(1)  # [P] flat index row * S1 + j of each real target
+    if target_mask is not None:
+        valid = valid & target_mask.bool()
+    lin = valid.reshape(-1).nonzero().squeeze(1)  # [P] flat index row * S1 + j of each computed target
     rows_P, pos_P = lin // max(S1, 1), lin % max(S1, 1)
     split = lm_head_split(model)
     if split is not None:

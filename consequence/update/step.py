@@ -12,6 +12,7 @@ accumulated gradient equals the unsplit batch's for every reduction
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -65,6 +66,13 @@ class UpdateConfig:
     offpolicy_delta: float = 0.0
 
 
+def _takes_target_mask(fn) -> bool:
+    try:
+        return "target_mask" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: pass nothing extra
+        return False
+
+
 def _call_logprob_fn(logprob_fn: Callable[..., Any], model, batch: dict[str, Tensor], temperature: float):
     """``logprob_fn`` on a padded batch; the stored supports go with it when the rows have them.
 
@@ -73,6 +81,8 @@ def _call_logprob_fn(logprob_fn: Callable[..., Any], model, batch: dict[str, Ten
     from logits the sampler never saw.
     """
     support = {k: batch[k] for k in ("keep_index", "keep_rows") if k in batch}
+    if "loss_mask" in batch and _takes_target_mask(logprob_fn):  # prompt positions: no LM head needed
+        support["target_mask"] = batch["loss_mask"][:, 1:] > 0
     out = logprob_fn(model, batch["input_ids"], batch["attention_mask"], temperature=temperature, **support)
     if isinstance(out, (tuple, list)):
         lp = out[0]
