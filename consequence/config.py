@@ -169,10 +169,17 @@ class TrainConfig(BaseModel):
 
     @model_validator(mode="after")
     def _lora_fits(self) -> "TrainConfig":
+        defaults = {k: TrainConfig.model_fields[k].default for k in ("lora_alpha", "lora_targets")}
+        given = [k for k, v in defaults.items() if getattr(self, k) != v]
+        if not self.lora_rank and given:  # a LoRA setting without LoRA would be silently dropped
+            raise ValueError(f"--{given[0].replace('_', '-')} is a LoRA setting, but --lora-rank is 0 (full "
+                             "fine-tuning): give --lora-rank R (e.g. 16) to train a LoRA adapter, or drop "
+                             f"--{given[0].replace('_', '-')}")
         if self.lora_rank and self.advantage == "gae":
-            raise ValueError("--lora-rank with --advantage gae is not supported: the value model copies the policy's "
-                             "trunk, and with LoRA that trunk is frozen; use --lora-rank 0 (full fine-tuning) for PPO "
-                             "with a critic, or a critic-free estimator (grpo, rloo, ...) with LoRA")
+            raise ValueError("--lora-rank with --advantage gae (a learned value head, as the ppo recipe uses) is not "
+                             "supported: the value model copies the policy's trunk, and with LoRA that trunk is frozen; "
+                             "use --lora-rank 0 (full fine-tuning) for PPO with a critic, or a critic-free estimator "
+                             "(grpo, rloo, ...) with LoRA")
         return self
 
     @model_validator(mode="after")

@@ -188,7 +188,7 @@ def test_merge_gives_a_plain_model_with_the_adapter_logits(lora_run, tmp_path):
     again = CliRunner().invoke(app, ["merge", str(out), "--out", str(tmp_path / "m2")])
     assert again.exit_code == 2 and "not a LoRA adapter checkpoint" in again.output
     same = CliRunner().invoke(app, ["merge", str(final), "--out", str(final)])
-    assert same.exit_code == 2 and "the adapter folder itself" in same.output
+    assert same.exit_code == 2 and "is the adapter folder" in same.output
 
 
 def test_bad_lora_settings_are_refused_before_anything_is_written(lora_run, tmp_path):
@@ -202,6 +202,57 @@ def test_bad_lora_settings_are_refused_before_anything_is_written(lora_run, tmp_
         train(_cfg(tmp_path / "u").model_copy(update={"model": str(run / "checkpoints" / "final")}),
               Console(quiet=True))
     assert not (tmp_path / "u").exists()
-    with pytest.raises(ValueError, match="--advantage gae is not supported"):
+    with pytest.raises(ValueError, match="--advantage gae .a learned value head, as the ppo recipe uses. is not supported"):
         _cfg(tmp_path / "v", advantage="gae")
-    assert TrainConfig(lora_targets="q_proj, v_proj,q_proj").lora_targets == ["q_proj", "v_proj"]
+    assert TrainConfig(lora_rank=4, lora_targets="q_proj, v_proj,q_proj").lora_targets == ["q_proj", "v_proj"]
+
+
+def test_merge_refuses_every_out_that_would_destroy_something(lora_run, tmp_path, monkeypatch):
+    """--out may be a new folder or an earlier merge; never the adapter, its run, its base,
+    a file, or a folder of other files. Nothing is written or deleted on a refusal."""
+    from consequence.cli import app
+
+    run, _ = lora_run
+    final = run / "checkpoints" / "final"
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "mine.txt").write_text("keep me")
+    (tmp_path / "afile").write_text("x")
+    cases = {str(run): "inside it or above it", str(final / "sub"): "inside it or above it",
+             str(BUNDLED): "base model", str(notes): "holds other files", str(tmp_path / "afile"): "existing file"}
+    before = sorted(p.name for p in run.rglob("*"))
+    for out, why in cases.items():
+        res = CliRunner().invoke(app, ["merge", str(final), "--out", out])
+        assert res.exit_code == 2 and why in res.output, (out, res.output)
+    monkeypatch.chdir(notes)  # "." is the current folder: refused like any folder of other files
+    res = CliRunner().invoke(app, ["merge", str(final), "--out", "."])
+    assert res.exit_code == 2 and "holds other files" in res.output
+    assert (notes / "mine.txt").read_text() == "keep me" and sorted(p.name for p in run.rglob("*")) == before
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    out = tmp_path / "merged"
+    assert CliRunner().invoke(app, ["merge", str(final), "--out", str(out)]).exit_code == 0
+    assert CliRunner().invoke(app, ["merge", str(final), "--out", str(out)]).exit_code == 0  # an earlier merge: replaced
+
+
+def test_evaluation_and_the_viewer_find_an_adapter_checkpoint(lora_run):
+    from consequence.evaluate.run import resolve_model
+    from consequence.report.viewer import checkpoint_after
+
+    run, _ = lora_run
+    final = run / "checkpoints" / "final"
+    assert resolve_model(str(run)) == final and resolve_model(str(final)) == final
+    assert checkpoint_after(run, 1) == final
+    assert not (final / "README.md").exists()  # PEFT's empty model-card template is not kept
+
+
+def test_lora_settings_without_lora_and_impossible_adapters_are_refused():
+    with pytest.raises(ValueError, match="--lora-targets is a LoRA setting, but --lora-rank is 0"):
+        TrainConfig(lora_targets="q_proj")
+    with pytest.raises(ValueError, match="--lora-alpha is a LoRA setting"):
+        TrainConfig(lora_alpha=64)
+    assert TrainConfig(**TrainConfig().model_dump()).lora_rank == 0  # a saved config.yaml reloads (resume)
+    model, _ = load_policy(BUNDLED)
+    with pytest.raises(ValueError, match="--lora-rank 100000 is above the smallest dimension"):
+        apply_lora(model, 100000, 8.0, ["q_proj"], BUNDLED)
+    with pytest.raises(ValueError, match="ties its LM head to the input embedding"):
+        apply_lora(model, 4, 8.0, ["lm_head"], BUNDLED)

@@ -120,13 +120,15 @@ def merge_cmd(adapter: Path = typer.Argument(..., help="A LoRA checkpoint folder
 
     quiet_libraries()
     try:
-        if out.resolve() == adapter.resolve():
-            raise ValueError(f"--out {out} is the adapter folder itself; write the merged model elsewhere")
         if not adapter.is_dir():
             raise ValueError(f"{adapter}: no such folder (give a LoRA checkpoint, e.g. RUN/checkpoints/final)")
         path = merge_adapter(adapter, out)
     except ValueError as e:
         console.print(f"[red]error:[/] {escape(str(e))}")
+        raise typer.Exit(2)
+    except OSError as e:  # a folder that cannot be written (permissions, a full disk, /proc)
+        console.print(f"[red]error:[/] cannot write --out {escape(str(out))}: {escape(e.strerror or str(e))}; "
+                      "nothing was written there")
         raise typer.Exit(2)
     console.print(f"merged {escape(str(adapter))} into its base model: {escape(str(path))}")
 

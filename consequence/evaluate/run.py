@@ -42,7 +42,8 @@ def resolve_model(path: str | None, option: str = "--model") -> Path:
     a registered model name (``consequence.policy.named``) its converted folder (converted on first use).
 
     Raises:
-        ValueError: the path does not exist or holds no ``config.json``; a name's package is
+        ValueError: the path does not exist or holds no ``config.json`` (nor a LoRA adapter's
+            ``adapter_config.json``: ``policy.lora``); a name's package is
             missing (names the pip extra) or its conversion failed.
     """
     if path is None:
@@ -53,12 +54,15 @@ def resolve_model(path: str | None, option: str = "--model") -> Path:
 
     if is_named(path):
         return resolve_named_model(path, option=option)
+    from consequence.policy.lora import is_model_folder
+
     p = Path(path)
-    if (p / "checkpoints" / "final" / "config.json").is_file():
+    if is_model_folder(p / "checkpoints" / "final"):
         return p / "checkpoints" / "final"
-    if not (p / "config.json").is_file():
+    if not is_model_folder(p):
         raise ValueError(f"{option} {p}: " + ("no such folder" if not p.exists() else
-                         "neither a checkpoint folder (config.json) nor a run folder (checkpoints/final)"))
+                         "neither a checkpoint folder (config.json, or a LoRA adapter's adapter_config.json) "
+                         "nor a run folder (checkpoints/final)"))
     return p
 
 

@@ -46,6 +46,11 @@ def is_adapter_folder(path) -> bool:
     return (Path(path) / ADAPTER_CONFIG).is_file()
 
 
+def is_model_folder(path) -> bool:
+    """A Hugging Face model folder (``config.json``) or a LoRA adapter checkpoint."""
+    return (Path(path) / "config.json").is_file() or is_adapter_folder(path)
+
+
 def apply_lora(model, rank: int, alpha: float, targets: list[str] | tuple[str, ...], base_path) -> torch.nn.Module:
     """Wrap ``model`` with a fresh LoRA adapter (B = 0: the output is unchanged).
 
@@ -70,11 +75,19 @@ def apply_lora(model, rank: int, alpha: float, targets: list[str] | tuple[str, .
         raise ValueError(f"--lora-rank must be >= 1 and --lora-alpha > 0 (got {rank}, {alpha})")
     if is_peft(model):
         raise ValueError("the policy already has a LoRA adapter; merge it first (consequence merge) to train another")
-    linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+    layers = [(n.rsplit(".", 1)[-1], m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    linear = sorted({n for n, _ in layers})
     missing = [t for t in targets if t not in linear]
     if missing or not targets:
         raise ValueError(f"--lora-targets {','.join(missing) or '(empty)'}: no linear layer of that name in "
                          f"{type(model).__name__}; it has {', '.join(linear)}")
+    if "lm_head" in targets and getattr(model.config, "tie_word_embeddings", False):
+        raise ValueError("--lora-targets lm_head: this model ties its LM head to the input embedding, so an adapter "
+                         "there would also change the embedding and could not be merged exactly; leave lm_head out")
+    widest = min(min(m.in_features, m.out_features) for n, m in layers if n in targets)
+    if rank > widest:
+        raise ValueError(f"--lora-rank {rank} is above the smallest dimension ({widest}) of the target layers: a "
+                         f"rank-{widest} adapter already spans every update there; use --lora-rank {widest} or less")
     cfg = LoraConfig(r=int(rank), lora_alpha=float(alpha), target_modules=list(targets), lora_dropout=0.0,
                      bias="none", task_type="CAUSAL_LM", base_model_name_or_path=str(Path(base_path).resolve()))
     with _quiet_peft():
@@ -146,6 +159,8 @@ def load_adapter_policy(path, trainable: bool = True):
     from consequence.policy.tiny import load_policy
 
     p = Path(path)
+    if not (p / "adapter_model.safetensors").is_file():
+        raise ValueError(f"adapter checkpoint {p}: no adapter_model.safetensors (the adapter's weights); save it again")
     base, _ = load_policy(adapter_base(p))
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(p))
@@ -153,6 +168,10 @@ def load_adapter_policy(path, trainable: bool = True):
             model = PeftModel.from_pretrained(base, str(p), is_trainable=trainable)
     except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
         raise ValueError(f"adapter checkpoint {p}: cannot load it ({str(e).splitlines()[0]})") from None
+    except Exception as e:  # safetensors' own error for a damaged weights file
+        if type(e).__name__ != "SafetensorError":
+            raise
+        raise ValueError(f"adapter checkpoint {p}: adapter_model.safetensors is damaged ({e}); save it again") from None
     model.eval()
     return model, tokenizer
 
@@ -174,7 +193,33 @@ def merge_adapter(path, out) -> Path:
 
     if not is_adapter_folder(path):
         raise ValueError(f"{path}: not a LoRA adapter checkpoint (no {ADAPTER_CONFIG}); it is already a plain model")
+    check_merge_target(path, out)
     model, tokenizer = load_adapter_policy(path, trainable=False)
     merged = model.merge_and_unload()
-    merged.config.name_or_path = str(Path(out).resolve())
+    out = Path(out).resolve()  # "." or "sub/.." named relatively cannot be renamed onto
+    merged.config.name_or_path = str(out)
     return save_policy(merged, tokenizer, out)
+
+
+def check_merge_target(adapter, out) -> None:
+    """Where a merged model may be written: a new folder, or an earlier merge's output.
+
+    Raises:
+        ValueError: ``out`` is empty, an existing file, the adapter folder, inside it or
+            above it, the adapter's base model, or an existing folder that is not a
+            plain model folder (its files would be replaced: name a new folder).
+    """
+    if not str(out).strip():
+        raise ValueError("--out is empty: name the folder to write the merged model into")
+    a, o = Path(adapter).resolve(), Path(out).resolve()
+    if o.is_file():
+        raise ValueError(f"--out {out} is an existing file: name a folder")
+    if o == a or a in o.parents or o in a.parents:
+        raise ValueError(f"--out {out} is the adapter folder, inside it or above it: write the merged model elsewhere")
+    base = adapter_base(a).resolve()
+    if o == base or base in o.parents or o in base.parents:
+        raise ValueError(f"--out {out} is the adapter's base model {base} (or contains or is inside it), which the "
+                         "adapter needs: write the merged model elsewhere")
+    if o.is_dir() and any(o.iterdir()) and not ((o / "config.json").is_file() and not is_adapter_folder(o)):
+        raise ValueError(f"--out {out} is a folder that holds other files, not a model: its contents would be "
+                         "replaced; name a new folder")

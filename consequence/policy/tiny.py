@@ -220,6 +220,8 @@ def save_policy(model, tokenizer, path, extra_files: dict[str, str] | None = Non
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-"))
     try:
         model.save_pretrained(tmp)
+        if hasattr(model, "peft_config"):  # PEFT also writes an empty model-card template
+            (tmp / "README.md").unlink(missing_ok=True)
         tokenizer.save_pretrained(tmp)
         for name, text in (extra_files or {}).items():
             (tmp / name).write_text(text)

@@ -247,8 +247,10 @@ def checkpoint_after(run: Path, it: int) -> Path | None:
     ``consequence train`` writes ``trajectories/iter_{it:04d}`` before the update of
     iteration ``it`` and ``checkpoints/iter_{it+1:04d}`` after it.
     """
+    from consequence.policy.lora import is_model_folder
+
     for p in (run / "checkpoints" / f"iter_{it + 1:04d}", run / "checkpoints" / "final"):
-        if (p / "config.json").is_file():
+        if is_model_folder(p):
             return p
     return None
 
