@@ -320,6 +320,6 @@ def test_real_conversion_of_smollm2_has_the_gguf_logits(cache, tmp_path):
                                                "file": "SmolLM2-135M-Instruct.Q4_1.gguf",
                                                "size_bytes": src.stat().st_size,
                                                "sha256": hashlib.sha256(src.read_bytes()).hexdigest()}
-        assert manifest["model"]["weights_sha256"] is not None
+        assert manifest["model"]["weights_sha256"] == hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest()
     finally:
         shutil.rmtree(folder, ignore_errors=True)  # 538 MB

@@ -89,9 +89,10 @@ def apply_lora(model, rank: int, alpha: float, targets: list[str] | tuple[str, .
         raise ValueError(f"--lora-rank {rank} is above the smallest dimension ({widest}) of the target layers: a "
                          f"rank-{widest} adapter already spans every update there; use --lora-rank {widest} or less")
     cfg = LoraConfig(r=int(rank), lora_alpha=float(alpha), target_modules=list(targets), lora_dropout=0.0,
-                     bias="none", task_type="CAUSAL_LM", base_model_name_or_path=str(Path(base_path).resolve()))
+                     bias="none", task_type="CAUSAL_LM")
     with _quiet_peft():
         peft_model = get_peft_model(model, cfg)
+    # set after wrapping: get_peft_model fills it from the model's (possibly relative) name_or_path
     peft_model.peft_config["default"].base_model_name_or_path = str(Path(base_path).resolve())
     return peft_model
 
