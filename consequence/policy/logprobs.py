@@ -38,6 +38,11 @@ kept, and its ``[chunk, V]`` logits are recomputed in the backward pass. Values 
 gradients equal :func:`token_logprobs_unchunked` (the direct computation) to float32
 rounding. A model whose logits are not ``lm_head(trunk(...).last_hidden_state)`` (not a
 known Hugging Face causal LM) is run whole and only its processing is chunked.
+
+Shared prefix. In the chunked path the trunk runs a prefix shared by every row once
+(``policy/shared_prefix.py``): few-shot prompts share most of their tokens, so the update's
+trunk work falls from rows × length to prefix + rows × suffix (values and gradients equal
+to float32 rounding).
 """
 
 from __future__ import annotations
@@ -46,6 +51,8 @@ import functools
 
 import torch
 from torch.utils.checkpoint import checkpoint
+
+from consequence.policy.shared_prefix import SHARED_PREFIX_MIN_TOKENS, shared_prefix_len, trunk_hidden
 
 # Real target positions (rows × positions, flattened) per chunk of the LM head and processing.
 # Measured at SmolLM2-135M's head (vocabulary 49,152, hidden 576), 32 rows × 200 tokens,
@@ -264,6 +271,7 @@ def token_logprobs(
     keep_rows: torch.Tensor | None = None,
     chunk_size: int | None = None,
     target_mask: torch.Tensor | None = None,
+    share_prefix: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log π(next token | prefix) for every position, differentiable, computed in chunks.
 
@@ -288,6 +296,11 @@ def token_logprobs(
             cost trunk work only) and holds 0 log-prob and entropy elsewhere. The
             unchunked path computes every target (same values where the mask is true).
             ``None``: every real target.
+        share_prefix: run a prefix shared by every row (at least ``SHARED_PREFIX_MIN_TOKENS``
+            tokens: few-shot prompts, a group's prompt) through the trunk once
+            (:func:`consequence.policy.shared_prefix.trunk_hidden`); with ``chunk_size=None``
+            such a batch is chunked even when its logits are small. ``False``: one full
+            forward per row (benchmarks compare the two).
 
     Returns:
         logprobs [N, S-1] float32 (0 at padded targets, -inf outside a target's support),
@@ -298,7 +311,7 @@ def token_logprobs(
         ValueError: a negative temperature or chunk size, or ``keep_index`` naming a
             position or id outside the batch.
     """
-    chunk = _auto_chunk(model, attention_mask) if chunk_size is None else int(chunk_size)
+    chunk = _auto_chunk(model, input_ids, attention_mask, share_prefix) if chunk_size is None else int(chunk_size)
     if chunk < 0:
         raise ValueError(f"chunk_size must be >= 0 (0 = unchunked), got {chunk_size}")
     if temperature < 0:
@@ -316,7 +329,8 @@ def token_logprobs(
     split = lm_head_split(model)
     if split is not None:
         trunk, head = split
-        hidden = trunk(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        # a prefix shared by all rows runs once (min_shared above any length: never)
+        hidden = trunk_hidden(trunk, input_ids, attention_mask, SHARED_PREFIX_MIN_TOKENS if share_prefix else S + 1)
         feats_PX = hidden[:, :-1][rows_P, pos_P]  # [P, H]: hidden states that predict a real target
         vocab = _out_features(head)
         del hidden
@@ -489,8 +503,12 @@ def _trim_host_heap() -> None:
         _LIBC[0].malloc_trim(0)
 
 
-def _auto_chunk(model, attention_mask: torch.Tensor) -> int:
-    """``DEFAULT_CHUNK_SIZE``, or 0 when the full logits of the real targets are small."""
+def _auto_chunk(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, share_prefix: bool = True) -> int:
+    """``DEFAULT_CHUNK_SIZE``, or 0 when the full logits of the real targets are small and no
+    long prefix is shared by every row (the chunked path runs a shared prefix once)."""
+    if (share_prefix and shared_prefix_len(input_ids, attention_mask) >= SHARED_PREFIX_MIN_TOKENS
+            and lm_head_split(model) is not None):
+        return DEFAULT_CHUNK_SIZE
     head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     if isinstance(head, torch.nn.Module):

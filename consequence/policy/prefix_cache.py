@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from consequence.policy.shared_prefix import SHARED_PREFIX_MIN_TOKENS
 from consequence.policy.sampler import PREFILL_CHUNK_TOKENS, Sample, SamplingParams, _FastLlama, decode, generate
 
 
@@ -151,12 +152,10 @@ def _restore(fast: _FastLlama, stored: list[_Entry | None], pre, lens, L: int) -
             fast.v_cache[li][i, :, s0:s0 + p] = e.v[li][:, :p]
 
 
-# A prefix shared by the first turns of a call is prefilled once when it is at least this long
-# and at least two distinct prompts start with it (few-shot prompts: SmolLM2 with two worked
-# examples shares ~190 of ~230 prompt tokens, and an evaluation batch of 192 distinct questions
-# prefills 44 k tokens without sharing, 8 k with it). Shorter prefixes keep the direct path:
-# the tiny model's repair prompts share 78 tokens, and its runs stay bit for bit as they were.
-SHARED_PREFIX_MIN_TOKENS = 128
+# A prefix shared by the first turns of a call is prefilled once when it is at least
+# SHARED_PREFIX_MIN_TOKENS long and at least two distinct prompts start with it (few-shot
+# prompts: SmolLM2 with two worked examples shares ~190 of ~230 prompt tokens, and an
+# evaluation batch of 192 distinct questions prefills 44 k tokens without sharing, 8 k with it).
 
 
 def _shared_prefix(fast: _FastLlama, prompts: list[list[int]]) -> _Entry | None:
