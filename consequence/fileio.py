@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import re
 from pathlib import Path
@@ -68,3 +70,19 @@ def append_line(path: str | os.PathLike, line: str) -> None:
             raise
     finally:
         os.close(fd)
+
+
+def strict_json(obj, **kwargs) -> str:
+    """``json.dumps`` that writes strict JSON: a NaN or ±inf float (a statistic over no
+    data) becomes ``null``, as every JSON reader accepts; ``kwargs`` go to ``json.dumps``."""
+    return json.dumps(_finite(obj), allow_nan=False, **kwargs)
+
+
+def _finite(obj):
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj

@@ -307,7 +307,15 @@ def test_cli_train_then_eval(tmp_path):
     assert all("accuracy" in t.reward_components for t in trajs if t.outcome != "env_error")
     assert any(t.outcome != "env_error" for t in trajs)
     res = CliRunner().invoke(app, ["eval", "--model", str(run), "-n", "1", "-k", "1", "--problems", "2",
-                                   "--no-recovery", "--out", str(out)], env={"COLUMNS": "250"})
+                                   "--out", str(out)], env={"COLUMNS": "250"})
     assert res.exit_code == 0, res.output
-    result = json.loads((out / "eval.json").read_text())
+
+    def no_nan(name):
+        raise AssertionError(f"eval.json holds {name}: not strict JSON")
+
+    result = json.loads((out / "eval.json").read_text(), parse_constant=no_nan)
+    # no calculator task has a wrong first patch: the recovery diagnostic says so, no NaN table
+    assert result["recovery"] == {"tasks": 0, "tasks_without_wrong_patch": 2, "not_run": True}
+    report = (out / "report.md").read_text()
+    assert "Not run: none of the 2 tasks has a wrong first patch" in report and "nan" not in report
     assert result["settings"]["environment"]["name"] == "calculator" and result["settings"]["problems"] == 2

@@ -170,4 +170,5 @@ def reproduce_cmd(run: Path = typer.Argument(..., help="Run folder with a manife
     original = manifest.get("config", {}).get("iterations")
     console.print((f"compared iterations 0–{len(rows) - 1}" if rows else "no iteration to compare")
                   + f": the reproduction ran {cfg.iterations} of the original's "
-                  f"{original} iterations" + (" (shortened with --iterations)" if iterations else ""))
+                  f"{original} iterations" + (" (shortened with --iterations)" if iterations and original
+                                              and iterations < original else ""))

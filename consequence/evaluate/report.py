@@ -6,12 +6,11 @@ Every file a report links is written beside it (``cost.png`` for an evaluation,
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from consequence.evaluate.settings import describe
-from consequence.fileio import write_text_atomic
+from consequence.fileio import strict_json, write_text_atomic
 from consequence.figures import pyplot, save_figure
 from consequence.records import write_trajectories
 
@@ -26,7 +25,7 @@ def write_outputs(ev, out: Path) -> None:
     if ev.recovery_episodes:
         write_trajectories(out / "recovery_episodes.parquet", ev.recovery_episodes)
         result["recovery_episodes_file"] = str(out / "recovery_episodes.parquet")
-    write_text_atomic(out / "eval.json", json.dumps(result, indent=1))
+    write_text_atomic(out / "eval.json", strict_json(result, indent=1))
     plot_costs(result, out / "cost.png")
     write_text_atomic(out / "report.md", markdown(result))
 
@@ -36,7 +35,7 @@ def write_compare(res: dict[str, Any], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for arm in ("a", "b"):
         plot_costs(res[arm], out / f"cost-{arm}.png")
-    write_text_atomic(out / "compare.json", json.dumps(res, indent=1, default=str))
+    write_text_atomic(out / "compare.json", strict_json(res, indent=1, default=str))
     write_text_atomic(out / "compare.md", compare_markdown(res))
 
 
@@ -105,6 +104,10 @@ def _selection_lines(sel: dict[str, Any]) -> list[str]:
 def _recovery_lines(rec: dict[str, Any] | None) -> list[str]:
     if rec is None:
         return []
+    if rec.get("not_run"):  # no task has a wrong first patch (e.g. question-answer environments)
+        return ["", "## Recovery from the same wrong first patch", "",
+                f"Not run: none of the {rec['tasks_without_wrong_patch']} tasks has a wrong first patch to open "
+                "with (the diagnostic needs a task's decoy; --no-recovery skips it)."]
     r, p = rec["recovery"], rec["plain_success_same_tasks"]
     return ["", "## Recovery from the same wrong first patch", "",
             f"Every episode opens with {rec['opening']}; the policy continues from the failing report.",

@@ -203,7 +203,9 @@ def evaluate_episodes(model_path: Path, env, split: str, n: int, ks: list[int], 
             with phases.phase(f"{label}recovery episodes", len(kept) * n) as tick:
                 rtrajs = sample_episodes(model, renderer, env, kept, n, budgets, seed_of(seed, "recovery"), temperature,
                                          openings=openings, progress=tick)
-        result["recovery"] = recovery_summary(trajs, rtrajs, len(task_list), seed)
+            result["recovery"] = recovery_summary(trajs, rtrajs, len(task_list), seed)
+        else:  # no task has a decoy (question-answer environments): nothing to open with
+            result["recovery"] = {"tasks": 0, "tasks_without_wrong_patch": len(task_list), "not_run": True}
     result["wall_s"] = time.perf_counter() - t0
     return EpisodeEval(result, trajs, rtrajs)
 
