@@ -32,15 +32,15 @@ anything else scores 0.0.
 greedily, too few successes for a group to learn from in a few updates).
 
 Letter counting (``--task letters``): ``load_environment("reasoning-gym", 0, LETTERS_ENV)``
-(letter_counting, 1-3 words, 1000 items, 2 worked examples), as the shipped config. The
+(letter_counting, 3-6 words, 3000 items, 2 worked examples), as the shipped config. The
 prompt is ``opening_messages(env.system_prompt, env.request(task), env.examples)`` rendered
 by our ``Renderer``; the reward is the episode's own scorer, ``step({"answer": text})`` on
 the reply (the decoded completion without its stop token, ``Renderer.parse``), as our
 rollout gives it; a truncated reply scores 0, as in our rollout. Update u trains on
 ``env.sample("train", B, seed=1000 + u)``; evaluation uses the first ``--eval-tasks`` of
-``env.split["test"]`` (90 problems). Defaults (the shipped config): ``--model
+``env.split["test"]`` (300 problems). Defaults (the shipped config): ``--model
 smollm2-135m-instruct``, B = 4, G = 8, 48 new tokens, temperature 0.7, learning rate
-2e-5, micro-batch 16; any option given on the command line wins. ``--model`` also takes a
+5e-6, micro-batch 16; any option given on the command line wins. ``--model`` also takes a
 local Hugging Face folder. ``--layers K`` keeps the first K decoder layers only (smoke
 runs; recorded in the JSON).
 
@@ -154,15 +154,14 @@ class Args:
 
 
 # configs/smollm2-reasoning-gym.yaml: B = 4 tasks × G = 8, temperature 0.7, 48 new tokens,
-# learning rate 2e-5, micro-batch 16 (PPO-clip 0.2, token_mean, no KL: the fixed settings).
-# 8 updates (the config runs 14 iterations): seven timed ones for the medians, at ~1.5-2
-# minutes per update and framework on 2 CPU cores.
+# learning rate 5e-6, micro-batch 16 (PPO-clip 0.2, token_mean, no KL: the fixed settings).
+# 8 updates (the config runs 20 iterations): seven timed ones for the medians.
 TASK_DEFAULTS: dict[str, dict] = {
     "repair": {},
     "letters": {"model": "smollm2-135m-instruct", "prompts": 4, "group": 8, "max_new_tokens": 48,
-                "temperature": 0.7, "lr": 2e-5, "micro_batch": 16, "updates": 8},
+                "temperature": 0.7, "lr": 5e-6, "micro_batch": 16, "updates": 8},
 }
-LETTERS_ENV = {"dataset": "letter_counting", "config": {"min_words": 1, "max_words": 3}, "size": 1000, "shots": 2}
+LETTERS_ENV = {"dataset": "letter_counting", "config": {"min_words": 3, "max_words": 6}, "size": 3000, "shots": 2}
 
 
 def default_out(args: Args) -> str:

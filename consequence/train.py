@@ -33,7 +33,7 @@ from rich.markup import escape
 from consequence.config import TrainConfig
 from consequence.credit.advantages import mixed_group_fraction
 from consequence.envs.sandbox import isolation_report
-from consequence.evaluate.compare import summarize
+from consequence.evaluate.compare import parse_error_fraction, summarize
 from consequence.harness.renderer import Renderer
 from consequence.policy.sampler import SamplingParams
 from consequence.policy.lora import apply_lora, is_adapter_folder
@@ -387,6 +387,7 @@ def iteration(it, cfg, learner: Learner, renderer, split, budgets, sampling, run
         "mixed_group_fraction": mixed_group_fraction([t.reward for t in trajs], [t.group_id for t in trajs]),
         "gen_tokens_mean": n_gen / max(1, len(trajs)),
         "tool_calls_mean": sum(t.n_tool_calls for t in trajs) / max(1, len(trajs)),
+        "parse_error_fraction": parse_error_fraction(trajs),
         "truncated_fraction": sum(t.outcome == "truncated" for t in trajs) / max(1, len(trajs)),
         "env_errors": sum(t.outcome == "env_error" for t in trajs),
         "env_retries": sum(t.env_retries for t in trajs),  # sandbox re-runs, whatever the outcome

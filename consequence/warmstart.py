@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import random
 import time
 from dataclasses import asdict, dataclass
@@ -26,15 +25,14 @@ from typing import Callable
 import torch
 
 from consequence.fileio import cache_root
+from consequence.distill.sft import SFTConfig, train_sft
 from consequence.distill.teacher import ScriptedTeacher, TeacherHabits, plan_episode
 from consequence.envs.registry import load_environment
 from consequence.harness.renderer import Renderer, replay_conversation
-from consequence.policy.logprobs import token_logprobs
 from consequence.policy.tiny import BUNDLED, build_model, build_tokenizer, save_policy
 from consequence.records import ModelCall, Trajectory, trajectory_to_rows
 from consequence.rollout.episodes import Budgets, EpisodeSpec, run_episodes
 from consequence.tasks.repair import RepairTask
-from consequence.records import pad_rows
 
 WARMSTART_VERSION = 1
 
@@ -102,9 +100,12 @@ def _built_with(path: Path, cfg: WarmstartConfig) -> bool:
     return meta.get("config") == cfg.settings() and meta.get("version") == WARMSTART_VERSION
 
 
-def teacher_conversations(cfg: WarmstartConfig, log: Callable[[str], None] = print) -> list[list[dict]]:
-    """Run the scripted teacher on train-split tasks; keep verified demonstrations."""
-    env = load_environment(cfg.env, cfg.seed)
+def teacher_conversations(cfg: WarmstartConfig, log: Callable[[str], None] = print, env=None) -> list[list[dict]]:
+    """Run the scripted teacher on train-split tasks; keep verified demonstrations.
+
+    ``env``: the environment to solve (default: ``cfg.env`` with its default options).
+    """
+    env = env if env is not None else load_environment(cfg.env, cfg.seed)
     tasks = env.sample("train", cfg.n_demos, seed=cfg.seed + 1)
     if not all(isinstance(t, RepairTask) for t in tasks[:1]):
         raise ValueError(f"--env {cfg.env}: the scripted teacher solves repair tasks only (repair, humaneval-repair, "
@@ -160,42 +161,8 @@ def build_warmstart(cfg: WarmstartConfig, path: Path, log: Callable[[str], None]
 
 
 def sft(model, rows, pad_id: int, cfg: WarmstartConfig, log: Callable[[str], None] = print) -> list[float]:
-    """Token-mean cross-entropy on target tokens; AdamW with warmup and cosine decay."""
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=0.01, betas=(0.9, 0.95))
-    steps = max(1, int(cfg.sft_epochs * len(rows) / cfg.batch_size))
-    warmup = max(1, steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps))))
-    g = torch.Generator().manual_seed(cfg.seed)
-    batches: list[list[int]] = []
-    losses = []
-    model.train()
-    for step in range(steps):
-        if not batches:
-            batches = _bucketed_batches([len(r.input_ids) for r in rows], cfg.batch_size, g)
-        batch = pad_rows([rows[i] for i in batches.pop()], pad_id)
-        lp, _ = token_logprobs(model, batch["input_ids"], batch["attention_mask"])
-        mask = batch["loss_mask"][:, 1:]
-        loss = -(lp * mask).sum() / mask.sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        losses.append(loss.item())
-        if step % 50 == 0 or step == steps - 1:
-            log(f"SFT step {step + 1}/{steps}  loss {loss.item():.4f}")
-    model.eval()
-    return losses
-
-
-def _bucketed_batches(lengths: list[int], batch_size: int, g: torch.Generator) -> list[list[int]]:
-    """One epoch of batches of similar length (less padding), in random order."""
-    order = torch.randperm(len(lengths), generator=g).tolist()
-    batches = []
-    span = batch_size * 16
-    for start in range(0, len(order), span):
-        chunk = sorted(order[start: start + span], key=lambda i: lengths[i])
-        batches += [chunk[k: k + batch_size] for k in range(0, len(chunk), batch_size)]
-    perm = torch.randperm(len(batches), generator=g).tolist()
-    return [batches[i] for i in perm]
+    """Token-mean cross-entropy on target tokens (``distill.sft.train_sft``, one micro-batch
+    per step); AdamW with warmup and cosine decay."""
+    return train_sft(model, rows, pad_id, SFTConfig(learning_rate=cfg.learning_rate, epochs=cfg.sft_epochs,
+                                                    rows_per_step=cfg.batch_size, micro_batch_size=cfg.batch_size,
+                                                    seed=cfg.seed), log)

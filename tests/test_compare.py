@@ -35,3 +35,16 @@ def test_reward_box_scores_verifier_and_keeps_env_errors_out():
     assert [t.reward for t in ts] == [1.0, 0.0, None, None]
     assert ts[3].outcome == "env_error" and "nan" in ts[3].error.lower()
     assert ts[0].reward_components == {"hidden_tests": 1.0}
+
+
+def test_parse_error_fraction_counts_model_calls_not_episodes():
+    from consequence.records import ModelCall
+
+    def call(err=None):
+        return ModelCall([1], [2], [0.0], "stop", parse_error=err)
+
+    a = Trajectory("p#0", "p#0", 0, 0, 0, calls=[call(), call("no tool call"), call()])
+    b = Trajectory("p#0", "p#0", 1, 0, 0, calls=[call("bad JSON")])
+    s = summarize([a, b, Trajectory("p#0", "p#0", 2, 0, 0)])
+    assert s["parse_error_fraction"] == pytest.approx(2 / 4)  # 2 of the 4 model calls did not parse
+    assert summarize([])["parse_error_fraction"] == 0.0

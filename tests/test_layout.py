@@ -12,6 +12,7 @@ LAYERS = [
     {"recipes"},
     {"report", "labs"},
     {"train", "warmstart", "reproduce"},
+    {"coldstart"},
     {"cli", "__init__", "assets"},
 ]
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}

@@ -193,3 +193,75 @@ def view(run_dir: Path = typer.Argument(..., help="Run directory of `consequence
     path = write_page(html, path)
     left = f", {summary['n_left_out']} left out (page limit {limit})" if summary["n_left_out"] else ""
     console.print(f"{summary['n_shown']} trajectories{left}: {path} ({len(html.encode()) / 1e6:.2f} MB)")
+
+
+@app.command("sft")
+def sft_cmd(model: str = typer.Option(..., help="The student: a registered name (smollm2-135m-instruct) or a local "
+                                                "Hugging Face folder."),
+            out: Path = typer.Option(..., "--out", help="Folder to write the fine-tuned model into (a plain model "
+                                                        "folder with sft.json; replaced atomically)."),
+            env: str = typer.Option("repair", help="A repair-type environment whose train split the scripted "
+                                                   "teacher solves (repair, humaneval-repair, or a .jsonl path)."),
+            env_option: list[str] = typer.Option([], "--env-option", help="Environment option KEY=VALUE (repeatable)."),
+            demos: int = typer.Option(300, min=1, help="Teacher episodes to run; the verified ones are kept."),
+            seed: int = typer.Option(0, min=0, help="Split seed of the environment, the teacher's and SFT's seed."),
+            epochs: float = typer.Option(2.0, min=0.01, help="SFT epochs over the demonstrations."),
+            learning_rate: float = typer.Option(2e-4, min=1e-12, help="Peak AdamW learning rate."),
+            rows_per_step: int = typer.Option(16, min=1, help="Demonstrations per optimizer step."),
+            micro_batch_size: int = typer.Option(4, min=1, help="Rows per forward/backward (the step's loss is "
+                                                                "the token mean over all its rows)."),
+            lora_rank: int = typer.Option(16, min=0, help="LoRA rank (0 = full fine-tuning); the adapter is merged "
+                                                          "into the weights at the end."),
+            lora_alpha: float = typer.Option(32.0, min=1e-12, help="LoRA alpha (scale alpha / rank)."),
+            lora_targets: str = typer.Option(",".join(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                       "down_proj")), help="Modules that get an adapter, comma-separated.")
+            ) -> None:
+    """Cold start: the scripted teacher's verified demonstrations, rendered in the student's own
+    chat format (Hermes tool calls where its template drops tools), then SFT with the loss on
+    the assistant turns only. Train RL from the result with --model OUT."""
+    from consequence.cli.common import parse_env_options, parse_list
+    from consequence.coldstart import ColdStartConfig, cold_start
+    from consequence.distill.sft import SFTConfig
+    from consequence.evaluate.progress import Phases
+    from consequence.envs.registry import load_environment
+    from consequence.policy.named import is_named, model_folder, source_record
+    from consequence.policy.tiny import check_model_folder
+
+    quiet_libraries()
+    try:
+        options = parse_env_options(env_option)
+        targets = tuple(parse_list(lora_targets, "--lora-targets", "q_proj,v_proj"))
+        sample = load_environment(env, seed, dict(options)).sample("train", 1, seed=0)
+        if sample and not hasattr(sample[0], "buggy_code"):
+            raise ValueError(f"--env {env}: the scripted teacher solves repair tasks only (repair, humaneval-repair, "
+                             "jsonl)")
+        check_run_dir(out.parent, "--out", keep=False)
+        if out.exists() and not (out / "sft.json").is_file():
+            raise ValueError(f"--out {out}: exists and is not an earlier `consequence sft` output; name a new folder")
+        path = model_folder(model, log=console.print)
+        check_model_folder(path)
+        cfg = ColdStartConfig(env=env, env_options=options, demos=demos, seed=seed, lora_rank=lora_rank,
+                              lora_alpha=lora_alpha, lora_targets=targets,
+                              sft=SFTConfig(learning_rate=learning_rate, epochs=epochs, rows_per_step=rows_per_step,
+                                            micro_batch_size=micro_batch_size, seed=seed))
+        with Phases(console) as phases:
+            state: dict = {}
+
+            def progress(step: int, steps: int, loss: float) -> None:
+                if "tick" not in state:
+                    state["cm"] = phases.phase("SFT steps", steps, "steps")
+                    state["tick"] = state["cm"].__enter__()
+                state["tick"](step)
+                if step == steps:
+                    state.pop("cm").__exit__(None, None, None)
+
+            record = cold_start(path, out, cfg, log=console.print, progress=progress,
+                                source=source_record(model) if is_named(model) else None)
+    except ValueError as e:
+        console.print(f"[red]error:[/] {escape(str(e))}")
+        raise typer.Exit(2)
+    except OSError as e:
+        console.print(f"[red]error:[/] cannot write --out {escape(str(out))}: {escape(e.strerror or str(e))}")
+        raise typer.Exit(2)
+    console.print(f"cold-start model: {out}  ({record['teacher']['verified']}/{record['teacher']['episodes']} "
+                  f"verified demonstrations, {record['rows']} rows, SFT {record['seconds']['sft']:.0f} s)")

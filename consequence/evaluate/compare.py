@@ -69,4 +69,12 @@ def summarize(trajs: Sequence[Trajectory]) -> dict[str, float]:
         "env_error": sum(t.outcome == "env_error" for t in trajs) / n,
         "gen_tokens_mean": sum(t.n_generated_tokens for t in trajs) / n,
         "tool_calls_mean": sum(t.n_tool_calls for t in trajs) / n,
+        "parse_error_fraction": parse_error_fraction(trajs),
     }
+
+
+def parse_error_fraction(trajs: Sequence[Trajectory]) -> float:
+    """Share of model calls whose output the renderer could not parse into tool calls (or an
+    answer): the "do tool calls parse" measure of a cold start; 0.0 without calls."""
+    calls = [c for t in trajs for c in t.calls]
+    return sum(c.parse_error is not None for c in calls) / max(1, len(calls))

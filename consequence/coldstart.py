@@ -1,0 +1,122 @@
+"""Cold start of any model: the scripted teacher's verified demonstrations, then SFT.
+
+The seeds' recipe for a model that cannot yet act in an environment (SmolLM2-135M-Instruct
+never writes a tool call on the repair task): (1) the scripted teacher
+(``distill/teacher.py``) solves train-split tasks through the real environment and
+harness, and only demonstrations that pass the hidden tests are kept; (2) each is
+re-rendered with the *student's* renderer (its chat template; the Hermes tool format for a
+template that drops tools), so the targets are exactly the tokens the student must sample
+(loss on assistant turns only, observations are context); (3) supervised fine-tuning
+(``distill/sft.py``), of all weights or of a LoRA adapter that is merged into the weights
+at the end, so RL starts from a plain model folder. ``consequence sft`` runs it.
+
+Output folder: the model (``save_pretrained``, atomically) and ``sft.json``: settings,
+teacher counts, rows, tokens, the loss of every step, seconds per phase.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from consequence.distill.sft import SFTConfig, train_sft
+from consequence.envs.registry import load_environment
+from consequence.harness.renderer import Renderer
+from consequence.policy.lora import DEFAULT_TARGETS, apply_lora
+from consequence.policy.tiny import load_policy, save_policy
+from consequence.warmstart import WarmstartConfig, demo_rows, teacher_conversations
+
+__all__ = ["ColdStartConfig", "cold_start"]
+
+
+@dataclass(frozen=True)
+class ColdStartConfig:
+    """Settings of :func:`cold_start` (all recorded in ``sft.json``).
+
+    Attributes:
+        env: a repair-type environment (the scripted teacher solves repair tasks).
+        env_options: its options.
+        demos: teacher episodes to run (train split); the verified ones are kept.
+        seed: split seed of the environment, and the teacher's and SFT's seeds.
+        lora_rank: 0 = full fine-tuning; r ≥ 1 trains a LoRA adapter, merged at the end.
+        lora_alpha, lora_targets: the adapter's α and modules.
+        sft: :class:`~consequence.distill.sft.SFTConfig`.
+    """
+
+    env: str = "repair"
+    env_options: dict[str, Any] = field(default_factory=dict)
+    demos: int = 300
+    seed: int = 0
+    lora_rank: int = 16
+    lora_alpha: float = 32.0
+    lora_targets: tuple[str, ...] = DEFAULT_TARGETS
+    sft: SFTConfig = SFTConfig(learning_rate=2e-4, epochs=2.0, rows_per_step=16, micro_batch_size=4)
+
+
+def cold_start(model_path: Path, out: Path, cfg: ColdStartConfig = ColdStartConfig(),
+               log: Callable[[str], None] = print,
+               progress: Callable[[int, int, float], None] | None = None,
+               source: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Teacher demonstrations → the student's tokens → SFT → ``out`` (a plain model folder).
+
+    Args:
+        model_path: the student (a local Hugging Face folder).
+        out: the folder to write (replaced atomically).
+        cfg: :class:`ColdStartConfig`.
+        log: one line per phase.
+        progress: ``progress(step, steps, loss)`` after every SFT step.
+        source: what to record of the model's origin (e.g. a registered model's file hash).
+
+    Returns:
+        the ``sft.json`` record.
+
+    Raises:
+        ValueError: the environment is not repair-type, no demonstration was verified,
+            or as :func:`consequence.distill.sft.train_sft`.
+    """
+    t0 = time.perf_counter()
+    env = load_environment(cfg.env, cfg.seed, dict(cfg.env_options))
+    model, tok = load_policy(model_path)
+    renderer = Renderer(tok, env.tools)  # the student's format: native, or Hermes where the template drops tools
+    ws = WarmstartConfig(seed=cfg.seed, n_demos=cfg.demos, env=cfg.env)
+    convs = teacher_conversations(ws, log, env=env)
+    if not convs:
+        raise ValueError(f"the teacher verified none of its {cfg.demos} demonstrations on --env {cfg.env}")
+    rows = demo_rows(renderer, convs)
+    t_teacher = time.perf_counter() - t0
+    n_tokens, n_targets = sum(len(r.input_ids) for r in rows), sum(sum(r.loss_mask[1:]) for r in rows)
+    log(f"SFT rows: {len(rows)} ({n_tokens} tokens, {n_targets} targets: the assistant turns), "
+        f"tool format {renderer.tool_format}")
+    torch.manual_seed(cfg.seed)
+    if cfg.lora_rank:
+        model = apply_lora(model, cfg.lora_rank, cfg.lora_alpha, list(cfg.lora_targets), model_path)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    t1 = time.perf_counter()
+    losses = train_sft(model, rows, tok.pad_token_id, cfg.sft, log, progress)
+    t_sft = time.perf_counter() - t1
+    if cfg.lora_rank:
+        model = model.merge_and_unload()  # W0 + (alpha / r) B A: RL starts from a plain folder
+    out = Path(out).resolve()
+    model.config.name_or_path = str(out)
+    record = {"student": str(model_path), "source": source, "environment": env.label if hasattr(env, "label") else cfg.env,
+              "settings": _settings(cfg), "tool_format": renderer.tool_format,
+              "teacher": {"kind": "scripted", "episodes": cfg.demos, "verified": len(convs)},
+              "rows": len(rows), "tokens": n_tokens, "targets": n_targets, "trainable_parameters": trainable,
+              "losses": losses, "seconds": {"teacher": round(t_teacher, 2), "sft": round(t_sft, 2),
+                                            "total": round(time.perf_counter() - t0, 2)}}
+    save_policy(model, tok, out, {"sft.json": json.dumps(record, indent=1)})
+    log(f"cold start saved to {out} in {record['seconds']['total']:.0f} s "
+        f"(SFT loss {losses[0]:.3f} → {losses[-1]:.3f})")
+    return record
+
+
+def _settings(cfg: ColdStartConfig) -> dict[str, Any]:
+    return {"env": cfg.env, "env_options": cfg.env_options, "demos": cfg.demos, "seed": cfg.seed,
+            "lora_rank": cfg.lora_rank, "lora_alpha": cfg.lora_alpha, "lora_targets": list(cfg.lora_targets),
+            "sft": cfg.sft.as_dict()}
