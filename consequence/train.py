@@ -324,7 +324,7 @@ def _finish(r: _Run, console, t_start: float) -> dict[str, Any]:
     touches = [record_touch(r.split.label, r.cfg.split_seed, s, "final evaluation of consequence train", policies)
                for s in ("test", "train") if r.cfg.final_eval_episodes]
     r.manifest["splits_touched"] = r.manifest.get("splits_touched", []) + touches
-    report["warnings"] = [warning] if warning else []
+    report["warnings"] = ([warning] if warning else []) + report.pop("answer_warnings", [])
     report["splits_touched"] = r.manifest["splits_touched"]
     report["train_seconds"] = time.perf_counter() - t_start
     report["sandbox_isolation"] = isolation_report()

@@ -48,3 +48,26 @@ def test_parse_error_fraction_counts_model_calls_not_episodes():
     s = summarize([a, b, Trajectory("p#0", "p#0", 2, 0, 0)])
     assert s["parse_error_fraction"] == pytest.approx(2 / 4)  # 2 of the 4 model calls did not parse
     assert summarize([])["parse_error_fraction"] == 0.0
+
+
+def test_a_constant_answer_policy_is_flagged_in_the_final_report():
+    """The SmolLM2 letter-counting run: the RL arm answered '1' to all 300 test problems (57 %
+    of their answers are 1), the warm start to 91 %: the gain is a base rate, and the
+    report must say so. Repair programs (all different) never trigger it."""
+    from consequence.evaluate.compare import constant_answer_warning
+
+    def arm(answers, solved):
+        return [Trajectory(f"p{i}#0", f"p{i}#0", 0, 0, 0, outcome="finished", verifier_score=float(s),
+                           final_code=a) for i, (a, s) in enumerate(zip(answers, solved))]
+
+    warm = summarize(arm(["1"] * 18 + ["2", "3"], [1] * 10 + [0] * 10))
+    rl = summarize(arm(["1"] * 20, [1] * 12 + [0] * 8))
+    assert rl["top_answer"] == "1" and rl["top_answer_share"] == 1.0 and warm["top_answer_share"] == 0.9
+    w = constant_answer_warning("test", "greedy", warm, rl)
+    assert w.startswith("test, greedy: the RL policy gave the same final answer '1' in 100% of its episodes "
+                        "(warm start: 90%)")
+    assert constant_answer_warning("test", "greedy", rl, rl) is None  # no more concentrated than before
+    programs = summarize(arm([f"def f(): return {i}" for i in range(20)], [1] * 20))
+    assert programs["top_answer_share"] == 0.05 and constant_answer_warning("test", "greedy", warm, programs) is None
+    few = summarize(arm(["1"] * 5, [1] * 5))
+    assert constant_answer_warning("test", "greedy", warm, few) is None  # under 20 episodes: no claim

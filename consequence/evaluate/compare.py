@@ -70,7 +70,41 @@ def summarize(trajs: Sequence[Trajectory]) -> dict[str, float]:
         "gen_tokens_mean": sum(t.n_generated_tokens for t in trajs) / n,
         "tool_calls_mean": sum(t.n_tool_calls for t in trajs) / n,
         "parse_error_fraction": parse_error_fraction(trajs),
+        **top_answer(trajs),
     }
+
+
+def top_answer(trajs: Sequence[Trajectory]) -> dict[str, Any]:
+    """The most common final answer (``final_code``: the answer text, or the final program)
+    and its share of all episodes: a policy that gives one answer to every problem scores
+    the share of problems whose answer that is, whatever it learned."""
+    counts: dict[str, int] = {}
+    for t in trajs:
+        if t.final_code is not None:
+            counts[t.final_code] = counts.get(t.final_code, 0) + 1
+    if not counts:
+        return {"top_answer": None, "top_answer_share": 0.0}
+    answer = max(counts, key=counts.get)  # ties: the first seen
+    shown = answer if len(answer) <= 80 else answer[:77] + "..."  # a program can be long: report.json keeps a head
+    return {"top_answer": shown, "top_answer_share": counts[answer] / max(1, len(trajs))}
+
+
+# An arm that gives one final answer in at least this share of its episodes (over at least
+# CONSTANT_MIN_EPISODES) gets a warning in the final report: its success may be a base rate.
+CONSTANT_SHARE = 0.9
+CONSTANT_MIN_EPISODES = 20
+
+
+def constant_answer_warning(split: str, decoding: str, warm: dict[str, Any], rl: dict[str, Any]) -> str | None:
+    """A warning when the RL arm answers (nearly) always the same and more so than the warm
+    start (``warm`` and ``rl`` are :func:`summarize` outputs), else None."""
+    share, before = rl.get("top_answer_share", 0.0), warm.get("top_answer_share", 0.0)
+    if rl.get("episodes", 0) < CONSTANT_MIN_EPISODES or share < CONSTANT_SHARE or share <= before:
+        return None
+    return (f"{split}, {decoding}: the RL policy gave the same final answer {rl['top_answer']!r} in {share:.0%} of its "
+            f"episodes (warm start: {before:.0%}). Its success is then about the share of problems whose answer "
+            "that is (a constant policy), not a skill: compare it with that base rate before reading the "
+            "difference as a gain.")
 
 
 def parse_error_fraction(trajs: Sequence[Trajectory]) -> float:

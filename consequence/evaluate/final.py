@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from consequence.evaluate.compare import ArmResult, paired_comparison, summarize
+from consequence.evaluate.compare import ArmResult, constant_answer_warning, paired_comparison, summarize
 from consequence.evaluate.progress import Phases, Tick
 from consequence.evaluate.rollouts import run_eval
 from consequence.records import write_trajectories
@@ -38,13 +38,17 @@ def final_report(cfg, reference, model, renderer, split, budgets, console, run: 
         "test (unseen problems)": split.sample("test", n, seed=seed_of(cfg.seed, "test")),
         "train problems, new instances (in-distribution)": split.sample("train", n, seed=seed_of(cfg.seed, "fresh")),
     }
-    out: dict[str, Any] = {"episodes_per_split": n, "budgets": vars(budgets), "results": [], "evaluation_files": []}
+    out: dict[str, Any] = {"episodes_per_split": n, "budgets": vars(budgets), "results": [], "evaluation_files": [],
+                           "answer_warnings": []}
     with Phases(console) as phases:
         for decoding in cfg.final_eval_decoding:
             for name, tasks in sets.items():
                 if tasks:
-                    out["results"].append(_compare_arms(cfg, reference, model, renderer, split, budgets, run, phases,
-                                                        name, tasks, decoding, out["evaluation_files"]))
+                    res = _compare_arms(cfg, reference, model, renderer, split, budgets, run, phases, name, tasks,
+                                        decoding, out["evaluation_files"])
+                    out["results"].append(res)
+                    if w := constant_answer_warning(name.split(" ")[0], decoding, res["warm_start"], res["rl"]):
+                        out["answer_warnings"].append(w)
     return out
 
 
