@@ -112,6 +112,9 @@ def cost_summary(trajs: Sequence[Trajectory], wall_s: float | None = None) -> di
         "success": wins / n,
         "gen_tokens_per_episode": tokens / n,
         "tool_calls_per_episode": sum(t.n_tool_calls for t in valid) / n,
+        # model calls whose output did not parse into tool calls or an answer (all calls, env errors too)
+        "parse_error_fraction": sum(c.parse_error is not None for t in trajs for c in t.calls)
+        / max(1, sum(len(t.calls) for t in trajs)),
         "wall_s_per_episode": (wall_s if wall_s is not None else sum(t.wall_time_s or 0.0 for t in valid)) / n,
         "gen_tokens_per_success": tokens / wins if wins else float("inf"),
     }

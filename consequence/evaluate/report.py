@@ -6,6 +6,7 @@ Every file a report links is written beside it (``cost.png`` for an evaluation,
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -71,8 +72,11 @@ def markdown(result: dict[str, Any], cost_png: str = "cost.png") -> str:
     c = result["cost"]
     lines += ["", "## Cost and errors", "",
               f"Cost per episode: {c['gen_tokens_per_episode']:.1f} generated tokens, "
-              f"{c['tool_calls_per_episode']:.2f} tool calls, {c['wall_s_per_episode']:.2f} s of wall time (the batch's time / episodes); "
-              f"{c['gen_tokens_per_success']:.0f} generated tokens per success (curves: [{cost_png}]({cost_png})).",
+              f"{c['tool_calls_per_episode']:.2f} tool calls ({100 * c.get('parse_error_fraction', 0.0):.1f} % of model "
+              f"calls did not parse), {c['wall_s_per_episode']:.2f} s of wall time (the batch's time / episodes); "
+              + (f"{c['gen_tokens_per_success']:.0f} generated tokens per success" if math.isfinite(
+                  c.get("gen_tokens_per_success") or math.inf) else "no success, so no tokens per success")
+              + f" (curves: [{cost_png}]({cost_png})).",
               f"Environment errors: {result['env_errors']} ({result['exclusion_rule']}). Sandbox re-runs: "
               f"{result.get('env_retries', 0)} ({result.get('retry_rule', 'no retry rule recorded')}).",
               f"Isolation: {', '.join(f'{k}={v}' for k, v in s['isolation'].items())}.", "",
