@@ -25,8 +25,9 @@ from typing import Any
 
 import torch
 
-from consequence.distill.sft import SFTConfig, train_sft
+from consequence.distill.sft import SFTConfig, sft_steps, train_sft
 from consequence.envs.registry import load_environment
+from consequence.evaluate.progress import SILENT, Phases
 from consequence.harness.renderer import Renderer
 from consequence.policy.lora import DEFAULT_TARGETS, apply_lora
 from consequence.policy.tiny import load_policy, save_policy
@@ -60,8 +61,7 @@ class ColdStartConfig:
 
 
 def cold_start(model_path: Path, out: Path, cfg: ColdStartConfig = ColdStartConfig(),
-               log: Callable[[str], None] = print,
-               progress: Callable[[int, int, float], None] | None = None,
+               log: Callable[[str], None] = print, phases: Phases = SILENT,
                source: dict[str, Any] | None = None) -> dict[str, Any]:
     """Teacher demonstrations → the student's tokens → SFT → ``out`` (a plain model folder).
 
@@ -70,7 +70,7 @@ def cold_start(model_path: Path, out: Path, cfg: ColdStartConfig = ColdStartConf
         out: the folder to write (replaced atomically).
         cfg: :class:`ColdStartConfig`.
         log: one line per phase.
-        progress: ``progress(step, steps, loss)`` after every SFT step.
+        phases: progress of the SFT steps (steps done / total, steps/s).
         source: what to record of the model's origin (e.g. a registered model's file hash).
 
     Returns:
@@ -98,13 +98,14 @@ def cold_start(model_path: Path, out: Path, cfg: ColdStartConfig = ColdStartConf
         model = apply_lora(model, cfg.lora_rank, cfg.lora_alpha, list(cfg.lora_targets), model_path)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     t1 = time.perf_counter()
-    losses = train_sft(model, rows, tok.pad_token_id, cfg.sft, log, progress)
+    with phases.phase("SFT steps", sft_steps(cfg.sft, len(rows)), "steps") as tick:
+        losses = train_sft(model, rows, tok.pad_token_id, cfg.sft, log, progress=lambda step, _n, _loss: tick(step))
     t_sft = time.perf_counter() - t1
     if cfg.lora_rank:
         model = model.merge_and_unload()  # W0 + (alpha / r) B A: RL starts from a plain folder
     out = Path(out).resolve()
     model.config.name_or_path = str(out)
-    record = {"student": str(model_path), "source": source, "environment": env.label if hasattr(env, "label") else cfg.env,
+    record = {"student": str(model_path), "source": source, "environment": env.label,
               "settings": _settings(cfg), "tool_format": renderer.tool_format,
               "teacher": {"kind": "scripted", "episodes": cfg.demos, "verified": len(convs)},
               "rows": len(rows), "tokens": n_tokens, "targets": n_targets, "trainable_parameters": trainable,

@@ -33,7 +33,8 @@ from rich.markup import escape
 from consequence.config import TrainConfig
 from consequence.credit.advantages import mixed_group_fraction
 from consequence.envs.sandbox import isolation_report
-from consequence.evaluate.compare import parse_error_fraction, summarize
+from consequence.evaluate.compare import summarize
+from consequence.evaluate.episode_eval import parse_error_fraction
 from consequence.harness.renderer import Renderer
 from consequence.policy.sampler import SamplingParams
 from consequence.policy.lora import apply_lora, is_adapter_folder

@@ -89,15 +89,10 @@ def warmstart(seed: int = typer.Option(0, help="Seed of the problem split (train
     """
     from consequence.warmstart import BUNDLED, WarmstartConfig, build_warmstart, ensure_warmstart, warmstart_path
 
-    from consequence.envs.registry import load_environment
-
     quiet_libraries()
     cfg = WarmstartConfig(seed=seed, n_demos=demos, sft_epochs=epochs, env=env)
     try:
-        sample = load_environment(env, seed).sample("train", 1, seed=0)
-        if sample and not hasattr(sample[0], "buggy_code"):
-            raise ValueError(f"--env {env}: the scripted teacher solves repair tasks only (repair, humaneval-repair, "
-                             "jsonl); train in this environment from a model of your own (--model PATH)")
+        _check_teacher_env(env, seed)
     except ValueError as e:
         console.print(f"[red]error:[/] {escape(str(e))}")
         raise typer.Exit(2)
@@ -106,6 +101,20 @@ def warmstart(seed: int = typer.Option(0, help="Seed of the problem split (train
     else:
         path = ensure_warmstart(cfg, console.print)
     console.print(f"warm-start checkpoint: {path}")
+
+
+def _check_teacher_env(env: str, seed: int, options: dict | None = None) -> None:
+    """Refuse, before any work, an environment whose tasks the scripted teacher cannot solve.
+
+    Raises:
+        ValueError: its train tasks are not repair tasks (or as ``load_environment``).
+    """
+    from consequence.envs.registry import load_environment
+
+    sample = load_environment(env, seed, dict(options or {})).sample("train", 1, seed=0)
+    if sample and not hasattr(sample[0], "buggy_code"):
+        raise ValueError(f"--env {env}: the scripted teacher solves repair tasks only (repair, humaneval-repair, "
+                         "jsonl); train in this environment from a model of your own (--model PATH)")
 
 
 @app.command("merge")
@@ -223,7 +232,6 @@ def sft_cmd(model: str = typer.Option(..., help="The student: a registered name 
     from consequence.coldstart import ColdStartConfig, cold_start
     from consequence.distill.sft import SFTConfig
     from consequence.evaluate.progress import Phases
-    from consequence.envs.registry import load_environment
     from consequence.policy.named import is_named, model_folder, source_record
     from consequence.policy.tiny import check_model_folder
 
@@ -231,10 +239,7 @@ def sft_cmd(model: str = typer.Option(..., help="The student: a registered name 
     try:
         options = parse_env_options(env_option)
         targets = tuple(parse_list(lora_targets, "--lora-targets", "q_proj,v_proj"))
-        sample = load_environment(env, seed, dict(options)).sample("train", 1, seed=0)
-        if sample and not hasattr(sample[0], "buggy_code"):
-            raise ValueError(f"--env {env}: the scripted teacher solves repair tasks only (repair, humaneval-repair, "
-                             "jsonl)")
+        _check_teacher_env(env, seed, options)
         check_run_dir(out.parent, "--out", keep=False)
         if out.exists() and not (out / "sft.json").is_file():
             raise ValueError(f"--out {out}: exists and is not an earlier `consequence sft` output; name a new folder")
@@ -245,17 +250,7 @@ def sft_cmd(model: str = typer.Option(..., help="The student: a registered name 
                               sft=SFTConfig(learning_rate=learning_rate, epochs=epochs, rows_per_step=rows_per_step,
                                             micro_batch_size=micro_batch_size, seed=seed))
         with Phases(console) as phases:
-            state: dict = {}
-
-            def progress(step: int, steps: int, loss: float) -> None:
-                if "tick" not in state:
-                    state["cm"] = phases.phase("SFT steps", steps, "steps")
-                    state["tick"] = state["cm"].__enter__()
-                state["tick"](step)
-                if step == steps:
-                    state.pop("cm").__exit__(None, None, None)
-
-            record = cold_start(path, out, cfg, log=console.print, progress=progress,
+            record = cold_start(path, out, cfg, log=console.print, phases=phases,
                                 source=source_record(model) if is_named(model) else None)
     except ValueError as e:
         console.print(f"[red]error:[/] {escape(str(e))}")

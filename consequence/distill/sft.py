@@ -24,7 +24,7 @@ import torch
 from consequence.policy.logprobs import token_logprobs
 from consequence.records import TrainingRow, pad_rows
 
-__all__ = ["SFTConfig", "sft_step_gradients", "train_sft", "bucketed_batches"]
+__all__ = ["SFTConfig", "sft_step_gradients", "sft_steps", "train_sft", "bucketed_batches"]
 
 
 @dataclass(frozen=True)
@@ -86,9 +86,9 @@ def sft_step_gradients(model: torch.nn.Module, rows: Sequence[TrainingRow], pad_
     if total == 0:
         raise ValueError("SFT step without a target token: every row's loss mask is 0 after position 0")
     loss_sum = 0.0
+    device = next(model.parameters()).device
     for a in range(0, len(rows), micro_batch_size):
         batch = pad_rows(rows[a:a + micro_batch_size], pad_id)
-        device = next(model.parameters()).device
         lp, _ = logprob_fn(model, batch["input_ids"].to(device), batch["attention_mask"].to(device))
         mask = batch["loss_mask"][:, 1:].to(device)
         loss = -(lp * mask).sum() / total
@@ -123,7 +123,7 @@ def train_sft(model: torch.nn.Module, rows: Sequence[TrainingRow], pad_id: int, 
     if not params:
         raise ValueError("SFT: the model has no trainable parameter")
     opt = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, betas=cfg.betas)
-    steps = max(1, int(cfg.epochs * len(rows) / cfg.rows_per_step))
+    steps = sft_steps(cfg, len(rows))
     warmup = max(1, math.floor(steps * cfg.warmup_fraction + 1e-9))  # + 1e-9: 0.05 · 20k is 1.0 − ε in floats
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps))))
@@ -148,6 +148,11 @@ def train_sft(model: torch.nn.Module, rows: Sequence[TrainingRow], pad_id: int, 
             progress(step + 1, steps, m["loss"])
     model.eval()
     return losses
+
+
+def sft_steps(cfg: SFTConfig, n_rows: int) -> int:
+    """Optimizer steps of :func:`train_sft` over ``n_rows`` rows: ``int(epochs · rows / rows_per_step)``, ≥ 1."""
+    return max(1, int(cfg.epochs * n_rows / cfg.rows_per_step))
 
 
 def bucketed_batches(lengths: list[int], batch_size: int, g: torch.Generator) -> list[list[int]]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from consequence.evaluate.episode_eval import solved
+from consequence.evaluate.episode_eval import parse_error_fraction, solved
 from consequence.evaluate.stats import paired_bootstrap_ci
 from consequence.records import Trajectory
 
@@ -106,9 +106,3 @@ def constant_answer_warning(split: str, decoding: str, warm: dict[str, Any], rl:
             "that is (a constant policy), not a skill: compare it with that base rate before reading the "
             "difference as a gain.")
 
-
-def parse_error_fraction(trajs: Sequence[Trajectory]) -> float:
-    """Share of model calls whose output the renderer could not parse into tool calls (or an
-    answer): the "do tool calls parse" measure of a cold start; 0.0 without calls."""
-    calls = [c for t in trajs for c in t.calls]
-    return sum(c.parse_error is not None for c in calls) / max(1, len(calls))

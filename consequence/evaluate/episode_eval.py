@@ -96,6 +96,13 @@ def summarize_pass_at_k(counts: Sequence[dict[str, Any]], ks: Sequence[int], con
     return out
 
 
+def parse_error_fraction(trajs: Sequence[Trajectory]) -> float:
+    """Share of model calls whose output the renderer could not parse into tool calls (or an
+    answer): the "do tool calls parse" measure of a cold start; 0.0 without calls."""
+    calls = [c for t in trajs for c in t.calls]
+    return sum(c.parse_error is not None for c in calls) / max(1, len(calls))
+
+
 def cost_summary(trajs: Sequence[Trajectory], wall_s: float | None = None) -> dict[str, float]:
     """Per-episode cost (generated tokens, tool calls, wall seconds) and cost per success.
 
@@ -112,9 +119,7 @@ def cost_summary(trajs: Sequence[Trajectory], wall_s: float | None = None) -> di
         "success": wins / n,
         "gen_tokens_per_episode": tokens / n,
         "tool_calls_per_episode": sum(t.n_tool_calls for t in valid) / n,
-        # model calls whose output did not parse into tool calls or an answer (all calls, env errors too)
-        "parse_error_fraction": sum(c.parse_error is not None for t in trajs for c in t.calls)
-        / max(1, sum(len(t.calls) for t in trajs)),
+        "parse_error_fraction": parse_error_fraction(trajs),  # all calls, env errors too
         "wall_s_per_episode": (wall_s if wall_s is not None else sum(t.wall_time_s or 0.0 for t in valid)) / n,
         "gen_tokens_per_success": tokens / wins if wins else float("inf"),
     }

@@ -311,7 +311,8 @@ def token_logprobs(
         ValueError: a negative temperature or chunk size, or ``keep_index`` naming a
             position or id outside the batch.
     """
-    chunk = _auto_chunk(model, input_ids, attention_mask, share_prefix) if chunk_size is None else int(chunk_size)
+    shared = shared_prefix_len(input_ids, attention_mask) if share_prefix else 0  # computed once per call
+    chunk = _auto_chunk(model, input_ids, attention_mask, shared) if chunk_size is None else int(chunk_size)
     if chunk < 0:
         raise ValueError(f"chunk_size must be >= 0 (0 = unchunked), got {chunk_size}")
     if temperature < 0:
@@ -329,8 +330,7 @@ def token_logprobs(
     split = lm_head_split(model)
     if split is not None:
         trunk, head = split
-        # a prefix shared by all rows runs once (min_shared above any length: never)
-        hidden = trunk_hidden(trunk, input_ids, attention_mask, SHARED_PREFIX_MIN_TOKENS if share_prefix else S + 1)
+        hidden = trunk_hidden(trunk, input_ids, attention_mask, prefix_len=shared)  # a shared prefix runs once
         feats_PX = hidden[:, :-1][rows_P, pos_P]  # [P, H]: hidden states that predict a real target
         vocab = _out_features(head)
         del hidden
@@ -503,10 +503,11 @@ def _trim_host_heap() -> None:
         _LIBC[0].malloc_trim(0)
 
 
-def _auto_chunk(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, share_prefix: bool = True) -> int:
+def _auto_chunk(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, shared: int | None = None) -> int:
     """``DEFAULT_CHUNK_SIZE``, or 0 when the full logits of the real targets are small and no
     long prefix is shared by every row (the chunked path runs a shared prefix once)."""
-    if (share_prefix and shared_prefix_len(input_ids, attention_mask) >= SHARED_PREFIX_MIN_TOKENS
+    shared = shared_prefix_len(input_ids, attention_mask) if shared is None else shared
+    if (shared >= SHARED_PREFIX_MIN_TOKENS
             and lm_head_split(model) is not None):
         return DEFAULT_CHUNK_SIZE
     head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None

@@ -54,7 +54,7 @@ def shared_prefix_len(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> 
 
 
 def trunk_hidden(trunk: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                 min_shared: int = SHARED_PREFIX_MIN_TOKENS) -> torch.Tensor:
+                 min_shared: int = SHARED_PREFIX_MIN_TOKENS, prefix_len: int | None = None) -> torch.Tensor:
     """Final hidden states of a Hugging Face decoder trunk, a shared prefix run once.
 
     Args:
@@ -63,13 +63,14 @@ def trunk_hidden(trunk: torch.nn.Module, input_ids: torch.Tensor, attention_mask
         input_ids: [N, S] long, right-padded.
         attention_mask: [N, S] (1 = real token, 0 = padding).
         min_shared: run the prefix once only when at least this many tokens are shared.
+        prefix_len: :func:`shared_prefix_len` of the batch when the caller has it already.
 
     Returns:
         hidden [N, S, H] (the trunk's dtype), equal to
         ``trunk(input_ids, attention_mask, use_cache=False).last_hidden_state`` to float32
         rounding at every real position; differentiable.
     """
-    L = shared_prefix_len(input_ids, attention_mask)
+    L = shared_prefix_len(input_ids, attention_mask) if prefix_len is None else prefix_len
     if L < min_shared or getattr(trunk, "gradient_checkpointing", False):
         return trunk(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
     N = input_ids.shape[0]
