@@ -97,6 +97,7 @@ class TrainConfig(BaseModel):
     eval_every: int = _f(6, "evaluate", "Validate every this many iterations (0 = never).", ge=0)
     val_episodes: int = _f(128, "evaluate", "Episodes (greedy) of each periodic validation.", ge=0)
     final_eval_episodes: int = _f(400, "evaluate", "Episodes per split in the final warm-start vs RL comparison.", ge=0)
+    final_eval_splits: list[Literal["test", "train"]] = _f(["test", "train"], "evaluate", "Splits of the final comparison, comma-separated: test (unseen problems) and train (train problems, new instances: in-distribution); e.g. test alone halves the final evaluation's time.")
     final_eval_decoding: list[Literal["greedy", "sampled"]] = _f(["greedy", "sampled"], "evaluate", "Decodings of the final comparison, comma-separated (e.g. greedy,sampled; the option may also be repeated; in YAML a list or a comma string; duplicates are dropped, order kept); sampled uses the training temperature and the same seeds for both policies.")
     warmstart_demos: int = _f(4000, "policy", "Teacher demonstrations for building the tiny warm start.", ge=10)
     warmstart_epochs: float = _f(8.0, "policy", "SFT epochs over the demonstrations when building the tiny warm start.", gt=0)
@@ -155,6 +156,12 @@ class TrainConfig(BaseModel):
         if not v.strip():
             raise ValueError("give an environment name (`consequence envs` lists them), module:attr, or a .jsonl task file")
         return v
+
+    @field_validator("final_eval_splits", mode="before")
+    @classmethod
+    def _final_splits(cls, v):
+        return comma_list(v, "give test, train or test,train (to skip the final evaluation, "
+                             "set --final-eval-episodes 0)")
 
     @field_validator("final_eval_decoding", mode="before")
     @classmethod

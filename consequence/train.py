@@ -227,8 +227,9 @@ def preflight(cfg: TrainConfig, tokenizer, renderer: Renderer, split, model_path
         raise ValueError(f"--top-k {cfg.top_k} is larger than the vocabulary of {model_path} ({vocab} tokens), so it "
                          f"would keep every token, the same as off; use --top-k 0 (off) or a value up to {vocab}")
     split.check_splits({"train": "training", "validation": "--eval-every" if cfg.eval_every and cfg.val_episodes else None,
-                        "test": "--final-eval-episodes" if cfg.final_eval_episodes else None})
-    if cfg.final_eval_episodes and len(split.split["test"]) < 2:
+                        "test": "--final-eval-episodes" if cfg.final_eval_episodes and "test" in cfg.final_eval_splits
+                        else None})
+    if cfg.final_eval_episodes and "test" in cfg.final_eval_splits and len(split.split["test"]) < 2:
         raise ValueError(f"--env {split.label}: the test split has {len(split.split['test'])} problem, and the final "
                          "paired comparison's CI (a bootstrap over problems) needs at least 2; add problems or set "
                          "--final-eval-episodes 0")
@@ -317,13 +318,14 @@ def _finish(r: _Run, console, t_start: float) -> dict[str, Any]:
     policies = [str(r.model_path), str(run / "checkpoints" / "final")]
     # a reproduction is the same recipe with the same seeds: the original's final checkpoint is not "another policy"
     same = [str(Path(r.manifest["reproduces"]) / "checkpoints" / "final")] if r.manifest.get("reproduces") else []
-    warning = reuse_warning(r.split.label, r.cfg.split_seed, policies + same) if r.cfg.final_eval_episodes else None
+    tested = r.cfg.final_eval_episodes and "test" in r.cfg.final_eval_splits
+    warning = reuse_warning(r.split.label, r.cfg.split_seed, policies + same) if tested else None
     skipped = "final evaluation skipped (--final-eval-episodes 0)" if not r.cfg.final_eval_episodes else None
     if skipped:
         console.print(skipped)
     report = final_report(r.cfg, r.reference, r.learner.model, r.renderer, r.split, r.budgets, console, run)
     touches = [record_touch(r.split.label, r.cfg.split_seed, s, "final evaluation of consequence train", policies)
-               for s in ("test", "train") if r.cfg.final_eval_episodes]
+               for s in r.cfg.final_eval_splits if r.cfg.final_eval_episodes]
     r.manifest["splits_touched"] = r.manifest.get("splits_touched", []) + touches
     report["warnings"] = ([warning] if warning else []) + report.pop("answer_warnings", [])
     report["splits_touched"] = r.manifest["splits_touched"]

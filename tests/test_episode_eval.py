@@ -6,6 +6,7 @@ from typer.testing import CliRunner
 from consequence.cli import app
 from consequence.evaluate.episode_eval import (cost_summary, per_task_counts, success_under_caps,
                                                summarize_pass_at_k)
+from consequence.evaluate.run import default_samples
 from consequence.records import ModelCall, Trajectory
 
 
@@ -45,6 +46,10 @@ def test_costs_and_caps():
     assert success_under_caps(trajs, "n_tool_calls", [1, 4, 5]) == pytest.approx([1 / 3, 1 / 3, 2 / 3])
 
 
+def test_default_samples_per_task():
+    assert [default_samples(None, 0.0), default_samples(None, 0.7), default_samples(3, 0.0)] == [1, 10, 3]
+
+
 def test_eval_rejects_bad_requests_before_work(tmp_path):
     runner = CliRunner()
     res = runner.invoke(app, ["eval", "-n", "2", "-k", "1,4", "--out", str(tmp_path / "e")])
@@ -57,6 +62,8 @@ def test_eval_rejects_bad_requests_before_work(tmp_path):
     assert res.exit_code == 2
     res = runner.invoke(app, ["eval", "--temperature", "-1", "--out", str(tmp_path / "e")])
     assert res.exit_code == 2 and "--temperature" in res.output
+    res = runner.invoke(app, ["eval", "--temperature", "0", "-k", "1,4", "--out", str(tmp_path / "e")])
+    assert res.exit_code == 2 and "between 1 and n = 1" in res.output  # greedy: n defaults to 1, not 10
     res = runner.invoke(app, ["eval", "--problems", "-1", "--out", str(tmp_path / "e")])
     assert res.exit_code == 2 and "--problems" in res.output
     res = runner.invoke(app, ["compare", str(tmp_path / "nope"), str(tmp_path), "--out", str(tmp_path / "c")])

@@ -143,6 +143,10 @@ def test_list_options_are_comma_separated_or_repeated_without_duplicates(tmp_pat
         (tmp_path / "c.yaml").write_text(text)
         _, cfg = captured("--config", str(tmp_path / "c.yaml"))
         assert cfg.final_eval_decoding == ["sampled"]
+    _, cfg = captured("--final-eval-splits", "test")
+    assert cfg.final_eval_splits == ["test"]
+    res, _ = captured("--final-eval-splits", "validation")
+    assert res.exit_code == 2 and "Input should be 'test' or 'train'" in _text(res)
     res, cfg = captured("--final-eval-decoding", ",")
     assert res.exit_code == 2 and "--final-eval-decoding): empty list" in _text(res) and "--final-eval-episodes 0" in _text(res)
     res, _ = captured("--final-eval-decoding", "greedy,beam")

@@ -66,7 +66,7 @@ def eval_cmd(model: Optional[str] = typer.Option(None, help="Checkpoint folder, 
              max_turns: Optional[int] = typer.Option(None, help="Budget: model calls per episode; " + _RUN.format("8") + "."),
              max_new_tokens: Optional[int] = typer.Option(None, help="Budget: tokens per model call; " + _RUN.format("48") + " (humaneval: tokens per completion, default 384)."),
              max_total_tokens: Optional[int] = typer.Option(None, help="Budget: context + generated tokens per episode; " + _RUN.format("768") + "."),
-             n: int = typer.Option(10, "-n", help="Samples per task."),
+             n: Optional[int] = typer.Option(None, "-n", help="Samples per task; default 10, or 1 at --temperature 0 (greedy gives every sample of a task the same tokens)."),
              k: str = typer.Option("1", "-k", help="Comma-separated k of pass@k, each <= n."),
              problems: int = typer.Option(0, help="Evaluate only this many problems of the split (0 = all): drawn with --seed for repair sources, the first ones for humaneval."),
              temperature: float = typer.Option(1.0, help="Sampling temperature (0 = greedy; then n = 1 makes sense)."),
@@ -76,7 +76,7 @@ def eval_cmd(model: Optional[str] = typer.Option(None, help="Checkpoint folder, 
              out: Path = typer.Option(Path("runs/eval"), help="Output folder: eval.json, episodes.parquet, recovery_episodes.parquet, report.md, cost.png (humaneval: eval.json).")) -> None:
     """Evaluate a policy: pass@k and final-selection success with bootstrap CIs over problems,
     the recovery diagnostic, outcomes, budgets, cost, env errors and the split touched."""
-    from consequence.evaluate.run import check_request, resolve_model
+    from consequence.evaluate.run import check_request, default_samples, resolve_model
     from consequence.evaluate.selection import check_rules
     from consequence.evaluate.settings import check_budgets, resolve_settings
 
@@ -84,6 +84,7 @@ def eval_cmd(model: Optional[str] = typer.Option(None, help="Checkpoint folder, 
         options = {**_env_options(env, tasks, tasks_file, env_option), "split_seed": split_seed,
                    "max_turns": max_turns, "max_new_tokens": max_new_tokens, "max_total_tokens": max_total_tokens}
         ks = parse_ks(k)
+        n = default_samples(n, temperature)
         st = resolve_settings([("", model)], options)
         environment = _load_env(st.values)
         completion = getattr(environment, "completion_protocol", False)

@@ -27,7 +27,8 @@ def validate(model, renderer, split, budgets, cfg, progress: Tick | None = None)
 
 
 def final_report(cfg, reference, model, renderer, split, budgets, console, run: Path) -> dict[str, Any]:
-    """Warm start vs RL checkpoint on the same episodes: (a) test split, (b) train problems.
+    """Warm start vs RL checkpoint on the same episodes: (a) test split, (b) train problems
+    (those of ``cfg.final_eval_splits``, in that order).
 
     Each split is evaluated with every decoding in ``cfg.final_eval_decoding``; sampled
     episodes use the same seeds for both policies. Every (split, decoding, policy) is one
@@ -38,6 +39,7 @@ def final_report(cfg, reference, model, renderer, split, budgets, console, run: 
         "test (unseen problems)": split.sample("test", n, seed=seed_of(cfg.seed, "test")),
         "train problems, new instances (in-distribution)": split.sample("train", n, seed=seed_of(cfg.seed, "fresh")),
     }
+    sets = {name: tasks for name, tasks in sets.items() if name.split(" ")[0] in cfg.final_eval_splits}
     out: dict[str, Any] = {"episodes_per_split": n, "budgets": vars(budgets), "results": [], "evaluation_files": [],
                            "answer_warnings": []}
     with Phases(console) as phases:

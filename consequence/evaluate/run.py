@@ -81,6 +81,14 @@ def check_distinct(a: Path, b: Path) -> None:
                          "measure nothing; give two different policies")
 
 
+def default_samples(n: int | None, temperature: float) -> int:
+    """Samples per task when ``-n`` is not given: 1 for greedy decoding (``temperature == 0``:
+    every sample of a task would repeat the same tokens), else 10."""
+    if n is not None:
+        return n
+    return 1 if temperature == 0 else 10
+
+
 def check_request(split: str, n: int, ks: list[int], temperature: float = 1.0, problems: int = 0,
                   splits: Sequence[str] = ("train", "validation", "test")) -> None:
     """Reject a bad request before any work.

@@ -41,7 +41,8 @@ from consequence.fileio import append_line, cache_root
 SPLITS: tuple[str, ...] = ("train", "validation", "test")
 # Config keys that do not change a run's weights (or replicate them: the seed).
 REPEAT_IGNORES: frozenset[str] = frozenset({"run_dir", "seed", "checkpoint_every", "final_eval_episodes",
-                                            "final_eval_decoding", "skip_checks"})
+                                            "final_eval_decoding", "final_eval_splits",
+                                            "skip_checks"})
 _HASHES: dict[tuple, str] = {}
 
 
