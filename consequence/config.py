@@ -71,7 +71,9 @@ class TrainConfig(BaseModel):
     dynamic_sampling_max_rounds: int = _f(3, "rollout", "Dynamic sampling: at most this many rounds of B tasks per iteration; then train on what was kept.", ge=1)
     overlong_buffer: int = _f(0, "reward", "DAPO overlong shaping: penalty rises linearly from 0 to −1 over the last this many tokens before max_total_tokens (0 = off).", ge=0)
     overlong_filter: bool = _f(False, "reward", "DAPO overlong filtering: truncated episodes count in group statistics but are left out of the loss.")
-    advantage: Literal["reinforce", "batch_mean", "reinforce_pp", "rloo", "grpo", "dr_grpo", "gae"] = _f("grpo", "credit", "Advantage estimator; gae trains a value head (PPO).")
+    advantage: Literal["reinforce", "batch_mean", "reinforce_pp", "rloo", "grpo", "dr_grpo", "gae", "reverse_kl"] = _f("grpo", "credit", "Advantage estimator; gae trains a value head (PPO); reverse_kl is on-policy distillation: every sampled token's advantage is log π_teacher − log μ, the negated per-token reverse-KL estimate against --teacher (plus --task-reward-weight × the GRPO advantage of the task reward).")
+    teacher: str | None = _f(None, "credit", "Frozen teacher of --advantage reverse_kl: a local Hugging Face causal LM folder (e.g. a checkpoint of ours) or a registered model name, sharing the student's tokenizer (a mismatch is refused before any work, naming the first differing token); never trained; stored as an absolute path.")
+    task_reward_weight: float = _f(0.0, "credit", "KD + RL with --advantage reverse_kl: add this weight × the GRPO group advantage of the task reward to every sampled token's advantage (0 = distillation alone).", ge=0)
     grpo_std: Literal["population", "sample"] = _f("population", "credit", "Std of the GRPO group normalisation: population (correction 0) or sample (correction 1).")
     gamma: float = _f(1.0, "credit", "GAE: discount per generated token.", ge=0, le=1)
     gae_lambda: float = _f(0.95, "credit", "GAE: λ.", ge=0, le=1)
@@ -102,12 +104,12 @@ class TrainConfig(BaseModel):
     warmstart_demos: int = _f(4000, "policy", "Teacher demonstrations for building the tiny warm start.", ge=10)
     warmstart_epochs: float = _f(8.0, "policy", "SFT epochs over the demonstrations when building the tiny warm start.", gt=0)
 
-    @field_validator("model", "run_dir")
+    @field_validator("model", "run_dir", "teacher")
     @classmethod
     def _absolute(cls, v: str | None, info) -> str | None:
         """Paths are stored absolute, so a run can be resumed or reproduced from any folder; a
         registered model name (MODEL_NAMES) is kept as it is."""
-        if v is None or (info.field_name == "model" and v in MODEL_NAMES):
+        if v is None or (info.field_name in ("model", "teacher") and v in MODEL_NAMES):
             return v
         return absolute(v)
 
@@ -187,6 +189,23 @@ class TrainConfig(BaseModel):
                              "supported: the value model copies the policy's trunk, and with LoRA that trunk is frozen; "
                              "use --lora-rank 0 (full fine-tuning) for PPO with a critic, or a critic-free estimator "
                              "(grpo, rloo, ...) with LoRA")
+        return self
+
+    @model_validator(mode="after")
+    def _teacher_fits(self) -> "TrainConfig":
+        distill = self.advantage == "reverse_kl"
+        if distill and not self.teacher:
+            raise ValueError("--advantage reverse_kl (on-policy distillation) needs --teacher: a model folder or "
+                             "registered name sharing the student's tokenizer")
+        for key, on in (("teacher", self.teacher is not None), ("task_reward_weight", self.task_reward_weight != 0)):
+            if on and not distill:  # a setting that only distillation reads would be silently dropped
+                raise ValueError(f"--{key.replace('_', '-')} is read only by --advantage reverse_kl (on-policy "
+                                 f"distillation), but --advantage is {self.advantage}: give --advantage reverse_kl "
+                                 f"or drop --{key.replace('_', '-')}")
+        if distill and (self.top_k or self.top_p < 1):
+            raise ValueError("--advantage reverse_kl with --top-k / --top-p is not supported: the teacher's log-prob "
+                             "of a token would be taken over the student's truncated support; sample with "
+                             "--top-k 0 --top-p 1")
         return self
 
     @model_validator(mode="after")

@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import math
 import random
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +40,8 @@ from consequence.update.value_step import value_step
 
 @dataclass
 class Learner:
-    """What the update changes or consults: policy, optimizer, frozen reference, critic."""
+    """What the update changes or consults: policy, optimizer, frozen reference, critic,
+    frozen teacher (on-policy distillation)."""
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
@@ -47,10 +49,16 @@ class Learner:
     reference: torch.nn.Module | None = None
     critic: ValueModel | None = None
     critic_optimizer: torch.optim.Optimizer | None = None
+    teacher: torch.nn.Module | None = None
 
 
-def make_learner(cfg: TrainConfig, model: torch.nn.Module, reference: torch.nn.Module | None = None) -> Learner:
-    """Optimizer, update settings, and the reference / critic the recipe needs."""
+def make_learner(cfg: TrainConfig, model: torch.nn.Module, reference: torch.nn.Module | None = None,
+                 teacher: torch.nn.Module | None = None) -> Learner:
+    """Optimizer, update settings, and the reference / critic / teacher the recipe needs.
+
+    Raises:
+        ValueError: ``--advantage reverse_kl`` without a ``teacher`` module.
+    """
     ucfg = UpdateConfig(
         surrogate=cfg.surrogate, clip_eps_low=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high or cfg.clip_eps,
         dual_clip_c=cfg.dual_clip_c, reduction=cfg.reduction, micro_batch_size=cfg.micro_batch_size,
@@ -59,6 +67,10 @@ def make_learner(cfg: TrainConfig, model: torch.nn.Module, reference: torch.nn.M
         kl_estimator=cfg.kl_estimator, entropy_coef=cfg.entropy_coef, offpolicy_delta=cfg.offpolicy_delta)
     trainable = [p for p in model.parameters() if p.requires_grad]  # all of them, or a LoRA adapter's A and B
     learner = Learner(model, torch.optim.AdamW(trainable, lr=cfg.learning_rate, weight_decay=0.0), ucfg)
+    if cfg.advantage == "reverse_kl":
+        if teacher is None:
+            raise ValueError("--advantage reverse_kl needs a loaded teacher (consequence.distill.teacher_model)")
+        learner.teacher = teacher.eval().requires_grad_(False)  # frozen: never in the optimizer
     if cfg.kl_coef > 0:
         learner.reference = reference if reference is not None else copy.deepcopy(model).eval()
     if cfg.advantage == "gae":
@@ -126,13 +138,22 @@ def credit(trajs: list[Trajectory], cfg: TrainConfig, learner: Learner, pad_id: 
 
     The credit box does the work (:func:`consequence.credit.batch.assign_credit`); here
     only the reference policy's log-probs are computed for it (a forward pass of the
-    update box's model code), when the recipe has a KL term.
+    update box's model code), when the recipe has a KL term, and the teacher's, for
+    on-policy distillation (at the sampling temperature; its time is ``teacher_s``).
     """
     rows, owner = training_rows(trajs)
-    ref = None
+    ref = teacher = None
     if learner.reference is not None and rows:
         ref = compute_logprobs(learner.reference, rows, pad_id, logprob_fn(cfg), cfg.temperature, cfg.micro_batch_size)
-    return assign_credit(trajs, rows, owner, cfg, ref_logprobs=ref, critic=learner.critic, pad_id=pad_id)
+    t0 = time.perf_counter()
+    if learner.teacher is not None and rows:
+        teacher = compute_logprobs(learner.teacher, rows, pad_id, logprob_fn(cfg), cfg.temperature,
+                                   cfg.micro_batch_size)
+    batch = assign_credit(trajs, rows, owner, cfg, ref_logprobs=ref, critic=learner.critic, pad_id=pad_id,
+                          teacher_logprobs=teacher)
+    if learner.teacher is not None:
+        batch.metrics["teacher_s"] = time.perf_counter() - t0
+    return batch
 
 
 # ---- update box ----------------------------------------------------------------------

@@ -161,6 +161,11 @@ def _start(cfg: TrainConfig, console, run: Path, resume: bool, state: ResumeStat
     split = env_of(cfg)
     renderer = Renderer(tokenizer, split.tools)
     preflight(cfg, tokenizer, renderer, split, model_path)
+    teacher = None
+    if cfg.advantage == "reverse_kl":  # loaded before anything is written: a tokenizer mismatch is refused here
+        from consequence.distill.teacher_model import load_teacher
+
+        teacher = load_teacher(cfg.teacher, tokenizer, log=lambda line: console.print(escape(line)))
     if state is not None:
         _check_same_start(state, model_path)
     reference = copy.deepcopy(model).eval()  # the warm start, kept for the final paired comparison
@@ -175,7 +180,7 @@ def _start(cfg: TrainConfig, console, run: Path, resume: bool, state: ResumeStat
             console.print(f"{run} held an earlier run: deleted its {len(cleared)} outputs (other files kept)")
         write_text_atomic(run / "config.yaml", yaml.safe_dump(cfg.model_dump(), sort_keys=False))
     write_text_atomic(run / "split.json", json.dumps(split.problem_ids()))
-    learner = make_learner(cfg, model, reference)
+    learner = make_learner(cfg, model, reference, teacher)
     r = _Run(cfg, run, model_path, tokenizer, reference, learner, renderer, split,
              Budgets(cfg.max_turns, cfg.max_new_tokens, cfg.max_total_tokens),
              SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p, cfg.max_new_tokens), manifest={},
@@ -403,6 +408,7 @@ def iteration(it, cfg, learner: Learner, renderer, split, budgets, sampling, run
     if first and not cfg.skip_checks:
         metrics["pre_step_checks"] = [vars(c) for c in checks]
     metrics["gen_tokens_total"] = ds["gen_tokens_total"]
+    metrics |= batch.metrics  # on-policy distillation: teacher_reverse_kl, teacher_forward_tokens, teacher_s
     metrics |= iteration_extras(trajs)
     if cfg.dynamic_sampling:
         metrics |= {k: v for k, v in ds.items() if k.startswith("groups_")}

@@ -43,6 +43,7 @@ def check_before_work(cfg: TrainConfig) -> None:
     from consequence.envs.registry import env_of
 
     check_model_dir(cfg.model)
+    check_model_dir(cfg.teacher, "--teacher", chat_template=False)
     env_of(cfg)  # the environment and its task source load (a user's plug-in, a task file)
     check_run_dir(Path(cfg.run_dir), keep=False)
 

@@ -11,14 +11,14 @@ the scalar estimators use each trajectory's total reward.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from consequence.config import TrainConfig
 from consequence.credit.advantages import group_advantages
-from consequence.credit.kl import kl_estimate
+from consequence.credit.kl import kl_estimate, reverse_kl_advantages
 from consequence.credit.returns import gae
 from consequence.credit.value import ValueModel, row_values
 from consequence.records import TrainingRow, Trajectory, trajectory_to_rows
@@ -37,6 +37,7 @@ class Batch:
     returns: list[list[float]] | None = None
     old_values: list[list[float]] | None = None
     trajectories: list[Trajectory] | None = None  # what rows[j].traj_index points into
+    metrics: dict[str, float] = field(default_factory=dict)  # the credit box's own (teacher KL, ...)
 
     def describe_rows(self, rows: list[int]) -> str:
         """The trajectories of ``rows`` (indices into ``self.rows``), for error messages."""
@@ -52,7 +53,8 @@ class Batch:
         """The batch restricted to rows ``keep`` (indices into ``self.rows``)."""
         pick = lambda xs: None if xs is None else [xs[j] for j in keep]  # noqa: E731
         return Batch(pick(self.rows), pick(self.advantages), pick(self.sampler_logprobs),
-                     pick(self.ref_logprobs), pick(self.returns), pick(self.old_values), self.trajectories)
+                     pick(self.ref_logprobs), pick(self.returns), pick(self.old_values), self.trajectories,
+                     dict(self.metrics))
 
 
 def training_rows(trajs: list[Trajectory]) -> tuple[list[TrainingRow], list[int]]:
@@ -70,7 +72,7 @@ def training_rows(trajs: list[Trajectory]) -> tuple[list[TrainingRow], list[int]
 
 def assign_credit(trajs: list[Trajectory], rows: list[TrainingRow], owner: list[int], cfg: TrainConfig, *,
                   ref_logprobs: list[list[float]] | None = None, critic: ValueModel | None = None,
-                  pad_id: int = 0) -> Batch:
+                  pad_id: int = 0, teacher_logprobs: list[list[float]] | None = None) -> Batch:
     """Advantages of ``rows`` (from :func:`training_rows`) by the recipe's estimator.
 
     Sets ``t.advantage`` (the trajectory's scalar advantage; for GAE the mean over its
@@ -82,9 +84,13 @@ def assign_credit(trajs: list[Trajectory], rows: list[TrainingRow], owner: list[
     Args:
         ref_logprobs: per row, logπ_ref of every position (needed when ``cfg.kl_coef > 0``).
         critic: the value model (needed for ``cfg.advantage == "gae"``).
+        teacher_logprobs: per row, log π_teacher of every position (``cfg.advantage ==
+            "reverse_kl"``: per-token advantage log π_teacher − log μ on targets, plus
+            ``cfg.task_reward_weight`` × the GRPO advantage of the trajectory's reward).
 
     Raises:
-        ValueError: GAE without a critic, or a KL reward penalty without reference log-probs.
+        ValueError: GAE without a critic, a KL reward penalty without reference log-probs,
+            or on-policy distillation without teacher log-probs.
     """
     batch = Batch(rows, [], [list(r.old_logprobs) for r in rows], ref_logprobs=ref_logprobs, trajectories=trajs)
     penalty = None
@@ -96,6 +102,10 @@ def assign_credit(trajs: list[Trajectory], rows: list[TrainingRow], owner: list[
         if critic is None:
             raise ValueError("--advantage gae needs a value model (critic)")
         _gae_advantages(trajs, batch, owner, cfg, critic, pad_id, penalty)
+    elif cfg.advantage == "reverse_kl":
+        if teacher_logprobs is None:
+            raise ValueError("--advantage reverse_kl needs the teacher's log-probs (teacher_logprobs)")
+        _teacher_advantages(trajs, batch, owner, cfg, teacher_logprobs, penalty)
     else:
         rewards = [t.reward for t in trajs]
         if penalty is not None:
@@ -109,6 +119,40 @@ def assign_credit(trajs: list[Trajectory], rows: list[TrainingRow], owner: list[
     if cfg.overlong_filter:
         batch = batch.select([j for j, i in enumerate(owner) if trajs[i].outcome != "truncated"])
     return batch
+
+
+def _teacher_advantages(trajs, batch: Batch, owner, cfg, teacher_logprobs, penalty) -> None:
+    """On-policy distillation: A_t = log π_teacher(y_t) − log μ(y_t) on every target token
+    (credit.kl.reverse_kl_advantages), plus w × the GRPO advantage of the (penalised) reward;
+    each trajectory's scalar ``advantage`` is the mean over its target tokens."""
+    rewards = [t.reward for t in trajs]
+    if penalty is not None:
+        for j, i in enumerate(owner):
+            rewards[i] -= sum(penalty[j])
+    task = [0.0] * len(trajs)
+    if cfg.task_reward_weight:
+        task = group_advantages(rewards, [t.group_id for t in trajs], estimator="grpo",
+                                std_correction=1 if cfg.grpo_std == "sample" else 0)
+    batch.advantages, sums, counts = [], [0.0] * len(trajs), [0] * len(trajs)
+    for j, (r, mu, lt) in enumerate(zip(batch.rows, batch.sampler_logprobs, teacher_logprobs)):
+        i = owner[j]
+        mask = torch.tensor(r.loss_mask)
+        if not any(r.loss_mask):  # nothing sampled in this row: nothing to credit
+            batch.advantages.append([0.0] * len(r.loss_mask))
+            continue
+        adv, _ = reverse_kl_advantages(torch.tensor(mu), torch.tensor(lt), mask)
+        adv = (adv + cfg.task_reward_weight * task[i] * mask).tolist()
+        batch.advantages.append(adv)
+        sums[i] += sum(a for a, m in zip(adv, r.loss_mask) if m)
+        counts[i] += sum(r.loss_mask)
+    for i, t in enumerate(trajs):
+        t.advantage = sums[i] / counts[i] if counts[i] else 0.0
+    n = sum(counts)
+    k1 = sum(sum((m_ - t_) for m_, t_, k in zip(mu, lt, r.loss_mask) if k)
+             for r, mu, lt in zip(batch.rows, batch.sampler_logprobs, teacher_logprobs))
+    batch.metrics = {"teacher_reverse_kl": k1 / n if n else None,  # mean k1 = log μ − log π_T, nats per target token
+                     "teacher_forward_tokens": float(sum(len(r.input_ids) for r in batch.rows)),
+                     "distill_targets": float(n)}
 
 
 def kl_reward_penalty(rows: list[TrainingRow], sampler_logprobs: list[list[float]],

@@ -1,7 +1,9 @@
 """KL estimators between the policy and a reference, per sampled token (Schulman 2020).
 
 One definition for both uses: the credit box's KL reward penalty and the update box's
-KL loss term (``consequence.update.regularizers`` re-exports it).
+KL loss term (``consequence.update.regularizers`` re-exports it). With a frozen teacher in
+place of the reference, the negated k1 is the dense per-token advantage of on-policy
+distillation (:func:`reverse_kl_advantages`).
 """
 
 from __future__ import annotations
@@ -41,3 +43,37 @@ def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k3") -
     if estimator == "k3":
         return torch.expm1(-log_r) + log_r
     raise ValueError(f"unknown KL estimator {estimator!r}; valid: {', '.join(KL_ESTIMATORS)}")
+
+
+def reverse_kl_advantages(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor,
+                          loss_mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    """Dense per-token advantages of on-policy distillation: ``A_t = log p_T(y_t) − log q(y_t)``.
+
+    The negative of the sampled-token reverse-KL estimate ``k1_t = log q(y_t) − log p_T(y_t)``
+    (Schulman 2020's k1 for KL(q ‖ p_T)): a token the teacher finds likelier than the student
+    did is pushed up (on-policy distillation as in tinker-cookbook, verl and prime-rl;
+    Agarwal et al. 2024 §3). Used as the advantage of a
+    policy-gradient update (any surrogate), it minimises KL(q ‖ p) in expectation over the
+    student's own samples.
+
+    Args:
+        student_logprobs: [N, T] float, log q of the sampled tokens (the behaviour policy's).
+        teacher_logprobs: [N, T] float, log p_T of the same tokens.
+        loss_mask: [N, T] {0, 1}, the student's target positions.
+
+    Returns:
+        (advantages [N, T] float32, detached, 0 off the mask; metrics ``reverse_kl``: the mean
+        of k1 over target tokens, ``n_tokens``).
+
+    Raises:
+        ValueError: shapes differ, or the mask has no target.
+    """
+    if not (student_logprobs.shape == teacher_logprobs.shape == loss_mask.shape):
+        raise ValueError(f"shapes differ: student {tuple(student_logprobs.shape)}, teacher "
+                         f"{tuple(teacher_logprobs.shape)}, mask {tuple(loss_mask.shape)}")
+    mask = loss_mask.float()
+    n = float(mask.sum())
+    if n == 0:
+        raise ValueError("reverse_kl_advantages: the loss mask has no target token")
+    k1 = (student_logprobs.float() - teacher_logprobs.float()).detach() * mask
+    return -k1, {"reverse_kl": float(k1.sum()) / n, "n_tokens": n}
