@@ -71,3 +71,34 @@ def test_a_constant_answer_policy_is_flagged_in_the_final_report():
     assert programs["top_answer_share"] == 0.05 and constant_answer_warning("test", "greedy", warm, programs) is None
     few = summarize(arm(["1"] * 5, [1] * 5))
     assert constant_answer_warning("test", "greedy", warm, few) is None  # under 20 episodes: no claim
+
+
+def test_answers_copied_from_the_question_are_flagged():
+    """The SmolLM2 word-sorting run: RL learned to repeat the words in the order given (70 % of
+    its greedy test answers), which wins on the inputs that are already sorted; the success
+    of the answers that are not copies stayed at 2.0 %. Built here by hand: 20 questions, 5 of
+    them already sorted."""
+    from consequence.envs.api import answer_in_text
+    from consequence.evaluate.compare import copied_answer_warning, request_text
+    from consequence.records import ModelCall
+
+    def ep(i, words, answer, ok):
+        msgs = [{"role": "system", "content": "sys"}, {"role": "user", "content": "Sort: b, a"},
+                {"role": "assistant", "content": "<answer>a, b</answer>"},  # a worked example
+                {"role": "user", "content": f"Sort these words: {words}\n"},
+                {"role": "assistant", "content": f"<answer>{answer}</answer>"}, {"role": "user", "content": "accuracy"}]
+        return Trajectory(f"p{i}#0", f"p{i}#0", 0, 0, 0, calls=[ModelCall([1], [2], [0.0], "stop")],
+                          outcome="finished", verifier_score=float(ok), final_code=answer, messages=msgs)
+
+    given = [("a, b, c" if i < 5 else "c, a, b") for i in range(20)]
+    rl = summarize([ep(i, w, w, i < 5) for i, w in enumerate(given)])  # copies: right on the 5 sorted ones
+    warm = summarize([ep(i, w, "b, c, a", i == 7) for i, w in enumerate(given)])  # one real win
+    assert request_text(ep(0, "x, y, z", "x", 0)) == "Sort these words: x, y, z\n"  # not the worked example
+    assert (rl["success"], rl["copied_answer_share"], rl["success_not_copied"]) == (0.25, 1.0, 0.0)
+    assert (warm["copied_answer_share"], warm["success_not_copied"]) == (0.0, 0.05)
+    w = copied_answer_warning("test", "greedy", warm, rl)
+    assert w.startswith("test, greedy: the RL policy's final answer is text copied from the question in 100% of "
+                        "its episodes (warm start: 0%)") and "5.0% → 0.0%" in w
+    assert copied_answer_warning("test", "greedy", rl, rl) is None  # not more than before
+    assert not answer_in_text("1", "count the letters of word_1 in 1 second")  # short answers: not counted
+    assert not answer_in_text("cat", "concatenate") and answer_in_text("cat", "the cat sat")  # whole words only

@@ -128,6 +128,21 @@ def test_repeated_questions_are_one_problem_in_one_split():
     assert len({t.task_id for t in drawn}) == 150 and {t.problem_id for t in drawn} == set(env.problem_ids()["train"])
 
 
+def test_problems_whose_answer_is_in_the_question_can_be_left_out():
+    """word_sorting with 3 words: an input already in order holds its own answer, so a policy
+    that repeats the words wins there (the SmolLM2 run did). The option drops exactly those."""
+    cfg = {"min_words": 3, "max_words": 3, "min_word_length": 3, "max_word_length": 6}
+    ds = reasoning_gym.create_dataset("word_sorting", size=300, seed=0, **cfg)
+    sorted_in = {ds[i]["question"] for i in range(300) if ds[i]["answer"] in ds[i]["question"]}
+    plain = _env(dataset="word_sorting", config=cfg, size=300)
+    kept = _env(dataset="word_sorting", config=cfg, size=300, drop_answer_in_question=True)
+    n = lambda env: sum(len(v) for v in env.split.values()) + len(env.examples)  # noqa: E731
+    assert 30 < len(sorted_in) < 80  # about 1 in 6 orders of 3 words is the sorted one (either way)
+    assert n(plain) - n(kept) == len(sorted_in) == kept.describe()["dropped_answer_in_question"]
+    assert not any(t.question in sorted_in for v in kept.split.values() for t in v)
+    assert "drop_answer_in_question" in kept.label and "drop_answer_in_question" not in plain.label
+
+
 @pytest.mark.parametrize("options, option, fix", [
     ({"dataset": "basic_arithmetc"}, "dataset 'basic_arithmetc'", "valid: ab, acre"),
     ({"config": {"max_term": 3}}, "no setting 'max_term'", "its settings are min_terms, max_terms"),
@@ -142,6 +157,7 @@ def test_repeated_questions_are_one_problem_in_one_split():
     ({"shots": -1}, "option shots", "integer >= 0"),
     ({"shots": True}, "option shots", "integer >= 0"),
     ({"difficulty": 3}, "unknown option 'difficulty'", "dataset, config, size, format_weight"),
+    ({"drop_answer_in_question": "yes"}, "option drop_answer_in_question", "true or false"),
 ])
 def test_bad_options_are_refused_before_any_work(options, option, fix, monkeypatch):
     monkeypatch.setattr(ReasoningGymEnvironment, "load_splits",

@@ -35,13 +35,27 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import re
 from pathlib import Path
 from typing import Any, ClassVar, Protocol, Sequence, runtime_checkable
 
-__all__ = ["Episode", "Environment", "SPLITS", "ANSWER_KEY", "source_sha256"]
+__all__ = ["Episode", "Environment", "SPLITS", "ANSWER_KEY", "source_sha256", "answer_in_text"]
 
 SPLITS: tuple[str, ...] = ("train", "validation", "test")
 ANSWER_KEY = "answer"  # the action of a reply without a tool call: {"answer": text}
+# An answer of at least this many characters that occurs whole in a question counts as
+# written in it (shorter ones, "1" or "yes", occur in many texts by chance).
+ANSWER_IN_TEXT_MIN_CHARS = 3
+
+
+def answer_in_text(answer: str | None, text: str | None) -> bool:
+    """``answer`` (stripped, ≥ ANSWER_IN_TEXT_MIN_CHARS characters) occurs whole in ``text``,
+    not inside a longer word on either side: a policy that copies from the question can
+    give it (a sorting task whose input is already sorted)."""
+    if not answer or text is None:
+        return False
+    a = answer.strip()
+    return len(a) >= ANSWER_IN_TEXT_MIN_CHARS and re.search(rf"(?<!\w){re.escape(a)}(?!\w)", text) is not None
 
 
 @runtime_checkable

@@ -45,7 +45,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from consequence.envs.api import ANSWER_KEY, SPLITS, Environment
+from consequence.envs.api import ANSWER_KEY, SPLITS, Environment, answer_in_text
 
 __all__ = ["SYSTEM_PROMPT", "GENERATOR_SEED", "ReasoningGymTask", "ReasoningGymEpisode",
            "ReasoningGymEnvironment", "extract_answer", "follows_format", "dataset_names"]
@@ -200,6 +200,10 @@ class ReasoningGymEnvironment(Environment):
             answered ``<think>…</think> <answer>ANSWER</answer>`` with the generator's own
             answer, and are then removed from the train split (no problem is trained on
             with its answer in the context; validation and test never supply examples).
+        drop_answer_in_question: leave out every problem whose answer occurs whole in its
+            question (``envs.api.answer_in_text``), before the split: a policy that copies
+            from the question (word_sorting given words already in order) then never wins;
+            the number left out is in ``describe()``.
 
     Raises:
         ValueError: an unknown dataset (lists the valid ones), a config that is not a
@@ -218,7 +222,8 @@ class ReasoningGymEnvironment(Environment):
     answer_ends_episode = True
 
     def __init__(self, split_seed: int = 0, dataset: str = "basic_arithmetic", config: dict | None = None,
-                 size: int = 500, format_weight: float = 0.0, shots: int = 0):
+                 size: int = 500, format_weight: float = 0.0, shots: int = 0,
+                 drop_answer_in_question: bool = False):
         where = "--env reasoning-gym: option"
         registry = _registry()
         if not isinstance(dataset, str) or dataset not in registry:
@@ -247,6 +252,10 @@ class ReasoningGymEnvironment(Environment):
                              f"got {format_weight!r}")
         if isinstance(shots, bool) or not isinstance(shots, int) or shots < 0:
             raise ValueError(f"{where} shots must be an integer >= 0 (worked examples before each question), got {shots!r}")
+        if not isinstance(drop_answer_in_question, bool):
+            raise ValueError(f"{where} drop_answer_in_question must be true or false, got {drop_answer_in_question!r}")
+        self.drop_answer_in_question = drop_answer_in_question
+        self.dropped_answer_in_question = 0
         self.shots = shots
         self.dataset = dataset
         self.config = copy.deepcopy(config)
@@ -270,22 +279,29 @@ class ReasoningGymEnvironment(Environment):
 
     @property
     def label(self) -> str:
-        """``reasoning-gym:DATASET{config} size=N reasoning_gym==V``: the problems (not the reward weights)."""
+        """``reasoning-gym:DATASET{config} size=N reasoning_gym==V`` (`` drop_answer_in_question`` when
+        on): the problems (not the reward weights)."""
         settings = json.dumps(self.config, sort_keys=True, separators=(",", ":"), default=str)
-        return f"{self.name}:{self.dataset}{settings} size={self.size} reasoning_gym=={_rg_version()}"
+        drop = " drop_answer_in_question" if self.drop_answer_in_question else ""
+        return f"{self.name}:{self.dataset}{settings} size={self.size}{drop} reasoning_gym=={_rg_version()}"
 
     def load_splits(self, split_seed: int) -> dict[str, list]:
         from consequence.tasks.jsonl import split_by_problem
 
         tasks: dict[str, ReasoningGymTask] = {}
+        dropped: set[str] = set()
         for i in range(self.size):
             entry = self.generator[i]
             question = str(entry["question"])
             pid = f"{self.dataset}/{hashlib.sha256(question.encode()).hexdigest()[:16]}"
             if pid not in tasks:  # a repeated question is the same problem: kept once
                 answer = entry.get("answer")
+                if self.drop_answer_in_question and answer is not None and answer_in_text(str(answer), question):
+                    dropped.add(pid)
+                    continue
                 tasks[pid] = ReasoningGymTask(f"{self.dataset}/{i}", pid, self.dataset, i, question,
                                               None if answer is None else str(answer), entry)
+        self.dropped_answer_in_question = len(dropped)
         ids = split_by_problem(tasks, seed=split_seed)
         split = {s: [t for pid, t in tasks.items() if pid in ids[s]] for s in SPLITS}
         if self.shots:
@@ -303,4 +319,5 @@ class ReasoningGymEnvironment(Environment):
     def describe(self) -> dict[str, Any]:
         """The base record plus the reasoning_gym version and the number of distinct problems."""
         return super().describe() | {"reasoning_gym_version": _rg_version(),
-                                     "problems": sum(len(v) for v in self.split.values())}
+                                     "problems": sum(len(v) for v in self.split.values()),
+                                     "dropped_answer_in_question": self.dropped_answer_in_question}

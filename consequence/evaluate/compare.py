@@ -8,9 +8,11 @@ stated rule (pairs stay pairs) and counted.
 
 from __future__ import annotations
 
+
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from consequence.envs.api import answer_in_text
 from consequence.evaluate.episode_eval import parse_error_fraction, solved
 from consequence.evaluate.stats import paired_bootstrap_ci
 from consequence.records import Trajectory
@@ -71,7 +73,32 @@ def summarize(trajs: Sequence[Trajectory]) -> dict[str, float]:
         "tool_calls_mean": sum(t.n_tool_calls for t in trajs) / n,
         "parse_error_fraction": parse_error_fraction(trajs),
         **top_answer(trajs),
+        **copied_answers(trajs),
     }
+
+
+def request_text(t: Trajectory) -> str | None:
+    """The user message that opened the episode: the last one before the policy's first reply
+    (the policy's replies are the last ``len(t.calls)`` assistant messages; earlier ones are
+    worked examples), or None without messages."""
+    turns = [i for i, m in enumerate(t.messages) if m.get("role") == "assistant"]
+    if not t.calls or len(turns) < len(t.calls):
+        return None
+    first = turns[len(turns) - len(t.calls)]
+    users = [m for m in t.messages[:first] if m.get("role") == "user"]
+    return str(users[-1].get("content", "")) if users else None
+
+
+def copied_answers(trajs: Sequence[Trajectory]) -> dict[str, float]:
+    """``copied_answer_share``: episodes whose final answer is text of their own request
+    (``envs.api.answer_in_text``), e.g. a sorting task answered with the words in the order given;
+    ``success_not_copied``: the success of the other episodes, over all valid episodes — what
+    a policy that copies cannot score (a copier wins exactly where the request already holds
+    the answer)."""
+    valid = [t for t in trajs if t.outcome != "env_error"]
+    copied = [answer_in_text(t.final_code, request_text(t)) for t in valid]
+    return {"copied_answer_share": sum(copied) / max(1, len(valid)),
+            "success_not_copied": sum(solved(t) for t, c in zip(valid, copied) if not c) / max(1, len(valid))}
 
 
 def top_answer(trajs: Sequence[Trajectory]) -> dict[str, Any]:
@@ -93,6 +120,24 @@ def top_answer(trajs: Sequence[Trajectory]) -> dict[str, Any]:
 # CONSTANT_MIN_EPISODES) gets a warning in the final report: its success may be a base rate.
 CONSTANT_SHARE = 0.9
 CONSTANT_MIN_EPISODES = 20
+
+
+# An RL arm that copies its answer from the request in at least this share of its episodes,
+# and more than the warm start by COPY_RISE, gets a warning in the final report.
+COPY_SHARE = 0.5
+COPY_RISE = 0.1
+
+
+def copied_answer_warning(split: str, decoding: str, warm: dict[str, Any], rl: dict[str, Any]) -> str | None:
+    """A warning when the RL arm's answers are mostly copied from the question, more than the
+    warm start's (``warm`` and ``rl`` are :func:`summarize` outputs), else None."""
+    share, before = rl.get("copied_answer_share", 0.0), warm.get("copied_answer_share", 0.0)
+    if rl.get("episodes", 0) < CONSTANT_MIN_EPISODES or share < COPY_SHARE or share < before + COPY_RISE:
+        return None
+    return (f"{split}, {decoding}: the RL policy's final answer is text copied from the question in {share:.0%} of "
+            f"its episodes (warm start: {before:.0%}); copying wins exactly where the question already holds the "
+            f"answer. Success of the answers that are not copies: {warm.get('success_not_copied', 0.0):.1%} → "
+            f"{rl.get('success_not_copied', 0.0):.1%} of all episodes; read the gain against that.")
 
 
 def constant_answer_warning(split: str, decoding: str, warm: dict[str, Any], rl: dict[str, Any]) -> str | None:

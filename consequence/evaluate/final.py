@@ -10,7 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from consequence.evaluate.compare import ArmResult, constant_answer_warning, paired_comparison, summarize
+from consequence.evaluate.compare import (ArmResult, constant_answer_warning, copied_answer_warning, paired_comparison,
+                                         summarize)
 from consequence.evaluate.progress import Phases, Tick
 from consequence.evaluate.rollouts import run_eval
 from consequence.records import write_trajectories
@@ -49,8 +50,9 @@ def final_report(cfg, reference, model, renderer, split, budgets, console, run: 
                     res = _compare_arms(cfg, reference, model, renderer, split, budgets, run, phases, name, tasks,
                                         decoding, out["evaluation_files"])
                     out["results"].append(res)
-                    if w := constant_answer_warning(name.split(" ")[0], decoding, res["warm_start"], res["rl"]):
-                        out["answer_warnings"].append(w)
+                    for warn in (constant_answer_warning, copied_answer_warning):
+                        if w := warn(name.split(" ")[0], decoding, res["warm_start"], res["rl"]):
+                            out["answer_warnings"].append(w)
     return out
 
 
