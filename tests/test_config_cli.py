@@ -58,3 +58,16 @@ def test_help_shows_defaults_and_choices():
     text = " ".join(res.output.split())
     assert "[default: 18]" in text and "[default: bundled tiny warm start]" in text
     assert "One of: token_mean, seq_mean_token_mean, seq_mean_token_sum_norm." in text
+
+
+def test_every_shipped_config_is_a_valid_train_config():
+    """configs/*.yaml are the README's commands: each must load (keys, values, recipe)."""
+    from pathlib import Path
+
+    from consequence.recipes import resolve_config
+
+    files = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
+    assert len(files) >= 2
+    for f in files:
+        cfg = resolve_config(f)
+        assert cfg.model == "smollm2-135m-instruct" and cfg.env == "reasoning-gym", f
