@@ -12,7 +12,7 @@ from consequence.policy.logprobs import process_logits, token_logprobs
 from consequence.records import ModelCall, Trajectory, TrainingRow
 from consequence.update.step import UpdateConfig, accumulate_gradients
 
-NO_CRITIC = SimpleNamespace(reference=None, critic=None)
+NO_CRITIC = SimpleNamespace(reference=None, critic=None, teacher=None)
 
 
 def _traj(sample_id, reward, outcome="finished", calls=1):
