@@ -107,12 +107,7 @@ def assign_credit(trajs: list[Trajectory], rows: list[TrainingRow], owner: list[
             raise ValueError("--advantage reverse_kl needs the teacher's log-probs (teacher_logprobs)")
         _teacher_advantages(trajs, batch, owner, cfg, teacher_logprobs, penalty)
     else:
-        rewards = [t.reward for t in trajs]
-        if penalty is not None:
-            for j, i in enumerate(owner):
-                rewards[i] -= sum(penalty[j])
-        adv = group_advantages(rewards, [t.group_id for t in trajs], estimator=cfg.advantage,
-                               std_correction=1 if cfg.grpo_std == "sample" else 0)
+        adv = _scalar_advantages(trajs, owner, cfg, penalty, cfg.advantage)
         for t, a in zip(trajs, adv):
             t.advantage = a
         batch.advantages = [trajs[i].advantage for i in owner]
@@ -121,26 +116,30 @@ def assign_credit(trajs: list[Trajectory], rows: list[TrainingRow], owner: list[
     return batch
 
 
-def _teacher_advantages(trajs, batch: Batch, owner, cfg, teacher_logprobs, penalty) -> None:
-    """On-policy distillation: A_t = log π_teacher(y_t) − log μ(y_t) on every target token
-    (credit.kl.reverse_kl_advantages), plus w × the GRPO advantage of the (penalised) reward;
-    each trajectory's scalar ``advantage`` is the mean over its target tokens."""
+def _scalar_advantages(trajs, owner, cfg, penalty, estimator: str) -> list:
+    """One advantage per trajectory from its total reward, less the KL reward penalty of its rows."""
     rewards = [t.reward for t in trajs]
     if penalty is not None:
         for j, i in enumerate(owner):
             rewards[i] -= sum(penalty[j])
-    task = [0.0] * len(trajs)
-    if cfg.task_reward_weight:
-        task = group_advantages(rewards, [t.group_id for t in trajs], estimator="grpo",
-                                std_correction=1 if cfg.grpo_std == "sample" else 0)
-    batch.advantages, sums, counts = [], [0.0] * len(trajs), [0] * len(trajs)
+    return group_advantages(rewards, [t.group_id for t in trajs], estimator=estimator,
+                            std_correction=1 if cfg.grpo_std == "sample" else 0)
+
+
+def _teacher_advantages(trajs, batch: Batch, owner, cfg, teacher_logprobs, penalty) -> None:
+    """On-policy distillation: A_t = log π_teacher(y_t) − log μ(y_t) on every target token
+    (credit.kl.reverse_kl_advantages), plus w × the GRPO advantage of the (penalised) reward;
+    each trajectory's scalar ``advantage`` is the mean over its target tokens."""
+    task = _scalar_advantages(trajs, owner, cfg, penalty, "grpo") if cfg.task_reward_weight else [0.0] * len(trajs)
+    batch.advantages, sums, counts, k1 = [], [0.0] * len(trajs), [0] * len(trajs), 0.0
     for j, (r, mu, lt) in enumerate(zip(batch.rows, batch.sampler_logprobs, teacher_logprobs)):
         i = owner[j]
         mask = torch.tensor(r.loss_mask)
         if not any(r.loss_mask):  # nothing sampled in this row: nothing to credit
             batch.advantages.append([0.0] * len(r.loss_mask))
             continue
-        adv, _ = reverse_kl_advantages(torch.tensor(mu), torch.tensor(lt), mask)
+        adv, m = reverse_kl_advantages(torch.tensor(mu), torch.tensor(lt), mask)
+        k1 += m["reverse_kl"] * m["n_tokens"]
         adv = (adv + cfg.task_reward_weight * task[i] * mask).tolist()
         batch.advantages.append(adv)
         sums[i] += sum(a for a, m in zip(adv, r.loss_mask) if m)
@@ -148,8 +147,6 @@ def _teacher_advantages(trajs, batch: Batch, owner, cfg, teacher_logprobs, penal
     for i, t in enumerate(trajs):
         t.advantage = sums[i] / counts[i] if counts[i] else 0.0
     n = sum(counts)
-    k1 = sum(sum((m_ - t_) for m_, t_, k in zip(mu, lt, r.loss_mask) if k)
-             for r, mu, lt in zip(batch.rows, batch.sampler_logprobs, teacher_logprobs))
     batch.metrics = {"teacher_reverse_kl": k1 / n if n else None,  # mean k1 = log μ − log π_T, nats per target token
                      "teacher_forward_tokens": float(sum(len(r.input_ids) for r in batch.rows)),
                      "distill_targets": float(n)}
