@@ -42,21 +42,19 @@ PRELUDE = r'''
 import sys, os, json, resource, builtins
 
 def _harden(cfg):
-    for _n, _v in (("RLIMIT_CPU", (cfg["cpu"], cfg["cpu"] + 1)), ("RLIMIT_AS", (cfg["as"], cfg["as"])),
-                   ("RLIMIT_FSIZE", (cfg["fsize"], cfg["fsize"])), ("RLIMIT_NOFILE", (16, 16)),
-                   ("RLIMIT_NPROC", (0, 0)), ("RLIMIT_CORE", (0, 0))):
-        try:
-            resource.setrlimit(getattr(resource, _n), _v)
-        except (ValueError, OSError, AttributeError):
-            pass
+    _apply(cfg, _prepare(cfg))
+
+def _prepare(cfg):
+    """What does not depend on the process: the Landlock ruleset (an fd) and the seccomp
+    program. A fork server builds it once; each child then only applies it (_apply)."""
     if not (cfg.get("caps") or cfg.get("landlock") or cfg.get("seccomp")):
-        return
-    import ctypes, errno, platform, stat
+        return None
+    import ctypes, errno, stat
     libc = ctypes.CDLL(None, use_errno=True)
     L = ctypes.c_long
     sc = libc.syscall
     sc.restype = ctypes.c_long
-    arch = platform.machine()
+    arch = os.uname().machine
     # Denied syscalls. Processes: fork vfork clone clone3 execve execveat. Other processes:
     # ptrace process_vm_readv/writev kcmp pidfd_getfd process_madvise move_pages
     # migrate_pages setpriority sched_setscheduler sched_setparam sched_setaffinity
@@ -85,21 +83,7 @@ def _harden(cfg):
         e = ctypes.get_errno()
         raise OSError(e, what + ": " + os.strerror(e))
 
-    if libc.prctl(L(38), L(1), L(0), L(0), L(0)) != 0:  # PR_SET_NO_NEW_PRIVS
-        fail("no_new_privs")
-    if cfg.get("caps"):
-        if nr is None:
-            raise OSError("capabilities: unsupported architecture " + arch)
-        for cap in range(64):  # PR_CAPBSET_DROP until the kernel says the cap does not exist
-            if libc.prctl(L(24), L(cap), L(0), L(0), L(0)) != 0:
-                if ctypes.get_errno() == errno.EINVAL:
-                    break
-                fail("capbset_drop")
-        libc.prctl(L(47), L(4), L(0), L(0), L(0))  # PR_CAP_AMBIENT_CLEAR_ALL
-        hdr = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
-        data = (ctypes.c_uint32 * 6)()
-        if sc(L(nr["capset"]), ctypes.byref(hdr), ctypes.byref(data)) != 0:
-            fail("capset")
+    prep = {"libc": libc, "sc": sc, "L": L, "fail": fail, "arch": arch, "nr": nr, "errno": errno}
     if cfg.get("landlock"):
         abi = sc(L(444), None, L(0), L(1))  # landlock_create_ruleset(NULL, 0, VERSION)
         if abi < 1:
@@ -115,24 +99,23 @@ def _harden(cfg):
             _fields_ = [("allowed", ctypes.c_uint64), ("fd", ctypes.c_int32)]
 
         file_r, dir_r = 4, 4 | 8  # READ_FILE, READ_DIR
-        # The working directory is readable, not writable: RLIMIT_FSIZE caps each file,
-        # not how many there are, and a candidate creating 64 KiB files for its 2 s wrote
-        # 3 GB to the host's disk (hostile corpus, "fill_the_disk"). No write right anywhere.
-        rules = [(p, dir_r, file_r) for p in cfg["read"]] + [(os.getcwd(), dir_r, file_r)]
-        for path, on_dir, on_file in rules:
+        # No write right anywhere, and not even the working directory is readable (it is
+        # empty): RLIMIT_FSIZE caps each file, not how many there are, and a candidate
+        # creating 64 KiB files for its 2 s wrote 3 GB to the host's disk (hostile corpus,
+        # "fill_the_disk"). The ruleset does not depend on the process, so a fork server
+        # builds it once for all its children.
+        for path in cfg["read"]:
             try:
                 fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
             except OSError:
                 continue  # listed paths that vanished are simply not allowed
             is_dir = stat.S_ISDIR(os.fstat(fd).st_mode)
-            rule = Beneath(on_dir if is_dir else on_file, fd)
+            rule = Beneath(dir_r if is_dir else file_r, fd)
             ok = sc(L(445), L(rfd), L(1), ctypes.byref(rule), L(0))  # PATH_BENEATH
             os.close(fd)
             if ok != 0:
                 fail("landlock_add_rule " + path)
-        if sc(L(446), L(rfd), L(0)) != 0:
-            fail("landlock_restrict_self")
-        os.close(rfd)
+        prep["ruleset"] = rfd
     if cfg.get("seccomp"):
         if nr is None:
             raise OSError("seccomp: unsupported architecture " + arch)
@@ -155,8 +138,44 @@ def _harden(cfg):
             prog.append((code, n - 1 - len(prog) - 1, jf, k))
         prog += [(0x06, 0, 0, 0x7FFF0000), (0x06, 0, 0, 0x00050000 | errno.EPERM)]
         arr = (Ins * len(prog))(*[Ins(*i) for i in prog])
-        fprog = Prog(len(prog), arr)
-        if libc.prctl(L(22), L(2), ctypes.byref(fprog), L(0), L(0)) != 0:  # SECCOMP_MODE_FILTER
+        prep["seccomp"] = (arr, Prog(len(prog), arr))  # the array must outlive the struct
+    return prep
+
+def _apply(cfg, prep):
+    """Confine THIS process: resource limits, then (with ``prep`` from _prepare)
+    no_new_privs, no capabilities, Landlock, seccomp, in that order."""
+    for _n, _v in (("RLIMIT_CPU", (cfg["cpu"], cfg["cpu"] + 1)), ("RLIMIT_AS", (cfg["as"], cfg["as"])),
+                   ("RLIMIT_FSIZE", (cfg["fsize"], cfg["fsize"])), ("RLIMIT_NOFILE", (16, 16)),
+                   ("RLIMIT_NPROC", (0, 0)), ("RLIMIT_CORE", (0, 0))):
+        try:
+            resource.setrlimit(getattr(resource, _n), _v)
+        except (ValueError, OSError, AttributeError):
+            pass
+    if prep is None:
+        return
+    import ctypes
+    libc, sc, L, fail, nr = prep["libc"], prep["sc"], prep["L"], prep["fail"], prep["nr"]
+    if libc.prctl(L(38), L(1), L(0), L(0), L(0)) != 0:  # PR_SET_NO_NEW_PRIVS
+        fail("no_new_privs")
+    if cfg.get("caps"):
+        if nr is None:
+            raise OSError("capabilities: unsupported architecture " + prep["arch"])
+        for cap in range(64):  # PR_CAPBSET_DROP until the kernel says the cap does not exist
+            if libc.prctl(L(24), L(cap), L(0), L(0), L(0)) != 0:
+                if ctypes.get_errno() == prep["errno"].EINVAL:
+                    break
+                fail("capbset_drop")
+        libc.prctl(L(47), L(4), L(0), L(0), L(0))  # PR_CAP_AMBIENT_CLEAR_ALL
+        hdr = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
+        data = (ctypes.c_uint32 * 6)()
+        if sc(L(nr["capset"]), ctypes.byref(hdr), ctypes.byref(data)) != 0:
+            fail("capset")
+    if "ruleset" in prep:
+        if sc(L(446), L(prep["ruleset"]), L(0)) != 0:  # landlock_restrict_self
+            fail("landlock_restrict_self")
+        os.close(prep.pop("ruleset"))
+    if "seccomp" in prep:
+        if libc.prctl(L(22), L(2), ctypes.byref(prep["seccomp"][1]), L(0), L(0)) != 0:  # SECCOMP_MODE_FILTER
             fail("seccomp")
 '''
 
