@@ -25,14 +25,13 @@ import ast
 import json
 import os
 import secrets
-import subprocess
-import sys
 import tempfile
+import time
 from typing import Sequence
 
 from consequence.envs.hardening import child_config
 from consequence.envs.judge_children import CANDIDATE, CODEC, JUDGE
-from consequence.envs.sandbox import (ReportCache, SandboxLimits, TestReport, kill_group, network_isolation,
+from consequence.envs.sandbox import (ReportCache, SandboxLimits, TestReport, exchange, kill_group, spawn_child,
                                       tagged_messages)
 from consequence.tasks.repair import TestCase, TestProgram
 
@@ -52,31 +51,30 @@ def clear_cache() -> None:
 
 
 def _spawn(code: str, job: dict, lim: SandboxLimits, work: str, out, nonce: str):
-    """Start candidate and judge wired by two pipes; returns (candidate, judge, payload)."""
+    """Start candidate and judge wired by two pipes; returns (candidate, judge, judge's
+    stdin, payload)."""
     req_r, req_w = os.pipe()  # judge -> candidate
     resp_r, resp_w = os.pipe()  # candidate -> judge
+    in_r, in_w = os.pipe()  # parent -> judge
     cfg = child_config(lim.cpu_s, lim.memory_mb, lim.max_output_bytes)
     cand = judge = None
     try:
         for d in ("candidate", "judge"):
             os.mkdir(os.path.join(work, d))
-        cand = subprocess.Popen(
-            [*network_isolation(), sys.executable, "-I", "-S", "-c", CANDIDATE, cfg,
-             str(MAX_FRAME_BYTES)], stdin=req_r, stdout=resp_w, stderr=subprocess.DEVNULL,
-            cwd=os.path.join(work, "candidate"), env={}, start_new_session=True, close_fds=True)
-        judge = subprocess.Popen(
-            [sys.executable, "-I", "-S", "-c", JUDGE, cfg], stdin=subprocess.PIPE, stdout=out,
-            stderr=subprocess.DEVNULL, cwd=os.path.join(work, "judge"), env={},
-            start_new_session=True, close_fds=True, pass_fds=(req_w, resp_r))
+        cand, _ = spawn_child("candidate", cfg, os.path.join(work, "candidate"), req_r, resp_w,
+                              argv=[str(MAX_FRAME_BYTES)])
+        judge, (req_fd, resp_fd) = spawn_child("judge", cfg, os.path.join(work, "judge"), in_r,
+                                               out.fileno(), extra=[req_w, resp_r])
     except OSError:
         kill_group(cand)
+        os.close(in_w)
         raise
     finally:
-        for fd in (req_r, req_w, resp_r, resp_w):
+        for fd in (req_r, req_w, resp_r, resp_w, in_r):
             os.close(fd)  # only the children hold the pipe ends now (EOF when one dies)
-    payload = json.dumps({**job, "nonce": nonce, "code": code, "req_fd": req_w,
-                          "resp_fd": resp_r, "cap": MAX_FRAME_BYTES}).encode()
-    return cand, judge, payload
+    payload = json.dumps({**job, "nonce": nonce, "code": code, "req_fd": req_fd,
+                          "resp_fd": resp_fd, "cap": MAX_FRAME_BYTES}).encode()
+    return cand, judge, os.fdopen(in_w, "wb", buffering=0), payload
 
 
 def _run(code: str, job: dict, n: int, lim: SandboxLimits) -> TestReport:
@@ -84,22 +82,18 @@ def _run(code: str, job: dict, n: int, lim: SandboxLimits) -> TestReport:
     nonce = "@@" + secrets.token_hex(16) + "@@"
     with tempfile.TemporaryDirectory(prefix="judge-") as work, tempfile.TemporaryFile() as out:
         try:
-            cand, judge, payload = _spawn(code, job, lim, work, out, nonce)
+            cand, judge, stdin, payload = _spawn(code, job, lim, work, out, nonce)
         except OSError as e:
             return TestReport("sandbox_error", 0, n, [], f"cannot spawn: {e}")
-        timed_out = False
         try:
-            judge.communicate(payload, timeout=lim.wall_s)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-        except (BrokenPipeError, OSError):
-            pass  # the judge died before reading stdin; judged below
+            _, stop = exchange(judge, stdin, None, payload, 0, time.monotonic() + lim.wall_s)
         finally:
+            stdin.close()
             kill_group(judge)
             kill_group(cand)
         out.seek(0)
         raw = out.read(MAX_FRAME_BYTES)
-    return _report(*tagged_messages(raw, nonce), timed_out, judge.returncode, n, lim)
+    return _report(*tagged_messages(raw, nonce), stop == "timeout", judge.returncode, n, lim)
 
 
 def _report(started: bool, verdict: dict | None, timed_out: bool, rc: int | None, n: int,

@@ -92,7 +92,6 @@ class _Frames:
 '''
 
 CANDIDATE = PRELUDE + CODEC + r'''
-_harden(json.loads(sys.argv[1]))
 def _main():
     io = _Frames(0, 1, int(sys.argv[2]))
     first = io.recv()
@@ -125,11 +124,12 @@ def _main():
         except BaseException as e:
             out = {"bad": type(res).__name__}
         io.send(out)
-_main()
+if __name__ == "__main__":  # a fresh interpreter; the fork server calls _apply and _main itself
+    _harden(json.loads(sys.argv[1]))
+    _main()
 '''
 
 JUDGE = PRELUDE + CODEC + r'''
-_harden(json.loads(sys.argv[1]))
 _w, _dumps, _exit, _repr = os.write, json.dumps, os._exit, repr
 def _main():
     data = json.loads(sys.stdin.read())
@@ -241,5 +241,7 @@ def _main():
         msg = bad[0]
     emit({"passed": msg is None, "message": msg, "calls": calls[0]})
     _exit(0)
-_main()
+if __name__ == "__main__":  # a fresh interpreter; the fork server calls _apply and _main itself
+    _harden(json.loads(sys.argv[1]))
+    _main()
 '''

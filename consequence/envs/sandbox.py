@@ -37,6 +37,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 from consequence.envs.hardening import PRELUDE, child_config, layers_report
+from consequence.envs.zygote import Child, ForkServer
 from consequence.tasks.repair import TestCase
 
 __all__ = ["SandboxLimits", "TestReport", "run_tests", "clear_cache", "RUNNER", "ENV_RETRIES",
@@ -85,7 +86,6 @@ class TestReport:
 
 
 RUNNER = PRELUDE + r'''
-_harden(json.loads(sys.argv[1]))
 _w, _dumps, _exit, _repr, _type = os.write, json.dumps, os._exit, repr, type
 def _main():
     data = json.loads(sys.stdin.read())
@@ -139,7 +139,9 @@ def _main():
         results.append(bool(good))
     emit({"results": results, "messages": msgs[:64], "error": error})
     _exit(0)
-_main()
+if __name__ == "__main__":  # a fresh interpreter; the fork server calls _apply and _main itself
+    _harden(json.loads(sys.argv[1]))
+    _main()
 '''
 
 class ReportCache:
@@ -189,15 +191,80 @@ def clear_cache() -> None:
     _CACHE.clear()
 
 
-def kill_group(proc: subprocess.Popen | None) -> None:
+def kill_group(proc: "subprocess.Popen | Child | None") -> None:
     """SIGKILL a child's whole process group (it runs in its own session) and reap it."""
     if proc is None:
+        return
+    if isinstance(proc, Child):
+        proc.kill()
+        proc.wait()
+        proc.close()
         return
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
     proc.wait()
+
+
+def start_mode() -> str:
+    """How sandbox children start: ``"fork-server"`` (default; :mod:`consequence.envs.zygote`)
+    or ``"fresh"`` (a new ``python -I -S`` per child, as before the fork server; set
+    ``CONSEQUENCE_SANDBOX_START=fresh``). Both apply the same confinement layers.
+
+    Raises:
+        ValueError: any other value of ``CONSEQUENCE_SANDBOX_START``.
+    """
+    mode = os.environ.get("CONSEQUENCE_SANDBOX_START", "fork-server")
+    if mode not in ("fork-server", "fresh"):
+        raise ValueError(f"CONSEQUENCE_SANDBOX_START={mode!r}: use 'fork-server' (default) or 'fresh'")
+    return mode
+
+
+@functools.lru_cache(maxsize=1)
+def _fork_server() -> ForkServer:
+    from consequence.envs.judge_children import CANDIDATE, JUDGE
+
+    net = network_isolation()
+    return ForkServer({"runner": RUNNER, "candidate": CANDIDATE, "judge": JUDGE},
+                      "" if not net else "user" if "--user" in net else "net")
+
+
+def _source(kind: str) -> str:
+    from consequence.envs.judge_children import CANDIDATE, JUDGE
+
+    return {"runner": RUNNER, "candidate": CANDIDATE, "judge": JUDGE}[kind]
+
+
+def spawn_child(kind: str, cfg: str, cwd: str, stdin: int, stdout: int, extra: Sequence[int] = (),
+                argv: Sequence[str] = ()) -> tuple["subprocess.Popen | Child", list[int]]:
+    """Start one confined sandbox child of ``kind`` (``runner``, ``candidate``, ``judge``).
+
+    ``stdin`` / ``stdout`` / ``extra`` are descriptors the child gets (stderr is
+    /dev/null); the caller closes its own copies afterwards. Every child gets its own
+    empty network namespace where the host allows one (:func:`network_isolation`).
+
+    Returns:
+        (the child: ``pid``, ``wait``, ``returncode``; end it with :func:`kill_group`,
+        the numbers ``extra`` have inside the child).
+
+    Raises:
+        OSError: the child could not be started (report ``sandbox_error``).
+    """
+    if start_mode() == "fresh":
+        proc = subprocess.Popen([*network_isolation(), sys.executable, "-I", "-S", "-c", _source(kind), cfg, *argv],
+                                stdin=stdin, stdout=stdout, stderr=subprocess.DEVNULL, cwd=cwd, env={},
+                                start_new_session=True, close_fds=True, pass_fds=tuple(extra))
+        return proc, list(extra)
+    server = _fork_server()
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        targets = list(range(3, 3 + len(extra)))
+        child = server.spawn(kind, cfg, cwd, [stdin, stdout, devnull, *extra], [0, 1, 2, *targets], argv)
+    finally:
+        os.close(devnull)
+    return child, targets
+
 
 
 def tagged_messages(raw: bytes, nonce: str) -> tuple[bool, dict | None]:
@@ -224,7 +291,7 @@ def tagged_messages(raw: bytes, nonce: str) -> tuple[bool, dict | None]:
     return started, last
 
 
-def _exchange(proc: subprocess.Popen, payload: bytes, cap: int, deadline: float
+def exchange(proc, stdin, stdout, payload: bytes, cap: int, deadline: float
               ) -> tuple[bytes, str | None]:
     """Write ``payload`` to the child's stdin while reading at most ``cap`` bytes of its
     stdout, until it exits or ``deadline`` (``time.monotonic()``) passes.
@@ -237,26 +304,27 @@ def _exchange(proc: subprocess.Popen, payload: bytes, cap: int, deadline: float
     out = bytearray()
     todo = memoryview(payload)
     sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    sel.register(proc.stdin, selectors.EVENT_WRITE)
+    if stdout is not None:
+        sel.register(stdout, selectors.EVENT_READ)
+    sel.register(stdin, selectors.EVENT_WRITE)
     try:
         while sel.get_map():
             left = deadline - time.monotonic()
             if left <= 0:
                 return bytes(out), "timeout"
             for key, _ in sel.select(left):
-                if key.fileobj is proc.stdin:
+                if key.fileobj is stdin:
                     try:  # PIPE_BUF bytes never block once the pipe is writable
-                        todo = todo[os.write(proc.stdin.fileno(), todo[:select.PIPE_BUF]):]
+                        todo = todo[os.write(stdin.fileno(), todo[:select.PIPE_BUF]):]
                     except OSError:  # the child closed stdin or died; judged from its output
                         todo = todo[:0]
                     if not todo:
-                        sel.unregister(proc.stdin)
-                        proc.stdin.close()
+                        sel.unregister(stdin)
+                        stdin.close()
                     continue
-                chunk = os.read(proc.stdout.fileno(), 65536)
+                chunk = os.read(stdout.fileno(), 65536)
                 if not chunk:
-                    sel.unregister(proc.stdout)
+                    sel.unregister(stdout)
                     continue
                 out += chunk
                 if len(out) > cap:
@@ -281,18 +349,23 @@ def _run(code: str, tests: Sequence[TestCase], lim: SandboxLimits) -> TestReport
         cwd = os.path.join(work, "cwd")
         os.mkdir(cwd)
         deadline = time.monotonic() + lim.wall_s
+        in_r, in_w = os.pipe()
+        out_r, out_w = os.pipe()
+        stdin, stdout = os.fdopen(in_w, "wb", buffering=0), os.fdopen(out_r, "rb", buffering=0)
         try:
-            proc = subprocess.Popen(
-                [*network_isolation(), sys.executable, "-I", "-S", "-c", RUNNER, limits],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                cwd=cwd, env={}, start_new_session=True, close_fds=True)
-        except OSError as e:
-            return TestReport("sandbox_error", 0, n, [], f"cannot spawn: {e}")
-        try:
-            raw, stop = _exchange(proc, payload, cap, deadline)
+            try:
+                proc, _ = spawn_child("runner", limits, cwd, in_r, out_w)
+            except OSError as e:
+                return TestReport("sandbox_error", 0, n, [], f"cannot spawn: {e}")
+            finally:
+                os.close(in_r)
+                os.close(out_w)  # only the child holds the write end now (EOF when it dies)
+            try:
+                raw, stop = exchange(proc, stdin, stdout, payload, cap, deadline)
+            finally:
+                kill_group(proc)
         finally:
-            kill_group(proc)
-            for pipe in (proc.stdin, proc.stdout):
+            for pipe in (stdin, stdout):
                 pipe.close()
     timed_out = stop == "timeout"
     started, res = tagged_messages(raw, nonce)
