@@ -1,24 +1,22 @@
-"""Sandbox throughput: runs per second of ``run_tests`` and of the judge, against the floor.
+"""Sandbox throughput and CPU per run: fresh interpreters against the fork server.
 
-Rows (each run is sequential unless ``threads`` > 1; caches off, so every run starts fresh
-interpreters):
+Rows (each run is sequential unless ``threads`` > 1; caches off, so every run starts new
+sandbox children), for both ways children start (``CONSEQUENCE_SANDBOX_START``):
 
 - floor: ``python -I -S -c pass`` started with ``subprocess.run`` (no limits, no confinement);
 - floor + netns: the same behind the sandbox's network-namespace prefix (``unshare``), when active;
-- ``run_tests``: the visible-test runner (one hardened interpreter per run);
-- judge ``run_cases`` / ``run_program``: the reward path (two hardened interpreters per run);
-- pool: a pre-started pool of fresh, single-use interpreters for ``run_tests``. Each child
-  is started with the sandbox's exact argv, empty environment, own session and temporary
-  working directory, and hardens itself (rlimits, capabilities, Landlock, seccomp, network
-  namespace) before it reads anything; it serves one run and is killed as a group. The pool
-  only moves the start before the request. Before timing it, the script checks that a set
-  of probe programs (fork, exec, socket, file read/write outside, chmod, signal to the
-  parent, CPU and memory bombs) gets the same report from the pool as from ``run_tests``.
+- ``run_tests``: the visible-test runner (one confined child per run);
+- judge ``run_cases`` / ``run_program``: the reward path (two confined children per run);
 
-The pool is measured here and not shipped: its gain is latency (a start hidden behind other
-work), not CPU; see the verdict the script prints.
+in ``fresh`` mode (a new ``python -I -S`` per child, the sandbox before the fork server) and
+``fork-server`` mode (:mod:`consequence.envs.zygote`: one clean interpreter forks each child,
+which confines itself before it reads anything). CPU ms per run counts this process, its
+reaped children and, in fork-server mode, the zygote and the children it reaped
+(``/proc/PID/stat``). Before timing, a set of probe programs (fork, exec, socket, file
+read / write outside, chmod, signal to the parent, environment, working directory, CPU and
+memory bombs) must get identical reports in both modes: the same layers in force.
 
-Run: ``.venv/bin/python benchmarks/bench_sandbox.py [--runs 40]`` (about 30 s on 2 cores).
+Run: ``.venv/bin/python benchmarks/bench_sandbox.py [--runs 40]`` (about 40 s on 2 cores).
 Writes ``benchmarks/results/sandbox.json``.
 """
 
@@ -28,20 +26,14 @@ import argparse
 import json
 import os
 import platform
-import queue
-import secrets
-import signal
 import subprocess
 import sys
-import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from consequence.envs import judge, sandbox
-from consequence.envs.hardening import child_config
-from consequence.envs.sandbox import SandboxLimits, TestReport, isolation_report, network_isolation
+from consequence.envs.sandbox import TestReport, isolation_report, network_isolation
 from consequence.tasks.repair import TestCase, TestProgram
 
 CODE = "def add(a, b):\n    return a + b\n"
@@ -89,76 +81,6 @@ PROBES = ["fork", "exec", "socket", "read_outside", "write_cwd", "write_tmp", "c
           "env", "cwd", "memory"]
 
 
-class PrestartedPool:
-    """Fresh single-use sandbox interpreters started ahead of the request (prototype).
-
-    ``size`` children wait, already hardened, blocked on reading stdin; ``run`` takes one,
-    sends the request (new nonce), reads the capped reply until the wall limit counted
-    from the request, kills the child's group and starts a replacement in the background.
-    """
-
-    def __init__(self, size: int, limits: SandboxLimits = SandboxLimits()):
-        self.limits = limits
-        self.cfg = child_config(limits.cpu_s, limits.memory_mb, limits.max_output_bytes)
-        self.ready: queue.Queue = queue.Queue()
-        self.spawner = ThreadPoolExecutor(1, thread_name_prefix="pool-spawn")
-        for _ in range(size):
-            self.spawner.submit(self._spawn)
-
-    def _spawn(self) -> None:
-        work = tempfile.mkdtemp(prefix="sbx-")
-        cwd = os.path.join(work, "cwd")
-        os.mkdir(cwd)
-        proc = subprocess.Popen([*network_isolation(), sys.executable, "-I", "-S", "-c", sandbox.RUNNER, self.cfg],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                cwd=cwd, env={}, start_new_session=True, close_fds=True)
-        self.ready.put((proc, work))
-
-    def run(self, code: str, tests: list[TestCase]) -> TestReport:
-        proc, work = self.ready.get()
-        self.spawner.submit(self._spawn)
-        lim, n = self.limits, len(tests)
-        nonce = "@@" + secrets.token_hex(16) + "@@"
-        payload = json.dumps({"nonce": nonce, "code": code, "cap": lim.max_output_bytes,
-                              "tests": [[t.call, t.expected] for t in tests]}).encode()
-        try:
-            raw, stop = sandbox._exchange(proc, payload, lim.max_output_bytes + 4096, time.monotonic() + lim.wall_s)
-        finally:
-            sandbox.kill_group(proc)
-            for pipe in (proc.stdin, proc.stdout):
-                pipe.close()
-            subprocess.run(["rm", "-rf", work])
-        started, res = sandbox.tagged_messages(raw, nonce)
-        if not started:
-            return TestReport("sandbox_error", 0, n, [], "runner did not start")
-        if stop == "timeout" or proc.returncode == -signal.SIGXCPU:  # as sandbox._run maps them
-            return TestReport("timeout", 0, n, [], "timeout")
-        if res is None or "results" not in res or proc.returncode != 0:
-            return TestReport("crash", 0, n, [], f"exit {proc.returncode}")
-        return TestReport("ok", sum(r is True for r in res["results"]), n, list(res.get("messages", [])),
-                          res.get("error"))
-
-    def close(self) -> None:
-        self.spawner.shutdown(wait=True)
-        while not self.ready.empty():
-            proc, work = self.ready.get()
-            sandbox.kill_group(proc)
-            subprocess.run(["rm", "-rf", work])
-
-
-def _rate(fn, runs: int, threads: int = 1) -> float:
-    """Runs per second of ``fn()`` over ``runs`` calls on ``threads`` threads."""
-    fn()  # warm: probes, imports
-    t0 = time.perf_counter()
-    if threads == 1:
-        for _ in range(runs):
-            fn()
-    else:
-        with ThreadPoolExecutor(threads) as ex:
-            list(ex.map(lambda _: fn(), range(runs)))
-    return runs / (time.perf_counter() - t0)
-
-
 def _check(report: TestReport, passed: int) -> TestReport:
     if report.status != "ok" or report.passed != passed:
         raise SystemExit(f"benchmark run failed: {report}")
@@ -174,6 +96,39 @@ def probe_reports(run) -> dict[str, str]:
     return out
 
 
+def _cpu_s() -> float:
+    """CPU seconds of this process, its reaped children, and the fork server with its reaped children."""
+    import resource
+
+    total = 0.0
+    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+        r = resource.getrusage(who)
+        total += r.ru_utime + r.ru_stime
+    proc = sandbox._fork_server()._proc
+    if proc is not None and proc.poll() is None:
+        fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")  # utime stime cutime cstime
+    return total
+
+
+def _measure(fn, runs: int, threads: int = 1) -> tuple[float, float]:
+    """(runs per second, CPU ms per run) of ``fn()`` over ``runs`` calls on ``threads`` threads."""
+    fn()  # warm: probes, imports, the fork server
+    c0, t0 = _cpu_s(), time.perf_counter()
+    if threads == 1:
+        for _ in range(runs):
+            fn()
+    else:
+        with ThreadPoolExecutor(threads) as ex:
+            list(ex.map(lambda _: fn(), range(runs)))
+    wall = time.perf_counter() - t0
+    return runs / wall, (_cpu_s() - c0) / runs * 1000
+
+
+def _set_mode(mode: str) -> None:
+    os.environ["CONSEQUENCE_SANDBOX_START"] = mode
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=40)
@@ -181,67 +136,56 @@ def main() -> None:
     args = ap.parse_args()
     iso = isolation_report()
     net = network_isolation()
-    rows: list[tuple[str, int, float]] = []
+    rows: list[tuple[str, str, int, float, float]] = []
 
     def floor(prefix=()):
         subprocess.run([*prefix, sys.executable, "-I", "-S", "-c", "pass"], env={}, check=True)
 
-    rows.append(("floor: python -I -S -c pass", 1, _rate(floor, args.runs)))
+    rows.append(("floor: python -I -S -c pass", "-", 1, *_measure(floor, args.runs)))
     if net:
-        rows.append(("floor + network namespace (unshare)", 1, _rate(lambda: floor(net), args.runs)))
-    for threads in (1, 2, 4):
-        rows.append(("sandbox.run_tests", threads,
-                     _rate(lambda: _check(sandbox.run_tests(CODE, TESTS, cache=False), 3), args.runs, threads)))
-    for threads in (1, 2):
-        rows.append(("judge.run_cases (reward path, repair tasks)", threads,
-                     _rate(lambda: _check(judge.run_cases(CODE, TESTS, cache=False), 3), args.runs, threads)))
-    rows.append(("judge.run_program (reward path, HumanEval)", 1,
-                 _rate(lambda: _check(judge.run_program(CODE, PROGRAM, cache=False), 1), args.runs)))
-
-    plain = probe_reports(lambda c, t: sandbox.run_tests(c, t, cache=False))
-    pool = PrestartedPool(2)
-    try:
-        pooled = probe_reports(pool.run)
-        same = {k: plain[k] == pooled[k] for k in plain}
+        rows.append(("floor + network namespace (unshare)", "-", 1, *_measure(lambda: floor(net), args.runs)))
+    reports = {}
+    for mode in ("fresh", "fork-server"):
+        _set_mode(mode)
+        reports[mode] = probe_reports(lambda c, t: sandbox.run_tests(c, t, cache=False))
         for threads in (1, 2):
-            rows.append((f"pre-started pool (2 ready) for run_tests", threads,
-                         _rate(lambda: _check(pool.run(CODE, TESTS), 3), args.runs, threads)))
-    finally:
-        pool.close()
-    base = rows[0][2]
+            rows.append(("sandbox.run_tests", mode, threads,
+                         *_measure(lambda: _check(sandbox.run_tests(CODE, TESTS, cache=False), 3), args.runs, threads)))
+        for threads in (1, 2):
+            rows.append(("judge.run_cases (reward path, repair tasks)", mode, threads,
+                         *_measure(lambda: _check(judge.run_cases(CODE, TESTS, cache=False), 3), args.runs, threads)))
+        rows.append(("judge.run_program (reward path, HumanEval)", mode, 1,
+                     *_measure(lambda: _check(judge.run_program(CODE, PROGRAM, cache=False), 1), args.runs)))
+    _set_mode("fork-server")
+    same = {k: reports["fresh"][k] == reports["fork-server"][k] for k in reports["fresh"]}
+    base = rows[0][3]
     print(f"isolation: {json.dumps(iso)}")
     print(f"host: {platform.platform()}, {os.cpu_count()} CPUs, python {platform.python_version()}")
-    print("\n| what | threads | runs/s | × floor |\n|---|---|---|---|")
-    for name, threads, rate in rows:
-        print(f"| {name} | {threads} | {rate:.1f} | {rate / base:.2f} |")
-    print("\nprobe programs, run_tests vs pool (identical report = same layers in force):")
-    for k in plain:
-        print(f"  {k:14s} {'same' if same[k] else 'DIFFERENT'}: {plain[k]}" + ("" if same[k] else f" / pool: {pooled[k]}"))
-    def rate(prefix, threads):
-        return next(r for n, t, r in rows if n.startswith(prefix) and t == threads)
-
-    rt1, rt2, rt4 = rate("sandbox.run_tests", 1), rate("sandbox.run_tests", 2), rate("sandbox.run_tests", 4)
-    p1, p2 = rate("pre-started", 1), rate("pre-started", 2)
-    layers_kept = all(same.values())
-    verdict = ("the pool keeps every layer (same argv, environment, session, working directory and "
-               "hardening; each child serves one run; the probe programs get identical reports). " if layers_kept else
-               "the pool did NOT give the same reports as run_tests, so it does not keep the layers and is not used. ")
-    verdict += (f"One caller: {p1 / rt1:.2f}× run_tests (the next start overlaps the current run); two callers: "
-                f"{p2 / rt2:.2f}× run_tests on 2 threads ({p2 / rt4:.2f}× run_tests on 4 threads). Starting a hardened "
-                "interpreter costs the same CPU either way (the floor rows), so the pool saves no CPU; it hides a start "
-                "behind the previous run. Not shipped: evaluation already runs sandbox calls on worker threads while "
-                "the model samples, the reward path it waits on is the two-process judge (a pool there must pre-wire "
-                "candidate/judge pairs), and idle pre-started children would sit beside every run, where the "
-                "hostile-corpus checks expect no process to outlive a run.")
-    print("\nverdict: " + verdict)
+    print("\n| what | children start | threads | runs/s | × floor | CPU ms / run |\n|---|---|---|---|---|---|")
+    for name, mode, threads, rate, cpu in rows:
+        print(f"| {name} | {mode} | {threads} | {rate:.1f} | {rate / base:.2f} | {cpu:.1f} |")
+    print("\nprobe programs, fresh vs fork server (identical report = same layers in force):")
+    for k in same:
+        print(f"  {k:14s} {'same' if same[k] else 'DIFFERENT'}: {reports['fresh'][k]}"
+              + ("" if same[k] else f" / fork server: {reports['fork-server'][k]}"))
+    speed: dict[str, dict[str, tuple[float, float]]] = {}
+    for name, mode, threads, rate, cpu in rows:
+        if mode != "-":
+            speed.setdefault(f"{name}, {threads} thread(s)", {})[mode] = (rate, cpu)
+    ratios = {k: {"runs_per_s": v["fork-server"][0] / v["fresh"][0], "cpu_per_run": v["fresh"][1] / v["fork-server"][1]}
+              for k, v in speed.items()}
+    print("\nfork server vs fresh: " + "; ".join(f"{k}: {r['runs_per_s']:.2f}× runs/s, {r['cpu_per_run']:.2f}× less CPU"
+                                              for k, r in ratios.items()))
+    if not all(same.values()):
+        raise SystemExit("the fork server's children did not get the same probe reports as fresh interpreters")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({
         "meta": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
                  "runs": args.runs, "isolation": iso, "load_avg_1min": os.getloadavg()[0]},
-        "results": [{"what": n, "threads": t, "runs_per_s": round(r, 2), "x_floor": round(r / base, 3)}
-                    for n, t, r in rows],
-        "pool_probe_reports": {"run_tests": plain, "pool": pooled, "same": same},
-        "pool_keeps_layers": layers_kept, "verdict": verdict}, indent=1))
+        "results": [{"what": n, "children_start": m, "threads": t, "runs_per_s": round(r, 2),
+                     "x_floor": round(r / base, 3), "cpu_ms_per_run": round(c, 2)} for n, m, t, r, c in rows],
+        "fork_server_vs_fresh": ratios,
+        "probe_reports": reports, "probe_reports_same": same}, indent=1))
     print(f"written: {args.out}")
 
 

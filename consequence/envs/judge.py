@@ -1,6 +1,6 @@
 """Run a test PROGRAM (``check(candidate)``, HumanEval style) against untrusted code.
 
-Two fresh confined interpreters (see :mod:`consequence.envs.hardening`), never one:
+Two confined processes (see :mod:`consequence.envs.hardening`, :mod:`consequence.envs.zygote`), never one:
 
 - the CANDIDATE process executes the model's code and serves calls of its entry point:
   it reads ``{"a": args, "k": kwargs}`` frames on stdin, answers ``{"r": result}`` or
@@ -138,7 +138,8 @@ def run_program(code: str, program: TestProgram, limits: SandboxLimits = PROGRAM
     without a verdict), ``'sandbox_error'`` (cannot spawn, or the TEST program itself
     failed to load or passed an argument that is not plain data: exclude, never score).
     Never raises for bad candidate code. Cached like :func:`sandbox.run_tests`.
-    Typical cost: two interpreter starts in parallel, ~50-80 ms, plus the check's calls.
+    Typical cost: two forks of the fork server, ~10 ms of CPU (~55 ms with fresh
+    interpreters), plus the check's calls.
     """
     job = {"mode": "program", "entry": program.entry_point, "setup": program.setup,
            "check": program.check}

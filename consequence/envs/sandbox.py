@@ -1,7 +1,9 @@
 """Run untrusted model-written code against tests in a fresh, limited interpreter.
 
-The child is ``python -I -S -c RUNNER`` with an empty environment, a new session (killed as
-a process group on wall timeout), a fresh temporary cwd deleted afterwards, and resource
+The child runs ``RUNNER`` (forked by the fork server of :mod:`consequence.envs.zygote`, or
+``python -I -S -c RUNNER`` with ``CONSEQUENCE_SANDBOX_START=fresh``) with an empty
+environment, a new session (killed on wall timeout), its own empty network namespace where
+the host allows one, a fresh temporary cwd deleted afterwards, and resource
 limits (CPU, address space, file size, open files, processes) plus the kernel confinement
 of :mod:`consequence.envs.hardening` (no capabilities, Landlock, seccomp; whichever this
 host supports), applied by the runner itself before any candidate code is read. Code and
@@ -397,7 +399,8 @@ def run_tests(code: str, tests: Sequence[TestCase], limits: SandboxLimits = Sand
     or list/tuple/dict of those) and its ``repr`` equals ``expected``. Never raises for bad
     candidate code; a failure of the sandbox itself yields status ``'sandbox_error'``.
     Results are cached (LRU, keyed by code, tests and limits) when ``cache`` is true;
-    sandbox errors are never cached. Typical cost: one interpreter start (~20-40 ms).
+    sandbox errors are never cached. Typical cost: one fork of the fork server and its
+    confinement, ~5 ms of CPU (~25 ms with fresh interpreters; benchmarks/bench_sandbox.py).
     """
     key = [code, [[t.call, t.expected] for t in tests], list(vars(limits).values())]
     return _CACHE.run(key, lambda: _run(code, list(tests), limits), cache)
@@ -454,7 +457,9 @@ def network_isolation() -> tuple[str, ...]:
 def isolation_report() -> dict[str, str]:
     """Which isolation layers are active for model-written code on this host."""
     net = network_isolation()
-    return {"process": "fresh interpreter (-I -S), own session, killed as a group on timeout",
+    process = ("forked per run by a clean fork server (python -I -S, never runs model code)"
+               if start_mode() == "fork-server" else "fresh interpreter (-I -S) per run")
+    return {"process": process + ", own session, killed on timeout",
             "limits": "RLIMIT_CPU, RLIMIT_AS, RLIMIT_FSIZE, RLIMIT_NOFILE, RLIMIT_NPROC, RLIMIT_CORE",
             "filesystem": "empty temporary working directory (read-only under Landlock), "
                           "empty environment",
