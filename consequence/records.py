@@ -11,6 +11,7 @@ Shape suffixes used across the package (defined once here):
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass, field
 from collections.abc import Sequence
@@ -119,7 +120,14 @@ class Trajectory:
         return sum(len(c.output_ids) for c in self.calls)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """A plain-data copy, equal to ``dataclasses.asdict(self)``.
+
+        Built field by field: ``asdict`` recurses into every token id, which made writing
+        an iteration's trajectories take ~0.5 s on the bundled model (profiled).
+        """
+        d = {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self) if f.name != "calls"}
+        d["calls"] = [{f.name: _plain(getattr(c, f.name)) for f in dataclasses.fields(c)} for c in self.calls]
+        return {f.name: d[f.name] for f in dataclasses.fields(self)}  # field order, as asdict
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Trajectory":
@@ -222,6 +230,15 @@ def _close_row(ids: list[int], mask: list[int], lps: list[float], keeps: list[li
 
 # ---- storage: one Parquet file per iteration, written atomically -------------------
 _JSON_FIELDS = ("reward_components", "tool_histogram", "messages", "env_rewards")
+
+
+def _plain(v: Any) -> Any:
+    """A copy of a record field: flat lists of numbers by one C-level copy, anything else deep."""
+    if isinstance(v, list) and all(type(x) in (int, float) for x in v):
+        return list(v)
+    if isinstance(v, list) and v and all(isinstance(x, list) for x in v):
+        return [_plain(x) for x in v]
+    return copy.deepcopy(v)
 
 
 def write_trajectories(path, trajectories: list[Trajectory]) -> None:

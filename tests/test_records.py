@@ -66,3 +66,20 @@ def test_parquet_round_trip_keeps_env_retries(tmp_path):
 def test_unknown_stop_reason_is_rejected():
     with pytest.raises(ValueError, match="stop_reason"):
         ModelCall([1], [2], [-1.0], "stopp")
+
+
+def test_to_dict_equals_asdict_and_is_a_copy():
+    import dataclasses
+
+    t = _traj()
+    t.calls[0].keep_ids = [[5, 6], [7]]
+    t.calls[0].tool_calls = [{"name": "run_tests", "arguments": {"k": [1, 2]}}]
+    t.messages = [{"role": "user", "content": "x", "tool_calls": [{"a": [1]}]}]
+    t.tool_histogram, t.env_rewards, t.reward_components = {"run_tests": 1}, {"hidden_tests": 1.0}, {"a": 0.5}
+    d = t.to_dict()
+    assert d == dataclasses.asdict(t) and list(d) == list(dataclasses.asdict(t))
+    d["calls"][0]["context_ids"].append(99)
+    d["calls"][0]["keep_ids"][0].append(99)
+    d["calls"][0]["tool_calls"][0]["arguments"]["k"].append(99)
+    d["messages"][0]["tool_calls"][0]["a"].append(99)
+    assert t.to_dict() == dataclasses.asdict(t) != d  # nothing of the record was shared

@@ -1,0 +1,120 @@
+"""The sandbox's fork server (consequence/envs/zygote.py): its children are confined exactly
+like fresh interpreters, inherit nothing from the zygote, and the server survives its own death."""
+
+import pytest
+
+from consequence.envs import judge, sandbox
+from consequence.envs.hardening import available_layers
+from consequence.tasks.repair import TestCase, TestProgram
+
+ADD = "def add(a, b):\n    return a + b\n"
+TESTS = [TestCase("add(1, 2)", "3"), TestCase("add(2, 2)", "4")]
+
+# Each probe returns a short text of what the child could do; both start modes must agree.
+PROBES = r'''
+import os, resource
+def probe(kind):
+    try:
+        if kind == "fds":  # descriptors beyond stdin / stdout / stderr (the zygote's socket, a ruleset)
+            return [fd for fd in range(3, 256) if _open(fd)]
+        if kind == "cpu_clock":  # the CPU limit counts from this child's start, not the zygote's
+            r = resource.getrusage(resource.RUSAGE_SELF)
+            return "fresh" if r.ru_utime + r.ru_stime < 1.0 else "inherited"
+        if kind == "session":
+            return "leader" if os.getsid(0) == os.getpid() else "not leader"
+        if kind == "fork":
+            os.fork()
+        if kind == "read_outside":
+            open("/etc/hostname").read()
+        if kind == "write_cwd":
+            open("x", "w").write("x")
+        if kind == "env":
+            return sorted(set(os.environ) - {"LC_CTYPE"})
+        if kind == "limits":
+            return [resource.getrlimit(getattr(resource, n)) for n in ("RLIMIT_NOFILE", "RLIMIT_NPROC", "RLIMIT_FSIZE")]
+        return "allowed"
+    except BaseException as e:
+        return "denied " + type(e).__name__
+def _open(fd):
+    try:
+        os.fstat(fd)
+        return True
+    except OSError:
+        return False
+'''
+KINDS = ["fds", "cpu_clock", "session", "fork", "read_outside", "write_cwd", "env", "limits"]
+
+
+def _probe_all() -> dict[str, str]:
+    out = {}
+    for kind in KINDS:
+        r = sandbox.run_tests(PROBES, [TestCase(f"probe({kind!r})", "'never'")], cache=False)
+        assert r.status == "ok", r
+        out[kind] = r.messages[0].split(" returned ", 1)[1]
+    return out
+
+
+def test_children_are_confined_like_fresh_interpreters(monkeypatch):
+    monkeypatch.setenv("CONSEQUENCE_SANDBOX_START", "fresh")
+    fresh = _probe_all()
+    monkeypatch.setenv("CONSEQUENCE_SANDBOX_START", "fork-server")
+    forked = _probe_all()
+    assert forked == fresh
+    assert forked["fds"].startswith("[]")  # no descriptor of the zygote reached the child
+    assert forked["cpu_clock"].startswith("'fresh'") and forked["session"].startswith("'leader'")
+    assert forked["env"].startswith("[]")
+    # reading limits is prlimit64, which seccomp denies; without seccomp they are the prelude's
+    assert forked["limits"].startswith("'denied PermissionError'" if available_layers()["seccomp"]
+                                       else "[(16, 16), (0, 0), (65536, 65536)]")
+    layers = available_layers()
+    if layers["seccomp"]:
+        assert forked["fork"].startswith("'denied PermissionError'")
+    if layers["landlock"]:
+        assert forked["read_outside"].startswith("'denied PermissionError'")
+        assert forked["write_cwd"].startswith("'denied PermissionError'")
+
+
+def test_both_modes_score_the_reward_path_alike(monkeypatch):
+    prog = TestProgram(entry_point="add", setup="", check="def check(c):\n    assert c(1, 2) == 3\n")
+    got = {}
+    for mode in ("fresh", "fork-server"):
+        monkeypatch.setenv("CONSEQUENCE_SANDBOX_START", mode)
+        got[mode] = [
+            (r.status, r.passed, r.total, r.messages)
+            for r in (judge.run_cases(ADD, TESTS, cache=False),
+                      judge.run_cases(ADD.replace("a + b", "a - b"), TESTS, cache=False),
+                      judge.run_cases("while True:\n    pass\n", TESTS, cache=False),
+                      judge.run_program(ADD, prog, cache=False),
+                      sandbox.run_tests("def add(a, b):\n    return a +", TESTS, cache=False))]
+    assert got["fork-server"] == got["fresh"]
+    assert got["fork-server"][0] == ("ok", 2, 2, [])
+    assert got["fork-server"][1][:3] == ("ok", 0, 2)
+    assert got["fork-server"][2][0] == "timeout"
+    assert got["fork-server"][3] == ("ok", 1, 1, [])
+    assert got["fork-server"][4][:3] == ("ok", 0, 2) and "SyntaxError" in got["fork-server"][4][3][0]
+
+
+def test_a_dead_fork_server_is_restarted(monkeypatch):
+    monkeypatch.setenv("CONSEQUENCE_SANDBOX_START", "fork-server")
+    assert sandbox.run_tests(ADD, TESTS, cache=False).all_passed
+    server = sandbox._fork_server()
+    first = server._proc.pid
+    server._proc.kill()
+    server._proc.wait()
+    assert sandbox.run_tests(ADD, TESTS, cache=False).all_passed
+    assert server._proc.pid != first
+
+
+def test_timeout_kills_the_child(monkeypatch):
+    monkeypatch.setenv("CONSEQUENCE_SANDBOX_START", "fork-server")
+    server = sandbox._fork_server()
+    r = sandbox.run_tests("import time\ndef add(a, b):\n    time.sleep(30)\n", TESTS,
+                          sandbox.SandboxLimits(wall_s=0.5), cache=False)
+    assert r.status == "timeout"
+    assert not server._children  # every child was reaped and reported
+
+
+def test_unknown_start_mode_is_refused(monkeypatch):
+    monkeypatch.setenv("CONSEQUENCE_SANDBOX_START", "threads")
+    with pytest.raises(ValueError, match="CONSEQUENCE_SANDBOX_START='threads'"):
+        sandbox.start_mode()
