@@ -149,8 +149,10 @@ def check_zero_gradient(model, rows: Sequence[TrainingRow], estimator: str, ucfg
         return CheckResult("zero_gradient", None, f"n/a: {estimator} has no group baseline")
     sample = list(rows[: min(4, len(rows))])
     adv = advantage_fn([1.0] * len(sample), ["g"] * len(sample), estimator)
-    # the policy-gradient part alone: KL, entropy, TIS and masking need inputs not at hand here
-    plain = dataclasses.replace(ucfg, kl_coef=0.0, entropy_coef=0.0, tis_cap=0.0, offpolicy_delta=0.0)
+    # the policy-gradient part alone: KL, entropy, TIS, masking and a distillation loss need
+    # inputs not at hand here (and the divergence has a gradient whatever the rewards)
+    plain = dataclasses.replace(ucfg, kl_coef=0.0, entropy_coef=0.0, tis_cap=0.0, offpolicy_delta=0.0,
+                                distill_loss="none", pg_coef=1.0)
     model.zero_grad(set_to_none=True)
     try:
         accumulate_gradients(model, sample, adv, plain, pad_id, logprob_fn)

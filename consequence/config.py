@@ -73,7 +73,11 @@ class TrainConfig(BaseModel):
     overlong_filter: bool = _f(False, "reward", "DAPO overlong filtering: truncated episodes count in group statistics but are left out of the loss.")
     advantage: Literal["reinforce", "batch_mean", "reinforce_pp", "rloo", "grpo", "dr_grpo", "gae", "reverse_kl"] = _f("grpo", "credit", "Advantage estimator; gae trains a value head (PPO); reverse_kl is on-policy distillation: every sampled token's advantage is log π_teacher − log μ, the negated per-token reverse-KL estimate against --teacher (plus --task-reward-weight × the GRPO advantage of the task reward).")
     teacher: str | None = _f(None, "credit", "Frozen teacher of --advantage reverse_kl: a local Hugging Face causal LM folder (e.g. a checkpoint of ours) or a registered model name, sharing the student's tokenizer (a mismatch is refused before any work, naming the first differing token); never trained; stored as an absolute path.")
-    task_reward_weight: float = _f(0.0, "credit", "KD + RL with --advantage reverse_kl: add this weight × the GRPO group advantage of the task reward to every sampled token's advantage (0 = distillation alone).", ge=0)
+    task_reward_weight: float = _f(0.0, "credit", "KD + RL: with --advantage reverse_kl, add this weight × the GRPO group advantage of the task reward to every sampled token's advantage; with --distill-loss, the weight of the policy-gradient term of --advantage (0 = distillation alone).", ge=0)
+    distill_loss: Literal["none", "forward", "reverse", "jsd"] = _f("none", "update", "Distillation as a loss (GKD, Agarwal et al. 2024 §3.1): subtract the per-token divergence from --teacher to the student over the whole vocabulary at every sampled token: forward KL(p_T‖q_θ), reverse KL(q_θ‖p_T) or the generalised JSD_β; the policy-gradient term of --advantage is then weighted by --task-reward-weight (0 = the divergence alone).")
+    distill_beta: float = _f(0.5, "update", "β of --distill-loss jsd: JSD_β = β KL(p_T‖m) + (1−β) KL(q_θ‖m), m = β p_T + (1−β) q_θ; 0 gives forward KL, 1 reverse KL.", ge=0, le=1)
+    distill_temperature: float = _f(1.0, "update", "τ of --distill-loss: both teacher and student logits are divided by it before the divergence.", gt=0)
+    distill_top_k: int = _f(0, "update", "--distill-loss over the teacher's top-k tokens only, both distributions renormalised there (0 = the whole vocabulary).", ge=0)
     grpo_std: Literal["population", "sample"] = _f("population", "credit", "Std of the GRPO group normalisation: population (correction 0) or sample (correction 1).")
     gamma: float = _f(1.0, "credit", "GAE: discount per generated token.", ge=0, le=1)
     gae_lambda: float = _f(0.95, "credit", "GAE: λ.", ge=0, le=1)
@@ -193,19 +197,30 @@ class TrainConfig(BaseModel):
 
     @model_validator(mode="after")
     def _teacher_fits(self) -> "TrainConfig":
-        distill = self.advantage == "reverse_kl"
+        as_advantage, as_loss = self.advantage == "reverse_kl", self.distill_loss != "none"
+        distill = as_advantage or as_loss
+        how = "--advantage reverse_kl" if as_advantage else f"--distill-loss {self.distill_loss}"
+        if as_advantage and as_loss:
+            raise ValueError("--advantage reverse_kl and --distill-loss are two ways to learn from the teacher; "
+                             "give one: the per-token log-ratio as an advantage, or the divergence as a loss")
         if distill and not self.teacher:
-            raise ValueError("--advantage reverse_kl (on-policy distillation) needs --teacher: a model folder or "
-                             "registered name sharing the student's tokenizer")
+            raise ValueError(f"{how} (distillation) needs --teacher: a model folder or registered name sharing "
+                             "the student's tokenizer")
         for key, on in (("teacher", self.teacher is not None), ("task_reward_weight", self.task_reward_weight != 0)):
             if on and not distill:  # a setting that only distillation reads would be silently dropped
-                raise ValueError(f"--{key.replace('_', '-')} is read only by --advantage reverse_kl (on-policy "
-                                 f"distillation), but --advantage is {self.advantage}: give --advantage reverse_kl "
-                                 f"or drop --{key.replace('_', '-')}")
+                raise ValueError(f"--{key.replace('_', '-')} is read only by distillation (--advantage reverse_kl "
+                                 f"or --distill-loss), but neither is given: add one or drop --{key.replace('_', '-')}")
+        defaults = {"distill_beta": 0.5, "distill_temperature": 1.0, "distill_top_k": 0}
+        for key, default in defaults.items():
+            if getattr(self, key) != default and not as_loss:
+                raise ValueError(f"--{key.replace('_', '-')} is read only by --distill-loss, which is none: give "
+                                 f"--distill-loss forward|reverse|jsd or drop --{key.replace('_', '-')}")
+        if self.distill_beta != 0.5 and self.distill_loss in ("forward", "reverse"):
+            raise ValueError(f"--distill-beta is read only by --distill-loss jsd, not {self.distill_loss} "
+                             "(jsd with β 0 / 1 is forward / reverse KL)")
         if distill and (self.top_k or self.top_p < 1):
-            raise ValueError("--advantage reverse_kl with --top-k / --top-p is not supported: the teacher's log-prob "
-                             "of a token would be taken over the student's truncated support; sample with "
-                             "--top-k 0 --top-p 1")
+            raise ValueError(f"{how} with --top-k / --top-p is not supported: the teacher would be scored on the "
+                             "student's truncated support; sample with --top-k 0 --top-p 1")
         return self
 
     @model_validator(mode="after")

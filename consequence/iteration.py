@@ -57,19 +57,22 @@ def make_learner(cfg: TrainConfig, model: torch.nn.Module, reference: torch.nn.M
     """Optimizer, update settings, and the reference / critic / teacher the recipe needs.
 
     Raises:
-        ValueError: ``--advantage reverse_kl`` without a ``teacher`` module.
+        ValueError: ``--advantage reverse_kl`` or ``--distill-loss`` without a ``teacher`` module.
     """
     ucfg = UpdateConfig(
         surrogate=cfg.surrogate, clip_eps_low=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high or cfg.clip_eps,
         dual_clip_c=cfg.dual_clip_c, reduction=cfg.reduction, micro_batch_size=cfg.micro_batch_size,
         temperature=cfg.temperature, norm_const=float(cfg.norm_const) if cfg.norm_const else None,
         tis_cap=cfg.tis_cap, kl_coef=cfg.kl_coef if cfg.kl_mode == "loss" else 0.0,
-        kl_estimator=cfg.kl_estimator, entropy_coef=cfg.entropy_coef, offpolicy_delta=cfg.offpolicy_delta)
+        kl_estimator=cfg.kl_estimator, entropy_coef=cfg.entropy_coef, offpolicy_delta=cfg.offpolicy_delta,
+        distill_loss=cfg.distill_loss, distill_beta=cfg.distill_beta, distill_temperature=cfg.distill_temperature,
+        distill_top_k=cfg.distill_top_k, pg_coef=cfg.task_reward_weight if cfg.distill_loss != "none" else 1.0)
     trainable = [p for p in model.parameters() if p.requires_grad]  # all of them, or a LoRA adapter's A and B
     learner = Learner(model, torch.optim.AdamW(trainable, lr=cfg.learning_rate, weight_decay=0.0), ucfg)
-    if cfg.advantage == "reverse_kl":
+    if cfg.advantage == "reverse_kl" or cfg.distill_loss != "none":
         if teacher is None:
-            raise ValueError("--advantage reverse_kl needs a loaded teacher (consequence.distill.teacher_model)")
+            raise ValueError("--advantage reverse_kl / --distill-loss need a loaded teacher "
+                             "(consequence.distill.teacher_model)")
         learner.teacher = teacher.eval().requires_grad_(False)  # frozen: never in the optimizer
     if cfg.kl_coef > 0:
         learner.reference = reference if reference is not None else copy.deepcopy(model).eval()
@@ -146,12 +149,12 @@ def credit(trajs: list[Trajectory], cfg: TrainConfig, learner: Learner, pad_id: 
     if learner.reference is not None and rows:
         ref = compute_logprobs(learner.reference, rows, pad_id, logprob_fn(cfg), cfg.temperature, cfg.micro_batch_size)
     t0 = time.perf_counter()
-    if learner.teacher is not None and rows:
+    if cfg.advantage == "reverse_kl" and rows:  # a --distill-loss teacher runs in the update instead
         teacher = compute_logprobs(learner.teacher, rows, pad_id, logprob_fn(cfg), cfg.temperature,
                                    cfg.micro_batch_size)
     batch = assign_credit(trajs, rows, owner, cfg, ref_logprobs=ref, critic=learner.critic, pad_id=pad_id,
                           teacher_logprobs=teacher)
-    if learner.teacher is not None:
+    if cfg.advantage == "reverse_kl":
         batch.metrics["teacher_s"] = time.perf_counter() - t0
     return batch
 
@@ -201,6 +204,9 @@ def update(batch: Batch, cfg: TrainConfig, learner: Learner, pad_id: int, seed: 
         for part in _chunks(order, cfg.mini_batches):
             steps.append(_one_step(batch, rows, part, cfg, learner, pad_id, lp_fn, len(steps)))
     merged = merge_steps(steps)
+    if cfg.distill_loss != "none":  # cost: the teacher ran one forward over every row of every step
+        merged["teacher_forward_tokens"] = float(cfg.epochs_per_batch * sum(len(r.input_ids) for r in rows))
+        merged["distill_targets"] = merged.get("n_tokens", 0.0)
     if learner.critic is not None:
         ev = explained_variance(rows, batch.returns, batch.old_values)
         if ev is not None and math.isfinite(ev):
@@ -214,7 +220,8 @@ def _one_step(batch: Batch, rows, part: list[int], cfg, learner: Learner, pad_id
     try:
         m = ppo_step(learner.model, learner.optimizer, pick(rows), pick(batch.advantages),
                      learner.update_cfg, pad_id, lp_fn,
-                     ref_logprobs=pick(batch.ref_logprobs), sampler_logprobs=pick(batch.sampler_logprobs))
+                     ref_logprobs=pick(batch.ref_logprobs), sampler_logprobs=pick(batch.sampler_logprobs),
+                     teacher=learner.teacher if cfg.distill_loss != "none" else None)
         if learner.critic is not None:
             m |= value_step(learner.critic, learner.critic_optimizer, pick(rows), pick(batch.returns),
                             pick(batch.old_values), pad_id, cfg.value_clip, cfg.micro_batch_size)
@@ -251,7 +258,8 @@ def _chunks(order: list[int], n: int) -> list[list[int]]:
 
 
 # Per-token means: weighted by the target tokens each step trained on (``n_tokens``).
-_TOKEN_MEANS = ("ratio_mean", "clip_frac_low", "clip_frac_high", "entropy", "kl_ref", "tis_weight_mean")
+_TOKEN_MEANS = ("ratio_mean", "clip_frac_low", "clip_frac_high", "entropy", "kl_ref", "tis_weight_mean",
+                "distill_divergence")
 _COUNTS = ("n_tokens", "n_rows", "n_rows_trained", "rows_skipped_zero_advantage", "offpolicy_masked_rows",
            "value_n_tokens")
 # step bookkeeping, consumed by merge_steps

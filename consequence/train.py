@@ -162,7 +162,7 @@ def _start(cfg: TrainConfig, console, run: Path, resume: bool, state: ResumeStat
     renderer = Renderer(tokenizer, split.tools)
     preflight(cfg, tokenizer, renderer, split, model_path)
     teacher = None
-    if cfg.advantage == "reverse_kl":  # loaded before anything is written: a tokenizer mismatch is refused here
+    if cfg.teacher is not None:  # loaded before anything is written: a tokenizer mismatch is refused here
         from consequence.distill.teacher_model import load_teacher
 
         teacher = load_teacher(cfg.teacher, tokenizer, log=lambda line: console.print(escape(line)))

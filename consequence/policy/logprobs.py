@@ -238,7 +238,29 @@ def token_logprobs_unchunked(
         ValueError: ``keep_index`` names a position or id outside the batch.
     """
     out = model(input_ids=input_ids, attention_mask=attention_mask)
-    logits = out.logits[:, :-1]
+    return logprobs_from_logits(out.logits[:, :-1], input_ids, attention_mask, temperature, top_k, top_p,
+                                with_entropy, entropy_grad, keep_index, keep_rows)
+
+
+def logprobs_from_logits(
+    logits: torch.Tensor,
+    input_ids: torch.LongTensor,
+    attention_mask: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
+    keep_index: torch.Tensor | None = None,
+    keep_rows: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`token_logprobs_unchunked` after the forward pass, for a caller that needs the
+    logits too (the distillation loss compares them with the teacher's).
+
+    Args:
+        logits: [N, S-1, V] float, ``logits[:, j]`` predicting ``input_ids[:, j+1]``.
+        Other arguments and the returns: as :func:`token_logprobs_unchunked`.
+    """
     if logits.dtype != torch.float32:
         logits = logits.float()
     proc = _processed(logits, temperature, top_k, top_p, keep_index, keep_rows)

@@ -21,7 +21,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from consequence.policy.logprobs import logprobs_from_logits
 from consequence.records import TrainingRow, pad_rows
+from consequence.update.divergence import token_divergence
 from consequence.update.losses import REDUCTIONS, reduce_tokens
 from consequence.update.regularizers import kl_estimate, offpolicy_sequence_mask, tis_weights
 from consequence.update.surrogates import SURROGATES, surrogate_objective
@@ -48,6 +50,14 @@ class UpdateConfig:
         entropy_coef: c_H of the entropy bonus (0 = off); ``logprob_fn`` must return an
             entropy that carries a gradient.
         offpolicy_delta: threshold of off-policy sequence masking in nats/token (0 = off).
+        distill_loss: ``"none"``, or the per-token divergence to a frozen teacher subtracted
+            from the objective at every target (``forward``, ``reverse`` or ``jsd``;
+            :func:`consequence.update.divergence.token_divergence`; GKD, Agarwal et al.
+            2024 §3.1); needs ``teacher`` in :func:`accumulate_gradients`.
+        distill_beta, distill_temperature, distill_top_k: β of JSD_β, τ applied to both
+            logits, the teacher's top-k support (0 = whole vocabulary).
+        pg_coef: weight of the surrogate term (1 for RL; with a distillation loss the
+            weight of the task reward's policy gradient, 0 = the divergence alone).
     """
 
     surrogate: str = "ppo_clip"
@@ -64,6 +74,11 @@ class UpdateConfig:
     kl_estimator: str = "k3"
     entropy_coef: float = 0.0
     offpolicy_delta: float = 0.0
+    distill_loss: str = "none"
+    distill_beta: float = 0.5
+    distill_temperature: float = 1.0
+    distill_top_k: int = 0
+    pg_coef: float = 1.0
 
 
 def _takes_target_mask(fn) -> bool:
@@ -213,7 +228,8 @@ class _Metrics:
         if not self.n_tok:
             return {}
         names = {"ratio": "ratio_mean", "clip_low": "clip_frac_low", "clip_high": "clip_frac_high",
-                 "entropy": "entropy", "kl_ref": "kl_ref", "tis_weight": "tis_weight_mean"}
+                 "entropy": "entropy", "kl_ref": "kl_ref", "tis_weight": "tis_weight_mean",
+                 "distill_divergence": "distill_divergence"}
         out = {names[k]: v / self.n_tok for k, v in self.sums.items()}
         return out | {"ratio_min": self.ratio_min, "ratio_max": self.ratio_max}
 
@@ -228,12 +244,14 @@ def accumulate_gradients(
     *,
     ref_logprobs: TokenValues | None = None,
     sampler_logprobs: TokenValues | None = None,
+    teacher: torch.nn.Module | None = None,
 ) -> dict[str, float]:
     """Forward/backward the step's micro-batches, ADDING −reduce(objective) gradients to
     ``.grad`` of the model's parameters; no clipping, no optimizer step.
 
-    Per target token the objective is ``surrogate × TIS weight − β·KL + c_H·H``
-    (docs/design.md §5; the surrogate from ``cfg.surrogate``). Rows are sorted by length and
+    Per target token the objective is ``pg_coef · surrogate × TIS weight − β·KL + c_H·H
+    − D(teacher ‖ student)`` (docs/design.md §5; the surrogate from ``cfg.surrogate``;
+    D only with ``cfg.distill_loss``). Rows are sorted by length and
     cut into micro-batches of ``cfg.micro_batch_size``; each is reduced with the step's
     global totals, so the accumulated gradient does not depend on the split (case 01).
     Rows with advantage 0 everywhere (all-equal groups) are counted in the totals but not
@@ -256,13 +274,16 @@ def accumulate_gradients(
         ref_logprobs: per row, logπ_ref aligned with ``input_ids`` (needed for ``kl_coef``).
         sampler_logprobs: per row, logμ of the sampler aligned with ``input_ids`` (for
             TIS and off-policy masking; default: the rows' ``old_logprobs``).
+        teacher: the frozen teacher of ``cfg.distill_loss`` (same tokenizer); its logits
+            come without gradient, and the student's from one forward that also gives the
+            log-probs (``logprob_fn`` is not called then; full ``[n, S-1, V]`` logits).
 
     Returns:
         metrics: loss (step loss = Σ micro-batch losses), n_tokens (targets that ran),
         n_rows, n_rows_trained (rows that ran a forward/backward),
         rows_skipped_zero_advantage, offpolicy_masked_rows, and over the targets that
         ran: ratio_mean, ratio_min, ratio_max, clip_frac_low, clip_frac_high, entropy,
-        kl_ref, tis_weight_mean (token means). A metric without data (no target ran, no
+        kl_ref, tis_weight_mean, distill_divergence (token means). A metric without data (no target ran, no
         entropy returned, no reference, TIS off) is left out, never NaN.
 
     Raises:
@@ -273,6 +294,8 @@ def accumulate_gradients(
             ``rows`` names the rows involved.
     """
     _check_needs(cfg, ref_logprobs, sampler_logprobs)
+    if cfg.distill_loss != "none" and teacher is None:
+        raise ValueError(f"distill_loss {cfg.distill_loss!r} needs the frozen teacher (teacher=...)")
     adv_all = _check_advantages(rows, advantages_N)
     total_tokens, total_seqs, norm_const = _step_totals(rows, cfg)
     device = next(model.parameters()).device
@@ -294,7 +317,7 @@ def accumulate_gradients(
             batch["sampler_logprobs"] = _pad_values(sampler_logprobs, idx, S)
         batch = {k: v.to(device) for k, v in batch.items()}
         loss = _micro_batch_loss(model, batch, cfg, logprob_fn, met,
-                                 totals=(total_tokens, total_seqs, norm_const), idx=idx)
+                                 totals=(total_tokens, total_seqs, norm_const), idx=idx, teacher=teacher)
         if not torch.isfinite(loss):
             raise NonFiniteError("loss", idx, f"micro-batch loss {loss.item()}")
         loss.backward()
@@ -315,8 +338,9 @@ def accumulate_gradients(
 def _contributes_nothing(adv: Any, cfg: UpdateConfig) -> bool:
     """A row whose advantage is 0 on every token adds exactly 0 to every surrogate's
     gradient (each is A times something); without KL or entropy terms it can skip the
-    forward/backward. It still counts in the step's totals, so the gradient is unchanged."""
-    if cfg.kl_coef or cfg.entropy_coef:
+    forward/backward (a distillation loss trains every row). It still counts in the step's
+    totals, so the gradient is unchanged."""
+    if cfg.kl_coef or cfg.entropy_coef or cfg.distill_loss != "none":
         return False
     return all(a == 0.0 for a in adv) if isinstance(adv, list) else adv == 0.0
 
@@ -331,12 +355,17 @@ def _check_grads(model: torch.nn.Module, idx: Sequence[int]) -> None:
 
 
 def _micro_batch_loss(model, batch: dict[str, Tensor], cfg: UpdateConfig, logprob_fn, met: _Metrics,
-                      totals: tuple[float, float, float], idx: Sequence[int]) -> Tensor:
+                      totals: tuple[float, float, float], idx: Sequence[int],
+                      teacher: torch.nn.Module | None = None) -> Tensor:
     """−reduce(objective) of one micro-batch with the step's totals; updates ``met``.
 
     ``idx`` are the step's row indices of the micro-batch's rows (for error messages).
     """
-    lp, ent = _call_logprob_fn(logprob_fn, model, batch, cfg.temperature)
+    div = None
+    if cfg.distill_loss != "none":
+        lp, ent, div = _distill_forward(model, teacher, batch, cfg)
+    else:
+        lp, ent = _call_logprob_fn(logprob_fn, model, batch, cfg.temperature)
     mask = batch["loss_mask"][:, 1:]
     old = batch["old_logprobs"][:, 1:]
     if lp.shape != mask.shape:
@@ -372,6 +401,14 @@ def _micro_batch_loss(model, batch: dict[str, Tensor], cfg: UpdateConfig, logpro
             raise ValueError("entropy_coef > 0 needs logprob_fn to return an entropy with a gradient "
                              "(token_logprobs(..., with_entropy=True, entropy_grad=True))")
         obj = obj + cfg.entropy_coef * ent
+    if cfg.pg_coef != 1.0:
+        obj = cfg.pg_coef * obj if cfg.pg_coef else torch.zeros_like(obj)  # 0 · ±inf would be nan
+    if div is not None:
+        div = torch.where(tmask, div, 0.0)
+        if bad := _bad_rows(div, tmask, idx):
+            raise NonFiniteError("distill_divergence", bad, "divergence to the teacher on target tokens")
+        obj = obj - div
+        met.add("distill_divergence", div.detach()[tmask])
     total_tokens, total_seqs, norm_const = totals
     loss = -reduce_tokens(obj, mask, cfg.reduction, total_tokens=total_tokens,
                           total_seqs=total_seqs, norm_const=norm_const)
@@ -390,6 +427,22 @@ def _micro_batch_loss(model, batch: dict[str, Tensor], cfg: UpdateConfig, logpro
     return loss
 
 
+def _distill_forward(model, teacher, batch: dict[str, Tensor], cfg: UpdateConfig
+                     ) -> tuple[Tensor, Tensor | None, Tensor]:
+    """One student forward giving log-probs [n, S-1], entropy and, with the teacher's
+    logits (no gradient), the per-token divergence [n, S-1] of ``cfg.distill_loss``."""
+    ids, am = batch["input_ids"], batch["attention_mask"]
+    logits = model(input_ids=ids, attention_mask=am).logits[:, :-1].float()
+    support = {k: batch[k] for k in ("keep_index", "keep_rows") if k in batch}
+    lp, ent = logprobs_from_logits(logits, ids, am, cfg.temperature, with_entropy=True,
+                                   entropy_grad=cfg.entropy_coef > 0, **support)
+    with torch.no_grad():
+        t_logits = teacher(input_ids=ids, attention_mask=am).logits[:, :-1].float()
+    div = token_divergence(logits, t_logits, cfg.distill_loss, cfg.distill_beta, cfg.distill_temperature,
+                           cfg.distill_top_k)
+    return lp, ent, div
+
+
 def ppo_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -401,6 +454,7 @@ def ppo_step(
     *,
     ref_logprobs: TokenValues | None = None,
     sampler_logprobs: TokenValues | None = None,
+    teacher: torch.nn.Module | None = None,
 ) -> dict[str, float]:
     """One optimizer step: zero grads, :func:`accumulate_gradients`, check that every
     gradient is finite, clip the global grad norm to ``cfg.max_grad_norm``,
@@ -424,7 +478,8 @@ def ppo_step(
     optimizer.zero_grad(set_to_none=True)
     try:
         metrics = accumulate_gradients(model, rows, advantages_N, cfg, pad_id, logprob_fn,
-                                       ref_logprobs=ref_logprobs, sampler_logprobs=sampler_logprobs)
+                                       ref_logprobs=ref_logprobs, sampler_logprobs=sampler_logprobs,
+                                       teacher=teacher)
         stepped = metrics["n_rows_trained"] > 0
         grad_norm = _clip_grad_norm(model, cfg.max_grad_norm, len(rows)) if stepped else None
     except Exception:  # never leave half-accumulated gradients behind
