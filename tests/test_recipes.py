@@ -17,10 +17,11 @@ from consequence.records import Trajectory
 from consequence.report.explain import render_difference, render_recipe
 from consequence.warmstart import BUNDLED
 
-ALL = ["cispo", "dapo", "dr_grpo", "grpo", "gspo", "ppo", "reinforce", "rloo"]
+ALL = ["cispo", "dapo", "dr_grpo", "gkd", "grpo", "gspo", "on_policy_distill", "ppo", "reinforce", "rloo"]
+DISTILL = ("gkd", "on_policy_distill")
 
 
-def test_the_eight_recipes_are_bundled_and_valid():
+def test_the_ten_recipes_are_bundled_and_valid():
     assert recipe_names() == ALL
     for name in ALL:
         r = load_recipe(name)
@@ -102,15 +103,35 @@ def signal():
     mp.undo()
 
 
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory):
+    """The bundled policy with a perturbed LM head: same tokenizer, another distribution."""
+    import torch
+
+    from consequence.policy.tiny import load_policy, save_policy
+
+    model, tok = load_policy(BUNDLED)
+    with torch.no_grad():
+        model.lm_head.weight.add_(0.1 * torch.randn(model.lm_head.weight.shape, generator=torch.Generator().manual_seed(0)))
+    out = tmp_path_factory.mktemp("teacher") / "t"
+    save_policy(model, tok, out)
+    return str(out)
+
+
 @pytest.mark.parametrize("name", ALL)
-def test_every_recipe_trains_one_iteration(name, signal, tmp_path):
+def test_every_recipe_trains_one_iteration(name, signal, teacher, tmp_path):
     from consequence.train import train
 
     cfg = load_recipe(name).train_config(run_dir=str(tmp_path), model=str(BUNDLED), iterations=1,
                                          tasks_per_iteration=2, group_size=4, eval_every=0,
-                                         final_eval_episodes=0, dynamic_sampling_max_rounds=1)
+                                         final_eval_episodes=0, dynamic_sampling_max_rounds=1,
+                                         **({"teacher": teacher} if name in DISTILL else {}))
     train(cfg, Console(quiet=True))
     m = json.loads((tmp_path / "metrics.jsonl").read_text())
+    if name == "gkd":
+        assert m["distill_divergence"] > 0 and m["teacher_forward_tokens"] > 0
+    if name == "on_policy_distill":
+        assert m["teacher_reverse_kl"] is not None and m["teacher_forward_tokens"] > 0
     assert m["n_updates"] == cfg.epochs_per_batch * cfg.mini_batches
     assert m["grad_norm"] > 0 and m["ratio_min"] > 0
     if m["n_updates"] == 1:  # one step on fresh samples: the ratio is 1 up to float error

@@ -42,11 +42,17 @@ class Recipe:
     def train_config(self, **overrides) -> TrainConfig:
         """The TrainConfig of this recipe (defaults for keys it does not set), with overrides.
 
+        A distillation recipe names no teacher: without a ``teacher`` override the config
+        holds the placeholder ``TEACHER_DIR`` (for explain and validation; a run from the
+        command line goes through :func:`resolve_config`, which refuses a missing --teacher).
+
         Raises:
             ValueError: a key or value is invalid (names the key).
         """
+        teaches = self.config.get("advantage") == "reverse_kl" or self.config.get("distill_loss", "none") != "none"
+        placeholder = {"teacher": "TEACHER_DIR"} if teaches else {}
         return TrainConfig.checked(**{"run_dir": default_run_dir(self.name), "recipe": self.ref or self.name,
-                                      **self.config, **overrides})
+                                      **placeholder, **self.config, **overrides})
 
 
 def default_run_dir(name: str, env: str = "repair") -> str:
@@ -101,7 +107,7 @@ def load_recipe(name_or_path: str | Path) -> Recipe:
     if bad_boxes:
         raise ValueError(f"recipe {p}: cite names unknown box(es) {', '.join(bad_boxes)}; boxes: {', '.join(BOXES)}")
     recipe = Recipe(data["name"], data["title"], data["summary"], data["paper"], dict(data["config"]),
-                    dict(data.get("cite", {})), ref=ref)
+                    dict(data.get("cite", {})), ref=ref, run_command=str(data.get("run_command", "")))
     recipe.train_config()  # validate the values now, not when training starts
     return recipe
 
