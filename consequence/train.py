@@ -32,6 +32,7 @@ from rich.markup import escape
 
 from consequence.config import TrainConfig
 from consequence.credit.advantages import mixed_group_fraction
+from consequence.credit.batch import training_rows
 from consequence.envs.sandbox import isolation_report
 from consequence.evaluate.compare import summarize
 from consequence.evaluate.episode_eval import parse_error_fraction
@@ -379,7 +380,10 @@ def iteration(it, cfg, learner: Learner, renderer, split, budgets, sampling, run
     if first and not cfg.skip_checks:
         expected = {i for i, t in enumerate(trajs) if t.reward is not None and t.calls
                     and not (cfg.overlong_filter and t.outcome == "truncated")}
-        checks = run_pre_step_checks(model=learner.model, trajs=trajs, rows=batch.rows, pad_id=pad_id,
+        rows = batch.rows
+        if cfg.advantage == "rejection":  # the bookkeeping is checked on every row, accepted or rejected
+            rows, expected = training_rows(trajs)[0], None
+        checks = run_pre_step_checks(model=learner.model, trajs=trajs, rows=rows, pad_id=pad_id,
                             stop_ids=renderer.stop_ids, logprob_fn=logprob_fn(cfg), cfg=cfg,
                             ucfg=learner.update_cfg, expected=expected, console=console)
     t1 = time.perf_counter()

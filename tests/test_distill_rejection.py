@@ -62,3 +62,17 @@ def test_rejection_sample_on_the_tiny_policy_matches_a_direct_count():
         assert targets == [tok_id for c in t.calls for tok_id in c.output_ids]
     with pytest.raises(ValueError, match="temperature > 0"):
         rejection_sample(model, Renderer(tok, env.tools), env, tasks, 3, Budgets(), seed=0, temperature=0.0)
+
+
+def test_advantage_rejection_keeps_the_accepted_rows_with_advantage_one():
+    from consequence.config import TrainConfig
+    from consequence.credit.batch import assign_credit, training_rows
+
+    trajs = [_traj("a", 0, 1.0, [5, 6]), _traj("a", 1, 1.0, [5, 6]), _traj("a", 2, 0.0, [7]),
+             _traj("b", 0, 1.0, [8], outcome="truncated"), _traj("b", 1, 1.0, [4])]
+    rows, owner = training_rows(trajs)
+    batch = assign_credit(trajs, rows, owner, TrainConfig(advantage="rejection", surrogate="pg"))
+    assert [t.advantage for t in trajs] == [1.0, 0.0, 0.0, 0.0, 1.0]  # a duplicate and a truncated one: 0
+    assert [r.traj_index for r in batch.rows] == [0, 4] and batch.advantages == [1.0, 1.0]
+    assert batch.metrics == {"rejection_attempts": 5.0, "rejection_accepted": 2.0, "rejection_duplicates": 1.0,
+                             "acceptance_rate": 0.4, "attempts_per_accepted": 2.5}

@@ -17,11 +17,12 @@ from consequence.records import Trajectory
 from consequence.report.explain import render_difference, render_recipe
 from consequence.warmstart import BUNDLED
 
-ALL = ["cispo", "dapo", "dr_grpo", "gkd", "grpo", "gspo", "on_policy_distill", "ppo", "reinforce", "rloo"]
+ALL = ["cispo", "dapo", "dr_grpo", "gkd", "grpo", "gspo", "on_policy_distill", "ppo", "reinforce",
+       "rejection_sft", "rloo"]
 DISTILL = ("gkd", "on_policy_distill")
 
 
-def test_the_ten_recipes_are_bundled_and_valid():
+def test_the_eleven_recipes_are_bundled_and_valid():
     assert recipe_names() == ALL
     for name in ALL:
         r = load_recipe(name)
@@ -118,9 +119,23 @@ def teacher(tmp_path_factory):
     return str(out)
 
 
+def _verified_as_rewarded(score):
+    """The stand-in reward also decides verification: rejection sampling keeps verified episodes."""
+    def wrapped(trajs, *args):
+        score(trajs, *args)
+        for t in trajs:
+            if t.reward is not None:
+                t.outcome, t.verifier_score = "finished", t.reward
+    return wrapped
+
+
 @pytest.mark.parametrize("name", ALL)
-def test_every_recipe_trains_one_iteration(name, signal, teacher, tmp_path):
+def test_every_recipe_trains_one_iteration(name, signal, teacher, tmp_path, monkeypatch):
     from consequence.train import train
+
+    if name == "rejection_sft":
+        monkeypatch.setattr(iteration_module, "score_trajectories",
+                            _verified_as_rewarded(iteration_module.score_trajectories))
 
     cfg = load_recipe(name).train_config(run_dir=str(tmp_path), model=str(BUNDLED), iterations=1,
                                          tasks_per_iteration=2, group_size=4, eval_every=0,
@@ -130,6 +145,10 @@ def test_every_recipe_trains_one_iteration(name, signal, teacher, tmp_path):
     m = json.loads((tmp_path / "metrics.jsonl").read_text())
     if name == "gkd":
         assert m["distill_divergence"] > 0 and m["teacher_forward_tokens"] > 0
+    if name == "rejection_sft":  # odd sample ids win: half of the 8 episodes kept (distinct samples)
+        assert m["rejection_attempts"] == 8.0 and m["n_rows"] == m["rejection_accepted"] + 0.0
+        assert m["rejection_accepted"] + m["rejection_duplicates"] == 4.0
+        assert m["acceptance_rate"] == m["rejection_accepted"] / 8 and m["rows_skipped_zero_advantage"] == 0.0
     if name == "on_policy_distill":
         assert m["teacher_reverse_kl"] is not None and m["teacher_forward_tokens"] > 0
     assert m["n_updates"] == cfg.epochs_per_batch * cfg.mini_batches

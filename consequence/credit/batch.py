@@ -19,6 +19,7 @@ import torch
 from consequence.config import TrainConfig
 from consequence.credit.advantages import group_advantages
 from consequence.credit.kl import kl_estimate, reverse_kl_advantages
+from consequence.credit.rejection import accept
 from consequence.credit.returns import gae
 from consequence.credit.value import ValueModel, row_values
 from consequence.records import TrainingRow, Trajectory, trajectory_to_rows
@@ -106,6 +107,8 @@ def assign_credit(trajs: list[Trajectory], rows: list[TrainingRow], owner: list[
         if teacher_logprobs is None:
             raise ValueError("--advantage reverse_kl needs the teacher's log-probs (teacher_logprobs)")
         _teacher_advantages(trajs, batch, owner, cfg, teacher_logprobs, penalty)
+    elif cfg.advantage == "rejection":
+        batch = _rejection_batch(trajs, batch, owner)
     else:
         adv = _scalar_advantages(trajs, owner, cfg, penalty, cfg.advantage)
         for t, a in zip(trajs, adv):
@@ -113,6 +116,25 @@ def assign_credit(trajs: list[Trajectory], rows: list[TrainingRow], owner: list[
         batch.advantages = [trajs[i].advantage for i in owner]
     if cfg.overlong_filter:
         batch = batch.select([j for j, i in enumerate(owner) if trajs[i].outcome != "truncated"])
+    return batch
+
+
+def _rejection_batch(trajs: list[Trajectory], batch: Batch, owner: list[int]) -> Batch:
+    """Rejection sampling in the loop: advantage 1 on the rows of accepted episodes
+    (:func:`consequence.credit.rejection.accept`: verified, finished, duplicates of a task's
+    sampled tokens dropped), every other row leaves the batch. With the policy-gradient
+    surrogate on fresh samples (ratio 1) and a token-mean reduction the step is SFT on the
+    student's own successes (RFT, Yuan et al. 2023 §3)."""
+    kept, stats = accept(trajs)
+    ids = {id(t) for t in kept}
+    for t in trajs:
+        t.advantage = 1.0 if id(t) in ids else 0.0
+    batch.advantages = [trajs[i].advantage for i in owner]
+    batch = batch.select([j for j, i in enumerate(owner) if id(trajs[i]) in ids])
+    d = stats.as_dict()
+    batch.metrics = {"rejection_attempts": float(d["attempts"]), "rejection_accepted": float(d["accepted"]),
+                     "rejection_duplicates": float(d["duplicates"]), "acceptance_rate": d["acceptance_rate"],
+                     "attempts_per_accepted": d["attempts_per_accepted"]}
     return batch
 
 
