@@ -74,6 +74,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, key, label in ((axes[0], "student_tokens", "student tokens generated"),
@@ -81,7 +82,11 @@ def plot(rows: list[dict], path: Path) -> None:
         for r in rows:
             ax.errorbar(r[key], 100 * r["after"], yerr=[[100 * (r["diff"] - r["low"])], [100 * (r["high"] - r["diff"])]],
                         fmt="o", capsize=4, label=r["method"])
+            ax.annotate(r["method"], (r[key], 100 * r["after"]), textcoords="offset points", xytext=(6, 0),
+                        fontsize=7, va="center")
         ax.axhline(100 * rows[0]["warm_start"], color="grey", ls="--", lw=1, label="warm start")
+        ax.set_xlim(left=0, right=1.25 * max(r[key] for r in rows) or 1.0)
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x / 1000:.0f}k"))
         ax.set_xlabel(label)
         ax.set_ylabel("sampled success, test split (%)")
     axes[0].legend(fontsize=8)
