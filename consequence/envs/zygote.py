@@ -45,7 +45,7 @@ __all__ = ["ForkServer", "Child", "ForkServerError"]
 # "sock": fd}. Each source defines ``_prepare``, ``_apply`` and ``_main`` (the prelude's
 # functions and the child's body) and runs nothing when ``__name__`` is not "__main__".
 ZYGOTE = r'''
-import sys, os, json, socket, signal, select, builtins, errno, fcntl
+import sys, os, json, socket, signal, select, builtins, fcntl, resource
 _conf = json.loads(sys.argv[1])
 _kinds = {}
 for _k, _src in _conf["sources"].items():
@@ -71,11 +71,14 @@ def _unshare_net(mode):
 
 def _place(fds, targets, keep):
     """dup2 each received fd onto its target number; close every other descriptor but keep."""
-    high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 1024) for fd in fds]  # out of the targets' way
+    base = max([*fds, *targets, *keep]) + 1  # copies above every fd involved: no dup2 clobbers one
+    high = [fcntl.fcntl(fd, fcntl.F_DUPFD, base) for fd in fds]
     for fd, t in zip(high, targets):
         os.dup2(fd, t, inheritable=True)
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    top = 1 << 20 if soft == resource.RLIM_INFINITY or soft > 1 << 20 else max(soft, 65536)
     last = -1
-    for fd in sorted(set(targets) | set(keep)) + [65536]:
+    for fd in sorted(set(targets) | set(keep)) + [top]:
         if fd > last + 1:  # an empty closerange(a, a) closes EVERY descriptor on Python 3.11
             os.closerange(last + 1, fd)
         last = fd
@@ -105,7 +108,11 @@ def _prep_for(kind, cfg_text):
     return _preps[key]
 
 def _send(sock, obj, fds=()):
-    socket.send_fds(sock, [json.dumps(obj).encode()], list(fds)) if fds else sock.send(json.dumps(obj).encode())
+    data = json.dumps(obj).encode()
+    if fds:
+        socket.send_fds(sock, [data], list(fds))
+    else:
+        sock.send(data)
 
 def _serve():
     sock = socket.socket(fileno=_conf["sock"])
