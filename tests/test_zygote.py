@@ -118,3 +118,19 @@ def test_unknown_start_mode_is_refused(monkeypatch):
     monkeypatch.setenv("CONSEQUENCE_SANDBOX_START", "threads")
     with pytest.raises(ValueError, match="CONSEQUENCE_SANDBOX_START='threads'"):
         sandbox.start_mode()
+
+
+def test_works_under_a_low_descriptor_limit():
+    """`ulimit -n 1024` is a common default: the child's descriptor shuffling must stay below it."""
+    import resource
+    import subprocess
+    import sys
+
+    code = ("from consequence.envs.sandbox import run_tests\nfrom consequence.envs.judge import run_cases\n"
+            "from consequence.tasks.repair import TestCase\nT = [TestCase('f()', '1')]\n"
+            "print(run_tests('def f(): return 1', T, cache=False).status, run_cases('def f(): return 1', T, cache=False).status)")
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**__import__("os").environ, "CONSEQUENCE_SANDBOX_START": "fork-server"},
+                         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard)))
+    assert out.stdout.split() == ["ok", "ok"], out.stderr[-2000:]
