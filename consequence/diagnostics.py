@@ -82,6 +82,10 @@ def warnings_for(history: Sequence[dict[str, Any]]) -> list[str]:
             and trunc[2] - trunc[0] >= TRUNCATION_RISE:
         out.append(f"truncated episodes rising: {trunc[0]:.2f} → {trunc[2]:.2f} over 3 iterations; the policy "
                    "is running into its budgets")
+    if now.get("rejection_attempts") and not now.get("rejection_accepted"):
+        out.append(f"rejection sampling accepted none of {int(now['rejection_attempts'])} episodes: this iteration "
+                   "trained nothing; the student does not yet solve these tasks (a warm start, an easier task "
+                   "or more episodes per task would give it demonstrations)")
     vals = [(h["reward_mean"], h["val_success"]) for h in history
             if _num(h.get("val_success")) and _num(h.get("reward_mean"))]
     if _num(now.get("val_success")) and len(vals) >= 3:

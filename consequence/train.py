@@ -33,7 +33,7 @@ from rich.markup import escape
 from consequence.config import TrainConfig
 from consequence.credit.advantages import mixed_group_fraction
 from consequence.credit.batch import training_rows
-from consequence.envs.sandbox import isolation_report
+from consequence.envs.sandbox import isolation_report, start_mode
 from consequence.evaluate.compare import summarize
 from consequence.evaluate.episode_eval import parse_error_fraction
 from consequence.harness.renderer import Renderer
@@ -166,7 +166,7 @@ def _start(cfg: TrainConfig, console, run: Path, resume: bool, state: ResumeStat
     if cfg.teacher is not None:  # loaded before anything is written: a tokenizer mismatch is refused here
         from consequence.distill.teacher_model import load_teacher
 
-        teacher = load_teacher(cfg.teacher, tokenizer, log=lambda line: console.print(escape(line)))
+        teacher = load_teacher(cfg.teacher, tokenizer, log=lambda line: console.print(escape(line)), student=model)
     if state is not None:
         _check_same_start(state, model_path)
     reference = copy.deepcopy(model).eval()  # the warm start, kept for the final paired comparison
@@ -220,7 +220,8 @@ def preflight(cfg: TrainConfig, tokenizer, renderer: Renderer, split, model_path
     (whether or not the pre-step checks run).
 
     Raises:
-        ValueError: ``--top-k`` above the vocabulary size; a split the run needs is empty (a
+        ValueError: ``CONSEQUENCE_SANDBOX_START`` unknown; ``--top-k`` or ``--distill-top-k``
+            above the vocabulary size; a split the run needs is empty (a
             small task file); the longest prompt of the train tasks plus ``--max-new-tokens``
             does not fit in ``--max-total-tokens`` (every such episode would end truncated
             before the policy acts). Each message names the option and the fix.
@@ -228,7 +229,11 @@ def preflight(cfg: TrainConfig, tokenizer, renderer: Renderer, split, model_path
     if is_adapter_folder(model_path):
         raise ValueError(f"--model {model_path} is a LoRA adapter checkpoint: fold it into its base first "
                          f"(consequence merge {model_path} --out MERGED), then train from --model MERGED")
+    start_mode()  # a bad CONSEQUENCE_SANDBOX_START is refused before the run folder is made
     vocab = len(tokenizer)
+    if cfg.distill_top_k > vocab:
+        raise ValueError(f"--distill-top-k {cfg.distill_top_k} is larger than the vocabulary of {model_path} ({vocab} "
+                         f"tokens); use a value up to {vocab}, or 0 for the whole vocabulary")
     if cfg.top_k > vocab:
         raise ValueError(f"--top-k {cfg.top_k} is larger than the vocabulary of {model_path} ({vocab} tokens), so it "
                          f"would keep every token, the same as off; use --top-k 0 (off) or a value up to {vocab}")

@@ -63,3 +63,9 @@ def test_warnings_when_an_iteration_left_metrics_out():
     assert warnings_for([_m(entropy=float("nan"))]) == []
     (w,) = warnings_for([skipped, _m(first_step_ratio_max=1.05)])
     assert "ratio far from 1" in w and "1.0500" in w
+
+
+def test_rejection_sampling_that_accepts_nothing_is_flagged():
+    w = warnings_for([{"rejection_attempts": 16.0, "rejection_accepted": 0.0}])
+    assert len(w) == 1 and "accepted none of 16 episodes" in w[0]
+    assert warnings_for([{"rejection_attempts": 16.0, "rejection_accepted": 3.0}]) == []

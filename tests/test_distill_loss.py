@@ -139,3 +139,24 @@ def test_settings_that_would_be_dropped_are_refused(kw, match, tmp_path):
         kw = {**kw, "teacher": str(tmp_path)}
     with pytest.raises(ValueError, match=match):
         TrainConfig(**kw)
+
+
+def test_teacher_vocabulary_and_top_k_are_checked_before_any_work(tmp_path, student):
+    from consequence.train import train
+
+    _, tok = load_policy(BUNDLED)
+    wide = copy.deepcopy(student)
+    wide.resize_token_embeddings(1024)  # the same tokenizer files, a wider output layer
+    save_policy(wide, tok, tmp_path / "wide")
+    base = dict(iterations=1, tasks_per_iteration=2, group_size=2, eval_every=0, final_eval_episodes=0,
+                max_turns=2, max_new_tokens=16)
+    for kind in ({"distill_loss": "jsd"}, {"advantage": "reverse_kl"}):
+        run = tmp_path / f"run-{len(kind)}-{list(kind.values())[0]}"
+        with pytest.raises(ValueError, match="--teacher .* predicts over 1024 token ids, the student over 768"):
+            train(TrainConfig(run_dir=str(run), teacher=str(tmp_path / "wide"), **kind, **base), Console(quiet=True))
+        assert not run.exists()  # refused before the run folder was made
+    run = tmp_path / "topk"
+    with pytest.raises(ValueError, match="--distill-top-k 1000 is larger than the vocabulary"):
+        train(TrainConfig(run_dir=str(run), teacher=str(BUNDLED), distill_loss="jsd", distill_top_k=1000, **base),
+              Console(quiet=True))
+    assert not run.exists()

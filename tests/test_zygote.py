@@ -134,3 +134,58 @@ def test_works_under_a_low_descriptor_limit():
                          env={**__import__("os").environ, "CONSEQUENCE_SANDBOX_START": "fork-server"},
                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard)))
     assert out.stdout.split() == ["ok", "ok"], out.stderr[-2000:]
+
+
+def test_a_fork_server_dying_mid_run_is_a_sandbox_error_not_a_score(monkeypatch):
+    import threading
+    import time
+
+    monkeypatch.setenv("CONSEQUENCE_SANDBOX_START", "fork-server")
+    slow = "import time\ndef add(a, b):\n    time.sleep(3)\n    return a + b\n"
+    lim = sandbox.SandboxLimits(wall_s=6.0, cpu_s=4)
+    assert sandbox.run_tests(ADD, TESTS, cache=False).all_passed  # the server is up
+    got = {}
+    threads = [threading.Thread(target=lambda k=k, f=f: got.__setitem__(k, f(slow, TESTS, lim, cache=False)))
+               for k, f in (("run_tests", sandbox.run_tests), ("run_cases", judge.run_cases))]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    sandbox._fork_server()._proc.kill()
+    for t in threads:
+        t.join(30)
+    assert {k: r.status for k, r in got.items()} == {"run_tests": "sandbox_error", "run_cases": "sandbox_error"}
+    assert "fork server ended" in got["run_tests"].error  # retried by with_retries, never cached, never a 0
+    assert sandbox.run_tests(ADD, TESTS, cache=False).all_passed  # and the next run restarts it
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")  # a zombie has ended
+    except FileNotFoundError:
+        return True
+
+
+def test_no_sandbox_process_outlives_the_parent():
+    """A sleeping candidate never reaches its CPU limit: the parent's exit must end it."""
+    import subprocess
+    import sys
+    import time
+
+    code = ("import os, threading, time\nfrom consequence.envs import sandbox, judge\n"
+            "from consequence.tasks.repair import TestCase\n"
+            "c = 'import time\\ndef f():\\n    time.sleep(10 ** 6)\\n'\n"
+            "lim = sandbox.SandboxLimits(wall_s=60, cpu_s=30)\n"
+            "for fn in (sandbox.run_tests, judge.run_cases):\n"
+            "    threading.Thread(target=fn, args=(c, [TestCase('f()', '1')], lim), kwargs={'cache': False},"
+            " daemon=True).start()\n"
+            "time.sleep(1.5)\ns = sandbox._fork_server()\n"
+            "print(s._proc.pid, *s._children, flush=True)\nos._exit(0)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env={**__import__("os").environ, "CONSEQUENCE_SANDBOX_START": "fork-server"})
+    pids = [int(p) for p in out.stdout.split()]
+    assert len(pids) == 4, out.stderr[-2000:]  # the zygote, the runner, the candidate and the judge
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not all(_gone(p) for p in pids):
+        time.sleep(0.1)
+    assert all(_gone(p) for p in pids)

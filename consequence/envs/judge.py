@@ -98,6 +98,8 @@ def _run(code: str, job: dict, n: int, lim: SandboxLimits) -> TestReport:
 
 def _report(started: bool, verdict: dict | None, timed_out: bool, rc: int | None, n: int,
             lim: SandboxLimits) -> TestReport:
+    if rc is None:  # the fork server died with the judge: its end is unknown, not the code's fault
+        return TestReport("sandbox_error", 0, n, [], "the sandbox fork server ended during the run")
     if not started:
         return TestReport("sandbox_error", 0, n, [], "judge did not start"
                           + (" within the wall limit" if timed_out else f" (exit code {rc})"))

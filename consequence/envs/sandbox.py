@@ -223,13 +223,20 @@ def start_mode() -> str:
     return mode
 
 
-@functools.lru_cache(maxsize=1)
+_SERVER: list[ForkServer] = []
+_SERVER_LOCK = threading.Lock()
+
+
 def _fork_server() -> ForkServer:
+    """The process's one fork server (made under a lock: tool threads ask for it at once)."""
     from consequence.envs.judge_children import CANDIDATE, JUDGE
 
-    net = network_isolation()
-    return ForkServer({"runner": RUNNER, "candidate": CANDIDATE, "judge": JUDGE},
-                      "" if not net else "user" if "--user" in net else "net")
+    with _SERVER_LOCK:
+        if not _SERVER:
+            net = network_isolation()
+            _SERVER.append(ForkServer({"runner": RUNNER, "candidate": CANDIDATE, "judge": JUDGE},
+                                      "" if not net else "user" if "--user" in net else "net"))
+        return _SERVER[0]
 
 
 def _source(kind: str) -> str:
@@ -371,6 +378,8 @@ def _run(code: str, tests: Sequence[TestCase], lim: SandboxLimits) -> TestReport
                 pipe.close()
     timed_out = stop == "timeout"
     started, res = tagged_messages(raw, nonce)
+    if proc.returncode is None:  # the fork server died with the child: its end is unknown, not the code's fault
+        return TestReport("sandbox_error", 0, n, [], "the sandbox fork server ended during the run")
     res = res if res is not None and "results" in res else None
     if not started:
         return TestReport("sandbox_error", 0, n, [], "runner did not start"

@@ -8,7 +8,9 @@ program another ~4 ms; a repair rollout starts ~300 such children per iteration,
 runs in it); it imports the children's sources, builds the ruleset and the program once,
 then for each request forks a child that, before reading anything:
 
-1. starts its own session and chdirs to its own fresh, empty working directory;
+1. dies with the zygote (parent-death signal; the zygote, in turn, kills its live children
+   when the parent's socket closes), starts its own session and chdirs to its own fresh,
+   empty working directory;
 2. keeps exactly the descriptors the parent passed (stdin, stdout, ... at their target
    numbers) and closes every other one (the zygote's control socket included);
 3. enters its own empty network namespace (``unshare(CLONE_NEWNET)``, or with a user
@@ -56,6 +58,8 @@ del _conf["sources"]
 import ctypes
 _libc = ctypes.CDLL(None, use_errno=True)
 _preps = {}
+_live = set()  # pids of children not yet reaped
+_zygote_pid = os.getpid()
 
 def _unshare_net(mode):
     if mode == "net":
@@ -85,6 +89,9 @@ def _place(fds, targets, keep):
 
 def _child(req, fds, prep):
     try:
+        _libc.prctl(1, 9)  # PR_SET_PDEATHSIG = SIGKILL: the child ends with the zygote
+        if os.getppid() != _zygote_pid:  # the zygote already died before the line above
+            os._exit(1)
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         os.setsid()
@@ -136,12 +143,19 @@ def _serve():
                 break
             if pid == 0:
                 break
+            _live.discard(pid)
             _send(sock, {"exit": pid, "code": os.waitstatus_to_exitcode(status)})
         if sock not in ready:
             continue
         msg, fds, _flags, _addr = socket.recv_fds(sock, 1 << 16, 16)
-        if not msg:
-            os._exit(0)  # the parent is gone
+        if not msg:  # the parent is gone: no child may outlive it (a sleeping one never hits its CPU limit)
+            for pid in _live:
+                for kill in (os.killpg, os.kill):
+                    try:
+                        kill(pid, signal.SIGKILL)
+                    except OSError:
+                        pass
+            os._exit(0)
         req = json.loads(msg)
         try:
             prep = _prep_for(req["kind"], req["cfg"])
@@ -153,6 +167,7 @@ def _serve():
             continue
         if pid == 0:
             _child(req, fds, prep)
+        _live.add(pid)
         for fd in fds:
             os.close(fd)
         try:
