@@ -189,3 +189,16 @@ def test_no_sandbox_process_outlives_the_parent():
     while time.monotonic() < deadline and not all(_gone(p) for p in pids):
         time.sleep(0.1)
     assert all(_gone(p) for p in pids)
+
+
+def test_an_unknown_start_mode_stops_a_run_before_its_folder_is_made(monkeypatch, tmp_path):
+    from rich.console import Console
+
+    from consequence.config import TrainConfig
+    from consequence.train import train
+
+    monkeypatch.setenv("CONSEQUENCE_SANDBOX_START", "bogus")
+    with pytest.raises(ValueError, match="CONSEQUENCE_SANDBOX_START='bogus'"):
+        train(TrainConfig(run_dir=str(tmp_path / "run"), iterations=1, final_eval_episodes=0, eval_every=0),
+              Console(quiet=True))
+    assert not (tmp_path / "run").exists()
