@@ -210,12 +210,12 @@ class TrainConfig(BaseModel):
             if on and not distill:  # a setting that only distillation reads would be silently dropped
                 raise ValueError(f"--{key.replace('_', '-')} is read only by distillation (--advantage reverse_kl "
                                  f"or --distill-loss), but neither is given: add one or drop --{key.replace('_', '-')}")
-        defaults = {"distill_beta": 0.5, "distill_temperature": 1.0, "distill_top_k": 0}
-        for key, default in defaults.items():
-            if getattr(self, key) != default and not as_loss:
-                raise ValueError(f"--{key.replace('_', '-')} is read only by --distill-loss, which is none: give "
-                                 f"--distill-loss forward|reverse|jsd or drop --{key.replace('_', '-')}")
-        if self.distill_beta != 0.5 and self.distill_loss in ("forward", "reverse"):
+        given = {k for k in ("distill_beta", "distill_temperature", "distill_top_k")
+                 if getattr(self, k) != type(self).model_fields[k].default}
+        for key in sorted(given) if not as_loss else ():
+            raise ValueError(f"--{key.replace('_', '-')} is read only by --distill-loss, which is none: give "
+                             f"--distill-loss forward|reverse|jsd or drop --{key.replace('_', '-')}")
+        if "distill_beta" in given and self.distill_loss in ("forward", "reverse"):
             raise ValueError(f"--distill-beta is read only by --distill-loss jsd, not {self.distill_loss} "
                              "(jsd with β 0 / 1 is forward / reverse KL)")
         if distill and (self.top_k or self.top_p < 1):

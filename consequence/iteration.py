@@ -221,7 +221,7 @@ def _one_step(batch: Batch, rows, part: list[int], cfg, learner: Learner, pad_id
         m = ppo_step(learner.model, learner.optimizer, pick(rows), pick(batch.advantages),
                      learner.update_cfg, pad_id, lp_fn,
                      ref_logprobs=pick(batch.ref_logprobs), sampler_logprobs=pick(batch.sampler_logprobs),
-                     teacher=learner.teacher if cfg.distill_loss != "none" else None)
+                     teacher=learner.teacher)  # the update reads it only with a --distill-loss
         if learner.critic is not None:
             m |= value_step(learner.critic, learner.critic_optimizer, pick(rows), pick(batch.returns),
                             pick(batch.old_values), pad_id, cfg.value_clip, cfg.micro_batch_size)

@@ -227,22 +227,20 @@ _SERVER: list[ForkServer] = []
 _SERVER_LOCK = threading.Lock()
 
 
-def _fork_server() -> ForkServer:
-    """The process's one fork server (made under a lock: tool threads ask for it at once)."""
+def _sources() -> dict[str, str]:
+    """Source text of each kind of sandbox child (the judge's two live in judge_children)."""
     from consequence.envs.judge_children import CANDIDATE, JUDGE
 
+    return {"runner": RUNNER, "candidate": CANDIDATE, "judge": JUDGE}
+
+
+def _fork_server() -> ForkServer:
+    """The process's one fork server (made under a lock: tool threads ask for it at once)."""
     with _SERVER_LOCK:
         if not _SERVER:
             net = network_isolation()
-            _SERVER.append(ForkServer({"runner": RUNNER, "candidate": CANDIDATE, "judge": JUDGE},
-                                      "" if not net else "user" if "--user" in net else "net"))
+            _SERVER.append(ForkServer(_sources(), "" if not net else "user" if "--user" in net else "net"))
         return _SERVER[0]
-
-
-def _source(kind: str) -> str:
-    from consequence.envs.judge_children import CANDIDATE, JUDGE
-
-    return {"runner": RUNNER, "candidate": CANDIDATE, "judge": JUDGE}[kind]
 
 
 def spawn_child(kind: str, cfg: str, cwd: str, stdin: int, stdout: int, extra: Sequence[int] = (),
@@ -261,7 +259,7 @@ def spawn_child(kind: str, cfg: str, cwd: str, stdin: int, stdout: int, extra: S
         OSError: the child could not be started (report ``sandbox_error``).
     """
     if start_mode() == "fresh":
-        proc = subprocess.Popen([*network_isolation(), sys.executable, "-I", "-S", "-c", _source(kind), cfg, *argv],
+        proc = subprocess.Popen([*network_isolation(), sys.executable, "-I", "-S", "-c", _sources()[kind], cfg, *argv],
                                 stdin=stdin, stdout=stdout, stderr=subprocess.DEVNULL, cwd=cwd, env={},
                                 start_new_session=True, close_fds=True, pass_fds=tuple(extra))
         return proc, list(extra)
@@ -273,7 +271,6 @@ def spawn_child(kind: str, cfg: str, cwd: str, stdin: int, stdout: int, extra: S
     finally:
         os.close(devnull)
     return child, targets
-
 
 
 def tagged_messages(raw: bytes, nonce: str) -> tuple[bool, dict | None]:
