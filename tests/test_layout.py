@@ -6,7 +6,7 @@ from pathlib import Path
 PKG = Path(__file__).resolve().parent.parent / "consequence"
 LAYERS = [
     {"records", "seeding", "figures", "config", "fileio"},
-    {"tasks"}, {"envs"}, {"policy"}, {"harness"}, {"rollout"}, {"reward"}, {"credit"}, {"update"},
+    {"tasks"}, {"envs"}, {"policy"}, {"harness"}, {"rollout"}, {"serve"}, {"reward"}, {"credit"}, {"update"},
     {"evaluate"}, {"distill"},
     {"iteration", "checks", "diagnostics", "resume"},
     {"recipes"},

@@ -139,7 +139,7 @@ def _start(index: int, spec: EpisodeSpec, renderer: Renderer, system_prompt: str
             raise TypeError(f"reset() must return (observation: str, info: dict); the observation is a "
                             f"{type(obs).__name__}")
     except Exception as err:  # the environment's fault, not the policy's: excluded, counted
-        _end(e, "env_error", error=_raised("reset", err))
+        _end(e, "env_error", error=raised("reset", err))
         return e
     e.messages = opening_messages(system_prompt, obs, examples)
     for name, arguments in spec.opening:
@@ -168,11 +168,12 @@ def _end(e: _Live, outcome: str, reason: str | None = None, error: str | None = 
     e.traj.messages = e.messages
 
 
-def _raised(where: str, err: Exception) -> str:
+def raised(where: str, err: Exception) -> str:
+    """The error text of an environment call that raised (an ``env_error``, never a 0)."""
     return f"environment {where} raised {type(err).__name__}: {err}"
 
 
-def _take_reward(traj: Trajectory, call: ModelCall, reward: Any, info: dict) -> str | None:
+def take_reward(traj: Trajectory, call: ModelCall, reward: Any, info: dict) -> str | None:
     """Keep one step's reward on its call and per component on the trajectory; an error
     text when the reward or its components are not numbers (then: env_error)."""
     try:
@@ -227,10 +228,10 @@ def _advance(e: _Live, sample: Any, renderer: Renderer, tool_specs: dict, budget
             if not isinstance(obs, str) or not isinstance(info, dict):
                 raise TypeError("step() must return (observation: str, reward, terminated, truncated, info: dict); "
                                 f"got observation {type(obs).__name__}, info {type(info).__name__}")
-            error = _take_reward(e.traj, call, reward, info)
+            error = take_reward(e.traj, call, reward, info)
         except Exception as err:  # an environment that raises is an env_error, never a 0
             obs, terminated, truncated, info = "", False, False, {}
-            error = _raised("step", err)
+            error = raised("step", err)
         e.traj.env_retries += int(info.get("env_retries", 0))  # re-runs of a failed sandbox
         if error or info.get("env_error"):
             e.messages = e.messages + [parsed.message] + results

@@ -1,0 +1,328 @@
+"""The FastAPI application of ``consequence serve`` and the uvicorn server that runs it.
+
+Routes (each also under ``/s/{session}/``, which puts the call in that session; a
+``X-Session-Id`` header does the same on the plain routes; a call without either is
+served but not recorded):
+
+* ``GET /v1/models``: the one model served;
+* ``POST /v1/chat/completions``: the OpenAI chat-completions call (``serve.protocol``),
+  sampled by the batcher (``serve.batcher``) with the current policy, recorded by the
+  session (``serve.sessions``);
+* ``GET /s/{session}/record``: the session's trajectory as plain data (every call's
+  context ids, sampled ids, sampler log-probs) and its ``prefix_breaks``;
+* ``GET /health``: queue length, requests being sampled, batch counters, open sessions.
+
+Errors are OpenAI-shaped JSON (``{"error": {...}}``) with a 4xx status. On shutdown
+(SIGTERM, SIGINT, :meth:`BackgroundServer.stop`) uvicorn stops accepting connections,
+waits for the requests in flight, then the batcher stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from consequence.harness.renderer import ParsedTurn, Renderer
+from consequence.policy.sampler import Sample, SamplingParams
+from consequence.serve.batcher import Batcher
+from consequence.serve.protocol import (ChatRequest, Choice, ServeError, bad, completion, parse_request,
+                                        stream_chunks)
+from consequence.serve.sessions import Session, SessionStore
+
+SESSION_HEADER = "x-session-id"
+DISCONNECT_POLL_S = 0.05
+
+
+@dataclass
+class ServeSettings:
+    """What the server samples with when a request does not say.
+
+    Attributes:
+        model_name: the name ``/v1/models`` lists and requests must give.
+        temperature, top_p, top_k: defaults (a request's ``temperature`` / ``top_p`` win).
+        max_tokens: default tokens per reply (capped by the context left).
+        max_context: the model's context length (``max_position_embeddings``).
+        seed: seed of the shared sampling generator.
+        max_batch, wait_s: the batcher's settings.
+    """
+
+    model_name: str
+    max_context: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 256
+    seed: int = 0
+    max_batch: int = 64
+    wait_s: float = 0.005
+
+
+@dataclass
+class ServeState:
+    """The server's state: settings, the base renderer, the batcher and the sessions."""
+
+    settings: ServeSettings
+    renderer: Renderer
+    batcher: Batcher
+    sessions: SessionStore = field(default_factory=SessionStore)
+    renderers: dict[str, Renderer] = field(default_factory=dict)
+
+    def renderer_for(self, tools: list[dict]) -> Renderer:
+        """The renderer of a request's tools (the base one for the same tools), cached.
+
+        Raises:
+            ServeError: 400 when the model's chat template cannot show these tools.
+        """
+        key = json.dumps(tools, sort_keys=True)
+        if key == json.dumps(self.renderer.tools, sort_keys=True):
+            return self.renderer
+        if key not in self.renderers:
+            try:
+                fmt = "auto" if self.renderer.tool_format == "none" else self.renderer.tool_format
+                self.renderers[key] = Renderer(self.renderer.tokenizer, tools, self.renderer.end_of_turn, fmt)
+            except ValueError as e:
+                raise bad(f"bad tool schema for this model: {e}", "tools", "invalid_tools") from None
+        return self.renderers[key]
+
+
+def model_context_length(model) -> int:
+    """The model's context length (``config.max_position_embeddings``; 2**31 when not declared)."""
+    return int(getattr(getattr(model, "config", None), "max_position_embeddings", None) or 2**31)
+
+
+def create_app(model, renderer: Renderer, settings: ServeSettings) -> FastAPI:
+    """The application serving ``model`` (eval mode, no gradients) through ``renderer``.
+
+    The returned app's ``state.serve`` is the :class:`ServeState` (sessions, batcher).
+    """
+    state = ServeState(settings, renderer, Batcher(model, renderer.stop_ids, settings.seed, settings.max_batch,
+                                                   settings.wait_s))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.batcher.start()
+        yield
+        await state.batcher.stop()
+
+    app = FastAPI(title="consequence serve", lifespan=lifespan)
+    app.state.serve = state
+    _errors(app)
+
+    @app.get("/v1/models")
+    @app.get("/s/{session}/v1/models")
+    async def models(session: str | None = None) -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": settings.model_name, "object": "model", "created": 0,
+                                            "owned_by": "consequence"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_plain(request: Request):
+        return await _chat(state, request, request.headers.get(SESSION_HEADER))
+
+    @app.post("/s/{session}/v1/chat/completions")
+    async def chat_session(session: str, request: Request):
+        return await _chat(state, request, session)
+
+    @app.get("/s/{session}/record")
+    async def record(session: str) -> dict[str, Any]:
+        s = state.sessions.get(session, create=False)
+        if s is None:
+            raise ServeError(404, f"no session {session!r}; sessions: {', '.join(state.sessions.ids()) or 'none'}",
+                             None, "session_not_found")
+        return s.record_dict()
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        b = state.batcher
+        return {"queued": b.queued, "in_flight": b.in_flight, "batches": b.stats.batches,
+                "requests": b.stats.requests, "largest_batch": b.stats.largest, "dropped": b.stats.dropped,
+                "sessions": len(state.sessions.ids())}
+
+    return app
+
+
+def _errors(app: FastAPI) -> None:
+    @app.exception_handler(ServeError)
+    async def serve_error(_request: Request, e: ServeError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_request: Request, e: StarletteHTTPException):
+        return JSONResponse(ServeError(e.status_code, str(e.detail), None, "not_found" if e.status_code == 404
+                                       else None).body(), status_code=e.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_request: Request, e: RequestValidationError):
+        return JSONResponse(bad(f"bad request: {e.errors()}").body(), status_code=400)
+
+
+async def _chat(state: ServeState, request: Request, sid: str | None):
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise bad("the request body is not valid JSON") from None
+    req = parse_request(body, state.settings.model_name)
+    renderer = state.renderer_for(req.tools)
+    session = state.sessions.get(sid) if sid else None
+    if session is None:
+        context = renderer.prompt_ids(req.messages)
+        choices = await _sample(state, request, renderer, req, context, _params(state, req, len(context)), None)
+    else:
+        async with session.lock:
+            context, choices = await _session_call(state, request, session, renderer, req)
+    full = completion(req, choices, [[f"call_{uuid.uuid4().hex[:24]}" for _ in (c.message.get("tool_calls") or [])]
+                                     for c in choices], context)
+    if not req.stream:
+        return full
+    lines = [f"data: {json.dumps(c)}\n\n" for c in stream_chunks(full, req)] + ["data: [DONE]\n\n"]
+    return StreamingResponse(iter(lines), media_type="text/event-stream")
+
+
+async def _session_call(state: ServeState, request: Request, session: Session, renderer: Renderer,
+                        req: ChatRequest) -> tuple[list[int], list[Choice]]:
+    """Build the context by the prefix rule, apply the bound episode's budgets, sample, record."""
+    ep = session.episode
+    if ep is not None:
+        params = ep.params_for(req)
+        ep.before_context()
+    context = session.context_for(req.messages, renderer)
+    if ep is not None:
+        ep.before_sample(context)
+    else:
+        params = _params(state, req, len(context))
+    _check_context(state, len(context), params.max_new_tokens)
+    answers = True if ep is None else ep.answers
+    choices = await _sample(state, request, renderer, req, context, params, session.id, answers)
+    for ch, sample, parsed in choices.records:  # type: ignore[attr-defined]
+        session.record(req.messages, context, sample, parsed)
+        if ep is not None:
+            ep.after_call(sample.stop_reason)
+    return context, list(choices)
+
+
+def _params(state: ServeState, req: ChatRequest, n_context: int) -> SamplingParams:
+    """The sampling settings of a request outside an episode (the server's defaults where it says nothing)."""
+    s = state.settings
+    room = s.max_context - n_context
+    if req.max_tokens is None and room < 1:
+        _check_context(state, n_context, 1)
+    max_new = req.max_tokens if req.max_tokens is not None else min(s.max_tokens, room)
+    _check_context(state, n_context, max_new)
+    temperature = s.temperature if req.temperature is None else req.temperature
+    top_p = s.top_p if req.top_p is None else req.top_p
+    return SamplingParams(temperature, s.top_k if temperature > 0 else 0, top_p, max_new)
+
+
+def _check_context(state: ServeState, n_context: int, max_new: int) -> None:
+    limit = state.settings.max_context
+    if n_context + max_new > limit:
+        raise bad(f"this model's maximum context length is {limit} tokens; the messages take {n_context} tokens and "
+                  f"the reply may take {max_new} (max_tokens): shorten the messages or lower max_tokens",
+                  "messages", "context_length_exceeded")
+
+
+class _Choices(list):
+    """The choices of one call, with ``records``: (choice, sample, parsed) for the recorder."""
+
+    records: list[tuple[Choice, Sample, ParsedTurn]]
+
+
+async def _sample(state: ServeState, request: Request, renderer: Renderer, req: ChatRequest, context: list[int],
+                  params: SamplingParams, key: str | None, answers: bool = True) -> _Choices:
+    """Sample ``req.n`` choices for ``context``; cancelled when the client disconnects."""
+    job = asyncio.ensure_future(state.batcher.sample([context] * req.n, params, key, req.seed))
+    while not job.done():
+        await asyncio.wait({job}, timeout=DISCONNECT_POLL_S)
+        if not job.done() and await request.is_disconnected():
+            job.cancel()
+            raise ServeError(499, "the client closed the connection")
+    try:
+        samples = job.result()
+    except RuntimeError as e:
+        raise ServeError(503, str(e), None, "shutting_down") from None
+    out = _Choices()
+    out.records = []
+    parser = renderer if req.parse_tools else state.renderer_for([])
+    tok = renderer.tokenizer
+    for s in samples:
+        s = _cut_at_stop(s, req.stop, tok)
+        parsed = parser.parse(s.output_ids, s.stop_reason, answers=answers)
+        finish = "length" if s.stop_reason == "length" else ("tool_calls" if parsed.tool_calls else "stop")
+        ch = Choice(parsed.message, finish, list(s.output_ids), list(s.logprobs),
+                    [tok.decode([i], skip_special_tokens=False) for i in s.output_ids])
+        out.append(ch)
+        out.records.append((ch, s, parsed))
+    return out
+
+
+def _cut_at_stop(sample: Sample, stops: list[str], tokenizer) -> Sample:
+    """The sample up to and including the first token whose text completes a stop string
+    (``stop_reason`` ``stop``); unchanged when none occurs. The ids after it were sampled
+    but are not part of the reply, so they are not recorded either."""
+    if not stops:
+        return sample
+    for k in range(1, len(sample.output_ids) + 1):
+        text = tokenizer.decode(sample.output_ids[:k], skip_special_tokens=False)
+        if any(s in text for s in stops):
+            keep = None if sample.keep_ids is None else sample.keep_ids[:k]
+            return Sample(sample.output_ids[:k], sample.logprobs[:k], "stop", keep)
+    return sample
+
+
+# ---- the server ----------------------------------------------------------------------
+class BackgroundServer:
+    """uvicorn serving an app on a loopback port in a background thread (the agent-runner, tests).
+
+    Args:
+        app: the FastAPI app.
+        host: the address to bind (loopback by default).
+        port: 0 picks a free port (:attr:`port` holds the one bound).
+
+    Raises:
+        RuntimeError: from :meth:`start`, the server did not start within ``timeout_s``.
+    """
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0):
+        import uvicorn
+
+        self.app, self.host = app, host
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, name="consequence-serve", daemon=True)
+        self.port = port
+
+    def start(self, timeout_s: float = 30.0) -> "BackgroundServer":
+        self.server.install_signal_handlers = lambda: None  # signals belong to the main thread
+        self.thread.start()
+        t0 = time.monotonic()
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() - t0 > timeout_s:
+                raise RuntimeError(f"the endpoint on {self.host}:{self.port} did not start (port in use?)")
+            time.sleep(0.01)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def stop(self) -> None:
+        """Stop accepting, finish the requests in flight, stop the batcher; wait for the thread."""
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+    def __enter__(self) -> "BackgroundServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+

@@ -1,0 +1,182 @@
+"""Concurrent requests sampled together: one ``generate`` call per batch (the policy's sampler).
+
+Requests queue up while a batch is sampled; the next batch takes every queued request
+with the same sampling settings (up to ``max_batch``), after waiting ``wait_s`` for more
+to arrive. Each session's K/V is kept from one call to the next
+(``policy.prefix_cache``), so a turn prefills only its new tokens. A request with a
+``seed`` is sampled alone, with its own ``torch.Generator``, so the same request gives
+the same sample; the others share the batcher's generator.
+
+Sampling runs in one worker thread, so the event loop keeps serving while the model
+works. A request whose client went away before its batch started is dropped from it; one
+that leaves during sampling finishes with the batch and its result is discarded, so no
+batch waits on a client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+from collections.abc import Collection, Hashable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from consequence.policy.prefix_cache import PrefixCache, generate_with_prefix
+from consequence.policy.sampler import Sample, SamplingParams
+
+
+@dataclass
+class _Request:
+    prompt: list[int]
+    params: SamplingParams
+    key: Hashable | None  # the session whose K/V may be reused, or None
+    seed: int | None
+    future: asyncio.Future = field(default=None)  # type: ignore[assignment]
+
+
+@dataclass
+class BatchStats:
+    """Counters for benchmarks and ``GET /health``: batches run, requests sampled, the
+    largest batch, requests dropped because their client left before sampling."""
+
+    batches: int = 0
+    requests: int = 0
+    largest: int = 0
+    dropped: int = 0
+
+
+class Batcher:
+    """Collects sampling requests and runs them in batches (see the module doc).
+
+    Args:
+        model: the policy (sampled in eval mode, without gradients).
+        stop_ids: ids that end a completion (the renderer's end-of-turn and EOS).
+        seed: seed of the shared generator.
+        max_batch: the most requests in one ``generate`` call.
+        wait_s: how long a batch waits for more requests after its first.
+    """
+
+    def __init__(self, model, stop_ids: Collection[int], seed: int = 0, max_batch: int = 64, wait_s: float = 0.005):
+        self.model, self.stop_ids = model, set(stop_ids)
+        self.max_batch, self.wait_s = max_batch, wait_s
+        self.generator = torch.Generator().manual_seed(seed)
+        self.cache = PrefixCache()
+        self.stats = BatchStats()
+        self.in_flight = 0  # requests being sampled now
+        self._queue: asyncio.Queue[_Request] | None = None
+        self._task: asyncio.Task | None = None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sampler")
+        self._anon = itertools.count()
+
+    def start(self) -> None:
+        """Start the batching loop on the running event loop."""
+        self._queue = asyncio.Queue()
+        self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def stop(self) -> None:
+        """Stop the loop; queued requests fail with ``RuntimeError`` (the server is shutting down)."""
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        while self._queue is not None and not self._queue.empty():
+            r = self._queue.get_nowait()
+            if not r.future.done():
+                r.future.set_exception(RuntimeError("the server is shutting down"))
+        self._pool.shutdown(wait=True)
+
+    @property
+    def queued(self) -> int:
+        return 0 if self._queue is None else self._queue.qsize()
+
+    async def sample(self, prompts: list[list[int]], params: SamplingParams, key: Hashable | None = None,
+                     seed: int | None = None) -> list[Sample]:
+        """Sample one completion per prompt (the ``n`` choices of a request share ``key``).
+
+        Raises:
+            RuntimeError: the batcher is stopped.
+            asyncio.CancelledError: the caller was cancelled (the request is dropped or discarded).
+        """
+        if self._queue is None or self._task is None or self._task.done():
+            raise RuntimeError("the server is shutting down")
+        loop = asyncio.get_running_loop()
+        reqs = [_Request(p, params, key if k == 0 else None, seed, loop.create_future()) for k, p in enumerate(prompts)]
+        for r in reqs:
+            self._queue.put_nowait(r)
+        try:
+            return list(await asyncio.gather(*(r.future for r in reqs)))
+        except asyncio.CancelledError:
+            for r in reqs:
+                r.future.cancel()
+            raise
+
+    def forget(self, keys: Collection[Hashable]) -> None:
+        """Drop the stored K/V of ended sessions."""
+        for k in keys:
+            self.cache.entries.pop(k, None)
+
+    async def _loop(self) -> None:
+        assert self._queue is not None
+        pending: list[_Request] = []
+        while True:
+            if not pending:
+                pending.append(await self._queue.get())
+                await asyncio.sleep(self.wait_s)
+            while not self._queue.empty():
+                pending.append(self._queue.get_nowait())
+            live = [r for r in pending if not r.future.done()]
+            self.stats.dropped += len(pending) - len(live)
+            batch, pending = _take_batch(live, self.max_batch)
+            if batch:
+                await self._run(batch)
+
+    async def _run(self, batch: list[_Request]) -> None:
+        self.in_flight = len(batch)
+        try:
+            samples = await asyncio.get_running_loop().run_in_executor(self._pool, self._generate, batch)
+        except Exception as e:  # noqa: BLE001  (a failed batch fails its requests, never the loop)
+            for r in batch:
+                if not r.future.done():
+                    r.future.set_exception(e)
+            return
+        finally:
+            self.in_flight = 0
+        self.stats.batches += 1
+        self.stats.requests += len(batch)
+        self.stats.largest = max(self.stats.largest, len(batch))
+        for r, s in zip(batch, samples):
+            if not r.future.done():  # a client that left: its sample is discarded
+                r.future.set_result(s)
+
+    def _generate(self, batch: list[_Request]) -> list[Sample]:
+        params = batch[0].params
+        gen = self.generator if batch[0].seed is None else torch.Generator().manual_seed(batch[0].seed)
+        anon = [("anonymous", next(self._anon)) for _ in batch]
+        keys = [r.key if r.key is not None else a for r, a in zip(batch, anon)]
+        out = generate_with_prefix(self.model, [r.prompt for r in batch], keys, params, self.stop_ids, self.cache, gen)
+        self.forget(anon)  # rows without a session never call again
+        return out
+
+
+def _take_batch(pending: list[_Request], max_batch: int) -> tuple[list[_Request], list[_Request]]:
+    """The next batch: the first request and those queued after it with the same settings
+    and without a seed (a seeded request runs alone), one per session key; the rest stay."""
+    if not pending:
+        return [], []
+    first = pending[0]
+    if first.seed is not None:
+        return [first], pending[1:]
+    batch, rest, keys = [first], [], {first.key}
+    for r in pending[1:]:
+        same = dataclasses.replace(r.params) == first.params and r.seed is None
+        if same and len(batch) < max_batch and (r.key is None or r.key not in keys):
+            batch.append(r)
+            keys.add(r.key)
+        else:
+            rest.append(r)
+    return batch, rest

@@ -1,0 +1,337 @@
+"""The OpenAI chat-completions wire format: requests checked, messages normalised, responses built.
+
+A request is checked completely before anything is sampled: every field is applied or
+refused with an OpenAI-style JSON error (``{"error": {"message", "type", "param",
+"code"}}``) and a 4xx status, never silently dropped. Messages are normalised to the
+harness's own shape (the one :class:`~consequence.harness.renderer.Renderer` renders and
+``rollout.episodes`` builds), so that a history the agent sends back compares equal to
+what the harness would hold: tool-call arguments as dicts, a tool result named by the
+call it answers, text parts joined.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from consequence.harness.tools import check_tool_specs
+
+# Fields accepted with any value (they change nothing the sampler does), and fields whose
+# only accepted value is the one that changes nothing: anything else is refused.
+_IGNORED = {"user", "metadata", "store", "stream_options", "parallel_tool_calls", "service_tier"}
+_NEUTRAL = {"frequency_penalty": 0, "presence_penalty": 0, "logit_bias": None, "response_format": None}
+_KNOWN = {"model", "messages", "tools", "tool_choice", "temperature", "top_p", "max_tokens",
+          "max_completion_tokens", "n", "stop", "seed", "logprobs", "top_logprobs", "stream"}
+MAX_N = 16
+MAX_STOP = 4
+
+
+class ServeError(Exception):
+    """A request the server refuses: an HTTP status and an OpenAI-style error body.
+
+    Args:
+        status: HTTP status (4xx for a bad request, 503 while shutting down).
+        message: what was wrong and how to fix it.
+        param: the request field at fault, if one.
+        code: a short machine-readable code (``model_not_found``, ``context_length_exceeded``, …).
+    """
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict[str, Any]:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+def bad(message: str, param: str | None = None, code: str | None = None) -> ServeError:
+    """A 400 ``invalid_request_error``."""
+    return ServeError(400, message, param, code)
+
+
+@dataclass
+class ChatRequest:
+    """A checked ``/v1/chat/completions`` request.
+
+    Attributes:
+        messages: normalised messages (:func:`normalise_messages`).
+        tools: the tool specs (checked by ``harness.tools.check_tool_specs``), ``[]`` for none.
+        parse_tools: ``tool_choice`` is ``"auto"`` (tool calls are parsed out of the reply),
+            ``False`` for ``"none"`` (the reply is text).
+        temperature, top_p: ``None`` when not given (the server's setting applies).
+        max_tokens: ``max_tokens`` / ``max_completion_tokens``; ``None`` when not given.
+        stop: stop strings (at most 4).
+    """
+
+    model: str
+    messages: list[dict[str, Any]]
+    tools: list[dict] = field(default_factory=list)
+    parse_tools: bool = True
+    temperature: float | None = None
+    top_p: float | None = None
+    max_tokens: int | None = None
+    n: int = 1
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+    logprobs: bool = False
+    stream: bool = False
+    include_usage: bool = False
+
+
+def parse_request(body: Any, served_model: str) -> ChatRequest:
+    """Check a request body and return it as a :class:`ChatRequest`.
+
+    Raises:
+        ServeError: 404 for another model than ``served_model``; 400 for an unknown or
+            unsupported field, a value out of range, malformed messages or tool specs.
+    """
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    unknown = sorted(set(body) - _KNOWN - _IGNORED - set(_NEUTRAL))
+    if unknown:
+        raise bad(f"unsupported parameter(s): {', '.join(unknown)}; this server takes "
+                  f"{', '.join(sorted(_KNOWN))}", unknown[0], "unsupported_parameter")
+    for key, neutral in _NEUTRAL.items():
+        if body.get(key, neutral) not in (neutral, None, {}):
+            raise bad(f"{key} is not supported (the sampler does not apply it); leave it out", key,
+                      "unsupported_parameter")
+    if body.get("model") != served_model:
+        raise ServeError(404, f"the model {body.get('model')!r} does not exist; this server serves "
+                         f"{served_model!r} (GET /v1/models)", "model", "model_not_found")
+    req = ChatRequest(model=served_model, messages=normalise_messages(body.get("messages")))
+    req.tools = _tools(body.get("tools"))
+    req.parse_tools = _tool_choice(body.get("tool_choice"))
+    req.temperature = _number(body, "temperature", 0.0, 2.0)
+    req.top_p = _number(body, "top_p", 0.0, 1.0, low_open=True)
+    req.max_tokens = _max_tokens(body)
+    req.n = _int(body, "n", 1, MAX_N) or 1
+    req.stop = _stop(body.get("stop"))
+    req.seed = _int(body, "seed", -2**63, 2**63 - 1)
+    req.logprobs = bool(body.get("logprobs") or False)
+    if body.get("top_logprobs"):
+        raise bad("top_logprobs is not supported: each choice carries the sampled tokens' log-probs "
+                  "(logprobs=true, and always in token_logprobs)", "top_logprobs", "unsupported_parameter")
+    req.stream = bool(body.get("stream") or False)
+    req.include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+    return req
+
+
+def _tools(tools: Any) -> list[dict]:
+    if tools is None:
+        return []
+    if not isinstance(tools, list):
+        raise bad("tools must be a list of function specs", "tools", "invalid_tools")
+    try:
+        check_tool_specs(tools)
+    except (ValueError, AttributeError) as e:
+        raise bad(f"bad tool schema: {e}", "tools", "invalid_tools") from None
+    return tools
+
+
+def _tool_choice(choice: Any) -> bool:
+    if choice in (None, "auto"):
+        return True
+    if choice == "none":
+        return False
+    raise bad(f"tool_choice {choice!r} is not supported: the sampler does not constrain decoding; use "
+              "'auto' (tool calls are parsed from the reply) or 'none'", "tool_choice", "unsupported_parameter")
+
+
+def _number(body: dict, key: str, low: float, high: float, low_open: bool = False) -> float | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (low < v if low_open else low <= v) or v > high:
+        raise bad(f"{key} must be a number in {'(' if low_open else '['}{low}, {high}], got {v!r}", key,
+                  "invalid_value")
+    return float(v)
+
+
+def _int(body: dict, key: str, low: int, high: int) -> int | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
+        raise bad(f"{key} must be an integer in [{low}, {high}], got {v!r}", key, "invalid_value")
+    return v
+
+
+def _max_tokens(body: dict) -> int | None:
+    a, b = body.get("max_tokens"), body.get("max_completion_tokens")
+    for key, v in (("max_tokens", a), ("max_completion_tokens", b)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise bad(f"{key} must be a positive integer, got {v!r}", key, "invalid_value")
+    if a is not None and b is not None and a != b:
+        raise bad(f"max_tokens ({a}) and max_completion_tokens ({b}) differ; give one of them",
+                  "max_completion_tokens", "invalid_value")
+    return a if a is not None else b
+
+
+def _stop(stop: Any) -> list[str]:
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > MAX_STOP:
+        raise bad(f"stop must be a non-empty string or a list of at most {MAX_STOP} of them", "stop", "invalid_value")
+    return list(stops)
+
+
+# ---- messages ----------------------------------------------------------------------
+def _text(content: Any, where: str) -> str:
+    """Message content as text: a string, ``None`` (empty) or a list of ``{"type": "text"}`` parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        return "".join(str(p.get("text", "")) for p in content)
+    raise bad(f"{where}: content must be a string or a list of text parts (images and audio are not supported)",
+              "messages", "invalid_value")
+
+
+def _arguments(raw: Any) -> Any:
+    """Tool-call arguments as the harness holds them: a dict (the OpenAI wire sends a JSON string)."""
+    if isinstance(raw, str):
+        try:
+            return json.loads(raw) if raw.strip() else {}
+        except json.JSONDecodeError:
+            return raw  # kept as sent: it can never equal a parsed call, so such a history breaks the row
+    return raw if raw is not None else {}
+
+
+def normalise_messages(messages: Any) -> list[dict[str, Any]]:
+    """OpenAI messages → the harness's messages (pure).
+
+    system / developer → ``{"role": "system", "content"}``; user → ``{"role": "user",
+    "content"}``; assistant → ``{"role": "assistant", "content"}`` plus ``tool_calls`` as
+    ``[{"type": "function", "function": {"name", "arguments": dict}}]`` when it has any;
+    tool → ``{"role": "tool", "name", "content"}``, the name taken from the message or
+    from the earlier assistant call whose ``id`` its ``tool_call_id`` gives.
+
+    Raises:
+        ServeError: 400 for an empty list, an unknown role, non-text content, or a tool
+            message whose call cannot be found.
+    """
+    if not isinstance(messages, list) or not messages:
+        raise bad("messages must be a non-empty list", "messages", "invalid_value")
+    out: list[dict[str, Any]] = []
+    names: dict[str, str] = {}
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise bad(f"messages[{i}] must be an object", "messages", "invalid_value")
+        role = m.get("role")
+        content = _text(m.get("content"), f"messages[{i}]")
+        if role in ("system", "developer", "user"):
+            out.append({"role": "user" if role == "user" else "system", "content": content})
+        elif role == "assistant":
+            out.append(_assistant(m, content, names, i))
+        elif role == "tool":
+            name = m.get("name") or names.get(m.get("tool_call_id") or "")
+            if not name:
+                raise bad(f"messages[{i}]: a tool message needs the tool_call_id of an earlier assistant tool call "
+                          f"(got {m.get('tool_call_id')!r})", "messages", "invalid_value")
+            out.append({"role": "tool", "name": name, "content": content})
+        else:
+            raise bad(f"messages[{i}]: unknown role {role!r}; use system, developer, user, assistant or tool",
+                      "messages", "invalid_value")
+    return out
+
+
+def _assistant(m: dict, content: str, names: dict[str, str], i: int) -> dict[str, Any]:
+    msg: dict[str, Any] = {"role": "assistant", "content": content}
+    calls = []
+    for c in m.get("tool_calls") or []:
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad(f"messages[{i}]: each tool call needs function.name", "messages", "invalid_value")
+        if c.get("id"):
+            names[c["id"]] = fn["name"]
+        calls.append({"type": "function", "function": {"name": fn["name"], "arguments": _arguments(fn.get("arguments"))}})
+    if calls:
+        msg["tool_calls"] = calls
+    return msg
+
+
+# ---- responses ---------------------------------------------------------------------
+@dataclass
+class Choice:
+    """One sampled choice as the server returns it.
+
+    Attributes:
+        message: the assistant message (harness shape, from ``Renderer.parse``).
+        finish_reason: ``stop``, ``length`` or ``tool_calls``.
+        token_ids: the sampled ids (end-of-turn included when sampled).
+        token_logprobs: the sampler's log μ of each sampled id.
+        tokens: each sampled id decoded alone (for the ``logprobs`` field).
+    """
+
+    message: dict[str, Any]
+    finish_reason: str
+    token_ids: list[int]
+    token_logprobs: list[float]
+    tokens: list[str]
+
+
+def wire_message(message: dict[str, Any], call_ids: list[str]) -> dict[str, Any]:
+    """The harness's assistant message in the OpenAI shape (arguments as JSON strings, call ids)."""
+    out: dict[str, Any] = {"role": "assistant", "content": message.get("content") or None}
+    calls = message.get("tool_calls") or []
+    if calls:
+        out["tool_calls"] = [{"id": cid, "type": "function",
+                              "function": {"name": c["function"]["name"],
+                                           "arguments": json.dumps(c["function"]["arguments"])}}
+                             for cid, c in zip(call_ids, calls)]
+    return out
+
+
+def _logprobs(ch: Choice) -> dict[str, Any]:
+    return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+                        for t, lp in zip(ch.tokens, ch.token_logprobs)]}
+
+
+def completion(req: ChatRequest, choices: list[Choice], call_ids: list[list[str]],
+               prompt_ids: list[int]) -> dict[str, Any]:
+    """The ``chat.completion`` object, plus vLLM-style ``prompt_token_ids`` and, per choice,
+    ``token_ids`` and ``token_logprobs``."""
+    out_choices = []
+    for k, (ch, ids) in enumerate(zip(choices, call_ids)):
+        out_choices.append({"index": k, "message": wire_message(ch.message, ids), "finish_reason": ch.finish_reason,
+                            "logprobs": _logprobs(ch) if req.logprobs else None,
+                            "token_ids": ch.token_ids, "token_logprobs": ch.token_logprobs})
+    return {"id": "chatcmpl-" + uuid.uuid4().hex, "object": "chat.completion", "created": int(time.time()),
+            "model": req.model, "choices": out_choices, "usage": usage(prompt_ids, choices),
+            "prompt_token_ids": prompt_ids}
+
+
+def usage(prompt_ids: list[int], choices: list[Choice]) -> dict[str, int]:
+    done = sum(len(c.token_ids) for c in choices)
+    return {"prompt_tokens": len(prompt_ids), "completion_tokens": done, "total_tokens": len(prompt_ids) + done}
+
+
+def stream_chunks(full: dict[str, Any], req: ChatRequest) -> list[dict[str, Any]]:
+    """The ``chat.completion.chunk`` objects of a finished completion: per choice the role,
+    the content and tool calls, then the finish reason (with its ids and log-probs); then
+    the usage when ``stream_options.include_usage`` asked for it."""
+    base = {"id": full["id"], "object": "chat.completion.chunk", "created": full["created"], "model": full["model"]}
+    chunks = []
+    for ch in full["choices"]:
+        msg, k = ch["message"], ch["index"]
+        chunks.append(base | {"choices": [{"index": k, "delta": {"role": "assistant", "content": ""},
+                                           "finish_reason": None}]})
+        delta: dict[str, Any] = {}
+        if msg.get("content"):
+            delta["content"] = msg["content"]
+        if msg.get("tool_calls"):
+            delta["tool_calls"] = [c | {"index": j} for j, c in enumerate(msg["tool_calls"])]
+        if delta:
+            chunks.append(base | {"choices": [{"index": k, "delta": delta, "finish_reason": None,
+                                               "logprobs": ch["logprobs"]}]})
+        chunks.append(base | {"choices": [{"index": k, "delta": {}, "finish_reason": ch["finish_reason"],
+                                           "token_ids": ch["token_ids"], "token_logprobs": ch["token_logprobs"]}]})
+    if req.include_usage:
+        chunks.append(base | {"choices": [], "usage": full["usage"]})
+    return chunks
