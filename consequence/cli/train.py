@@ -35,7 +35,7 @@ def _train(config: Optional[Path] = None, resume: Optional[Path] = None, **optio
 
 
 def check_before_work(cfg: TrainConfig) -> None:
-    """What can be checked before any model is loaded: the model folder, a task file, the run folder.
+    """What can be checked before any model is loaded: the model folder, a task file, the agent, the run folder.
 
     Raises:
         ValueError: names the option and the fix; nothing is left on disk.
@@ -45,6 +45,10 @@ def check_before_work(cfg: TrainConfig) -> None:
     check_model_dir(cfg.model)
     check_model_dir(cfg.teacher, "--teacher", chat_template=False)
     env_of(cfg)  # the environment and its task source load (a user's plug-in, a task file)
+    if cfg.agent:  # the agent imports and is an async function
+        from consequence.serve.runner import load_agent
+
+        load_agent(cfg.agent)
     check_run_dir(Path(cfg.run_dir), keep=False)
 
 
