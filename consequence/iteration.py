@@ -34,6 +34,7 @@ from consequence.rollout.groups import group_of
 from consequence.rollout.episodes import EpisodeSpec, run_episodes
 from consequence.seeding import seed_of
 from consequence.rollout.sampling import policy_generate_fn
+from consequence.serve.runner import load_agent, run_agent_episodes
 from consequence.update.step import NonFiniteError, UpdateConfig, compute_logprobs, ppo_step
 from consequence.update.value_step import value_step
 
@@ -98,8 +99,9 @@ def collect(it: int, cfg: TrainConfig, model, renderer, split, budgets, sampling
     rounds = cfg.dynamic_sampling_max_rounds if cfg.dynamic_sampling else 1
     kept: list[list[Trajectory]] = []
     generated = tokens = 0
+    agent_stats: dict[str, float] = {}
     for r in range(rounds):
-        groups = _roll_out_round(it, r, cfg, model, renderer, split, budgets, sampling, progress)
+        groups = _roll_out_round(it, r, cfg, model, renderer, split, budgets, sampling, progress, agent_stats)
         generated += len(groups)
         tokens += sum(t.n_generated_tokens for g in groups for t in g)
         kept += [g for g in groups if not cfg.dynamic_sampling or _is_mixed(g)]
@@ -107,11 +109,14 @@ def collect(it: int, cfg: TrainConfig, model, renderer, split, budgets, sampling
             break
     kept = kept[: cfg.tasks_per_iteration]
     stats = {"groups_generated": generated, "groups_kept": len(kept), "groups_dropped": generated - len(kept),
-             "gen_tokens_total": tokens}
+             "gen_tokens_total": tokens, **agent_stats}
     return [t for g in kept for t in g], stats
 
 
-def _roll_out_round(it, r, cfg, model, renderer, split, budgets, sampling, progress=None) -> list[list[Trajectory]]:
+def _roll_out_round(it, r, cfg, model, renderer, split, budgets, sampling, progress=None,
+                    agent_stats: dict[str, float] | None = None) -> list[list[Trajectory]]:
+    """One round of B tasks × G episodes, scored and grouped: in-process harness, or with
+    ``--agent`` the user's agent through the endpoint (its stats added into ``agent_stats``)."""
     tag = (it,) if r == 0 else (it, "round", r)  # round 0 keeps the seeds of plain sampling
     env = split
     tasks = env.sample("train", cfg.tasks_per_iteration, seed=seed_of(cfg.seed, *tag))
@@ -119,9 +124,17 @@ def _roll_out_round(it, r, cfg, model, renderer, split, budgets, sampling, progr
     specs = [EpisodeSpec(episode, t.task_id, f"{prefix}/{t.task_id}", g, seed_of(cfg.seed, *tag, g),
                          answer_ends_episode=env.answer_ends_episode)
              for t in tasks for g, episode in enumerate(group_of(env, t, cfg.group_size))]
-    gen = policy_generate_fn(model, sampling, renderer.stop_ids, seed_of(cfg.seed, *tag, "rollout"))
-    trajs = run_episodes(gen, renderer, specs, budgets, env.system_prompt, policy_version=it, progress=progress,
-                         examples=env.examples)
+    if cfg.agent:
+        trajs, stats = run_agent_episodes(load_agent(cfg.agent), model, renderer, specs, budgets, sampling,
+                                          env.system_prompt, seed_of(cfg.seed, *tag, "rollout"), policy_version=it,
+                                          examples=env.examples, progress=progress)
+        for k, v in stats.items():
+            if agent_stats is not None:
+                agent_stats[k] = agent_stats.get(k, 0.0) + v
+    else:
+        gen = policy_generate_fn(model, sampling, renderer.stop_ids, seed_of(cfg.seed, *tag, "rollout"))
+        trajs = run_episodes(gen, renderer, specs, budgets, env.system_prompt, policy_version=it, progress=progress,
+                             examples=env.examples)
     score_trajectories(trajs, cfg.overlong_buffer, budgets.max_total_tokens, env.reward_components, env.reward_range)
     groups: dict[str, list[Trajectory]] = {}
     for t in trajs:

@@ -417,6 +417,7 @@ def iteration(it, cfg, learner: Learner, renderer, split, budgets, sampling, run
     if first and not cfg.skip_checks:
         metrics["pre_step_checks"] = [vars(c) for c in checks]
     metrics["gen_tokens_total"] = ds["gen_tokens_total"]
+    metrics |= {k: v for k, v in ds.items() if k.startswith("agent_")}  # --agent: prefix breaks, calls, batches
     metrics |= batch.metrics  # on-policy distillation: teacher_reverse_kl, teacher_forward_tokens, teacher_s
     metrics |= iteration_extras(trajs)
     if cfg.dynamic_sampling:

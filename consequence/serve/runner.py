@@ -120,7 +120,7 @@ def run_agent_episodes(agent: Callable, model, renderer: Renderer, specs: Sequen
     Returns:
         (trajectories, stats): ``agent_prefix_breaks`` (calls whose history did not continue
         the sampled reply: each starts a new training row), ``agent_calls``,
-        ``agent_batches`` (``generate`` calls) and ``agent_batch_mean`` (calls per batch).
+        ``agent_batches`` (``generate`` calls that sampled them); counts, so rounds add up.
 
     Raises:
         ValueError: a spec with a scripted ``opening`` (not supported on this path), or
@@ -145,7 +145,7 @@ def run_agent_episodes(agent: Callable, model, renderer: Renderer, specs: Sequen
     b = app.state.serve.batcher.stats
     stats = {"agent_prefix_breaks": float(sum(s.prefix_breaks for s, _ in sessions)),
              "agent_calls": float(sum(len(s.trajectory.calls) for s, _ in sessions)),
-             "agent_batches": float(b.batches), "agent_batch_mean": b.requests / b.batches if b.batches else 0.0}
+             "agent_batches": float(b.batches)}
     return [s.trajectory for s, _ in sessions], stats
 
 
