@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import signal
 import socket
 from typing import Optional
 
@@ -64,7 +65,12 @@ def serve_cmd(model: Optional[str] = typer.Option(None, help="Checkpoint folder,
                                            log_level="warning", lifespan="on"))
     console.print(f"serving {escape(settings.model_name)} ({escape(str(path))}) at http://{host}:{port}/v1 "
                   f"(sessions: http://{host}:{port}/s/SESSION/v1); SIGTERM or Ctrl-C stops", soft_wrap=True)
-    server.run(sockets=[sock])  # handles SIGTERM / SIGINT: stops accepting, finishes the requests in flight
+    # uvicorn handles SIGTERM / SIGINT (stop accepting, finish the requests in flight, stop the
+    # batcher), then re-raises the signal to the handler it found: make that one a no-op, so a
+    # requested stop exits 0 after the shutdown instead of dying by the signal.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    server.run(sockets=[sock])
     console.print("endpoint stopped")
 
 

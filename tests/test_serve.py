@@ -1,0 +1,323 @@
+"""The OpenAI-compatible endpoint (consequence.serve), driven by the real `openai` client on 127.0.0.1.
+
+Identity with the in-process harness, the prefix rule, concurrency, bad requests,
+disconnects and SIGTERM (docs/agents.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import openai
+import pytest
+import torch
+
+from consequence.envs.registry import load_environment
+from consequence.harness.renderer import Renderer
+from consequence.policy.logprobs import token_logprobs
+from consequence.policy.sampler import SamplingParams
+from consequence.policy.tiny import load_policy
+from consequence.records import trajectory_to_rows
+from consequence.rollout.episodes import Budgets, EpisodeSpec, run_episodes
+from consequence.rollout.sampling import policy_generate_fn
+from consequence.serve.app import BackgroundServer, ServeSettings, create_app, model_context_length
+from consequence.serve.runner import load_agent, run_agent_episodes
+from consequence.update.step import compute_logprobs
+
+BUNDLED = "consequence/assets/tiny-repair"
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=32)
+BUDGETS = Budgets(max_turns=6, max_new_tokens=32, max_total_tokens=768)
+
+
+@pytest.fixture(scope="module")
+def policy():
+    model, tok = load_policy(BUNDLED)
+    env = load_environment("repair", 0)
+    return model, Renderer(tok, env.tools), env
+
+
+@pytest.fixture(scope="module")
+def server(policy):
+    model, renderer, _env = policy
+    app = create_app(model, Renderer(renderer.tokenizer, []),
+                     ServeSettings("tiny", model_context_length(model), temperature=0.0, max_tokens=32))
+    with BackgroundServer(app) as s:
+        yield s
+
+
+def _client(server, session: str | None = None) -> openai.OpenAI:
+    base = f"{server.url}/s/{session}/v1" if session else f"{server.url}/v1"
+    return openai.OpenAI(base_url=base, api_key="x", max_retries=0)
+
+
+def _get(server, path: str) -> dict:
+    with urllib.request.urlopen(server.url + path, timeout=10) as r:
+        return json.loads(r.read())
+
+
+async def harness_like_agent(client, task):
+    """An agent that keeps the conversation as the harness does: the reply as returned, each tool result."""
+    messages = list(task.messages)
+    while not task.done:
+        reply = await client.chat.completions.create(model=task.model, messages=messages, tools=task.tools)
+        msg = reply.choices[0].message
+        messages.append(msg.model_dump(exclude_none=True))
+        if not msg.tool_calls:
+            return msg.content
+        for call in msg.tool_calls:
+            out = await task.call_tool(call.function.name, call.function.arguments)
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": out})
+
+
+def _specs(env, n=5):
+    tasks = env.sample("validation", n, seed=3)
+    return [EpisodeSpec(env.make_episode(t), t.task_id, f"g/{t.task_id}", 0, 100 + i,
+                        answer_ends_episode=env.answer_ends_episode) for i, t in enumerate(tasks)]
+
+
+# ---- 1. the agent-runner path records what the in-process harness records ------------------------
+def test_agent_runner_and_harness_record_identical_ids_masks_and_logprobs(policy):
+    model, renderer, env = policy
+    gen = policy_generate_fn(model, GREEDY, renderer.stop_ids, seed=0)
+    ref = run_episodes(gen, renderer, _specs(env), BUDGETS, env.system_prompt, examples=env.examples)
+    got, stats = run_agent_episodes(harness_like_agent, model, renderer, _specs(env), BUDGETS, GREEDY,
+                                    env.system_prompt, seed=0, examples=env.examples)
+    assert sum(len(t.calls) for t in ref) > len(ref) >= 5  # multi-turn episodes
+    assert {t.outcome for t in ref} >= {"finished", "truncated"}  # both ends are exercised
+    assert stats["agent_prefix_breaks"] == 0 and stats["agent_calls"] == sum(len(t.calls) for t in ref)
+    for a, b in zip(ref, got):
+        assert (a.outcome, a.truncation_reason, a.env_rewards, a.verifier_score, a.n_tool_calls) == \
+               (b.outcome, b.truncation_reason, b.env_rewards, b.verifier_score, b.n_tool_calls)
+        assert [c.context_ids for c in a.calls] == [c.context_ids for c in b.calls]
+        assert [c.output_ids for c in a.calls] == [c.output_ids for c in b.calls]
+        assert [c.observation_ids for c in a.calls[:-1]] == [c.observation_ids for c in b.calls[:-1]]
+        assert [c.reward for c in a.calls] == [c.reward for c in b.calls]
+        ra, rb = trajectory_to_rows(a), trajectory_to_rows(b)
+        assert len(ra) == len(rb) == 1
+        assert ra[0].input_ids == rb[0].input_ids and ra[0].loss_mask == rb[0].loss_mask
+        ratio = torch.tensor(rb[0].old_logprobs) - torch.tensor(ra[0].old_logprobs)
+        assert ratio.exp().sub(1).abs().max().item() < 1e-4  # ratio = 1 to 1e-4
+
+
+def test_recorded_logprobs_equal_a_teacher_forced_recompute(policy):
+    model, renderer, env = policy
+    got, _ = run_agent_episodes(harness_like_agent, model, renderer, _specs(env, 3), BUDGETS, GREEDY,
+                                env.system_prompt, seed=0, examples=env.examples)
+    rows = [r for t in got for r in trajectory_to_rows(t)]
+    fresh = compute_logprobs(model, rows, renderer.tokenizer.pad_token_id, token_logprobs)  # greedy: μ at T = 1
+    for row, lp in zip(rows, fresh):
+        on = [j for j, m in enumerate(row.loss_mask) if m]
+        assert len(on) > 0
+        assert max(abs(row.old_logprobs[j] - lp[j]) for j in on) < 1e-4
+
+
+# ---- 2. a rewritten turn breaks the row; nothing re-tokenised becomes a target -------------------
+async def rewriting_agent(client, task):
+    """Two turns, then sends the history back with the first reply's content edited."""
+    messages = list(task.messages)
+    for turn in range(3):
+        reply = await client.chat.completions.create(model=task.model, messages=messages, tools=task.tools)
+        msg = reply.choices[0].message.model_dump(exclude_none=True)
+        if turn == 1:
+            messages[len(task.messages)]["content"] = "I will look at the code first."  # the agent edits turn 1
+        messages.append(msg)
+        for call in reply.choices[0].message.tool_calls or []:
+            out = await task.call_tool(call.function.name, call.function.arguments)
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": out})
+        if task.done or not reply.choices[0].message.tool_calls:
+            return None
+
+
+def test_a_rewritten_assistant_turn_is_a_counted_prefix_break_with_a_new_row(policy):
+    model, renderer, env = policy
+    specs = _specs(env, 6)
+    got, stats = run_agent_episodes(rewriting_agent, model, renderer, specs, BUDGETS, GREEDY, env.system_prompt,
+                                    seed=0, examples=env.examples)
+    three = [t for t in got if len(t.calls) == 3]
+    assert three, "some episodes must reach the third call"
+    assert stats["agent_prefix_breaks"] == len(three)
+    for t in three:
+        rows = trajectory_to_rows(t)
+        assert len(rows) == 2  # calls 1-2 in one row, call 3 (after the edit) in its own
+        targets = [[i for i, m in zip(r.input_ids, r.loss_mask) if m] for r in rows]
+        assert targets == [t.calls[0].output_ids + t.calls[1].output_ids, t.calls[2].output_ids]
+        edited = renderer.encode("I will look at the code first.")
+        ctx = t.calls[2].context_ids
+        assert any(ctx[k:k + len(edited)] == edited for k in range(len(ctx)))  # the edit is context only
+        assert rows[1].input_ids == ctx + t.calls[2].output_ids
+
+
+def test_reserialised_arguments_do_not_break_the_row(server):
+    """The same call with its arguments re-serialised (spacing, key order) continues the sampled ids."""
+    c = _client(server, "reserialise")
+    tools = [{"type": "function", "function": {"name": "replace_line", "parameters": {
+        "type": "object", "properties": {"line": {"type": "integer"}, "code": {"type": "string"}}}}}]
+    first = [{"role": "user", "content": "fix add"}]
+    r1 = c.chat.completions.create(model="tiny", messages=first, tools=tools)
+    msg = r1.choices[0].message.model_dump(exclude_none=True)
+    for call in msg.get("tool_calls", []):
+        call["function"]["arguments"] = json.dumps(json.loads(call["function"]["arguments"]), indent=2)
+    history = first + [msg] + [{"role": "tool", "tool_call_id": tc["id"], "content": "ok"}
+                               for tc in msg.get("tool_calls", [])] + ([] if msg.get("tool_calls") else
+                                                                        [{"role": "user", "content": "go on"}])
+    r2 = c.chat.completions.create(model="tiny", messages=history, tools=tools)
+    record = _get(server, "/s/reserialise/record")
+    assert record["prefix_breaks"] == 0
+    c1, c2 = record["calls"]
+    assert c2["context_ids"][:len(c1["context_ids"]) + len(c1["output_ids"])] == c1["context_ids"] + c1["output_ids"]
+    assert r2.model_extra["prompt_token_ids"] == c2["context_ids"]
+
+
+# ---- 3. concurrency ------------------------------------------------------------------------------
+def test_32_simultaneous_sessions_are_batched_and_each_recorded(server):
+    before = _get(server, "/health")
+
+    async def one(k: int):
+        c = openai.AsyncOpenAI(base_url=f"{server.url}/s/many-{k}/v1", api_key="x", max_retries=0)
+        try:
+            r = await c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": f"task {k}"}],
+                                                max_tokens=8)
+            return r.choices[0].model_extra["token_ids"]
+        finally:
+            await c.close()
+
+    async def main():
+        return await asyncio.gather(*(one(k) for k in range(32)))
+
+    outs = asyncio.run(main())
+    after = _get(server, "/health")
+    assert after["requests"] - before["requests"] == 32
+    assert after["batches"] - before["batches"] < 32  # batched, not one generate call each
+    for k, ids in enumerate(outs):
+        assert 1 <= len(ids) <= 8
+        assert _get(server, f"/s/many-{k}/record")["calls"][0]["output_ids"] == ids
+
+
+def test_n_choices_stop_strings_logprobs_and_streaming(server):
+    c = _client(server)
+    r = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "fix add"}], n=3,
+                                  temperature=1.0, seed=5, logprobs=True, max_tokens=12)
+    assert len(r.choices) == 3
+    for ch in r.choices:
+        assert [t.logprob for t in ch.logprobs.content] == ch.model_extra["token_logprobs"]
+        assert len(ch.model_extra["token_ids"]) == len(ch.logprobs.content) <= 12
+    again = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "fix add"}], n=3,
+                                      temperature=1.0, seed=5, logprobs=True, max_tokens=12)
+    assert [ch.model_extra["token_ids"] for ch in again.choices] == [ch.model_extra["token_ids"] for ch in r.choices]
+    full = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "fix add"}], max_tokens=20)
+    text = full.choices[0].message.content or ""
+    stop = text[2:5] if len(text) > 5 else None
+    if stop:
+        cut = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "fix add"}],
+                                        max_tokens=20, stop=[stop])
+        assert cut.choices[0].finish_reason == "stop" and stop not in (cut.choices[0].message.content or "")[:2]
+        assert len(cut.choices[0].model_extra["token_ids"]) < len(full.choices[0].model_extra["token_ids"])
+    chunks = list(c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "fix add"}],
+                                            max_tokens=20, stream=True, stream_options={"include_usage": True}))
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert streamed == (full.choices[0].message.content or "")  # greedy: the same reply
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+# ---- 4. bad requests, disconnects, SIGTERM --------------------------------------------------------
+@pytest.mark.parametrize("change,status,code", [
+    ({"model": "gpt-4o"}, 404, "model_not_found"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]}, 400, "invalid_tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": 3}}}]},
+     400, "invalid_tools"),
+    ({"max_tokens": -1}, 400, "invalid_value"),
+    ({"max_tokens": 8, "messages": [{"role": "user", "content": "a " * 1100}]}, 400, "context_length_exceeded"),
+    ({"tool_choice": "required"}, 400, "unsupported_parameter"),
+    ({"frequency_penalty": 0.5}, 400, "unsupported_parameter"),
+])
+def test_bad_requests_get_openai_style_errors(server, change, status, code):
+    kwargs = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]} | change
+    with pytest.raises(openai.APIStatusError) as e:
+        _client(server).chat.completions.create(**kwargs)
+    assert e.value.status_code == status
+    assert e.value.body["code"] == code and e.value.body["type"] == "invalid_request_error"
+    assert e.value.body["message"]
+
+
+def test_a_client_that_disconnects_mid_generation_leaves_no_stuck_batch(server):
+    body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x " * 50}], "max_tokens": 900,
+                       "temperature": 1.0})
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    conn.request("POST", "/s/gone/v1/chat/completions", body, {"Content-Type": "application/json"})
+    time.sleep(0.05)
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    deadline = time.monotonic() + 20
+    while (h := _get(server, "/health"))["in_flight"] or h["queued"]:
+        assert time.monotonic() < deadline, f"batch stuck: {h}"
+        time.sleep(0.05)
+    r = _client(server, "after").chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
+    assert r.choices[0].model_extra["token_ids"]
+    assert _get(server, "/s/gone/record")["calls"] == []  # the reply never reached the agent: not recorded
+
+
+def test_sigterm_stops_the_server_cleanly(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    exe = os.path.join(os.path.dirname(sys.executable), "consequence")
+    proc = subprocess.Popen([exe, "serve", "--port", str(port), "--name", "tiny"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=os.environ | {"COLUMNS": "250"})
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                models = _get(type("S", (), {"url": f"http://127.0.0.1:{port}"})(), "/v1/models")
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.stdout else ""
+                time.sleep(0.2)
+        assert [m["id"] for m in models["data"]] == ["tiny"]
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out
+    assert "endpoint stopped" in out
+
+
+# ---- the agent's own checks ------------------------------------------------------------------------
+def test_load_agent_refuses_what_cannot_be_an_agent(tmp_path):
+    f = tmp_path / "a.py"
+    f.write_text("def sync_agent(client, task):\n    return 1\n\nasync def agent(client, task):\n    return 2\n")
+    assert load_agent(f"{f}:agent").__name__ == "agent"
+    with pytest.raises(ValueError, match="must be an async function"):
+        load_agent(f"{f}:sync_agent")
+    with pytest.raises(ValueError, match="has no attribute 'nope'"):
+        load_agent(f"{f}:nope")
+    with pytest.raises(ValueError, match="give module:function"):
+        load_agent("no_colon_here")
+    with pytest.raises(ValueError, match="importing 'no_such_module_xyz' failed"):
+        load_agent("no_such_module_xyz:agent")
+
+
+def test_an_episode_refuses_other_sampling_settings_and_ends_on_its_budget(policy):
+    model, renderer, env = policy
+
+    async def greedy_asker(client, task):
+        with pytest.raises(openai.BadRequestError, match="differs from the training run"):
+            await client.chat.completions.create(model=task.model, messages=task.messages, temperature=0.7)
+        with pytest.raises(openai.BadRequestError, match="exceeds the episode's budget"):
+            await client.chat.completions.create(model=task.model, messages=task.messages, max_tokens=999)
+        return await harness_like_agent(client, task)
+
+    budgets = Budgets(max_turns=2, max_new_tokens=32, max_total_tokens=768)
+    got, _ = run_agent_episodes(greedy_asker, model, renderer, _specs(env, 2), budgets, GREEDY, env.system_prompt,
+                                seed=0, examples=env.examples)
+    assert all(len(t.calls) <= 2 for t in got)
+    assert all(t.outcome != "env_error" for t in got), [t.error for t in got]
+    assert any(t.truncation_reason == "max_turns" for t in got)
