@@ -129,7 +129,7 @@ def run_agent_episodes(agent: Callable, model, renderer: Renderer, specs: Sequen
     try:
         import openai
     except ImportError:
-        raise ValueError("--agent needs the openai package: pip install openai") from None
+        raise ValueError("--agent needs the openai package: pip install 'consequence[agent]' (or openai)") from None
     check_tool_specs(renderer.tools)
     if any(s.opening for s in specs):
         raise ValueError("the agent-runner does not play scripted openings (EpisodeSpec.opening); use run_episodes")
