@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 
 import openai
@@ -59,7 +60,11 @@ def _client(server, session: str | None = None) -> openai.OpenAI:
 
 
 def _get(server, path: str) -> dict:
-    with urllib.request.urlopen(server.url + path, timeout=10) as r:
+    return _get_url(server.url + path)
+
+
+def _get_url(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=10) as r:
         return json.loads(r.read())
 
 
@@ -176,6 +181,16 @@ def test_reserialised_arguments_do_not_break_the_row(server):
     assert r2.model_extra["prompt_token_ids"] == c2["context_ids"]
 
 
+def test_a_closed_session_is_forgotten(server):
+    _client(server, "closing").chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
+    req = urllib.request.Request(server.url + "/s/closing", method="DELETE")
+    with urllib.request.urlopen(req, timeout=10) as r:
+        assert len(json.loads(r.read())["calls"]) == 1
+    with pytest.raises(urllib.error.HTTPError) as e:
+        _get(server, "/s/closing/record")
+    assert e.value.code == 404 and json.loads(e.value.read())["error"]["code"] == "session_not_found"
+
+
 # ---- 3. concurrency ------------------------------------------------------------------------------
 def test_32_simultaneous_sessions_are_batched_and_each_recorded(server):
     before = _get(server, "/health")
@@ -275,7 +290,7 @@ def test_sigterm_stops_the_server_cleanly(tmp_path):
         deadline = time.monotonic() + 60
         while True:
             try:
-                models = _get(type("S", (), {"url": f"http://127.0.0.1:{port}"})(), "/v1/models")
+                models = _get_url(f"http://127.0.0.1:{port}/v1/models")
                 break
             except OSError:
                 assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.stdout else ""

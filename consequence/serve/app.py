@@ -10,6 +10,7 @@ served but not recorded):
   session (``serve.sessions``);
 * ``GET /s/{session}/record``: the session's trajectory as plain data (every call's
   context ids, sampled ids, sampler log-probs) and its ``prefix_breaks``;
+  ``DELETE /s/{session}`` returns it once more and forgets the session;
 * ``GET /health``: queue length, requests being sampled, batch counters, open sessions.
 
 Errors are OpenAI-shaped JSON (``{"error": {...}}``) with a 4xx status. On shutdown
@@ -141,6 +142,15 @@ def create_app(model, renderer: Renderer, settings: ServeSettings) -> FastAPI:
                              None, "session_not_found")
         return s.record_dict()
 
+    @app.delete("/s/{session}")
+    async def close(session: str) -> dict[str, Any]:
+        """Forget a session (its record and its K/V); its record is returned one last time."""
+        s = state.sessions.pop(session)
+        if s is None:
+            raise ServeError(404, f"no session {session!r}", None, "session_not_found")
+        state.batcher.forget([session])
+        return s.record_dict()
+
     @app.get("/health")
     async def health() -> dict[str, Any]:
         b = state.batcher
@@ -176,7 +186,8 @@ async def _chat(state: ServeState, request: Request, sid: str | None):
     session = state.sessions.get(sid) if sid else None
     if session is None:
         context = renderer.prompt_ids(req.messages)
-        choices = await _sample(state, request, renderer, req, context, _params(state, req, len(context)), None)
+        sampled = await _sample(state, request, renderer, req, context, _params(state, req, len(context)), None)
+        choices = [choice for choice, _s, _p in sampled]
     else:
         async with session.lock:
             context, choices = await _session_call(state, request, session, renderer, req)
@@ -202,12 +213,12 @@ async def _session_call(state: ServeState, request: Request, session: Session, r
         params = _params(state, req, len(context))
     _check_context(state, len(context), params.max_new_tokens)
     answers = True if ep is None else ep.answers
-    choices = await _sample(state, request, renderer, req, context, params, session.id, answers)
-    for ch, sample, parsed in choices.records:  # type: ignore[attr-defined]
+    sampled = await _sample(state, request, renderer, req, context, params, session.id, answers)
+    for _choice, sample, parsed in sampled:
         session.record(req.messages, context, sample, parsed)
         if ep is not None:
             ep.after_call(sample.stop_reason)
-    return context, list(choices)
+    return context, [choice for choice, _s, _p in sampled]
 
 
 def _params(state: ServeState, req: ChatRequest, n_context: int) -> SamplingParams:
@@ -231,15 +242,15 @@ def _check_context(state: ServeState, n_context: int, max_new: int) -> None:
                   "messages", "context_length_exceeded")
 
 
-class _Choices(list):
-    """The choices of one call, with ``records``: (choice, sample, parsed) for the recorder."""
-
-    records: list[tuple[Choice, Sample, ParsedTurn]]
-
-
 async def _sample(state: ServeState, request: Request, renderer: Renderer, req: ChatRequest, context: list[int],
-                  params: SamplingParams, key: str | None, answers: bool = True) -> _Choices:
-    """Sample ``req.n`` choices for ``context``; cancelled when the client disconnects."""
+                  params: SamplingParams, key: str | None,
+                  answers: bool = True) -> list[tuple[Choice, Sample, ParsedTurn]]:
+    """Sample ``req.n`` choices for ``context``: per choice the reply, its sample and its parse
+    (for the recorder). Cancelled when the client disconnects.
+
+    Raises:
+        ServeError: 499 the client disconnected; 503 the server is shutting down.
+    """
     job = asyncio.ensure_future(state.batcher.sample([context] * req.n, params, key, req.seed))
     while not job.done():
         await asyncio.wait({job}, timeout=DISCONNECT_POLL_S)
@@ -250,8 +261,7 @@ async def _sample(state: ServeState, request: Request, renderer: Renderer, req: 
         samples = job.result()
     except RuntimeError as e:
         raise ServeError(503, str(e), None, "shutting_down") from None
-    out = _Choices()
-    out.records = []
+    out = []
     parser = renderer if req.parse_tools else state.renderer_for([])
     tok = renderer.tokenizer
     for s in samples:
@@ -260,8 +270,7 @@ async def _sample(state: ServeState, request: Request, renderer: Renderer, req: 
         finish = "length" if s.stop_reason == "length" else ("tool_calls" if parsed.tool_calls else "stop")
         ch = Choice(parsed.message, finish, list(s.output_ids), list(s.logprobs),
                     [tok.decode([i], skip_special_tokens=False) for i in s.output_ids])
-        out.append(ch)
-        out.records.append((ch, s, parsed))
+        out.append((ch, s, parsed))
     return out
 
 

@@ -3,7 +3,8 @@
 Requests queue up while a batch is sampled; the next batch takes every queued request
 with the same sampling settings (up to ``max_batch``), after waiting ``wait_s`` for more
 to arrive. Each session's K/V is kept from one call to the next
-(``policy.prefix_cache``), so a turn prefills only its new tokens. A request with a
+(``policy.prefix_cache``; the most recent ``4 × max_batch``, at least 256), so a turn
+prefills only its new tokens. A request with a
 ``seed`` is sampled alone, with its own ``torch.Generator``, so the same request gives
 the same sample; the others share the batcher's generator.
 
@@ -26,6 +27,8 @@ import torch
 
 from consequence.policy.prefix_cache import PrefixCache, generate_with_prefix
 from consequence.policy.sampler import Sample, SamplingParams
+
+MIN_CACHED_SESSIONS = 256
 
 
 @dataclass
@@ -62,6 +65,7 @@ class Batcher:
     def __init__(self, model, stop_ids: Collection[int], seed: int = 0, max_batch: int = 64, wait_s: float = 0.005):
         self.model, self.stop_ids = model, set(stop_ids)
         self.max_batch, self.wait_s = max_batch, wait_s
+        self.max_cached = max(MIN_CACHED_SESSIONS, 4 * max_batch)  # sessions whose K/V is kept
         self.generator = torch.Generator().manual_seed(seed)
         self.cache = PrefixCache()
         self.stats = BatchStats()
@@ -160,6 +164,10 @@ class Batcher:
         keys = [r.key if r.key is not None else a for r, a in zip(batch, anon)]
         out = generate_with_prefix(self.model, [r.prompt for r in batch], keys, params, self.stop_ids, self.cache, gen)
         self.forget(anon)  # rows without a session never call again
+        # Bound the stored K/V: the oldest sessions' go first (a dropped entry costs a full
+        # prefill of that session's next call, never a different sample).
+        for k in list(self.cache.entries)[:max(0, len(self.cache.entries) - self.max_cached)]:
+            del self.cache.entries[k]
         return out
 
 
