@@ -9,6 +9,11 @@ episodes of the test split, paired bootstrap 95 % CI over problems):
 - ``on_policy_distill``: ``--recipe on_policy_distill`` (advantage log π_T − log μ per token);
 - ``gkd``: ``--recipe gkd`` (JSD_β=0.5 to the teacher over the vocabulary, no reward);
 - ``kd_rl``: ``--recipe gkd --task-reward-weight 1`` (the divergence plus GRPO's term);
+- ``gkd_lambda``: ``--recipe gkd --distill-lambda 0.5 --distill-data DATA``: half of the
+  iterations (a seeded draw) train the JSD on the teacher's own episodes of train problems
+  instead of the student's samples (GKD's λ, Agarwal et al. 2024 §3.2). DATA is made once by
+  ``consequence eval --model TEACHER --split train -n 1 --no-recovery`` (one sampled episode
+  per train problem, T = 1); its generated tokens are counted as ``teacher_generated_tokens``;
 - ``rejection_sft``: ``--recipe rejection_sft`` (no teacher: SFT on the student's own
   verified, distinct episodes; acceptance rate and attempts per accepted episode logged).
 
@@ -37,8 +42,25 @@ METHODS = {
     "gkd": ["--recipe", "gkd"],
     "kd_rl": ["--recipe", "gkd", "--task-reward-weight", "1"],
     "rejection_sft": ["--recipe", "rejection_sft"],
+    "gkd_lambda": ["--recipe", "gkd", "--distill-lambda", "0.5"],
 }
-NEEDS_TEACHER = ("on_policy_distill", "gkd", "kd_rl")
+NEEDS_TEACHER = ("on_policy_distill", "gkd", "kd_rl", "gkd_lambda")
+NEEDS_DATA = ("gkd_lambda",)
+
+
+def teacher_data(args) -> tuple[Path, int]:
+    """The teacher's sampled episodes of every train problem (made once), and their generated tokens."""
+    out = Path(args.runs) / "teacher-data"
+    if not (out / "episodes.parquet").exists():
+        cmd = [str(Path(sys.executable).with_name("consequence")), "eval", "--model", str(args.teacher),
+               "--split", "train", "-n", "1", "--no-recovery", "--seed", str(args.seed), "--out", str(out)]
+        print("$ " + " ".join(cmd), flush=True)
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    sys.path.insert(0, str(ROOT))
+    from consequence.records import read_trajectories
+
+    trajs = read_trajectories(out / "episodes.parquet")
+    return out / "episodes.parquet", sum(t.n_generated_tokens for t in trajs)
 
 
 def run(method: str, args, run_dir: Path) -> dict:
@@ -49,6 +71,10 @@ def run(method: str, args, run_dir: Path) -> dict:
            "--final-eval-episodes", str(args.episodes), "--run-dir", str(run_dir)]
     if method in NEEDS_TEACHER:
         cmd += ["--teacher", str(args.teacher)]
+    data_tokens = 0
+    if method in NEEDS_DATA:
+        data, data_tokens = teacher_data(args)
+        cmd += ["--distill-data", str(data)]
     t0 = time.perf_counter()
     if not (run_dir / "report.json").exists() or args.fresh:
         print("$ " + " ".join(cmd), flush=True)
@@ -61,6 +87,8 @@ def run(method: str, args, run_dir: Path) -> dict:
     return {"method": method, "command": " ".join(cmd[1:]), "iterations": len(metrics),
             "student_tokens": sum(m["gen_tokens_total"] for m in metrics),
             "teacher_forward_tokens": sum(m.get("teacher_forward_tokens", 0.0) for m in metrics),
+            "teacher_generated_tokens": data_tokens,
+            "fixed_data_iterations": sum(m.get("fixed_data_batch", 0.0) for m in metrics),
             "supervised_positions": sum(m.get("distill_targets", m.get("n_tokens", 0.0)) for m in metrics),
             "acceptance_rate": (sum(m["rejection_accepted"] for m in metrics) / max(1.0, sum(m["rejection_attempts"] for m in metrics))
                                 if "rejection_attempts" in metrics[0] else None),
@@ -96,6 +124,22 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _merged(args, rows: list[dict]) -> list[dict]:
+    """The new rows in place of (or after) the same methods' rows of an existing result file of
+    the same teacher, iterations, seed and episodes: a method added later joins the table."""
+    path = Path(args.out)
+    if not path.exists():
+        return rows
+    old = json.loads(path.read_text())
+    same = (old.get("teacher"), old.get("iterations"), old.get("seed"), old.get("episodes")) == (
+        str(Path(args.teacher).resolve()), args.iterations, args.seed, args.episodes)
+    if not same:
+        return rows
+    new = {r["method"]: r for r in rows}
+    kept = [new.pop(r["method"], r) for r in old["rows"]]
+    return kept + list(new.values())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--teacher", default=str(ROOT / "runs/repair-default/checkpoints/final"))
@@ -115,7 +159,7 @@ def main() -> None:
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise SystemExit(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
-    rows = [run(m, args, Path(args.runs) / m) for m in methods]
+    rows = _merged(args, [run(m, args, Path(args.runs) / m) for m in methods])
     print("\n| method | student tokens | teacher forward tokens | sampled success, warm start → after | gain [95 % CI] | train s |")
     print("|---|---|---|---|---|---|")
     for r in rows:

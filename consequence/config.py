@@ -60,7 +60,7 @@ class TrainConfig(BaseModel):
     iterations: int = _f(18, "run", "Number of RL iterations (collect a batch, then update). Iterations are numbered from 0 everywhere (console, warnings, metrics.jsonl, trajectories/iter_NNNN.parquet); checkpoints/iter_NNNN and state-NNNN count iterations completed.", ge=1)
     checkpoint_every: int = _f(1, "run", "Write a resume state (weights, optimizer, RNG, metrics; for `train --resume`) every this many iterations and after the last; the tiny model's takes ~23 MB and well under a second.", ge=1)
     tasks_per_iteration: int = _f(16, "tasks", "B: train tasks sampled per iteration.", ge=1)
-    group_size: int = _f(8, "rollout", "G: rollouts per task; advantages are computed within each group.", ge=2)
+    group_size: int = _f(8, "rollout", "G: rollouts per task; advantages are computed within each group. G = 1 only for distillation alone (--advantage reverse_kl or --distill-loss with --task-reward-weight 0: the teacher, not the group, is the comparison; GLM-5 §3.5's cross-stage distillation).", ge=1)
     temperature: float = _f(1.0, "policy", "Sampling temperature of training rollouts.", gt=0)
     top_k: int = _f(0, "policy", "Top-k of training rollouts (0 = off); the trainer uses the same support.", ge=0)
     top_p: float = _f(1.0, "policy", "Top-p of training rollouts (1 = off); the trainer uses the same support.", gt=0, le=1)
@@ -78,6 +78,8 @@ class TrainConfig(BaseModel):
     distill_loss: Literal["none", "forward", "reverse", "jsd"] = _f("none", "update", "Distillation as a loss (GKD, Agarwal et al. 2024 §3.1): subtract the per-token divergence from --teacher to the student over the whole vocabulary at every sampled token: forward KL(p_T‖q_θ), reverse KL(q_θ‖p_T) or the generalised JSD_β; the policy-gradient term of --advantage is then weighted by --task-reward-weight (0 = the divergence alone).")
     distill_beta: float = _f(0.5, "update", "β of --distill-loss jsd: JSD_β = β KL(p_T‖m) + (1−β) KL(q_θ‖m), m = β p_T + (1−β) q_θ; 0 gives forward KL, 1 reverse KL.", ge=0, le=1)
     distill_temperature: float = _f(1.0, "update", "τ of --distill-loss: both teacher and student logits are divided by it before the divergence.", gt=0)
+    distill_lambda: float = _f(1.0, "update", "λ of GKD (Agarwal et al. 2024 §3.2, Algorithm 1): the fraction of iterations that train --distill-loss on the student's own samples; every iteration draws a seeded u and, when u ≥ λ, trains on B × G trajectories drawn from --distill-data instead of rolling out (the divergence only: no policy-gradient term on rows the student did not sample).", ge=0, le=1)
+    distill_data: str | None = _f(None, "update", "Fixed data of --distill-lambda < 1: a trajectories parquet file tokenised with the student's tokenizer and chat template, e.g. episodes.parquet of `consequence eval --model TEACHER --split train --out DIR` (the teacher's own samples) or a run's trajectories/iter_NNNN.parquet; only train-split problems may appear; stored as an absolute path.")
     distill_top_k: int = _f(0, "update", "--distill-loss over the teacher's top-k tokens only, both distributions renormalised there (0 = the whole vocabulary).", ge=0)
     grpo_std: Literal["population", "sample"] = _f("population", "credit", "Std of the GRPO group normalisation: population (correction 0) or sample (correction 1).")
     gamma: float = _f(1.0, "credit", "GAE: discount per generated token.", ge=0, le=1)
@@ -109,7 +111,7 @@ class TrainConfig(BaseModel):
     warmstart_demos: int = _f(4000, "policy", "Teacher demonstrations for building the tiny warm start.", ge=10)
     warmstart_epochs: float = _f(8.0, "policy", "SFT epochs over the demonstrations when building the tiny warm start.", gt=0)
 
-    @field_validator("model", "run_dir", "teacher")
+    @field_validator("model", "run_dir", "teacher", "distill_data")
     @classmethod
     def _absolute(cls, v: str | None, info) -> str | None:
         """Paths are stored absolute, so a run can be resumed or reproduced from any folder; a
@@ -219,6 +221,19 @@ class TrainConfig(BaseModel):
         if "distill_beta" in given and self.distill_loss in ("forward", "reverse"):
             raise ValueError(f"--distill-beta is read only by --distill-loss jsd, not {self.distill_loss} "
                              "(jsd with β 0 / 1 is forward / reverse KL)")
+        if (self.distill_lambda < 1) != (self.distill_data is not None):
+            raise ValueError("--distill-lambda below 1 draws batches from --distill-data, and --distill-data is read only "
+                             f"then (--distill-lambda {self.distill_lambda:g}, --distill-data "
+                             f"{self.distill_data or 'not given'}): give both, or neither")
+        if self.distill_data is not None and not as_loss:
+            raise ValueError("--distill-lambda / --distill-data train the divergence of --distill-loss on fixed data; "
+                             "give --distill-loss forward|reverse|jsd (--advantage reverse_kl needs the student's own "
+                             "samples)")
+        if self.group_size == 1 and not (distill and self.task_reward_weight == 0):
+            raise ValueError("--group-size 1 gives a group-relative advantage nothing to compare with (docs/cases.md, "
+                             "case 12); it is allowed only for distillation alone (--advantage reverse_kl or "
+                             "--distill-loss, --task-reward-weight 0), where the teacher is the comparison; use "
+                             "--group-size 2 or more")
         if distill and (self.top_k or self.top_p < 1):
             raise ValueError(f"{how} with --top-k / --top-p is not supported: the teacher would be scored on the "
                              "student's truncated support; sample with --top-k 0 --top-p 1")

@@ -179,14 +179,17 @@ def logprob_fn(cfg: TrainConfig):
                              top_k=cfg.top_k, top_p=cfg.top_p)
 
 
-def update(batch: Batch, cfg: TrainConfig, learner: Learner, pad_id: int, seed: int) -> dict[str, float]:
+def update(batch: Batch, cfg: TrainConfig, learner: Learner, pad_id: int, seed: int,
+           divergence_only: bool = False) -> dict[str, float]:
     """``epochs_per_batch`` × ``mini_batches`` optimizer steps on one collected batch.
 
     Each epoch shuffles the rows (when ``mini_batches > 1``) and cuts them into exactly
     ``mini_batches`` parts whose sizes differ by at most 1. π_old is the behaviour
     snapshot: the sampler's log-probs, or with TIS the trainer's recomputation before the
     first step (and the sampler's μ goes to the TIS weights); either is scored on the
-    supports the sampler drew from (``TrainingRow.keep_ids``).
+    supports the sampler drew from (``TrainingRow.keep_ids``). ``divergence_only`` (a batch
+    of ``--distill-data``, which the student did not sample) trains the distillation loss
+    alone: the policy-gradient term's weight is 0.
 
     Returns:
         the steps merged by :func:`merge_steps` (steps whose rows were all skipped add
@@ -215,7 +218,7 @@ def update(batch: Batch, cfg: TrainConfig, learner: Learner, pad_id: int, seed: 
         if cfg.mini_batches > 1:
             rng.shuffle(order)
         for part in _chunks(order, cfg.mini_batches):
-            steps.append(_one_step(batch, rows, part, cfg, learner, pad_id, lp_fn, len(steps)))
+            steps.append(_one_step(batch, rows, part, cfg, learner, pad_id, lp_fn, len(steps), divergence_only))
     merged = merge_steps(steps)
     if cfg.distill_loss != "none":  # cost: the teacher ran one forward over every row of every step
         merged["teacher_forward_tokens"] = float(cfg.epochs_per_batch * sum(len(r.input_ids) for r in rows))
@@ -227,12 +230,14 @@ def update(batch: Batch, cfg: TrainConfig, learner: Learner, pad_id: int, seed: 
     return merged
 
 
-def _one_step(batch: Batch, rows, part: list[int], cfg, learner: Learner, pad_id, lp_fn, k: int) -> dict:
+def _one_step(batch: Batch, rows, part: list[int], cfg, learner: Learner, pad_id, lp_fn, k: int,
+              divergence_only: bool = False) -> dict:
     """Optimizer step ``k`` on rows ``part``; a non-finite tensor is re-raised naming trajectories."""
     pick = lambda xs: None if xs is None else [xs[j] for j in part]  # noqa: E731
+    ucfg = dataclasses.replace(learner.update_cfg, pg_coef=0.0) if divergence_only else learner.update_cfg
     try:
         m = ppo_step(learner.model, learner.optimizer, pick(rows), pick(batch.advantages),
-                     learner.update_cfg, pad_id, lp_fn,
+                     ucfg, pad_id, lp_fn,
                      ref_logprobs=pick(batch.ref_logprobs), sampler_logprobs=pick(batch.sampler_logprobs),
                      teacher=learner.teacher)  # the update reads it only with a --distill-loss
         if learner.critic is not None:

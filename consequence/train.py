@@ -51,7 +51,8 @@ from consequence.resume import (ResumeState, interrupt_message, latest_state, lo
 from consequence.iteration import Learner, collect, credit, logprob_fn, make_learner, update
 from consequence.fileio import append_line, write_text_atomic
 from consequence.seeding import seed_of
-from consequence.records import write_trajectories
+from consequence.records import Trajectory, write_trajectories
+from consequence.distill.fixed_data import draw_fixed_batch, first_student_iteration, load_fixed_data, uses_fixed_data
 from consequence.rollout.episodes import Budgets, opening_prompt_len
 from consequence.envs.registry import env_of
 
@@ -99,6 +100,7 @@ class _Run:
     label: str = ""  # what the run is (recipes.run_label)
     history: list[dict[str, Any]] = field(default_factory=list)
     start: int = 0  # first iteration to run (iterations completed by the resume state)
+    fixed_data: list[Trajectory] = field(default_factory=list)  # --distill-data, for --distill-lambda < 1
 
 
 def train(cfg: TrainConfig, console=None, resume: bool = False, reproduces: str | Path | None = None) -> dict[str, Any]:
@@ -167,6 +169,7 @@ def _start(cfg: TrainConfig, console, run: Path, resume: bool, state: ResumeStat
         from consequence.distill.teacher_model import load_teacher
 
         teacher = load_teacher(cfg.teacher, tokenizer, log=lambda line: console.print(escape(line)), student=model)
+    fixed = load_fixed_data(cfg.distill_data, split.problem_ids(), len(tokenizer)) if cfg.distill_data else []
     if state is not None:
         _check_same_start(state, model_path)
     reference = copy.deepcopy(model).eval()  # the warm start, kept for the final paired comparison
@@ -185,13 +188,16 @@ def _start(cfg: TrainConfig, console, run: Path, resume: bool, state: ResumeStat
     r = _Run(cfg, run, model_path, tokenizer, reference, learner, renderer, split,
              Budgets(cfg.max_turns, cfg.max_new_tokens, cfg.max_total_tokens),
              SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p, cfg.max_new_tokens), manifest={},
-             label=run_label(cfg))
+             label=run_label(cfg), fixed_data=fixed)
     if state is None:
         r.manifest = build_manifest(cfg, model_path, split, chat_template=tokenizer.chat_template,
                                     isolation=isolation_report(), tool_format=renderer.tool_format)
         r.manifest |= {"run_label": r.label, "cwd": os.getcwd(), "policy_training": policy_training(cfg, model)}
         if reproduces is not None:
             r.manifest["reproduces"] = os.path.abspath(reproduces)
+        if cfg.distill_lambda < 1 and first_student_iteration(cfg.distill_lambda, cfg.seed, cfg.iterations) is None:
+            r.manifest["checks"]["not_run"] = (f"every iteration drew its batch from --distill-data (--distill-lambda "
+                                               f"{cfg.distill_lambda:g}): no batch of the student's own samples to check")
         policy = [str(run / "checkpoints")]
         r.manifest["splits_touched"] = [record_touch(split.label, cfg.split_seed, "train", "RL rollouts", policy)] + (
             [record_touch(split.label, cfg.split_seed, "validation", "greedy success of each checkpoint during "
@@ -283,13 +289,20 @@ def _loop(r: _Run, console) -> None:
         for it in range(r.start, cfg.iterations):
             show = lambda text: bar.update(job, status=text)  # noqa: E731  (live phase within the iteration)
             m = _run_iteration(r, it, bar.console, show)
-            reward = "n/a (all env errors)" if m["reward_mean"] is None else f"{m['reward_mean']:.2f}"
-            status = f"reward {reward}  mixed {m['mixed_group_fraction']:.2f}"
+            status = _status_line(m)
             if "val_success" in m:
                 status += f"  val {m['val_success']:.2f}"
             bar.update(job, advance=1, status=status)
             if not console.is_terminal:  # logs and pipes get one line per iteration instead
                 console.print(f"iteration {it} ({it + 1}/{cfg.iterations} done)  {status}")
+
+
+def _status_line(m: dict[str, Any]) -> str:
+    """What the progress bar shows after an iteration: reward and mixed groups, or the fixed data's divergence."""
+    if m.get("fixed_data_batch"):
+        return f"fixed-data batch (--distill-data): divergence {m.get('distill_divergence', float('nan')):.3f}"
+    reward = "n/a (all env errors)" if m["reward_mean"] is None else f"{m['reward_mean']:.2f}"
+    return f"reward {reward}  mixed {m['mixed_group_fraction']:.2f}"
 
 
 def _run_iteration(r: _Run, it: int, console, show=lambda text: None) -> dict[str, Any]:
@@ -300,8 +313,9 @@ def _run_iteration(r: _Run, it: int, console, show=lambda text: None) -> dict[st
     cfg, model = r.cfg, r.learner.model
     n_roll = cfg.tasks_per_iteration * cfg.group_size
     try:
-        m = iteration(it, cfg, r.learner, r.renderer, r.split, r.budgets, r.sampling, r.dir, first=it == 0,
-                      console=console, progress=lambda d: show(f"iteration {it}: rollouts {d}/{n_roll} episodes"))
+        first = it == first_student_iteration(cfg.distill_lambda, cfg.seed, cfg.iterations)
+        m = iteration(it, cfg, r.learner, r.renderer, r.split, r.budgets, r.sampling, r.dir, first=first,
+                      console=console, fixed_data=r.fixed_data, progress=lambda d: show(f"iteration {it}: rollouts {d}/{n_roll} episodes"))
     except FloatingPointError as e:
         e.iteration = it  # for RunStopped's message: which trajectory file the indices point into
         raise
@@ -368,10 +382,20 @@ def _stopped(e: BaseException, run: Path) -> RunStopped:
 
 
 def iteration(it, cfg, learner: Learner, renderer, split, budgets, sampling, run, first: bool = False,
-              console=None, progress=None) -> dict[str, Any]:
-    """One collect → score → credit → update step (``consequence.iteration``); returns its metrics."""
+              console=None, progress=None, fixed_data=()) -> dict[str, Any]:
+    """One collect → score → credit → update step (``consequence.iteration``); returns its metrics.
+
+    With ``--distill-lambda`` < 1 an iteration may draw its batch from ``fixed_data`` instead
+    of rolling out (``distill.fixed_data``); ``first`` is the first iteration that rolls out
+    (the pre-step checks run on the student's own samples).
+    """
     t0 = time.perf_counter()
-    trajs, ds = collect(it, cfg, learner.model, renderer, split, budgets, sampling, progress)
+    from_data = uses_fixed_data(cfg.distill_lambda, cfg.seed, it)
+    if from_data:
+        trajs = draw_fixed_batch(fixed_data, cfg.tasks_per_iteration * cfg.group_size, cfg.seed, it)
+        ds = {"gen_tokens_total": 0}  # the student generated nothing
+    else:
+        trajs, ds = collect(it, cfg, learner.model, renderer, split, budgets, sampling, progress)
     t_rollout = time.perf_counter() - t0
     pad_id = renderer.tokenizer.pad_token_id
     batch = credit(trajs, cfg, learner, pad_id)
@@ -382,7 +406,7 @@ def iteration(it, cfg, learner: Learner, renderer, split, budgets, sampling, run
                                 f"so nothing can be trained; the environment said: {'; '.join(errors[:3])}. Fix the "
                                 f"environment (docs/environments.md §4); the episodes are in "
                                 f"trajectories/iter_{it:04d}.parquet")
-    if first and not cfg.skip_checks:
+    if first and not from_data and not cfg.skip_checks:
         expected = {i for i, t in enumerate(trajs) if t.reward is not None and t.calls
                     and not (cfg.overlong_filter and t.outcome == "truncated")}
         rows = batch.rows
@@ -392,7 +416,7 @@ def iteration(it, cfg, learner: Learner, renderer, split, budgets, sampling, run
                             stop_ids=renderer.stop_ids, logprob_fn=logprob_fn(cfg), cfg=cfg,
                             ucfg=learner.update_cfg, expected=expected, console=console)
     t1 = time.perf_counter()
-    upd = update(batch, cfg, learner, pad_id, seed=seed_of(cfg.seed, it, "update"))
+    upd = update(batch, cfg, learner, pad_id, seed=seed_of(cfg.seed, it, "update"), divergence_only=from_data)
     t_update = time.perf_counter() - t1
     valid = [t for t in trajs if t.reward is not None]
     n_gen = sum(t.n_generated_tokens for t in trajs)
@@ -414,7 +438,7 @@ def iteration(it, cfg, learner: Learner, renderer, split, budgets, sampling, run
         "update_s": t_update,
         **upd,
     }
-    if first and not cfg.skip_checks:
+    if first and not from_data and not cfg.skip_checks:
         metrics["pre_step_checks"] = [vars(c) for c in checks]
     metrics["gen_tokens_total"] = ds["gen_tokens_total"]
     metrics |= {k: v for k, v in ds.items() if k.startswith("agent_")}  # --agent: prefix breaks, calls, batches
@@ -422,6 +446,10 @@ def iteration(it, cfg, learner: Learner, renderer, split, budgets, sampling, run
     metrics |= iteration_extras(trajs)
     if cfg.dynamic_sampling:
         metrics |= {k: v for k, v in ds.items() if k.startswith("groups_")}
+    if cfg.distill_lambda < 1:
+        metrics["fixed_data_batch"] = float(from_data)
+    if from_data:  # the rows are the data's, not the student's: its success is not the policy's
+        metrics |= {"reward_mean": None, "success": None, "mixed_group_fraction": None, "rollout_tokens_per_s": None}
     return metrics
 
 

@@ -16,7 +16,8 @@ def test_defaults_are_valid_and_yaml_overrides(tmp_path):
 
 @pytest.mark.parametrize("text,needle", [
     ("iteratons: 3\n", "iteratons (--iteratons): unknown option; did you mean iterations?"),
-    ("group_size: 1\n", "group_size (--group-size): Input should be greater than or equal to 2"),
+    ("group_size: 0\n", "group_size (--group-size): Input should be greater than or equal to 1"),
+    ("group_size: 1\n", "--group-size 1 gives a group-relative advantage nothing to compare with"),
     ("reduction: mean\n", "reduction (--reduction): Input should be"),
     ("- 1\n- 2\n", "must hold a mapping"),
     ("iterations: [1,\n", "is not valid YAML"),
@@ -38,7 +39,7 @@ def test_cli_help_lists_every_option_and_rejects_bad_input(tmp_path):
     for name in TrainConfig.model_fields:
         assert flags.get(name, "--" + name.replace("_", "-")) in res.output
     res = runner.invoke(app, ["train", "--group-size", "1", "--run-dir", str(tmp_path / "r")])
-    assert res.exit_code == 2 and "group_size" in res.output
+    assert res.exit_code == 2 and "--group-size 1 gives" in res.output
     res = runner.invoke(app, ["train", "--model", str(tmp_path / "nope"), "--run-dir", str(tmp_path / "r")])
     assert res.exit_code == 2 and "no such directory" in res.output
     res = runner.invoke(app, ["train", "--config", str(tmp_path / "missing.yaml")])

@@ -17,12 +17,12 @@ from consequence.records import Trajectory
 from consequence.report.explain import render_difference, render_recipe
 from consequence.warmstart import BUNDLED
 
-ALL = ["cispo", "dapo", "dr_grpo", "gkd", "grpo", "gspo", "on_policy_distill", "ppo", "reinforce",
-       "rejection_sft", "rloo"]
-DISTILL = ("gkd", "on_policy_distill")
+ALL = ["cispo", "cross_stage_distill", "dapo", "dr_grpo", "gkd", "grpo", "gspo", "on_policy_distill", "ppo",
+       "reinforce", "rejection_sft", "rloo"]
+DISTILL = ("cross_stage_distill", "gkd", "on_policy_distill")
 
 
-def test_the_eleven_recipes_are_bundled_and_valid():
+def test_the_twelve_recipes_are_bundled_and_valid():
     assert recipe_names() == ALL
     for name in ALL:
         r = load_recipe(name)
@@ -52,7 +52,7 @@ def test_explain_marks_changed_boxes_and_cites_sections():
 
 
 def test_bad_recipes_are_reported(tmp_path):
-    with pytest.raises(ValueError, match="unknown recipe 'trpo'.*cispo, dapo"):
+    with pytest.raises(ValueError, match="unknown recipe 'trpo'.*cispo, cross_stage_distill, dapo"):
         load_recipe("trpo")
     bad = tmp_path / "mine.yaml"
     bad.write_text("name: mine\ntitle: M\nsummary: s\npaper: p\nconfig: {advantage: grpo, clip: 0.1}\n")
@@ -149,7 +149,7 @@ def test_every_recipe_trains_one_iteration(name, signal, teacher, tmp_path, monk
         assert m["rejection_attempts"] == 8.0 and m["n_rows"] == m["rejection_accepted"] + 0.0
         assert m["rejection_accepted"] + m["rejection_duplicates"] == 4.0
         assert m["acceptance_rate"] == m["rejection_accepted"] / 8 and m["rows_skipped_zero_advantage"] == 0.0
-    if name == "on_policy_distill":
+    if name in ("on_policy_distill", "cross_stage_distill"):
         assert m["teacher_reverse_kl"] is not None and m["teacher_forward_tokens"] > 0
     assert m["n_updates"] == cfg.epochs_per_batch * cfg.mini_batches
     assert m["grad_norm"] > 0 and m["ratio_min"] > 0

@@ -112,10 +112,15 @@ def load_recipe(name_or_path: str | Path) -> Recipe:
     return recipe
 
 
+# The batch shape is a budget that every recipe shares; a recipe that sets it (cross-stage
+# distillation's G = 1) still counts it among its own settings, the others do not.
+BATCH_SHAPE = ("tasks_per_iteration", "group_size")
+
+
 @functools.lru_cache(maxsize=1)
 def _bundled_knobs() -> tuple[str, ...]:
-    """Config keys that any bundled recipe sets (read once per process)."""
-    return tuple(sorted({k for n in recipe_names() for k in load_recipe(n).config}))
+    """Config keys that any bundled recipe sets, the batch shape aside (read once per process)."""
+    return tuple(sorted({k for n in recipe_names() for k in load_recipe(n).config} - set(BATCH_SHAPE)))
 
 
 def box_settings(recipe: Recipe) -> dict[str, dict[str, Any]]:

@@ -1,0 +1,102 @@
+"""GKD's λ: a share of update batches from fixed data instead of the student's own samples.
+
+Generalized Knowledge Distillation (Agarwal et al. 2024, §3.2 and Algorithm 1) trains the
+divergence to the teacher on sequences that are, with probability λ, sampled by the student
+(on-policy) and otherwise drawn from a fixed dataset (e.g. the teacher's own samples, or
+ground-truth outputs). Here each iteration draws a seeded u ~ U[0, 1): u < λ rolls out as
+usual; u ≥ λ trains on B × G trajectories drawn from ``--distill-data``. On such rows only the
+divergence is trained: their log-probs are the data's sampler's, not the student's, so a
+policy-gradient ratio against them would mean nothing (``pg_coef`` 0 for that update).
+
+The data is a trajectories parquet file written with the student's tokenizer and chat
+template (``consequence eval --model TEACHER --split train --out DIR`` writes
+``DIR/episodes.parquet``). Only train-split problems may appear: a validation or test problem
+in it would leak into training and is refused, naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from pathlib import Path
+from typing import Sequence
+
+from consequence.records import Trajectory, read_trajectories
+from consequence.seeding import seed_of
+
+__all__ = ["uses_fixed_data", "first_student_iteration", "load_fixed_data", "draw_fixed_batch"]
+
+
+def uses_fixed_data(distill_lambda: float, seed: int, it: int) -> bool:
+    """Whether iteration ``it`` trains on fixed data: a seeded u ≥ λ (GKD Algorithm 1, line 3).
+
+    Deterministic in (seed, it), so a resumed or reproduced run draws the same sources.
+    """
+    if distill_lambda >= 1:
+        return False
+    return random.Random(seed_of(seed, it, "distill-lambda")).random() >= distill_lambda
+
+
+def first_student_iteration(distill_lambda: float, seed: int, iterations: int) -> int | None:
+    """The first iteration that rolls out the student (where the pre-step checks run); None if none does."""
+    return next((it for it in range(iterations) if not uses_fixed_data(distill_lambda, seed, it)), None)
+
+
+def _problem_of(task_id: str) -> str:
+    return task_id.split("#", 1)[0]  # Environment.sample appends '#seed-k' to the pool's task id
+
+
+def load_fixed_data(path: str | Path, problem_ids: dict[str, Sequence[str]], vocab_size: int) -> list[Trajectory]:
+    """The trainable trajectories of ``path``, checked against the environment's splits.
+
+    Args:
+        path: a trajectories parquet file (``records.write_trajectories``).
+        problem_ids: the environment's split → problem ids (``Environment.problem_ids``); a
+            trajectory's problem is its task id up to ``#``.
+        vocab_size: the student's vocabulary; every token id must be below it.
+
+    Returns:
+        the trajectories with a reward and at least one model call (env errors and empty
+        episodes dropped), in file order.
+
+    Raises:
+        ValueError: the file is missing or unreadable, holds no trainable trajectory, holds a
+            problem of the validation or test split or of no split (another environment or
+            split seed), or a token id outside the student's vocabulary.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"--distill-data {p}: no such file; write one with `consequence eval --model TEACHER "
+                         "--split train --out DIR` (DIR/episodes.parquet)")
+    try:
+        trajs = read_trajectories(p)
+    except Exception as e:  # pyarrow's own message says what is wrong with the file
+        raise ValueError(f"--distill-data {p}: not a trajectories parquet file ({type(e).__name__}: {e})") from None
+    usable = [t for t in trajs if t.reward is not None and t.calls]
+    if not usable:
+        raise ValueError(f"--distill-data {p}: none of its {len(trajs)} trajectories has a reward and a model call")
+    where = {pid: s for s, ids in problem_ids.items() for pid in ids}
+    for t in usable:
+        split = where.get(_problem_of(t.task_id))
+        if split != "train":
+            why = f"is a {split}-split problem" if split else "is in no split of this environment (another env or --split-seed?)"
+            raise ValueError(f"--distill-data {p}: task {t.task_id!r} {why}; fixed data may hold train-split "
+                             "problems only (write it with --split train and the run's --split-seed)")
+        top = max((max(c.context_ids + c.output_ids, default=0) for c in t.calls), default=0)
+        if top >= vocab_size:
+            raise ValueError(f"--distill-data {p}: task {t.task_id!r} holds token id {top}, outside the student's "
+                             f"vocabulary of {vocab_size}; the data must be tokenised with the student's tokenizer")
+    return usable
+
+
+def draw_fixed_batch(pool: Sequence[Trajectory], n: int, seed: int, it: int) -> list[Trajectory]:
+    """``n`` trajectories of ``pool`` for iteration ``it``: a seeded draw without replacement
+    (cycled through the pool when ``n`` exceeds it), relabelled as one group of this iteration
+    (its advantages are not trained on) with ``policy_version`` −1: not the student's samples."""
+    order = list(range(len(pool)))
+    random.Random(seed_of(seed, it, "distill-data")).shuffle(order)
+    out = []
+    for k in range(n):
+        t = pool[order[k % len(order)]]
+        out.append(dataclasses.replace(t, group_id=f"{it}/fixed", policy_version=-1))
+    return out

@@ -1,0 +1,165 @@
+"""GKD's λ (--distill-lambda, --distill-data) and cross-stage distillation (a past checkpoint as
+teacher, group size 1), on the tiny model."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+
+import pytest
+import torch
+from rich.console import Console
+
+from consequence.config import TrainConfig
+from consequence.distill.fixed_data import (draw_fixed_batch, first_student_iteration, load_fixed_data,
+                                            uses_fixed_data)
+from consequence.policy.tiny import BUNDLED, load_policy, save_policy
+from consequence.records import ModelCall, Trajectory, read_trajectories, write_trajectories
+
+BASE = dict(tasks_per_iteration=2, group_size=2, eval_every=0, final_eval_episodes=0, max_turns=2,
+            max_new_tokens=16)
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(tmp_path_factory):
+    """The bundled policy with a perturbed LM head: same tokenizer, another distribution."""
+    model, tok = load_policy(BUNDLED)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        model.lm_head.weight.add_(0.1 * torch.randn(model.lm_head.weight.shape, generator=g))
+    out = tmp_path_factory.mktemp("teacher") / "t"
+    save_policy(model, tok, out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+    """Train-split trajectories sampled by the bundled policy: a one-iteration GRPO run's batch."""
+    from consequence.train import train
+
+    run = tmp_path_factory.mktemp("data") / "run"
+    train(TrainConfig(run_dir=str(run), iterations=1, **BASE), Console(quiet=True))
+    return run / "trajectories" / "iter_0000.parquet"
+
+
+def test_lambda_is_the_fraction_of_student_iterations_and_is_seeded():
+    for lam, lo, hi in ((0.3, 0.26, 0.34), (0.75, 0.71, 0.79)):
+        student = sum(not uses_fixed_data(lam, 0, it) for it in range(2000)) / 2000
+        assert lo < student < hi  # binomial sd ≈ 0.01
+    assert not any(uses_fixed_data(1.0, 0, it) for it in range(100))
+    assert all(uses_fixed_data(0.0, 0, it) for it in range(100))
+    draws = [uses_fixed_data(0.5, 7, it) for it in range(50)]
+    assert draws == [uses_fixed_data(0.5, 7, it) for it in range(50)] != [uses_fixed_data(0.5, 8, it) for it in range(50)]
+    first = first_student_iteration(0.5, 7, 50)
+    assert draws[first] is False and all(draws[:first])
+    assert first_student_iteration(0.0, 7, 50) is None
+
+
+def test_a_fixed_batch_is_a_seeded_draw_relabelled_as_not_the_students():
+    pool = [Trajectory(task_id=f"p{k}#0-{k}", group_id=f"0/p{k}", sample_id=0, seed=k, policy_version=3,
+                       calls=[ModelCall([1, 2], [3], [-0.5], "stop")], reward=1.0) for k in range(5)]
+    a, b = draw_fixed_batch(pool, 7, 0, 4), draw_fixed_batch(pool, 7, 0, 4)
+    assert [t.task_id for t in a] == [t.task_id for t in b] != [t.task_id for t in draw_fixed_batch(pool, 7, 0, 5)]
+    assert len({t.task_id for t in a[:5]}) == 5 and [t.task_id for t in a[5:]] == [t.task_id for t in a[:2]]
+    assert {t.group_id for t in a} == {"4/fixed"} and {t.policy_version for t in a} == {-1}
+    assert pool[0].group_id == "0/p0"  # the pool itself is not changed
+
+
+def test_load_refuses_other_splits_bad_ids_and_missing_files(tmp_path, data_file):
+    from consequence.envs.registry import env_of
+
+    env = env_of(TrainConfig(**BASE))
+    trajs = read_trajectories(data_file)
+    assert len(load_fixed_data(data_file, env.problem_ids(), 768)) == len([t for t in trajs if t.reward is not None])
+    test_task = env.problem_ids()["test"][0]
+    bad = [dataclasses.replace(trajs[0], task_id=f"{test_task}#0-0")] + trajs[1:]
+    write_trajectories(tmp_path / "leak.parquet", bad)
+    with pytest.raises(ValueError, match=f"task '{test_task}#0-0' is a test-split problem"):
+        load_fixed_data(tmp_path / "leak.parquet", env.problem_ids(), 768)
+    with pytest.raises(ValueError, match="outside the student's vocabulary of 100"):
+        load_fixed_data(data_file, env.problem_ids(), 100)
+    with pytest.raises(ValueError, match="no such file"):
+        load_fixed_data(tmp_path / "none.parquet", env.problem_ids(), 768)
+    (tmp_path / "junk.parquet").write_text("not parquet")
+    with pytest.raises(ValueError, match="not a trajectories parquet file"):
+        load_fixed_data(tmp_path / "junk.parquet", env.problem_ids(), 768)
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"distill_lambda": 0.5}, "give both, or neither"),
+    ({"distill_data": "x.parquet"}, "give both, or neither"),
+    ({"distill_lambda": 0.5, "distill_data": "x.parquet", "advantage": "reverse_kl"}, "give --distill-loss"),
+    ({"group_size": 1}, "--group-size 1 gives a group-relative advantage nothing"),
+    ({"group_size": 1, "advantage": "reverse_kl", "task_reward_weight": 0.5}, "--group-size 1"),
+])
+def test_settings_that_cannot_work_are_refused(kw, match, tmp_path):
+    if kw.get("advantage") == "reverse_kl":
+        kw = {**kw, "teacher": str(tmp_path)}
+    with pytest.raises(ValueError, match=match):
+        TrainConfig(**kw)
+
+
+def test_lambda_zero_trains_the_divergence_on_the_data_only(tmp_path, teacher_dir, data_file):
+    from consequence.train import train
+
+    cfg = TrainConfig(run_dir=str(tmp_path / "run"), iterations=2, distill_loss="reverse", teacher=str(teacher_dir),
+                      task_reward_weight=1.0, distill_lambda=0.0, distill_data=str(data_file), **BASE)
+    assert cfg.distill_data == str(data_file.resolve())
+    train(cfg, Console(quiet=True))
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    data = read_trajectories(data_file)
+    for it, m in enumerate(lines):
+        assert m["fixed_data_batch"] == 1.0 and m["gen_tokens_total"] == 0 and m["success"] is None
+        assert m["distill_divergence"] > 0 and "pre_step_checks" not in m
+        drawn = read_trajectories(tmp_path / "run" / "trajectories" / f"iter_{it:04d}.parquet")
+        assert [t.task_id for t in drawn] == [t.task_id for t in draw_fixed_batch(data, 4, 0, it)]
+        assert m["distill_targets"] == sum(len(c.output_ids) for t in drawn for c in t.calls)
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert manifest["checks"]["results"] is None  # no student batch, so the pre-step checks never ran
+    assert "no batch of the student's own samples" in manifest["checks"]["not_run"]
+
+
+def test_a_fixed_batch_step_equals_the_divergence_alone(teacher_dir, data_file):
+    """divergence_only: with --task-reward-weight 1 the step on data rows is the one of weight 0."""
+    from consequence.credit.batch import assign_credit, training_rows
+    from consequence.iteration import make_learner, update
+
+    student, _ = load_policy(BUNDLED)
+    teacher, _ = load_policy(teacher_dir)
+    trajs = draw_fixed_batch(read_trajectories(data_file), 4, 0, 0)
+    after = []
+    for weight, only in ((1.0, True), (0.0, False), (1.0, False)):
+        cfg = TrainConfig(distill_loss="reverse", teacher=str(teacher_dir), task_reward_weight=weight, **BASE)
+        model = copy.deepcopy(student)
+        learner = make_learner(cfg, model, teacher=teacher)
+        rows, owner = training_rows(trajs)
+        batch = assign_credit(trajs, rows, owner, cfg, pad_id=0)
+        batch.advantages = [1.0 - 0.7 * j for j in range(len(rows))]  # a policy-gradient term would move weights
+        update(batch, cfg, learner, 0, seed=0, divergence_only=only)
+        after.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    assert torch.equal(after[0], after[1]) and not torch.equal(after[0], after[2])
+
+
+def test_cross_stage_a_past_checkpoint_teaches_with_groups_of_one(tmp_path):
+    """GLM-5 §3.5: a later stage distils from an earlier checkpoint of the same run, G = 1."""
+    from consequence.train import train
+
+    stage1 = tmp_path / "stage1"
+    train(TrainConfig(run_dir=str(stage1), iterations=2, learning_rate=1e-3,
+                      **{**BASE, "eval_every": 1, "val_episodes": 2, "tasks_per_iteration": 4, "group_size": 4,
+                         "max_turns": 8, "max_new_tokens": 48}),  # budgets the warm start solves tasks in
+          Console(quiet=True))
+    second = json.loads((stage1 / "metrics.jsonl").read_text().splitlines()[1])
+    assert second["mixed_group_fraction"] > 0  # the second iteration moved the weights: final ≠ iter_0001
+    past, last = stage1 / "checkpoints" / "iter_0001", stage1 / "checkpoints" / "final"
+    assert past.is_dir() and last.is_dir()
+    run = tmp_path / "stage2"
+    cfg = TrainConfig(run_dir=str(run), iterations=1, model=str(last), teacher=str(past), advantage="reverse_kl",
+                      **{**BASE, "group_size": 1, "tasks_per_iteration": 4})
+    train(cfg, Console(quiet=True))
+    (m,) = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert m["mixed_group_fraction"] == 0.0  # a group of one never differs from itself ...
+    assert m["teacher_reverse_kl"] != 0.0 and m["rows_skipped_zero_advantage"] == 0.0  # ... the teacher does
+    assert m["n_tokens"] == m["distill_targets"] > 0
+    assert json.loads((run / "manifest.json").read_text())["checks"]["results"]  # the pre-step checks ran
