@@ -336,3 +336,19 @@ def test_an_episode_refuses_other_sampling_settings_and_ends_on_its_budget(polic
     assert all(len(t.calls) <= 2 for t in got)
     assert all(t.outcome != "env_error" for t in got), [t.error for t in got]
     assert any(t.truncation_reason == "max_turns" for t in got)
+
+
+# ---- consequence train --agent ----------------------------------------------------------------------
+def test_train_refuses_an_agent_that_cannot_run_before_any_work(tmp_path):
+    from typer.testing import CliRunner
+
+    from consequence.cli import app
+
+    f = tmp_path / "sync_agent.py"
+    f.write_text("def agent(client, task):\n    return None\n")
+    run_dir = tmp_path / "run"
+    res = CliRunner().invoke(app, ["train", "--agent", f"{f}:agent", "--run-dir", str(run_dir)],
+                             env={"COLUMNS": "250"})
+    assert res.exit_code == 2
+    assert "must be an async function" in " ".join(res.output.split())
+    assert not run_dir.exists()
