@@ -142,6 +142,30 @@ def merge_cmd(adapter: Path = typer.Argument(..., help="A LoRA checkpoint folder
     console.print(f"merged {escape(str(adapter))} into its base model: {escape(str(path))}")
 
 
+@app.command("shrink")
+def shrink_cmd(model: str = typer.Argument(..., help="The teacher: a model folder or a registered name "
+                                                     "(smollm2-135m-instruct)."),
+               layers: int = typer.Option(..., "--layers", help="Decoder layers to keep, evenly spaced, the first "
+                                                                 "and the last included."),
+               out: Path = typer.Option(..., "--out", help="Folder to write the student into (replaced atomically "
+                                                           "if it exists).")) -> None:
+    """Build a smaller student from a teacher: the same tokenizer and width, fewer decoder layers
+    (the kept layers' weights copied), for distillation (docs/distillation.md)."""
+    from consequence.policy.shrink import shrink_model
+
+    quiet_libraries()
+    try:
+        path, keep = shrink_model(model, layers, out)
+    except ValueError as e:
+        console.print(f"[red]error:[/] {escape(str(e))}")
+        raise typer.Exit(2)
+    except OSError as e:
+        console.print(f"[red]error:[/] cannot write --out {escape(str(out))}: {escape(e.strerror or str(e))}; "
+                      "nothing was written there")
+        raise typer.Exit(2)
+    console.print(f"student written to {escape(str(path))}: kept layers {keep} of {escape(model)}")
+
+
 @app.command("lab")
 def lab(name: Optional[str] = typer.Argument(None, help="Lab to run (see docs/labs.md); without a name, list the labs."),
         out: Path = typer.Option(Path("runs/labs"), help="Folder for the lab's PNG."),
