@@ -9,6 +9,7 @@ import asyncio
 import http.client
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -352,3 +353,30 @@ def test_train_refuses_an_agent_that_cannot_run_before_any_work(tmp_path):
     assert res.exit_code == 2
     assert "must be an async function" in " ".join(res.output.split())
     assert not run_dir.exists()
+
+
+@pytest.mark.slow
+def test_train_with_the_example_agent_end_to_end(tmp_path, monkeypatch):
+    """`consequence train --agent` with the example: the pre-step checks pass on the agent's
+    trajectories, and the metrics count exactly the calls stored in the iteration's file."""
+    from typer.testing import CliRunner
+
+    from consequence.cli import app
+    from consequence.records import read_trajectories
+
+    monkeypatch.setenv("CONSEQUENCE_LEDGER", str(tmp_path / "ledger.jsonl"))
+    run = tmp_path / "run"
+    res = CliRunner().invoke(app, ["train", "--agent", "examples/openai_agent/agent.py:agent", "--iterations", "1",
+                                   "--tasks-per-iteration", "2", "--group-size", "2", "--eval-every", "0",
+                                   "--final-eval-episodes", "0", "--max-turns", "3", "--max-new-tokens", "32",
+                                   "--run-dir", str(run)], env={"COLUMNS": "250"})
+    assert res.exit_code == 0, res.output
+    m = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    trajs = read_trajectories(run / "trajectories" / "iter_0000.parquet")
+    assert len(trajs) == 4 and m["agent_calls"] == sum(len(t.calls) for t in trajs) > 0
+    assert m["agent_prefix_breaks"] == 0 and m["agent_batches"] >= 1
+    checks = json.loads((run / "manifest.json").read_text())["checks"]
+    assert checks["skipped"] is False and {c["name"] for c in checks["results"]} >= {"ratio", "mask", "groups"}
+    assert all(c["passed"] for c in checks["results"]), checks
+    ratio = next(c["detail"] for c in checks["results"] if c["name"] == "ratio")
+    assert float(re.search(r"= ([0-9.e+-]+) nats", ratio).group(1)) < 1e-4  # the trainer's π_old = the recorded μ

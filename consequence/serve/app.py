@@ -171,6 +171,11 @@ def _errors(app: FastAPI) -> None:
         return JSONResponse(ServeError(e.status_code, str(e.detail), None, "not_found" if e.status_code == 404
                                        else None).body(), status_code=e.status_code)
 
+    @app.exception_handler(Exception)
+    async def internal_error(_request: Request, e: Exception):  # a bug of ours: still JSON, with what failed
+        return JSONResponse(ServeError(500, f"internal error: {type(e).__name__}: {e}", None, "internal_error").body(),
+                            status_code=500)
+
     @app.exception_handler(RequestValidationError)
     async def validation_error(_request: Request, e: RequestValidationError):
         return JSONResponse(bad(f"bad request: {e.errors()}").body(), status_code=400)
