@@ -14,8 +14,10 @@ of a call is built the way the in-process harness builds it (``rollout.episodes`
 * a reply that was cut (``max_tokens``, a stop string) has no end-of-turn token among its
   sampled ids: the observation ids then start with it, so the turn is closed as the
   template closes it, and it is context, not a target;
-* anything else (the agent edited, dropped or re-serialised an earlier turn, or the
-  template re-renders history differently): a **prefix break**. The context is the
+* anything else (the agent edited, dropped or reordered an earlier turn, changed a reply's
+  content or calls, or the template re-renders history differently): a **prefix
+  break**. (Re-serialised tool-call arguments are not a change: they are compared as
+  parsed JSON.) The context is the
   renderer's prompt ids of the messages as sent, so the call starts a new training row
   (``records.trajectory_to_rows``) in which the earlier turns are context, never targets;
   ``Session.prefix_breaks`` counts it.
