@@ -315,6 +315,7 @@ class BackgroundServer:
         self.port = port
 
     def start(self, timeout_s: float = 30.0) -> "BackgroundServer":
+        """Start serving; returns once the port is bound (:attr:`port` is then the real one)."""
         self.server.install_signal_handlers = lambda: None  # signals belong to the main thread
         self.thread.start()
         t0 = time.monotonic()
@@ -327,6 +328,7 @@ class BackgroundServer:
 
     @property
     def url(self) -> str:
+        """``http://host:port`` of the running server."""
         return f"http://{self.host}:{self.port}"
 
     def stop(self) -> None:

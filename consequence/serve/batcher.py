@@ -96,6 +96,7 @@ class Batcher:
 
     @property
     def queued(self) -> int:
+        """Requests waiting for a batch."""
         return 0 if self._queue is None else self._queue.qsize()
 
     async def sample(self, prompts: list[list[int]], params: SamplingParams, key: Hashable | None = None,

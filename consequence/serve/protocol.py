@@ -44,6 +44,7 @@ class ServeError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
     def body(self) -> dict[str, Any]:
+        """The JSON error body: ``invalid_request_error`` below 500, else ``server_error``."""
         kind = "invalid_request_error" if self.status < 500 else "server_error"
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
@@ -308,6 +309,7 @@ def completion(req: ChatRequest, choices: list[Choice], call_ids: list[list[str]
 
 
 def usage(prompt_ids: list[int], choices: list[Choice]) -> dict[str, int]:
+    """The ``usage`` object: prompt tokens, sampled tokens over all choices, their sum."""
     done = sum(len(c.token_ids) for c in choices)
     return {"prompt_tokens": len(prompt_ids), "completion_tokens": done, "total_tokens": len(prompt_ids) + done}
 

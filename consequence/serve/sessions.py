@@ -148,9 +148,11 @@ class SessionStore:
             self._sessions[session.id] = session
 
     def pop(self, sid: str) -> Session | None:
+        """Remove and return the session ``sid`` (``None`` when there is none)."""
         with self._lock:
             return self._sessions.pop(sid, None)
 
     def ids(self) -> list[str]:
+        """The ids of the open sessions."""
         with self._lock:
             return list(self._sessions)
