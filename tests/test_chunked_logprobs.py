@@ -328,9 +328,9 @@ def test_default_chunks_only_when_the_full_logits_are_large(monkeypatch):
         want = token_logprobs_unchunked(model, ids, am, with_entropy=True)
         small = token_logprobs(model, ids, am, with_entropy=True)
         assert torch.equal(small[0], want[0]) and torch.equal(small[1], want[1])
-        assert L._auto_chunk(model, ids, am) == 0
+        assert L.auto_chunk_size(model, ids, am) == 0
         monkeypatch.setattr(L, "AUTO_CHUNK_BYTES", 24 * V * 4 - 1)  # 24 real targets × V × 4 bytes
-        assert L._auto_chunk(model, ids, am) == L.DEFAULT_CHUNK_SIZE
+        assert L.auto_chunk_size(model, ids, am) == L.DEFAULT_CHUNK_SIZE
         big = token_logprobs(model, ids, am, with_entropy=True)
     torch.testing.assert_close(big[0], want[0], atol=ATOL, rtol=0)
 

@@ -160,3 +160,54 @@ def test_teacher_vocabulary_and_top_k_are_checked_before_any_work(tmp_path, stud
         train(TrainConfig(run_dir=str(run), teacher=str(BUNDLED), distill_loss="jsd", distill_top_k=1000, **base),
               Console(quiet=True))
     assert not run.exists()
+
+
+@pytest.mark.parametrize("kind,beta,top_k", [("jsd", 0.3, 0), ("forward", 0.5, 5), ("reverse", 0.5, 0)])
+def test_chunked_forward_equals_the_direct_one_in_values_and_gradients(student, kind, beta, top_k):
+    """update/distill_chunks.py against the full-logits path, chunks of 3 target positions."""
+    from consequence.records import pad_rows
+    from consequence.update.distill_chunks import distill_chunked
+    from consequence.update.step import _distill_forward
+
+    teacher = _perturbed(student)
+    batch = {k: v for k, v in pad_rows(_rows(), 0).items() if isinstance(v, torch.Tensor)}
+    cfg = UpdateConfig(distill_loss=kind, distill_beta=beta, distill_temperature=2.0, distill_top_k=top_k,
+                       temperature=0.7, entropy_coef=0.01)
+    tmask = batch["loss_mask"][:, 1:] > 0
+    outs, grads = [], []
+    for chunked in (False, True):
+        model = copy.deepcopy(student)
+        if chunked:
+            lp, ent, div = distill_chunked(model, teacher, batch["input_ids"], batch["attention_mask"], tmask,
+                                           0.7, True, kind, beta, 2.0, top_k, chunk_size=3)
+        else:
+            lp, ent, div = _distill_forward(model, teacher, batch, cfg)
+        (lp[tmask].sum() + 0.3 * ent[tmask].sum() - div[tmask].sum()).backward()
+        outs.append([x[tmask].detach() for x in (lp, ent, div)])
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    for a, b in zip(*outs):
+        assert torch.allclose(a, b, atol=1e-5)
+    assert outs[0][2].min() > 0  # a real divergence, not zeros on both sides
+    assert grads[0].keys() == grads[1].keys()
+    for n in grads[0]:
+        assert torch.allclose(grads[0][n], grads[1][n], atol=1e-5, rtol=1e-4), n
+
+
+def test_a_large_vocabulary_takes_the_chunked_path_with_the_same_step(student, monkeypatch):
+    """Above AUTO_CHUNK_BYTES the update step runs chunked; loss and gradient are unchanged."""
+    import consequence.policy.logprobs as L
+    import consequence.update.step as step_module
+
+    teacher = _perturbed(student)
+    cfg = UpdateConfig(distill_loss="jsd", pg_coef=0.0, micro_batch_size=2)
+    seen, results = [], []
+    real = step_module.distill_chunked
+    monkeypatch.setattr(step_module, "distill_chunked", lambda *a, **k: seen.append(1) or real(*a, **k))
+    for limit in (L.AUTO_CHUNK_BYTES, 0):  # the tiny model's logits are small: 0 forces chunking
+        monkeypatch.setattr(L, "AUTO_CHUNK_BYTES", limit)
+        model = copy.deepcopy(student)
+        m = accumulate_gradients(model, _rows(), [0.0, 0.0], cfg, 0, None, teacher=teacher)
+        results.append((m["loss"], torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])))
+    assert len(seen) == 1  # only the second run chunked
+    assert results[0][0] == pytest.approx(results[1][0], rel=1e-5)
+    assert torch.allclose(results[0][1], results[1][1], atol=1e-6, rtol=1e-4)

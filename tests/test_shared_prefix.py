@@ -109,7 +109,7 @@ def test_token_logprobs_with_a_shared_prefix_equal_the_direct_computation(lora):
                 if "lora_B" in n:
                     p.normal_(0, 0.05, generator=torch.Generator().manual_seed(2))
     ids, am = _rows()
-    assert L._auto_chunk(model, ids, am) == L.DEFAULT_CHUNK_SIZE  # small logits, but a long shared prefix
+    assert L.auto_chunk_size(model, ids, am) == L.DEFAULT_CHUNK_SIZE  # small logits, but a long shared prefix
     want_lp, want_ent = L.token_logprobs_unchunked(model, ids, am, 0.7, with_entropy=True, entropy_grad=True)
     got_lp, got_ent = L.token_logprobs(model, ids, am, 0.7, with_entropy=True, entropy_grad=True)
     torch.testing.assert_close(got_lp, want_lp, atol=1e-5, rtol=0)

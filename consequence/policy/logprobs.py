@@ -334,7 +334,7 @@ def token_logprobs(
             position or id outside the batch.
     """
     shared = shared_prefix_len(input_ids, attention_mask) if share_prefix else 0  # computed once per call
-    chunk = _auto_chunk(model, input_ids, attention_mask, shared) if chunk_size is None else int(chunk_size)
+    chunk = auto_chunk_size(model, input_ids, attention_mask, shared) if chunk_size is None else int(chunk_size)
     if chunk < 0:
         raise ValueError(f"chunk_size must be >= 0 (0 = unchunked), got {chunk_size}")
     if temperature < 0:
@@ -525,7 +525,7 @@ def _trim_host_heap() -> None:
         _LIBC[0].malloc_trim(0)
 
 
-def _auto_chunk(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, shared: int | None = None) -> int:
+def auto_chunk_size(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, shared: int | None = None) -> int:
     """``DEFAULT_CHUNK_SIZE``, or 0 when the full logits of the real targets are small and no
     long prefix is shared by every row (the chunked path runs a shared prefix once)."""
     shared = shared_prefix_len(input_ids, attention_mask) if shared is None else shared

@@ -21,9 +21,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from consequence.policy.logprobs import logprobs_from_logits
+from consequence.policy.logprobs import auto_chunk_size, logprobs_from_logits
 from consequence.records import TrainingRow, pad_rows
 from consequence.update.divergence import token_divergence
+from consequence.update.distill_chunks import can_chunk, distill_chunked
 from consequence.update.losses import REDUCTIONS, reduce_tokens
 from consequence.update.regularizers import kl_estimate, offpolicy_sequence_mask, tis_weights
 from consequence.update.surrogates import SURROGATES, surrogate_objective
@@ -430,8 +431,16 @@ def _micro_batch_loss(model, batch: dict[str, Tensor], cfg: UpdateConfig, logpro
 def _distill_forward(model, teacher, batch: dict[str, Tensor], cfg: UpdateConfig
                      ) -> tuple[Tensor, Tensor | None, Tensor]:
     """One student forward giving log-probs [n, S-1], entropy and, with the teacher's
-    logits (no gradient), the per-token divergence [n, S-1] of ``cfg.distill_loss``."""
+    logits (no gradient), the per-token divergence [n, S-1] of ``cfg.distill_loss``.
+
+    Large vocabularies (the rows' float32 logits above ``AUTO_CHUNK_BYTES``, or a long prefix
+    shared by every row) go through :func:`~consequence.update.distill_chunks.distill_chunked`:
+    the same values at the target positions without holding the full logits."""
     ids, am = batch["input_ids"], batch["attention_mask"]
+    if "keep_index" not in batch and auto_chunk_size(model, ids, am) and can_chunk(model, teacher):
+        return distill_chunked(model, teacher, ids, am, batch["loss_mask"][:, 1:] > 0, cfg.temperature,
+                               cfg.entropy_coef > 0, cfg.distill_loss, cfg.distill_beta, cfg.distill_temperature,
+                               cfg.distill_top_k)
     logits = model(input_ids=ids, attention_mask=am).logits[:, :-1].float()
     support = {k: batch[k] for k in ("keep_index", "keep_rows") if k in batch}
     lp, ent = logprobs_from_logits(logits, ids, am, cfg.temperature, with_entropy=True,
