@@ -42,3 +42,20 @@ def renderer(tiny_tokenizer):
     from consequence.harness.renderer import Renderer
 
     return Renderer(tiny_tokenizer, TOOLS)
+
+
+@pytest.fixture(scope="session")
+def teacher_dir(tmp_path_factory):
+    """A teacher for the distillation tests: the bundled policy with its LM head perturbed
+    (0.1 × N(0, 1), seed 0), so the same tokenizer with another next-token distribution."""
+    import torch
+
+    from consequence.policy.tiny import BUNDLED, load_policy, save_policy
+
+    model, tok = load_policy(BUNDLED)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        model.lm_head.weight.add_(0.1 * torch.randn(model.lm_head.weight.shape, generator=g))
+    out = tmp_path_factory.mktemp("teacher") / "t"
+    save_policy(model, tok, out)
+    return out

@@ -14,23 +14,11 @@ from rich.console import Console
 from consequence.config import TrainConfig
 from consequence.distill.fixed_data import (draw_fixed_batch, first_student_iteration, load_fixed_data,
                                             uses_fixed_data)
-from consequence.policy.tiny import BUNDLED, load_policy, save_policy
+from consequence.policy.tiny import BUNDLED, load_policy
 from consequence.records import ModelCall, Trajectory, read_trajectories, write_trajectories
 
 BASE = dict(tasks_per_iteration=2, group_size=2, eval_every=0, final_eval_episodes=0, max_turns=2,
             max_new_tokens=16)
-
-
-@pytest.fixture(scope="module")
-def teacher_dir(tmp_path_factory):
-    """The bundled policy with a perturbed LM head: same tokenizer, another distribution."""
-    model, tok = load_policy(BUNDLED)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        model.lm_head.weight.add_(0.1 * torch.randn(model.lm_head.weight.shape, generator=g))
-    out = tmp_path_factory.mktemp("teacher") / "t"
-    save_policy(model, tok, out)
-    return out
 
 
 @pytest.fixture(scope="module")

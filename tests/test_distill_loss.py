@@ -104,14 +104,6 @@ def test_a_loss_without_teacher_is_refused(student):
         accumulate_gradients(copy.deepcopy(student), _rows(), [0.0, 0.0], UpdateConfig(distill_loss="jsd"), 0, None)
 
 
-@pytest.fixture(scope="module")
-def teacher_dir(tmp_path_factory, student):
-    _, tok = load_policy(BUNDLED)
-    out = tmp_path_factory.mktemp("teacher") / "t"
-    save_policy(_perturbed(student), tok, out)
-    return out
-
-
 def test_cli_run_trains_on_the_divergence_and_counts_the_teacher(tmp_path, teacher_dir):
     from consequence.train import train
 

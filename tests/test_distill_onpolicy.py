@@ -6,23 +6,10 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 from rich.console import Console
 
 from consequence.config import TrainConfig
-from consequence.policy.tiny import BUNDLED, load_policy, save_policy
-
-
-@pytest.fixture(scope="module")
-def teacher_dir(tmp_path_factory):
-    """The bundled policy with a perturbed LM head: same tokenizer, another distribution."""
-    model, tok = load_policy(BUNDLED)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        model.lm_head.weight.add_(0.1 * torch.randn(model.lm_head.weight.shape, generator=g))
-    out = tmp_path_factory.mktemp("teacher") / "t"
-    save_policy(model, tok, out)
-    return out
+from consequence.policy.tiny import BUNDLED, load_policy
 
 
 def _cfg(run, teacher, **kw) -> TrainConfig:

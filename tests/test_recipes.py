@@ -104,21 +104,6 @@ def signal():
     mp.undo()
 
 
-@pytest.fixture(scope="module")
-def teacher(tmp_path_factory):
-    """The bundled policy with a perturbed LM head: same tokenizer, another distribution."""
-    import torch
-
-    from consequence.policy.tiny import load_policy, save_policy
-
-    model, tok = load_policy(BUNDLED)
-    with torch.no_grad():
-        model.lm_head.weight.add_(0.1 * torch.randn(model.lm_head.weight.shape, generator=torch.Generator().manual_seed(0)))
-    out = tmp_path_factory.mktemp("teacher") / "t"
-    save_policy(model, tok, out)
-    return str(out)
-
-
 def _verified_as_rewarded(score):
     """The stand-in reward also decides verification: rejection sampling keeps verified episodes."""
     def wrapped(trajs, *args):
@@ -130,7 +115,7 @@ def _verified_as_rewarded(score):
 
 
 @pytest.mark.parametrize("name", ALL)
-def test_every_recipe_trains_one_iteration(name, signal, teacher, tmp_path, monkeypatch):
+def test_every_recipe_trains_one_iteration(name, signal, teacher_dir, tmp_path, monkeypatch):
     from consequence.train import train
 
     if name == "rejection_sft":
@@ -140,7 +125,7 @@ def test_every_recipe_trains_one_iteration(name, signal, teacher, tmp_path, monk
     cfg = load_recipe(name).train_config(run_dir=str(tmp_path), model=str(BUNDLED), iterations=1,
                                          tasks_per_iteration=2, group_size=4, eval_every=0,
                                          final_eval_episodes=0, dynamic_sampling_max_rounds=1,
-                                         **({"teacher": teacher} if name in DISTILL else {}))
+                                         **({"teacher": str(teacher_dir)} if name in DISTILL else {}))
     train(cfg, Console(quiet=True))
     m = json.loads((tmp_path / "metrics.jsonl").read_text())
     if name == "gkd":
