@@ -54,7 +54,7 @@ def test_resume_takes_the_saved_config(old_run):
     (["--learning-rate", "0.5", "--iterations", "3"], "these options differ from it: --learning-rate 0.5 (the run has 0.001)"),
     (["--run-dir", "/tmp/elsewhere"], "--run-dir conflicts with --resume"),
     (["--config", "x.yaml"], "drop --config x.yaml"),
-    (["--group-size", "1"], "group_size (--group-size): Input should be greater than or equal to 2"),
+    (["--group-size", "0"], "group_size (--group-size): Input should be greater than or equal to 1"),
 ])
 def test_resume_rejects_conflicting_options(old_run, args, needle):
     res = _invoke("--resume", str(old_run), *args)
