@@ -380,3 +380,147 @@ def test_train_with_the_example_agent_end_to_end(tmp_path, monkeypatch):
     assert all(c["passed"] for c in checks["results"]), checks
     ratio = next(c["detail"] for c in checks["results"] if c["name"] == "ratio")
     assert float(re.search(r"= ([0-9.e+-]+) nats", ratio).group(1)) < 1e-4  # the trainer's π_old = the recorded μ
+
+
+# ---- wrong types never reach a 500 ------------------------------------------------------------------
+_TOOL = {"type": "function", "function": {"name": "run", "description": "run it", "strict": False,
+                                          "parameters": {"type": "object", "properties": {"x": {"type": "string"}}}}}
+_FULL_BODY = {
+    "model": "tiny", "max_tokens": 2, "temperature": 1.0, "top_p": 1.0, "n": 1, "stop": ["zz"], "seed": 1,
+    "logprobs": False, "stream": False, "stream_options": {"include_usage": False}, "user": "u", "metadata": {},
+    "store": False, "parallel_tool_calls": True, "service_tier": "auto", "tool_choice": "auto", "tools": [_TOOL],
+    "messages": [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "fix add"}], "name": "me"},
+        {"role": "assistant", "content": None,
+         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "run", "arguments": "{\"x\": \"1\"}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+    ],
+}
+_WRONG = [5, 2.5, "s", [1], {"a": 1}, True]
+
+
+def _paths(obj, path=()):
+    """Every field path of a JSON value (dict keys and list indices), leaves and containers."""
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+    for k, v in items:
+        yield path + (k,)
+        yield from _paths(v, path + (k,))
+
+
+def _post(server, body) -> tuple[int, dict]:
+    req = urllib.request.Request(server.url + "/v1/chat/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            text = r.read().decode()
+            return r.status, {"stream": text} if text.startswith("data:") else json.loads(text)
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_a_wrong_type_anywhere_in_a_request_is_a_400_naming_the_field(server):
+    status, _ = _post(server, _FULL_BODY)
+    assert status == 200  # the unchanged body is valid: each failure below is the changed field's
+    for path in _paths(_FULL_BODY):
+        if path[-1] == "parameters" or "parameters" in path[:-1]:
+            continue  # a JSON schema: checked by jsonschema (tests above)
+        for wrong in _WRONG:
+            body = json.loads(json.dumps(_FULL_BODY))
+            target = body
+            for k in path[:-1]:
+                target = target[k]
+            target[path[-1]] = wrong
+            status, out = _post(server, body)
+            assert status < 500, (path, wrong, out)
+            if status >= 400:
+                err = out["error"]
+                name = str(path[-1]) if isinstance(path[-1], str) else str(path[-2])
+                assert name in (err["param"] or "") or name in err["message"], (path, wrong, err)
+                assert "object has no attribute" not in err["message"] and "unhashable" not in err["message"]
+
+
+@pytest.mark.parametrize("change,param,code,message", [
+    ({"stream_options": 5}, "stream_options", "invalid_type", "stream_options must be an object, got integer 5"),
+    ({"stream": "yes"}, "stream", "invalid_type", "stream must be a boolean, got string"),
+    ({"logprobs": "yes"}, "logprobs", "invalid_type", "logprobs must be a boolean, got string"),
+    ({"tools": ["abc"]}, "tools[0]", "invalid_type", "tools[0] must be a JSON object, got string"),
+    ({"tools": [{"type": "function", "function": {"name": 5}}]}, "tools[0].function.name", "invalid_type",
+     "tools[0].function.name must be a string, got integer 5"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "description": [1]}}]},
+     "tools[0].function.description", "invalid_type", "must be a string, got array [1]"),
+    ({"messages": [{"role": "user", "content": None}]}, "messages[0].content", "invalid_value",
+     "a user message needs content"),
+    ({"messages": [{"role": "assistant", "tool_calls": True}]}, "messages[0].tool_calls", "invalid_type",
+     "must be an array, got boolean true"),
+    ({"messages": [{"role": "tool", "tool_call_id": [1], "content": "x"}]}, "messages[0].tool_call_id",
+     "invalid_type", "must be a string, got array [1]"),
+    ({"model": None}, "model", "missing_required_parameter", "missing required parameter: 'model'"),
+])
+def test_the_tester_s_bad_requests_name_their_field(server, change, param, code, message):
+    status, out = _post(server, {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]} | change)
+    assert status == 400 and out["error"]["param"] == param and out["error"]["code"] == code
+    assert message in out["error"]["message"]
+
+
+def test_the_unknown_field_error_lists_every_accepted_field(server):
+    status, out = _post(server, {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "foo": 1})
+    assert status == 400 and out["error"]["param"] == "foo"
+    for accepted in ("user", "metadata", "store", "parallel_tool_calls", "service_tier", "stream_options",
+                     "frequency_penalty", "model", "messages"):
+        assert accepted in out["error"]["message"]
+
+
+def test_n_seeded_choices_differ_and_repeat_as_a_set(server):
+    def ids():
+        r = _client(server).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "fix add"}],
+                                                    n=4, seed=5, temperature=2.0, max_tokens=12)
+        return [tuple(ch.model_extra["token_ids"]) for ch in r.choices]
+
+    first = ids()
+    assert len(set(first)) == 4
+    assert ids() == first
+    one = _client(server).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "fix add"}],
+                                                  seed=5, temperature=2.0, max_tokens=12)
+    assert tuple(one.choices[0].model_extra["token_ids"]) == first[0]  # n = 1 keeps the seed's own sample
+
+
+def test_stop_text_is_cut_from_content_but_kept_in_token_ids(server, policy):
+    tok = policy[1].tokenizer
+    c = _client(server, "stopper")
+    msgs = [{"role": "user", "content": "fix add"}]
+    full = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=20).choices[0].message.content
+    stop = full[4:7]
+    assert len(stop) == 3 and full.find(stop) == 4
+    cut = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=20, stop=stop).choices[0]
+    assert cut.finish_reason == "stop" and cut.message.content == full[:4]
+    assert stop in tok.decode(cut.model_extra["token_ids"])  # the sampled ids, as recorded
+    rec = _get(server, "/s/stopper/record")["calls"][-1]
+    assert rec["output_ids"] == cut.model_extra["token_ids"]
+    nxt = msgs + [{"role": "assistant", "content": cut.message.content}, {"role": "user", "content": "go on"}]
+    c.chat.completions.create(model="tiny", messages=nxt, max_tokens=4)
+    assert _get(server, "/s/stopper/record")["prefix_breaks"] == 0  # the cut reply sent back continues the row
+
+
+@pytest.mark.parametrize("sid", ["..", "../../etc", "a b", "x" * 129, "-lead"])
+def test_unsafe_session_ids_are_refused(server, sid):
+    before = _get(server, "/health")["sessions"]
+    status, out = _post_session(server, sid)
+    assert status == 400 and out["error"]["code"] == "invalid_session_id" and out["error"]["param"] == "session"
+    assert _get(server, "/health")["sessions"] == before  # no session was made
+
+
+def test_a_safe_session_id_in_the_header_is_recorded(server):
+    status, _ = _post_session(server, "Agent_1.run-2")
+    assert status == 200 and len(_get(server, "/s/Agent_1.run-2/record")["calls"]) == 1
+
+
+def _post_session(server, sid: str) -> tuple[int, dict]:
+    req = urllib.request.Request(server.url + "/v1/chat/completions", json.dumps(
+        {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode(),
+        {"Content-Type": "application/json", "X-Session-Id": sid})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())

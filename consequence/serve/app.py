@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import threading
 import time
 import uuid
@@ -42,6 +43,8 @@ from consequence.serve.protocol import (ChatRequest, Choice, ServeError, bad, co
 from consequence.serve.sessions import Session, SessionStore
 
 SESSION_HEADER = "x-session-id"
+# A session id becomes part of URLs and file names downstream: a safe charset, bounded.
+SESSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 DISCONNECT_POLL_S = 0.05
 
 
@@ -92,9 +95,21 @@ class ServeState:
             try:
                 fmt = "auto" if self.renderer.tool_format == "none" else self.renderer.tool_format
                 self.renderers[key] = Renderer(self.renderer.tokenizer, tools, self.renderer.end_of_turn, fmt)
-            except ValueError as e:
-                raise bad(f"bad tool schema for this model: {e}", "tools", "invalid_tools") from None
+            except Exception as e:  # noqa: BLE001  (the chat template failing on these tools is the request's fault)
+                raise bad(f"bad tool schema for this model: {type(e).__name__}: {e}", "tools",
+                          "invalid_tools") from None
         return self.renderers[key]
+
+
+def check_session_id(sid: str) -> None:
+    """Refuse a session id outside ``[A-Za-z0-9][A-Za-z0-9._-]{0,127}``.
+
+    Raises:
+        ServeError: 400 ``invalid_session_id``.
+    """
+    if not SESSION_ID.fullmatch(sid):
+        raise bad(f"session id {sid[:40]!r} is not allowed: use 1 to 128 letters, digits, '.', '_' or '-', "
+                  "starting with a letter or digit", "session", "invalid_session_id")
 
 
 def model_context_length(model) -> int:
@@ -187,6 +202,8 @@ async def _chat(state: ServeState, request: Request, sid: str | None):
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise bad("the request body is not valid JSON") from None
     req = parse_request(body, state.settings.model_name)
+    if sid is not None:
+        check_session_id(sid)
     renderer = state.renderer_for(req.tools)
     session = state.sessions.get(sid) if sid else None
     if session is None:
@@ -270,8 +287,10 @@ async def _sample(state: ServeState, request: Request, renderer: Renderer, req: 
     parser = renderer if req.parse_tools else state.renderer_for([])
     tok = renderer.tokenizer
     for s in samples:
-        s = _cut_at_stop(s, req.stop, tok)
+        s, cut = _cut_at_stop(s, req.stop, tok)
         parsed = parser.parse(s.output_ids, s.stop_reason, answers=answers)
+        if cut:
+            parsed.message = _without_stop_text(parsed.message, req.stop)
         finish = "length" if s.stop_reason == "length" else ("tool_calls" if parsed.tool_calls else "stop")
         ch = Choice(parsed.message, finish, list(s.output_ids), list(s.logprobs),
                     [tok.decode([i], skip_special_tokens=False) for i in s.output_ids])
@@ -279,18 +298,28 @@ async def _sample(state: ServeState, request: Request, renderer: Renderer, req: 
     return out
 
 
-def _cut_at_stop(sample: Sample, stops: list[str], tokenizer) -> Sample:
+def _cut_at_stop(sample: Sample, stops: list[str], tokenizer) -> tuple[Sample, bool]:
     """The sample up to and including the first token whose text completes a stop string
-    (``stop_reason`` ``stop``); unchanged when none occurs. The ids after it were sampled
-    but are not part of the reply, so they are not recorded either."""
+    (``stop_reason`` ``stop``) and ``True``; unchanged and ``False`` when none occurs. The
+    ids after it were sampled but are not part of the reply, so they are not recorded either."""
     if not stops:
-        return sample
+        return sample, False
     for k in range(1, len(sample.output_ids) + 1):
         text = tokenizer.decode(sample.output_ids[:k], skip_special_tokens=False)
         if any(s in text for s in stops):
             keep = None if sample.keep_ids is None else sample.keep_ids[:k]
-            return Sample(sample.output_ids[:k], sample.logprobs[:k], "stop", keep)
-    return sample
+            return Sample(sample.output_ids[:k], sample.logprobs[:k], "stop", keep), True
+    return sample, False
+
+
+def _without_stop_text(message: dict[str, Any], stops: list[str]) -> dict[str, Any]:
+    """The reply's content up to the first stop string, as OpenAI returns it. The ids stay
+    as sampled (the training record), so ``token_ids`` include the stop text and may run
+    past it within the token that completed it; the recorded message is this cut one, so
+    an agent that sends the reply back continues the row."""
+    content = message.get("content") or ""
+    at = min((content.find(s) for s in stops if s in content), default=-1)
+    return message if at < 0 else message | {"content": content[:at]}
 
 
 # ---- the server ----------------------------------------------------------------------

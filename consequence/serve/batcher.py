@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import itertools
 from collections.abc import Collection, Hashable
 from concurrent.futures import ThreadPoolExecutor
@@ -110,7 +111,8 @@ class Batcher:
         if self._queue is None or self._task is None or self._task.done():
             raise RuntimeError("the server is shutting down")
         loop = asyncio.get_running_loop()
-        reqs = [_Request(p, params, key if k == 0 else None, seed, loop.create_future()) for k, p in enumerate(prompts)]
+        reqs = [_Request(p, params, key if k == 0 else None, choice_seed(seed, k), loop.create_future())
+                for k, p in enumerate(prompts)]
         for r in reqs:
             self._queue.put_nowait(r)
         try:
@@ -170,6 +172,16 @@ class Batcher:
         for k in list(self.cache.entries)[:max(0, len(self.cache.entries) - self.max_cached)]:
             del self.cache.entries[k]
         return out
+
+
+def choice_seed(seed: int | None, k: int) -> int | None:
+    """The seed of choice ``k`` of a seeded request: ``seed`` itself for the first (so ``n`` = 1
+    keeps its sample), a seed derived from (``seed``, ``k``) for the others, so the ``n``
+    choices differ from each other and the same request gives the same ``n`` samples."""
+    if seed is None or k == 0:
+        return seed
+    digest = hashlib.sha256(f"{seed}/{k}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1  # within torch.Generator.manual_seed's range
 
 
 def _take_batch(pending: list[_Request], max_batch: int) -> tuple[list[_Request], list[_Request]]:

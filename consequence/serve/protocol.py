@@ -95,7 +95,8 @@ def parse_request(body: Any, served_model: str) -> ChatRequest:
     unknown = sorted(set(body) - _KNOWN - _IGNORED - set(_NEUTRAL))
     if unknown:
         raise bad(f"unsupported parameter(s): {', '.join(unknown)}; this server takes "
-                  f"{', '.join(sorted(_KNOWN))}", unknown[0], "unsupported_parameter")
+                  f"{', '.join(sorted(_KNOWN | _IGNORED | set(_NEUTRAL)))}", unknown[0], "unsupported_parameter")
+    check_body_types(body)
     for key, neutral in _NEUTRAL.items():
         if body.get(key, neutral) not in (neutral, None, {}):
             raise bad(f"{key} is not supported (the sampler does not apply it); leave it out", key,
@@ -112,12 +113,12 @@ def parse_request(body: Any, served_model: str) -> ChatRequest:
     req.n = _int(body, "n", 1, MAX_N) or 1
     req.stop = _stop(body.get("stop"))
     req.seed = _int(body, "seed", -2**63, 2**63 - 1)
-    req.logprobs = bool(body.get("logprobs") or False)
+    req.logprobs = body.get("logprobs") is True
     if body.get("top_logprobs"):
         raise bad("top_logprobs is not supported: each choice carries the sampled tokens' log-probs "
                   "(logprobs=true, and always in token_logprobs)", "top_logprobs", "unsupported_parameter")
-    req.stream = bool(body.get("stream") or False)
-    req.include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+    req.stream = body.get("stream") is True
+    req.include_usage = (body.get("stream_options") or {}).get("include_usage") is True
     return req
 
 
@@ -181,6 +182,97 @@ def _stop(stop: Any) -> list[str]:
     return list(stops)
 
 
+# ---- types -------------------------------------------------------------------------
+# The JSON type every field may have (``None`` is always allowed: the field is then left
+# out). The whole body is checked against these tables before any value is read, so a
+# wrong type is a 400 naming its field, never an exception deeper in the server.
+_NUM, _INT, _STR, _BOOL, _OBJ, _LIST = "number", "integer", "string", "boolean", "object", "array"
+_BODY_TYPES: dict[str, tuple[str, ...]] = {
+    "model": (_STR,), "messages": (_LIST,), "tools": (_LIST,), "tool_choice": (_STR, _OBJ),
+    "temperature": (_NUM,), "top_p": (_NUM,), "max_tokens": (_INT,), "max_completion_tokens": (_INT,),
+    "n": (_INT,), "stop": (_STR, _LIST), "seed": (_INT,), "logprobs": (_BOOL,), "top_logprobs": (_INT,),
+    "stream": (_BOOL,), "stream_options": (_OBJ,), "user": (_STR,), "metadata": (_OBJ,), "store": (_BOOL,),
+    "parallel_tool_calls": (_BOOL,), "service_tier": (_STR,), "frequency_penalty": (_NUM,),
+    "presence_penalty": (_NUM,), "logit_bias": (_OBJ,), "response_format": (_OBJ,),
+}
+_STREAM_OPTIONS_TYPES = {"include_usage": (_BOOL,)}
+_MESSAGE_TYPES = {"role": (_STR,), "content": (_STR, _LIST), "name": (_STR,), "tool_call_id": (_STR,),
+                  "tool_calls": (_LIST,), "refusal": (_STR,)}
+_PART_TYPES = {"type": (_STR,), "text": (_STR,)}
+_CALL_TYPES = {"id": (_STR,), "type": (_STR,), "function": (_OBJ,)}
+_CALL_FUNCTION_TYPES = {"name": (_STR,), "arguments": (_STR, _OBJ)}
+_TOOL_TYPES = {"type": (_STR,), "function": (_OBJ,)}
+_TOOL_FUNCTION_TYPES = {"name": (_STR,), "description": (_STR,), "parameters": (_OBJ,), "strict": (_BOOL,)}
+_REQUIRED = ("model", "messages")
+
+
+def _is(value: Any, kind: str) -> bool:
+    """``value`` has the JSON type ``kind`` (``true`` is no number, ``1.0`` no integer)."""
+    if kind == _NUM:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind == _INT:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, {_STR: str, _BOOL: bool, _OBJ: dict, _LIST: list}[kind])
+
+
+def _check_types(obj: Any, types: dict[str, tuple[str, ...]], where: str) -> None:
+    """``obj`` is a JSON object whose listed fields have their types (others are not looked at here).
+
+    Raises:
+        ServeError: 400 ``invalid_type``, ``param`` the field's path (``messages[2].tool_call_id``).
+    """
+    if not isinstance(obj, dict):
+        raise bad(f"{where} must be a JSON object, got {_json_type(obj)}", where, "invalid_type")
+    for key, kinds in types.items():
+        v = obj.get(key)
+        if v is not None and not any(_is(v, k) for k in kinds):
+            path = f"{where}.{key}" if where else key
+            raise bad(f"{path} must be {' or '.join('an ' + k if k[0] in 'aeiou' else 'a ' + k for k in kinds)}, "
+                      f"got {_json_type(v)} {json.dumps(v)[:60]}", path, "invalid_type")
+
+
+def _json_type(v: Any) -> str:
+    """The JSON name of a decoded value's type (for error messages)."""
+    for kind in (_BOOL, _INT, _NUM, _STR, _OBJ, _LIST):
+        if _is(v, kind):
+            return kind
+    return "null" if v is None else type(v).__name__
+
+
+def check_body_types(body: Any) -> None:
+    """Check the type of every field the server reads, down to tool specs, messages,
+    content parts and tool calls; and that ``model`` and ``messages`` are given.
+
+    Raises:
+        ServeError: 400 ``invalid_type`` or ``missing_required_parameter`` naming the field.
+    """
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    for key in _REQUIRED:
+        if body.get(key) is None:
+            raise bad(f"missing required parameter: {key!r}", key, "missing_required_parameter")
+    _check_types(body, _BODY_TYPES, "")
+    if body.get("stream_options") is not None:
+        _check_types(body["stream_options"], _STREAM_OPTIONS_TYPES, "stream_options")
+    for i, spec in enumerate(body.get("tools") or []):
+        _check_types(spec, _TOOL_TYPES, f"tools[{i}]")
+        if spec.get("function") is not None:
+            _check_types(spec["function"], _TOOL_FUNCTION_TYPES, f"tools[{i}].function")
+    for i, m in enumerate(body["messages"]):
+        _check_message_types(m, f"messages[{i}]")
+
+
+def _check_message_types(m: Any, where: str) -> None:
+    _check_types(m, _MESSAGE_TYPES, where)
+    if isinstance(m.get("content"), list):
+        for j, part in enumerate(m["content"]):
+            _check_types(part, _PART_TYPES, f"{where}.content[{j}]")
+    for j, call in enumerate(m.get("tool_calls") or []):
+        _check_types(call, _CALL_TYPES, f"{where}.tool_calls[{j}]")
+        if call.get("function") is not None:
+            _check_types(call["function"], _CALL_FUNCTION_TYPES, f"{where}.tool_calls[{j}].function")
+
+
 # ---- messages ----------------------------------------------------------------------
 def _text(content: Any, where: str) -> str:
     """Message content as text: a string, ``None`` (empty) or a list of ``{"type": "text"}`` parts."""
@@ -188,10 +280,11 @@ def _text(content: Any, where: str) -> str:
         return ""
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-        return "".join(str(p.get("text", "")) for p in content)
-    raise bad(f"{where}: content must be a string or a list of text parts (images and audio are not supported)",
-              "messages", "invalid_value")
+    for j, p in enumerate(content):  # a list of objects (check_body_types)
+        if p.get("type") != "text":
+            raise bad(f"{where}.content[{j}].type is {p.get('type')!r}: content must be a string or a list of "
+                      "text parts (images and audio are not supported)", f"{where}.content[{j}].type", "invalid_value")
+    return "".join(p.get("text") or "" for p in content)
 
 
 def _arguments(raw: Any) -> Any:
@@ -225,6 +318,9 @@ def normalise_messages(messages: Any) -> list[dict[str, Any]]:
         if not isinstance(m, dict):
             raise bad(f"messages[{i}] must be an object", "messages", "invalid_value")
         role = m.get("role")
+        if m.get("content") is None and role in ("system", "developer", "user", "tool"):
+            raise bad(f"messages[{i}]: a {role} message needs content (a string or a list of text parts)",
+                      f"messages[{i}].content", "invalid_value")
         content = _text(m.get("content"), f"messages[{i}]")
         if role in ("system", "developer", "user"):
             out.append({"role": "user" if role == "user" else "system", "content": content})
@@ -234,21 +330,22 @@ def normalise_messages(messages: Any) -> list[dict[str, Any]]:
             name = m.get("name") or names.get(m.get("tool_call_id") or "")
             if not name:
                 raise bad(f"messages[{i}]: a tool message needs the tool_call_id of an earlier assistant tool call "
-                          f"(got {m.get('tool_call_id')!r})", "messages", "invalid_value")
+                          f"(got {m.get('tool_call_id')!r})", f"messages[{i}].tool_call_id", "invalid_value")
             out.append({"role": "tool", "name": name, "content": content})
         else:
-            raise bad(f"messages[{i}]: unknown role {role!r}; use system, developer, user, assistant or tool",
-                      "messages", "invalid_value")
+            raise bad(f"messages[{i}].role: unknown role {role!r}; use system, developer, user, assistant or tool",
+                      f"messages[{i}].role", "invalid_value")
     return out
 
 
 def _assistant(m: dict, content: str, names: dict[str, str], i: int) -> dict[str, Any]:
     msg: dict[str, Any] = {"role": "assistant", "content": content}
     calls = []
-    for c in m.get("tool_calls") or []:
-        fn = c.get("function") if isinstance(c, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise bad(f"messages[{i}]: each tool call needs function.name", "messages", "invalid_value")
+    for j, c in enumerate(m.get("tool_calls") or []):  # objects with typed fields (check_body_types)
+        fn = c.get("function") or {}
+        if not fn.get("name"):
+            raise bad(f"messages[{i}].tool_calls[{j}]: each tool call needs function.name",
+                      f"messages[{i}].tool_calls[{j}].function.name", "invalid_value")
         if c.get("id"):
             names[c["id"]] = fn["name"]
         calls.append({"type": "function", "function": {"name": fn["name"], "arguments": _arguments(fn.get("arguments"))}})
