@@ -33,6 +33,36 @@ def cache_root() -> Path:
     return Path(os.environ.get("CONSEQUENCE_CACHE", Path.home() / ".cache" / "consequence"))
 
 
+def check_model_out(out: str | os.PathLike, sources: dict[str, Path], what: str) -> None:
+    """``out`` may receive a model folder, which is written whole and replaces what is there:
+    a new folder, or an earlier model folder (``config.json``, no adapter), never a folder of
+    other files, and never a source folder, inside one or above one.
+
+    Args:
+        out: the ``--out`` the user gave.
+        sources: name → folder that the command reads (e.g. ``{"the model": path}``).
+        what: what is written, for the messages (e.g. "the student").
+
+    Raises:
+        ValueError: ``out`` is empty, an existing file, a source (or inside or above one), or
+            an existing folder that holds other files than a model's.
+    """
+    if not str(out).strip():
+        raise ValueError(f"--out is empty: name the folder to write {what} into")
+    o = Path(out).resolve()
+    if o.is_file():
+        raise ValueError(f"--out {out} is an existing file: name a folder")
+    for name, src in sources.items():
+        s = Path(src).resolve()
+        if o == s or s in o.parents or o in s.parents:
+            raise ValueError(f"--out {out} is {name} {s}, inside it or above it, which this command reads: write "
+                             f"{what} elsewhere")
+    if o.is_dir() and any(o.iterdir()) and not ((o / "config.json").is_file()
+                                                and not (o / "adapter_config.json").is_file()):
+        raise ValueError(f"--out {out} is a folder that holds other files, not a model: its contents would be "
+                         "replaced; name a new folder")
+
+
 def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
     """Replace ``path`` by ``text`` (UTF-8): a temporary sibling, fsync, then rename.
 

@@ -88,7 +88,7 @@ def ensure_warmstart(cfg: WarmstartConfig = WarmstartConfig(), log: Callable[[st
     path = warmstart_path(cfg)
     if (path / "warmstart.json").exists():
         return path
-    log(f"building the warm-start checkpoint (first use) into {path}")
+    log(f"building the warm-start checkpoint (first use; about 30 min on 2 cores, cached afterwards) into {path}")
     return build_warmstart(cfg, path, log)
 
 

@@ -12,8 +12,8 @@ import torch
 from rich.console import Console
 
 from consequence.config import TrainConfig
-from consequence.distill.fixed_data import (draw_fixed_batch, first_student_iteration, load_fixed_data,
-                                            uses_fixed_data)
+from consequence.distill.fixed_data import (check_token_ids, draw_fixed_batch, first_student_iteration,
+                                            load_fixed_data, uses_fixed_data)
 from consequence.policy.tiny import BUNDLED, load_policy
 from consequence.records import ModelCall, Trajectory, read_trajectories, write_trajectories
 
@@ -59,19 +59,23 @@ def test_load_refuses_other_splits_bad_ids_and_missing_files(tmp_path, data_file
 
     env = env_of(TrainConfig(**BASE))
     trajs = read_trajectories(data_file)
-    assert len(load_fixed_data(data_file, env.problem_ids(), 768)) == len([t for t in trajs if t.reward is not None])
+    assert len(load_fixed_data(data_file, env.problem_ids())) == len([t for t in trajs if t.reward is not None])
     test_task = env.problem_ids()["test"][0]
     bad = [dataclasses.replace(trajs[0], task_id=f"{test_task}#0-0")] + trajs[1:]
     write_trajectories(tmp_path / "leak.parquet", bad)
     with pytest.raises(ValueError, match=f"task '{test_task}#0-0' is a test-split problem"):
-        load_fixed_data(tmp_path / "leak.parquet", env.problem_ids(), 768)
-    with pytest.raises(ValueError, match="outside the student's vocabulary of 100"):
-        load_fixed_data(data_file, env.problem_ids(), 100)
+        load_fixed_data(tmp_path / "leak.parquet", env.problem_ids())
+    check_token_ids(trajs, 768, "--distill-data")
+    with pytest.raises(ValueError, match="--distill-data: task .* outside the student's vocabulary of 100"):
+        check_token_ids(trajs, 100, "--distill-data")
     with pytest.raises(ValueError, match="no such file"):
-        load_fixed_data(tmp_path / "none.parquet", env.problem_ids(), 768)
+        load_fixed_data(tmp_path / "none.parquet", env.problem_ids())
+    write_trajectories(tmp_path / "evalout" / "episodes.parquet", trajs)
+    with pytest.raises(ValueError, match="is a folder: give a trajectories parquet file; did you mean .*episodes.parquet"):
+        load_fixed_data(tmp_path / "evalout", env.problem_ids())
     (tmp_path / "junk.parquet").write_text("not parquet")
     with pytest.raises(ValueError, match="not a trajectories parquet file"):
-        load_fixed_data(tmp_path / "junk.parquet", env.problem_ids(), 768)
+        load_fixed_data(tmp_path / "junk.parquet", env.problem_ids())
 
 
 @pytest.mark.parametrize("kw,match", [
@@ -106,6 +110,7 @@ def test_lambda_zero_trains_the_divergence_on_the_data_only(tmp_path, teacher_di
     manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
     assert manifest["checks"]["results"] is None  # no student batch, so the pre-step checks never ran
     assert "no batch of the student's own samples" in manifest["checks"]["not_run"]
+    assert manifest["splits_touched"][0]["purpose"] == "--distill-data batches (no rollout)"
 
 
 def test_a_fixed_batch_step_equals_the_divergence_alone(teacher_dir, data_file):
@@ -151,3 +156,16 @@ def test_cross_stage_a_past_checkpoint_teaches_with_groups_of_one(tmp_path):
     assert m["teacher_reverse_kl"] != 0.0 and m["rows_skipped_zero_advantage"] == 0.0  # ... the teacher does
     assert m["n_tokens"] == m["distill_targets"] > 0
     assert json.loads((run / "manifest.json").read_text())["checks"]["results"]  # the pre-step checks ran
+
+
+def test_data_of_another_split_seed_is_refused_before_a_warm_start_is_built(tmp_path, teacher_dir, data_file,
+                                                                             monkeypatch):
+    """A new --split-seed builds a warm start (~30 min); the data is checked against that split first."""
+    from consequence.train import train
+
+    monkeypatch.setenv("CONSEQUENCE_CACHE", str(tmp_path / "cache"))
+    cfg = TrainConfig(run_dir=str(tmp_path / "run"), iterations=1, split_seed=7, distill_loss="jsd",
+                      teacher=str(teacher_dir), distill_lambda=0.5, distill_data=str(data_file), **BASE)
+    with pytest.raises(ValueError, match="--distill-data .* fixed data may hold train-split problems only"):
+        train(cfg, Console(quiet=True))
+    assert not (tmp_path / "run").exists() and not list((tmp_path / "cache").glob("**/warmstart.json"))

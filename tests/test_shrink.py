@@ -55,3 +55,29 @@ def test_cli_shrink_writes_a_student_that_shares_the_tokenizer(tmp_path):
     load_teacher(BUNDLED, tok, student=student)  # the teacher check accepts the pair
     res = CliRunner().invoke(app, ["shrink", str(BUNDLED), "--layers", "99", "--out", str(tmp_path / "t")])
     assert res.exit_code == 2 and "keep between 1 and" in res.output and not (tmp_path / "t").exists()
+
+
+def test_shrink_never_writes_over_the_teacher_or_other_files(tmp_path):
+    """--out is replaced whole: refused where that would delete the teacher or files of the user."""
+    import shutil
+
+    teacher = tmp_path / "parent" / "teacher"
+    shutil.copytree(BUNDLED, teacher)
+    (tmp_path / "parent" / "notes.txt").write_text("precious")
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "notes.txt").write_text("precious")
+    cases = {str(teacher): "is the teacher", str(teacher / "student"): "is the teacher",
+             str(tmp_path / "parent"): "is the teacher", str(victim): "holds other files, not a model",
+             str(victim / "notes.txt"): "is an existing file"}
+    for out, needle in cases.items():
+        res = CliRunner().invoke(app, ["shrink", str(teacher), "--layers", "2", "--out", out])
+        assert res.exit_code == 2 and needle in res.output, (out, res.output)
+    assert (victim / "notes.txt").read_text() == "precious" == (tmp_path / "parent" / "notes.txt").read_text()
+    assert load_policy(teacher)[0].config.num_hidden_layers == load_policy(BUNDLED)[0].config.num_hidden_layers
+    res = CliRunner().invoke(app, ["shrink", str(tmp_path / "none"), "--layers", "2", "--out", str(tmp_path / "s")])
+    assert res.exit_code == 2 and "no such model folder" in res.output and "--out" not in res.output
+    # an earlier student is a model folder: writing a new one over it is allowed
+    for _ in range(2):
+        res = CliRunner().invoke(app, ["shrink", str(teacher), "--layers", "2", "--out", str(tmp_path / "s")])
+        assert res.exit_code == 0, res.output

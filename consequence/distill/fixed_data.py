@@ -24,7 +24,7 @@ from typing import Sequence
 from consequence.records import Trajectory, read_trajectories
 from consequence.seeding import seed_of
 
-__all__ = ["uses_fixed_data", "first_student_iteration", "load_fixed_data", "draw_fixed_batch"]
+__all__ = ["uses_fixed_data", "first_student_iteration", "load_fixed_data", "check_token_ids", "draw_fixed_batch"]
 
 
 def uses_fixed_data(distill_lambda: float, seed: int, it: int) -> bool:
@@ -46,25 +46,28 @@ def _problem_of(task_id: str) -> str:
     return task_id.split("#", 1)[0]  # Environment.sample appends '#seed-k' to the pool's task id
 
 
-def load_fixed_data(path: str | Path, problem_ids: dict[str, Sequence[str]], vocab_size: int) -> list[Trajectory]:
+def load_fixed_data(path: str | Path, problem_ids: dict[str, Sequence[str]]) -> list[Trajectory]:
     """The trainable trajectories of ``path``, checked against the environment's splits.
 
     Args:
         path: a trajectories parquet file (``records.write_trajectories``).
         problem_ids: the environment's split → problem ids (``Environment.problem_ids``); a
             trajectory's problem is its task id up to ``#``.
-        vocab_size: the student's vocabulary; every token id must be below it.
 
     Returns:
         the trajectories with a reward and at least one model call (env errors and empty
-        episodes dropped), in file order.
+        episodes dropped), in file order. Their token ids are checked against the student's
+        vocabulary by :func:`check_token_ids` once the student is loaded.
 
     Raises:
-        ValueError: the file is missing or unreadable, holds no trainable trajectory, holds a
-            problem of the validation or test split or of no split (another environment or
-            split seed), or a token id outside the student's vocabulary.
+        ValueError: the file is missing or unreadable, holds no trainable trajectory, or holds
+            a problem of the validation or test split or of no split (another environment or
+            split seed).
     """
     p = Path(path)
+    if p.is_dir():
+        hint = f"; did you mean {p / 'episodes.parquet'}?" if (p / "episodes.parquet").is_file() else ""
+        raise ValueError(f"--distill-data {p} is a folder: give a trajectories parquet file{hint}")
     if not p.is_file():
         raise ValueError(f"--distill-data {p}: no such file; write one with `consequence eval --model TEACHER "
                          "--split train --out DIR` (DIR/episodes.parquet)")
@@ -82,11 +85,20 @@ def load_fixed_data(path: str | Path, problem_ids: dict[str, Sequence[str]], voc
             why = f"is a {split}-split problem" if split else "is in no split of this environment (another env or --split-seed?)"
             raise ValueError(f"--distill-data {p}: task {t.task_id!r} {why}; fixed data may hold train-split "
                              "problems only (write it with --split train and the run's --split-seed)")
+    return usable
+
+
+def check_token_ids(trajs: Sequence[Trajectory], vocab_size: int, option: str) -> None:
+    """Every token id of ``trajs`` is below ``vocab_size`` (the data was tokenised by the student's tokenizer).
+
+    Raises:
+        ValueError: names the first task with an id outside the vocabulary.
+    """
+    for t in trajs:
         top = max((max(c.context_ids + c.output_ids, default=0) for c in t.calls), default=0)
         if top >= vocab_size:
-            raise ValueError(f"--distill-data {p}: task {t.task_id!r} holds token id {top}, outside the student's "
-                             f"vocabulary of {vocab_size}; the data must be tokenised with the student's tokenizer")
-    return usable
+            raise ValueError(f"{option}: task {t.task_id!r} holds token id {top}, outside the student's vocabulary "
+                             f"of {vocab_size}; the data must be tokenised with the student's tokenizer")
 
 
 def draw_fixed_batch(pool: Sequence[Trajectory], n: int, seed: int, it: int) -> list[Trajectory]:

@@ -210,17 +210,7 @@ def check_merge_target(adapter, out) -> None:
             above it, the adapter's base model, or an existing folder that is not a
             plain model folder (its files would be replaced: name a new folder).
     """
-    if not str(out).strip():
-        raise ValueError("--out is empty: name the folder to write the merged model into")
-    a, o = Path(adapter).resolve(), Path(out).resolve()
-    if o.is_file():
-        raise ValueError(f"--out {out} is an existing file: name a folder")
-    if o == a or a in o.parents or o in a.parents:
-        raise ValueError(f"--out {out} is the adapter folder, inside it or above it: write the merged model elsewhere")
-    base = adapter_base(a).resolve()
-    if o == base or base in o.parents or o in base.parents:
-        raise ValueError(f"--out {out} is the adapter's base model {base} (or contains or is inside it), which the "
-                         "adapter needs: write the merged model elsewhere")
-    if o.is_dir() and any(o.iterdir()) and not ((o / "config.json").is_file() and not is_adapter_folder(o)):
-        raise ValueError(f"--out {out} is a folder that holds other files, not a model: its contents would be "
-                         "replaced; name a new folder")
+    from consequence.fileio import check_model_out
+
+    a = Path(adapter).resolve()
+    check_model_out(out, {"the adapter folder": a, "the adapter's base model": adapter_base(a)}, "the merged model")

@@ -84,12 +84,20 @@ def shrink_model(path: str | Path, n_keep: int, out: str | Path) -> tuple[Path, 
         (``out``, the kept layer indices of the original model).
 
     Raises:
-        ValueError: as :func:`evenly_spaced`, :func:`keep_layers`, or the model cannot be loaded.
+        ValueError: as :func:`evenly_spaced`, :func:`keep_layers`; the model is missing or cannot
+            be loaded; ``out`` is the teacher's folder, inside or above it, a file, or a folder
+            of other files (:func:`consequence.fileio.check_model_out`).
     """
+    from consequence.fileio import check_model_out
     from consequence.policy.named import model_folder
     from consequence.policy.tiny import load_policy, save_policy
 
-    model, tok = load_policy(model_folder(str(path), option="--model"))
+    folder = model_folder(str(path), option="MODEL")
+    check_model_out(out, {"the teacher": folder}, "the student")  # before any work: nothing there is lost
+    if not folder.exists():
+        raise ValueError(f"{path}: no such model folder; give a model folder or a registered name "
+                         "(smollm2-135m-instruct)")
+    model, tok = load_policy(folder)
     keep = evenly_spaced(model.config.num_hidden_layers, n_keep)
     student = keep_layers(model, keep)
     out = Path(out).resolve()
