@@ -70,6 +70,7 @@ class TrainConfig(BaseModel):
     dynamic_sampling: bool = _f(False, "rollout", "Drop groups whose rewards are all equal and sample more groups until the batch is full (DAPO §3.2).")
     dynamic_sampling_max_rounds: int = _f(3, "rollout", "Dynamic sampling: at most this many rounds of B tasks per iteration; then train on what was kept.", ge=1)
     agent: str | None = _f(None, "rollout", "Your own agent drives the training rollouts (docs/agents.md): module:function or path/to/file.py:function naming an `async def agent(client, task)` written against the openai package. Each episode gets its own session of a loopback OpenAI-compatible endpoint serving the policy; every call is recorded token-exactly (context ids, sampled ids, sampler log-probs) and the G copies per task are scored by the environment. Validation and the final evaluation run the in-process harness.")
+    agent_timeout: float = _f(0.0, "rollout", "Wall-clock limit of one --agent episode, in seconds: an agent that has not returned by then is cancelled and its episode ends as env_error (excluded, counted; docs/agents.md §4), so the run goes on. 0 = the default, 120 s × --max-turns. Read only with --agent.", ge=0)
     overlong_buffer: int = _f(0, "reward", "DAPO overlong shaping: penalty rises linearly from 0 to −1 over the last this many tokens before max_total_tokens (0 = off).", ge=0)
     overlong_filter: bool = _f(False, "reward", "DAPO overlong filtering: truncated episodes count in group statistics but are left out of the loss.")
     advantage: Literal["reinforce", "batch_mean", "reinforce_pp", "rloo", "grpo", "dr_grpo", "gae", "reverse_kl", "rejection"] = _f("grpo", "credit", "Advantage estimator; gae trains a value head (PPO); reverse_kl is on-policy distillation: every sampled token's advantage is log π_teacher − log μ, the negated per-token reverse-KL estimate against --teacher (plus --task-reward-weight × the GRPO advantage of the task reward); rejection keeps only verified episodes (verifier 1, finished, a task's duplicate sampled tokens dropped) with advantage 1: with --surrogate pg, SFT on the student's own successes (rejection-sampling SFT), acceptance counted in metrics.jsonl.")
@@ -237,6 +238,13 @@ class TrainConfig(BaseModel):
         if distill and (self.top_k or self.top_p < 1):
             raise ValueError(f"{how} with --top-k / --top-p is not supported: the teacher would be scored on the "
                              "student's truncated support; sample with --top-k 0 --top-p 1")
+        return self
+
+    @model_validator(mode="after")
+    def _agent_fits(self) -> "TrainConfig":
+        if self.agent_timeout and not self.agent:  # read only by the agent-runner: never silently dropped
+            raise ValueError("--agent-timeout limits the episodes of --agent, which is not given: add --agent "
+                             "module:function or drop --agent-timeout")
         return self
 
     @model_validator(mode="after")

@@ -127,7 +127,8 @@ def _roll_out_round(it, r, cfg, model, renderer, split, budgets, sampling, progr
     if cfg.agent:
         trajs, stats = run_agent_episodes(load_agent(cfg.agent), model, renderer, specs, budgets, sampling,
                                           env.system_prompt, seed_of(cfg.seed, *tag, "rollout"), policy_version=it,
-                                          examples=env.examples, progress=progress)
+                                          examples=env.examples, progress=progress,
+                                          agent_timeout=cfg.agent_timeout)
         for k, v in stats.items():
             if agent_stats is not None:
                 agent_stats[k] = agent_stats.get(k, 0.0) + v

@@ -221,6 +221,28 @@ def _start(cfg: TrainConfig, console, run: Path, resume: bool, state: ResumeStat
     return r
 
 
+def _refuse_an_untrainable_first_batch(trajs: list[Trajectory], cfg: TrainConfig, it: int) -> None:
+    """Stop before any update when the first batch cannot train: every episode an env_error
+    (naming the agent when it was the agent that failed), or an agent that never called the model.
+
+    Raises:
+        PreStepCheckError: what went wrong and what to fix.
+    """
+    where = f"the episodes are in trajectories/iter_{it:04d}.parquet"
+    if trajs and all(t.outcome == "env_error" for t in trajs):
+        errors = list(dict.fromkeys(t.error for t in trajs))
+        # The agent-runner writes "the agent ..." for the agent's own failures (serve.runner).
+        agent_failed = cfg.agent and any((e or "").startswith("the agent") for e in errors)
+        said, fix = (("", f"Fix the agent {cfg.agent} (docs/agents.md §4)") if agent_failed else
+                     ("the environment said: ", "Fix the environment (docs/environments.md §4)"))
+        raise PreStepCheckError(f"every episode of the first batch is an env_error ({len(trajs)} of {len(trajs)}), "
+                                f"so nothing can be trained; {said}{'; '.join(errors[:3])}. {fix}; {where}")
+    if cfg.agent and trajs and not any(t.calls for t in trajs):
+        raise PreStepCheckError(f"the agent made 0 model calls in {len(trajs)} episodes, so there is nothing to train "
+                                f"on: --agent {cfg.agent} must call client.chat.completions.create(model=task.model, "
+                                f"messages=task.messages, ...) (docs/agents.md §1); {where}")
+
+
 def preflight(cfg: TrainConfig, tokenizer, renderer: Renderer, split, model_path: Path) -> None:
     """Settings that cannot work with this model and these tasks, refused before any rollout
     (whether or not the pre-step checks run).
@@ -400,12 +422,8 @@ def iteration(it, cfg, learner: Learner, renderer, split, budgets, sampling, run
     pad_id = renderer.tokenizer.pad_token_id
     batch = credit(trajs, cfg, learner, pad_id)
     write_trajectories(run / "trajectories" / f"iter_{it:04d}.parquet", trajs)
-    if first and trajs and all(t.outcome == "env_error" for t in trajs):
-        errors = list(dict.fromkeys(t.error for t in trajs))
-        raise PreStepCheckError(f"every episode of the first batch is an env_error ({len(trajs)} of {len(trajs)}), "
-                                f"so nothing can be trained; the environment said: {'; '.join(errors[:3])}. Fix the "
-                                f"environment (docs/environments.md §4); the episodes are in "
-                                f"trajectories/iter_{it:04d}.parquet")
+    if first:
+        _refuse_an_untrainable_first_batch(trajs, cfg, it)
     if first and not from_data and not cfg.skip_checks:
         expected = {i for i, t in enumerate(trajs) if t.reward is not None and t.calls
                     and not (cfg.overlong_filter and t.outcome == "truncated")}

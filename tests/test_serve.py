@@ -524,3 +524,75 @@ def _post_session(server, sid: str) -> tuple[int, dict]:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
+
+
+# ---- the agent's failures are the agent's ---------------------------------------------------------
+def test_an_agent_that_never_returns_is_cancelled_at_its_time_limit(policy):
+    from consequence.serve.runner import SECONDS_PER_TURN, episode_time_limit
+
+    model, renderer, env = policy
+
+    async def hang(client, task):
+        await client.models.list()
+        await asyncio.sleep(10**6)
+
+    t0 = time.monotonic()
+    got, stats = run_agent_episodes(hang, model, renderer, _specs(env, 2), BUDGETS, GREEDY, env.system_prompt,
+                                    seed=0, examples=env.examples, agent_timeout=0.5)
+    assert time.monotonic() - t0 < 30
+    assert [t.outcome for t in got] == ["env_error", "env_error"] and stats["agent_calls"] == 0
+    assert got[0].error == ("the agent did not return within 0.5 s (--agent-timeout; the default is 120 s × "
+                            "--max-turns) and was cancelled")
+    assert episode_time_limit(BUDGETS) == SECONDS_PER_TURN * BUDGETS.max_turns == 720
+    assert episode_time_limit(BUDGETS, 30) == 30
+
+
+def test_agent_timeout_without_an_agent_is_refused():
+    from consequence.config import TrainConfig
+
+    with pytest.raises(ValueError, match="--agent-timeout limits the episodes of --agent, which is not given"):
+        TrainConfig(agent_timeout=10)
+    assert TrainConfig(agent="m:f", agent_timeout=10).agent_timeout == 10
+
+
+def test_load_agent_checks_the_signature_paths_and_finds_modules_in_the_current_folder(tmp_path, monkeypatch):
+    f = tmp_path / "shapes.py"
+    f.write_text("async def noargs():\n    return 1\n\nasync def ok(client, task, extra=1):\n    return 2\n")
+    with pytest.raises(ValueError, match=r"noargs\(\) cannot be called as noargs\(client, task\)"):
+        load_agent(f"{f}:noargs")
+    assert load_agent(f"{f}:ok").__name__ == "ok"
+    (tmp_path / "folder").mkdir()
+    with pytest.raises(ValueError, match="'/etc/hostname' is a .*, not a .py file"):
+        load_agent("/etc/hostname:agent")
+    with pytest.raises(ValueError, match=f"'{tmp_path / 'folder'}' is a folder, not a .py file"):
+        load_agent(f"{tmp_path / 'folder'}:agent")
+    (tmp_path / "here_agent_mod.py").write_text("async def agent(client, task):\n    return 3\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    assert load_agent("here_agent_mod:agent").__name__ == "agent"
+
+
+def _train_with_agent(tmp_path, body: str):
+    from typer.testing import CliRunner
+
+    from consequence.cli import app
+
+    f = tmp_path / "bad_agent.py"
+    f.write_text(body)
+    res = CliRunner().invoke(app, ["train", "--agent", f"{f}:agent", "--iterations", "1", "--tasks-per-iteration", "1",
+                                   "--group-size", "2", "--eval-every", "0", "--final-eval-episodes", "0",
+                                   "--run-dir", str(tmp_path / "run")], env={"COLUMNS": "250"})
+    return res.exit_code, " ".join(res.output.split())
+
+
+@pytest.mark.parametrize("body,says", [
+    ("async def agent(client, task):\n    raise RuntimeError('boom from agent')\n",
+     "the agent raised RuntimeError: boom from agent. Fix the agent"),
+    ("async def agent(client, task):\n    return 'done'\n",
+     "the agent made 0 model calls in 2 episodes"),
+])
+def test_train_names_the_agent_when_the_agent_fails(tmp_path, monkeypatch, body, says):
+    monkeypatch.setenv("CONSEQUENCE_LEDGER", str(tmp_path / "ledger.jsonl"))
+    code, out = _train_with_agent(tmp_path, body)
+    assert code != 0 and says in out, out
+    assert "docs/agents.md" in out and "environments.md" not in out and "--skip-checks" not in out

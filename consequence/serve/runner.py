@@ -36,7 +36,14 @@ from consequence.serve.episode import BoundEpisode
 from consequence.serve.sessions import Session
 
 AGENT_MODEL_NAME = "policy"
-AGENT_TIMEOUT_S = 600.0
+AGENT_TIMEOUT_S = 600.0  # one HTTP request of the agent's client
+SECONDS_PER_TURN = 120.0  # the default wall-clock limit of an episode is this × max_turns
+
+
+def episode_time_limit(budgets: Budgets, agent_timeout: float = 0.0) -> float:
+    """The wall-clock limit of one agent episode: ``agent_timeout`` (``--agent-timeout``), or
+    when 0 the default ``SECONDS_PER_TURN × budgets.max_turns``."""
+    return agent_timeout if agent_timeout > 0 else SECONDS_PER_TURN * budgets.max_turns
 
 
 @dataclass
@@ -75,13 +82,22 @@ def load_agent(target: str) -> Callable:
     """The agent function ``target`` names: ``package.module:function`` or ``path/to/file.py:function``.
 
     Raises:
-        ValueError: no ``:``, a module or file that does not import, a missing attribute,
-            or a function that is not ``async def`` (the message says how to fix it).
+        ValueError: no ``:``, a path that is not a .py file, a module or file that does not
+            import, a missing attribute, a function that is not ``async def`` or cannot be
+            called as ``fn(client, task)`` (the message says how to fix it).
+
+    A ``module:function`` is imported with the current folder on ``sys.path`` (as
+    ``python -m`` has it), so a module next to where ``consequence`` runs is found.
     """
     module, _, attr = target.rpartition(":")
     if not module or not attr:
         raise ValueError(f"--agent {target!r}: give module:function or path/to/file.py:function, e.g. "
                          "examples/openai_agent/agent.py:agent")
+    # A path (or a file in this folder) is not a module name; a bare folder name may be a package.
+    if not module.endswith(".py") and ("/" in module or "\\" in module or Path(module).is_file()):
+        what = "a folder" if Path(module).is_dir() else "a file" if Path(module).exists() else "a path"
+        raise ValueError(f"--agent {target!r}: {module!r} is {what}, not a .py file; give path/to/file.py:function "
+                         "or an importable package.module:function")
     try:
         if module.endswith(".py"):
             path = Path(module)
@@ -92,6 +108,9 @@ def load_agent(target: str) -> Callable:
             sys.modules[spec.name] = mod  # type: ignore[union-attr]
             spec.loader.exec_module(mod)  # type: ignore[union-attr]
         else:
+            # As `python -m` does: a module in the current folder is found.
+            if "" not in sys.path and str(Path.cwd()) not in sys.path:
+                sys.path.insert(0, str(Path.cwd()))
             mod = importlib.import_module(module)
     except Exception as e:  # noqa: BLE001  (the user's module: name its error, not a traceback)
         raise ValueError(f"--agent {target!r}: importing {module!r} failed ({type(e).__name__}: {e})") from None
@@ -101,13 +120,19 @@ def load_agent(target: str) -> Callable:
     if not inspect.iscoroutinefunction(fn):
         raise ValueError(f"--agent {target!r}: {attr} must be an async function, `async def {attr}(client, task)`, "
                          "called with an openai.AsyncOpenAI client")
+    try:
+        inspect.signature(fn).bind(None, None)
+    except TypeError:
+        raise ValueError(f"--agent {target!r}: {attr}{inspect.signature(fn)} cannot be called as {attr}(client, task); "
+                         f"define it as `async def {attr}(client, task)`") from None
     return fn
 
 
 def run_agent_episodes(agent: Callable, model, renderer: Renderer, specs: Sequence[EpisodeSpec], budgets: Budgets,
                        sampling: SamplingParams, system_prompt: str, seed: int, policy_version: int = 0,
                        examples: Sequence[tuple[str, str]] = (),
-                       progress: Callable[[int], None] | None = None) -> tuple[list[Trajectory], dict[str, float]]:
+                       progress: Callable[[int], None] | None = None,
+                       agent_timeout: float = 0.0) -> tuple[list[Trajectory], dict[str, float]]:
     """Run ``agent`` once per spec against a loopback endpoint serving ``model``; one
     trajectory per spec, in order, and the run's stats.
 
@@ -116,6 +141,9 @@ def run_agent_episodes(agent: Callable, model, renderer: Renderer, specs: Sequen
         sampling: the run's sampling settings (the episodes' calls use them; a request
             asking for others is refused).
         seed: seed of the endpoint's sampling generator.
+        agent_timeout: wall-clock limit of each episode's agent in seconds (0: the default,
+            :func:`episode_time_limit`); an agent still running then is cancelled and its
+            episode ends as ``env_error``.
 
     Returns:
         (trajectories, stats): ``agent_prefix_breaks`` (calls whose history did not continue
@@ -141,7 +169,8 @@ def run_agent_episodes(agent: Callable, model, renderer: Renderer, specs: Sequen
     for s, _task in sessions:
         app.state.serve.sessions.add(s)
     with BackgroundServer(app) as server:
-        asyncio.run(_run_all(agent, openai, server.url, sessions, progress))
+        limit = episode_time_limit(budgets, agent_timeout)
+        asyncio.run(_run_all(agent, openai, server.url, sessions, progress, limit))
     b = app.state.serve.batcher.stats
     stats = {"agent_prefix_breaks": float(sum(s.prefix_breaks for s, _ in sessions)),
              "agent_calls": float(sum(len(s.trajectory.calls) for s, _ in sessions)),
@@ -170,12 +199,12 @@ def _bind(index: int, spec: EpisodeSpec, renderer: Renderer, budgets: Budgets, s
     return session, AgentTask(spec.task_id, messages, list(renderer.tools), AGENT_MODEL_NAME, ep)
 
 
-async def _run_all(agent: Callable, openai, url: str, sessions, progress) -> None:
+async def _run_all(agent: Callable, openai, url: str, sessions, progress, limit_s: float) -> None:
     done = [0]
 
     async def one(session: Session, task: AgentTask | None) -> None:
         if task is not None:
-            await _run_one(agent, openai, url, session, task)
+            await _run_one(agent, openai, url, session, task, limit_s)
         done[0] += 1
         if progress is not None:
             progress(done[0])
@@ -183,13 +212,18 @@ async def _run_all(agent: Callable, openai, url: str, sessions, progress) -> Non
     await asyncio.gather(*(one(s, t) for s, t in sessions))
 
 
-async def _run_one(agent: Callable, openai, url: str, session: Session, task: AgentTask) -> None:
-    """One agent on one episode; whatever it raises ends the episode, never the run."""
+async def _run_one(agent: Callable, openai, url: str, session: Session, task: AgentTask, limit_s: float) -> None:
+    """One agent on one episode; whatever it raises, or its running past ``limit_s``, ends
+    the episode (an ``env_error`` when it was still open), never the run."""
     client = openai.AsyncOpenAI(base_url=f"{url}/s/{session.id}/v1", api_key="consequence-local", max_retries=0,
                                 timeout=AGENT_TIMEOUT_S)
     ep = session.episode
     try:
-        result = await agent(client, task)
+        result = await asyncio.wait_for(agent(client, task), limit_s)
+    except asyncio.TimeoutError:  # a hang is the agent program's failure (the token budgets bound the policy)
+        ep.finish(None, agent_error=None if ep.ended else
+                  f"the agent did not return within {limit_s:g} s (--agent-timeout; the default is "
+                  f"{SECONDS_PER_TURN:g} s × --max-turns) and was cancelled")
     except Exception as e:  # noqa: BLE001  (an agent's own failure is counted, not a crash of the run)
         ep.finish(None, agent_error=None if ep.ended else f"the agent raised {type(e).__name__}: {e}")
     else:
