@@ -228,8 +228,9 @@ class TrainConfig(BaseModel):
                              f"{self.distill_data or 'not given'}): give both, or neither")
         if self.distill_data is not None and not as_loss:
             raise ValueError("--distill-lambda / --distill-data train the divergence of --distill-loss on fixed data; "
-                             "give --distill-loss forward|reverse|jsd (--advantage reverse_kl needs the student's own "
-                             "samples)")
+                             "give --distill-loss forward|reverse|jsd (e.g. --recipe gkd)"
+                             + (" instead of --advantage reverse_kl, which needs the student's own samples"
+                                if as_advantage else ""))
         if self.group_size == 1 and not (distill and self.task_reward_weight == 0):
             raise ValueError("--group-size 1 gives a group-relative advantage nothing to compare with (docs/cases.md, "
                              "case 12); it is allowed only for distillation alone (--advantage reverse_kl or "

@@ -52,7 +52,8 @@ from consequence.iteration import Learner, collect, credit, logprob_fn, make_lea
 from consequence.fileio import append_line, write_text_atomic
 from consequence.seeding import seed_of
 from consequence.records import Trajectory, write_trajectories
-from consequence.distill.fixed_data import draw_fixed_batch, first_student_iteration, load_fixed_data, uses_fixed_data
+from consequence.distill.fixed_data import (check_token_ids, draw_fixed_batch, first_student_iteration, load_fixed_data,
+                                            uses_fixed_data)
 from consequence.rollout.episodes import Budgets, opening_prompt_len
 from consequence.envs.registry import env_of
 
@@ -159,9 +160,11 @@ def _start(cfg: TrainConfig, console, run: Path, resume: bool, state: ResumeStat
     settings can work (:func:`preflight`); only then clear an earlier run's outputs and write
     the run's files."""
     torch.manual_seed(cfg.seed)
+    split = env_of(cfg)
+    # fixed data is checked against the splits before a model is resolved (a new --split-seed builds a warm start)
+    fixed = load_fixed_data(cfg.distill_data, split.problem_ids()) if cfg.distill_data else []
     model_path = _resolve_model(cfg, console)
     model, tokenizer = load_policy(model_path)
-    split = env_of(cfg)
     renderer = Renderer(tokenizer, split.tools)
     preflight(cfg, tokenizer, renderer, split, model_path)
     teacher = None
@@ -169,7 +172,7 @@ def _start(cfg: TrainConfig, console, run: Path, resume: bool, state: ResumeStat
         from consequence.distill.teacher_model import load_teacher
 
         teacher = load_teacher(cfg.teacher, tokenizer, log=lambda line: console.print(escape(line)), student=model)
-    fixed = load_fixed_data(cfg.distill_data, split.problem_ids(), len(tokenizer)) if cfg.distill_data else []
+    check_token_ids(fixed, len(tokenizer), "--distill-data")
     if state is not None:
         _check_same_start(state, model_path)
     reference = copy.deepcopy(model).eval()  # the warm start, kept for the final paired comparison
@@ -199,7 +202,7 @@ def _start(cfg: TrainConfig, console, run: Path, resume: bool, state: ResumeStat
             r.manifest["checks"]["not_run"] = (f"every iteration drew its batch from --distill-data (--distill-lambda "
                                                f"{cfg.distill_lambda:g}): no batch of the student's own samples to check")
         policy = [str(run / "checkpoints")]
-        r.manifest["splits_touched"] = [record_touch(split.label, cfg.split_seed, "train", "RL rollouts", policy)] + (
+        r.manifest["splits_touched"] = [record_touch(split.label, cfg.split_seed, "train", _train_use(cfg), policy)] + (
             [record_touch(split.label, cfg.split_seed, "validation", "greedy success of each checkpoint during "
                           "training (selects checkpoints)", policy)] if cfg.eval_every else [])
     else:
@@ -241,6 +244,14 @@ def _refuse_an_untrainable_first_batch(trajs: list[Trajectory], cfg: TrainConfig
         raise PreStepCheckError(f"the agent made 0 model calls in {len(trajs)} episodes, so there is nothing to train "
                                 f"on: --agent {cfg.agent} must call client.chat.completions.create(model=task.model, "
                                 f"messages=task.messages, ...) (docs/agents.md §1); {where}")
+
+
+def _train_use(cfg: TrainConfig) -> str:
+    """How the run uses the train split (the ledger's purpose)."""
+    if cfg.distill_lambda >= 1:
+        return "RL rollouts"
+    rolls = first_student_iteration(cfg.distill_lambda, cfg.seed, cfg.iterations) is not None
+    return "RL rollouts and --distill-data batches" if rolls else "--distill-data batches (no rollout)"
 
 
 def preflight(cfg: TrainConfig, tokenizer, renderer: Renderer, split, model_path: Path) -> None:
