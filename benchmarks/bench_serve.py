@@ -83,17 +83,11 @@ def single_calls(model, renderer, env, sessions: int, repeats: int) -> list[dict
             _row("single calls", "in-process sampler", sessions, local)]
 
 
-async def _agent(client, task):
-    messages = list(task.messages)
-    while not task.done:
-        reply = await client.chat.completions.create(model=task.model, messages=messages, tools=task.tools)
-        msg = reply.choices[0].message
-        messages.append(msg.model_dump(exclude_none=True))
-        if not msg.tool_calls:
-            return msg.content
-        for call in msg.tool_calls:
-            messages.append({"role": "tool", "tool_call_id": call.id,
-                             "content": await task.call_tool(call.function.name, call.function.arguments)})
+def _agent():
+    """The shipped example agent (examples/openai_agent/agent.py), loaded as --agent loads it."""
+    from consequence.serve.runner import load_agent
+
+    return load_agent(str(Path(__file__).resolve().parents[1] / "examples/openai_agent/agent.py") + ":agent")
 
 
 def episodes(model, renderer, env, sessions: int, repeats: int) -> list[dict]:
@@ -106,7 +100,7 @@ def episodes(model, renderer, env, sessions: int, repeats: int) -> list[dict]:
     served, local = [], []
     for r in range(repeats):
         t0 = time.perf_counter()
-        trajs, stats = run_agent_episodes(_agent, model, renderer, specs(), BUDGETS, PARAMS, env.system_prompt,
+        trajs, stats = run_agent_episodes(_agent(), model, renderer, specs(), BUDGETS, PARAMS, env.system_prompt,
                                           seed=r, examples=env.examples)
         served.append((time.perf_counter() - t0, sum(t.n_generated_tokens for t in trajs), stats["agent_calls"],
                        stats["agent_batches"]))

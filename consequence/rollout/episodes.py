@@ -128,16 +128,26 @@ def opening_prompt_len(renderer: Renderer, system_prompt: str, request: str,
     return len(renderer.prompt_ids(opening_messages(system_prompt, request, examples)))
 
 
+def reset_observation(spec: EpisodeSpec) -> str:
+    """The opening observation of ``spec``'s episode: ``spec.env.reset(seed=spec.seed)``.
+
+    Raises:
+        TypeError: ``reset`` did not return ``(observation: str, info)``; anything ``reset`` raises.
+    """
+    obs, _info = spec.env.reset(seed=spec.seed)
+    if not isinstance(obs, str):
+        raise TypeError(f"reset() must return (observation: str, info: dict); the observation is a "
+                        f"{type(obs).__name__}")
+    return obs
+
+
 def _start(index: int, spec: EpisodeSpec, renderer: Renderer, system_prompt: str,
            version: int, examples: Sequence[tuple[str, str]] = ()) -> _Live:
     traj = Trajectory(task_id=spec.task_id, group_id=spec.group_id, sample_id=spec.sample_id,
                       seed=spec.seed, policy_version=version)
     e = _Live(index, spec, traj, [], [], time.perf_counter())
     try:
-        obs, _info = spec.env.reset(seed=spec.seed)
-        if not isinstance(obs, str):
-            raise TypeError(f"reset() must return (observation: str, info: dict); the observation is a "
-                            f"{type(obs).__name__}")
+        obs = reset_observation(spec)
     except Exception as err:  # the environment's fault, not the policy's: excluded, counted
         _end(e, "env_error", error=raised("reset", err))
         return e

@@ -30,7 +30,7 @@ from consequence.harness.renderer import Renderer
 from consequence.harness.tools import check_tool_specs
 from consequence.policy.sampler import SamplingParams
 from consequence.records import Trajectory
-from consequence.rollout.episodes import Budgets, EpisodeSpec, opening_messages, raised
+from consequence.rollout.episodes import Budgets, EpisodeSpec, opening_messages, raised, reset_observation
 from consequence.serve.app import BackgroundServer, ServeSettings, create_app, model_context_length
 from consequence.serve.episode import BoundEpisode
 from consequence.serve.sessions import Session
@@ -187,10 +187,7 @@ def _bind(index: int, spec: EpisodeSpec, renderer: Renderer, budgets: Budgets, s
     ep = BoundEpisode(spec.env, traj, budgets, sampling, check_tool_specs(renderer.tools), answers)
     session = Session(f"episode-{index}", traj, episode=ep)
     try:
-        obs, _info = spec.env.reset(seed=spec.seed)
-        if not isinstance(obs, str):
-            raise TypeError(f"reset() must return (observation: str, info: dict); the observation is a "
-                            f"{type(obs).__name__}")
+        obs = reset_observation(spec)
     except Exception as err:  # the environment's fault, not the policy's: excluded, counted
         ep.end("env_error", error=raised("reset", err))
         return session, None
