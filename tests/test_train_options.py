@@ -273,3 +273,15 @@ def test_reproduce_checks_everything_before_making_its_folder(tmp_path, monkeypa
     res = CliRunner().invoke(app, ["reproduce", str(run), "--run-dir", str(tmp_path / "new"), "--iterations", "0"], env=ENV)
     assert res.exit_code == 2 and "--iterations" in _text(res)
     assert not (tmp_path / "new").exists()
+
+
+def test_a_config_file_with_a_distillation_recipe_and_teacher_on_the_command_line(tmp_path, captured):
+    """--config FILE --recipe gkd --teacher T: the file's values are checked with the command line's teacher."""
+    (tmp_path / "c.yaml").write_text("iterations: 2\nlearning_rate: 0.5\n")
+    from consequence.policy.tiny import BUNDLED
+
+    res, cfg = captured("--config", str(tmp_path / "c.yaml"), "--recipe", "gkd", "--teacher", str(BUNDLED))
+    assert res.exit_code == 0, res.output
+    assert (cfg.distill_loss, cfg.teacher, cfg.iterations) == ("jsd", str(BUNDLED), 2)
+    res, _ = captured("--config", str(tmp_path / "c.yaml"), "--recipe", "gkd")
+    assert res.exit_code == 2 and "needs --teacher" in res.output

@@ -174,8 +174,10 @@ def resolve_config(config_file: str | Path | None = None, given: dict[str, Any] 
             raise ValueError(f"{where}: {e}") from None
         base = {"run_dir": default_run_dir(recipe.name), **recipe.config}
         given["recipe"] = recipe.ref
-    if data:  # the file's own values are checked even where the command line overrides them
-        TrainConfig.checked(**{**base, **data, **({"recipe": given["recipe"]} if named else {})})
+    if data:  # the file's own values are checked even where the command line overrides them (with the
+        # command line's other settings: a file without `teacher` is fine for a distillation recipe given --teacher)
+        TrainConfig.checked(**{**base, **{k: v for k, v in given.items() if k not in data}, **data,
+                               **({"recipe": given["recipe"]} if named else {})})
     merged = {**base, **data, **given}
     if isinstance(data.get("env_options"), dict) and isinstance(given.get("env_options"), dict):
         merged["env_options"] = {**data["env_options"], **given["env_options"]}  # key by key, like every layer
