@@ -162,7 +162,7 @@ def _start(cfg: TrainConfig, console, run: Path, resume: bool, state: ResumeStat
     torch.manual_seed(cfg.seed)
     split = env_of(cfg)
     # fixed data is checked against the splits before a model is resolved (a new --split-seed builds a warm start)
-    fixed = load_fixed_data(cfg.distill_data, split.problem_ids()) if cfg.distill_data else []
+    fixed = load_fixed_data(cfg.distill_data, split.split) if cfg.distill_data else []
     model_path = _resolve_model(cfg, console)
     model, tokenizer = load_policy(model_path)
     renderer = Renderer(tokenizer, split.tools)

@@ -59,23 +59,23 @@ def test_load_refuses_other_splits_bad_ids_and_missing_files(tmp_path, data_file
 
     env = env_of(TrainConfig(**BASE))
     trajs = read_trajectories(data_file)
-    assert len(load_fixed_data(data_file, env.problem_ids())) == len([t for t in trajs if t.reward is not None])
+    assert len(load_fixed_data(data_file, env.split)) == len([t for t in trajs if t.reward is not None])
     test_task = env.problem_ids()["test"][0]
     bad = [dataclasses.replace(trajs[0], task_id=f"{test_task}#0-0")] + trajs[1:]
     write_trajectories(tmp_path / "leak.parquet", bad)
     with pytest.raises(ValueError, match=f"task '{test_task}#0-0' is a test-split problem"):
-        load_fixed_data(tmp_path / "leak.parquet", env.problem_ids())
+        load_fixed_data(tmp_path / "leak.parquet", env.split)
     check_token_ids(trajs, 768, "--distill-data")
     with pytest.raises(ValueError, match="--distill-data: task .* outside the student's vocabulary of 100"):
         check_token_ids(trajs, 100, "--distill-data")
     with pytest.raises(ValueError, match="no such file"):
-        load_fixed_data(tmp_path / "none.parquet", env.problem_ids())
+        load_fixed_data(tmp_path / "none.parquet", env.split)
     write_trajectories(tmp_path / "evalout" / "episodes.parquet", trajs)
     with pytest.raises(ValueError, match="is a folder: give a trajectories parquet file; did you mean .*episodes.parquet"):
-        load_fixed_data(tmp_path / "evalout", env.problem_ids())
+        load_fixed_data(tmp_path / "evalout", env.split)
     (tmp_path / "junk.parquet").write_text("not parquet")
     with pytest.raises(ValueError, match="not a trajectories parquet file"):
-        load_fixed_data(tmp_path / "junk.parquet", env.problem_ids())
+        load_fixed_data(tmp_path / "junk.parquet", env.split)
 
 
 @pytest.mark.parametrize("kw,match", [
@@ -169,3 +169,21 @@ def test_data_of_another_split_seed_is_refused_before_a_warm_start_is_built(tmp_
     with pytest.raises(ValueError, match="--distill-data .* fixed data may hold train-split problems only"):
         train(cfg, Console(quiet=True))
     assert not (tmp_path / "run").exists() and not list((tmp_path / "cache").glob("**/warmstart.json"))
+
+
+def test_pool_items_are_known_by_task_id_or_problem_id(tmp_path):
+    """reasoning-gym's pool holds tasks (task_id 'letter_counting/2023'), repair's holds problems
+    (problem_id): a trajectory's task id up to '#' is looked up in both."""
+    from types import SimpleNamespace
+
+    def traj(task_id):
+        return Trajectory(task_id=task_id, group_id="g", sample_id=0, seed=0, policy_version=0,
+                          calls=[ModelCall([1, 2], [3], [-0.5], "stop")], reward=1.0)
+
+    splits = {"train": [SimpleNamespace(task_id="lc/1"), SimpleNamespace(problem_id="rep/a")],
+              "test": [SimpleNamespace(task_id="lc/2")]}
+    write_trajectories(tmp_path / "ok.parquet", [traj("lc/1#5-0"), traj("rep/a#7-3")])
+    assert [t.task_id for t in load_fixed_data(tmp_path / "ok.parquet", splits)] == ["lc/1#5-0", "rep/a#7-3"]
+    write_trajectories(tmp_path / "bad.parquet", [traj("lc/2#5-0")])
+    with pytest.raises(ValueError, match="'lc/2#5-0' is a test-split problem"):
+        load_fixed_data(tmp_path / "bad.parquet", splits)

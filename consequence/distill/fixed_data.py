@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import random
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from consequence.records import Trajectory, read_trajectories
 from consequence.seeding import seed_of
@@ -42,17 +42,23 @@ def first_student_iteration(distill_lambda: float, seed: int, iterations: int) -
     return next((it for it in range(iterations) if not uses_fixed_data(distill_lambda, seed, it)), None)
 
 
+def _ids(item: Any) -> set[str]:
+    """The ids a pool item is known by: its task id and its problem id, where it has them."""
+    return {str(v) for v in (getattr(item, "task_id", None), getattr(item, "problem_id", None)) if v is not None}
+
+
 def _problem_of(task_id: str) -> str:
     return task_id.split("#", 1)[0]  # Environment.sample appends '#seed-k' to the pool's task id
 
 
-def load_fixed_data(path: str | Path, problem_ids: dict[str, Sequence[str]]) -> list[Trajectory]:
+def load_fixed_data(path: str | Path, splits: dict[str, Sequence[Any]]) -> list[Trajectory]:
     """The trainable trajectories of ``path``, checked against the environment's splits.
 
     Args:
         path: a trajectories parquet file (``records.write_trajectories``).
-        problem_ids: the environment's split → problem ids (``Environment.problem_ids``); a
-            trajectory's problem is its task id up to ``#``.
+        splits: the environment's split → its pool of tasks or problems (``Environment.split``);
+            a trajectory belongs to the pool item whose ``task_id`` or ``problem_id`` equals its
+            task id up to ``#`` (``Environment.sample`` appends ``#seed-k``).
 
     Returns:
         the trajectories with a reward and at least one model call (env errors and empty
@@ -78,7 +84,7 @@ def load_fixed_data(path: str | Path, problem_ids: dict[str, Sequence[str]]) -> 
     usable = [t for t in trajs if t.reward is not None and t.calls]
     if not usable:
         raise ValueError(f"--distill-data {p}: none of its {len(trajs)} trajectories has a reward and a model call")
-    where = {pid: s for s, ids in problem_ids.items() for pid in ids}
+    where = {key: s for s, pool in splits.items() for item in pool for key in _ids(item)}
     for t in usable:
         split = where.get(_problem_of(t.task_id))
         if split != "train":
