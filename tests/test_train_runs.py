@@ -213,3 +213,34 @@ def test_reproduce_from_another_folder_shortened_without_warning_against_itself(
     m0 = json.loads((original / "metrics.jsonl").read_text().splitlines()[0])
     m1 = json.loads((other / "again" / "metrics.jsonl").read_text().splitlines()[0])
     assert abs(m0["loss"] - m1["loss"]) <= 1e-6 and m0["reward_mean"] == m1["reward_mean"] and m0["grad_norm"] > 0
+
+
+def test_the_final_sampled_comparison_samples_at_the_training_temperature(tmp_path):
+    """final_eval_decoding sampled runs at --temperature (0.7 here), not at the sampler's default of 1:
+    every recorded log-prob equals a teacher-forced recompute at 0.7 (it was sampled at 1 before)."""
+    import torch
+    from rich.console import Console
+
+    from consequence.config import TrainConfig
+    from consequence.policy.logprobs import token_logprobs_unchunked
+    from consequence.policy.tiny import BUNDLED, load_policy
+    from consequence.records import read_trajectories, trajectory_to_rows
+    from consequence.train import train
+
+    run = tmp_path / "run"
+    train(TrainConfig(run_dir=str(run), iterations=1, tasks_per_iteration=2, group_size=2, eval_every=0,
+                      max_turns=2, max_new_tokens=16, temperature=0.7, final_eval_episodes=4,
+                      final_eval_splits=["test"], final_eval_decoding=["sampled"]), Console(quiet=True))
+    model, _ = load_policy(BUNDLED)
+    gaps = {}
+    for T in (0.7, 1.0):
+        worst = 0.0
+        for t in read_trajectories(run / "eval" / "test-sampled-warmstart.parquet"):
+            for r in trajectory_to_rows(t):
+                ids = torch.tensor([r.input_ids])
+                with torch.no_grad():
+                    lp, _ = token_logprobs_unchunked(model, ids, torch.ones_like(ids), T)
+                mask = torch.tensor(r.loss_mask[1:], dtype=torch.bool)
+                worst = max(worst, float((lp[0][mask] - torch.tensor(r.old_logprobs[1:])[mask]).abs().max()))
+        gaps[T] = worst
+    assert gaps[0.7] < 1e-4 < 0.05 < gaps[1.0]

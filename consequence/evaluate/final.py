@@ -63,7 +63,9 @@ def _compare_arms(cfg, reference, model, renderer, env, budgets, run: Path, phas
     arms = []
     for label, policy in (("warm start", reference), ("RL", model)):
         with phases.phase(f"final evaluation: {name.split(' ')[0]}, {decoding}, {label}", len(tasks)) as tick:
-            arms.append(ArmResult(label, run_eval(policy, renderer, env, tasks, budgets, cfg.seed, greedy, progress=tick)))
+            # sampled: at the training temperature (the documented rule), not the sampler's default of 1
+            arms.append(ArmResult(label, run_eval(policy, renderer, env, tasks, budgets, cfg.seed, greedy,
+                                                  temperature=cfg.temperature, progress=tick)))
     a, b = arms
     for arm, tag in ((a, "warmstart"), (b, "rl")):
         path = run / "eval" / f"{name.split(' ')[0]}-{decoding}-{tag}.parquet"
