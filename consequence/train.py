@@ -102,6 +102,7 @@ class _Run:
     history: list[dict[str, Any]] = field(default_factory=list)
     start: int = 0  # first iteration to run (iterations completed by the resume state)
     fixed_data: list[Trajectory] = field(default_factory=list)  # --distill-data, for --distill-lambda < 1
+    first_student: int | None = 0  # first iteration that rolls out the student (where the pre-step checks run)
 
 
 def train(cfg: TrainConfig, console=None, resume: bool = False, reproduces: str | Path | None = None) -> dict[str, Any]:
@@ -191,18 +192,19 @@ def _start(cfg: TrainConfig, console, run: Path, resume: bool, state: ResumeStat
     r = _Run(cfg, run, model_path, tokenizer, reference, learner, renderer, split,
              Budgets(cfg.max_turns, cfg.max_new_tokens, cfg.max_total_tokens),
              SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p, cfg.max_new_tokens), manifest={},
-             label=run_label(cfg), fixed_data=fixed)
+             label=run_label(cfg), fixed_data=fixed,
+             first_student=first_student_iteration(cfg.distill_lambda, cfg.seed, cfg.iterations))
     if state is None:
         r.manifest = build_manifest(cfg, model_path, split, chat_template=tokenizer.chat_template,
                                     isolation=isolation_report(), tool_format=renderer.tool_format)
         r.manifest |= {"run_label": r.label, "cwd": os.getcwd(), "policy_training": policy_training(cfg, model)}
         if reproduces is not None:
             r.manifest["reproduces"] = os.path.abspath(reproduces)
-        if cfg.distill_lambda < 1 and first_student_iteration(cfg.distill_lambda, cfg.seed, cfg.iterations) is None:
+        if r.first_student is None:
             r.manifest["checks"]["not_run"] = (f"every iteration drew its batch from --distill-data (--distill-lambda "
                                                f"{cfg.distill_lambda:g}): no batch of the student's own samples to check")
         policy = [str(run / "checkpoints")]
-        r.manifest["splits_touched"] = [record_touch(split.label, cfg.split_seed, "train", _train_use(cfg), policy)] + (
+        r.manifest["splits_touched"] = [record_touch(split.label, cfg.split_seed, "train", _train_use(cfg, r.first_student), policy)] + (
             [record_touch(split.label, cfg.split_seed, "validation", "greedy success of each checkpoint during "
                           "training (selects checkpoints)", policy)] if cfg.eval_every else [])
     else:
@@ -246,12 +248,11 @@ def _refuse_an_untrainable_first_batch(trajs: list[Trajectory], cfg: TrainConfig
                                 f"messages=task.messages, ...) (docs/agents.md §1); {where}")
 
 
-def _train_use(cfg: TrainConfig) -> str:
+def _train_use(cfg: TrainConfig, first_student: int | None) -> str:
     """How the run uses the train split (the ledger's purpose)."""
     if cfg.distill_lambda >= 1:
         return "RL rollouts"
-    rolls = first_student_iteration(cfg.distill_lambda, cfg.seed, cfg.iterations) is not None
-    return "RL rollouts and --distill-data batches" if rolls else "--distill-data batches (no rollout)"
+    return "RL rollouts and --distill-data batches" if first_student is not None else "--distill-data batches (no rollout)"
 
 
 def preflight(cfg: TrainConfig, tokenizer, renderer: Renderer, split, model_path: Path) -> None:
@@ -346,9 +347,9 @@ def _run_iteration(r: _Run, it: int, console, show=lambda text: None) -> dict[st
     cfg, model = r.cfg, r.learner.model
     n_roll = cfg.tasks_per_iteration * cfg.group_size
     try:
-        first = it == first_student_iteration(cfg.distill_lambda, cfg.seed, cfg.iterations)
-        m = iteration(it, cfg, r.learner, r.renderer, r.split, r.budgets, r.sampling, r.dir, first=first,
-                      console=console, fixed_data=r.fixed_data, progress=lambda d: show(f"iteration {it}: rollouts {d}/{n_roll} episodes"))
+        m = iteration(it, cfg, r.learner, r.renderer, r.split, r.budgets, r.sampling, r.dir,
+                      first=it == r.first_student, console=console, fixed_data=r.fixed_data,
+                      progress=lambda d: show(f"iteration {it}: rollouts {d}/{n_roll} episodes"))
     except FloatingPointError as e:
         e.iteration = it  # for RunStopped's message: which trajectory file the indices point into
         raise

@@ -171,7 +171,7 @@ def test_chunked_forward_equals_the_direct_one_in_values_and_gradients(student, 
         model = copy.deepcopy(student)
         if chunked:
             lp, ent, div = distill_chunked(model, teacher, batch["input_ids"], batch["attention_mask"], tmask,
-                                           0.7, True, kind, beta, 2.0, top_k, chunk_size=3)
+                                           0.7, True, kind, beta, 2.0, top_k, chunk_size=3)  # no shared prefix
         else:
             lp, ent, div = _distill_forward(model, teacher, batch, cfg)
         (lp[tmask].sum() + 0.3 * ent[tmask].sum() - div[tmask].sum()).backward()

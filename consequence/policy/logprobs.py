@@ -383,14 +383,14 @@ def token_logprobs(
         ents.append(ent_c)
     # no real target: 0 everywhere, still on the graph (as the unchunked outputs are)
     zero = None if P else feats_PX.sum().float()  # feats_PX is [0, X]
-    lp = _scatter(lps, lin, N * S1, zero).view(N, S1)
+    lp = scatter_targets(lps, lin, N * S1, zero).view(N, S1)
     ent = None
     if with_entropy:
-        ent = _scatter(ents, lin, N * S1, zero if terms.entropy_grad else None).view(N, S1)
+        ent = scatter_targets(ents, lin, N * S1, zero if terms.entropy_grad else None).view(N, S1)
     return lp, ent
 
 
-def _scatter(parts: list[torch.Tensor], lin: torch.Tensor, n: int, zero: torch.Tensor | None) -> torch.Tensor:
+def scatter_targets(parts: list[torch.Tensor], lin: torch.Tensor, n: int, zero: torch.Tensor | None) -> torch.Tensor:
     """[n] float32: zeros with the concatenated ``parts`` at flat indices ``lin`` [P] long."""
     out = torch.zeros(n, dtype=torch.float32, device=lin.device)
     if parts:

@@ -19,8 +19,8 @@ import functools
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from consequence.policy.logprobs import DEFAULT_CHUNK_SIZE, lm_head_split
-from consequence.policy.shared_prefix import shared_prefix_len, trunk_hidden
+from consequence.policy.logprobs import DEFAULT_CHUNK_SIZE, lm_head_split, scatter_targets
+from consequence.policy.shared_prefix import trunk_hidden
 from consequence.update.divergence import token_divergence
 
 __all__ = ["distill_chunked", "can_chunk"]
@@ -33,7 +33,7 @@ def can_chunk(model, teacher) -> bool:
 
 def distill_chunked(model, teacher, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                     target_mask: torch.Tensor, temperature: float, entropy_grad: bool, kind: str, beta: float,
-                    tau: float, top_k: int, chunk_size: int = DEFAULT_CHUNK_SIZE
+                    tau: float, top_k: int, shared: int = 0, chunk_size: int = DEFAULT_CHUNK_SIZE
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Student log-probs, entropy and divergence to the teacher at the target positions.
 
@@ -45,6 +45,8 @@ def distill_chunked(model, teacher, input_ids: torch.Tensor, attention_mask: tor
         temperature: the sampling temperature of the student's log-probs and entropy.
         entropy_grad: whether the entropy carries a gradient (an entropy bonus is trained).
         kind, beta, tau, top_k: the divergence (:func:`token_divergence`).
+        shared: tokens of a prefix shared by every row (``policy.shared_prefix.shared_prefix_len``),
+            run through both trunks once; 0 = none.
         chunk_size: target positions per chunk (≥ 1).
 
     Returns:
@@ -62,7 +64,6 @@ def distill_chunked(model, teacher, input_ids: torch.Tensor, attention_mask: tor
     S1 = S - 1
     lin = (attention_mask[:, 1:].bool() & target_mask.bool()).reshape(-1).nonzero().squeeze(1)
     rows, pos = lin // max(S1, 1), lin % max(S1, 1)
-    shared = shared_prefix_len(input_ids, attention_mask)
     trunk, head = lm_head_split(model)
     feats = trunk_hidden(trunk, input_ids, attention_mask, prefix_len=shared)[:, :-1][rows, pos]  # [P, H]
     t_trunk, t_head = lm_head_split(teacher)
@@ -77,7 +78,7 @@ def distill_chunked(model, teacher, input_ids: torch.Tensor, attention_mask: tor
         parts.append(checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
                      if torch.is_grad_enabled() else fn(*args))
     zero = feats.sum().float() * 0 if not lin.numel() else None  # no target: zeros still on the graph
-    return tuple(_scatter([p[k] for p in parts], lin, n * S1, zero).view(n, S1) for k in range(3))
+    return tuple(scatter_targets([p[k] for p in parts], lin, n * S1, zero).view(n, S1) for k in range(3))
 
 
 def _chunk(head, t_head, temperature: float, entropy_grad: bool, kind: str, beta: float, tau: float, top_k: int,
@@ -93,10 +94,3 @@ def _chunk(head, t_head, temperature: float, entropy_grad: bool, kind: str, beta
         t_z = t_head(t_feats_cH).float()
     return lp, ent, token_divergence(z, t_z, kind, beta, tau, top_k)
 
-
-def _scatter(parts: list[torch.Tensor], lin: torch.Tensor, size: int, zero: torch.Tensor | None) -> torch.Tensor:
-    """[size] float32 zeros with the concatenated ``parts`` at flat indices ``lin``."""
-    out = torch.zeros(size, dtype=torch.float32, device=lin.device)
-    if parts:
-        out = out.index_copy(0, lin, torch.cat(parts).float())
-    return out if zero is None else out + zero

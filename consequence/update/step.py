@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from consequence.policy.logprobs import auto_chunk_size, logprobs_from_logits
+from consequence.policy.shared_prefix import shared_prefix_len
 from consequence.records import TrainingRow, pad_rows
 from consequence.update.divergence import token_divergence
 from consequence.update.distill_chunks import can_chunk, distill_chunked
@@ -437,10 +438,11 @@ def _distill_forward(model, teacher, batch: dict[str, Tensor], cfg: UpdateConfig
     shared by every row) go through :func:`~consequence.update.distill_chunks.distill_chunked`:
     the same values at the target positions without holding the full logits."""
     ids, am = batch["input_ids"], batch["attention_mask"]
-    if "keep_index" not in batch and auto_chunk_size(model, ids, am) and can_chunk(model, teacher):
+    shared = shared_prefix_len(ids, am)
+    if "keep_index" not in batch and auto_chunk_size(model, ids, am, shared) and can_chunk(model, teacher):
         return distill_chunked(model, teacher, ids, am, batch["loss_mask"][:, 1:] > 0, cfg.temperature,
                                cfg.entropy_coef > 0, cfg.distill_loss, cfg.distill_beta, cfg.distill_temperature,
-                               cfg.distill_top_k)
+                               cfg.distill_top_k, shared=shared)
     logits = model(input_ids=ids, attention_mask=am).logits[:, :-1].float()
     support = {k: batch[k] for k in ("keep_index", "keep_rows") if k in batch}
     lp, ent = logprobs_from_logits(logits, ids, am, cfg.temperature, with_entropy=True,
