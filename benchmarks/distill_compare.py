@@ -56,7 +56,6 @@ def teacher_data(args) -> tuple[Path, int]:
                "--split", "train", "-n", "1", "--no-recovery", "--seed", str(args.seed), "--out", str(out)]
         print("$ " + " ".join(cmd), flush=True)
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    sys.path.insert(0, str(ROOT))
     from consequence.records import read_trajectories
 
     trajs = read_trajectories(out / "episodes.parquet")
