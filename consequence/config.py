@@ -71,6 +71,10 @@ class TrainConfig(BaseModel):
     dynamic_sampling_max_rounds: int = _f(3, "rollout", "Dynamic sampling: at most this many rounds of B tasks per iteration; then train on what was kept.", ge=1)
     agent: str | None = _f(None, "rollout", "Your own agent drives the training rollouts (docs/agents.md): module:function or path/to/file.py:function naming an `async def agent(client, task)` written against the openai package. Each episode gets its own session of a loopback OpenAI-compatible endpoint serving the policy; every call is recorded token-exactly (context ids, sampled ids, sampler log-probs) and the G copies per task are scored by the environment. Validation and the final evaluation run the in-process harness.")
     agent_timeout: float = _f(0.0, "rollout", "Wall-clock limit of one --agent episode, in seconds: an agent that has not returned by then is cancelled and its episode ends as env_error (excluded, counted; docs/agents.md §4), so the run goes on. 0 = the default, 120 s × --max-turns. Read only with --agent.", ge=0)
+    rollout_workers: int = _f(0, "rollout", "Rollout workers as Ray actors (docs/async.md): each holds a policy snapshot with a version, runs whole batches (generation, environment, sandbox) and returns them scored; the trainer consumes them as they finish. 0 = the synchronous loop in this process.", ge=0)
+    max_staleness: int = _f(0, "rollout", "k of bounded staleness: a batch's lag is the trainer's version when it is consumed minus the version that sampled it; a batch is started only while it would be consumed at most k versions old, and one that is older when consumed (it waited) is dropped and counted. 0 = synchronous (the same metrics as --rollout-workers 0). Needs --rollout-workers.", ge=0)
+    ray_address: str | None = _f(None, "rollout", "Ray cluster to run the rollout workers on (e.g. 127.0.0.1:6379 or auto, as `ray start --head` prints); default: a local Ray instance started by the run and stopped after it. Needs --rollout-workers.")
+    rollout_timeout: float = _f(1800.0, "rollout", "The longest the trainer waits, in seconds, for the next batch from the rollout workers (or for a worker to start); then the run stops with an error naming the batch and the worker. Read only with --rollout-workers.", gt=0)
     overlong_buffer: int = _f(0, "reward", "DAPO overlong shaping: penalty rises linearly from 0 to −1 over the last this many tokens before max_total_tokens (0 = off).", ge=0)
     overlong_filter: bool = _f(False, "reward", "DAPO overlong filtering: truncated episodes count in group statistics but are left out of the loss.")
     advantage: Literal["reinforce", "batch_mean", "reinforce_pp", "rloo", "grpo", "dr_grpo", "gae", "reverse_kl", "rejection"] = _f("grpo", "credit", "Advantage estimator; gae trains a value head (PPO); reverse_kl is on-policy distillation: every sampled token's advantage is log π_teacher − log μ, the negated per-token reverse-KL estimate against --teacher (plus --task-reward-weight × the GRPO advantage of the task reward); rejection keeps only verified episodes (verifier 1, finished, a task's duplicate sampled tokens dropped) with advantage 1: with --surrogate pg, SFT on the student's own successes (rejection-sampling SFT), acceptance counted in metrics.jsonl.")
@@ -96,6 +100,9 @@ class TrainConfig(BaseModel):
     dual_clip_c: float = _f(3.0, "update", "Dual clip: bound c·A for negative advantages.", gt=1)
     tis_cap: float = _f(0.0, "update", "Truncated importance sampling cap C against the sampler's log-probs (0 = off).", ge=0)
     entropy_coef: float = _f(0.0, "update", "Entropy bonus c_H (0 = off).", ge=0)
+    is_mask: Literal["none", "token", "sequence"] = _f("none", "update", "Masked importance sampling against the sampler (μ, possibly an older policy version or another engine): the trainer recomputes π_old before the first step, and tokens whose ratio π_old/μ lies outside [--is-mask-low, --is-mask-high] (token), or whole rows whose geometric-mean ratio does (sequence), are left out of the loss (docs/async.md §3). none = off.")
+    is_mask_low: float = _f(0.5, "update", "Lower end of the --is-mask band of π_old/μ (below 1).", gt=0, lt=1)
+    is_mask_high: float = _f(2.0, "update", "Upper end of the --is-mask band of π_old/μ (above 1).", gt=1)
     offpolicy_delta: float = _f(0.0, "update", "Off-policy sequence masking: drop negative-advantage rows whose KL to the behaviour policy exceeds this, nats/token (0 = off).", ge=0)
     reduction: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = _f("token_mean", "update", "How per-token terms are averaged over the optimizer step.")
     norm_const: int = _f(0, "update", "L_const of seq_mean_token_sum_norm (Dr.GRPO); 0 = the largest target count in the step.", ge=0)
@@ -103,6 +110,7 @@ class TrainConfig(BaseModel):
     epochs_per_batch: int = _f(1, "update", "Passes over each collected batch (ratios are measured against the behaviour snapshot).", ge=1)
     mini_batches: int = _f(1, "update", "Optimizer steps per pass over the batch (PPO mini-batches).", ge=1)
     micro_batch_size: int = _f(32, "update", "Rows per forward/backward; the loss reduction is over the whole step, so this changes memory, not the gradient.", ge=1)
+    update_ranks: int = _f(1, "update", "Data-parallel optimizer steps over this many processes (torch.distributed, gloo on CPU): the trainer is rank 0 and starts N-1 rank processes on loopback, each with a copy of the policy and optimizer; each step's rows are split across them by tokens and every reduction uses the step's global counts, so the gradient equals the single-process one. 1 = the update in this process. Not with --advantage gae, a teacher, or --lora-rank.", ge=1)
     gradient_checkpointing: bool = _f(False, "update", "Recompute each transformer layer's activations in the backward pass instead of storing them (Hugging Face activation checkpointing; the policy is put in training mode): less memory per micro-batch for ~30 % more update time; same values and gradients for models without dropout.")
     eval_every: int = _f(6, "evaluate", "Validate every this many iterations (0 = never).", ge=0)
     val_episodes: int = _f(128, "evaluate", "Episodes (greedy) of each periodic validation.", ge=0)
@@ -246,6 +254,26 @@ class TrainConfig(BaseModel):
         if self.agent_timeout and not self.agent:  # read only by the agent-runner: never silently dropped
             raise ValueError("--agent-timeout limits the episodes of --agent, which is not given: add --agent "
                              "module:function or drop --agent-timeout")
+        return self
+
+    @model_validator(mode="after")
+    def _workers_fit(self) -> "TrainConfig":
+        """Settings read only by the asynchronous scheduler are refused without it (never silently dropped)."""
+        for key in ("max_staleness", "ray_address", "rollout_timeout"):
+            if getattr(self, key) != type(self).model_fields[key].default and not self.rollout_workers:
+                raise ValueError(f"--{key.replace('_', '-')} is read only by the rollout workers, but --rollout-workers "
+                                 f"is 0 (the synchronous loop): add --rollout-workers N (e.g. 2) or drop "
+                                 f"--{key.replace('_', '-')}")
+        if self.rollout_workers and self.agent:
+            raise ValueError("--rollout-workers with --agent is not supported: the agent's endpoint serves the policy "
+                             "of this process; drop one of them")
+        if self.rollout_workers and self.distill_lambda < 1:
+            raise ValueError("--rollout-workers with --distill-lambda below 1 is not supported: fixed-data batches "
+                             "are not rolled out; use --distill-lambda 1 or the synchronous loop")
+        given = [k for k in ("is_mask_low", "is_mask_high") if getattr(self, k) != type(self).model_fields[k].default]
+        if given and self.is_mask == "none":
+            raise ValueError(f"--{given[0].replace('_', '-')} is read only by --is-mask, which is none: give "
+                             "--is-mask token|sequence or drop it")
         return self
 
     @model_validator(mode="after")

@@ -36,6 +36,7 @@ from consequence.seeding import seed_of
 from consequence.rollout.sampling import policy_generate_fn
 from consequence.serve.runner import load_agent, run_agent_episodes
 from consequence.update.step import NonFiniteError, UpdateConfig, compute_logprobs, ppo_step
+from consequence.update.sampler_gap import apply_is_mask, sampler_gap_metrics
 from consequence.update.value_step import value_step
 
 
@@ -51,6 +52,7 @@ class Learner:
     critic: ValueModel | None = None
     critic_optimizer: torch.optim.Optimizer | None = None
     teacher: torch.nn.Module | None = None
+    data_parallel: Any = None  # --update-ranks > 1: a consequence.update.data_parallel.DataParallelUpdate
 
 
 def make_learner(cfg: TrainConfig, model: torch.nn.Module, reference: torch.nn.Module | None = None,
@@ -83,14 +85,23 @@ def make_learner(cfg: TrainConfig, model: torch.nn.Module, reference: torch.nn.M
                                                      weight_decay=0.0)
     if cfg.gradient_checkpointing:  # after the reference and critic are copied: only the policy recomputes layers
         enable_gradient_checkpointing(model)
+    if cfg.update_ranks > 1:  # rank 0 of data-parallel steps; refuses what it cannot run
+        from consequence.update.data_parallel import DataParallelUpdate, check_supported
+
+        check_supported(cfg)
+        learner.data_parallel = DataParallelUpdate(cfg.update_ranks)
     return learner
 
 
 # ---- rollout box ---------------------------------------------------------------------
 def collect(it: int, cfg: TrainConfig, model, renderer, split, budgets, sampling,
-            progress=None) -> tuple[list[Trajectory], dict]:
+            progress=None, policy_version: int | None = None) -> tuple[list[Trajectory], dict]:
     """Roll out B tasks × G episodes, scored; with dynamic sampling keep only groups whose
     rewards differ, sampling new tasks for up to ``dynamic_sampling_max_rounds`` rounds.
+
+    ``it`` picks the batch (its tasks and seeds); ``policy_version`` is the version of the
+    weights that sample it, recorded on every trajectory (default ``it``: the synchronous
+    loop; an asynchronous rollout worker may sample batch ``it`` with older weights).
 
     Returns:
         (trajectories of the kept groups, stats: groups generated / kept / dropped and
@@ -101,7 +112,8 @@ def collect(it: int, cfg: TrainConfig, model, renderer, split, budgets, sampling
     generated = tokens = 0
     agent_stats: dict[str, float] = {}
     for r in range(rounds):
-        groups = _roll_out_round(it, r, cfg, model, renderer, split, budgets, sampling, progress, agent_stats)
+        groups = _roll_out_round(it, r, cfg, model, renderer, split, budgets, sampling, progress, agent_stats,
+                                 it if policy_version is None else policy_version)
         generated += len(groups)
         tokens += sum(t.n_generated_tokens for g in groups for t in g)
         kept += [g for g in groups if not cfg.dynamic_sampling or _is_mixed(g)]
@@ -114,7 +126,7 @@ def collect(it: int, cfg: TrainConfig, model, renderer, split, budgets, sampling
 
 
 def _roll_out_round(it, r, cfg, model, renderer, split, budgets, sampling, progress=None,
-                    agent_stats: dict[str, float] | None = None) -> list[list[Trajectory]]:
+                    agent_stats: dict[str, float] | None = None, version: int = 0) -> list[list[Trajectory]]:
     """One round of B tasks × G episodes, scored and grouped: in-process harness, or with
     ``--agent`` the user's agent through the endpoint (its stats added into ``agent_stats``)."""
     tag = (it,) if r == 0 else (it, "round", r)  # round 0 keeps the seeds of plain sampling
@@ -126,7 +138,7 @@ def _roll_out_round(it, r, cfg, model, renderer, split, budgets, sampling, progr
              for t in tasks for g, episode in enumerate(group_of(env, t, cfg.group_size))]
     if cfg.agent:
         trajs, stats = run_agent_episodes(load_agent(cfg.agent), model, renderer, specs, budgets, sampling,
-                                          env.system_prompt, seed_of(cfg.seed, *tag, "rollout"), policy_version=it,
+                                          env.system_prompt, seed_of(cfg.seed, *tag, "rollout"), policy_version=version,
                                           examples=env.examples, progress=progress,
                                           agent_timeout=cfg.agent_timeout)
         for k, v in stats.items():
@@ -134,7 +146,7 @@ def _roll_out_round(it, r, cfg, model, renderer, split, budgets, sampling, progr
                 agent_stats[k] = agent_stats.get(k, 0.0) + v
     else:
         gen = policy_generate_fn(model, sampling, renderer.stop_ids, seed_of(cfg.seed, *tag, "rollout"))
-        trajs = run_episodes(gen, renderer, specs, budgets, env.system_prompt, policy_version=it, progress=progress,
+        trajs = run_episodes(gen, renderer, specs, budgets, env.system_prompt, policy_version=version, progress=progress,
                              examples=env.examples)
     score_trajectories(trajs, cfg.overlong_buffer, budgets.max_total_tokens, env.reward_components, env.reward_range)
     groups: dict[str, list[Trajectory]] = {}
@@ -209,9 +221,9 @@ def update(batch: Batch, cfg: TrainConfig, learner: Learner, pad_id: int, seed: 
     rows = batch.rows
     _check_mini_batches(len(rows), cfg.mini_batches)
     lp_fn = logprob_fn(cfg)
-    if cfg.tis_cap > 0:
-        old = compute_logprobs(learner.model, rows, pad_id, lp_fn, cfg.temperature, cfg.micro_batch_size)
-        rows = [dataclasses.replace(r, old_logprobs=o) for r, o in zip(rows, old)]
+    gap: dict[str, float] = {}
+    if needs_recompute(cfg):
+        rows, gap = _recompute_old(rows, batch.sampler_logprobs, cfg, learner, pad_id, lp_fn)
     rng = random.Random(seed)
     steps: list[dict[str, float]] = []
     for _ in range(cfg.epochs_per_batch):
@@ -220,7 +232,7 @@ def update(batch: Batch, cfg: TrainConfig, learner: Learner, pad_id: int, seed: 
             rng.shuffle(order)
         for part in _chunks(order, cfg.mini_batches):
             steps.append(_one_step(batch, rows, part, cfg, learner, pad_id, lp_fn, len(steps), divergence_only))
-    merged = merge_steps(steps)
+    merged = merge_steps(steps) | gap
     if cfg.distill_loss != "none":  # cost: the teacher ran one forward over every row of every step
         merged["teacher_forward_tokens"] = float(cfg.epochs_per_batch * sum(len(r.input_ids) for r in rows))
         merged["distill_targets"] = merged.get("n_tokens", 0.0)
@@ -231,13 +243,39 @@ def update(batch: Batch, cfg: TrainConfig, learner: Learner, pad_id: int, seed: 
     return merged
 
 
+def needs_recompute(cfg: TrainConfig) -> bool:
+    """Whether the trainer recomputes π_old before the first step: for TIS and masked IS (which
+    then take it as π_old), and under rollout workers (for the sampler–trainer gap metrics)."""
+    return cfg.tis_cap > 0 or cfg.is_mask != "none" or cfg.rollout_workers > 0
+
+
+def _recompute_old(rows, sampler_logprobs, cfg: TrainConfig, learner: Learner, pad_id: int, lp_fn):
+    """π_old recomputed with the current weights; the sampler–trainer gap; TIS / masked IS rows.
+
+    Returns:
+        (rows to train on, metrics of ``update.sampler_gap``). Without TIS or masked IS the
+        rows keep the sampler's log-probs as π_old (the recomputation only measures the gap).
+    """
+    old = compute_logprobs(learner.model, rows, pad_id, lp_fn, cfg.temperature, cfg.micro_batch_size)
+    band = (cfg.is_mask_low, cfg.is_mask_high)
+    gap = sampler_gap_metrics(old, sampler_logprobs, [r.loss_mask for r in rows], *band)
+    if cfg.tis_cap == 0 and cfg.is_mask == "none":
+        return rows, gap
+    rows = [dataclasses.replace(r, old_logprobs=o) for r, o in zip(rows, old)]
+    if cfg.is_mask != "none":
+        rows, masked = apply_is_mask(rows, sampler_logprobs, *band, cfg.is_mask)
+        gap |= masked
+    return rows, gap
+
+
 def _one_step(batch: Batch, rows, part: list[int], cfg, learner: Learner, pad_id, lp_fn, k: int,
               divergence_only: bool = False) -> dict:
     """Optimizer step ``k`` on rows ``part``; a non-finite tensor is re-raised naming trajectories."""
     pick = lambda xs: None if xs is None else [xs[j] for j in part]  # noqa: E731
     ucfg = dataclasses.replace(learner.update_cfg, pg_coef=0.0) if divergence_only else learner.update_cfg
     try:
-        m = ppo_step(learner.model, learner.optimizer, pick(rows), pick(batch.advantages),
+        step = ppo_step if learner.data_parallel is None else learner.data_parallel.ppo_step
+        m = step(learner.model, learner.optimizer, pick(rows), pick(batch.advantages),
                      ucfg, pad_id, lp_fn,
                      ref_logprobs=pick(batch.ref_logprobs), sampler_logprobs=pick(batch.sampler_logprobs),
                      teacher=learner.teacher)  # the update reads it only with a --distill-loss

@@ -103,6 +103,7 @@ class _Run:
     start: int = 0  # first iteration to run (iterations completed by the resume state)
     fixed_data: list[Trajectory] = field(default_factory=list)  # --distill-data, for --distill-lambda < 1
     first_student: int | None = 0  # first iteration that rolls out the student (where the pre-step checks run)
+    rollouts: Any = None  # scale.scheduler.AsyncRollouts with --rollout-workers, else None (this process rolls out)
 
 
 def train(cfg: TrainConfig, console=None, resume: bool = False, reproduces: str | Path | None = None) -> dict[str, Any]:
@@ -137,7 +138,10 @@ def train(cfg: TrainConfig, console=None, resume: bool = False, reproduces: str 
     r = None
     try:
         r = _start(cfg, console, run_path, resume, state, reproduces)
-        _loop(r, console)
+        try:
+            _loop(r, console)
+        finally:  # workers and a local Ray instance end with the loop, also on errors and Ctrl-C
+            _close_rollouts(r)
         return _finish(r, console, t_start)
     except KeyboardInterrupt as e:
         done = len(r.history) if r is not None else 0
@@ -213,6 +217,8 @@ def _start(cfg: TrainConfig, console, run: Path, resume: bool, state: ResumeStat
         r.manifest.setdefault("resumed", []).append({"from_iteration": state.iteration, "state": state.path.name})
         r.manifest["status"] = "running"
     rewind_run_dir(run, r.start, r.history)
+    if cfg.rollout_workers:
+        r.rollouts = _start_rollouts(r, console)
     write_manifest(r.manifest, run)
     console.print(f"[bold]consequence train[/] ({escape(r.label)}): {cfg.iterations} iterations (numbered 0–"
                   f"{cfg.iterations - 1}) × {cfg.tasks_per_iteration} tasks × {cfg.group_size} rollouts, model "
@@ -224,6 +230,33 @@ def _start(cfg: TrainConfig, console, run: Path, resume: bool, state: ResumeStat
         console.print(f"LoRA r={cfg.lora_rank}, α={cfg.lora_alpha:g} on {','.join(cfg.lora_targets)}: "
                       f"{pt['trainable_parameters']:,} of {pt['parameters']:,} parameters trained")
     return r
+
+
+def _start_rollouts(r: _Run, console):
+    """Rollout workers on Ray (docs/async.md), given version ``r.start`` of the weights; a
+    resumed run rolls out the batches its kept iterations did not consume or drop first."""
+    from consequence.scale.scheduler import AsyncRollouts, batches_done
+
+    cfg = r.cfg
+    console.print(f"starting {cfg.rollout_workers} rollout worker(s) on Ray"
+                  + (f" at {escape(cfg.ray_address)}" if cfg.ray_address else " (local instance)")
+                  + f", max staleness {cfg.max_staleness}")
+    rollouts = AsyncRollouts(cfg, str(r.model_path), done=batches_done(r.history),
+                             log=lambda line: console.print(escape(line)))
+    rollouts.publish(r.learner.model, r.start)
+    r.manifest.setdefault("rollout_workers", []).append(
+        {"from_iteration": r.start, "workers": cfg.rollout_workers, "max_staleness": cfg.max_staleness,
+         "ray_address": cfg.ray_address, "where": [rollouts.where[i] for i in sorted(rollouts.where)]})
+    return rollouts
+
+
+def _close_rollouts(r: _Run | None) -> None:
+    """Stop the rollout workers; the batches no iteration trained on are counted in the manifest."""
+    if r is None or r.rollouts is None:
+        return
+    closed, r.rollouts = r.rollouts.close(), None
+    r.manifest["rollout_workers"][-1] |= closed
+    write_manifest(r.manifest, r.dir)
 
 
 def _refuse_an_untrainable_first_batch(trajs: list[Trajectory], cfg: TrainConfig, it: int) -> None:
@@ -349,10 +382,13 @@ def _run_iteration(r: _Run, it: int, console, show=lambda text: None) -> dict[st
     try:
         m = iteration(it, cfg, r.learner, r.renderer, r.split, r.budgets, r.sampling, r.dir,
                       first=it == r.first_student, console=console, fixed_data=r.fixed_data,
-                      progress=lambda d: show(f"iteration {it}: rollouts {d}/{n_roll} episodes"))
+                      progress=lambda d: show(f"iteration {it}: rollouts {d}/{n_roll} episodes"),
+                      rollouts=r.rollouts, show=show)
     except FloatingPointError as e:
         e.iteration = it  # for RunStopped's message: which trajectory file the indices point into
         raise
+    if r.rollouts is not None:  # version it + 1: what batches started from now on sample with
+        r.rollouts.publish(model, it + 1)
     if cfg.eval_every and ((it + 1) % cfg.eval_every == 0 or it + 1 == cfg.iterations):
         m["val_success"] = validate(model, r.renderer, r.split, r.budgets, cfg, progress=lambda d: show(
             f"iteration {it}: validation {d}/{cfg.val_episodes} episodes"))["success"]
@@ -416,18 +452,22 @@ def _stopped(e: BaseException, run: Path) -> RunStopped:
 
 
 def iteration(it, cfg, learner: Learner, renderer, split, budgets, sampling, run, first: bool = False,
-              console=None, progress=None, fixed_data=()) -> dict[str, Any]:
+              console=None, progress=None, fixed_data=(), rollouts=None, show=None) -> dict[str, Any]:
     """One collect → score → credit → update step (``consequence.iteration``); returns its metrics.
 
     With ``--distill-lambda`` < 1 an iteration may draw its batch from ``fixed_data`` instead
     of rolling out (``distill.fixed_data``); ``first`` is the first iteration that rolls out
-    (the pre-step checks run on the student's own samples).
+    (the pre-step checks run on the student's own samples). With ``rollouts``
+    (``scale.scheduler.AsyncRollouts``) the batch comes from the rollout workers' queue, and
+    ``show(text)`` tells what the trainer waits for.
     """
     t0 = time.perf_counter()
     from_data = uses_fixed_data(cfg.distill_lambda, cfg.seed, it)
     if from_data:
         trajs = draw_fixed_batch(fixed_data, cfg.tasks_per_iteration * cfg.group_size, cfg.seed, it)
         ds = {"gen_tokens_total": 0}  # the student generated nothing
+    elif rollouts is not None:
+        trajs, ds, queue = rollouts.next_batch(it, show or (lambda text: None))
     else:
         trajs, ds = collect(it, cfg, learner.model, renderer, split, budgets, sampling, progress)
     t_rollout = time.perf_counter() - t0
@@ -471,6 +511,8 @@ def iteration(it, cfg, learner: Learner, renderer, split, budgets, sampling, run
     if first and not from_data and not cfg.skip_checks:
         metrics["pre_step_checks"] = [vars(c) for c in checks]
     metrics["gen_tokens_total"] = ds["gen_tokens_total"]
+    if rollouts is not None:  # the workers' own speed; rollout_s is the trainer's wait for the batch
+        metrics |= queue | {"rollout_tokens_per_s": n_gen / max(queue["worker_rollout_s"], 1e-9)}
     metrics |= {k: v for k, v in ds.items() if k.startswith("agent_")}  # --agent: prefix breaks, calls, batches
     metrics |= batch.metrics  # on-policy distillation: teacher_reverse_kl, teacher_forward_tokens, teacher_s
     metrics |= iteration_extras(trajs)

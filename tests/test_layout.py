@@ -9,6 +9,7 @@ LAYERS = [
     {"tasks"}, {"envs"}, {"policy"}, {"harness"}, {"rollout"}, {"serve"}, {"reward"}, {"credit"}, {"update"},
     {"evaluate"}, {"distill"},
     {"iteration", "checks", "diagnostics", "resume"},
+    {"scale"},
     {"recipes"},
     {"report", "labs"},
     {"train", "warmstart", "reproduce"},

@@ -1,0 +1,115 @@
+"""A rollout worker: a policy snapshot with a version that rolls out whole batches (a Ray actor).
+
+The worker runs exactly what the synchronous loop runs for a batch
+(:func:`consequence.iteration.collect`: generation, environment, sandbox, scoring, dynamic
+sampling) with the seeds of the batch's index, so a batch is the same wherever it runs;
+only the weights that sample it may be older than the trainer's.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from consequence.config import TrainConfig
+
+__all__ = ["RolloutWorker", "trainable_state"]
+
+
+def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What a worker needs to hold the trainer's weights: the parameters the optimizer
+    changes (all of them, or a LoRA adapter's A and B), as detached CPU copies.
+
+    Returns:
+        {parameter name: tensor} (copies: a later update never changes a published version).
+    """
+    return {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters() if p.requires_grad}
+
+
+class RolloutWorker:
+    """One rollout worker. Constructed by Ray as an actor (``scale.scheduler``); usable in-process.
+
+    Args:
+        cfg: the run's config (the environment, budgets, sampling and LoRA settings are read).
+        model_path: the starting policy's folder (the warm start); the worker loads it,
+            applies LoRA like the trainer does, then receives versions by :meth:`run`.
+        threads: torch threads for generation (the machine's cores shared among workers).
+        worker_id: the worker's slot number (kept by its replacement after a failure).
+    """
+
+    def __init__(self, cfg: TrainConfig, model_path: str, threads: int, worker_id: int):
+        from consequence.envs.registry import env_of
+        from consequence.harness.renderer import Renderer
+        from consequence.policy.lora import apply_lora
+        from consequence.policy.sampler import SamplingParams
+        from consequence.policy.tiny import load_policy
+        from consequence.rollout.episodes import Budgets
+
+        torch.set_num_threads(max(1, threads))
+        self.cfg, self.worker_id, self.version = cfg, worker_id, -1
+        self.split = env_of(cfg)
+        model, tokenizer = load_policy(Path(model_path))
+        if cfg.lora_rank:
+            model = apply_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, Path(model_path))
+        self.model = model.eval()
+        self.renderer = Renderer(tokenizer, self.split.tools)
+        self.budgets = Budgets(cfg.max_turns, cfg.max_new_tokens, cfg.max_total_tokens)
+        self.sampling = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p, cfg.max_new_tokens)
+
+    def ready(self) -> dict[str, Any]:
+        """Where the worker runs: ``pid``, ``host``, torch ``threads``."""
+        return {"pid": os.getpid(), "host": socket.gethostname(), "threads": torch.get_num_threads()}
+
+    def load(self, state: dict[str, torch.Tensor], version: int) -> None:
+        """Take version ``version`` of the weights; the worker samples nothing meanwhile (an
+        actor runs one call at a time), so no batch sees a half-updated policy.
+
+        Raises:
+            ValueError: the state names a parameter the worker's model lacks, or misses one
+                the worker trains (the trainer and worker built different models).
+        """
+        own = {n for n, p in self.model.named_parameters() if p.requires_grad}
+        if set(state) != own:
+            extra, missing = sorted(set(state) - own)[:3], sorted(own - set(state))[:3]
+            raise ValueError(f"rollout worker {self.worker_id}: version {version} does not fit its model "
+                             f"(unknown parameters {extra}, missing {missing}); trainer and worker must load "
+                             "the same --model with the same --lora-* settings")
+        with torch.no_grad():
+            params = dict(self.model.named_parameters())
+            for name, tensor in state.items():
+                params[name].copy_(tensor)
+        self.version = version
+
+    def run(self, batch: int, version: int, state_ref: list) -> dict[str, Any]:
+        """Roll out batch ``batch`` (its tasks and seeds) with weights of version ``version``.
+
+        Args:
+            state_ref: a one-element list holding the Ray object reference of that version's
+                :func:`trainable_state` (in a list so Ray does not fetch it when the worker
+                already holds the version); or the state itself, in-process.
+
+        Returns:
+            ``batch``, ``version``, ``trajectories`` (scored, each with ``policy_version =
+            version``), ``stats`` (of ``collect``), ``worker``, ``rollout_s`` (the worker's own
+            time for the batch, weight loading excluded), ``load_s``.
+        """
+        from consequence.iteration import collect
+
+        t0 = time.perf_counter()
+        if version != self.version:
+            state = state_ref[0]
+            if not isinstance(state, dict):
+                import ray
+
+                state = ray.get(state)
+            self.load(state, version)
+        t1 = time.perf_counter()
+        trajs, stats = collect(batch, self.cfg, self.model, self.renderer, self.split, self.budgets, self.sampling,
+                               policy_version=version)
+        return {"batch": batch, "version": version, "trajectories": trajs, "stats": stats,
+                "worker": self.worker_id, "rollout_s": time.perf_counter() - t1, "load_s": t1 - t0}
