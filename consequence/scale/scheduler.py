@@ -15,6 +15,7 @@ consumes (cancelled at the end) is counted too. Nothing is lost silently.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from consequence.config import TrainConfig
 from consequence.scale.staleness import lag, lag_metrics, may_start
 from consequence.scale.worker import RolloutWorker, trainable_state
 
-__all__ = ["AsyncRollouts", "batches_done"]
+__all__ = ["AsyncRollouts", "batches_done", "worker_threads"]
 
 MAX_ATTEMPTS = 3  # runs of one batch (a worker died under it) before the run stops
 
@@ -39,6 +40,16 @@ class _Job:
     ref: Any  # ray.ObjectRef of RolloutWorker.run
     started: float
     attempt: int
+
+
+def worker_threads(cfg: TrainConfig) -> int:
+    """Torch threads per rollout worker: on a local instance the cores shared by the batches
+    that can run at once, min(N, k + 1) (so with k = 0 a worker uses every core, like the
+    synchronous loop: the same kernels, the same log-probs to the bit); on a cluster 1, the
+    CPU each worker asks Ray for."""
+    if cfg.ray_address:
+        return 1
+    return max(1, (os.cpu_count() or 1) // min(cfg.rollout_workers, cfg.max_staleness + 1))
 
 
 def batches_done(history: list[dict[str, Any]]) -> set[int]:
@@ -67,8 +78,10 @@ class AsyncRollouts:
     """
 
     def __init__(self, cfg: TrainConfig, model_path: str, done: set[int] = frozenset(),
-                 log: Callable[[str], None] = lambda line: None):
-        import ray
+                 log: Callable[[str], None] = lambda line: None, ray_module=None, worker_cls=RolloutWorker):
+        if ray_module is None:
+            import ray as ray_module
+        ray = ray_module  # tests pass a scripted stand-in to fix the order in which batches finish
 
         self.cfg, self.model_path, self.log, self.k = cfg, str(model_path), log, cfg.max_staleness
         self._ray = ray
@@ -83,8 +96,8 @@ class AsyncRollouts:
         self.attempts: dict[int, int] = {}
         self.version, self.state_ref = -1, None
         self.reruns = 0
-        self.threads = max(1, (os.cpu_count() or 1) // cfg.rollout_workers) if not cfg.ray_address else 1
-        self.actor_cls = ray.remote(num_cpus=1)(RolloutWorker)
+        self.threads = worker_threads(cfg)
+        self.actor_cls = ray.remote(num_cpus=1)(worker_cls)
         self.workers = [self._start_worker(i) for i in range(cfg.rollout_workers)]
         self.where = self._wait_ready(list(range(cfg.rollout_workers)))
 
@@ -104,7 +117,7 @@ class AsyncRollouts:
 
     def _start_worker(self, slot: int):
         return self.actor_cls.options(scheduling_strategy="SPREAD").remote(
-            self.cfg, self.model_path, self.threads, slot)
+            self.cfg, self.model_path, self.threads, slot, sys.path)
 
     def _wait_ready(self, slots: list[int]) -> dict[int, dict[str, Any]]:
         refs = {self.workers[s].ready.remote(): s for s in slots}

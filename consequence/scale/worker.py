@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -40,9 +41,13 @@ class RolloutWorker:
             applies LoRA like the trainer does, then receives versions by :meth:`run`.
         threads: torch threads for generation (the machine's cores shared among workers).
         worker_id: the worker's slot number (kept by its replacement after a failure).
+        sys_path: the trainer's ``sys.path``; entries missing here are appended, so an
+            environment given as ``module:attr`` imports in the worker as in the trainer.
     """
 
-    def __init__(self, cfg: TrainConfig, model_path: str, threads: int, worker_id: int):
+    def __init__(self, cfg: TrainConfig, model_path: str, threads: int, worker_id: int,
+                 sys_path: list[str] = ()):
+        sys.path.extend(p for p in sys_path if p not in sys.path)
         from consequence.envs.registry import env_of
         from consequence.harness.renderer import Renderer
         from consequence.policy.lora import apply_lora

@@ -1,0 +1,273 @@
+"""Bounded staleness, the asynchronous queue and masked IS, without Ray (docs/async.md).
+
+The scheduler runs against a scripted stand-in for Ray whose virtual clock decides which
+batch finishes first, so lags, drops and re-runs are hand-computed values.
+"""
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from consequence.config import TrainConfig
+from consequence.records import TrainingRow
+from consequence.scale.scheduler import AsyncRollouts, batches_done, worker_threads
+from consequence.scale.staleness import lag, lag_metrics, may_start
+from consequence.update.sampler_gap import apply_is_mask, is_mask_keep, sampler_gap_metrics
+
+
+# ---- staleness rules ------------------------------------------------------------------
+def test_lag_is_trainer_version_minus_sampling_version():
+    assert lag(5, 3) == 2 and lag(4, 4) == 0
+    with pytest.raises(ValueError, match="sampled by version 6 reached the trainer at version 5"):
+        lag(5, 6)
+
+
+def test_admission_allows_k_batches_ahead():
+    assert may_start(0, 0) and not may_start(1, 0)
+    assert may_start(2, 2) and not may_start(3, 2)
+
+
+def test_lag_metrics_count_consumed_and_dropped_groups():
+    m = lag_metrics([1, 1, 1], [3, 3])
+    assert m == {"lag_histogram": {"1": 3, "3": 2}, "lag_mean": 1.0, "lag_max": 1, "dropped_stale_groups": 2}
+    assert lag_metrics([], [])["lag_mean"] == 0.0
+
+
+def test_batches_done_reads_consumed_and_dropped_batches():
+    history = [{"batch": 0, "dropped_batches": []}, {"batch": 3, "dropped_batches": [1]}]
+    assert batches_done(history) == {0, 1, 3}
+
+
+def test_worker_threads_share_the_cores_among_concurrent_batches(monkeypatch):
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    base = dict(rollout_workers=4)
+    assert worker_threads(TrainConfig(**base)) == 8  # k = 0: one batch at a time, every core (as sync)
+    assert worker_threads(TrainConfig(**base, max_staleness=1)) == 4
+    assert worker_threads(TrainConfig(**base, max_staleness=9)) == 2
+    assert worker_threads(TrainConfig(**base, ray_address="auto")) == 1
+
+
+# ---- a scripted Ray --------------------------------------------------------------------
+class ActorDied(Exception):
+    pass
+
+
+class TaskFailed(Exception):
+    def __init__(self, cause):
+        super().__init__(str(cause))
+        self.cause = cause
+
+    def as_instanceof_cause(self):
+        return self.cause
+
+
+class Ref:
+    def __init__(self, ray, value=None, error=None, duration=0.0):
+        self.value, self.error, self.finish = value, error, ray.now + duration
+
+
+class FakeRay:
+    """Ray's calls the scheduler makes; a job of batch b takes ``durations.get(b, 1)`` ticks."""
+
+    exceptions = SimpleNamespace(RayActorError=ActorDied, RayTaskError=TaskFailed, GetTimeoutError=TimeoutError)
+
+    def __init__(self, durations=None, die=()):
+        self.now, self.durations, self.die = 0.0, durations or {}, list(die)
+        self.started, self.killed, self.max_in_flight = [], 0, 0
+
+    def is_initialized(self):
+        return True
+
+    def remote(self, num_cpus):
+        return lambda cls: SimpleNamespace(options=lambda **kw: SimpleNamespace(
+            remote=lambda *args: FakeActor(self, cls(*args))))
+
+    def put(self, obj):
+        return obj
+
+    def wait(self, refs, num_returns, timeout):
+        refs = sorted(refs, key=lambda r: r.finish)
+        ready = [r for r in refs if r.finish - self.now <= timeout][:num_returns]
+        if ready:
+            self.now = max(self.now, ready[-1].finish)
+        return ready, [r for r in refs if r not in ready]
+
+    def get(self, ref, timeout=None):
+        if ref.error is not None:
+            raise ref.error
+        return ref.value
+
+    def kill(self, actor):
+        self.killed += 1
+
+    def cluster_resources(self):
+        return {"CPU": 2.0}
+
+
+class FakeActor:
+    def __init__(self, ray, worker):
+        self.ray, self.worker = ray, worker
+        self.ready = SimpleNamespace(remote=lambda: Ref(ray, worker.ready()))
+        self.run = SimpleNamespace(remote=self._run)
+
+    def _run(self, batch, version, state_ref):
+        ray = self.ray
+        ray.started.append((batch, version))
+        if batch in ray.die:  # the worker process dies under this batch (once per listing)
+            ray.die.remove(batch)
+            return Ref(ray, error=ActorDied(f"worker died running batch {batch}"), duration=0.5)
+        return Ref(ray, self.worker.run(batch, version, state_ref), duration=ray.durations.get(batch, 1.0))
+
+
+class FakeWorker:
+    def __init__(self, cfg, model_path, threads, slot, sys_path):
+        self.slot = slot
+
+    def ready(self):
+        return {"pid": 100 + self.slot, "host": "here", "threads": 1}
+
+    def run(self, batch, version, state_ref):
+        trajs = [SimpleNamespace(group_id=f"{batch}/t{g}") for g in range(2) for _ in range(2)]  # 2 groups
+        return {"batch": batch, "version": version, "trajectories": trajs, "stats": {"gen_tokens_total": 0},
+                "worker": self.slot, "rollout_s": 1.0, "load_s": 0.0}
+
+
+def _scheduler(workers, k, ray, done=frozenset(), timeout=1800.0):
+    cfg = TrainConfig(rollout_workers=workers, max_staleness=k, rollout_timeout=timeout)
+    s = AsyncRollouts(cfg, "model", done=done, ray_module=ray, worker_cls=FakeWorker)
+    s.version_model = torch.nn.Linear(1, 1)
+    return s
+
+
+def _run(s, ray, iterations):
+    """The trainer's side: take a batch, 'update', publish the next version."""
+    out = []
+    s.publish(s.version_model, 0)
+    for it in range(iterations):
+        _, _, m = s.next_batch(it)
+        ray.max_in_flight = max(ray.max_in_flight, len(s.jobs) + len(s.finished) + 1)
+        out.append(m)
+        s.publish(s.version_model, it + 1)
+    return out
+
+
+def test_k0_runs_one_batch_at_a_time_with_the_newest_weights():
+    ray = FakeRay()
+    s = _scheduler(2, 0, ray)
+    ms = _run(s, ray, 4)
+    assert [(m["batch"], m["sampled_version"]) for m in ms] == [(0, 0), (1, 1), (2, 2), (3, 3)]
+    assert ray.started == [(0, 0), (1, 1), (2, 2), (3, 3)] and ray.max_in_flight == 1
+    assert all(m["lag_histogram"] == {"0": 2} and m["dropped_batches"] == [] for m in ms)
+
+
+def test_k1_one_worker_samples_the_next_batch_during_the_update():
+    ray = FakeRay()
+    ms = _run(_scheduler(1, 1, ray), ray, 4)
+    # batch 1 starts (version 0) as soon as batch 0 is taken, before iteration 0's update
+    assert ray.started[:3] == [(0, 0), (1, 0), (2, 1)]
+    assert [m["lag_max"] for m in ms] == [0, 1, 1, 1]
+
+
+def test_a_batch_that_finishes_late_is_dropped_and_counted():
+    # k = 1, 2 workers, batch 0 takes 2.5 ticks, the others 1: batches 1 and 2 are consumed
+    # at iterations 0 and 1; batch 0 arrives during iteration 2 with lag 2 > 1: dropped.
+    ray = FakeRay(durations={0: 2.5})
+    s = _scheduler(2, 1, ray)
+    ms = _run(s, ray, 3)
+    assert [m["batch"] for m in ms] == [1, 2, 3]
+    assert ms[2]["dropped_batches"] == [0]
+    assert ms[2]["lag_histogram"] == {"0": 2, "2": 2} and ms[2]["dropped_stale_groups"] == 2
+    assert all(m["lag_max"] <= 1 for m in ms)
+    assert s.close() == {"unconsumed_batches": 1}  # batch 4, started during iteration 2
+
+
+def test_a_dead_worker_is_replaced_and_its_batch_rerun():
+    ray = FakeRay(die=[1])
+    s = _scheduler(1, 0, ray)
+    ms = _run(s, ray, 3)
+    assert [m["batch"] for m in ms] == [0, 1, 2]
+    assert [m["rerun_batches"] for m in ms] == [0, 1, 0]
+    assert ray.started == [(0, 0), (1, 1), (1, 1), (2, 2)]
+
+
+def test_a_batch_that_kills_every_worker_stops_the_run():
+    ray = FakeRay(die=[0, 0, 0])
+    s = _scheduler(1, 0, ray)
+    with pytest.raises(RuntimeError, match="batch 0 was started 3 times and each time its rollout worker died"):
+        _run(s, ray, 1)
+
+
+def test_every_wait_is_bounded_and_names_the_batch():
+    ray = FakeRay(durations={0: 100.0})
+    s = _scheduler(1, 0, ray, timeout=5)
+    with pytest.raises(TimeoutError, match=r"waited 5 s \(--rollout-timeout\).*batch 0 on worker 0 \(version 0"):
+        _run(s, ray, 1)
+
+
+def test_a_resumed_run_rolls_out_the_missing_batches_first():
+    ray = FakeRay()
+    s = _scheduler(1, 0, ray, done={0, 1, 3})
+    s.publish(torch.nn.Linear(1, 1), 3)
+    assert s.next_batch(3)[2]["batch"] == 2
+    s.publish(torch.nn.Linear(1, 1), 4)
+    assert s.next_batch(4)[2]["batch"] == 4
+
+
+def test_a_batch_error_inside_the_worker_is_raised_as_itself():
+    ray = FakeRay()
+    s = _scheduler(1, 0, ray)
+
+    def broken(batch, version, state_ref):
+        return Ref(ray, error=TaskFailed(ValueError("environment 'x': bad task")))
+
+    s.workers[0].run = SimpleNamespace(remote=broken)
+    s.publish(torch.nn.Linear(1, 1), 0)
+    with pytest.raises(ValueError, match="bad task"):
+        s.next_batch(0)
+
+
+def test_settings_of_the_workers_are_refused_without_workers():
+    for kw in ({"max_staleness": 2}, {"ray_address": "auto"}, {"rollout_timeout": 60}):
+        with pytest.raises(ValueError, match="read only by the rollout workers"):
+            TrainConfig(**kw)
+    with pytest.raises(ValueError, match="read only by --is-mask"):
+        TrainConfig(is_mask_high=3.0)
+
+
+# ---- masked IS and the sampler–trainer gap ----------------------------------------------
+def test_token_level_masked_is_keeps_the_band():
+    old = torch.tensor([0.0, math.log(0.4), math.log(0.9), math.log(3.0), 0.0])
+    mu = torch.zeros(5)
+    mask = torch.tensor([0, 1, 1, 1, 1])
+    keep = is_mask_keep(old, mu, mask, 0.5, 2.0, "token")
+    assert keep.tolist() == [False, False, True, False, True]  # r = 0.4, 0.9, 3.0, 1.0 on targets
+
+
+def test_sequence_level_masked_is_uses_the_geometric_mean():
+    mask = torch.tensor([1, 1])
+    mu = torch.zeros(2)
+    # r = 0.4 and 3.0: geometric mean sqrt(1.2) = 1.095, inside [0.5, 2]: the row is kept whole
+    assert is_mask_keep(torch.log(torch.tensor([0.4, 3.0])), mu, mask, 0.5, 2.0, "sequence").tolist() == [True, True]
+    # r = 3.0 and 3.0: outside: dropped whole
+    assert not is_mask_keep(torch.log(torch.tensor([3.0, 3.0])), mu, mask, 0.5, 2.0, "sequence").any()
+    with pytest.raises(ValueError, match="0 < low < 1 < high"):
+        is_mask_keep(mu, mu, mask, 1.5, 2.0, "token")
+
+
+def test_masked_tokens_leave_the_loss_and_its_denominator():
+    row = TrainingRow(input_ids=[1, 2, 3, 4], loss_mask=[0, 1, 1, 1],
+                      old_logprobs=[0.0, math.log(3.0), 0.0, 0.0], traj_index=0)
+    out, m = apply_is_mask([row], [[0.0, 0.0, 0.0, 0.0]], 0.5, 2.0, "token")
+    assert out[0].loss_mask == [0, 0, 1, 1]
+    assert m == {"is_masked_token_fraction": pytest.approx(1 / 3), "is_masked_rows": 0.0}
+
+
+def test_sampler_gap_metrics_by_hand():
+    # targets: r = 2 and r = 0.5; k3 = r − 1 − log r = (1 − log 2 + (−0.5) + log 2) / 2 = 0.25
+    m = sampler_gap_metrics([[0.0, math.log(2.0), math.log(0.5)]], [[0.0, 0.0, 0.0]], [[0, 1, 1]], 0.6, 1.5)
+    assert m["is_ratio_mean"] == pytest.approx(1.25) and m["is_ratio_min"] == pytest.approx(0.5)
+    assert m["is_ratio_max"] == pytest.approx(2.0) and m["sampler_trainer_kl"] == pytest.approx(0.25)
+    assert m["is_ratio_outside_band"] == pytest.approx(1.0)
+    assert sampler_gap_metrics([[0.0]], [[0.0]], [[0]]) == {}
