@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test install bench
+.PHONY: demo test install bench vllm-env
 
 $(BIN)/consequence: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -28,3 +28,6 @@ bench: install  ## generation speed vs transformers, prefix reuse, evaluation an
 	$(BIN)/python benchmarks/bench_prefix_reuse.py
 	$(BIN)/python benchmarks/bench_train_step.py
 	$(BIN)/python benchmarks/hostile_corpus.py
+
+vllm-env:  ## .venv-vllm: the vLLM rollout engine's own environment (docs/vllm.md; skipped when built)
+	.ci/vllm_env.sh
