@@ -1,6 +1,8 @@
 """Small environments for the API tests (importable as ``env_fixtures:NAME``, module:attr form)."""
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from consequence.envs.api import Environment
 
@@ -25,6 +27,11 @@ class HintEpisode:
     def reset(self, seed=None, options=None):
         if self.boom == "reset" or (self.boom == "rollout-reset" and seed != 0):  # seed 0: the prompt check
             raise RuntimeError("reset broke")
+        if (self.boom or "").startswith("die-once:") and seed != 0:  # kills the process (a rollout worker) once
+            marker = Path(self.boom.removeprefix("die-once:"))
+            if not marker.exists():
+                marker.write_text(str(os.getpid()))
+                os._exit(1)
         return f"Reverse {self.task.word}.", {}
 
     def step(self, action):

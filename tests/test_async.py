@@ -41,7 +41,7 @@ def test_batches_done_reads_consumed_and_dropped_batches():
 
 
 def test_worker_threads_share_the_cores_among_concurrent_batches(monkeypatch):
-    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 8)
     base = dict(rollout_workers=4)
     assert worker_threads(TrainConfig(**base)) == 8  # k = 0: one batch at a time, every core (as sync)
     assert worker_threads(TrainConfig(**base, max_staleness=1)) == 4

@@ -43,13 +43,13 @@ class _Job:
 
 
 def worker_threads(cfg: TrainConfig) -> int:
-    """Torch threads per rollout worker: on a local instance the cores shared by the batches
-    that can run at once, min(N, k + 1) (so with k = 0 a worker uses every core, like the
-    synchronous loop: the same kernels, the same log-probs to the bit); on a cluster 1, the
-    CPU each worker asks Ray for."""
+    """Torch threads per rollout worker: on a local instance the trainer's threads shared by
+    the batches that can run at once, min(N, k + 1) (so with k = 0 a worker uses as many
+    threads as the synchronous loop does: the same kernels, the same log-probs to the bit);
+    on a cluster 1, the CPU each worker asks Ray for."""
     if cfg.ray_address:
         return 1
-    return max(1, (os.cpu_count() or 1) // min(cfg.rollout_workers, cfg.max_staleness + 1))
+    return max(1, torch.get_num_threads() // min(cfg.rollout_workers, cfg.max_staleness + 1))
 
 
 def batches_done(history: list[dict[str, Any]]) -> set[int]:
