@@ -18,6 +18,7 @@ from consequence.records import Trajectory, trajectory_to_rows
 
 ENTROPY_COLLAPSE = 0.2  # warn when entropy falls below this fraction of the first iteration's
 FIRST_STEP_RATIO_TOL = 0.01  # |ρ − 1| on the first step of an iteration (on-policy) above this
+STALE_OUTSIDE_BAND = 0.01  # share of a stale batch's target tokens with π_old/μ outside [0.5, 2] above this
 TRUNCATION_RISE = 0.10  # warn when the truncated share grew by this much over the last 3 iterations
 
 
@@ -58,6 +59,24 @@ def iteration_extras(trajs: Sequence[Trajectory]) -> dict[str, Any]:
     }
 
 
+def _stale_gap(m: dict[str, Any]) -> bool:
+    """A stale batch with many tokens outside the IS band, trained without TIS or masked IS."""
+    outside = m.get("is_ratio_outside_band")
+    corrected = "tis_weight_mean" in m or "is_masked_token_fraction" in m
+    return m.get("lag_max", 0) > 0 and _num(outside) and outside > STALE_OUTSIDE_BAND and not corrected
+
+
+def _stale_gap_warning(history: list[dict[str, Any]]) -> list[str]:
+    """Once per run (the first iteration where it holds): stale batches far from the trainer, uncorrected."""
+    now = history[-1]
+    if not _stale_gap(now) or any(_stale_gap(h) for h in history[:-1]):
+        return []
+    return [f"stale batches are far from the trainer: {now['is_ratio_outside_band']:.1%} of target tokens have "
+            f"π_old/μ outside [0.5, 2] at lag {now['lag_max']} (sampler–trainer KL "
+            f"{now.get('sampler_trainer_kl', float('nan')):.2g}); without a correction the PPO ratio is taken "
+            "against the stale sampler: --is-mask token or --tis-cap 2 corrects it (docs/async.md §3)"]
+
+
 def warnings_for(history: Sequence[dict[str, Any]]) -> list[str]:
     """Warnings that the newest metrics (``history[-1]``) trigger, given all before it.
 
@@ -74,7 +93,9 @@ def warnings_for(history: Sequence[dict[str, Any]]) -> list[str]:
         out.append(f"entropy collapse: {ent:.4f} nats/token, below {ENTROPY_COLLAPSE:.0%} of the first "
                    f"iteration's {first_ent:.4f}; sampling is nearly deterministic and exploration has stopped")
     lo, hi = now.get("first_step_ratio_min"), now.get("first_step_ratio_max")
-    if _num(lo) and _num(hi) and max(1 - lo, hi - 1) > FIRST_STEP_RATIO_TOL:
+    if now.get("lag_max", 0) > 0:  # a stale batch: its gap to the trainer is expected, and measured apart
+        out += _stale_gap_warning(history)
+    elif _num(lo) and _num(hi) and max(1 - lo, hi - 1) > FIRST_STEP_RATIO_TOL:
         out.append(f"ratio far from 1 on the first step ({lo:.4f} … {hi:.4f}): the trainer's log-probs differ "
                    "from the sampler's; check temperature / top-k / top-p and the weights used for rollouts")
     trunc = [h.get("truncated_fraction") for h in history[-3:]]

@@ -89,7 +89,7 @@ def make_learner(cfg: TrainConfig, model: torch.nn.Module, reference: torch.nn.M
         from consequence.update.data_parallel import DataParallelUpdate, check_supported
 
         check_supported(cfg)
-        learner.data_parallel = DataParallelUpdate(cfg.update_ranks)
+        learner.data_parallel = DataParallelUpdate(cfg.update_ranks).launch(type(model).__module__)
     return learner
 
 

@@ -217,8 +217,6 @@ def _start(cfg: TrainConfig, console, run: Path, resume: bool, state: ResumeStat
         r.manifest.setdefault("resumed", []).append({"from_iteration": state.iteration, "state": state.path.name})
         r.manifest["status"] = "running"
     rewind_run_dir(run, r.start, r.history)
-    if cfg.rollout_workers:
-        r.rollouts = _start_rollouts(r, console)
     write_manifest(r.manifest, run)
     console.print(f"[bold]consequence train[/] ({escape(r.label)}): {cfg.iterations} iterations (numbered 0–"
                   f"{cfg.iterations - 1}) × {cfg.tasks_per_iteration} tasks × {cfg.group_size} rollouts, model "
@@ -229,6 +227,9 @@ def _start(cfg: TrainConfig, console, run: Path, resume: bool, state: ResumeStat
         pt = policy_training(cfg, r.learner.model)
         console.print(f"LoRA r={cfg.lora_rank}, α={cfg.lora_alpha:g} on {','.join(cfg.lora_targets)}: "
                       f"{pt['trainable_parameters']:,} of {pt['parameters']:,} parameters trained")
+    if cfg.rollout_workers:
+        r.rollouts = _start_rollouts(r, console)
+        write_manifest(r.manifest, run)
     return r
 
 
@@ -369,7 +370,9 @@ def _status_line(m: dict[str, Any]) -> str:
     if m.get("fixed_data_batch"):
         return f"fixed-data batch (--distill-data): divergence {m.get('distill_divergence', float('nan')):.3f}"
     reward = "n/a (all env errors)" if m["reward_mean"] is None else f"{m['reward_mean']:.2f}"
-    return f"reward {reward}  mixed {m['mixed_group_fraction']:.2f}"
+    lag = (f"  lag {m['lag_max']}" + (f" (dropped {len(m['dropped_batches'])} stale)" if m["dropped_batches"] else "")
+           if "lag_max" in m else "")
+    return f"reward {reward}  mixed {m['mixed_group_fraction']:.2f}{lag}"
 
 
 def _run_iteration(r: _Run, it: int, console, show=lambda text: None) -> dict[str, Any]:
@@ -379,6 +382,7 @@ def _run_iteration(r: _Run, it: int, console, show=lambda text: None) -> dict[st
     """
     cfg, model = r.cfg, r.learner.model
     n_roll = cfg.tasks_per_iteration * cfg.group_size
+    t0 = time.perf_counter()
     try:
         m = iteration(it, cfg, r.learner, r.renderer, r.split, r.budgets, r.sampling, r.dir,
                       first=it == r.first_student, console=console, fixed_data=r.fixed_data,
@@ -389,6 +393,7 @@ def _run_iteration(r: _Run, it: int, console, show=lambda text: None) -> dict[st
         raise
     if r.rollouts is not None:  # version it + 1: what batches started from now on sample with
         r.rollouts.publish(model, it + 1)
+    m["iteration_s"] = time.perf_counter() - t0  # wall time of the iteration, validation excluded
     if cfg.eval_every and ((it + 1) % cfg.eval_every == 0 or it + 1 == cfg.iterations):
         m["val_success"] = validate(model, r.renderer, r.split, r.budgets, cfg, progress=lambda d: show(
             f"iteration {it}: validation {d}/{cfg.val_episodes} episodes"))["success"]

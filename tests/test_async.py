@@ -271,3 +271,16 @@ def test_sampler_gap_metrics_by_hand():
     assert m["is_ratio_max"] == pytest.approx(2.0) and m["sampler_trainer_kl"] == pytest.approx(0.25)
     assert m["is_ratio_outside_band"] == pytest.approx(1.0)
     assert sampler_gap_metrics([[0.0]], [[0.0]], [[0]]) == {}
+
+
+def test_a_stale_uncorrected_gap_warns_once_instead_of_the_engine_mismatch_warning():
+    from consequence.diagnostics import warnings_for
+
+    fresh = {"lag_max": 0, "first_step_ratio_min": 0.5, "first_step_ratio_max": 1.0}
+    assert any("ratio far from 1" in w for w in warnings_for([fresh]))  # lag 0: the sampler should match
+    stale = {"lag_max": 1, "first_step_ratio_min": 0.05, "first_step_ratio_max": 2.1, "is_ratio_outside_band": 0.02,
+             "sampler_trainer_kl": 5.7e-4}
+    (w,) = warnings_for([fresh, stale])
+    assert w.startswith("stale batches are far from the trainer: 2.0% of target tokens") and "--is-mask token" in w
+    assert warnings_for([fresh, stale, dict(stale)]) == []  # once per run
+    assert warnings_for([fresh, stale | {"is_masked_token_fraction": 0.02}]) == []  # corrected: no warning

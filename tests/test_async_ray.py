@@ -28,7 +28,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
 
 SMALL = dict(model=str(BUNDLED), iterations=2, tasks_per_iteration=2, group_size=2, eval_every=0, max_turns=2,
              max_new_tokens=16, final_eval_episodes=0)
-TIMINGS = {"rollout_s", "update_s", "rollout_tokens_per_s"}
+TIMINGS = {"rollout_s", "update_s", "rollout_tokens_per_s", "iteration_s"}
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -31,7 +31,7 @@ from consequence.warmstart import BUNDLED
 
 CHILD = Path(__file__).with_name("resume_child.py")
 ROOT = Path(__file__).resolve().parents[1]
-TIMINGS = {"rollout_s", "update_s", "rollout_tokens_per_s"}  # wall-clock: differ between any two runs
+TIMINGS = {"rollout_s", "update_s", "rollout_tokens_per_s", "iteration_s"}  # wall-clock: differ between any two runs
 TINY = ["--model", str(BUNDLED), "--iterations", "3", "--tasks-per-iteration", "2", "--group-size", "2",
         "--eval-every", "0", "--final-eval-episodes", "0", "--learning-rate", "1e-3", "--skip-checks",
         "--max-turns", "4", "--max-new-tokens", "32"]

@@ -121,7 +121,11 @@ class VllmEngine:
         max_support: most processed log-probs requested per token to read a support (see
             module doc); also vLLM's ``max_logprobs``.
         version: the version label of the weights in ``model_folder``.
-        **llm_kwargs: passed on to ``vllm.LLM`` (e.g. ``enable_prefix_caching``).
+        **llm_kwargs: passed on to ``vllm.LLM`` (e.g. ``enable_prefix_caching``). Defaults
+            set here: ``enable_chunked_prefill=False`` and ``max_num_batched_tokens =
+            max(max_model_len, 8192)``: vLLM 0.32's CPU runner fails on a seeded request whose
+            prefill is split across steps (``CPU Generator does not use offset``), so every
+            prompt is prefilled in one step.
 
     Attributes:
         version: int, the version of the weights every sample since the last
@@ -160,6 +164,10 @@ class VllmEngine:
         self.version = int(version)
         self.load_seconds = 0.0
         t0 = time.perf_counter()
+        # Whole prompts per step: vLLM 0.32's CPU runner crashes ("CPU Generator does not use
+        # offset") when a request with its own seed has its prefill split across steps.
+        llm_kwargs.setdefault("enable_chunked_prefill", False)
+        llm_kwargs.setdefault("max_num_batched_tokens", max(self.max_model_len, 8192))
         self._llm = vllm.LLM(
             model=str(folder), dtype=dtype, max_model_len=self.max_model_len, seed=seed,
             enforce_eager=enforce_eager, logprobs_mode="processed_logprobs",

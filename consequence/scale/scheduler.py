@@ -130,8 +130,9 @@ class AsyncRollouts:
         where = {}
         for ref in ready:
             where[refs[ref]] = self._get(ref, f"start of rollout worker {refs[ref]}")
-            self.log(f"rollout worker {refs[ref]}: pid {where[refs[ref]]['pid']} on {where[refs[ref]]['host']}, "
-                     f"{where[refs[ref]]['threads']} torch threads")
+            w = where[refs[ref]]
+            node = f" (Ray node {w['node'][:8]})" if w.get("node") else ""
+            self.log(f"rollout worker {refs[ref]}: pid {w['pid']} on {w['host']}{node}, {w['threads']} torch threads")
         return where
 
     def close(self) -> dict[str, int]:

@@ -67,8 +67,14 @@ class RolloutWorker:
         self.sampling = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p, cfg.max_new_tokens)
 
     def ready(self) -> dict[str, Any]:
-        """Where the worker runs: ``pid``, ``host``, torch ``threads``."""
-        return {"pid": os.getpid(), "host": socket.gethostname(), "threads": torch.get_num_threads()}
+        """Where the worker runs: ``pid``, ``host``, Ray ``node`` id (None in-process), torch ``threads``."""
+        try:
+            import ray
+
+            node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+        except ImportError:
+            node = None
+        return {"pid": os.getpid(), "host": socket.gethostname(), "node": node, "threads": torch.get_num_threads()}
 
     def load(self, state: dict[str, torch.Tensor], version: int) -> None:
         """Take version ``version`` of the weights; the worker samples nothing meanwhile (an
