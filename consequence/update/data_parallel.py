@@ -1,0 +1,725 @@
+"""Data-parallel optimizer steps over ``torch.distributed`` (gloo, CPU) ranks (update box, issue 18).
+
+One optimizer step of :func:`consequence.update.step.ppo_step`, split over ``world_size``
+processes that each hold a replica of the policy and of its optimizer:
+
+1. the step's rows are sharded across ranks (:func:`shard_rows`: deterministic, balanced
+   by tokens, i.e. by ``len(row.input_ids)``, the cost of a row's forward/backward);
+2. the reduction's totals are made GLOBAL: every rank contributes its shard's counts
+   (target tokens, sequences with a target, largest target count) and all ranks use the
+   sums (the max for the length constant);
+3. each rank accumulates its shard's gradient of −reduce(objective) with those global
+   totals, then the gradients are all-reduced (SUM): every rank holds exactly the
+   full-batch gradient;
+4. each rank clips the global grad norm (the same on every rank: same gradient) and steps
+   its own optimizer, so the replicas stay identical (checked after every step).
+
+Why global counts: every reduction (docs/design.md §5) divides a sum over target tokens
+by a total of the whole step (target tokens for ``token_mean``, sequences for the
+``seq_mean_*`` ones, times the length constant for ``seq_mean_token_sum_norm``). A rank
+that divided by its own shard's total would weight its tokens by 1/(its own count), so
+the average of the ranks' gradients is not the batch gradient once shards differ in size
+(docs/cases.md, case 01 — the same bug as per-micro-batch means). With the global totals
+the sum of the ranks' gradients IS the single-process gradient, for any sharding.
+
+:func:`~consequence.update.step.accumulate_gradients` computes its totals from the rows
+it is given; a rank runs it on its shard and multiplies the result (gradient and loss)
+by ``shard total / global total``. Every reduction is Σ(...)/total with the total a
+constant of the step, so that product is the shard's gradient with the global total (up
+to float rounding, ~1e-7 relative); the length constant is passed as the global one.
+
+Agreement: a rank's error in its shard (a NaN advantage, a non-finite log-prob, loss or
+gradient, a bad row) is exchanged before any gradient is all-reduced, and every rank then
+raises the same error (rows named by their index in the whole step), so one rank's NaN
+stops every rank, and no rank waits for a collective another rank will never enter.
+Every collective is bounded by the process group's timeout; a timeout or a dead peer ends
+in :class:`DataParallelError` naming what was waited for.
+
+:class:`DataParallelUpdate` is the trainer's side (``--update-ranks N``): the trainer is
+rank 0 and spawns N − 1 rank processes on loopback that each hold a replica of the
+learner (model + optimizer, copied from rank 0 at the first step and again whenever rank
+0's weights changed outside a data-parallel step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import math
+import os
+import pickle
+import signal
+import time
+import traceback
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from consequence.records import TrainingRow
+from consequence.update.step import (NonFiniteError, TokenValues, UpdateConfig, _check_needs, _clip_grad_norm,
+                                     _contributes_nothing, _step_totals, accumulate_gradients)
+
+DEFAULT_TIMEOUT_S = 600.0  # one collective: covers the slowest rank's forward/backward of its shard
+START_TIMEOUT_S = 180.0  # a rank process starting (imports, unpickling the model) and joining the group
+_BUCKET = 1 << 22  # gradient elements per all-reduce (16 MB of float32)
+_COUNTS = ("n_tokens", "n_rows", "n_rows_trained", "rows_skipped_zero_advantage", "offpolicy_masked_rows")
+
+
+class DataParallelError(RuntimeError):
+    """A rank died, a collective timed out, or the replicas diverged; the message names
+    the rank and what was waited for. The process group cannot be used afterwards."""
+
+
+# ---- sharding -------------------------------------------------------------------------
+def shard_rows(rows: Sequence[TrainingRow], world_size: int, advantages_N: Sequence[Any] | None = None,
+               cfg: UpdateConfig | None = None) -> list[list[int]]:
+    """Deterministic shards of a step's rows, balanced by tokens.
+
+    Greedy longest-first: rows in order of decreasing ``len(input_ids)`` (ties: lower
+    index first), each to the rank with the fewest tokens so far (ties: lower rank). A
+    row that will not run a forward/backward (advantage 0 everywhere and no KL, entropy
+    or distillation term; :func:`~consequence.update.step.accumulate_gradients` skips it)
+    weighs 0 when ``advantages_N`` and ``cfg`` are given.
+
+    Returns:
+        ``world_size`` lists of row indices, each ascending; together a partition of
+        ``range(len(rows))`` (a shard may be empty when there are fewer rows than ranks).
+
+    Raises:
+        ValueError: ``world_size < 1``.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+
+    def weight(i: int) -> int:
+        if advantages_N is not None and cfg is not None:
+            a = advantages_N[i]
+            if a is not None and not isinstance(a, (list, tuple)) and not math.isfinite(float(a)):
+                return len(rows[i].input_ids)  # a NaN advantage still goes somewhere (and is reported there)
+            if a is not None and _contributes_nothing(list(a) if isinstance(a, tuple) else a, cfg):
+                return 0
+        return len(rows[i].input_ids)
+
+    load = [0] * world_size
+    shards: list[list[int]] = [[] for _ in range(world_size)]
+    for i in sorted(range(len(rows)), key=lambda i: (-weight(i), i)):
+        k = min(range(world_size), key=lambda r: (load[r], r))
+        shards[k].append(i)
+        load[k] += weight(i)
+    return [sorted(s) for s in shards]
+
+
+# ---- collectives ------------------------------------------------------------------------
+class _Collective:
+    """Runs one collective; a backend error (timeout, dead peer) becomes DataParallelError."""
+
+    def __init__(self, group=None) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+
+    def __call__(self, what: str, fn: Callable[..., Any], *args, **kw) -> Any:
+        try:
+            return fn(*args, group=self.group, **kw)
+        except RuntimeError as e:  # DistBackendError / gloo timeouts and closed connections
+            raise DataParallelError(
+                f"update rank {self.rank} of {self.world}: {what} did not complete: every rank must enter it, "
+                f"within the process group's timeout (--update-ranks; a rank died, hung or raised outside "
+                f"the step): {e}") from e
+
+    def gather(self, what: str, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self.world
+        self("all_gather_object of " + what, dist.all_gather_object, out, obj)
+        return out
+
+
+def _error_info(e: BaseException, row_ids: Sequence[int], rank: int) -> dict[str, Any]:
+    """What the other ranks need to raise the same error (rows mapped to the step's indices)."""
+    info: dict[str, Any] = {"rank": rank, "type": type(e).__name__, "message": str(e),
+                            "traceback": "".join(traceback.format_exception(e))[-4000:]}
+    if isinstance(e, NonFiniteError):
+        info |= {"tensor": e.tensor, "rows": [row_ids[j] for j in e.rows if 0 <= j < len(row_ids)],
+                 "detail": e.detail}
+    return info
+
+
+def _raise_agreed(infos: list[dict[str, Any] | None], world: int, own: BaseException | None) -> None:
+    """Raise, on every rank, the error of the lowest rank that failed (the same message everywhere)."""
+    failed = [i for i in infos if i is not None]
+    if not failed:
+        return
+    info = failed[0]
+    where = f"found by update rank {info['rank']} of {world}"
+    if info["type"] == "NonFiniteError":
+        err: Exception = NonFiniteError(info["tensor"], info["rows"],
+                                        f"{info['detail']}; {where}" if info["detail"] else where)
+    elif info["type"] == "ValueError":
+        err = ValueError(f"{info['message']} ({where})")
+    else:
+        err = DataParallelError(f"{info['type']}: {info['message']} ({where})\n{info['traceback']}")
+    raise err from own
+
+
+# ---- one data-parallel step (runs on every rank) ----------------------------------------
+def data_parallel_gradients(
+    model: torch.nn.Module,
+    rows: Sequence[TrainingRow],
+    advantages_N: Sequence[Any],
+    cfg: UpdateConfig,
+    pad_id: int,
+    logprob_fn: Callable[..., Any],
+    *,
+    row_ids: Sequence[int] | None = None,
+    ref_logprobs: TokenValues | None = None,
+    sampler_logprobs: TokenValues | None = None,
+    group=None,
+) -> dict[str, float]:
+    """ADD the full step's gradient of −reduce(objective) to ``.grad`` on every rank.
+
+    Every rank of ``group`` (default: the default process group) calls this at once with
+    its own shard of the step (``rows``, ``advantages_N`` and the per-token lists as in
+    :func:`~consequence.update.step.accumulate_gradients`: ``old_logprobs``,
+    ``ref_logprobs``, ``sampler_logprobs`` aligned with ``row.input_ids``, float lists).
+    Afterwards each trainable parameter's ``.grad`` (float32, the parameter's shape) is the
+    SUM over ranks of the shards' gradients computed with the step's global totals, i.e.
+    the gradient of the whole step in one process; a parameter no rank's shard reached
+    keeps ``.grad = None`` (as in one process). Start from zero gradients.
+
+    Args:
+        row_ids: the shard's indices in the whole step (``shard_rows(...)[rank]``), used to
+            name rows in errors; default ``range(len(rows))``.
+
+    Returns:
+        the step's metrics merged over ranks (:func:`merge_rank_metrics`), identical on
+        every rank and equal to one process's (loss summed, token means weighted by each
+        rank's ``n_tokens``, ratio extremes over all ranks, counts summed).
+
+    Raises:
+        NonFiniteError / ValueError: one rank's shard had a NaN/±inf tensor or a bad row;
+            raised on EVERY rank with the same message (rows as step indices, the rank that
+            found it named); no gradient was all-reduced and ``.grad`` is left as it was
+            after this rank's accumulation (callers zero it).
+        DataParallelError: a collective failed or timed out (a rank died or hung).
+    """
+    col = _Collective(group)
+    row_ids = list(range(len(rows))) if row_ids is None else list(row_ids)
+    if len(row_ids) != len(rows):
+        raise ValueError(f"{len(row_ids)} row_ids for {len(rows)} rows")
+    own: BaseException | None = None
+    local = None
+    try:
+        _check_needs(cfg, ref_logprobs, sampler_logprobs)
+        local = _step_totals(rows, cfg)
+    except Exception as e:  # noqa: BLE001 - agreed below, re-raised on every rank
+        own = e
+    got = col.gather("the shards' counts (target tokens, sequences, longest target count)",
+                     (local, None if own is None else _error_info(own, row_ids, col.rank)))
+    _raise_agreed([g[1] for g in got], col.world, own)
+    counts = [g[0] for g in got]
+    tokens = math.fsum(c[0] for c in counts)
+    seqs = math.fsum(c[1] for c in counts)
+    norm = float(cfg.norm_const) if cfg.norm_const is not None else max(c[2] for c in counts)
+    total, mine = (tokens, local[0]) if cfg.reduction == "token_mean" else (seqs, local[1])
+    scale = mine / total if total > 0 else 0.0
+    gcfg = dataclasses.replace(cfg, norm_const=norm)
+    metrics: dict[str, float] | None = None
+    try:
+        metrics = accumulate_gradients(model, rows, advantages_N, gcfg, pad_id, logprob_fn,
+                                       ref_logprobs=ref_logprobs, sampler_logprobs=sampler_logprobs)
+        metrics["loss"] *= scale
+    except Exception as e:  # noqa: BLE001
+        own = e
+    gathered = col.gather("the shards' metrics and errors",
+                          (metrics, None if own is None else _error_info(own, row_ids, col.rank)))
+    _raise_agreed([g[1] for g in gathered], col.world, own)
+    _all_reduce_grads(model, scale, col)
+    return merge_rank_metrics([g[0] for g in gathered])
+
+
+def _all_reduce_grads(model: torch.nn.Module, scale: float, col: _Collective) -> None:
+    """``.grad ← Σ_ranks scale_r · .grad_r`` for every trainable parameter, in flat buckets."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    has = torch.tensor([float(p.grad is not None) for p in params], dtype=torch.float32)
+    col("all_reduce of which parameters have a gradient", dist.all_reduce, has)
+    start = 0
+    while start < len(params):
+        end, n = start, 0
+        while end < len(params) and (n == 0 or n + params[end].numel() <= _BUCKET):
+            n += params[end].numel()
+            end += 1
+        chunk = params[start:end]
+        flat = torch.cat([(p.grad.detach().float() if p.grad is not None
+                           else torch.zeros(p.shape, dtype=torch.float32, device=p.device)).reshape(-1)
+                          for p in chunk])
+        if scale != 1.0:
+            flat.mul_(scale)
+        col(f"all_reduce of the gradients (parameters {start}–{end - 1} of {len(params)})", dist.all_reduce, flat)
+        off = 0
+        for j, p in enumerate(chunk):
+            k = p.numel()
+            if has[start + j] > 0:
+                g = flat[off: off + k].view(p.shape).to(p.dtype)
+                if p.grad is None:
+                    p.grad = g.clone()
+                else:
+                    p.grad.copy_(g)
+            else:
+                p.grad = None
+            off += k
+        start = end
+
+
+def merge_rank_metrics(per_rank: Sequence[dict[str, float]]) -> dict[str, float]:
+    """One step's metrics from the ranks' shard metrics (equal to one process's).
+
+    Rules: ``loss`` (each rank's already scaled to the global totals) and the counts
+    (``n_tokens``, ``n_rows``, ``n_rows_trained``, ``rows_skipped_zero_advantage``,
+    ``offpolicy_masked_rows``, any other ``n_*``) are summed; ``*_min`` / ``*_max`` are the
+    extremes over the ranks that report them; every other key is a per-token mean of the
+    targets that ran, weighted by each rank's ``n_tokens`` (ranks that trained no token
+    add nothing). A key no rank reports is left out.
+    """
+    out: dict[str, float] = {}
+    for key in dict.fromkeys(k for m in per_rank for k in m):
+        have = [m for m in per_rank if key in m]
+        if key == "loss" or key in _COUNTS or key.startswith("n_"):
+            out[key] = math.fsum(float(m[key]) for m in have)
+        elif key.endswith("_min"):
+            out[key] = min(float(m[key]) for m in have)
+        elif key.endswith("_max"):
+            out[key] = max(float(m[key]) for m in have)
+        else:
+            w = [(float(m[key]), float(m.get("n_tokens", 0.0))) for m in have]
+            tot = math.fsum(x for _, x in w)
+            if tot > 0:
+                out[key] = math.fsum(v * x for v, x in w) / tot
+    return out
+
+
+def data_parallel_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    rows: Sequence[TrainingRow],
+    advantages_N: Sequence[Any],
+    cfg: UpdateConfig,
+    pad_id: int,
+    logprob_fn: Callable[..., Any],
+    *,
+    row_ids: Sequence[int] | None = None,
+    ref_logprobs: TokenValues | None = None,
+    sampler_logprobs: TokenValues | None = None,
+    group=None,
+    check_replicas: bool = True,
+) -> dict[str, float]:
+    """One optimizer step of :func:`~consequence.update.step.ppo_step`, data-parallel.
+
+    Every rank passes its shard (see :func:`data_parallel_gradients`); then each clips the
+    (identical) global grad norm to ``cfg.max_grad_norm`` and steps its optimizer, so the
+    replicas stay identical. When no row of any shard ran (every advantage 0, no KL or
+    entropy term) no optimizer steps.
+
+    Args:
+        check_replicas: after the step, compare a float64 checksum of every rank's
+            trainable parameters (one more collective).
+
+    Returns:
+        the metrics of ``ppo_step`` for the whole step (the same on every rank):
+        :func:`merge_rank_metrics` of the shards, ``grad_norm`` (before clipping, when it
+        stepped) and ``optimizer_stepped``.
+
+    Raises:
+        NonFiniteError / ValueError: as :func:`data_parallel_gradients`, or a non-finite
+            global grad norm (then on every rank, since the gradient is the same); the
+            optimizer does not step and the gradients are zeroed.
+        DataParallelError: a collective failed or timed out, or the replicas differ.
+    """
+    optimizer.zero_grad(set_to_none=True)
+    try:
+        metrics = data_parallel_gradients(model, rows, advantages_N, cfg, pad_id, logprob_fn, row_ids=row_ids,
+                                          ref_logprobs=ref_logprobs, sampler_logprobs=sampler_logprobs, group=group)
+        stepped = metrics["n_rows_trained"] > 0
+        grad_norm = _clip_grad_norm(model, cfg.max_grad_norm, int(metrics["n_rows"])) if stepped else None
+    except BaseException:
+        optimizer.zero_grad(set_to_none=True)
+        raise
+    if stepped:
+        optimizer.step()
+        metrics["grad_norm"] = grad_norm
+    optimizer.zero_grad(set_to_none=True)
+    metrics["optimizer_stepped"] = float(stepped)
+    if check_replicas:
+        check_replicas_equal(model, group)
+    return metrics
+
+
+def parameter_checksum(model: torch.nn.Module) -> list[float]:
+    """Float64 sums of the trainable parameters' values and |values| (a cheap replica check)."""
+    with torch.no_grad():
+        ps = [p.detach() for p in model.parameters() if p.requires_grad]
+        return [math.fsum(float(p.sum(dtype=torch.float64)) for p in ps),
+                math.fsum(float(p.abs().sum(dtype=torch.float64)) for p in ps)]
+
+
+def check_replicas_equal(model: torch.nn.Module, group=None) -> None:
+    """Raise DataParallelError unless every rank's trainable parameters have the same checksum."""
+    col = _Collective(group)
+    sums = col.gather("the replicas' parameter checksums", parameter_checksum(model))
+    if any(s != sums[0] for s in sums):
+        raise DataParallelError(f"the update ranks' policy replicas differ after the optimizer step "
+                                f"(checksums by rank: {sums}); the ranks must start from the same weights "
+                                "and optimizer state")
+
+
+# ---- the trainer's side: rank 0 and its rank processes -----------------------------------
+def check_supported(cfg: Any) -> None:
+    """Refuse training settings ``--update-ranks > 1`` does not run data-parallel.
+
+    Raises:
+        ValueError: a critic (``--advantage gae``), a teacher (``--teacher``,
+            ``--distill-loss``, ``--advantage reverse_kl``), or ``--lora-rank``; the
+            message says what to change.
+    """
+    n = getattr(cfg, "update_ranks", 1)
+    if n <= 1:
+        return
+    fix = "; use --update-ranks 1 for it"
+    if cfg.advantage == "gae":
+        raise ValueError(f"--update-ranks {n} with --advantage gae is not supported: the critic's value step "
+                         f"is not data-parallel{fix}")
+    if cfg.advantage == "reverse_kl" or cfg.distill_loss != "none" or getattr(cfg, "teacher", None):
+        raise ValueError(f"--update-ranks {n} with a teacher (--teacher / --distill-loss / --advantage reverse_kl) "
+                         f"is not supported: the rank processes hold no teacher{fix}")
+    if getattr(cfg, "lora_rank", 0):
+        raise ValueError(f"--update-ranks {n} with --lora-rank is not supported: the rank processes copy the "
+                         f"whole model, not a PEFT adapter{fix}")
+
+
+class _Ranks:
+    """The rank processes and their pipes (kept apart from the owner, for its finalizer)."""
+
+    def __init__(self) -> None:
+        self.procs: list[Any] = []
+        self.conns: list[Any] = []
+        self.owns_group = False
+
+    def describe(self) -> str:
+        out = []
+        for k, p in enumerate(self.procs, start=1):
+            state = "alive" if p.is_alive() else f"exited with code {p.exitcode}"
+            out.append(f"rank {k} (pid {p.pid}) {state}")
+        return ", ".join(out) or "none started"
+
+    def dead(self) -> list[str]:
+        return [f"update rank {k} (pid {p.pid}) exited with code {p.exitcode}" + self._last_words(k - 1)
+                for k, p in enumerate(self.procs, start=1) if not p.is_alive()]
+
+    def _last_words(self, j: int) -> str:
+        try:
+            while self.conns[j].poll(0):
+                msg = self.conns[j].recv()
+                if isinstance(msg, tuple) and msg and msg[0] == "error":
+                    return f": {msg[1]}"
+        except (EOFError, OSError):
+            pass
+        return ""
+
+    def shutdown(self) -> None:
+        """Ask every rank process to stop, then terminate and kill the ones that did not."""
+        for c in self.conns:
+            try:
+                c.send(("stop",))
+            except (OSError, ValueError):
+                pass
+        deadline = time.monotonic() + 10.0
+        for p in self.procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(5.0)
+            if p.is_alive():
+                p.kill()
+                p.join(5.0)
+        for c in self.conns:
+            try:
+                c.close()
+            except OSError:
+                pass
+        self.procs, self.conns = [], []
+        if self.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self.owns_group = False
+
+
+class DataParallelUpdate:
+    """Rank 0 of ``--update-ranks N``: runs every optimizer step data-parallel.
+
+    The trainer process is rank 0; at the first step it spawns N − 1 rank processes on
+    loopback (gloo, a TCP store on a port the OS picks), each with a copy of the policy
+    and of its optimizer (pickled from rank 0). Each step, rank 0 shards the rows
+    (:func:`shard_rows`), sends each rank its shard through a pipe, and every rank runs
+    :func:`data_parallel_step`; rank 0's model and optimizer end up exactly as the other
+    replicas. Rank 0's weights are checked before each step; weights changed outside a
+    data-parallel step (a resume state loaded, ...) are sent again.
+
+    :meth:`ppo_step` has the signature of :func:`consequence.update.step.ppo_step`.
+    :meth:`close` stops the rank processes (also run at garbage collection and at exit);
+    the rank processes ignore Ctrl-C (the trainer handles it and closes them) and exit when
+    the trainer's end of their pipe closes (the trainer died).
+
+    Args:
+        world_size: N ≥ 2 ranks including this process.
+        timeout_s: bound of every collective (and of the group's start).
+        start_timeout_s: bound of a rank process's start (spawn, imports, the model copy).
+        threads_per_rank: torch threads of each rank during a step (default: the CPU
+            count over N, at least 1); rank 0's setting is restored after each step.
+    """
+
+    def __init__(self, world_size: int, timeout_s: float = DEFAULT_TIMEOUT_S, start_timeout_s: float = START_TIMEOUT_S,
+                 threads_per_rank: int | None = None) -> None:
+        if world_size < 2:
+            raise ValueError(f"a data-parallel update needs at least 2 ranks, got {world_size}")
+        self.world_size = world_size
+        self.timeout_s = float(timeout_s)
+        self.start_timeout_s = float(start_timeout_s)
+        self.threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
+        self._ranks = _Ranks()
+        self._finalizer = weakref.finalize(self, self._ranks.shutdown)
+        self._broken: str | None = None
+        self._checksum: list[float] | None = None  # rank 0's parameters after the last data-parallel step
+        self._model_id: int | None = None  # the model the replicas copy, once started
+        self._launched_at = 0.0
+
+    # -- life cycle
+    def launch(self, model_module: str | None = None) -> "DataParallelUpdate":
+        """Spawn the rank processes now (they import torch and ``model_module`` while the
+        trainer rolls out); the policy copy follows at the first step. Idempotent.
+
+        Raises:
+            DataParallelError: this process already has a torch.distributed default group.
+        """
+        import importlib
+        import multiprocessing as mp
+
+        if self._ranks.procs or self._broken:
+            return self
+        if dist.is_initialized():
+            raise DataParallelError("--update-ranks needs this process's torch.distributed default group, but one "
+                                    "is already initialized; run one data-parallel trainer per process")
+        importlib.import_module("consequence.update.data_parallel")  # the spawned processes' entry point
+        self._store = dist.TCPStore("127.0.0.1", 0, self.world_size, True,
+                                    timeout=datetime.timedelta(seconds=self.start_timeout_s), wait_for_workers=False)
+        ctx = mp.get_context("spawn")
+        r = self._ranks
+        for rank in range(1, self.world_size):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_rank_main, name=f"consequence-update-rank-{rank}", daemon=True,
+                            args=(rank, self.world_size, self._store.port, child, self.timeout_s,
+                                  self.start_timeout_s, self.threads, model_module))
+            p.start()
+            child.close()
+            r.procs.append(p)
+            r.conns.append(parent)
+        self._launched_at = time.monotonic()
+        return self
+
+    def _wait_for(self, what: str, deadline: float) -> None:
+        hint = ("; the rank processes are started with multiprocessing's spawn, which imports the main module "
+                "again: a script that trains must do so under `if __name__ == \"__main__\":`")
+        r = self._ranks
+        for k, conn in enumerate(r.conns, start=1):
+            while not conn.poll(0.2):
+                if not r.procs[k - 1].is_alive() or time.monotonic() > deadline:
+                    self._fail(f"update rank {k} was not {what} within {self.start_timeout_s:.0f} s of its start{hint}")
+            msg = self._recv(conn, k, what)
+            if msg[0] == "error":
+                self._fail(f"update rank {k} failed to start: {msg[1]}")
+
+    def _start(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.launch(type(model).__module__)
+        r = self._ranks
+        deadline = self._launched_at + self.start_timeout_s
+        self._wait_for("up (spawned, imports done)", deadline)
+        init = pickle.dumps(_replica_state(model, optimizer), protocol=pickle.HIGHEST_PROTOCOL)
+        for k, conn in enumerate(r.conns, start=1):
+            self._send(conn, ("init", init), f"the policy copy to update rank {k}")
+        self._wait_for("ready (policy copy loaded)", time.monotonic() + self.start_timeout_s)
+        try:
+            dist.init_process_group("gloo", store=self._store, rank=0, world_size=self.world_size,
+                                    timeout=datetime.timedelta(seconds=self.timeout_s))
+        except RuntimeError as e:
+            self._fail(f"the gloo process group of {self.world_size} update ranks did not form within "
+                       f"{self.timeout_s:.0f} s: {e}")
+        r.owns_group = True
+        self._model_id = id(model)
+        self._checksum = parameter_checksum(model)
+
+    def close(self) -> None:
+        """Stop the rank processes and destroy the process group (idempotent)."""
+        self._finalizer()
+
+    def __enter__(self) -> "DataParallelUpdate":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def started(self) -> bool:
+        return self._model_id is not None
+
+    # -- errors and messages
+    def _fail(self, msg: str) -> None:
+        dead = self._ranks.dead()
+        full = msg + (f"; {'; '.join(dead)}" if dead else "") + f" (rank processes: {self._ranks.describe()})"
+        self._broken = full
+        self.close()
+        raise DataParallelError(full)
+
+    def _send(self, conn, msg, what: str) -> None:
+        try:
+            conn.send(msg)
+        except (OSError, ValueError) as e:
+            self._fail(f"could not send {what} to an update rank ({e})")
+
+    def _recv(self, conn, rank: int, what: str):
+        try:
+            return conn.recv()
+        except (EOFError, OSError) as e:
+            self._fail(f"update rank {rank} closed its pipe while rank 0 waited for {what} ({e!r})")
+
+    # -- the step
+    def ppo_step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, rows: Sequence[TrainingRow],
+                 advantages_N: Sequence[Any], cfg: UpdateConfig, pad_id: int, logprob_fn: Callable[..., Any], *,
+                 ref_logprobs: TokenValues | None = None, sampler_logprobs: TokenValues | None = None,
+                 teacher: torch.nn.Module | None = None) -> dict[str, float]:
+        """:func:`consequence.update.step.ppo_step` over ``world_size`` ranks (same arguments,
+        same returned metrics, same errors with rows named by their index in ``rows``).
+
+        Raises:
+            ValueError: a ``teacher`` or a distillation loss (not data-parallel), or as ppo_step.
+            NonFiniteError: as ppo_step, whichever rank's shard held the non-finite tensor.
+            DataParallelError: a rank process died, a wait timed out, or the replicas differ;
+                the rank processes are stopped and the object cannot step again.
+        """
+        if teacher is not None or cfg.distill_loss != "none":
+            raise ValueError("a data-parallel update (--update-ranks > 1) holds no teacher; use --update-ranks 1")
+        if self._broken:
+            raise DataParallelError(f"the data-parallel update stopped earlier: {self._broken}")
+        if not self.started:
+            self._start(model, optimizer)
+        elif id(model) != self._model_id:
+            raise ValueError("this DataParallelUpdate holds replicas of another model; make one per learner")
+        r = self._ranks
+        if r.dead():
+            self._fail("an update rank process is gone before the optimizer step")
+        state = None
+        if parameter_checksum(model) != self._checksum:  # weights changed outside a data-parallel step
+            state = _resync_state(model, optimizer)
+        shards = shard_rows(rows, self.world_size, advantages_N, cfg)
+        hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        for k, conn in enumerate(r.conns, start=1):
+            pick = lambda xs, s=shards[k]: None if xs is None else [xs[i] for i in s]  # noqa: E731
+            self._send(conn, ("step", {"rows": pick(rows), "advantages": pick(advantages_N), "row_ids": shards[k],
+                                       "ref_logprobs": pick(ref_logprobs), "sampler_logprobs": pick(sampler_logprobs),
+                                       "cfg": cfg, "pad_id": pad_id, "logprob_fn": logprob_fn, "hyper": hyper,
+                                       "state": state}), "the step's shard")
+        threads = torch.get_num_threads()
+        torch.set_num_threads(self.threads)
+        mine = shards[0]
+        try:
+            m = data_parallel_step(model, optimizer, [rows[i] for i in mine], [advantages_N[i] for i in mine], cfg,
+                                   pad_id, logprob_fn, row_ids=mine,
+                                   ref_logprobs=None if ref_logprobs is None else [ref_logprobs[i] for i in mine],
+                                   sampler_logprobs=None if sampler_logprobs is None else
+                                   [sampler_logprobs[i] for i in mine])
+        except DataParallelError as e:
+            self._fail(f"the data-parallel optimizer step failed: {e}")
+        finally:
+            torch.set_num_threads(threads)
+        self._checksum = parameter_checksum(model)
+        return m
+
+
+def _replica_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """What a rank process needs to hold an identical learner: model and optimizer pickled
+    together (pickle keeps the optimizer's groups pointing at the model's parameters)."""
+    return {"model": model, "optimizer": optimizer}
+
+
+def _resync_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Rank 0's weights and optimizer state, for replicas that already exist."""
+    return {"model_state": model.state_dict(), "optimizer_state": optimizer.state_dict()}
+
+
+def _load_replica(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    model.load_state_dict(state["model_state"])
+    optimizer.load_state_dict(state["optimizer_state"])
+
+
+def _rank_main(rank: int, world_size: int, port: int, conn, timeout_s: float, start_timeout_s: float,
+               threads: int, model_module: str | None = None) -> None:
+    """A rank process: build the replica, join the group, then run the steps rank 0 sends.
+
+    Exits on ``("stop",)``, when rank 0's end of the pipe closes (rank 0 died), or after
+    a collective failed (the group is then unusable; the reason is sent to rank 0 first).
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
+    torch.set_num_threads(threads)
+    try:
+        if model_module:  # the model's code, imported while rank 0 rolls out
+            import importlib
+
+            importlib.import_module(model_module)
+        conn.send(("up",))
+        msg = conn.recv()
+        replica = pickle.loads(msg[1])
+        model, optimizer = replica["model"], replica["optimizer"]
+        conn.send(("ready",))
+        store = dist.TCPStore("127.0.0.1", port, world_size, False,
+                              timeout=datetime.timedelta(seconds=start_timeout_s))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+    except EOFError:
+        return
+    except BaseException as e:  # noqa: BLE001 - reported to rank 0, which names it
+        _tell(conn, f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}")
+        raise SystemExit(1)
+    try:
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                return  # rank 0 is gone
+            if msg[0] == "stop":
+                return
+            job = msg[1]
+            if job["state"] is not None:
+                _load_replica(model, optimizer, job["state"])
+            for g, h in zip(optimizer.param_groups, job["hyper"]):
+                g.update(h)
+            try:
+                data_parallel_step(model, optimizer, job["rows"], job["advantages"], job["cfg"], job["pad_id"],
+                                   job["logprob_fn"], row_ids=job["row_ids"], ref_logprobs=job["ref_logprobs"],
+                                   sampler_logprobs=job["sampler_logprobs"])
+            except (NonFiniteError, ValueError):
+                continue  # raised on rank 0 too (agreed): the group is still in step
+            except DataParallelError as e:
+                _tell(conn, str(e))
+                raise SystemExit(2)
+            except Exception as e:  # noqa: BLE001
+                _tell(conn, f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}")
+                raise SystemExit(3)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _tell(conn, text: str) -> None:
+    try:
+        conn.send(("error", text))
+    except (OSError, ValueError):
+        pass

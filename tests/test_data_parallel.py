@@ -1,0 +1,317 @@
+"""Data-parallel updates (issue 18): 2 gloo ranks on loopback give the single-process step.
+
+One 2-rank job (two spawned processes, a TCP store on a port the OS picks) runs every
+case and writes what it saw; the tests compare it with the same step in this process:
+for each reduction the DP = 2 gradient, the step's metrics and the weights after one
+AdamW step equal the single-process ones (7 rows of uneven lengths, so the shards
+differ in rows and tokens). One rank's NaN advantage stops both ranks with the same
+NonFiniteError, and a collective a rank never enters ends in a named timeout error.
+Then the trainer's side: ``--update-ranks 2`` against 1 on a tiny training run, and a
+dead rank process.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import gc
+import json
+import math
+import multiprocessing as mp
+import os
+
+import pytest
+import torch
+
+from consequence.policy.logprobs import token_logprobs
+from consequence.records import TrainingRow
+from consequence.update.data_parallel import (DataParallelError, DataParallelUpdate, data_parallel_gradients,
+                                              data_parallel_step, merge_rank_metrics, shard_rows)
+from consequence.update.step import NonFiniteError, UpdateConfig, accumulate_gradients, ppo_step
+
+V, PAD = 64, 0
+TARGETS = [3, 9, 1, 6, 2, 5, 4]  # 7 rows (odd): the shards differ in rows and in tokens
+ADV = [1.0, -0.5, 0.3, -1.2, 0.0, 0.8, -0.4]  # row 4's advantage is 0: skipped unless KL / entropy run
+LP = functools.partial(token_logprobs, with_entropy=True, entropy_grad=True)
+CASES = {
+    "token_mean": dict(reduction="token_mean"),
+    "seq_mean_token_mean": dict(reduction="seq_mean_token_mean"),
+    "seq_mean_token_sum": dict(reduction="seq_mean_token_sum_norm"),  # L_const = the step's longest row (global max)
+    "constant_norm": dict(reduction="seq_mean_token_sum_norm", norm_const=12.0),
+    "token_mean_kl_entropy": dict(reduction="token_mean", kl_coef=0.1, entropy_coef=0.01),
+}
+LR = 0.5
+
+
+def _optimizer(model):
+    """SGD for comparing weights with one process: AdamW's first step is lr·g/(|g| + ε), which turns a
+    1e-12 difference of a ~1e-9 gradient entry into a visible one; SGD moves each weight by lr·g. (The
+    trainer's AdamW replicas are compared with each other, bit for bit, by the training-run test.)"""
+    return torch.optim.SGD(model.parameters(), lr=LR)
+
+
+def _model(seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64, pad_token_id=PAD)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return LlamaForCausalLM(cfg).float()
+
+
+def _rows(model, n_prompt: int = 2, seed: int = 1):
+    """Rows with 2 context tokens then targets; old log-probs are the model's + noise (ratios ≠ 1, some clipped);
+    reference log-probs are the model's + other noise."""
+    g = torch.Generator().manual_seed(seed)
+    rows, ref = [], []
+    for i, L in enumerate(TARGETS):
+        ids = torch.randint(1, V, (n_prompt + L,), generator=g)
+        with torch.no_grad():
+            lp, _ = LP(model, ids[None], torch.ones(1, len(ids), dtype=torch.long))
+        lp = torch.cat([torch.zeros(1), lp[0]])
+        mask = [0] * n_prompt + [1] * L
+        old = [float(o) if m else 0.0 for o, m in zip(lp + 0.3 * torch.randn(len(ids), generator=g), mask)]
+        ref.append([float(o) if m else 0.0 for o, m in zip(lp + 0.2 * torch.randn(len(ids), generator=g), mask)])
+        rows.append(TrainingRow(ids.tolist(), mask, old, traj_index=i))
+    return rows, ref
+
+
+def _cfg(name: str, micro: int) -> UpdateConfig:
+    return UpdateConfig(micro_batch_size=micro, **CASES[name])
+
+
+def _kw(name: str, ref, idx):
+    return {"ref_logprobs": [ref[i] for i in idx]} if CASES[name].get("kl_coef") else {}
+
+
+# ---- the 2-rank job (runs in each spawned process) ------------------------------------------
+def _rank_job(rank: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+    seen: dict = {}
+    for name in CASES:
+        model = _model()
+        rows, ref = _rows(model)
+        cfg = _cfg(name, micro=2)  # another micro-batch split than the single process's
+        mine = shard_rows(rows, 2, ADV, cfg)[rank]
+        sub = lambda xs: [xs[i] for i in mine]  # noqa: E731
+        model.zero_grad(set_to_none=True)
+        m = data_parallel_gradients(model, sub(rows), sub(ADV), cfg, PAD, LP, row_ids=mine, **_kw(name, ref, mine))
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        opt = _optimizer(model)
+        ms = data_parallel_step(model, opt, sub(rows), sub(ADV), cfg, PAD, LP, row_ids=mine, **_kw(name, ref, mine))
+        seen[name] = {"grads": grads, "metrics": m, "step_metrics": ms, "shard": mine,
+                      "weights": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    # one rank's NaN advantage: both ranks raise the same NonFiniteError, then the group still works
+    model = _model()
+    rows, ref = _rows(model)
+    cfg = _cfg("token_mean", micro=2)
+    shards = shard_rows(rows, 2)
+    bad = shards[1][0]
+    adv = [math.nan if i == bad else a for i, a in enumerate(ADV)]
+    mine = shards[rank]
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    try:
+        data_parallel_step(model, opt, [rows[i] for i in mine], [adv[i] for i in mine], cfg, PAD, LP, row_ids=mine)
+        seen["nan"] = {"raised": None}
+    except NonFiniteError as e:
+        seen["nan"] = {"raised": str(e), "rows": e.rows, "bad": bad}
+    after = data_parallel_step(model, opt, [rows[i] for i in mine], [ADV[i] for i in mine], cfg, PAD, LP, row_ids=mine)
+    seen["nan"]["after_ok"] = after["optimizer_stepped"]
+    # a collective rank 1 never enters: rank 0 ends with a named timeout after 2 s, no hang
+    short = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=2), backend="gloo")
+    if rank == 0:
+        try:
+            data_parallel_gradients(model, [rows[i] for i in mine], [ADV[i] for i in mine], cfg, PAD, LP,
+                                    row_ids=mine, group=short)
+            seen["timeout"] = None
+        except DataParallelError as e:
+            seen["timeout"] = str(e)
+    torch.save(seen, os.path.join(out, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _run_two_ranks(out) -> list[dict]:
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, 3, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_rank_job, args=(r, store.port, str(out)), daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(180)
+    codes = [p.exitcode for p in procs]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert codes == [0, 0], f"rank processes exited with {codes}"
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """The 2-rank job's results, run once per session even under pytest-xdist (shared folder + file lock)."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp().parent / "data-parallel-job"
+    root.mkdir(exist_ok=True)
+    with FileLock(str(root) + ".lock"):
+        if not (root / "done").exists():
+            _run_two_ranks(root)
+            (root / "done").write_text("ok")
+    return [torch.load(root / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+def _single(name: str):
+    """The same step in one process: gradient, accumulate metrics, ppo_step metrics, weights after it."""
+    model = _model()
+    rows, ref = _rows(model)
+    cfg = _cfg(name, micro=16)
+    all_ = range(len(rows))
+    model.zero_grad(set_to_none=True)
+    m = accumulate_gradients(model, rows, ADV, cfg, PAD, LP, **_kw(name, ref, all_))
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    opt = _optimizer(model)
+    ms = ppo_step(model, opt, rows, ADV, cfg, PAD, LP, **_kw(name, ref, all_))
+    return grads, m, ms, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _same_metrics(got: dict, want: dict) -> None:
+    assert set(got) == set(want)
+    for k in want:
+        assert got[k] == pytest.approx(want[k], rel=1e-5, abs=1e-6), k
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_two_ranks_give_the_single_process_gradient_metrics_and_weights(two_ranks, name):
+    grads, m, ms, weights = _single(name)
+    r0, r1 = two_ranks[0][name], two_ranks[1][name]
+    assert sorted(r0["shard"] + r1["shard"]) == list(range(len(TARGETS)))
+    assert len(r0["shard"]) != len(r1["shard"])  # uneven shards
+    assert any(g.abs().sum() > 0 for g in grads.values())
+    for r in (r0, r1):
+        assert set(r["grads"]) == set(grads)
+        for n in grads:
+            torch.testing.assert_close(r["grads"][n], grads[n], atol=1e-6, rtol=1e-5, msg=n)
+        _same_metrics(r["metrics"], m)
+        _same_metrics(r["step_metrics"], ms)
+    for n in weights:
+        assert torch.equal(r0["weights"][n], r1["weights"][n]), n  # replicas identical, bit for bit
+        torch.testing.assert_close(r0["weights"][n], weights[n], atol=1e-6, rtol=1e-5, msg=n)
+
+
+def test_one_ranks_nan_advantage_stops_both_ranks_with_the_same_error(two_ranks):
+    a, b = two_ranks[0]["nan"], two_ranks[1]["nan"]
+    assert a["raised"] is not None and a["raised"] == b["raised"]
+    assert f"advantage is not finite in row(s) [{a['bad']}]" in a["raised"]
+    assert "found by update rank 1 of 2" in a["raised"]
+    assert a["rows"] == b["rows"] == [a["bad"]]  # named by its index in the whole step
+    assert a["after_ok"] == b["after_ok"] == 1.0  # the group stays usable after an agreed error
+
+
+def test_a_collective_one_rank_never_enters_ends_in_a_named_timeout(two_ranks):
+    msg = two_ranks[0]["timeout"]
+    assert msg is not None and "update rank 0 of 2" in msg and "all_gather_object of the shards' counts" in msg
+
+
+def test_shards_are_a_deterministic_token_balanced_partition():
+    rows = [TrainingRow([1] * n, [0] + [1] * (n - 1), [0.0] * n) for n in (9, 3, 8, 2, 7, 4, 5)]
+    shards = shard_rows(rows, 2)
+    assert shards == shard_rows(rows, 2) and sorted(sum(shards, [])) == list(range(7))
+    load = [sum(len(rows[i].input_ids) for i in s) for s in shards]
+    assert abs(load[0] - load[1]) <= 2
+    assert shard_rows(rows[:1], 3) == [[0], [], []]
+    with pytest.raises(ValueError):
+        shard_rows(rows, 0)
+
+
+def test_merge_rank_metrics_weights_token_means_by_tokens():
+    got = merge_rank_metrics([{"loss": 0.5, "ratio_mean": 1.0, "ratio_min": 0.9, "ratio_max": 1.1, "n_tokens": 3.0,
+                               "n_rows": 2.0},
+                              {"loss": 0.25, "ratio_mean": 2.0, "ratio_min": 0.8, "ratio_max": 1.0, "n_tokens": 1.0,
+                               "n_rows": 1.0},
+                              {"loss": 0.0, "n_tokens": 0.0, "n_rows": 0.0}])
+    assert got == {"loss": 0.75, "ratio_mean": 1.25, "ratio_min": 0.8, "ratio_max": 1.1, "n_tokens": 4.0,
+                   "n_rows": 3.0}
+
+
+# ---- the trainer's side --------------------------------------------------------------------
+def test_a_dead_rank_process_is_a_clear_error_not_a_hang():
+    model = _model()
+    rows, _ = _rows(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    dp = DataParallelUpdate(2, timeout_s=30, threads_per_rank=1)
+    try:
+        m = dp.ppo_step(model, opt, rows, ADV, _cfg("token_mean", 4), PAD, LP)
+        assert m["optimizer_stepped"] == 1.0
+        proc = dp._ranks.procs[0]
+        proc.kill()
+        proc.join(10)
+        with pytest.raises(DataParallelError, match=r"update rank 1 \(pid \d+\) exited with code -9"):
+            dp.ppo_step(model, opt, rows, ADV, _cfg("token_mean", 4), PAD, LP)
+        with pytest.raises(DataParallelError, match="stopped earlier"):
+            dp.ppo_step(model, opt, rows, ADV, _cfg("token_mean", 4), PAD, LP)
+    finally:
+        dp.close()
+    assert not dp._ranks.procs
+
+
+@pytest.mark.slow
+def test_update_ranks_2_trains_like_update_ranks_1(tmp_path, monkeypatch):
+    from reward_signal import odd_samples_win
+
+    import consequence.iteration as iteration_module
+    from consequence.config import TrainConfig
+    from consequence.policy.tiny import load_policy
+    from consequence.train import train
+    from consequence.warmstart import BUNDLED
+
+    # mixed groups in every iteration, so that every step trains and the weights move
+    monkeypatch.setattr(iteration_module, "score_trajectories", odd_samples_win(iteration_module.score_trajectories))
+
+    def run(n: int):
+        cfg = TrainConfig(model=str(BUNDLED), run_dir=str(tmp_path / f"r{n}"), iterations=2, tasks_per_iteration=2,
+                          group_size=2, final_eval_episodes=0, eval_every=0, max_turns=2, max_new_tokens=24,
+                          micro_batch_size=2, mini_batches=2, learning_rate=3e-3, skip_checks=True, update_ranks=n)
+        train(cfg)
+        lines = [json.loads(x) for x in (tmp_path / f"r{n}" / "metrics.jsonl").read_text().splitlines()]
+        return lines, load_policy(tmp_path / f"r{n}" / "checkpoints" / "final")[0]
+
+    one, m1 = run(1)
+    two, m2 = run(2)
+    gc.collect()
+    assert not mp.active_children()  # the rank processes are gone with the run
+    assert len(one) == len(two) == 2
+    for a, b in zip(one, two):
+        assert a["optimizer_steps_taken"] == b["optimizer_steps_taken"] == 2.0
+        for k in ("loss", "ratio_mean", "ratio_max", "grad_norm", "n_tokens", "n_rows_trained", "clip_frac_low",
+                  "clip_frac_high", "entropy", "first_step_ratio_min", "first_step_ratio_max"):
+            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), k
+        assert b["ratio_min"] == pytest.approx(a["ratio_min"], rel=2e-2)  # ~3e-4 = exp(-8): see below
+    # AdamW moves a weight by lr·m̂/(√v̂ + ε): an entry whose gradient is ~ε moves by a fraction of lr that
+    # depends on the gradient's last bits, which any other summation order changes. One process with
+    # --micro-batch-size 1 instead of 2 differs from itself as much (measured: max 1.1e-3, DP = 2: 9e-4,
+    # mean 6e-7 while the weights moved 6e-3 on average); the gradients themselves match to 1e-7 (above).
+    diff = torch.cat([(p - q).detach().abs().flatten() for p, q in zip(m1.parameters(), m2.parameters())])
+    moved = torch.cat([(p - p0).detach().abs().flatten()
+                       for p, p0 in zip(m1.parameters(), load_policy(BUNDLED)[0].parameters())])
+    assert float(moved.mean()) > 1e-3  # the runs trained
+    assert float(diff.mean()) < 1e-3 * float(moved.mean()) and float(diff.max()) < 0.5 * 3e-3
+
+
+def test_unsupported_settings_are_refused():
+    from consequence.config import TrainConfig
+    from consequence.update.data_parallel import check_supported
+
+    with pytest.raises(ValueError, match="--update-ranks 2 with --advantage gae is not supported"):
+        check_supported(TrainConfig(update_ranks=2, advantage="gae"))
+    check_supported(TrainConfig(update_ranks=1, advantage="gae"))
+    check_supported(TrainConfig(update_ranks=2))
