@@ -30,7 +30,7 @@ from consequence.update.data_parallel import (DataParallelError, DataParallelUpd
 from consequence.update.step import NonFiniteError, UpdateConfig, accumulate_gradients, ppo_step
 
 V, PAD = 64, 0
-TARGETS = [3, 9, 1, 6, 2, 5, 4]  # 7 rows (odd): the shards differ in rows and in tokens
+TARGETS = [3, 9, 2, 6, 2, 5, 4]  # 7 rows, 31 targets (both odd): the shards differ in rows and in target tokens
 ADV = [1.0, -0.5, 0.3, -1.2, 0.0, 0.8, -0.4]  # row 4's advantage is 0: skipped unless KL / entropy run
 LP = functools.partial(token_logprobs, with_entropy=True, entropy_grad=True)
 CASES = {
@@ -160,7 +160,8 @@ def two_ranks(tmp_path_factory):
     """The 2-rank job's results, run once per session even under pytest-xdist (shared folder + file lock)."""
     from filelock import FileLock
 
-    root = tmp_path_factory.getbasetemp().parent / "data-parallel-job"
+    base = tmp_path_factory.getbasetemp()  # under xdist one folder per worker, whose parent is the session's
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "data-parallel-job"
     root.mkdir(exist_ok=True)
     with FileLock(str(root) + ".lock"):
         if not (root / "done").exists():
@@ -195,7 +196,8 @@ def test_two_ranks_give_the_single_process_gradient_metrics_and_weights(two_rank
     grads, m, ms, weights = _single(name)
     r0, r1 = two_ranks[0][name], two_ranks[1][name]
     assert sorted(r0["shard"] + r1["shard"]) == list(range(len(TARGETS)))
-    assert len(r0["shard"]) != len(r1["shard"])  # uneven shards
+    assert len(r0["shard"]) != len(r1["shard"])  # uneven shards: local means would weight rows differently
+    assert sum(TARGETS[i] for i in r0["shard"]) != sum(TARGETS[i] for i in r1["shard"])
     assert any(g.abs().sum() > 0 for g in grads.values())
     for r in (r0, r1):
         assert set(r["grads"]) == set(grads)
