@@ -538,6 +538,17 @@ class DataParallelUpdate:
             if msg[0] == "error":
                 self._fail(f"update rank {k} failed to start: {msg[1]}")
 
+    def start(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Launch if needed, send the replicas their copy of ``model`` and ``optimizer``, form the
+        gloo group (the first :meth:`ppo_step` does this itself). Idempotent.
+
+        Raises:
+            DataParallelError: a rank process did not start within ``start_timeout_s``, or the
+                group did not form within ``timeout_s`` (the message names the rank).
+        """
+        if not self.started:
+            self._start(model, optimizer)
+
     def _start(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.launch(type(model).__module__)
         r = self._ranks
