@@ -315,5 +315,7 @@ def test_unsupported_settings_are_refused():
 
     with pytest.raises(ValueError, match="--update-ranks 2 with --advantage gae is not supported"):
         check_supported(TrainConfig(update_ranks=2, advantage="gae"))
+    with pytest.raises(ValueError, match="--gradient-checkpointing is not supported"):
+        check_supported(TrainConfig(update_ranks=2, gradient_checkpointing=True))
     check_supported(TrainConfig(update_ranks=1, advantage="gae"))
     check_supported(TrainConfig(update_ranks=2))

@@ -379,8 +379,8 @@ def check_supported(cfg: Any) -> None:
 
     Raises:
         ValueError: a critic (``--advantage gae``), a teacher (``--teacher``,
-            ``--distill-loss``, ``--advantage reverse_kl``), or ``--lora-rank``; the
-            message says what to change.
+            ``--distill-loss``, ``--advantage reverse_kl``), ``--gradient-checkpointing``
+            or ``--lora-rank``; the message says what to change.
     """
     n = getattr(cfg, "update_ranks", 1)
     if n <= 1:
@@ -392,6 +392,9 @@ def check_supported(cfg: Any) -> None:
     if cfg.advantage == "reverse_kl" or cfg.distill_loss != "none" or getattr(cfg, "teacher", None):
         raise ValueError(f"--update-ranks {n} with a teacher (--teacher / --distill-loss / --advantage reverse_kl) "
                          f"is not supported: the rank processes hold no teacher{fix}")
+    if getattr(cfg, "gradient_checkpointing", False):
+        raise ValueError(f"--update-ranks {n} with --gradient-checkpointing is not supported: the rank processes get "
+                         f"a pickled copy of the policy, and Hugging Face's checkpointing hook cannot be pickled{fix}")
     if getattr(cfg, "lora_rank", 0):
         raise ValueError(f"--update-ranks {n} with --lora-rank is not supported: the rank processes copy the "
                          f"whole model, not a PEFT adapter{fix}")
@@ -554,7 +557,10 @@ class DataParallelUpdate:
         r = self._ranks
         deadline = self._launched_at + self.start_timeout_s
         self._wait_for("up (spawned, imports done)", deadline)
-        init = pickle.dumps(_replica_state(model, optimizer), protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            init = pickle.dumps(_replica_state(model, optimizer), protocol=pickle.HIGHEST_PROTOCOL)
+        except (pickle.PicklingError, AttributeError, TypeError) as e:
+            self._fail(f"the policy and its optimizer cannot be copied to the update ranks (pickle: {e})")
         for k, conn in enumerate(r.conns, start=1):
             self._send(conn, ("init", init), f"the policy copy to update rank {k}")
         self._wait_for("ready (policy copy loaded)", time.monotonic() + self.start_timeout_s)
