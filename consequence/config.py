@@ -74,6 +74,7 @@ class TrainConfig(BaseModel):
     rollout_workers: int = _f(0, "rollout", "Rollout workers as Ray actors (docs/async.md): each holds a policy snapshot with a version, runs whole batches (generation, environment, sandbox) and returns them scored; the trainer consumes them as they finish. 0 = the synchronous loop in this process.", ge=0)
     max_staleness: int = _f(0, "rollout", "k of bounded staleness: a batch's lag is the trainer's version when it is consumed minus the version that sampled it; a batch is started only while it would be consumed at most k versions old, and one that is older when consumed (it waited) is dropped and counted. 0 = synchronous (the same metrics as --rollout-workers 0). Needs --rollout-workers.", ge=0)
     ray_address: str | None = _f(None, "rollout", "Ray cluster to run the rollout workers on (e.g. 127.0.0.1:6379 or auto, as `ray start --head` prints); default: a local Ray instance started by the run and stopped after it. Needs --rollout-workers.")
+    rollout_engine: Literal["ours", "vllm"] = _f("ours", "rollout", "What the rollout workers sample with: ours (the batched KV-cache sampler of the synchronous loop) or vllm (vLLM's engine, in its own environment: `make vllm-env`, then run `.venv-vllm/bin/consequence train ...`; docs/vllm.md). Token ids, processed log-probs and top-k supports come back as from ours; weights are loaded into it by version. Needs --rollout-workers; not with --lora-rank.")
     rollout_timeout: float = _f(1800.0, "rollout", "The longest the trainer waits, in seconds, for the next batch from the rollout workers (or for a worker to start); then the run stops with an error naming the batch and the worker. Read only with --rollout-workers.", gt=0)
     overlong_buffer: int = _f(0, "reward", "DAPO overlong shaping: penalty rises linearly from 0 to −1 over the last this many tokens before max_total_tokens (0 = off).", ge=0)
     overlong_filter: bool = _f(False, "reward", "DAPO overlong filtering: truncated episodes count in group statistics but are left out of the loss.")
@@ -259,11 +260,14 @@ class TrainConfig(BaseModel):
     @model_validator(mode="after")
     def _workers_fit(self) -> "TrainConfig":
         """Settings read only by the asynchronous scheduler are refused without it (never silently dropped)."""
-        for key in ("max_staleness", "ray_address", "rollout_timeout"):
+        for key in ("max_staleness", "ray_address", "rollout_timeout", "rollout_engine"):
             if getattr(self, key) != type(self).model_fields[key].default and not self.rollout_workers:
                 raise ValueError(f"--{key.replace('_', '-')} is read only by the rollout workers, but --rollout-workers "
                                  f"is 0 (the synchronous loop): add --rollout-workers N (e.g. 2) or drop "
                                  f"--{key.replace('_', '-')}")
+        if self.rollout_engine == "vllm" and self.lora_rank:
+            raise ValueError("--rollout-engine vllm with --lora-rank is not supported: the engine loads whole weights "
+                             "by version, not adapters; use --rollout-engine ours with LoRA, or full fine-tuning")
         if self.rollout_workers and self.agent:
             raise ValueError("--rollout-workers with --agent is not supported: the agent's endpoint serves the policy "
                              "of this process; drop one of them")

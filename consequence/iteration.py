@@ -95,13 +95,16 @@ def make_learner(cfg: TrainConfig, model: torch.nn.Module, reference: torch.nn.M
 
 # ---- rollout box ---------------------------------------------------------------------
 def collect(it: int, cfg: TrainConfig, model, renderer, split, budgets, sampling,
-            progress=None, policy_version: int | None = None) -> tuple[list[Trajectory], dict]:
+            progress=None, policy_version: int | None = None, engine=None) -> tuple[list[Trajectory], dict]:
     """Roll out B tasks × G episodes, scored; with dynamic sampling keep only groups whose
     rewards differ, sampling new tasks for up to ``dynamic_sampling_max_rounds`` rounds.
 
     ``it`` picks the batch (its tasks and seeds); ``policy_version`` is the version of the
     weights that sample it, recorded on every trajectory (default ``it``: the synchronous
     loop; an asynchronous rollout worker may sample batch ``it`` with older weights).
+    ``engine`` samples instead of ``model`` when given: an object whose
+    ``generate_fn(sampling, stop_ids, seed)`` returns a ``generate_fn`` of the same contract
+    as ``rollout.sampling.policy_generate_fn`` (``policy.vllm_engine.VllmEngine``).
 
     Returns:
         (trajectories of the kept groups, stats: groups generated / kept / dropped and
@@ -113,7 +116,7 @@ def collect(it: int, cfg: TrainConfig, model, renderer, split, budgets, sampling
     agent_stats: dict[str, float] = {}
     for r in range(rounds):
         groups = _roll_out_round(it, r, cfg, model, renderer, split, budgets, sampling, progress, agent_stats,
-                                 it if policy_version is None else policy_version)
+                                 it if policy_version is None else policy_version, engine)
         generated += len(groups)
         tokens += sum(t.n_generated_tokens for g in groups for t in g)
         kept += [g for g in groups if not cfg.dynamic_sampling or _is_mixed(g)]
@@ -126,7 +129,8 @@ def collect(it: int, cfg: TrainConfig, model, renderer, split, budgets, sampling
 
 
 def _roll_out_round(it, r, cfg, model, renderer, split, budgets, sampling, progress=None,
-                    agent_stats: dict[str, float] | None = None, version: int = 0) -> list[list[Trajectory]]:
+                    agent_stats: dict[str, float] | None = None, version: int = 0,
+                    engine=None) -> list[list[Trajectory]]:
     """One round of B tasks × G episodes, scored and grouped: in-process harness, or with
     ``--agent`` the user's agent through the endpoint (its stats added into ``agent_stats``)."""
     tag = (it,) if r == 0 else (it, "round", r)  # round 0 keeps the seeds of plain sampling
@@ -145,7 +149,9 @@ def _roll_out_round(it, r, cfg, model, renderer, split, budgets, sampling, progr
             if agent_stats is not None:
                 agent_stats[k] = agent_stats.get(k, 0.0) + v
     else:
-        gen = policy_generate_fn(model, sampling, renderer.stop_ids, seed_of(cfg.seed, *tag, "rollout"))
+        seed = seed_of(cfg.seed, *tag, "rollout")
+        gen = (engine.generate_fn(sampling, renderer.stop_ids, seed) if engine is not None
+               else policy_generate_fn(model, sampling, renderer.stop_ids, seed))
         trajs = run_episodes(gen, renderer, specs, budgets, env.system_prompt, policy_version=version, progress=progress,
                              examples=env.examples)
     score_trajectories(trajs, cfg.overlong_buffer, budgets.max_total_tokens, env.reward_components, env.reward_range)

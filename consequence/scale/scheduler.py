@@ -142,6 +142,8 @@ class AsyncRollouts:
             ``unconsumed_batches``: started or finished batches no iteration trained on.
         """
         unconsumed = len(self.jobs) + len(self.finished)
+        if self.cfg.rollout_engine != "ours":  # an engine's own processes end before their actor (bounded wait)
+            self._ray.wait([w.close.remote() for w in self.workers], num_returns=len(self.workers), timeout=60)
         for w in self.workers:
             try:
                 self._ray.kill(w)

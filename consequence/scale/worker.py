@@ -62,19 +62,30 @@ class RolloutWorker:
         if cfg.lora_rank:
             model = apply_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, Path(model_path))
         self.model = model.eval()
+        self.engine = None
+        if cfg.rollout_engine == "vllm":  # samples instead of self.model, which then only checks versions' names
+            from consequence.policy.vllm_engine import VllmEngine
+
+            self.engine = VllmEngine(model_path, max_model_len=cfg.max_total_tokens + cfg.max_new_tokens,
+                                     seed=cfg.seed, version=-1)
         self.renderer = Renderer(tokenizer, self.split.tools)
         self.budgets = Budgets(cfg.max_turns, cfg.max_new_tokens, cfg.max_total_tokens)
         self.sampling = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p, cfg.max_new_tokens)
 
     def ready(self) -> dict[str, Any]:
-        """Where the worker runs: ``pid``, ``host``, Ray ``node`` id (None in-process), torch ``threads``."""
+        """Where the worker runs: ``pid``, ``host``, Ray ``node`` id (None in-process), torch ``threads``,
+        ``engine`` and, for vLLM, its start time ``engine_start_s``."""
         try:
             import ray
 
             node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
         except ImportError:
             node = None
-        return {"pid": os.getpid(), "host": socket.gethostname(), "node": node, "threads": torch.get_num_threads()}
+        out = {"pid": os.getpid(), "host": socket.gethostname(), "node": node, "threads": torch.get_num_threads(),
+               "engine": self.cfg.rollout_engine}
+        if self.engine is not None:
+            out["engine_start_s"] = self.engine.start_seconds
+        return out
 
     def load(self, state: dict[str, torch.Tensor], version: int) -> None:
         """Take version ``version`` of the weights; the worker samples nothing meanwhile (an
@@ -94,7 +105,15 @@ class RolloutWorker:
             params = dict(self.model.named_parameters())
             for name, tensor in state.items():
                 params[name].copy_(tensor)
+        if self.engine is not None:
+            self.engine.load_weights(state, version)
         self.version = version
+
+    def close(self) -> None:
+        """Stop the vLLM engine's processes (its engine core and workers), if there is one."""
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
 
     def run(self, batch: int, version: int, state_ref: list) -> dict[str, Any]:
         """Roll out batch ``batch`` (its tasks and seeds) with weights of version ``version``.
@@ -121,6 +140,6 @@ class RolloutWorker:
             self.load(state, version)
         t1 = time.perf_counter()
         trajs, stats = collect(batch, self.cfg, self.model, self.renderer, self.split, self.budgets, self.sampling,
-                               policy_version=version)
+                               policy_version=version, engine=self.engine)
         return {"batch": batch, "version": version, "trajectories": trajs, "stats": stats,
                 "worker": self.worker_id, "rollout_s": time.perf_counter() - t1, "load_s": t1 - t0}
