@@ -154,6 +154,7 @@ class VllmEngine:
         cfg = json.loads(cfg_path.read_text())
         self.model_folder = folder
         self.vocab_size = int(cfg["vocab_size"])
+        self.tied_embeddings = bool(cfg.get("tie_word_embeddings", False))
         self.max_model_len = int(max_model_len or cfg.get("max_position_embeddings") or 2048)
         self.max_support = int(max_support)
         for k, v in {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), "HF_HUB_OFFLINE": "1",
@@ -321,6 +322,10 @@ class VllmEngine:
         """
         from safetensors.torch import save_file
 
+        state_dict = dict(state_dict)
+        if self.tied_embeddings and "lm_head.weight" not in state_dict and "model.embed_tokens.weight" in state_dict:
+            # measured: vLLM's reload keeps its own lm_head when the file lacks it, tied or not
+            state_dict["lm_head.weight"] = state_dict["model.embed_tokens.weight"]
         tensors, seen = {}, set()
         for k, v in state_dict.items():
             v = v.detach().to("cpu").contiguous()

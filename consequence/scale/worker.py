@@ -32,6 +32,16 @@ def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters() if p.requires_grad}
 
 
+def _bind_vllm_threads(slot: int, threads: int) -> None:
+    """vLLM's CPU engine binds its threads to cores given by environment variables: unless the
+    user set them, worker ``slot`` takes its own ``threads`` cores of those this process may
+    use (two engines must not share cores), and reserves none for vLLM's own bookkeeping."""
+    cores = sorted(os.sched_getaffinity(0))
+    mine = cores[slot * threads:(slot + 1) * threads] or cores[-threads:]
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, mine)))
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+
+
 class RolloutWorker:
     """One rollout worker. Constructed by Ray as an actor (``scale.scheduler``); usable in-process.
 
@@ -65,6 +75,8 @@ class RolloutWorker:
         self.engine = None
         if cfg.rollout_engine == "vllm":  # samples instead of self.model, which then only checks versions' names
             from consequence.policy.vllm_engine import VllmEngine
+
+            _bind_vllm_threads(worker_id, threads)
 
             self.engine = VllmEngine(model_path, max_model_len=cfg.max_total_tokens + cfg.max_new_tokens,
                                      seed=cfg.seed, version=-1)
@@ -105,8 +117,8 @@ class RolloutWorker:
             params = dict(self.model.named_parameters())
             for name, tensor in state.items():
                 params[name].copy_(tensor)
-        if self.engine is not None:
-            self.engine.load_weights(state, version)
+        if self.engine is not None:  # every weight, tied lm_head included (the engine's reload keeps what is missing)
+            self.engine.load_weights(self.model.state_dict(), version)
         self.version = version
 
     def close(self) -> None:
