@@ -66,6 +66,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--micro-batch", type=int, default=32)
     args = ap.parse_args()
+    load = os.getloadavg()[0]  # other work on the machine slows every row; recorded with the result
     torch.manual_seed(0)
     base, tok = load_policy(BUNDLED)
     rows, adv = make_rows(args.rows, len(tok))
@@ -100,7 +101,8 @@ def main() -> None:
                     "max_weight_diff_vs_1_rank": diff})
     ref = results[0]["step_s"]
     print(f"{args.rows} rows, {sum(len(r.input_ids) for r in rows)} tokens ({sum(sum(r.loss_mask) for r in rows)} "
-          f"targets), micro-batch {args.micro_batch}, {cores} cores, median of {args.repeats} steps")
+          f"targets), micro-batch {args.micro_batch}, {cores} cores, median of {args.repeats} steps, "
+          f"load average {load:.1f} at start")
     print(f"{'ranks':>5} {'threads/rank':>12} {'step s':>8} {'speed-up':>8}")
     for r in results:
         r["speedup_vs_1_rank_all_cores"] = ref / r["step_s"]
@@ -110,7 +112,8 @@ def main() -> None:
     out = Path(__file__).parent / "results" / "data_parallel.json"
     out.parent.mkdir(exist_ok=True)
     tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"rows": args.rows, "micro_batch": args.micro_batch, "cores": cores,
+    tmp.write_text(json.dumps({"rows": args.rows, "micro_batch": args.micro_batch, "cores": cores, "load_average_at_start": load,
+                               "command": f"benchmarks/bench_data_parallel.py --rows {args.rows} --repeats {args.repeats}",
                                "torch": torch.__version__, "repeats": args.repeats, "results": results}, indent=2))
     os.replace(tmp, out)
 
