@@ -59,10 +59,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iterations", type=int, default=6)
     ap.add_argument("--out", default="benchmarks/results/bench_async.json")
+    ap.add_argument("--only", default="", help="settings to run again, separated by ; (the others are kept from --out)")
     args = ap.parse_args()
+    only = {s.strip() for s in args.only.split(";") if s.strip()}
+    kept = {r["setting"]: r for r in json.loads(Path(args.out).read_text())["rows"]} if only else {}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, extra in SETTINGS:
+            if only and name not in only:
+                rows.append(kept[name])
+                continue
             print(f"running {name} ...", flush=True)
             rows.append(run_one(name, extra, args.iterations, Path(tmp)))
     base = rows[0]["loop_s"]

@@ -42,14 +42,25 @@ class _Job:
     attempt: int
 
 
-def worker_threads(cfg: TrainConfig) -> int:
-    """Torch threads per rollout worker: on a local instance the trainer's threads shared by
-    the batches that can run at once, min(N, k + 1) (so with k = 0 a worker uses as many
-    threads as the synchronous loop does: the same kernels, the same log-probs to the bit);
-    on a cluster 1, the CPU each worker asks Ray for."""
+def worker_threads(cfg: TrainConfig, cores: int | None = None) -> tuple[int, int]:
+    """Torch threads of (each rollout worker, the trainer) while workers run.
+
+    On a local instance the trainer's threads (``cores``, default ``torch.get_num_threads()``)
+    are the machine's share: with k = 0 nothing overlaps, so a worker takes them all, as
+    the synchronous loop does (the same kernels, the same log-probs to the bit); with k ≥ 1
+    the c = min(N, k + 1) batches that can run at once and the update share them, each
+    worker ⌊cores / (c + 1)⌋ and the trainer the rest (at least 1 each): more threads than
+    cores would make both spin for each other. On a cluster each worker asks Ray for 1 CPU
+    and takes 1 thread; the trainer keeps its own.
+    """
+    cores = cores or torch.get_num_threads()
     if cfg.ray_address:
-        return 1
-    return max(1, torch.get_num_threads() // min(cfg.rollout_workers, cfg.max_staleness + 1))
+        return 1, cores
+    if cfg.max_staleness == 0:
+        return cores, cores
+    c = min(cfg.rollout_workers, cfg.max_staleness + 1)
+    worker = max(1, cores // (c + 1))
+    return worker, max(1, cores - c * worker)
 
 
 def batches_done(history: list[dict[str, Any]]) -> set[int]:
@@ -96,7 +107,9 @@ class AsyncRollouts:
         self.attempts: dict[int, int] = {}
         self.version, self.state_ref = -1, None
         self.reruns = 0
-        self.threads = worker_threads(cfg)
+        self.trainer_threads = torch.get_num_threads()  # restored by close()
+        self.threads, trainer = worker_threads(cfg, self.trainer_threads)
+        torch.set_num_threads(trainer)
         self.actor_cls = ray.remote(num_cpus=1)(worker_cls)
         self.workers = [self._start_worker(i) for i in range(cfg.rollout_workers)]
         self.where = self._wait_ready(list(range(cfg.rollout_workers)))
@@ -153,6 +166,7 @@ class AsyncRollouts:
         self.finished.clear()
         if self._own_ray and self._ray.is_initialized():
             self._ray.shutdown()
+        torch.set_num_threads(self.trainer_threads)  # the final evaluation has the machine again
         return {"unconsumed_batches": unconsumed}
 
     # ---- weights ------------------------------------------------------------------------
