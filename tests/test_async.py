@@ -40,12 +40,12 @@ def test_batches_done_reads_consumed_and_dropped_batches():
     assert batches_done(history) == {0, 1, 3}
 
 
-def test_worker_threads_share_the_cores_among_concurrent_batches_and_the_update():
+def test_worker_threads_share_the_cores_among_concurrent_batches():
     base = dict(rollout_workers=4)
     assert worker_threads(TrainConfig(**base), 8) == (8, 8)  # k = 0: one batch at a time, every core (as sync)
-    assert worker_threads(TrainConfig(**base, max_staleness=1), 8) == (2, 4)  # 2 batches + the update
-    assert worker_threads(TrainConfig(**base, max_staleness=9), 8) == (1, 4)  # 4 batches, 1 thread each
-    assert worker_threads(TrainConfig(rollout_workers=1, max_staleness=1), 2) == (1, 1)
+    assert worker_threads(TrainConfig(**base, max_staleness=1), 8) == (4, 8)  # 2 batches at once
+    assert worker_threads(TrainConfig(**base, max_staleness=9), 8) == (2, 8)  # 4 batches at once
+    assert worker_threads(TrainConfig(rollout_workers=1, max_staleness=1), 2) == (2, 2)
     assert worker_threads(TrainConfig(**base, ray_address="auto"), 8) == (1, 8)
 
 

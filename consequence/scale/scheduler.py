@@ -46,21 +46,17 @@ def worker_threads(cfg: TrainConfig, cores: int | None = None) -> tuple[int, int
     """Torch threads of (each rollout worker, the trainer) while workers run.
 
     On a local instance the trainer's threads (``cores``, default ``torch.get_num_threads()``)
-    are the machine's share: with k = 0 nothing overlaps, so a worker takes them all, as
-    the synchronous loop does (the same kernels, the same log-probs to the bit); with k ≥ 1
-    the c = min(N, k + 1) batches that can run at once and the update share them, each
-    worker ⌊cores / (c + 1)⌋ and the trainer the rest (at least 1 each): more threads than
-    cores would make both spin for each other. On a cluster each worker asks Ray for 1 CPU
-    and takes 1 thread; the trainer keeps its own.
+    are the machine's share: the c = min(N, k + 1) batches that can run at once split them,
+    ⌊cores / c⌋ each, so with k = 0 a worker takes them all, as the synchronous loop does
+    (the same kernels, the same log-probs to the bit). The trainer keeps its threads: on
+    2 cores, giving the update 1 thread while a worker has the other made 6 iterations 15 %
+    slower than letting both use 2 (benchmarks/results/bench_async*.json). On a cluster each
+    worker asks Ray for 1 CPU and takes 1 thread.
     """
     cores = cores or torch.get_num_threads()
     if cfg.ray_address:
         return 1, cores
-    if cfg.max_staleness == 0:
-        return cores, cores
-    c = min(cfg.rollout_workers, cfg.max_staleness + 1)
-    worker = max(1, cores // (c + 1))
-    return worker, max(1, cores - c * worker)
+    return max(1, cores // min(cfg.rollout_workers, cfg.max_staleness + 1)), cores
 
 
 def batches_done(history: list[dict[str, Any]]) -> set[int]:
