@@ -8,7 +8,7 @@ Each setting is one `consequence train` process on the default task (repair, the
 start, 16 tasks × 8 rollouts per iteration, GRPO) with N rollout workers on a local Ray
 instance and --max-staleness k; "masked IS" adds --is-mask token (π_old recomputed by the
 trainer, tokens with π_old/μ outside [0.5, 2] left out of the loss). The final evaluation
-is the run's own paired comparison on the test split (greedy, the same episodes for the warm
+is the run's own paired comparison on the test split (sampled at T = 1 with the same seeds for the warm
 start and the RL checkpoint; 95 % paired bootstrap CI over problems). Reported per setting:
 
     RL success, difference to the warm start [CI]     from report.json
@@ -40,14 +40,14 @@ def run_one(k: int, masked: bool, args, folder: Path) -> dict:
     cmd = [str(Path(sys.executable).with_name("consequence")), "train", "--iterations", str(args.iterations),
            "--rollout-workers", str(args.workers), "--max-staleness", str(k), "--eval-every", "0",
            "--final-eval-episodes", str(args.episodes), "--final-eval-splits", "test",
-           "--final-eval-decoding", "greedy", "--run-dir", str(run), *(["--is-mask", "token"] if masked else [])]
+           "--final-eval-decoding", "sampled", "--run-dir", str(run), *(["--is-mask", "token"] if masked else [])]
     t0 = time.perf_counter()
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode:
         raise SystemExit(f"{name} failed:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
     ms = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     report = json.loads((run / "report.json").read_text())
-    res = next(r for r in report["results"] if r["split"].startswith("test") and r["decoding"] == "greedy")
+    res = next(r for r in report["results"] if r["split"].startswith("test") and r["decoding"] == "sampled")
     cmp = res["comparison"]
     consumed = sum(sum(m["lag_histogram"].values()) - m["dropped_stale_groups"] for m in ms)
     dropped = sum(m["dropped_stale_groups"] for m in ms)
@@ -91,7 +91,7 @@ def main() -> None:
             rows = [r for r in rows if r["setting"] != name] + [run_one(k, masked, args, Path(tmp))]
             _write(out, args, rows)
     print(f"\n{args.iterations} iterations × 16 tasks × 8 rollouts, {args.workers} rollout workers; final "
-          f"evaluation: {args.episodes} test episodes, greedy, paired with the warm start\n")
+          f"evaluation: {args.episodes} test episodes, sampled (T = 1), paired with the warm start\n")
     print("| setting | RL success | difference [95 % CI] | mean lag | lags (groups) | dropped | π_old/μ min … max "
           "| sampler–trainer KL | masked tokens | clip fraction | wall s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
