@@ -40,6 +40,16 @@ def yaml_problem(e: Exception) -> str:
     return f"line {mark.line + 1}, column {mark.column + 1}: {what}" if mark is not None else what
 
 
+def _ray_address_ok(address: str) -> bool:
+    """HOST:PORT (port 1–65535), ``auto``, or ``ray://HOST:PORT``."""
+    import re
+
+    if address == "auto":
+        return True
+    m = re.fullmatch(r"(?:ray://)?\[?([A-Za-z0-9.\-:]+?)\]?:(\d{1,5})", address)
+    return bool(m) and 0 < int(m.group(2)) < 65536
+
+
 class TrainConfig(BaseModel):
     """Settings of one training run (synchronous; defaults: GRPO on the code-repair task)."""
 
@@ -274,6 +284,9 @@ class TrainConfig(BaseModel):
         if self.rollout_workers and self.distill_lambda < 1:
             raise ValueError("--rollout-workers with --distill-lambda below 1 is not supported: fixed-data batches "
                              "are not rolled out; use --distill-lambda 1 or the synchronous loop")
+        if self.ray_address is not None and not _ray_address_ok(self.ray_address):
+            raise ValueError(f"--ray-address {self.ray_address!r} is not a Ray address: give HOST:PORT (what `ray start "
+                             "--head` prints, e.g. 127.0.0.1:6379), auto, or ray://HOST:PORT")
         given = [k for k in ("is_mask_low", "is_mask_high") if getattr(self, k) != type(self).model_fields[k].default]
         if given and self.is_mask == "none":
             raise ValueError(f"--{given[0].replace('_', '-')} is read only by --is-mask, which is none: give "

@@ -44,6 +44,8 @@ import torch
 from consequence.fileio import as_write_error, write_text_atomic
 
 STATE_FORMAT = 1
+# Options a resumed run may change: where and how patiently rollouts run, not what is trained.
+RESUME_MAY_CHANGE = frozenset({"rollout_timeout", "ray_address", "rollout_workers"})
 STATE_RE = re.compile(r"^state-(\d{4,})$")
 
 
@@ -262,7 +264,9 @@ def stop_message(e: BaseException, run: Path) -> str:
         state = None
     where = (f"the resume state {state.path} (after iteration {state.iteration - 1}) is intact" if state
              else "no resume state was written yet")
-    if isinstance(e, FloatingPointError):
+    if getattr(e, "rollouts", False):  # the rollout workers' error (scale.scheduler.RolloutError): said as is
+        what = f"stopped: {e}; {where}. Fix the cause, then continue"
+    elif isinstance(e, FloatingPointError):
         it = getattr(e, "iteration", None)
         at = "" if it is None else f" in iteration {it} (trajectory numbers index trajectories/iter_{it:04d}.parquet)"
         what = (f"stopped{at}: {e}. Nothing of this step was applied; {where}. Inspect those trajectories "
@@ -334,6 +338,8 @@ def resume_config(run: Path, given: dict[str, Any], config_file: Path | None):
     _check_not_finished(run)
     if "run_dir" in given and Path(given.pop("run_dir")).resolve() != run.resolve():
         raise ValueError(f"--run-dir conflicts with --resume {run}: a resumed run stays in its own folder")
+    # where the rollouts run, not what is trained: a resumed run may move them (a new cluster, more patience)
+    free = {k: given.pop(k) for k in list(given) if k in RESUME_MAY_CHANGE}
     asked = TrainConfig.checked(**{**saved, **given}).model_dump()  # validates and normalises the types
     had = TrainConfig.checked(**saved).model_dump()  # the same normal form (absolute paths, lists)
     clashes = [f"--{k.replace('_', '-')} {asked[k]!r} (the run has {had[k]!r})"
@@ -342,7 +348,12 @@ def resume_config(run: Path, given: dict[str, Any], config_file: Path | None):
         raise ValueError(f"--resume {run} continues the run with its saved config ({saved_path}); these options "
                          "differ from it: " + "; ".join(clashes) + ". Drop them, or start a new run in another "
                          "--run-dir")
-    return TrainConfig.checked(**{**saved, "run_dir": str(run)})
+    cfg = TrainConfig.checked(**{**saved, **free, "run_dir": str(run)})
+    if bool(cfg.rollout_workers) != bool(had["rollout_workers"]):
+        raise ValueError(f"--resume {run}: --rollout-workers {cfg.rollout_workers} would switch the run between the "
+                         f"synchronous loop and rollout workers (it has {had['rollout_workers']}); give a number of "
+                         "workers of the same kind, or start a new run in another --run-dir")
+    return cfg
 
 
 def _check_not_finished(run: Path) -> None:

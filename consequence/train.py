@@ -55,6 +55,8 @@ from consequence.records import Trajectory, write_trajectories
 from consequence.distill.fixed_data import (check_token_ids, draw_fixed_batch, first_student_iteration, load_fixed_data,
                                             uses_fixed_data)
 from consequence.rollout.episodes import Budgets, opening_prompt_len
+from consequence.scale.preflight import check_rollout_workers
+from consequence.update.data_parallel import check_supported
 from consequence.envs.registry import env_of
 
 
@@ -153,6 +155,10 @@ def train(cfg: TrainConfig, console=None, resume: bool = False, reproduces: str 
     except PreStepCheckError as e:  # the table was printed; the message says what failed and how to skip
         mark_status(run_path, "stopped", str(e))
         raise RunStopped(f"stopped before the first optimizer step: {e}") from e
+    except RuntimeError as e:
+        if not getattr(e, "rollouts", False):  # scale.scheduler.RolloutError: a clean stop, resumable
+            raise
+        raise _stopped(e, run_path) from e
     except OSError as e:
         if e.errno not in WRITE_ERRNOS:
             raise
@@ -242,6 +248,10 @@ def _start_rollouts(r: _Run, console):
     console.print(f"starting {cfg.rollout_workers} rollout worker(s) on Ray"
                   + (f" at {escape(cfg.ray_address)}" if cfg.ray_address else " (local instance)")
                   + f", max staleness {cfg.max_staleness}")
+    if cfg.rollout_workers > cfg.max_staleness + 1:
+        console.print(f"[yellow]warning:[/] at most --max-staleness + 1 = {cfg.max_staleness + 1} batch(es) can run at "
+                      f"once, so {cfg.rollout_workers - cfg.max_staleness - 1} of the {cfg.rollout_workers} rollout "
+                      "workers will wait; raise --max-staleness to use them (docs/async.md §2)")
     rollouts = AsyncRollouts(cfg, str(r.model_path), done=batches_done(r.history),
                              log=lambda line: console.print(escape(line)))
     rollouts.publish(r.learner.model, r.start)
@@ -304,6 +314,9 @@ def preflight(cfg: TrainConfig, tokenizer, renderer: Renderer, split, model_path
         raise ValueError(f"--model {model_path} is a LoRA adapter checkpoint: fold it into its base first "
                          f"(consequence merge {model_path} --out MERGED), then train from --model MERGED")
     start_mode()  # a bad CONSEQUENCE_SANDBOX_START is refused before the run folder is made
+    check_supported(cfg)  # --update-ranks combinations it cannot run
+    if cfg.rollout_workers:
+        check_rollout_workers(cfg)
     vocab = len(tokenizer)
     if cfg.distill_top_k > vocab:
         raise ValueError(f"--distill-top-k {cfg.distill_top_k} is larger than the vocabulary of {model_path} ({vocab} "

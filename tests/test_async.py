@@ -12,7 +12,8 @@ import torch
 
 from consequence.config import TrainConfig
 from consequence.records import TrainingRow
-from consequence.scale.scheduler import AsyncRollouts, batches_done, worker_threads
+from consequence.scale.preflight import check_rollout_workers
+from consequence.scale.scheduler import AsyncRollouts, RolloutError, batches_done, worker_threads
 from consequence.scale.staleness import lag, lag_metrics, may_start
 from consequence.update.sampler_gap import apply_is_mask, is_mask_keep, sampler_gap_metrics
 
@@ -202,7 +203,7 @@ def test_a_batch_that_kills_every_worker_stops_the_run():
 def test_every_wait_is_bounded_and_names_the_batch():
     ray = FakeRay(durations={0: 100.0})
     s = _scheduler(1, 0, ray, timeout=5)
-    with pytest.raises(TimeoutError, match=r"waited 5 s \(--rollout-timeout\).*batch 0 on worker 0 \(version 0"):
+    with pytest.raises(RolloutError, match=r"waited 5 s \(--rollout-timeout\).*batch 0 on worker 0 \(version 0"):
         _run(s, ray, 1)
 
 
@@ -284,3 +285,37 @@ def test_a_stale_uncorrected_gap_warns_once_instead_of_the_engine_mismatch_warni
     assert w.startswith("stale batches are far from the trainer: 2.0% of target tokens") and "--is-mask token" in w
     assert warnings_for([fresh, stale, dict(stale)]) == []  # once per run
     assert warnings_for([fresh, stale | {"is_masked_token_fraction": 0.02}]) == []  # corrected: no warning
+
+
+def test_a_ray_address_is_checked_before_any_work():
+    with pytest.raises(ValueError, match="'nowhere' is not a Ray address: give HOST:PORT"):
+        TrainConfig(rollout_workers=1, ray_address="nowhere")
+    for ok in ("127.0.0.1:6379", "auto", "ray://head:10001", "[::1]:6379"):
+        TrainConfig(rollout_workers=1, ray_address=ok)
+    with pytest.raises(ValueError, match="--ray-address 127.0.0.1:1: nothing accepts connections there"):
+        check_rollout_workers(TrainConfig(rollout_workers=1, ray_address="127.0.0.1:1"))
+
+
+def test_vllm_without_vllm_is_refused_before_any_work(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    with pytest.raises(ValueError, match="--rollout-engine vllm needs vLLM.*make vllm-env"):
+        check_rollout_workers(TrainConfig(rollout_workers=1, rollout_engine="vllm"))
+
+
+def test_resume_may_move_the_rollouts_but_not_change_what_is_trained(tmp_path):
+    import yaml
+
+    from consequence.resume import resume_config
+
+    saved = TrainConfig(run_dir=str(tmp_path), rollout_workers=1, max_staleness=1, rollout_timeout=10)
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved.model_dump()))
+    (tmp_path / "manifest.json").write_text('{"status": "running"}')
+    cfg = resume_config(tmp_path, {"rollout_timeout": 3600.0, "rollout_workers": 2, "ray_address": "auto"}, None)
+    assert (cfg.rollout_timeout, cfg.rollout_workers, cfg.ray_address, cfg.max_staleness) == (3600.0, 2, "auto", 1)
+    with pytest.raises(ValueError, match=r"--max-staleness 2 \(the run has 1\)"):
+        resume_config(tmp_path, {"max_staleness": 2}, None)
+    with pytest.raises(ValueError, match="--rollout-workers is 0 \\(the synchronous loop\\)"):
+        resume_config(tmp_path, {"rollout_workers": 0}, None)

@@ -15,6 +15,7 @@ consumes (cancelled at the end) is counted too. Nothing is lost silently.
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 from collections import deque
@@ -27,9 +28,23 @@ from consequence.config import TrainConfig
 from consequence.scale.staleness import lag, lag_metrics, may_start
 from consequence.scale.worker import RolloutWorker, trainable_state
 
-__all__ = ["AsyncRollouts", "batches_done", "worker_threads"]
+__all__ = ["AsyncRollouts", "RolloutError", "batches_done", "worker_threads"]
 
 MAX_ATTEMPTS = 3  # runs of one batch (a worker died under it) before the run stops
+
+
+class RolloutError(RuntimeError):
+    """The rollout workers cannot go on: Ray unreachable, a worker that does not start, a wait
+    past ``--rollout-timeout``, a batch that keeps killing its worker. The message says which
+    and what to do; ``consequence train`` stops with it (the newest resume state is intact)."""
+
+    rollouts = True  # resume.stop_message says it as is
+
+
+def _cause(error: Exception) -> str:
+    """The last ``SomethingError: message`` line of a Ray error's text (the worker's own error)."""
+    lines = [ln.strip() for ln in str(error).splitlines() if re.match(r"\s*[\w.]+(Error|Exception): ", ln)]
+    return lines[-1] if lines else str(error).splitlines()[0]
 
 
 @dataclass
@@ -80,8 +95,9 @@ class AsyncRollouts:
         log: one line per event worth telling the user (worker started, replaced).
 
     Raises:
-        RuntimeError: Ray cannot start or reach ``ray_address``, or a worker does not start
-            within ``rollout_timeout`` (the message names the worker and the cluster's CPUs).
+        RolloutError: Ray cannot start or reach ``ray_address``, or a worker does not start
+            within ``rollout_timeout`` or fails to (the message names the worker and the
+            cluster's CPUs, or the worker's own error).
     """
 
     def __init__(self, cfg: TrainConfig, model_path: str, done: set[int] = frozenset(),
@@ -115,13 +131,13 @@ class AsyncRollouts:
         kw: dict[str, Any] = dict(include_dashboard=False, log_to_driver=False, configure_logging=False)
         if self.cfg.ray_address:
             kw["address"] = self.cfg.ray_address
-        else:  # a local instance sized so that every worker fits, whatever the core count
-            kw["num_cpus"] = max(os.cpu_count() or 1, self.cfg.rollout_workers)
+        else:  # a new local instance (not $RAY_ADDRESS), sized so that every worker fits
+            kw |= {"address": "local", "num_cpus": max(os.cpu_count() or 1, self.cfg.rollout_workers)}
         try:
             self._ray.init(**kw)
         except (ConnectionError, RuntimeError, ValueError) as e:
             where = f"the Ray cluster at --ray-address {self.cfg.ray_address}" if self.cfg.ray_address else "a local Ray instance"
-            raise RuntimeError(f"could not start or reach {where}: {e}. Start a cluster with `ray start --head` and "
+            raise RolloutError(f"could not start or reach {where}: {e}. Start a cluster with `ray start --head` and "
                                "pass the address it prints, or drop --ray-address for a local instance") from e
 
     def _start_worker(self, slot: int):
@@ -133,12 +149,15 @@ class AsyncRollouts:
         ready, pending = self._ray.wait(list(refs), num_returns=len(refs), timeout=self.cfg.rollout_timeout)
         if pending:
             cpus = self._ray.cluster_resources().get("CPU", 0)
-            raise RuntimeError(f"rollout worker(s) {sorted(refs[p] for p in pending)} did not start within "
+            raise RolloutError(f"rollout worker(s) {sorted(refs[p] for p in pending)} did not start within "
                                f"--rollout-timeout {self.cfg.rollout_timeout:g} s; each needs 1 CPU of the Ray "
                                f"cluster, which has {cpus:g}: add nodes or lower --rollout-workers")
         where = {}
         for ref in ready:
-            where[refs[ref]] = self._get(ref, f"start of rollout worker {refs[ref]}")
+            try:
+                where[refs[ref]] = self._get(ref, f"start of rollout worker {refs[ref]}")
+            except self._ray.exceptions.RayActorError as e:  # its __init__ raised: say the worker's own error
+                raise RolloutError(f"rollout worker {refs[ref]} failed to start: {_cause(e)}") from None
             w = where[refs[ref]]
             node = f" (Ray node {w['node'][:8]})" if w.get("node") else ""
             self.log(f"rollout worker {refs[ref]}: pid {w['pid']} on {w['host']}{node}, {w['threads']} torch threads")
@@ -185,9 +204,9 @@ class AsyncRollouts:
             ``queue_wait_s``, ``worker_rollout_s``, ``rollout_worker``).
 
         Raises:
-            TimeoutError: no batch finished within ``rollout_timeout``; names the batches
-                in flight, their workers and how long each has run.
-            RuntimeError: a batch killed its worker ``MAX_ATTEMPTS`` times.
+            RolloutError: no batch finished within ``rollout_timeout`` (names the batches in
+                flight, their workers and how long each has run), or a batch killed its
+                worker ``MAX_ATTEMPTS`` times.
         """
         if self.version != it:
             raise RuntimeError(f"iteration {it} asked for a batch, but the newest published version is "
@@ -236,7 +255,7 @@ class AsyncRollouts:
             now = time.perf_counter()
             running = ", ".join(f"batch {j.batch} on worker {s} (version {j.version}, {now - j.started:.0f} s)"
                                 for s, j in sorted(self.jobs.items()))
-            raise TimeoutError(f"waited {self.cfg.rollout_timeout:g} s (--rollout-timeout) for a rollout batch; in "
+            raise RolloutError(f"waited {self.cfg.rollout_timeout:g} s (--rollout-timeout) for a rollout batch; in "
                                f"flight: {running or 'nothing'}. A worker may be stuck in an episode: raise "
                                "--rollout-timeout if batches are this slow, else look at the workers' logs "
                                "(/tmp/ray/session_latest/logs)")
@@ -255,7 +274,7 @@ class AsyncRollouts:
         """A worker died under ``job``: start a new worker in its slot and run the batch again."""
         self.attempts[job.batch] = job.attempt
         if job.attempt >= MAX_ATTEMPTS:
-            raise RuntimeError(f"batch {job.batch} was started {job.attempt} times and each time its rollout worker "
+            raise RolloutError(f"batch {job.batch} was started {job.attempt} times and each time its rollout worker "
                                f"died (last: {str(error).splitlines()[0]}); an episode of it may crash the "
                                "worker process (memory, a native crash): see /tmp/ray/session_latest/logs")
         self.reruns += 1
@@ -269,7 +288,7 @@ class AsyncRollouts:
         try:
             return self._ray.get(ref, timeout=self.cfg.rollout_timeout)
         except self._ray.exceptions.GetTimeoutError as e:
-            raise TimeoutError(f"waited {self.cfg.rollout_timeout:g} s (--rollout-timeout) for the {what}") from e
+            raise RolloutError(f"waited {self.cfg.rollout_timeout:g} s (--rollout-timeout) for the {what}") from e
         except self._ray.exceptions.RayTaskError as e:
             raise e.as_instanceof_cause() from None
 

@@ -1,0 +1,37 @@
+"""What rollout workers need, checked before a run writes anything (``train.preflight``)."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import socket
+
+from consequence.config import TrainConfig
+
+__all__ = ["check_rollout_workers"]
+
+PROBE_S = 10.0  # the longest a reachability check of --ray-address may take
+
+
+def check_rollout_workers(cfg: TrainConfig) -> None:
+    """Ray installed; vLLM importable for ``--rollout-engine vllm``; a HOST:PORT ``--ray-address``
+    accepts connections.
+
+    Raises:
+        ValueError: what is missing or unreachable, and how to fix it.
+    """
+    if importlib.util.find_spec("ray") is None:
+        raise ValueError("--rollout-workers needs Ray, which is not installed here: pip install 'consequence[ray]' "
+                         "(make install includes it)")
+    if cfg.rollout_engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise ValueError("--rollout-engine vllm needs vLLM, which is not installed in this environment: build its own "
+                         "with `make vllm-env`, then run .venv-vllm/bin/consequence train ... (docs/vllm.md)")
+    m = re.fullmatch(r"(?:ray://)?\[?([^\]]+?)\]?:(\d+)", cfg.ray_address or "")
+    if m:  # without this, ray.init retries an address nobody listens at for minutes
+        host, port = m.group(1), int(m.group(2))
+        try:
+            socket.create_connection((host, port), timeout=min(PROBE_S, cfg.rollout_timeout)).close()
+        except OSError as e:
+            raise ValueError(f"--ray-address {cfg.ray_address}: nothing accepts connections there ({e}); start the "
+                             "cluster's head with `ray start --head --port PORT` and pass HOST:PORT, or drop "
+                             "--ray-address for a local instance") from None
