@@ -40,14 +40,17 @@ def yaml_problem(e: Exception) -> str:
     return f"line {mark.line + 1}, column {mark.column + 1}: {what}" if mark is not None else what
 
 
-def _ray_address_ok(address: str) -> bool:
-    """HOST:PORT (port 1–65535), ``auto``, or ``ray://HOST:PORT``."""
+def ray_host_port(address: str) -> tuple[str, int] | None:
+    """(host, port) of a ``HOST:PORT`` or ``ray://HOST:PORT`` Ray address (port 1–65535), else None."""
     import re
 
-    if address == "auto":
-        return True
     m = re.fullmatch(r"(?:ray://)?\[?([A-Za-z0-9.\-:]+?)\]?:(\d{1,5})", address)
-    return bool(m) and 0 < int(m.group(2)) < 65536
+    return (m.group(1), int(m.group(2))) if m and 0 < int(m.group(2)) < 65536 else None
+
+
+def _ray_address_ok(address: str) -> bool:
+    """HOST:PORT, ``auto``, or ``ray://HOST:PORT``."""
+    return address == "auto" or ray_host_port(address) is not None
 
 
 class TrainConfig(BaseModel):

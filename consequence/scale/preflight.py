@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
-import re
 import socket
 
-from consequence.config import TrainConfig
+from consequence.config import TrainConfig, ray_host_port
 
 __all__ = ["check_rollout_workers"]
 
@@ -26,9 +25,9 @@ def check_rollout_workers(cfg: TrainConfig) -> None:
     if cfg.rollout_engine == "vllm" and importlib.util.find_spec("vllm") is None:
         raise ValueError("--rollout-engine vllm needs vLLM, which is not installed in this environment: build its own "
                          "with `make vllm-env`, then run .venv-vllm/bin/consequence train ... (docs/vllm.md)")
-    m = re.fullmatch(r"(?:ray://)?\[?([^\]]+?)\]?:(\d+)", cfg.ray_address or "")
-    if m:  # without this, ray.init retries an address nobody listens at for minutes
-        host, port = m.group(1), int(m.group(2))
+    where = ray_host_port(cfg.ray_address) if cfg.ray_address else None
+    if where:  # without this, ray.init retries an address nobody listens at for minutes
+        host, port = where
         try:
             socket.create_connection((host, port), timeout=min(PROBE_S, cfg.rollout_timeout)).close()
         except OSError as e:
