@@ -114,7 +114,7 @@ class TrainConfig(BaseModel):
     dual_clip_c: float = _f(3.0, "update", "Dual clip: bound c·A for negative advantages.", gt=1)
     tis_cap: float = _f(0.0, "update", "Truncated importance sampling cap C against the sampler's log-probs (0 = off).", ge=0)
     entropy_coef: float = _f(0.0, "update", "Entropy bonus c_H (0 = off).", ge=0)
-    is_mask: Literal["none", "token", "sequence"] = _f("none", "update", "Masked importance sampling against the sampler (μ, possibly an older policy version or another engine): the trainer recomputes π_old before the first step, and tokens whose ratio π_old/μ lies outside [--is-mask-low, --is-mask-high] (token), or whole rows whose geometric-mean ratio does (sequence), are left out of the loss (docs/async.md §3). none = off.")
+    is_mask: Literal["none", "token", "sequence"] = _f("none", "update", "Masked importance sampling against the sampler (μ, possibly an older policy version or another engine): the trainer recomputes π_old before the first step, and tokens whose ratio π_old/μ lies outside [--is-mask-low, --is-mask-high] (token), or whole rows whose geometric-mean ratio does (sequence), are left out of the loss, denominators included; kept tokens are not reweighted (add --tis-cap 2 for Liu et al. 2025's masked IS, r·1[r in band]; docs/async.md §3). none = off.")
     is_mask_low: float = _f(0.5, "update", "Lower end of the --is-mask band of π_old/μ (below 1).", gt=0, lt=1)
     is_mask_high: float = _f(2.0, "update", "Upper end of the --is-mask band of π_old/μ (above 1).", gt=1)
     offpolicy_delta: float = _f(0.0, "update", "Off-policy sequence masking: drop negative-advantage rows whose KL to the behaviour policy exceeds this, nats/token (0 = off).", ge=0)

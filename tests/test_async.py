@@ -265,6 +265,34 @@ def test_masked_tokens_leave_the_loss_and_its_denominator():
     assert m == {"is_masked_token_fraction": pytest.approx(1 / 3), "is_masked_rows": 0.0}
 
 
+def test_masked_is_with_a_tis_cap_is_token_level_mis_by_hand():
+    """--is-mask token alone rejects; with --tis-cap at the band's top the kept tokens are also
+    weighted by r = π_old/μ: Liu et al. 2025's token-level MIS, r·1[r in band], checked against
+    a direct autograd computation of −Σ_kept r_t (π_θ/π_old)_t A / n_kept."""
+    from test_update_step import PAD, TinyLM, make_rows, ref_logprobs
+
+    from consequence.update.step import UpdateConfig, accumulate_gradients
+
+    model = TinyLM()
+    row = make_rows(model, [4], seed=2)[0]  # π_old = the current policy: every PPO ratio is 1
+    r = [1.5, 3.0, 0.4, 0.8]  # the middle two lie outside [0.5, 2] and are rejected
+    mu = row.old_logprobs[:2] + [o - math.log(x) for o, x in zip(row.old_logprobs[2:], r)]
+    rows, m = apply_is_mask([row], [mu], 0.5, 2.0, "token")
+    assert rows[0].loss_mask == [0, 0, 1, 0, 0, 1] and m["is_masked_token_fraction"] == pytest.approx(0.5)
+    model.zero_grad(set_to_none=True)
+    accumulate_gradients(model, rows, [0.7], UpdateConfig(tis_cap=2.0, reduction="token_mean"), PAD, ref_logprobs,
+                         sampler_logprobs=[mu])
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    ids = torch.tensor([row.input_ids])
+    lp, _ = ref_logprobs(model, ids, torch.ones_like(ids))
+    old = torch.tensor(row.old_logprobs[1:])
+    ratio = (lp[0] - old).exp()  # targets at positions 2..5 of the row, 1..4 of the shifted log-probs
+    (-(1.5 * ratio[1] + 0.8 * ratio[4]) * 0.7 / 2).backward()
+    for n, p in model.named_parameters():
+        assert torch.allclose(got[n], p.grad, atol=1e-6), n
+
+
 def test_sampler_gap_metrics_by_hand():
     # targets: r = 2 and r = 0.5; k3 = r − 1 − log r = (1 − log 2 + (−0.5) + log 2) / 2 = 0.25
     m = sampler_gap_metrics([[0.0, math.log(2.0), math.log(0.5)]], [[0.0, 0.0, 0.0]], [[0, 1, 1]], 0.6, 1.5)

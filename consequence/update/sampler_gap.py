@@ -9,9 +9,13 @@ is taken against π_old, the behaviour gap is corrected by r). Two corrections o
 
     TIS      weight each token by min(r, C)                          (regularizers.tis_weights)
     masked   drop tokens with r outside [low, high], or whole rows whose geometric-mean
-             ratio exp(mean log r) lies outside it (Liu et al. 2025, "When Speed Kills
-             Stability: Demystifying RL Collapse from the Training-Inference Mismatch",
-             §4, token- and sequence-level masked importance sampling)
+             ratio exp(mean log r) lies outside it; the kept tokens are not reweighted
+             (the rejection half alone)
+
+Both together (``--is-mask token --tis-cap high``) weight every kept token by r and drop the
+rest: the token-level masked importance sampling r·1[r in band] of Liu et al. 2025, "When
+Speed Kills Stability: Demystifying RL Collapse from the Training-Inference Mismatch" (§4;
+the sequence level with ``--is-mask sequence`` masks rows, TIS still weights tokens).
 """
 
 from __future__ import annotations
