@@ -58,7 +58,8 @@ def run_one(name: str, args, folder: Path) -> dict:
     cmp = res["comparison"]
     consumed = sum(sum(m["lag_histogram"].values()) - m["dropped_stale_groups"] for m in ms)
     dropped = sum(m["dropped_stale_groups"] for m in ms)
-    return {"setting": name, "max_staleness": k, "masked_is": bool(correction), "correction": " ".join(correction), "wall_s": time.perf_counter() - t0,
+    return {"setting": name, "max_staleness": k, "rollout_workers": args.workers, "masked_is": bool(correction),
+            "correction": " ".join(correction), "wall_s": time.perf_counter() - t0,
             "warmstart_success": res["warm_start"]["success"], "rl_success": res["rl"]["success"],
             "difference": cmp["diff"], "ci": [cmp["low"], cmp["high"]], "lag_mean": sum(m["lag_mean"] for m in ms) / len(ms),
             "lag_histogram": _sum_hist(ms), "dropped_fraction": dropped / max(1, consumed + dropped),
@@ -114,8 +115,7 @@ def main() -> None:
 def _write(out: Path, args, rows: list[dict]) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"iterations": args.iterations, "episodes": args.episodes, "workers": args.workers,
-                               "rows": rows}, indent=2))
+    tmp.write_text(json.dumps({"iterations": args.iterations, "episodes": args.episodes, "rows": rows}, indent=2))
     tmp.replace(out)
 
 

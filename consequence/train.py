@@ -243,15 +243,14 @@ def _start_rollouts(r: _Run, console):
     """Rollout workers on Ray (docs/async.md), given version ``r.start`` of the weights; a
     resumed run rolls out the batches its kept iterations did not consume or drop first."""
     from consequence.scale.scheduler import AsyncRollouts, batches_done
+    from consequence.scale.staleness import pipeline_warning
 
     cfg = r.cfg
     console.print(f"starting {cfg.rollout_workers} rollout worker(s) on Ray"
                   + (f" at {escape(cfg.ray_address)}" if cfg.ray_address else " (local instance)")
                   + f", max staleness {cfg.max_staleness}")
-    if cfg.rollout_workers > cfg.max_staleness + 1:
-        console.print(f"[yellow]warning:[/] at most --max-staleness + 1 = {cfg.max_staleness + 1} batch(es) can run at "
-                      f"once, so {cfg.rollout_workers - cfg.max_staleness - 1} of the {cfg.rollout_workers} rollout "
-                      "workers will wait; raise --max-staleness to use them (docs/async.md §2)")
+    if warning := pipeline_warning(cfg.rollout_workers, cfg.max_staleness):
+        console.print(f"[yellow]warning:[/] {escape(warning)}")
     rollouts = AsyncRollouts(cfg, str(r.model_path), done=batches_done(r.history),
                              log=lambda line: console.print(escape(line)))
     rollouts.publish(r.learner.model, r.start)

@@ -14,7 +14,7 @@ from consequence.config import TrainConfig
 from consequence.records import TrainingRow
 from consequence.scale.preflight import check_rollout_workers
 from consequence.scale.scheduler import AsyncRollouts, RolloutError, batches_done, worker_threads
-from consequence.scale.staleness import lag, lag_metrics, may_start
+from consequence.scale.staleness import lag, lag_metrics, may_start, pipeline_warning
 from consequence.update.sampler_gap import apply_is_mask, is_mask_keep, sampler_gap_metrics
 
 
@@ -28,6 +28,12 @@ def test_lag_is_trainer_version_minus_sampling_version():
 def test_admission_allows_k_batches_ahead():
     assert may_start(0, 0) and not may_start(1, 0)
     assert may_start(2, 2) and not may_start(3, 2)
+
+
+def test_pipeline_warning_names_what_workers_and_k_leave_unused():
+    assert pipeline_warning(2, 1) is None and pipeline_warning(2, 2) is None and pipeline_warning(1, 0) is None
+    assert "1 of the 3 rollout workers will wait" in pipeline_warning(3, 1)
+    assert "at most 2 version(s) old, not 4" in pipeline_warning(2, 4)  # bench_staleness: k = 4 ran as k = 2
 
 
 def test_lag_metrics_count_consumed_and_dropped_groups():

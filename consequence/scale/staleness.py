@@ -15,7 +15,9 @@ Two rules keep lag at most k (``--max-staleness``):
                 after a worker died).
 
 With k = 0 the admission rule lets one batch run at a time, sampled with the newest
-weights: the synchronous loop.
+weights: the synchronous loop. Each worker holds one batch (running, or finished until the
+trainer takes it when it asks for its next batch), so N workers keep at most N batches
+ahead: batches that finish in order are at most min(k, N) versions old.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Iterable
 
-__all__ = ["lag", "may_start", "lag_metrics"]
+__all__ = ["lag", "may_start", "lag_metrics", "pipeline_warning"]
 
 
 def lag(trainer_version: int, sampled_version: int) -> int:
@@ -63,3 +65,21 @@ def lag_metrics(consumed: Iterable[int], dropped: Iterable[int]) -> dict[str, ob
             "lag_mean": sum(consumed) / len(consumed) if consumed else 0.0,
             "lag_max": max(consumed, default=0),
             "dropped_stale_groups": len(dropped)}
+
+
+def pipeline_warning(workers: int, max_staleness: int) -> str | None:
+    """What a worker count and k leave unused, as a warning line (None when they fit).
+
+    At most k + 1 batches run at once (admission), and each of the N workers holds one
+    batch, so N > k + 1 leaves workers waiting, and k > N is never reached by batches that
+    finish in order (only an overtaken batch can be older than N; it is kept up to k).
+    """
+    if workers > max_staleness + 1:
+        return (f"at most --max-staleness + 1 = {max_staleness + 1} batch(es) can run at once, so "
+                f"{workers - max_staleness - 1} of the {workers} rollout workers will wait; raise --max-staleness "
+                "to use them (docs/async.md §2)")
+    if max_staleness > workers:
+        return (f"each of the {workers} rollout worker(s) holds one batch, so batches that finish in order are "
+                f"at most {workers} version(s) old, not {max_staleness}; use --rollout-workers {max_staleness} "
+                "to pipeline that deep (docs/async.md §2)")
+    return None
