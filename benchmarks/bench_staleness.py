@@ -5,8 +5,9 @@ correction (the real version of the `lag` lab; docs/async.md §5).
                                          [--out benchmarks/results/bench_staleness.json]
 
 Each setting is one `consequence train` process on the default task (repair, the tiny warm
-start, 16 tasks × 8 rollouts per iteration, GRPO) with N rollout workers on a local Ray
-instance and --max-staleness k; "-masked" adds --is-mask token (π_old recomputed by the
+start, 16 tasks × 8 rollouts per iteration, GRPO) with N = max(--workers, k) rollout workers
+on a local Ray instance (each worker holds one batch, so k deep needs k workers) and
+--max-staleness k; "-masked" adds --is-mask token (π_old recomputed by the
 trainer, tokens with π_old/μ outside [0.5, 2] left out of the loss, the kept ones not
 reweighted), "-mis" adds --is-mask token --tis-cap 2 (kept tokens weighted by π_old/μ:
 Liu et al. 2025's token-level masked IS). The final evaluation
@@ -37,15 +38,16 @@ MASK = ["--is-mask", "token"]
 MIS = [*MASK, "--tis-cap", "2"]
 # name: (max staleness k, correction options)
 SETTINGS = {"k0": (0, []), "k1": (1, []), "k1-masked": (1, MASK), "k2": (2, []), "k2-masked": (2, MASK),
-            "k2-mis": (2, MIS), "k4": (4, []), "k4-masked": (4, MASK)}
-DEFAULT = [n for n in SETTINGS if n != "k2-mis"]  # the full table; k2-mis on request (--only)
+            "k2-mis": (2, MIS), "k4": (4, []), "k4-masked": (4, MASK), "k4-mis": (4, MIS)}
+DEFAULT = [n for n in SETTINGS if not n.endswith("-mis")]  # the full table; the -mis rows on request (--only)
 
 
 def run_one(name: str, args, folder: Path) -> dict:
     k, correction = SETTINGS[name]
+    workers = max(args.workers, k)  # each worker holds one batch: k deep needs k workers (docs/async.md §2)
     run = folder / name
     cmd = [str(Path(sys.executable).with_name("consequence")), "train", "--iterations", str(args.iterations),
-           "--rollout-workers", str(args.workers), "--max-staleness", str(k), "--eval-every", "0",
+           "--rollout-workers", str(workers), "--max-staleness", str(k), "--eval-every", "0",
            "--final-eval-episodes", str(args.episodes), "--final-eval-splits", "test",
            "--final-eval-decoding", "sampled", "--run-dir", str(run), *correction]
     t0 = time.perf_counter()
@@ -58,7 +60,7 @@ def run_one(name: str, args, folder: Path) -> dict:
     cmp = res["comparison"]
     consumed = sum(sum(m["lag_histogram"].values()) - m["dropped_stale_groups"] for m in ms)
     dropped = sum(m["dropped_stale_groups"] for m in ms)
-    return {"setting": name, "max_staleness": k, "rollout_workers": args.workers, "masked_is": bool(correction),
+    return {"setting": name, "max_staleness": k, "rollout_workers": workers, "masked_is": bool(correction),
             "correction": " ".join(correction), "wall_s": time.perf_counter() - t0,
             "warmstart_success": res["warm_start"]["success"], "rl_success": res["rl"]["success"],
             "difference": cmp["diff"], "ci": [cmp["low"], cmp["high"]], "lag_mean": sum(m["lag_mean"] for m in ms) / len(ms),
@@ -83,8 +85,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iterations", type=int, default=18)
     ap.add_argument("--episodes", type=int, default=200, help="final-evaluation episodes on the test split")
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--only", default="", help=f"comma-separated settings to run, of {', '.join(SETTINGS)} (default: all but k2-mis)")
+    ap.add_argument("--workers", type=int, default=2, help="rollout workers (at least k for max staleness k)")
+    ap.add_argument("--only", default="", help=f"comma-separated settings to run, of {', '.join(SETTINGS)} "
+                                                "(default: all but the -mis ones)")
     ap.add_argument("--out", default="benchmarks/results/bench_staleness.json")
     args = ap.parse_args()
     only = {s for s in args.only.split(",") if s}
@@ -99,7 +102,7 @@ def main() -> None:
             print(f"running {name} ...", flush=True)
             rows = [r for r in rows if r["setting"] != name] + [run_one(name, args, Path(tmp))]
             _write(out, args, rows)
-    print(f"\n{args.iterations} iterations × 16 tasks × 8 rollouts, {args.workers} rollout workers; final "
+    print(f"\n{args.iterations} iterations × 16 tasks × 8 rollouts, max({args.workers}, k) rollout workers; final "
           f"evaluation: {args.episodes} test episodes, sampled (T = 1), paired with the warm start\n")
     print("| setting | RL success | difference [95 % CI] | mean lag | lags (groups) | dropped | π_old/μ min … max "
           "| sampler–trainer KL | masked tokens | clip fraction | wall s |")
