@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -42,8 +43,6 @@ def yaml_problem(e: Exception) -> str:
 
 def ray_host_port(address: str) -> tuple[str, int] | None:
     """(host, port) of a ``HOST:PORT`` or ``ray://HOST:PORT`` Ray address (port 1–65535), else None."""
-    import re
-
     m = re.fullmatch(r"(?:ray://)?\[?([A-Za-z0-9.\-:]+?)\]?:(\d{1,5})", address)
     return (m.group(1), int(m.group(2))) if m and 0 < int(m.group(2)) < 65536 else None
 

@@ -56,6 +56,7 @@ from consequence.distill.fixed_data import (check_token_ids, draw_fixed_batch, f
                                             uses_fixed_data)
 from consequence.rollout.episodes import Budgets, opening_prompt_len
 from consequence.scale.preflight import check_rollout_workers
+from consequence.scale.scheduler import RolloutError
 from consequence.update.data_parallel import check_supported
 from consequence.envs.registry import env_of
 
@@ -155,9 +156,7 @@ def train(cfg: TrainConfig, console=None, resume: bool = False, reproduces: str 
     except PreStepCheckError as e:  # the table was printed; the message says what failed and how to skip
         mark_status(run_path, "stopped", str(e))
         raise RunStopped(f"stopped before the first optimizer step: {e}") from e
-    except RuntimeError as e:
-        if not getattr(e, "rollouts", False):  # scale.scheduler.RolloutError: a clean stop, resumable
-            raise
+    except RolloutError as e:  # the rollout workers cannot go on: a clean stop, resumable
         raise _stopped(e, run_path) from e
     except OSError as e:
         if e.errno not in WRITE_ERRNOS:
