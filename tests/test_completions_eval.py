@@ -98,22 +98,18 @@ def test_batches_group_by_prompt_length():
     assert comp.batches([5, 1, 3], n=4, batch_rows=2) == [[1], [2], [0]]  # at least one task per batch
 
 
-def test_one_task_per_batch_keeps_the_unbatched_seeds(he):
-    import torch
-
-    from consequence.policy.sampler import SamplingParams, generate
-
+def test_a_samples_completion_does_not_depend_on_the_batching(he):
+    """One stream per sample (seed_of(seed, task_id, j)): one task per batch, all tasks in one
+    batch and the reversed task list give the same completions (a token could move only
+    where a draw lands within float32 rounding of a CDF step: test_sampling_streams)."""
     model, tok = comp._load(TINY)
     tasks = list(he)
-    one, _, mode = comp.sample_completions(model, tok, tasks, 2, 1.0, 5, max_new_tokens=8, batch_rows=2)
-    stops = comp._stop_ids(model, tok)
-    for i, task in enumerate(tasks):  # the loop before batching: one generator per task
-        gen = torch.Generator().manual_seed(5 * 1_000_003 + i)
-        samples = generate(model, [comp._prompt_ids(tok, task, mode)] * 2, SamplingParams(1.0, max_new_tokens=8),
-                           stops, gen)
-        want = [comp.extract_completion(tok.decode([t for t in s.output_ids if t not in stops],
-                                                   skip_special_tokens=True), task, mode) for s in samples]
-        assert one[i] == want
+    one, _, _ = comp.sample_completions(model, tok, tasks, 2, 1.0, 5, max_new_tokens=8, batch_rows=2)
+    together, _, _ = comp.sample_completions(model, tok, tasks, 2, 1.0, 5, max_new_tokens=8, batch_rows=64)
+    backwards, _, _ = comp.sample_completions(model, tok, tasks[::-1], 2, 1.0, 5, max_new_tokens=8, batch_rows=64)
+    assert one == together == backwards[::-1]
+    other, _, _ = comp.sample_completions(model, tok, tasks, 2, 1.0, 6, max_new_tokens=8, batch_rows=2)
+    assert other != one  # the seed is used
 
 
 def test_batched_sampling_is_reproducible_and_reports_progress(he):

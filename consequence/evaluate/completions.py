@@ -4,8 +4,8 @@ Protocol (docs/design.md §7; Chen et al. 2021 §2.1 for pass@k):
 
 - n samples per task from a local Hugging Face checkpoint with
   :func:`consequence.policy.sampler.generate` (temperature, top-p), batched across tasks
-  (about ``batch_rows`` rows per call; one seeded generator per batch, see
-  :func:`sample_completions` for how batching and seeds interact);
+  (about ``batch_rows`` rows per call), one random stream per sample (see
+  :func:`sample_completions`);
 - prompt: ``"chat"`` renders one user message (the instruction below plus the prompt in
   a fenced block) with the tokenizer's chat template; ``"raw"`` feeds the prompt text
   itself (base models). ``"auto"`` = chat when the tokenizer has a chat template;
@@ -40,6 +40,7 @@ from consequence.envs.judge import PROGRAM_LIMITS
 from consequence.envs.sandbox import ENV_RETRIES, SandboxLimits, isolation_report, with_retries
 from consequence.evaluate.progress import SILENT, Phases
 from consequence.evaluate.stats import bootstrap_mean_ci, pass_at_k
+from consequence.seeding import seed_of
 from consequence.tasks.jsonl import CodeTask
 
 __all__ = ["CHAT_INSTRUCTION", "STOP_SEQUENCES", "CompletionEval", "extract_completion",
@@ -183,13 +184,12 @@ def sample_completions(model, tok, tasks: Sequence[CodeTask], n: int, temperatur
     """n completions per task; returns (completions, flags, prompt mode used), in task order.
 
     Batching and seeds: the tasks whose prompt fits are grouped by :func:`batches` (about
-    ``batch_rows`` sampled rows per batched ``generate`` call, n rows per task); a batch
-    is sampled with one generator seeded ``seed * 1_000_003 + i``, i = the smallest task
-    index in it. So the completions are a function of the seed, the task list and
-    ``batch_rows``: the same call gives the same completions, while another
-    ``batch_rows`` (or another task list, e.g. another ``--problems``) regroups the tasks
-    and draws other samples from the same distribution. ``batch_rows <= n`` puts one task
-    in each batch, seeded ``seed * 1_000_003 + i`` as before batching existed.
+    ``batch_rows`` sampled rows per batched ``generate`` call, n rows per task). Sample j
+    of a task draws from its own generator, seeded ``seed_of(seed, task_id, j)``
+    (``sampler.draw``), so a completion depends on the seed, its task and j only: another
+    ``batch_rows``, another task list (e.g. another ``--problems``) or another order gives
+    the same completion for the same task (up to float32 differences of batched matmuls,
+    which move a token only where its draw lands within rounding of a CDF step).
     ``on_task(i, completions, flags)`` is called for each task once its batch is done
     (used to score while the next batch samples). Stop tokens are removed before decoding.
     """
@@ -212,8 +212,8 @@ def sample_completions(model, tok, tasks: Sequence[CodeTask], n: int, temperatur
             on_task(i, comps[i], flags[i])
     for batch in batches([len(ids[i]) for i in fits], n, batch_rows):
         members = [fits[j] for j in batch]
-        gen = torch.Generator(device=model.device).manual_seed(seed * 1_000_003 + min(members))
-        samples = generate(model, [ids[i] for i in members for _ in range(n)], params, stops, gen)
+        streams = [torch.Generator().manual_seed(seed_of(seed, tasks[i].task_id, j)) for i in members for j in range(n)]
+        samples = generate(model, [ids[i] for i in members for _ in range(n)], params, stops, streams)
         for r, i in enumerate(members):
             mine = samples[r * n:(r + 1) * n]
             comps[i] = [extract_completion(tok.decode([t for t in s.output_ids if t not in stops],
@@ -237,14 +237,14 @@ def evaluate_completions(model_path: str | os.PathLike, tasks: Sequence[CodeTask
         tasks: ``completion`` CodeTasks (e.g. ``consequence.envs.code_tasks.load_humaneval()``).
         n: samples per task; every k in ``ks`` must be <= n.
         temperature, top_p, max_new_tokens: sampling budget (reported in ``settings``).
-        seed: sampling seed (one generator per batch, :func:`sample_completions`) and
+        seed: sampling seed (one random stream per sample, :func:`sample_completions`) and
             bootstrap seed.
         prompt_mode: ``"auto"``, ``"chat"`` or ``"raw"`` (module docstring).
         limits: sandbox limits of the verifier (default: ``judge.PROGRAM_LIMITS``).
         workers: scoring threads (each run is two sandbox processes); scoring of a batch
             runs while the next batch samples.
         batch_rows: sampled rows per batched ``generate`` call (tasks × n; at least one
-            task per call). Part of what fixes the samples, with the seed.
+            task per call); speed only (each sample has its own stream).
         threads: torch threads while sampling (restored afterwards); default: the CPU
             count minus ``workers``, at least 1, so that the sandbox processes scoring the
             previous batch get cores of their own (on 2 cores, 2 torch threads next to

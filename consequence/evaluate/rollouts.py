@@ -39,9 +39,13 @@ def sample_episodes(model, renderer, env, tasks: Sequence, n: int, budgets: Budg
     """``n`` episodes per task of environment ``env`` (``sample_id`` 0 … n−1, each with its
     own seed), scored with the environment's reward components (``score_group`` per task).
 
-    Episode j of task i has seed ``seed_of(seed, i)`` for j = 0 (so ``n = 1`` equals
-    :func:`run_eval`) and ``seed_of(seed, i, j)`` after; the same (seed, tasks) gives the
-    same episodes for every policy. ``group_id`` is the task id. ``openings[i]`` is the
+    One random stream per episode: episode j of a task samples from its own generator,
+    seeded ``seed_of(seed, task_id, j)`` (also its ``reset`` seed and the trajectory's
+    ``seed``), so an episode depends on the seed, its task and j only — not on the other
+    tasks of the list, their order or the batch it ran in, and a single token that lands
+    otherwise in one episode cannot shift the draws of any other. The same (seed, task)
+    gives the same streams for every policy (paired comparisons: common random numbers).
+    ``group_id`` is the task id. ``openings[i]`` is the
     scripted start of task i's episodes (see ``EpisodeSpec.opening``), default none.
     ``progress(n_done)``, when given, is called with the number of episodes finished so
     far after each batched model call and once at the end (``run_episodes``); it does not
@@ -54,10 +58,10 @@ def sample_episodes(model, renderer, env, tasks: Sequence, n: int, budgets: Budg
         raise ValueError(f"n (samples per task) must be >= 1, got {n}")
     params = SamplingParams(temperature=temperature, max_new_tokens=budgets.max_new_tokens)
     openings = openings or [()] * len(tasks)
-    specs = [EpisodeSpec(episode, t.task_id, t.task_id, j, seed_of(seed, i) if j == 0 else seed_of(seed, i, j),
-                         tuple(openings[i]), env.answer_ends_episode)
+    specs = [EpisodeSpec(episode, t.task_id, t.task_id, j, seed_of(seed, t.task_id, j), tuple(openings[i]),
+                         env.answer_ends_episode)
              for i, t in enumerate(tasks) for j, episode in enumerate(group_of(env, t, n))]
-    gen = policy_generate_fn(model, params, renderer.stop_ids, seed)
+    gen = policy_generate_fn(model, params, renderer.stop_ids, seed, episode_seeds=[s.seed for s in specs])
     trajs = run_episodes(gen, renderer, specs, budgets, env.system_prompt, policy_version, progress=progress,
                          examples=env.examples)
     score_trajectories(trajs, components=env.reward_components, reward_range=env.reward_range)

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 import torch
 
 from consequence.policy.shared_prefix import SHARED_PREFIX_MIN_TOKENS
-from consequence.policy.sampler import PREFILL_CHUNK_TOKENS, Sample, SamplingParams, _FastLlama, decode, generate
+from consequence.policy.sampler import (PREFILL_CHUNK_TOKENS, Generators, Sample, SamplingParams, _FastLlama, decode,
+                                       generate)
 
 
 @dataclass
@@ -65,13 +66,14 @@ class PrefixCache:
 
 def generate_with_prefix(model, prompts: list[list[int]], keys: Sequence[Hashable], params: SamplingParams,
                          stop_ids: Collection[int], cache: PrefixCache,
-                         generator: torch.Generator | None = None) -> list[Sample]:
+                         generator: Generators = None) -> list[Sample]:
     """``sampler.generate`` for episodes whose prompts extend their previous call's.
 
     Args:
         prompts: token ids per row (each non-empty).
         keys: one hashable episode key per row (distinct within a call).
         cache: updated in place with every row's new prefix.
+        generator: one for the batch or one per row (``sampler.Generators``).
 
     Returns:
         one ``Sample`` per prompt, in order. Models without the fast Llama path fall back

@@ -24,7 +24,7 @@ Speed notes (2-core CPU, tiny model; see benchmarks/bench_generation.py):
 from __future__ import annotations
 
 import inspect
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -246,7 +246,54 @@ class _FastLlama:
         return F.linear(self._rms(x, self.norm_w), self.lm_head)
 
 
-def _pick(logits_BV: torch.Tensor, params: SamplingParams, generator
+# A generator for a batch: one torch.Generator shared by every row (its draws depend on the
+# batch's composition), a sequence of one generator per row (row i's draws depend only on row
+# i: one random stream per episode), or None (torch's global RNG).
+Generators = torch.Generator | Sequence[torch.Generator] | None
+
+
+def draw(probs_BV: torch.Tensor, generator: Generators) -> torch.Tensor:
+    """One token per row from the categorical distributions ``probs_BV``.
+
+    With one generator per row, row b's token is the inverse CDF of a uniform drawn from its
+    own generator: u_b ~ U[0, 1), token = min{j : Σ_{k≤j} p_bk > u_b · Σ_k p_bk} (the CDF in
+    float64). Its value depends only on row b's probabilities and stream, never on which
+    other rows share the batch, so a different token in one episode cannot shift the draws
+    of any other. A token of probability 0 is never drawn (its CDF step is empty).
+
+    Args:
+        probs_BV: [B, V] float, non-negative, each row with a positive sum.
+        generator: see ``Generators``; a sequence must hold exactly B generators.
+
+    Returns:
+        [B] long token ids.
+
+    Raises:
+        ValueError: a generator sequence whose length is not B.
+
+    >>> g = [torch.Generator().manual_seed(s) for s in (1, 2)]
+    >>> p = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
+    >>> draw(p, g).tolist()
+    [1, 2]
+    """
+    if generator is None or isinstance(generator, torch.Generator):
+        return torch.multinomial(probs_BV, 1, generator=generator).squeeze(-1)
+    if len(generator) != probs_BV.shape[0]:
+        raise ValueError(f"draw: {len(generator)} generators for {probs_BV.shape[0]} rows (one per row)")
+    u_B = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generator]).to(probs_BV.device)
+    cdf_BV = probs_BV.double().cumsum(-1)
+    tok = torch.searchsorted(cdf_BV, (u_B * cdf_BV[:, -1])[:, None], right=True).squeeze(-1)
+    return tok.clamp_max(probs_BV.shape[-1] - 1)  # u · total < total, so only a guard
+
+
+def _rows(generator: Generators, active: list[int]) -> Generators:
+    """The generators of the batch rows ``active`` (original indices) when there is one per row."""
+    if generator is None or isinstance(generator, torch.Generator):
+        return generator
+    return [generator[i] for i in active]
+
+
+def _pick(logits_BV: torch.Tensor, params: SamplingParams, generator: Generators
           ) -> tuple[torch.Tensor, torch.Tensor, list[list[int]] | None]:
     """Sample one token per row under ``logprobs.process_logits``'s distribution.
 
@@ -264,7 +311,7 @@ def _pick(logits_BV: torch.Tensor, params: SamplingParams, generator
         keep = keep_mask(scaled, params.top_k, params.top_p)
         proc = scaled if keep is None else scaled.masked_fill(~keep, float("-inf"))
         logp = torch.log_softmax(proc, -1)
-        tok = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
+        tok = draw(logp.exp(), generator)
     return tok, logp.gather(-1, tok[:, None]).squeeze(-1), None if keep is None else kept_ids(keep)
 
 
@@ -284,7 +331,7 @@ def generate(
     prompts: list[list[int]],
     params: SamplingParams,
     stop_ids: Collection[int],
-    generator: torch.Generator | None = None,
+    generator: Generators = None,
 ) -> list[Sample]:
     """Sample one completion per prompt.
 
@@ -293,7 +340,9 @@ def generate(
         prompts: token id lists, any lengths (each non-empty).
         params: sampling settings.
         stop_ids: ids that end a completion (included in ``output_ids`` when sampled).
-        generator: torch RNG for sampling (on the model's device); ``None`` = global RNG.
+        generator: torch RNG for sampling: one generator for the batch, or one per prompt
+            (one random stream per episode: a row's tokens then depend only on its own
+            prompt and stream, ``draw``); ``None`` = global RNG.
 
     Returns:
         one ``Sample`` per prompt, in order.
@@ -357,6 +406,8 @@ def decode(fast: _FastLlama, logits: torch.Tensor, key_valid: torch.Tensor, next
         fast: the forward pass whose cache holds the n prefilled rows (prompt ends at slot L).
         logits: [n, V] next-token logits of the prefill; key_valid: [n, L + max_new] bool;
             next_pos: [n] long RoPE position of the first sampled token.
+        generator: one for the batch or one per original row (``Generators``); a row keeps
+            its own stream when finished rows leave the batch.
         on_leave: ``on_leave(b, i, output_ids)`` is called for every row just before it
             leaves the batch (batch row b of the cache, original index i), e.g. to keep its
             K/V (``prefix_cache``).
@@ -373,7 +424,7 @@ def decode(fast: _FastLlama, logits: torch.Tensor, key_valid: torch.Tensor, next
     done_in_batch = [False] * n
     stop_t = torch.tensor(sorted(stop_ids), dtype=torch.long, device=dev) if stop_ids else None
     for step in range(params.max_new_tokens):
-        tok, lp, keep = _pick(logits, params, generator)
+        tok, lp, keep = _pick(logits, params, _rows(generator, active))
         tok_l, lp_l = tok.tolist(), lp.tolist()
         if keep is not None and out_keep is None:
             out_keep = [[] for _ in range(n)]

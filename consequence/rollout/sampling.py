@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import torch
 
@@ -10,22 +11,31 @@ from consequence.policy.prefix_cache import PrefixCache, generate_with_prefix
 from consequence.policy.sampler import SamplingParams
 
 
-def policy_generate_fn(model, params: SamplingParams, stop_ids, seed: int):
+def policy_generate_fn(model, params: SamplingParams, stop_ids, seed: int,
+                       episode_seeds: Sequence[int] | None = None):
     """A ``generate_fn(prompts, max_new_tokens, episode_indices)`` sampling from ``model``.
 
-    One torch.Generator seeded with ``seed`` drives every call, so a batch of episodes is
-    reproducible on CPU. Each episode's K/V is kept from one call to the next
-    (``policy.prefix_cache``), so a turn prefills only its new tokens; the cache lives as
-    long as this function, which must not outlive the weights it sampled with (one per
-    rollout round), and forgets episodes that stopped calling.
+    Random streams: by default one torch.Generator seeded with ``seed`` drives every call,
+    so a batch of episodes is reproducible on CPU, but a single token that lands otherwise
+    (a float32 difference) shifts every later draw of every episode. With
+    ``episode_seeds`` (one per episode index) each episode samples from its own generator
+    seeded with its entry, so its tokens depend only on its own prompts and stream, not on
+    the rest of the batch (the evaluation's rule, ``sampler.draw``).
+
+    Each episode's K/V is kept from one call to the next (``policy.prefix_cache``), so a turn
+    prefills only its new tokens; the cache lives as long as this function, which must not
+    outlive the weights it sampled with (one per rollout round), and forgets episodes that
+    stopped calling.
     """
     gen = torch.Generator().manual_seed(seed)
+    streams = None if episode_seeds is None else [torch.Generator().manual_seed(s) for s in episode_seeds]
     cache = PrefixCache()
 
     def fn(prompts: list[list[int]], max_new_tokens: int, episode_indices: list[int]):
         p = dataclasses.replace(params, max_new_tokens=max_new_tokens)
         cache.keep_only(set(episode_indices))
-        return generate_with_prefix(model, prompts, episode_indices, p, stop_ids, cache, generator=gen)
+        rows = gen if streams is None else [streams[i] for i in episode_indices]
+        return generate_with_prefix(model, prompts, episode_indices, p, stop_ids, cache, generator=rows)
 
     fn.prefix_cache = cache  # for metrics and benchmarks
 
