@@ -49,6 +49,34 @@ def test_baseline_exact_gradient_negative_control():
     assert baseline.exact_gradient(0.9) == pytest.approx(0.9 * 0.1 * 0.4)
 
 
+def test_baseline_prints_the_tutorials_one_sample_estimates(tmp_path):
+    """The tutorial ("The gradient with only two actions"): at p = 0.5 one sample's estimate
+    R(1{a=A} − p) is +0.5 for A rewarded, −0.5 for B rewarded, 0 without reward; averaged
+    over the outcomes it is the exact gradient 0.1. Float64 on numbers ≤ 1: each value passes
+    through at most ~10 roundings of ≤ 2^-53 ≈ 1.1e-16, so 1e-15 bounds the error."""
+    out = baseline.run(tmp_path, seed=0, n_groups=10, steps=1)  # these values do not depend on the draws
+    key = "one-sample estimate (no baseline), {}".format
+    assert out[key("A rewarded")] == pytest.approx(0.5, abs=1e-15)
+    assert out[key("B rewarded")] == pytest.approx(-0.5, abs=1e-15)
+    assert out[key("A not rewarded")] == 0.0 and out[key("B not rewarded")] == 0.0
+    assert out[key("mean")] == pytest.approx(0.1, abs=1e-15)
+    assert out[key("mean")] == pytest.approx(out["exact gradient at p=0.5"], abs=1e-15)
+
+
+def test_one_sample_estimates_follow_the_score_away_from_one_half():
+    # p = 0.9: the score is 1{a=A} − p, so A rewarded gives 0.1 and B rewarded −0.9; their
+    # weighted mean is again the exact gradient p(1−p)(q_A − q_B) = 0.036
+    est = baseline.one_sample_estimates(0.9)
+    assert est["A rewarded"] == pytest.approx(0.1, abs=1e-15)
+    assert est["B rewarded"] == pytest.approx(-0.9, abs=1e-15)
+    assert est["mean"] == pytest.approx(baseline.exact_gradient(0.9), abs=1e-15)
+    # negative control: the p = 0.5 values are not what p = 0.9 gives
+    assert est["A rewarded"] != pytest.approx(0.5)
+    for bad in (0.0, 1.0, 1.5):
+        with pytest.raises(ValueError, match="strictly between 0 and 1"):
+            baseline.one_sample_estimates(bad)
+
+
 def test_importance(tmp_path):
     out = importance.run(tmp_path, seed=0)
     n = out["estimates"]
@@ -93,6 +121,38 @@ def test_clip_gradient_exactly_zero_beyond_the_edge():
     _, g = clip.surrogate_and_grad(rho, 1.0, 10.0, 10.0)
     with pytest.raises(ValueError):
         clip.zero_grad_edge(rho, g)
+
+
+def test_clip_prints_the_rise_before_the_clip_eps_times_pi_old(tmp_path):
+    """The tutorial (the clip's relative bound, after its A = ±1, ε = 0.2 example): with
+    ε = 0.2 a token's probability can rise by ε·π_old before its term flattens: 0.002 at
+    π_old = 0.01, 0.1 at π_old = 0.5 (0.0028 and 0.14 with DAPO's ε_high = 0.28). Tolerance:
+    the bisection ends within 2^-60 ≈ 9e-19 of the edge, and exp(logπ − logπ_old) rounds
+    by a few ulps (≤ 1e-15 relative) near 1 + ε, so 1e-15 absolute bounds the error."""
+    out = clip.run(tmp_path)
+    for name, eps in (("eps 0.2", 0.2), ("clip-higher 0.2/0.28", 0.28)):
+        for pi_old in (0.01, 0.5):
+            top = out[f"A>0 {name}, pi_old={pi_old:g}: largest pi with gradient"]
+            rise = out[f"A>0 {name}, pi_old={pi_old:g}: rise eps*pi_old"]
+            assert top == pytest.approx((1 + eps) * pi_old, abs=1e-15)
+            assert rise == pytest.approx(eps * pi_old, abs=1e-15)
+    assert out["A>0 eps 0.2, pi_old=0.01: rise eps*pi_old"] == pytest.approx(0.002, abs=1e-15)
+    assert out["A>0 eps 0.2, pi_old=0.5: rise eps*pi_old"] == pytest.approx(0.1, abs=1e-15)
+
+
+def test_largest_prob_with_gradient_is_the_surrogates_edge():
+    top = clip.largest_prob_with_gradient(0.01)
+    # the edge is the surrogate's own: a gradient just below it, none just above (1e-9 relative
+    # is far above the bisection's width and the rounding of the ratio)
+    assert clip._has_gradient(top * (1 - 1e-9), 0.01, 0.2, 0.2)
+    assert not clip._has_gradient(top * (1 + 1e-9), 0.01, 0.2, 0.2)
+    # negative controls: a probability cannot pass 1, so at π_old = 0.9 the rise is 0.1, not
+    # ε·π_old = 0.18 (the term never flattens); bad inputs are refused
+    assert clip.largest_prob_with_gradient(0.9) == 1.0
+    with pytest.raises(ValueError, match="probability in"):
+        clip.largest_prob_with_gradient(0.0)
+    with pytest.raises(ValueError, match="excludes 1"):
+        clip.largest_prob_with_gradient(0.5, eps_low=-0.1, eps_high=-0.05)
 
 
 def test_reduction(tmp_path):

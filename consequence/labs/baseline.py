@@ -4,6 +4,11 @@ Two-action bandit, p = σ(θ) = P(A), Bernoulli rewards with q_A = 0.75, q_B = 0
 p = 0.5 the exact gradient of the expected reward is p(1−p)(q_A−q_B) = 0.1. Each
 estimate is (1/G) Σ_i A_i ∂logπ(a_i)/∂θ over one group of G = 4, with A_i from
 :func:`consequence.credit.advantages.group_advantages`.
+
+The lab also prints the three values one sample can give with no baseline (the tutorial,
+"The gradient with only two actions"): R(1{a=A} − p) = +0.5 for A rewarded, −0.5 for B
+rewarded and 0 for no reward at p = 0.5. A rewarded B is pushed up in its own sample;
+only the average, weighted by how often each outcome happens, points towards A.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import math
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from consequence.credit.advantages import group_advantages
 from consequence.figures import pyplot, save_figure
@@ -25,6 +31,40 @@ ESTIMATORS = {"no baseline": "reinforce", "self-including mean": "dr_grpo",
 def exact_gradient(p: float) -> float:
     """d E[r] / dθ for p = σ(θ): p(1−p)(q_A − q_B)."""
     return p * (1 - p) * (Q_A - Q_B)
+
+
+def one_sample_estimates(p: float = 0.5) -> dict[str, float]:
+    """The single-sample REINFORCE estimate A · ∂logπ(a)/∂θ of every outcome, and its mean.
+
+    A comes from ``group_advantages(..., "reinforce")`` (A = R, no baseline); the score
+    ∂logπ(a)/∂θ is autograd's, through ``log_softmax`` of the logits (θ, 0) with
+    θ = logit(p), so p = σ(θ) = π(A). Outcomes: ``"A rewarded"``, ``"B rewarded"`` (R = 1),
+    ``"A not rewarded"``, ``"B not rewarded"`` (R = 0). ``"mean"`` weights each by its
+    probability (p·q_A, (1 − p)·q_B, p·(1 − q_A), (1 − p)·(1 − q_B)): the exact gradient
+    (the tutorial, "The gradient with only two actions": +0.5, −0.5, 0, 0 and mean 0.1 at
+    p = 0.5).
+
+    Args:
+        p: π(A), in (0, 1).
+
+    Returns:
+        float values keyed by outcome, plus ``"mean"``.
+
+    Raises:
+        ValueError: p not in (0, 1).
+    """
+    if not 0.0 < p < 1.0:
+        raise ValueError(f"p = {p}: π(A) must lie strictly between 0 and 1")
+    theta = torch.tensor(math.log(p / (1 - p)), dtype=torch.float64, requires_grad=True)
+    logpi = torch.stack([theta, torch.zeros((), dtype=torch.float64)]).log_softmax(0)  # [2]: A, B
+    score = [float(g) for g in (torch.autograd.grad(logpi[a], theta, retain_graph=True)[0] for a in (0, 1))]
+    outcomes = {"A rewarded": (0, 1.0, p * Q_A), "B rewarded": (1, 1.0, (1 - p) * Q_B),
+                "A not rewarded": (0, 0.0, p * (1 - Q_A)), "B not rewarded": (1, 0.0, (1 - p) * (1 - Q_B))}
+    # one sample per group: with "reinforce" the advantage is the reward itself
+    adv = group_advantages([r for _, r, _ in outcomes.values()], list(outcomes), "reinforce")
+    out = {name: a * score[act] + 0.0 for a, (name, (act, _, _)) in zip(adv, outcomes.items())}  # + 0.0: no "-0"
+    out["mean"] = sum(out[name] * prob for name, (_, _, prob) in outcomes.items())
+    return out
 
 
 def _estimates(theta: float, n_groups: int, estimator: str, rng: np.random.Generator) -> np.ndarray:
@@ -55,6 +95,8 @@ def run(out_dir: Path, seed: int = 0, n_groups: int = 20_000, steps: int = 300) 
     curves = {lab: train_curve(est, seed, steps) for lab, est in ESTIMATORS.items()}
     exact = exact_gradient(0.5)
     out: dict = {"exact gradient at p=0.5": exact, "groups": n_groups}
+    for outcome, value in one_sample_estimates(0.5).items():
+        out[f"one-sample estimate (no baseline), {outcome}"] = value
     for lab, est in ESTIMATORS.items():
         out[f"{est} mean"] = float(samples[lab].mean())
         out[f"{est} std"] = float(samples[lab].std(ddof=1))
