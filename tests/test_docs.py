@@ -7,6 +7,7 @@ negative control (a broken text it must report).
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -19,7 +20,22 @@ TEXT_SUFFIXES = {".py", ".md", ".yaml", ".yml", ".toml", ".json", ".jsonl", ".tx
                  ".jinja", ".html", ".sh", ""}
 
 
+_NOT_SOURCES = {"runs", "__pycache__", "node_modules"}  # run outputs and caches, not the project's docs
+
+
 def _markdown_files() -> list[Path]:
+    """Every markdown file of the repository (README.md, CONTRIBUTING.md, docs/, examples/, …),
+    without hidden folders (.git, .venv, .venv-vllm), run outputs and build metadata."""
+    out = []
+    for folder, dirs, files in os.walk(ROOT):
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in _NOT_SOURCES
+                         and not d.endswith(".egg-info"))
+        out += [Path(folder) / f for f in sorted(files) if f.endswith(".md")]
+    return out
+
+
+def _user_docs() -> list[Path]:
+    """The pages a user reads for the commands: README.md, CONTRIBUTING.md and docs/*.md."""
     return [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 
@@ -80,12 +96,18 @@ def anchors(text: str) -> set[str]:
 def broken_links(text: str, base: Path) -> list[str]:
     """Relative links in markdown ``text`` (a file in folder ``base``) that do not resolve.
 
-    Web links (``scheme:``) and pure anchors (``#…``) are skipped. A link to a markdown
-    file with an anchor must name a heading of that file.
+    Web links (``scheme:``) are skipped. A pure anchor (``#…``) must name a heading of
+    ``text`` itself; a link to a markdown file with an anchor, a heading of that file.
     """
     bad = []
+    own = None
     for target in _LINK.findall(_strip_code(text)):
-        if re.match(r"[a-zA-Z][a-zA-Z0-9+.-]*:", target) or target.startswith("#"):
+        if re.match(r"[a-zA-Z][a-zA-Z0-9+.-]*:", target):
+            continue
+        if target.startswith("#"):
+            own = anchors(text) if own is None else own
+            if target[1:] not in own:
+                bad.append(f"{target}: no heading with anchor {target} in this file")
             continue
         path, _, anchor = target.partition("#")
         dest = (base / path).resolve()
@@ -97,20 +119,26 @@ def broken_links(text: str, base: Path) -> list[str]:
 
 
 def test_every_relative_link_resolves():
-    bad = [f"{f.relative_to(ROOT)}: {b}" for f in _markdown_files() for b in broken_links(_read(f), f.parent)]
+    files = _markdown_files()
+    names = {str(f.relative_to(ROOT)) for f in files}
+    # the walk does find the pages, the examples' READMEs included
+    assert {"README.md", "CONTRIBUTING.md", "docs/design.md", "examples/custom_env/README.md"} <= names
+    assert not any(n.startswith((".", "runs/")) for n in names)
+    bad = [f"{f.relative_to(ROOT)}: {b}" for f in files for b in broken_links(_read(f), f.parent)]
     assert not bad, "\n".join(bad)
 
 
 def test_broken_links_are_reported(tmp_path):
     (tmp_path / "there.md").write_text("# Title\n\n## 2. A section\n")
     (tmp_path / "sub").mkdir()
-    good = ("[a](there.md) [b](there.md#2-a-section) ![img](sub) [c](https://example.org/x.md) "
+    good = ("## Local\n[a](there.md) [b](there.md#2-a-section) ![img](sub) [c](https://example.org/x.md) "
             "[d](#local) `[e](missing.md)`\n```\n[f](missing.md)\n```\n")
     assert broken_links(good, tmp_path) == []
-    bad = "[a](missing.md) and [b](there.md#no-such-heading) and ![c](sub/none.png)"
+    bad = "[a](missing.md) and [b](there.md#no-such-heading) and ![c](sub/none.png) and [d](#nowhere)"
     assert broken_links(bad, tmp_path) == ["missing.md: no such file",
                                            "there.md#no-such-heading: no heading with anchor #no-such-heading",
-                                           "sub/none.png: no such file"]
+                                           "sub/none.png: no such file",
+                                           "#nowhere: no heading with anchor #nowhere in this file"]
 
 
 def test_slug_matches_github():
@@ -228,3 +256,126 @@ def test_outside_reference_checker_reports_them():
 def test_the_two_documents_exist_and_are_linked_from_contributing(name):
     assert (ROOT / "docs" / name).is_file()
     assert f"docs/{name}" in _read(ROOT / "CONTRIBUTING.md")
+
+
+# ---- every command-line option is documented -----------------------------------------------
+
+def cli_options() -> dict[str, list[tuple[str, list[str]]]]:
+    """``{command: [(parameter name, its option strings), …]}`` of every visible option of the
+    Typer app (the top-level ``consequence`` options under ``""``), read from the click
+    command objects, not from help text. A flag pair ``--x/--no-x`` is one option."""
+    import typer.main
+
+    from consequence.cli import app
+
+    group = typer.main.get_command(app)
+    commands = {"": group, **group.commands}
+    return {name: [(p.name, [*p.opts, *p.secondary_opts]) for p in cmd.params
+                   if p.param_type_name == "option" and not p.hidden]
+            for name, cmd in commands.items()}
+
+
+def undocumented_options(options: dict[str, list[tuple[str, list[str]]]], text: str,
+                         yaml_commands: tuple[str, ...] = ("train",)) -> list[str]:
+    """``command: --option`` for every option that ``text`` never mentions.
+
+    An option counts as documented when one of its option strings appears whole (``--seed``
+    is not found inside ``--seed-x`` or ``--split-seed``; ``-k`` not inside ``top-k``), or, for
+    a command in ``yaml_commands`` (train's options are its config keys), when its key is
+    written as YAML, ``key:`` at the start of a line or of a code span.
+    """
+    bad = []
+    for command, params in options.items():
+        for name, opts in params:
+            if any(re.search(rf"(?<![\w-]){re.escape(o)}(?![\w-])", text) for o in opts):
+                continue
+            if command in yaml_commands and re.search(rf"(?m)(?:^\s*|`){re.escape(name)}:", text):
+                continue
+            bad.append(f"{command or 'consequence'}: {opts[0]}")
+    return bad
+
+
+def test_every_cli_option_is_documented():
+    options = cli_options()
+    # the commands the docs describe are all there, and the walk finds their options
+    assert {"train", "eval", "compare", "serve", "sft", "shrink", "merge", "view", "reproduce", "lab",
+            "warmstart", "explain", "envs"} <= set(options)
+    from consequence.config import TrainConfig  # train: one option per config field, plus --config and --resume
+
+    assert len(options["train"]) == len(TrainConfig.model_fields) + 2
+    assert ("seed", ["--seed"]) in options["lab"] and ("show_version", ["--version"]) in options[""]
+    text = "\n".join(_read(f) for f in _user_docs())
+    bad = undocumented_options(options, text)
+    assert not bad, ("options no page of README.md, CONTRIBUTING.md or docs/ mentions; document each where "
+                     "its feature is described:\n" + "\n".join(bad))
+
+
+def test_undocumented_option_checker_reports_them():
+    options = {"": [("show_version", ["--version"])],
+               "train": [("split_seed", ["--split-seed"]), ("gae_lambda", ["--gae-lambda"]),
+                         ("skip_checks", ["--skip-checks", "--no-skip-checks"]), ("seed", ["--seed"])],
+               "eval": [("k", ["-k"]), ("out", ["--out"])]}
+    text = ("Use `--split-seed 3` and --no-skip-checks.\n```yaml\ngae_lambda: 0.9\n```\n"
+            "consequence eval -k 1,4 --version\n")
+    # --seed occurs only inside --split-seed; --out not at all
+    assert undocumented_options(options, text) == ["train: --seed", "eval: --out"]
+    # the YAML form counts only for train's config keys, and only as a key
+    assert undocumented_options({"eval": [("gae_lambda", ["--gae-lambda"])]}, text) == ["eval: --gae-lambda"]
+    assert undocumented_options({"train": [("seed", ["--seed"])]}, "the seed: 3") == ["train: --seed"]
+    assert undocumented_options({"train": [("top_k", ["--top-k"]), ("k", ["-k"])]}, "--top-k 5") == ["train: -k"]
+    assert undocumented_options(options, "") == ["consequence: --version", "train: --split-seed",
+                                                  "train: --gae-lambda", "train: --skip-checks", "train: --seed",
+                                                  "eval: -k", "eval: --out"]
+
+
+# ---- no page calls a built feature planned ---------------------------------------------------
+
+# features that are built (README "What works"), each with the words a page names it by
+BUILT_FEATURES = {
+    "distillation": r"distil",
+    "data-parallel updates": r"data[- ]parallel|--update-ranks",
+    "Ray rollout workers": r"\bRay\b|--rollout-workers",
+    "vLLM rollout engine": r"\bvLLM\b",
+}
+_NOT_BUILT = re.compile(r"\bplanned\b|\bnot\s+(?:yet\s+)?built\b|\bnot\s+built\s+yet\b|\bnot\s+yet\s+"
+                        r"(?:implemented|supported|available)\b|\bfuture\s+work\b|\bwill\s+be\s+(?:added|built|"
+                        r"implemented|supported)\b|\bcoming\s+soon\b|\bTODO\b", re.I)
+# a sentence ends at . ! ? ; or a blank line; a list item, table row or heading starts a new one
+_SENTENCE_BREAK = re.compile(r"(?<=[.!?;])\s+|\n\s*\n|\n(?=\s*(?:[-*|#>]|\d+\.)\s)")
+
+
+def called_not_built(text: str, features: dict[str, str] = BUILT_FEATURES) -> list[str]:
+    """``feature: sentence`` for every sentence of ``text`` that names a built feature and calls
+    something planned or not built.
+
+    A sentence that says "refused" is about a combination the code refuses with a message (a
+    built check, e.g. "rollout workers with --agent are refused with a message, not built"),
+    not about the feature, and is skipped.
+    """
+    bad = []
+    for sentence in _SENTENCE_BREAK.split(text):
+        if not _NOT_BUILT.search(sentence) or re.search(r"\brefused\b", sentence, re.I):
+            continue
+        flat = " ".join(sentence.split())
+        bad += [f"{name}: {flat[:160]}" for name, pattern in features.items() if re.search(pattern, sentence)]
+    return bad
+
+
+def test_no_page_calls_a_built_feature_planned():
+    bad = [f"{f.relative_to(ROOT)}: {b}" for f in _markdown_files() for b in called_not_built(_read(f))]
+    assert not bad, "\n".join(bad)
+
+
+def test_planned_checker_reports_built_features_called_planned():
+    text = ("Training runs in one process; splitting over data-parallel ranks is **planned**.\n\n"
+            "- **Planned**, not dependencies today: Ray (rollout workers), vLLM (inference engine).\n"
+            "- Also planned: on-policy distillation from a teacher.\n"
+            "The same holds across data-parallel ranks (not\n  built: training runs in one process).\n")
+    assert [b.split(":")[0] for b in called_not_built(text)] == [
+        "data-parallel updates", "Ray rollout workers", "vLLM rollout engine", "distillation",
+        "data-parallel updates"]
+    fine = ("`--update-ranks N` splits each step over data-parallel ranks. Ray actors run the rollouts.\n"
+            "Rollout workers with `--agent` or `--distill-lambda` < 1 are refused with a message, not built.\n"
+            "## Not built yet\n\n- More seeds per method.\n"
+            "A planned call of the scripted teacher is rendered as text.\n")
+    assert called_not_built(fine) == []
