@@ -14,7 +14,8 @@ from torch import Tensor
 KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
 
 
-def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k3") -> Tensor:
+def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k3", *,
+                mask: Tensor | None = None) -> Tensor:
     """Per-token estimate of KL(π_θ ‖ π_ref) from tokens sampled from π_θ.
 
     With log r = logπ_θ − logπ_ref (Schulman 2020, "Approximating KL Divergence"):
@@ -26,6 +27,11 @@ def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k3") -
         logprobs: [N, T] logπ_θ (gradient flows through it).
         ref_logprobs: [N, T] logπ_ref of the same tokens (no gradient).
         estimator: one of :data:`KL_ESTIMATORS`.
+        mask: [N, T] loss mask (> 0 = target) or None (every position is a target). Off
+            the mask both log-probs are replaced by 0 BEFORE the estimator, so the estimate
+            there is 0 with no gradient whatever they held: k3's e^{−log r} of a reference
+            log-prob of 1e4 is inf, and the backward pass of a mask multiplied in
+            afterwards would be 0 · inf = NaN.
 
     Returns:
         [N, T] float32 estimate (differentiable in ``logprobs``).
@@ -35,7 +41,14 @@ def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k3") -
     """
     if logprobs.shape != ref_logprobs.shape:
         raise ValueError(f"logprobs {tuple(logprobs.shape)} and ref_logprobs {tuple(ref_logprobs.shape)} differ")
-    log_r = logprobs - ref_logprobs.detach()
+    ref_logprobs = ref_logprobs.detach()
+    if mask is not None:
+        if mask.shape != logprobs.shape:
+            raise ValueError(f"mask {tuple(mask.shape)} and logprobs {tuple(logprobs.shape)} differ")
+        m = mask > 0
+        logprobs = torch.where(m, logprobs, torch.zeros_like(logprobs))
+        ref_logprobs = torch.where(m, ref_logprobs, torch.zeros_like(ref_logprobs))
+    log_r = logprobs - ref_logprobs
     if estimator == "k1":
         return log_r
     if estimator == "k2":
@@ -71,9 +84,13 @@ def reverse_kl_advantages(student_logprobs: torch.Tensor, teacher_logprobs: torc
     if not (student_logprobs.shape == teacher_logprobs.shape == loss_mask.shape):
         raise ValueError(f"shapes differ: student {tuple(student_logprobs.shape)}, teacher "
                          f"{tuple(teacher_logprobs.shape)}, mask {tuple(loss_mask.shape)}")
-    mask = loss_mask.float()
-    n = float(mask.sum())
+    on = loss_mask > 0
+    n = float(on.sum())
     if n == 0:
         raise ValueError("reverse_kl_advantages: the loss mask has no target token")
-    k1 = (student_logprobs.float() - teacher_logprobs.float()).detach() * mask
+    # select, not multiply: a non-target position may hold ±inf or NaN (a prompt token the
+    # sampler never scored), and inf · 0 = NaN would reach the advantages and the metric
+    zero = torch.zeros((), dtype=torch.float32)
+    student = torch.where(on, student_logprobs.float().detach(), zero)
+    k1 = student - torch.where(on, teacher_logprobs.float().detach(), zero)
     return -k1, {"reverse_kl": float(k1.sum()) / n, "n_tokens": n}

@@ -48,7 +48,8 @@ def _log_probs(student_logits: torch.Tensor, teacher_logits: torch.Tensor, tempe
 
 
 def token_divergence(student_logits: torch.Tensor, teacher_logits: torch.Tensor, kind: Kind = "reverse",
-                     beta: float = 0.5, temperature: float = 1.0, top_k: int = 0) -> torch.Tensor:
+                     beta: float = 0.5, temperature: float = 1.0, top_k: int = 0, *,
+                     mask: torch.Tensor | None = None) -> torch.Tensor:
     """Divergence between teacher p and student q at every position (module doc).
 
     Args:
@@ -58,13 +59,17 @@ def token_divergence(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
         beta: β of ``"jsd"`` in [0, 1] (0: forward KL, 1: reverse KL).
         temperature: τ > 0 applied to both logits.
         top_k: 0 = the whole vocabulary; k ≥ 1 = the teacher's top k tokens, renormalised.
+        mask: [N, T] loss mask (> 0 = target) or None (every position counts). Off the mask
+            both logits are replaced by 0 before the softmaxes, so the divergence there is
+            exactly 0 with no gradient, whatever the logits held (±inf or NaN logits give
+            NaN log-softmaxes, and 0 · NaN is NaN in the backward pass).
 
     Returns:
         [N, T] float32 divergences in nats (≥ 0).
 
     Raises:
-        ValueError: shapes differ, an unknown kind, β outside [0, 1], τ ≤ 0, or top_k
-            negative or above the vocabulary.
+        ValueError: shapes differ, an unknown kind, β outside [0, 1], τ ≤ 0, top_k
+            negative or above the vocabulary, or a mask of another shape than [N, T].
     """
     if student_logits.shape != teacher_logits.shape:
         raise ValueError(f"student logits {tuple(student_logits.shape)} and teacher logits "
@@ -77,7 +82,21 @@ def token_divergence(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
         raise ValueError(f"distillation temperature {temperature}: must be > 0")
     if not 0 <= top_k <= student_logits.shape[-1]:
         raise ValueError(f"top_k {top_k}: must be 0 (whole vocabulary) or 1..{student_logits.shape[-1]}")
-    lq, lp = _log_probs(student_logits, teacher_logits.detach(), temperature, top_k)
+    if mask is not None and mask.shape != student_logits.shape[:-1]:
+        raise ValueError(f"mask {tuple(mask.shape)} does not match the logits' positions "
+                         f"{tuple(student_logits.shape[:-1])}; pass the loss mask of the same positions")
+    out = _divergence(student_logits, teacher_logits.detach(), kind, beta, temperature, top_k, mask)
+    # exactly 0 off the mask (JSD's log m of two equal uniforms is only log(1/V) to rounding)
+    return out if mask is None else torch.where(mask > 0, out, torch.zeros_like(out))
+
+
+def _divergence(student_logits, teacher_logits, kind, beta, temperature, top_k, mask):
+    """:func:`token_divergence` after its checks, logits selected to 0 off the mask first."""
+    if mask is not None:
+        keep = (mask > 0).unsqueeze(-1)
+        student_logits = torch.where(keep, student_logits, torch.zeros_like(student_logits))
+        teacher_logits = torch.where(keep, teacher_logits, torch.zeros_like(teacher_logits))
+    lq, lp = _log_probs(student_logits, teacher_logits, temperature, top_k)
     if kind == "jsd" and beta == 0.0:
         kind = "forward"
     elif kind == "jsd" and beta == 1.0:

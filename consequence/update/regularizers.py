@@ -11,7 +11,8 @@ from torch import Tensor
 
 from consequence.credit.kl import KL_ESTIMATORS, kl_estimate  # noqa: F401  (one definition, used by both boxes)
 
-def tis_weights(old_logprobs: Tensor, sampler_logprobs: Tensor, cap: float = 2.0) -> Tensor:
+def tis_weights(old_logprobs: Tensor, sampler_logprobs: Tensor, cap: float = 2.0, *,
+                mask: Tensor | None = None) -> Tensor:
     """Truncated importance-sampling weights sg(min(π_old / μ, C)) per token.
 
     Corrects for the sampler (μ, e.g. an inference engine) and the trainer's recomputation
@@ -22,6 +23,10 @@ def tis_weights(old_logprobs: Tensor, sampler_logprobs: Tensor, cap: float = 2.0
         old_logprobs: [N, T] logπ_old recomputed by the trainer.
         sampler_logprobs: [N, T] logμ reported by the sampler.
         cap: C > 0.
+        mask: [N, T] loss mask (> 0 = target) or None (every position is a target). Off
+            the mask the log-ratio is replaced by 0 before exp, so the weight there is
+            min(1, C) whatever the two log-probs hold (±inf, NaN): a NaN weight times an
+            objective of 0 would still be a NaN gradient.
 
     Returns:
         [N, T] float32 weights in (0, C], detached.
@@ -33,8 +38,13 @@ def tis_weights(old_logprobs: Tensor, sampler_logprobs: Tensor, cap: float = 2.0
         raise ValueError(f"TIS cap C must be positive, got {cap}")
     if old_logprobs.shape != sampler_logprobs.shape:
         raise ValueError("old_logprobs and sampler_logprobs differ in shape")
+    if mask is not None and mask.shape != old_logprobs.shape:
+        raise ValueError(f"mask {tuple(mask.shape)} and old_logprobs {tuple(old_logprobs.shape)} differ")
     with torch.no_grad():
-        return torch.exp(old_logprobs - sampler_logprobs).clamp(max=cap)
+        log_r = old_logprobs - sampler_logprobs
+        if mask is not None:
+            log_r = torch.where(mask > 0, log_r, torch.zeros_like(log_r))
+        return torch.exp(log_r).clamp(max=cap)
 
 
 def offpolicy_sequence_mask(

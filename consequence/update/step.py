@@ -383,7 +383,7 @@ def _micro_batch_loss(model, batch: dict[str, Tensor], cfg: UpdateConfig, logpro
         raise NonFiniteError("ratio", bad, "π/π_old of target tokens; check the rows' old_logprobs")
     behaviour = batch["sampler_logprobs"][:, 1:] if "sampler_logprobs" in batch else old
     if cfg.tis_cap:
-        w = tis_weights(old, behaviour, cfg.tis_cap)
+        w = tis_weights(old, behaviour, cfg.tis_cap, mask=tmask)  # off target: min(1, C), never NaN
         obj = obj * w
         met.add("tis_weight", w[tmask])
     if cfg.offpolicy_delta:
@@ -391,8 +391,7 @@ def _micro_batch_loss(model, batch: dict[str, Tensor], cfg: UpdateConfig, logpro
         met.n_rows_masked += int(drop.sum())
         mask = mask * (~drop).unsqueeze(-1).to(mask.dtype)
     if "ref_logprobs" in batch:
-        ref = torch.where(tmask, batch["ref_logprobs"][:, 1:], 0.0)
-        kl = kl_estimate(torch.where(tmask, lp, 0.0), ref, cfg.kl_estimator)
+        kl = kl_estimate(lp, batch["ref_logprobs"][:, 1:], cfg.kl_estimator, mask=tmask)
         if bad := _bad_rows(kl, tmask, idx):  # a -inf reference log-prob (outside its top-k/top-p)
             raise NonFiniteError("kl_ref", bad, "KL estimate to the reference on target tokens")
         met.add("kl_ref", kl.detach()[tmask])
@@ -402,7 +401,7 @@ def _micro_batch_loss(model, batch: dict[str, Tensor], cfg: UpdateConfig, logpro
         if ent is None or not ent.requires_grad:
             raise ValueError("entropy_coef > 0 needs logprob_fn to return an entropy with a gradient "
                              "(token_logprobs(..., with_entropy=True, entropy_grad=True))")
-        obj = obj + cfg.entropy_coef * ent
+        obj = obj + cfg.entropy_coef * torch.where(tmask, ent, 0.0)
     if cfg.pg_coef != 1.0:
         obj = cfg.pg_coef * obj if cfg.pg_coef else torch.zeros_like(obj)  # 0 · ±inf would be nan
     if div is not None:
@@ -450,7 +449,7 @@ def _distill_forward(model, teacher, batch: dict[str, Tensor], cfg: UpdateConfig
     with torch.no_grad():
         t_logits = teacher(input_ids=ids, attention_mask=am).logits[:, :-1].float()
     div = token_divergence(logits, t_logits, cfg.distill_loss, cfg.distill_beta, cfg.distill_temperature,
-                           cfg.distill_top_k)
+                           cfg.distill_top_k, mask=batch["loss_mask"][:, 1:] > 0)
     return lp, ent, div
 
 

@@ -8,6 +8,14 @@ Shapes: ``logprobs`` / ``old_logprobs`` [N, T] float32 (logπ_θ with gradient, 
 without), ``advantages`` [N] (one per sequence, broadcast over T) or [N, T], ``mask``
 [N, T] (1 = target token). ρ = exp(logπ_θ − logπ_old) per token.
 
+Masked positions never reach an exp, a log or a division: every surrogate takes the loss
+mask (``mask=``) and replaces log-probs, old log-probs and advantages off the mask by 0
+with ``torch.where`` BEFORE computing. A position outside the mask may hold anything (an
+old log-prob of −1e4 or ±inf from an endpoint, NaN, an advantage of 1e30); multiplying by
+the mask afterwards is not enough: exp(1e4) = inf, and the backward pass of ``inf · 0``
+is NaN even though the forward value is finite (``tests/test_masked_positions.py``).
+Without ``mask`` every position counts as a target.
+
 | name | per-token objective | source |
 |---|---|---|
 | ``pg`` | A · logπ_θ | Williams 1992 (REINFORCE) |
@@ -44,12 +52,35 @@ def _check_pair(logprobs: Tensor, old_logprobs: Tensor) -> None:
         )
 
 
+def _select(mask: Tensor | None, logprobs: Tensor, old_logprobs: Tensor | None,
+            advantages: Tensor) -> tuple[Tensor, Tensor | None, Tensor]:
+    """(logprobs, old_logprobs, advantages [N, T]) with every non-target position set to 0.
+
+    Done on the INPUTS, before any exp: ``torch.where``'s backward gives exactly 0 to the
+    unselected branch, whereas a mask multiplied in afterwards meets exp(huge) = inf there
+    and 0 · inf = NaN in the backward pass. Advantages are broadcast to [N, T] first, so a
+    row without targets may carry any advantage too.
+    """
+    adv = _broadcast_adv(advantages, logprobs)
+    if mask is None:
+        return logprobs, old_logprobs, adv
+    if mask.shape != logprobs.shape:
+        raise ValueError(f"mask {tuple(mask.shape)} and logprobs {tuple(logprobs.shape)} differ; "
+                         "pass the loss mask of the same [N, T] positions")
+    m = mask > 0
+    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    old = None if old_logprobs is None else torch.where(m, old_logprobs, zero.to(old_logprobs.dtype))
+    return torch.where(m, logprobs, zero), old, torch.where(m, adv, zero)
+
+
 def clipped_surrogate(
     logprobs: Tensor,
     old_logprobs: Tensor,
     advantages: Tensor,
     eps_low: float = 0.2,
     eps_high: float = 0.2,
+    *,
+    mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """PPO clipped surrogate per token (Schulman et al. 2017, eq. 7), asymmetric clip.
 
@@ -63,6 +94,9 @@ def clipped_surrogate(
         old_logprobs: [N, T] float32, logπ_old of the same tokens (no gradient needed).
         advantages: [N, T] or [N] (broadcast over T) float32.
         eps_low, eps_high: clip range [1 − eps_low, 1 + eps_high].
+        mask: [N, T] loss mask (> 0 = target), or None (every position is a target).
+            Off the mask the inputs are replaced by 0 before exp (module doc), so those
+            positions hold ρ = 1, objective 0 and give no gradient whatever they stored.
 
     Returns:
         (objective [N, T] float32 — to MAXIMISE,
@@ -71,11 +105,11 @@ def clipped_surrogate(
          gives no gradient: A > 0 and ρ > 1+eps_high, or A < 0 and ρ < 1−eps_low).
 
     Raises:
-        ValueError: shapes do not match.
+        ValueError: shapes (log-probs, advantages, mask) do not match.
     """
     _check_pair(logprobs, old_logprobs)
+    logprobs, old_logprobs, adv = _select(mask, logprobs, old_logprobs, advantages)
     ratio = torch.exp(logprobs - old_logprobs)
-    adv = _broadcast_adv(advantages, ratio)
     return _clip(ratio, adv, eps_low, eps_high)
 
 
@@ -90,34 +124,38 @@ def _clip(ratio: Tensor, adv: Tensor, eps_low: float, eps_high: float) -> tuple[
     return objective, ratio.detach(), is_clipped
 
 
-def policy_gradient_objective(logprobs: Tensor, advantages: Tensor) -> Tensor:
+def policy_gradient_objective(logprobs: Tensor, advantages: Tensor, *, mask: Tensor | None = None) -> Tensor:
     """Vanilla policy-gradient objective per token, A · logπ_θ (REINFORCE; Williams 1992).
 
     Args:
         logprobs: [N, T] float32 logπ_θ of the target tokens.
         advantages: [N, T] or [N] float32.
+        mask: [N, T] loss mask or None (all targets); off the mask log-prob and advantage
+            are replaced by 0 first (module doc): objective 0, no gradient.
 
     Returns:
         [N, T] float32 objective to MAXIMISE (its gradient is A ∇logπ).
     """
-    return _broadcast_adv(advantages, logprobs) * logprobs
+    logprobs, _, adv = _select(mask, logprobs, None, advantages)
+    return adv * logprobs
 
 
-def dual_clip_surrogate(logprobs, old_logprobs, advantages, eps_low=0.2, eps_high=0.2, c=3.0):
+def dual_clip_surrogate(logprobs, old_logprobs, advantages, eps_low=0.2, eps_high=0.2, c=3.0, *, mask=None):
     """PPO clip with a second bound for negative advantages (Ye et al. 2020, §3.2).
 
     For A < 0: objective = max(min(ρA, clip(ρ)A), c·A), so a token whose ratio has grown
     past c cannot make the loss unboundedly large and gives no gradient. ``c > 1``.
-    Shapes and returns as :func:`clipped_surrogate`; ``is_clipped`` also marks tokens
-    held at c·A.
+    Shapes, ``mask`` and returns as :func:`clipped_surrogate`; ``is_clipped`` also marks
+    tokens held at c·A.
 
     Raises:
         ValueError: shapes differ or ``c <= 1``.
     """
     if c <= 1.0:
         raise ValueError(f"dual-clip constant c must be > 1, got {c}")
-    obj, ratio, is_clipped = clipped_surrogate(logprobs, old_logprobs, advantages, eps_low, eps_high)
-    adv = _broadcast_adv(advantages, ratio)
+    _check_pair(logprobs, old_logprobs)
+    logprobs, old_logprobs, adv = _select(mask, logprobs, old_logprobs, advantages)
+    obj, ratio, is_clipped = clipped_surrogate(logprobs, old_logprobs, adv, eps_low, eps_high)
     floor = (adv < 0) & (obj < c * adv)
     obj = torch.where(floor, (c * adv).detach(), obj)
     return obj, ratio, is_clipped | floor
@@ -147,7 +185,8 @@ def gspo_surrogate(logprobs, old_logprobs, advantages, mask, eps_low=3e-4, eps_h
     ranges are tiny (3e-4 / 4e-4) because s_i is a geometric mean.
 
     Args:
-        mask: [N, T] target mask; advantages must be [N] (one per sequence).
+        mask: [N, T] target mask; advantages must be [N] (one per sequence). Off the mask
+            the inputs are replaced by 0 before anything is computed (module doc).
 
     Returns:
         (objective [N, T], sequence ratio s_i broadcast [N, T] detached, is_clipped [N, T]).
@@ -157,6 +196,7 @@ def gspo_surrogate(logprobs, old_logprobs, advantages, mask, eps_low=3e-4, eps_h
     """
     _check_pair(logprobs, old_logprobs)
     adv = _seq_advantage(advantages, logprobs, "gspo")
+    logprobs, old_logprobs, adv = _select(mask, logprobs, old_logprobs, adv)
     s = torch.exp(_seq_log_ratio(logprobs, old_logprobs, mask)).expand_as(logprobs)
     return _clip(s, adv, eps_low, eps_high)
 
@@ -172,25 +212,27 @@ def gspo_token_surrogate(logprobs, old_logprobs, advantages, mask, eps_low=3e-4,
         as :func:`gspo_surrogate`.
     """
     _check_pair(logprobs, old_logprobs)
+    logprobs, old_logprobs, adv = _select(mask, logprobs, old_logprobs, advantages)
     log_s = _seq_log_ratio(logprobs, old_logprobs, mask).detach()
+    # logπ − sg(logπ) is 0 in value; it needs the selection above (−inf − (−inf) = NaN)
     s_t = torch.exp(log_s + logprobs - logprobs.detach())
-    adv = _broadcast_adv(advantages, s_t)
     return _clip(s_t, adv, eps_low, eps_high)
 
 
-def cispo_surrogate(logprobs, old_logprobs, advantages, eps_low=1.0, eps_high=0.28):
+def cispo_surrogate(logprobs, old_logprobs, advantages, eps_low=1.0, eps_high=0.28, *, mask=None):
     """CISPO (MiniMax-M1, Chen et al. 2025, §3.1, eq. 4): sg(clip(ρ, 1−ε_low, 1+ε_high)) · A · logπ_θ.
 
     The clipped ratio is a detached weight, so every token keeps a gradient, which
     flows through logπ_θ only (unlike PPO, where a clipped token gives none).
-    ``eps_low = 1`` (no lower bound) is the paper's choice.
+    ``eps_low = 1`` (no lower bound) is the paper's choice. ``mask`` as in
+    :func:`clipped_surrogate`.
 
     Returns:
         (objective [N, T], ratio [N, T] detached, is_clipped [N, T]: weight was clipped).
     """
     _check_pair(logprobs, old_logprobs)
+    logprobs, old_logprobs, adv = _select(mask, logprobs, old_logprobs, advantages)
     ratio = torch.exp(logprobs - old_logprobs).detach()
-    adv = _broadcast_adv(advantages, logprobs)
     weight = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
     is_clipped = (ratio > 1.0 + eps_high) | (ratio < 1.0 - eps_low)
     return weight * adv * logprobs, ratio, is_clipped
@@ -217,22 +259,22 @@ def surrogate_objective(
     """
     if mask.shape != logprobs.shape:
         raise ValueError(f"mask {tuple(mask.shape)} and logprobs {tuple(logprobs.shape)} differ")
-    # Non-target positions may hold -inf (outside a top-k/top-p support); zero them so no
-    # surrogate can turn them into NaN values or NaN gradients (-inf - -inf).
-    m = mask > 0
-    logprobs = torch.where(m, logprobs, torch.zeros_like(logprobs))
-    old_logprobs = torch.where(m, old_logprobs, torch.zeros_like(old_logprobs))
+    _check_pair(logprobs, old_logprobs)
     if name == "pg":
-        ratio = torch.exp(logprobs - old_logprobs).detach()
-        return policy_gradient_objective(logprobs, advantages), ratio, torch.zeros_like(mask, dtype=torch.bool)
+        # Non-target positions may hold -inf (outside a top-k/top-p support) or anything
+        # else: every surrogate selects them out before exp (module doc).
+        lp, old, _ = _select(mask, logprobs, old_logprobs, advantages)
+        ratio = torch.exp(lp - old).detach()
+        return (policy_gradient_objective(logprobs, advantages, mask=mask), ratio,
+                torch.zeros_like(mask, dtype=torch.bool))
     if name == "ppo_clip":
-        return clipped_surrogate(logprobs, old_logprobs, advantages, eps_low, eps_high)
+        return clipped_surrogate(logprobs, old_logprobs, advantages, eps_low, eps_high, mask=mask)
     if name == "dual_clip":
-        return dual_clip_surrogate(logprobs, old_logprobs, advantages, eps_low, eps_high, dual_clip_c)
+        return dual_clip_surrogate(logprobs, old_logprobs, advantages, eps_low, eps_high, dual_clip_c, mask=mask)
     if name == "gspo":
         return gspo_surrogate(logprobs, old_logprobs, advantages, mask, eps_low, eps_high)
     if name == "gspo_token":
         return gspo_token_surrogate(logprobs, old_logprobs, advantages, mask, eps_low, eps_high)
     if name == "cispo":
-        return cispo_surrogate(logprobs, old_logprobs, advantages, eps_low, eps_high)
+        return cispo_surrogate(logprobs, old_logprobs, advantages, eps_low, eps_high, mask=mask)
     raise ValueError(f"unknown surrogate {name!r}; valid: {', '.join(SURROGATES)}")

@@ -74,6 +74,11 @@ def value_step(
         ret = _pad(returns, idx, S)[:, 1:].to(device)
         v_old = _pad(old_values, idx, S)[:, 1:].to(device)
         v = critic(batch["input_ids"].to(device), batch["attention_mask"].to(device))[:, :-1]
+        # Select before squaring: a non-target position may hold a return or old value of
+        # ±inf (or V may be NaN on padding); (V − inf)² selected away afterwards still sends
+        # 0 · 2(V − inf) = NaN into the critic's gradient.
+        zero = torch.zeros((), dtype=v.dtype, device=device)
+        v, ret, v_old = (torch.where(mask, x, zero) for x in (v, ret, v_old))
         loss_tok = (v - ret) ** 2
         if clip > 0:
             v_clip = v_old + torch.clamp(v - v_old, -clip, clip)
