@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from consequence.credit.advantages import group_advantages
+from consequence.credit.batch import credited
 from consequence.records import TrainingRow, Trajectory
 from consequence.update.step import UpdateConfig, accumulate_gradients, compute_logprobs
 from consequence.update.surrogates import surrogate_objective
@@ -93,7 +94,8 @@ def check_mask(trajs: Sequence[Trajectory], rows: Sequence[TrainingRow], stop_id
     """Check 2: lengths agree; targets are exactly the sampled tokens, end-of-turn included.
 
     ``expected``: indices of the trajectories that should train (default: every scored
-    trajectory with a model call; overlong filtering leaves some out on purpose).
+    trajectory with a sampled token, ``credit.batch.credited``; overlong filtering leaves
+    some out on purpose).
     """
     for r in rows:
         if not (len(r.input_ids) == len(r.loss_mask) == len(r.old_logprobs)):
@@ -104,7 +106,7 @@ def check_mask(trajs: Sequence[Trajectory], rows: Sequence[TrainingRow], stop_id
         targets.setdefault(r.traj_index, []).extend(t for t, m in zip(r.input_ids, r.loss_mask) if m)
     n_eot = 0
     for i, traj in enumerate(trajs):
-        should = traj.reward is not None and bool(traj.calls) if expected is None else i in expected
+        should = credited(traj) if expected is None else i in expected
         if not should:
             continue
         sampled = [tok for c in traj.calls for tok in c.output_ids]

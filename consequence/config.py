@@ -47,6 +47,16 @@ def ray_host_port(address: str) -> tuple[str, int] | None:
     return (m.group(1), int(m.group(2))) if m and 0 < int(m.group(2)) < 65536 else None
 
 
+def generation_budget(max_turns: int, max_new_tokens: int, max_total_tokens: int) -> int:
+    """L_max of DAPO's overlong shaping: the most tokens the policy can generate in one episode,
+    min(max_turns × max_new_tokens, max_total_tokens) (every call samples at most
+    ``max_new_tokens``, and the episode's context, which holds every generated token, at most
+    ``max_total_tokens``). The analogue of DAPO's maximum response length (Yu et al. 2025,
+    §3.4: L_max = 20480 with L_cache = 4096) for a multi-turn episode; single-turn
+    (``max_turns`` 1) it is ``max_new_tokens``."""
+    return min(max_turns * max_new_tokens, max_total_tokens)
+
+
 def _ray_address_ok(address: str) -> bool:
     """HOST:PORT, ``auto``, or ``ray://HOST:PORT``."""
     return address == "auto" or ray_host_port(address) is not None
@@ -88,7 +98,7 @@ class TrainConfig(BaseModel):
     ray_address: str | None = _f(None, "rollout", "Ray cluster to run the rollout workers on (e.g. 127.0.0.1:6379 or auto, as `ray start --head` prints); default: a local Ray instance started by the run and stopped after it. Needs --rollout-workers.")
     rollout_engine: Literal["ours", "vllm"] = _f("ours", "rollout", "What the rollout workers sample with: ours (the batched KV-cache sampler of the synchronous loop) or vllm (vLLM's engine, in its own environment: `make vllm-env`, then run `.venv-vllm/bin/consequence train ...`; docs/vllm.md). Token ids, processed log-probs and top-k supports come back as from ours; weights are loaded into it by version. Needs --rollout-workers; not with --lora-rank.")
     rollout_timeout: float = _f(1800.0, "rollout", "The longest the trainer waits, in seconds, for the next batch from the rollout workers (or for a worker to start); then the run stops with an error naming the batch and the worker. Read only with --rollout-workers.", gt=0)
-    overlong_buffer: int = _f(0, "reward", "DAPO overlong shaping: penalty rises linearly from 0 to −1 over the last this many tokens before max_total_tokens (0 = off).", ge=0)
+    overlong_buffer: int = _f(0, "reward", "DAPO overlong shaping (Yu et al. 2025 §3.4, eq. 13), L_cache: the penalty is 0 while the tokens the policy generated in the episode (all its calls; prompt and observation tokens do not count) stay at most L_max − this, then falls linearly to −1 at L_max, the episode's generation budget min(max_turns × max_new_tokens, max_total_tokens); at most L_max (0 = off).", ge=0)
     overlong_filter: bool = _f(False, "reward", "DAPO overlong filtering: truncated episodes count in group statistics but are left out of the loss.")
     advantage: Literal["reinforce", "batch_mean", "reinforce_pp", "rloo", "grpo", "dr_grpo", "gae", "reverse_kl", "rejection"] = _f("grpo", "credit", "Advantage estimator; gae trains a value head (PPO); reverse_kl is on-policy distillation: every sampled token's advantage is log π_teacher − log μ, the negated per-token reverse-KL estimate against --teacher (plus --task-reward-weight × the GRPO advantage of the task reward); rejection keeps only verified episodes (verifier 1, finished, a task's duplicate sampled tokens dropped) with advantage 1: with --surrogate pg, SFT on the student's own successes (rejection-sampling SFT), acceptance counted in metrics.jsonl.")
     teacher: str | None = _f(None, "credit", "Frozen teacher of --advantage reverse_kl: a local Hugging Face causal LM folder (e.g. a checkpoint of ours) or a registered model name, sharing the student's tokenizer (a mismatch is refused before any work, naming the first differing token); never trained; stored as an absolute path.")
@@ -293,6 +303,18 @@ class TrainConfig(BaseModel):
         if given and self.is_mask == "none":
             raise ValueError(f"--{given[0].replace('_', '-')} is read only by --is-mask, which is none: give "
                              "--is-mask token|sequence or drop it")
+        return self
+
+    @model_validator(mode="after")
+    def _overlong_fits(self) -> "TrainConfig":
+        """A buffer longer than L_max would penalise an episode that generated nothing (refused)."""
+        budget = generation_budget(self.max_turns, self.max_new_tokens, self.max_total_tokens)
+        if self.overlong_buffer > budget:
+            raise ValueError(f"--overlong-buffer {self.overlong_buffer} is longer than L_max = {budget}, the most tokens "
+                             f"the policy can generate in an episode (min(--max-turns {self.max_turns} × "
+                             f"--max-new-tokens {self.max_new_tokens}, --max-total-tokens {self.max_total_tokens})), "
+                             "so the penalty would start before the first generated token; lower --overlong-buffer "
+                             f"to at most {budget} (DAPO: 4096 of 20480) or raise the budgets")
         return self
 
     @model_validator(mode="after")

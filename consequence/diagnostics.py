@@ -14,6 +14,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
+from consequence.credit.batch import credit_rewards
 from consequence.records import Trajectory, trajectory_to_rows
 
 ENTROPY_COLLAPSE = 0.2  # warn when entropy falls below this fraction of the first iteration's
@@ -36,8 +37,9 @@ def iteration_extras(trajs: Sequence[Trajectory]) -> dict[str, Any]:
     Returns:
         gen_tokens_max, rows_per_trajectory (mean; a row is split where a prompt does not
         extend the previous one), env_error_rate, tool_histogram (tool name → calls),
-        groups_all_equal (groups whose valid rewards are identical: no group-relative
-        signal) and groups_no_valid (every member an env_error).
+        groups_all_equal (groups whose credited rewards are identical: no group-relative
+        signal) and groups_no_valid (every member an env_error or without a generated
+        token: nothing credited; docs/cases.md, case 15).
     """
     n = max(1, len(trajs))
     hist: Counter[str] = Counter()
@@ -45,10 +47,10 @@ def iteration_extras(trajs: Sequence[Trajectory]) -> dict[str, Any]:
         hist.update(t.tool_histogram or {})
     trained = [t for t in trajs if t.calls]
     groups: dict[str, set] = {}
-    for t in trajs:
+    for t, r in zip(trajs, credit_rewards(list(trajs))):
         groups.setdefault(t.group_id, set())
-        if t.reward is not None:
-            groups[t.group_id].add(t.reward)
+        if r is not None:
+            groups[t.group_id].add(r)
     return {
         "gen_tokens_max": max((t.n_generated_tokens for t in trajs), default=0),
         "rows_per_trajectory": sum(len(trajectory_to_rows(t)) for t in trained) / max(1, len(trained)),

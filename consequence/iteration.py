@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from consequence.config import TrainConfig
-from consequence.credit.batch import Batch, assign_credit, training_rows
+from consequence.config import TrainConfig, generation_budget
+from consequence.credit.batch import Batch, assign_credit, credit_rewards, training_rows
 from consequence.credit.value import ValueModel, explained_variance
 from consequence.policy.logprobs import enable_gradient_checkpointing, token_logprobs
 from consequence.records import Trajectory
@@ -154,7 +154,9 @@ def _roll_out_round(it, r, cfg, model, renderer, split, budgets, sampling, progr
                else policy_generate_fn(model, sampling, renderer.stop_ids, seed))
         trajs = run_episodes(gen, renderer, specs, budgets, env.system_prompt, policy_version=version, progress=progress,
                              examples=env.examples)
-    score_trajectories(trajs, cfg.overlong_buffer, budgets.max_total_tokens, env.reward_components, env.reward_range)
+    score_trajectories(trajs, cfg.overlong_buffer,  # L_max of the overlong shaping: the generation budget
+                       generation_budget(budgets.max_turns, budgets.max_new_tokens, budgets.max_total_tokens),
+                       env.reward_components, env.reward_range)
     groups: dict[str, list[Trajectory]] = {}
     for t in trajs:
         groups.setdefault(t.group_id, []).append(t)
@@ -164,7 +166,10 @@ def _roll_out_round(it, r, cfg, model, renderer, split, budgets, sampling, progr
 
 
 def _is_mixed(group: list[Trajectory]) -> bool:
-    return len({t.reward for t in group if t.reward is not None}) > 1
+    """Whether the group's rewards differ among the members the credit box keeps: an
+    env_error or an episode with no generated token leaves the group (docs/cases.md, case 15),
+    so a group mixed only through one of them carries no group-relative signal."""
+    return len({r for r in credit_rewards(group) if r is not None}) > 1
 
 
 # ---- credit box ----------------------------------------------------------------------

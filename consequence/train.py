@@ -32,7 +32,7 @@ from rich.markup import escape
 
 from consequence.config import TrainConfig
 from consequence.credit.advantages import mixed_group_fraction
-from consequence.credit.batch import training_rows
+from consequence.credit.batch import credit_rewards, credited, training_rows
 from consequence.envs.sandbox import isolation_report, start_mode
 from consequence.evaluate.compare import summarize
 from consequence.evaluate.episode_eval import parse_error_fraction
@@ -493,7 +493,7 @@ def iteration(it, cfg, learner: Learner, renderer, split, budgets, sampling, run
     if first:
         _refuse_an_untrainable_first_batch(trajs, cfg, it)
     if first and not from_data and not cfg.skip_checks:
-        expected = {i for i, t in enumerate(trajs) if t.reward is not None and t.calls
+        expected = {i for i, t in enumerate(trajs) if credited(t)
                     and not (cfg.overlong_filter and t.outcome == "truncated")}
         rows = batch.rows
         if cfg.advantage == "rejection":  # the bookkeeping is checked on every row, accepted or rejected
@@ -511,7 +511,7 @@ def iteration(it, cfg, learner: Learner, renderer, split, budgets, sampling, run
         "reward_mean": sum(t.reward for t in valid) / len(valid) if valid else None,  # none scored: not a 0
         "reward_components_mean": component_means(valid),
         "success": summarize(trajs)["success"],
-        "mixed_group_fraction": mixed_group_fraction([t.reward for t in trajs], [t.group_id for t in trajs]),
+        "mixed_group_fraction": mixed_group_fraction(credit_rewards(trajs), [t.group_id for t in trajs]),
         "gen_tokens_mean": n_gen / max(1, len(trajs)),
         "tool_calls_mean": sum(t.n_tool_calls for t in trajs) / max(1, len(trajs)),
         "parse_error_fraction": parse_error_fraction(trajs),

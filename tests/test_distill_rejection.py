@@ -75,4 +75,4 @@ def test_advantage_rejection_keeps_the_accepted_rows_with_advantage_one():
     assert [t.advantage for t in trajs] == [1.0, 0.0, 0.0, 0.0, 1.0]  # a duplicate and a truncated one: 0
     assert [r.traj_index for r in batch.rows] == [0, 4] and batch.advantages == [1.0, 1.0]
     assert batch.metrics == {"rejection_attempts": 5.0, "rejection_accepted": 2.0, "rejection_duplicates": 1.0,
-                             "acceptance_rate": 0.4, "attempts_per_accepted": 2.5}
+                             "acceptance_rate": 0.4, "attempts_per_accepted": 2.5, "no_target_trajectories": 0.0}

@@ -13,7 +13,7 @@ from consequence.cli import app
 from consequence.config import TrainConfig
 from consequence.iteration import collect
 from consequence.recipes import differences, load_recipe, recipe_names
-from consequence.records import Trajectory
+from consequence.records import ModelCall, Trajectory
 from consequence.report.explain import render_difference, render_recipe
 from consequence.warmstart import BUNDLED
 
@@ -76,7 +76,9 @@ def test_cli_recipe_errors_exit_before_work(tmp_path):
 
 
 def _fake_group(gid: str, rewards):
-    return [Trajectory(task_id=gid, group_id=gid, sample_id=i, seed=i, policy_version=0, reward=r)
+    """Scored episodes of one sampled token each (an episode with none leaves its group: case 15)."""
+    return [Trajectory(task_id=gid, group_id=gid, sample_id=i, seed=i, policy_version=0, reward=r,
+                       calls=[ModelCall([1], [2], [-0.5], "length")])
             for i, r in enumerate(rewards)]
 
 
@@ -89,10 +91,10 @@ def test_dynamic_sampling_keeps_mixed_groups_and_reports_counts(monkeypatch):
     cfg = TrainConfig(tasks_per_iteration=3, dynamic_sampling=True, dynamic_sampling_max_rounds=3)
     trajs, stats = collect(0, cfg, None, None, None, None, None)
     assert [t.group_id for t in trajs] == ["b", "b", "d", "d", "e", "e"]
-    assert stats == {"groups_generated": 6, "groups_kept": 3, "groups_dropped": 3, "gen_tokens_total": 0}
+    assert stats == {"groups_generated": 6, "groups_kept": 3, "groups_dropped": 3, "gen_tokens_total": 12}
     cfg = TrainConfig(tasks_per_iteration=3, dynamic_sampling=True, dynamic_sampling_max_rounds=1)
     trajs, stats = collect(0, cfg, None, None, None, None, None)  # the limit: train on what was kept
-    assert stats == {"groups_generated": 3, "groups_kept": 1, "groups_dropped": 2, "gen_tokens_total": 0}
+    assert stats == {"groups_generated": 3, "groups_kept": 1, "groups_dropped": 2, "gen_tokens_total": 6}
 
 
 @pytest.fixture(scope="module")

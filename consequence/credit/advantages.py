@@ -3,9 +3,11 @@
 Every estimator maps one scalar reward per trajectory to one scalar advantage per
 trajectory; the update box gives that advantage to every generated token of the
 trajectory. Groups are formed by ``group_id`` (task id + iteration), never by position in
-the batch (docs/cases.md, case 02). A reward of ``None`` marks an
-``env_error``: it is excluded from every statistic and its advantage is ``None``
-(docs/cases.md, case 03).
+the batch (docs/cases.md, case 02). A reward of ``None`` marks a
+trajectory that leaves its group: an ``env_error`` (docs/cases.md, case 03), or one in
+which the policy generated no token (the credit box passes ``None`` for it,
+:func:`consequence.credit.batch.credit_rewards`; docs/cases.md, case 15). It is
+excluded from every statistic and its advantage is ``None``.
 """
 
 from __future__ import annotations
@@ -47,6 +49,14 @@ def _groups(rewards: Sequence[float | None], group_ids: Sequence[str]) -> dict[s
     return groups
 
 
+def _sizes(group_ids: Sequence[str]) -> dict[str, int]:
+    """Members of each group, valid or not (the G that was sampled)."""
+    sizes: dict[str, int] = {}
+    for g in group_ids:
+        sizes[g] = sizes.get(g, 0) + 1
+    return sizes
+
+
 def group_advantages(
     rewards: Sequence[float | None],
     group_ids: Sequence[str],
@@ -73,8 +83,13 @@ def group_advantages(
     - ``"dr_grpo"``: A_i = R_i − mean_g, no std division (Liu et al. 2025,
       "Understanding R1-Zero-Like Training", §3).
 
+    A trajectory whose reward is ``None`` leaves its group (and the batch): with G
+    sampled and k left, every statistic is that of the G − k others, as if only they
+    had been sampled.
+
     Args:
-        rewards: one reward per trajectory, length N; ``None`` = env_error.
+        rewards: one reward per trajectory, length N; ``None`` = left out (env_error, or
+            no generated token).
         group_ids: one group id per trajectory, length N (groups by identity, not position).
         estimator: one of :data:`ESTIMATORS`.
         eps: added to the std in ``"grpo"`` and ``"reinforce_pp"``.
@@ -84,12 +99,14 @@ def group_advantages(
         list of length N: float advantages, ``None`` where the reward is ``None``.
 
     Warns:
-        UserWarning: ``"grpo"`` / ``"dr_grpo"`` with a group of exactly one valid member
-        (advantage 0.0: G = 1 gives no comparison; docs/cases.md, case 12).
+        UserWarning: ``"grpo"`` / ``"dr_grpo"`` with a group of exactly one valid member,
+        and ``"rloo"`` with a group reduced to one valid member by members left out
+        (advantage 0.0: one member gives no comparison; docs/cases.md, case 12).
 
     Raises:
         ValueError: unknown estimator; lengths differ; a reward is not a finite number;
-            ``"rloo"`` with a group of one valid member (no leave-one-out baseline exists).
+            ``"rloo"`` with a group that has one member in all (G = 1 sampled: no
+            leave-one-out baseline exists, a configuration error).
     """
     if estimator not in ESTIMATORS:
         raise ValueError(f"unknown estimator {estimator!r}; valid: {', '.join(ESTIMATORS)}")
@@ -112,13 +129,16 @@ def group_advantages(
                 out[i] = (v - m) / scale
         return out
 
+    sampled = _sizes(group_ids)
     for g, members in _groups(rewards, group_ids).items():
         G = len(members)
         if G == 0:
-            continue  # every member is an env_error: nothing to compare
+            continue  # every member left: nothing to compare
         vals = [float(rewards[i]) for i in members]  # type: ignore[arg-type]
         if G == 1:
-            if estimator == "rloo":
+            # G = 1 sampled is a setting RLOO cannot run; a group reduced to one by an
+            # env_error or an empty episode is an event of the run, which must not stop it.
+            if estimator == "rloo" and sampled[g] == 1:
                 raise ValueError(
                     f"RLOO needs at least 2 valid rollouts per group; group {g!r} has 1 "
                     "(the leave-one-out baseline of a single rollout is undefined). "

@@ -7,6 +7,12 @@ a learned value head (:mod:`consequence.credit.returns`, :mod:`consequence.credi
 Rewards may arrive at any turn: each call's reward sits on its last sampled token
 (``TrainingRow.token_rewards``) and reaches earlier tokens through returns-to-go (GAE);
 the scalar estimators use each trajectory's total reward.
+
+One rule for every estimator (docs/cases.md, case 15): a trajectory in which the policy
+generated no token (a budget or an error ended the episode before the first sampled
+token, e.g. its first prompt did not fit ``max_total_tokens``) carries no action to
+credit. Like an ``env_error`` it leaves its group and the batch (no group or batch
+statistic, no advantage, no training row) and is counted (``no_target_trajectories``).
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from consequence.credit.returns import gae
 from consequence.credit.value import ValueModel, row_values
 from consequence.records import TrainingRow, Trajectory, trajectory_to_rows
 
-__all__ = ["Batch", "training_rows", "assign_credit", "kl_reward_penalty"]
+__all__ = ["Batch", "credited", "credit_rewards", "no_target_count", "training_rows", "assign_credit", "kl_reward_penalty"]
 
 
 @dataclass
@@ -58,12 +64,34 @@ class Batch:
                      dict(self.metrics))
 
 
+def credited(t: Trajectory) -> bool:
+    """Whether ``t`` enters the credit box: scored (not an env_error) and with at least one
+    target token, i.e. one token the policy sampled (``Trajectory.n_generated_tokens``: the
+    target tokens of its rows are exactly its calls' ``output_ids``). A trajectory with no
+    model call, or whose calls sampled nothing, has no action to credit and would only move
+    its group's baseline (docs/cases.md, case 15)."""
+    return t.reward is not None and t.n_generated_tokens > 0
+
+
+def credit_rewards(trajs: list[Trajectory]) -> list[float | None]:
+    """Each trajectory's reward as the group statistics see it: ``None`` (left out) where
+    :func:`credited` is false, so the empty ones leave every group and batch statistic
+    (advantages, dynamic sampling's mixed groups, the mixed-group metrics)."""
+    return [t.reward if credited(t) else None for t in trajs]
+
+
+def no_target_count(trajs: list[Trajectory]) -> int:
+    """Scored trajectories with no target token (the ``no_target_trajectories`` metric; an
+    env_error is counted as one, not here)."""
+    return sum(t.reward is not None and t.n_generated_tokens == 0 for t in trajs)
+
+
 def training_rows(trajs: list[Trajectory]) -> tuple[list[TrainingRow], list[int]]:
-    """The rows to train on and, per row, the index of its trajectory; env_error trajectories
-    (reward None) and trajectories without a model call have none."""
+    """The rows to train on and, per row, the index of its trajectory; a trajectory that is
+    not :func:`credited` (an env_error, or no token generated) has none."""
     rows, owner = [], []
     for i, t in enumerate(trajs):
-        if t.reward is None or not t.calls:
+        if not credited(t):
             continue
         for r in trajectory_to_rows(t, i):
             rows.append(r)
@@ -77,7 +105,9 @@ def assign_credit(trajs: list[Trajectory], rows: list[TrainingRow], owner: list[
     """Advantages of ``rows`` (from :func:`training_rows`) by the recipe's estimator.
 
     Sets ``t.advantage`` (the trajectory's scalar advantage; for GAE the mean over its
-    tokens). With ``cfg.kl_mode == "reward"`` the KL penalty β·k(μ, π_ref) per target token
+    tokens; ``None`` for a trajectory that is not :func:`credited`, which also stays out of
+    every group and batch statistic). ``batch.metrics["no_target_trajectories"]`` counts
+    the scored trajectories left out for having no target token. With ``cfg.kl_mode == "reward"`` the KL penalty β·k(μ, π_ref) per target token
     is taken off the reward (off the total for scalar estimators; per token for GAE). With
     ``overlong_filter`` truncated trajectories leave the rows after entering the group
     statistics (DAPO §3.4).
@@ -116,6 +146,7 @@ def assign_credit(trajs: list[Trajectory], rows: list[TrainingRow], owner: list[
         batch.advantages = [trajs[i].advantage for i in owner]
     if cfg.overlong_filter:
         batch = batch.select([j for j, i in enumerate(owner) if trajs[i].outcome != "truncated"])
+    batch.metrics["no_target_trajectories"] = float(no_target_count(trajs))
     return batch
 
 
@@ -125,10 +156,11 @@ def _rejection_batch(trajs: list[Trajectory], batch: Batch, owner: list[int]) ->
     sampled tokens dropped), every other row leaves the batch. With the policy-gradient
     surrogate on fresh samples (ratio 1) and a token-mean reduction the step is SFT on the
     student's own successes (RFT, Yuan et al. 2023 §3)."""
-    kept, stats = accept(trajs)
+    # An episode with no sampled token is no attempt of the student's (nothing was paid for it).
+    kept, stats = accept([t for t in trajs if t.reward is None or credited(t)])
     ids = {id(t) for t in kept}
     for t in trajs:
-        t.advantage = 1.0 if id(t) in ids else 0.0
+        t.advantage = (1.0 if id(t) in ids else 0.0) if credited(t) else None
     batch.advantages = [trajs[i].advantage for i in owner]
     batch = batch.select([j for j, i in enumerate(owner) if id(trajs[i]) in ids])
     d = stats.as_dict()
@@ -140,7 +172,7 @@ def _rejection_batch(trajs: list[Trajectory], batch: Batch, owner: list[int]) ->
 
 def _scalar_advantages(trajs, owner, cfg, penalty, estimator: str) -> list:
     """One advantage per trajectory from its total reward, less the KL reward penalty of its rows."""
-    rewards = [t.reward for t in trajs]
+    rewards = credit_rewards(trajs)
     if penalty is not None:
         for j, i in enumerate(owner):
             rewards[i] -= sum(penalty[j])
@@ -167,7 +199,7 @@ def _teacher_advantages(trajs, batch: Batch, owner, cfg, teacher_logprobs, penal
         sums[i] += sum(a for a, m in zip(adv, r.loss_mask) if m)
         counts[i] += sum(r.loss_mask)
     for i, t in enumerate(trajs):
-        t.advantage = sums[i] / counts[i] if counts[i] else 0.0
+        t.advantage = sums[i] / counts[i] if counts[i] else None  # no target: no advantage
     n = sum(counts)
     batch.metrics = {"teacher_reverse_kl": k1 / n if n else None,  # mean k1 = log μ − log π_T, nats per target token
                      "teacher_forward_tokens": float(sum(len(r.input_ids) for r in batch.rows)),

@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from consequence.config import BOXES, TrainConfig, box_of
+from consequence.config import BOXES, TrainConfig, box_of, generation_budget
 from consequence.envs.sandbox import ENV_RETRIES
 from consequence.policy.named import is_named, source_record
 
@@ -117,7 +117,14 @@ def build_manifest(cfg: TrainConfig, model_path: Path, env, *, chat_template: st
                     "budgets": {k: config[k] for k in ("max_turns", "max_new_tokens", "max_total_tokens")}},
         "reward": {"components": list(env.reward_components) + (["overlong"] if cfg.overlong_buffer else []),
                    "rule": "sum over steps and components",
-                   "range": [env.reward_range[0] - (1.0 if cfg.overlong_buffer else 0.0), env.reward_range[1]]},
+                   "range": [env.reward_range[0] - (1.0 if cfg.overlong_buffer else 0.0), env.reward_range[1]],
+                   **({"overlong": {"length": "tokens the policy generated in the episode, over all its calls "
+                                               "(prompt and observation tokens not counted)",
+                                    "max_length": generation_budget(cfg.max_turns, cfg.max_new_tokens,
+                                                                    cfg.max_total_tokens),
+                                    "buffer": cfg.overlong_buffer,
+                                    "source": "Yu et al. 2025 (DAPO) §3.4, eq. 13"}}
+                      if cfg.overlong_buffer else {})},
         "sampling": {k: config[k] for k in ("temperature", "top_k", "top_p", "max_new_tokens")},
         "recipe": cfg.recipe,
         "optimizer": {"name": "AdamW", "learning_rate": cfg.learning_rate, "betas": [0.9, 0.999], "eps": 1e-8,

@@ -217,8 +217,9 @@ def trajectory_record(it: int, t: Trajectory, tokenizer, vocab_used: dict[int, s
             slp = [_round(x) for x, m in zip(batch["old_logprobs"][k].tolist(), mask) if m]
             rows_out.append({"ids": ids, "roles": roles, "slp": slp,
                              "clp": [_round(x) for x in current[k]] if current is not None else None})
-    if t.reward is None or not t.calls:
-        trained = "no: no reward (environment error)" if t.reward is None else "no: no model call"
+    if t.reward is None or not t.n_generated_tokens:  # the credit box's rule (docs/cases.md, case 15)
+        trained = ("no: no reward (environment error)" if t.reward is None else
+                   "no: no model call" if not t.calls else "no: no token generated")
     elif trained_filter and t.outcome == "truncated":
         trained = "no: truncated, dropped by overlong_filter"
     else:

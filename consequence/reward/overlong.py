@@ -10,12 +10,17 @@ def overlong_penalty(length: int, max_length: int, buffer: int) -> float:
         (max_length − buffer − length) / buffer   if max_length − buffer < length ≤ max_length
         −1                                if length > max_length
 
-    Here ``length`` is an episode's token count (context + generated, the quantity the
-    ``max_total_tokens`` budget limits), so the penalty warns the policy before the
-    budget cuts the episode off.
+    ``length`` is |y|, the length of what the policy generated: in an episode, its target
+    tokens over all its calls (``Trajectory.n_generated_tokens``); the prompt and the
+    observations the environment appended are not the policy's response and do not count.
+    ``max_length`` is L_max, the most it can generate in the episode
+    (``consequence.config.generation_budget``: min(max_turns × max_new_tokens,
+    max_total_tokens)), and ``buffer`` is L_cache, so the penalty warns the policy before the
+    generation budget is spent.
 
     Args:
-        length: tokens used, ≥ 0. max_length: the budget L_max. buffer: L_cache, in (0, L_max].
+        length: generated tokens, ≥ 0. max_length: L_max, in tokens. buffer: L_cache, in
+            (0, L_max], in tokens.
 
     Returns:
         float in [−1, 0].
@@ -23,7 +28,7 @@ def overlong_penalty(length: int, max_length: int, buffer: int) -> float:
     Raises:
         ValueError: buffer not in (0, max_length] or a negative length.
 
-    >>> overlong_penalty(640, 768, 128), overlong_penalty(704, 768, 128), overlong_penalty(800, 768, 128)
+    >>> overlong_penalty(256, 384, 128), overlong_penalty(320, 384, 128), overlong_penalty(400, 384, 128)
     (0.0, -0.5, -1.0)
     """
     if not 0 < buffer <= max_length:

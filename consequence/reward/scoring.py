@@ -101,13 +101,16 @@ def checked_reward(
     return RewardResult(total, components, None)
 
 
-def score_trajectories(trajs: list[Trajectory], overlong_buffer: int = 0, max_total_tokens: int = 0,
+def score_trajectories(trajs: list[Trajectory], overlong_buffer: int = 0, max_generated_tokens: int = 0,
                        components: tuple[str, ...] = ("hidden_tests",),
                        reward_range: tuple[float, float] = (0.0, 1.0)) -> None:
     """Score each trajectory from what its environment gave: every step's reward, per named
     component and summed over steps (``Trajectory.env_rewards``; a declared component the
     episode never earned counts 0, so an episode that never submitted scores 0), plus with
-    ``overlong_buffer`` > 0 DAPO's overlong penalty in [−1, 0] (DAPO §3.4). The total
+    ``overlong_buffer`` > 0 DAPO's overlong penalty in [−1, 0] (DAPO §3.4, eq. 13) of the
+    tokens the policy generated over all the episode's calls (its target tokens; prompt and
+    observation tokens are not its response), against L_max = ``max_generated_tokens``
+    (:func:`consequence.config.generation_budget`). The total
     (rule: sum) must be finite and inside ``reward_range`` (lowered by 1 with the overlong
     penalty). A failed environment or a rejected reward is an env_error (reward None),
     never a 0 (docs/cases.md, case 03).
@@ -116,8 +119,13 @@ def score_trajectories(trajs: list[Trajectory], overlong_buffer: int = 0, max_to
     verifier's score that evaluation calls success when it is 1.
 
     Args:
+        overlong_buffer: L_cache in tokens (0 = no overlong shaping).
+        max_generated_tokens: L_max in tokens, read only with ``overlong_buffer``.
         components: the environment's declared reward components (``Environment.reward_components``).
         reward_range: its declared (low, high) of the total.
+
+    Raises:
+        ValueError: ``overlong_buffer`` > 0 and not in (0, ``max_generated_tokens``].
     """
     low, high = reward_range
     for t in trajs:
@@ -129,10 +137,8 @@ def score_trajectories(trajs: list[Trajectory], overlong_buffer: int = 0, max_to
             t.verifier_score = parts[components[0]]  # the primary component: what success means
         elif not t.env_rewards and t.outcome == "finished" and t.verifier_score is not None:
             parts[components[0]] = t.verifier_score  # a trajectory recorded without per-step rewards
-        if overlong_buffer and t.calls:
-            last = t.calls[-1]
-            parts["overlong"] = overlong_penalty(len(last.context_ids) + len(last.output_ids),
-                                                 max_total_tokens, overlong_buffer)
+        if overlong_buffer:  # |y| = generated tokens (0 without a call: penalty 0, component kept)
+            parts["overlong"] = overlong_penalty(t.n_generated_tokens, max_generated_tokens, overlong_buffer)
         res = checked_reward(lambda p=parts: p, low=low - 1.0 if overlong_buffer else low, high=high)
         t.reward, t.reward_components = res.value, res.components
         if res.value is None:
