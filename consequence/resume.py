@@ -301,16 +301,53 @@ def interrupt_message(run: Path, done: int, iterations: int) -> str:
     return f"{what}; continue with `consequence train --resume {run}`"
 
 
-def mark_status(run: Path, status: str, reason: str) -> None:
-    """Set ``status`` and ``stop_reason`` in manifest.json when that is still possible (it may
-    be the disk that failed, or the manifest was not written yet)."""
+# How a run ended (manifest.json "status"; consequence.train.run_ending says which exit gives which).
+# Every status but "finished" may be resumed: "running" is a run killed without a word (SIGKILL,
+# power loss), the others name their cause in "stop_reason"; a resume repeats a refusal or a
+# crash unless its cause, outside the saved config, was fixed (a model folder's chat template, a
+# plug-in's code).
+STATUSES = ("running", "finished", "interrupted", "stopped", "refused", "failed")
+
+
+def mark_status(run: Path, status: str, reason: str | None = None, strict: bool = False) -> None:
+    """Set ``status`` and ``stop_reason`` (removed when ``reason`` is None) in manifest.json,
+    atomically (``fileio.write_text_atomic``).
+
+    Args:
+        status: one of :data:`STATUSES`.
+        strict: raise when the manifest cannot be read or written; otherwise (the default,
+            for a run that is already failing: it may be the disk that failed) leave it as it is.
+
+    Raises:
+        OSError, ValueError: only with ``strict``.
+    """
+    if status not in STATUSES:
+        raise ValueError(f"mark_status: unknown status {status!r}; one of {', '.join(STATUSES)}")
     path = Path(run) / "manifest.json"
     try:
         manifest = json.loads(path.read_text())
-        manifest.update(status=status, stop_reason=reason)
+        manifest["status"] = status
+        if reason is None:
+            manifest.pop("stop_reason", None)
+        else:
+            manifest["stop_reason"] = reason
         write_text_atomic(path, json.dumps(manifest, indent=1, default=str))
     except (OSError, ValueError):
-        pass
+        if strict:
+            raise
+
+
+def previous_ending(run: Path) -> dict[str, Any]:
+    """``{"after": status, "stop_reason": ...}`` of the manifest.json a resumed run replaces
+    (how the run ended before the resume), or ``{}`` when there is none readable."""
+    try:
+        manifest = json.loads((Path(run) / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(manifest, dict) or "status" not in manifest:
+        return {}
+    reason = {"stop_reason": manifest["stop_reason"]} if "stop_reason" in manifest else {}
+    return {"after": manifest["status"], **reason}
 
 
 # ---- the CLI's side ------------------------------------------------------------------

@@ -17,8 +17,8 @@ KL-to-reference term (β = 0), as in DAPO and Dr.GRPO.
 from __future__ import annotations
 
 import copy
-import functools
 import errno
+import functools
 import json
 import os
 import time
@@ -47,7 +47,7 @@ from consequence.evaluate.splits import record_touch, reuse_warning
 from consequence.report.manifest import build_manifest, clear_run_outputs, sha256_of, write_manifest
 from consequence.recipes import run_label
 from consequence.resume import (ResumeState, interrupt_message, latest_state, load_learner_state,
-                                mark_status, rewind_run_dir, save_state, stop_message)
+                                mark_status, previous_ending, rewind_run_dir, save_state, stop_message)
 from consequence.iteration import Learner, collect, credit, logprob_fn, make_learner, update
 from consequence.fileio import append_line, write_text_atomic
 from consequence.seeding import seed_of
@@ -84,6 +84,56 @@ class RunInterrupted(KeyboardInterrupt):
 
     def __str__(self) -> str:
         return self.message
+
+
+def run_ending(e: BaseException | None) -> tuple[str, str | None]:
+    """How a run that ended with ``e`` (None: it returned) is recorded in manifest.json:
+    ``(status, stop_reason)``, one of
+
+    - ``finished``: the run returned (final checkpoint, evaluation, report written); no reason;
+    - ``interrupted``: Ctrl-C / SIGINT (KeyboardInterrupt);
+    - ``stopped``: a clean stop the run foresees, resumable once the cause is gone: a failed
+      pre-step check, a NaN / ±inf in an update, the rollout workers' error, a failed write
+      (disk full, read-only, ...: :data:`WRITE_ERRNOS`);
+    - ``refused``: bad input found only after the run started (a ValueError, the library's
+      error for a user's input, e.g. a chat template that re-renders earlier turns,
+      docs/cases.md, case 08); the reason is its message;
+    - ``failed``: anything else (a crash: a bug, or a plug-in that raised); the reason is
+      ``"ExceptionType: message"``.
+    """
+    if e is None:
+        return "finished", None
+    if isinstance(e, KeyboardInterrupt):
+        return "interrupted", "interrupted (Ctrl-C / SIGINT)"
+    if isinstance(e, (PreStepCheckError, FloatingPointError, RolloutError)) or (
+            isinstance(e, OSError) and e.errno in WRITE_ERRNOS):
+        return "stopped", str(e)
+    if isinstance(e, ValueError):
+        return "refused", str(e)
+    return "failed", f"{type(e).__name__}: {e}"
+
+
+class _Ending:
+    """The one place where a run's end is recorded: a context manager around the whole run
+    that writes ``status`` and ``stop_reason`` (:func:`run_ending`) into manifest.json on
+    every exit path (return, Ctrl-C, a foreseen stop, bad input found late, a crash), then
+    lets the exception go on. It writes only once this run's manifest exists (``opened``,
+    set by :func:`_start` when it first writes it): an error before that leaves the folder,
+    and the manifest of an earlier run in it, as they were.
+    """
+
+    def __init__(self, run: Path):
+        self.run, self.opened = run, False
+
+    def __enter__(self) -> _Ending:
+        return self
+
+    def __exit__(self, kind, e, tb) -> bool:
+        if self.opened:
+            status, reason = run_ending(e)
+            # "finished" must not be lost silently: a failed write there raises (and is a stopped run)
+            mark_status(self.run, status, reason, strict=e is None)
+        return False  # the exception, if any, goes on
 
 
 @dataclass
@@ -125,12 +175,17 @@ def train(cfg: TrainConfig, console=None, resume: bool = False, reproduces: str 
     ``cfg.run_dir`` (``consequence.resume.clear_run_outputs``; other files are kept), after
     every check passed.
 
+    Every exit path records how the run ended in ``manifest.json`` (``status`` and
+    ``stop_reason``: :func:`run_ending`; docs/resume.md "How a run ends") once the run's
+    manifest was written; an error before that leaves the folder as it was.
+
     Raises:
         RunStopped: a NaN / ±inf tensor in an update (named, with its trajectories) or an
             OSError while writing (disk full, ...); the newest resume state is intact.
         RunInterrupted: Ctrl-C; the message names the last iteration completed and how to resume.
         ValueError: bad input found before work starts (model, resume state, settings that
-            cannot work with this model or these tasks: :func:`preflight`); nothing written.
+            cannot work with this model or these tasks: :func:`preflight`; nothing written), or
+            after it started (e.g. a chat template that re-renders earlier turns: status ``refused``).
     """
     from rich.console import Console
 
@@ -140,35 +195,31 @@ def train(cfg: TrainConfig, console=None, resume: bool = False, reproduces: str 
     state = latest_state(run_path) if resume else None
     r = None
     try:
-        r = _start(cfg, console, run_path, resume, state, reproduces)
-        try:
-            _loop(r, console)
-        finally:  # workers and a local Ray instance end with the loop, also on errors and Ctrl-C
-            _close_rollouts(r)
-        return _finish(r, console, t_start)
+        with _Ending(run_path) as ending:  # records the status on every exit path; below, only the messages
+            r = _start(cfg, console, run_path, resume, state, reproduces, ending)
+            try:
+                _loop(r, console)
+            finally:  # workers and a local Ray instance end with the loop, also on errors and Ctrl-C
+                _close_rollouts(r)
+            return _finish(r, console, t_start)
     except KeyboardInterrupt as e:
         done = len(r.history) if r is not None else 0
-        if r is not None:
-            mark_status(run_path, "interrupted", "interrupted (Ctrl-C / SIGINT)")
         raise RunInterrupted(interrupt_message(run_path, done, cfg.iterations), done) from e
-    except FloatingPointError as e:
-        raise _stopped(e, run_path) from e
     except PreStepCheckError as e:  # the table was printed; the message says what failed and how to skip
-        mark_status(run_path, "stopped", str(e))
         raise RunStopped(f"stopped before the first optimizer step: {e}") from e
-    except RolloutError as e:  # the rollout workers cannot go on: a clean stop, resumable
-        raise _stopped(e, run_path) from e
+    except (FloatingPointError, RolloutError) as e:  # numerics; the rollout workers cannot go on: resumable
+        raise RunStopped(stop_message(e, run_path)) from e
     except OSError as e:
         if e.errno not in WRITE_ERRNOS:
             raise
-        raise _stopped(e, run_path) from e
+        raise RunStopped(stop_message(e, run_path)) from e
 
 
 def _start(cfg: TrainConfig, console, run: Path, resume: bool, state: ResumeState | None,
-           reproduces: str | Path | None = None) -> _Run:
+           reproduces: str | Path | None = None, ending: _Ending | None = None) -> _Run:
     """Load model, tasks and learner (from the resume state when there is one), check that the
     settings can work (:func:`preflight`); only then clear an earlier run's outputs and write
-    the run's files."""
+    the run's files (``ending.opened`` is set once manifest.json says ``running``)."""
     torch.manual_seed(cfg.seed)
     split = env_of(cfg)
     # fixed data is checked against the splits before a model is resolved (a new --split-seed builds a warm start)
@@ -219,10 +270,13 @@ def _start(cfg: TrainConfig, console, run: Path, resume: bool, state: ResumeStat
     else:
         load_learner_state(state, learner)
         r.manifest, r.history, r.start = state.manifest, state.history, state.iteration
-        r.manifest.setdefault("resumed", []).append({"from_iteration": state.iteration, "state": state.path.name})
+        r.manifest.setdefault("resumed", []).append({"from_iteration": state.iteration, "state": state.path.name,
+                                                     **previous_ending(run)})  # how the run before ended
         r.manifest["status"] = "running"
     rewind_run_dir(run, r.start, r.history)
     write_manifest(r.manifest, run)
+    if ending is not None:
+        ending.opened = True
     console.print(f"[bold]consequence train[/] ({escape(r.label)}): {cfg.iterations} iterations (numbered 0–"
                   f"{cfg.iterations - 1}) × {cfg.tasks_per_iteration} tasks × {cfg.group_size} rollouts, model "
                   f"{escape(str(model_path))}, run dir {escape(str(run))}"
@@ -446,7 +500,8 @@ def _finish(r: _Run, console, t_start: float) -> dict[str, Any]:
     if skipped:
         report["final_evaluation"] = skipped
     write_text_atomic(run / "report.json", json.dumps(report, indent=2))
-    r.manifest.update(status="finished", evaluation_files=report.pop("evaluation_files", []), report="report.json")
+    # status "finished" is written by _Ending once everything below was written too
+    r.manifest.update(evaluation_files=report.pop("evaluation_files", []), report="report.json")
     write_manifest(r.manifest, run)
     from consequence.report.plots import plot_metrics, write_markdown_report
 
@@ -458,13 +513,6 @@ def _finish(r: _Run, console, t_start: float) -> dict[str, Any]:
                                              f"and the RL checkpoint were not compared.\n{rest}")
     console.print((run / "report.md").read_text())
     return report
-
-
-def _stopped(e: BaseException, run: Path) -> RunStopped:
-    """The RunStopped for a numerics error or a failed write, naming the state to resume from."""
-    message = stop_message(e, run)
-    mark_status(run, "stopped", str(e))
-    return RunStopped(message)
 
 
 def iteration(it, cfg, learner: Learner, renderer, split, budgets, sampling, run, first: bool = False,

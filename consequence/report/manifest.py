@@ -1,6 +1,9 @@
 """``manifest.json``: everything needed to know what a run was and to run it again.
 
-Written when a run starts and completed when it ends (atomically each time). It holds
+Written when a run starts and completed when it ends (atomically each time), with the
+run's ``status``: ``running`` while it runs, then how it ended (``finished``,
+``interrupted``, ``stopped``, ``refused``, ``failed``, with a ``stop_reason``;
+``consequence.train.run_ending``, docs/resume.md "How a run ends"). It holds
 identifiers and hashes of the model and tokenizer, the task source and split, the
 environment and verifier versions with the active isolation, tool schemas and prompts,
 the context builder, sampling, reward components, the recipe (every box's choice),
@@ -26,6 +29,7 @@ import yaml
 
 from consequence.config import BOXES, TrainConfig, box_of, generation_budget
 from consequence.envs.sandbox import ENV_RETRIES
+from consequence.fileio import write_text_atomic
 from consequence.policy.named import is_named, source_record
 
 LIBRARIES = ("consequence", "torch", "transformers", "tokenizers", "numpy", "scipy", "pyarrow", "pydantic",
@@ -140,12 +144,13 @@ def build_manifest(cfg: TrainConfig, model_path: Path, env, *, chat_template: st
 
 
 def write_manifest(manifest: dict[str, Any], run_dir: Path) -> Path:
-    """Write ``run_dir/manifest.json`` atomically."""
-    path = Path(run_dir) / "manifest.json"
-    tmp = path.with_name(".manifest.json.tmp")
-    tmp.write_text(json.dumps(manifest, indent=1, default=str))
-    tmp.replace(path)
-    return path
+    """Write ``run_dir/manifest.json`` atomically (``fileio.write_text_atomic``: a temporary
+    sibling, fsync, rename; a failed write leaves the previous manifest as it was).
+
+    Raises:
+        OSError: the write failed (e.g. ENOSPC, disk full).
+    """
+    return write_text_atomic(Path(run_dir) / "manifest.json", json.dumps(manifest, indent=1, default=str))
 
 
 def read_manifest(run_dir: Path) -> dict[str, Any]:
