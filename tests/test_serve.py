@@ -264,6 +264,7 @@ def test_bad_requests_get_openai_style_errors(server, change, status, code):
 
 
 def test_a_client_that_disconnects_mid_generation_leaves_no_stuck_batch(server):
+    before = _get(server, "/health")
     body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x " * 50}], "max_tokens": 900,
                        "temperature": 1.0})
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
@@ -277,7 +278,84 @@ def test_a_client_that_disconnects_mid_generation_leaves_no_stuck_batch(server):
         time.sleep(0.05)
     r = _client(server, "after").chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
     assert r.choices[0].model_extra["token_ids"]
-    assert _get(server, "/s/gone/record")["calls"] == []  # the reply never reached the agent: not recorded
+    calls = _get(server, "/s/gone/record")["calls"]
+    if _get(server, "/health")["dropped"] > before["dropped"]:
+        assert calls == []  # it left before its batch began: nothing was sampled
+    else:  # it left during sampling: the reply was sampled to its end and is recorded (docs/agents.md §5)
+        assert len(calls) == 1 and len(calls[0]["output_ids"]) == len(calls[0]["sample_logprobs"]) >= 1
+
+
+CLIENT_TIMEOUT_S = 0.5
+
+
+def test_a_reply_the_client_timed_out_on_is_recorded_and_the_next_call_is_a_counted_break(server, policy):
+    """The stock openai client gives up mid-generation (its `timeout`); the agent then sends
+    the conversation without that reply (a new user turn), then retries the request. The
+    record: rows = 1 + breaks, each break with its reason, the unseen reply in its row with
+    nothing after it, and every row's targets the sampled ids with their log-probs (ratio = 1)."""
+    model, renderer, _env = policy
+    sid, tools = "timed-out", renderer.tools  # the repair environment's tools
+    c = _client(server, sid)
+    first = [{"role": "user", "content": "fix add"}]
+    t0 = time.monotonic()
+    r1 = c.chat.completions.create(model="tiny", messages=first, tools=tools)
+    per_token = (time.monotonic() - t0) / len(r1.choices[0].model_extra["token_ids"])  # HTTP and prefill included
+    msg = r1.choices[0].message.model_dump(exclude_none=True)
+    assert msg.get("tool_calls"), msg  # greedy: the bundled model calls run_tests
+    # After this tool result the greedy reply repeats itself up to max_tokens: a slow generation,
+    # sized to take 10 client timeouts at the time per token just measured. That time includes
+    # the HTTP round trip and the prefill, so it may overstate decoding (measured on the loaded
+    # 2-core machine: 0.65-1.25x the slow reply's own time per token), leaving several timeouts
+    # of margin. 48 to 600 tokens (the context is 1024).
+    history = first + [msg] + [{"role": "tool", "tool_call_id": tc["id"], "content": "a" * 200}
+                               for tc in msg["tool_calls"]]
+    n_slow = min(600, max(48, int(10 * CLIENT_TIMEOUT_S / per_token)))
+    before = _get(server, "/health")
+    slow = openai.OpenAI(base_url=f"{server.url}/s/{sid}/v1", api_key="x", max_retries=0, timeout=CLIENT_TIMEOUT_S)
+    with pytest.raises(openai.APITimeoutError):
+        slow.chat.completions.create(model="tiny", messages=history, tools=tools, max_tokens=n_slow)
+    slow.close()
+    # The next request lacks the reply it never got (it waits for the session's lock, so the
+    # abandoned call is recorded first); then the timed-out request is retried.
+    r3 = c.chat.completions.create(model="tiny", messages=history + [{"role": "user", "content": "you timed out"}],
+                                   tools=tools, max_tokens=8)
+    r4 = c.chat.completions.create(model="tiny", messages=history, tools=tools, max_tokens=4)
+
+    session = server.app.state.serve.sessions.get(sid, create=False)
+    rows = trajectory_to_rows(session.trajectory)
+    assert len(rows) == 1 + session.prefix_breaks
+    assert _get(server, "/health")["dropped"] == before["dropped"], "the timed-out request left before sampling"
+    record = _get(server, f"/s/{sid}/record")
+    unused = "the client did not use the reply of calls[1] (timed out or abandoned)"
+    assert record["breaks"] == [
+        {"call": 2, "reason": f"calls[2] continues calls[0], not the last call: {unused}"},
+        {"call": 3, "reason": f"calls[3] repeats the messages of calls[1] (a retry): {unused}"}]
+    c0, c1, c2, c3 = session.trajectory.calls
+    assert len(rows) == 3 and record["prefix_breaks"] == 2
+    # The abandoned reply: sampled after the tool result to its end (the batch finished), nothing after it.
+    assert c1.context_ids == c0.context_ids + c0.output_ids + c0.observation_ids
+    assert c1.observation_ids == [] and len(c1.output_ids) > 8
+    # The next call continues calls[0] (its reply was seen), not the unseen calls[1].
+    assert r3.model_extra["prompt_token_ids"] == c2.context_ids
+    assert r3.choices[0].model_extra["token_ids"] == c2.output_ids
+    seen = session.candidates[0]  # calls[0]'s messages and reply, normalised
+    later = [{"role": "tool", "name": tc["function"]["name"], "content": "a" * 200} for tc in msg["tool_calls"]]
+    later.append({"role": "user", "content": "you timed out"})
+    obs = renderer.observation_ids(seen.history, seen.message, later)
+    assert c2.context_ids == c0.context_ids + c0.output_ids + obs
+    # The retry: the timed-out call's context; greedy, so the same first tokens.
+    assert c3.context_ids == c1.context_ids
+    assert c3.output_ids == c1.output_ids[:4] == r4.choices[0].model_extra["token_ids"]
+    targets = [[(i, lp) for i, lp, m in zip(r.input_ids, r.old_logprobs, r.loss_mask) if m] for r in rows]
+    assert targets == [list(zip(c0.output_ids + c1.output_ids, c0.sample_logprobs + c1.sample_logprobs)),
+                       list(zip(c2.output_ids, c2.sample_logprobs)), list(zip(c3.output_ids, c3.sample_logprobs))]
+    assert [r.input_ids for r in rows] == [c1.context_ids + c1.output_ids, c2.context_ids + c2.output_ids,
+                                           c3.context_ids + c3.output_ids]
+    # ratio = 1: the stored log-probs are the model's log-probs of the stored ids (greedy: μ at T = 1),
+    # recomputed teacher-forced; 1e-4 as in the harness identity test (float32, batch shapes differ).
+    fresh = compute_logprobs(model, rows, renderer.tokenizer.pad_token_id, token_logprobs)
+    for row, lp in zip(rows, fresh):
+        assert max(abs(row.old_logprobs[j] - lp[j]) for j, m in enumerate(row.loss_mask) if m) < 1e-4
 
 
 def test_sigterm_stops_the_server_cleanly(tmp_path):
@@ -499,7 +577,9 @@ def test_stop_text_is_cut_from_content_but_kept_in_token_ids(server, policy):
     assert rec["output_ids"] == cut.model_extra["token_ids"]
     nxt = msgs + [{"role": "assistant", "content": cut.message.content}, {"role": "user", "content": "go on"}]
     c.chat.completions.create(model="tiny", messages=nxt, max_tokens=4)
-    assert _get(server, "/s/stopper/record")["prefix_breaks"] == 0  # the cut reply sent back continues the row
+    # The cut request repeats the first one's messages (a retry: its own row, a counted break);
+    # the cut reply sent back continues that row (no break at calls[2]).
+    assert [b["call"] for b in _get(server, "/s/stopper/record")["breaks"]] == [1]
 
 
 @pytest.mark.parametrize("sid", ["..", "../../etc", "a b", "x" * 129, "-lead"])

@@ -9,7 +9,7 @@ served but not recorded):
   sampled by the batcher (``serve.batcher``) with the current policy, recorded by the
   session (``serve.sessions``);
 * ``GET /s/{session}/record``: the session's trajectory as plain data (every call's
-  context ids, sampled ids, sampler log-probs) and its ``prefix_breaks``;
+  context ids, sampled ids, sampler log-probs), its ``prefix_breaks`` and their reasons (``breaks``);
   ``DELETE /s/{session}`` returns it once more and forgets the session;
 * ``GET /health``: queue length, requests being sampled, batch counters, open sessions.
 
@@ -208,7 +208,8 @@ async def _chat(state: ServeState, request: Request, sid: str | None):
     session = state.sessions.get(sid) if sid else None
     if session is None:
         context = renderer.prompt_ids(req.messages)
-        sampled = await _sample(state, request, renderer, req, context, _params(state, req, len(context)), None)
+        sampled, _left = await _sample(state, request, renderer, req, context, _params(state, req, len(context)),
+                                       None)
         choices = [choice for choice, _s, _p in sampled]
     else:
         async with session.lock:
@@ -223,24 +224,32 @@ async def _chat(state: ServeState, request: Request, sid: str | None):
 
 async def _session_call(state: ServeState, request: Request, session: Session, renderer: Renderer,
                         req: ChatRequest) -> tuple[list[int], list[Choice]]:
-    """Build the context by the prefix rule, apply the bound episode's budgets, sample, record."""
+    """Build the context by the prefix rule, apply the bound episode's budgets, sample, record.
+
+    A reply whose client left while it was being sampled is recorded too (it was sampled
+    from the policy; dropping it would keep only the replies that came back in time), then
+    the call ends with 499; the session's next call that does not continue it is a counted
+    prefix break (``serve.sessions``).
+    """
     ep = session.episode
     if ep is not None:
         params = ep.params_for(req)
         ep.before_context()
     context = session.context_for(req.messages, renderer)
     if ep is not None:
-        ep.before_sample(context)
+        ep.before_sample(context.ids)
     else:
-        params = _params(state, req, len(context))
-    _check_context(state, len(context), params.max_new_tokens)
+        params = _params(state, req, len(context.ids))
+    _check_context(state, len(context.ids), params.max_new_tokens)
     answers = True if ep is None else ep.answers
-    sampled = await _sample(state, request, renderer, req, context, params, session.id, answers)
+    sampled, left = await _sample(state, request, renderer, req, context.ids, params, session.id, answers)
     for _choice, sample, parsed in sampled:
         session.record(req.messages, context, sample, parsed)
         if ep is not None:
             ep.after_call(sample.stop_reason)
-    return context, [choice for choice, _s, _p in sampled]
+    if left:
+        raise ServeError(499, "the client closed the connection")
+    return context.ids, [choice for choice, _s, _p in sampled]
 
 
 def _params(state: ServeState, req: ChatRequest, n_context: int) -> SamplingParams:
@@ -266,21 +275,34 @@ def _check_context(state: ServeState, n_context: int, max_new: int) -> None:
 
 async def _sample(state: ServeState, request: Request, renderer: Renderer, req: ChatRequest, context: list[int],
                   params: SamplingParams, key: str | None,
-                  answers: bool = True) -> list[tuple[Choice, Sample, ParsedTurn]]:
+                  answers: bool = True) -> tuple[list[tuple[Choice, Sample, ParsedTurn]], bool]:
     """Sample ``req.n`` choices for ``context``: per choice the reply, its sample and its parse
-    (for the recorder). Cancelled when the client disconnects.
+    (for the recorder), and whether the client left while they were sampled.
+
+    A client that leaves before sampling began cancels the request (499). One that leaves
+    during sampling: the batch finishes anyway; a session call (``key``) waits for its
+    samples, so the recorder keeps them, and returns with ``left`` true; a call without a
+    session is cancelled (499; nothing is recorded).
 
     Raises:
         ServeError: 499 the client disconnected; 503 the server is shutting down.
     """
-    job = asyncio.ensure_future(state.batcher.sample([context] * req.n, params, key, req.seed))
-    while not job.done():
-        await asyncio.wait({job}, timeout=DISCONNECT_POLL_S)
-        if not job.done() and await request.is_disconnected():
-            job.cancel()
-            raise ServeError(499, "the client closed the connection")
     try:
-        samples = job.result()
+        job = state.batcher.submit([context] * req.n, params, key, req.seed)
+    except RuntimeError as e:
+        raise ServeError(503, str(e), None, "shutting_down") from None
+    waiting = asyncio.ensure_future(job.result())
+    left = False
+    while not waiting.done():
+        await asyncio.wait({waiting}, timeout=DISCONNECT_POLL_S)
+        if not waiting.done() and not left and await request.is_disconnected():
+            if key is None or not job.started:
+                job.cancel()
+                waiting.cancel()
+                raise ServeError(499, "the client closed the connection")
+            left = True  # sampled already: wait for it, so it is recorded
+    try:
+        samples = waiting.result()
     except RuntimeError as e:
         raise ServeError(503, str(e), None, "shutting_down") from None
     out = []
@@ -295,7 +317,7 @@ async def _sample(state: ServeState, request: Request, renderer: Renderer, req: 
         ch = Choice(parsed.message, finish, list(s.output_ids), list(s.logprobs),
                     [tok.decode([i], skip_special_tokens=False) for i in s.output_ids])
         out.append((ch, s, parsed))
-    return out
+    return out, left
 
 
 def _cut_at_stop(sample: Sample, stops: list[str], tokenizer) -> tuple[Sample, bool]:

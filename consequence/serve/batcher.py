@@ -10,8 +10,10 @@ the same sample; the others share the batcher's generator.
 
 Sampling runs in one worker thread, so the event loop keeps serving while the model
 works. A request whose client went away before its batch started is dropped from it; one
-that leaves during sampling finishes with the batch and its result is discarded, so no
-batch waits on a client.
+that leaves during sampling finishes with the batch, so no batch waits on a client: its
+result is discarded when the request is cancelled, or kept when the caller waits for it
+(:meth:`Batcher.submit`, :attr:`Job.started`: the session recorder keeps every sampled
+reply, docs/agents.md §5).
 """
 
 from __future__ import annotations
@@ -39,6 +41,38 @@ class _Request:
     key: Hashable | None  # the session whose K/V may be reused, or None
     seed: int | None
     future: asyncio.Future = field(default=None)  # type: ignore[assignment]
+    started: bool = False  # taken into a batch: its sample will exist whatever the client does
+
+
+@dataclass
+class Job:
+    """The queued requests of one call (:meth:`Batcher.submit`)."""
+
+    requests: list[_Request]
+
+    @property
+    def started(self) -> bool:
+        """Some of its requests are being (or were) sampled."""
+        return any(r.started for r in self.requests)
+
+    async def result(self) -> list[Sample]:
+        """One sample per prompt, in order.
+
+        Raises:
+            RuntimeError: the batcher stopped (the server is shutting down) or the batch failed.
+            asyncio.CancelledError: cancelled; its requests are then dropped (not yet in a
+                batch) or their samples discarded.
+        """
+        try:
+            return list(await asyncio.gather(*(r.future for r in self.requests)))
+        except asyncio.CancelledError:
+            self.cancel()
+            raise
+
+    def cancel(self) -> None:
+        """Drop its requests that wait for a batch; discard the samples of those in one."""
+        for r in self.requests:
+            r.future.cancel()
 
 
 @dataclass
@@ -108,6 +142,16 @@ class Batcher:
             RuntimeError: the batcher is stopped.
             asyncio.CancelledError: the caller was cancelled (the request is dropped or discarded).
         """
+        return await self.submit(prompts, params, key, seed).result()
+
+    def submit(self, prompts: list[list[int]], params: SamplingParams, key: Hashable | None = None,
+               seed: int | None = None) -> Job:
+        """Queue one request per prompt (as :meth:`sample`) and return them as a :class:`Job`,
+        whose :attr:`Job.started` tells whether sampling began.
+
+        Raises:
+            RuntimeError: the batcher is stopped.
+        """
         if self._queue is None or self._task is None or self._task.done():
             raise RuntimeError("the server is shutting down")
         loop = asyncio.get_running_loop()
@@ -115,12 +159,7 @@ class Batcher:
                 for k, p in enumerate(prompts)]
         for r in reqs:
             self._queue.put_nowait(r)
-        try:
-            return list(await asyncio.gather(*(r.future for r in reqs)))
-        except asyncio.CancelledError:
-            for r in reqs:
-                r.future.cancel()
-            raise
+        return Job(reqs)
 
     def forget(self, keys: Collection[Hashable]) -> None:
         """Drop the stored K/V of ended sessions."""
@@ -139,6 +178,8 @@ class Batcher:
             live = [r for r in pending if not r.future.done()]
             self.stats.dropped += len(pending) - len(live)
             batch, pending = _take_batch(live, self.max_batch)
+            for r in batch:  # set on the event loop, before it yields: a caller sees it or can still drop r
+                r.started = True
             if batch:
                 await self._run(batch)
 

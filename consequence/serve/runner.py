@@ -146,8 +146,9 @@ def run_agent_episodes(agent: Callable, model, renderer: Renderer, specs: Sequen
             episode ends as ``env_error``.
 
     Returns:
-        (trajectories, stats): ``agent_prefix_breaks`` (calls whose history did not continue
-        the sampled reply: each starts a new training row), ``agent_calls``,
+        (trajectories, stats): ``agent_prefix_breaks`` (calls that started a new training
+        row after their session's first: a retry, an unused or edited reply, each with its
+        reason in ``Session.breaks``; rows = 1 + breaks per episode with calls), ``agent_calls``,
         ``agent_batches`` (``generate`` calls that sampled them); counts, so rounds add up.
 
     Raises:

@@ -1,4 +1,4 @@
-"""The recorder: one trajectory per session, with the prefix rule (docs/agents.md).
+"""The recorder: one trajectory per session, with the prefix rule (docs/agents.md §3).
 
 Every call of a session is kept as a :class:`~consequence.records.ModelCall`: the exact
 context ids the renderer built, the sampled ids and the sampler's log-probs. The context
@@ -15,12 +15,29 @@ of a call is built the way the in-process harness builds it (``rollout.episodes`
   sampled ids: the observation ids then start with it, so the turn is closed as the
   template closes it, and it is context, not a target;
 * anything else (the agent edited, dropped or reordered an earlier turn, changed a reply's
-  content or calls, or the template re-renders history differently): a **prefix
-  break**. (Re-serialised tool-call arguments are not a change: they are compared as
-  parsed JSON.) The context is the
-  renderer's prompt ids of the messages as sent, so the call starts a new training row
-  (``records.trajectory_to_rows``) in which the earlier turns are context, never targets;
-  ``Session.prefix_breaks`` counts it.
+  content or calls, or the template re-renders history differently): the renderer's
+  prompt ids of the messages as sent. (Re-serialised tool-call arguments are not a
+  change: they are compared as parsed JSON.)
+
+**Rows and breaks.** ``records.trajectory_to_rows`` appends a call to the previous call's
+row when its context extends that row, else starts a new row. A call continues the row
+only when it continues the session's *last recorded* call; the observation ids are then
+set on that call, when the continuing call is recorded (never before: a call that is
+refused or never sampled leaves no trace), or when the template renders its messages to
+that call's context and sampled ids exactly. Every other call after the first starts a
+new row and is a **prefix break**, counted with its reason in :attr:`Session.breaks`:
+
+* a retry (the client did not use the last reply: it timed out or gave up on it; the
+  server still finished sampling that reply and recorded it, with no observation);
+* a call that continues an earlier call than the last (the last reply was not used);
+* a further choice of an ``n`` > 1 request (each starts its own row);
+* an edited history, or a template that re-renders the earlier turns.
+
+So for every session ``rows == 1 + breaks`` (0 rows for 0 calls): :meth:`Session.record`
+checks it after every call against ``trajectory_to_rows`` and raises
+:class:`RecorderError` when it fails. Each row's targets are exactly sampled ids with
+the sampler's log-probs (ratio = 1); a reply the client never received stays a target of
+its row (it was sampled from μ like any other) and nothing is appended after it.
 """
 
 from __future__ import annotations
@@ -31,7 +48,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from consequence.harness.renderer import ParsedTurn, Renderer
-from consequence.records import ModelCall, Trajectory
+from consequence.records import ModelCall, Trajectory, trajectory_to_rows
+
+
+class RecorderError(RuntimeError):
+    """The session's record breaks its invariant ``rows == 1 + prefix breaks`` (a bug of the recorder)."""
 
 
 @dataclass
@@ -41,6 +62,28 @@ class _Sampled:
     history: list[dict[str, Any]]  # the normalised messages of the call
     message: dict[str, Any]  # the assistant message returned (harness shape)
     call: ModelCall
+    index: int  # its position in ``trajectory.calls``
+
+
+@dataclass
+class CallContext:
+    """The context of one request of a session (:meth:`Session.context_for`), to record its choices with.
+
+    Attributes:
+        ids: the context token ids (int), the model's input.
+        continues: the candidate whose reply the messages continue (``None``: none).
+        observation_ids: the ids the template adds after that reply (when ``continues``).
+        retry_of: index in ``trajectory.calls`` of the call whose messages these repeat.
+        reason: why the messages continue no earlier reply (for the break), else ``None``.
+        recorded: choices of this request recorded so far (the second is an ``n`` > 1 sibling).
+    """
+
+    ids: list[int]
+    continues: _Sampled | None = None
+    observation_ids: list[int] = field(default_factory=list)
+    retry_of: int | None = None
+    reason: str | None = None
+    recorded: int = 0
 
 
 @dataclass
@@ -50,7 +93,8 @@ class Session:
     Attributes:
         id: the session id (from the URL ``/s/{id}/v1/...`` or the ``X-Session-Id`` header).
         trajectory: the recorded calls (``trajectory.calls``) and the readable messages.
-        prefix_breaks: calls whose history did not continue an earlier sampled reply.
+        breaks: one ``{"call": index in trajectory.calls, "reason": text}`` per call that
+            started a new training row (module doc); ``prefix_breaks`` is their number.
         episode: the environment episode bound to the session by the agent-runner
             (``serve.episode.BoundEpisode``), else ``None``.
         candidates: every sampled choice of the session, oldest first (a later call may
@@ -61,20 +105,25 @@ class Session:
 
     id: str
     trajectory: Trajectory
-    prefix_breaks: int = 0
+    breaks: list[dict[str, Any]] = field(default_factory=list)
     episode: Any = None
     candidates: list[_Sampled] = field(default_factory=list)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
-    def context_for(self, messages: list[dict[str, Any]], renderer: Renderer) -> list[int]:
-        """The context ids of a call with ``messages`` (the prefix rule of the module doc).
+    @property
+    def prefix_breaks(self) -> int:
+        """Calls that started a new training row after the first (``agent_prefix_breaks``)."""
+        return len(self.breaks)
 
-        Sets the continued call's ``observation_ids`` (when not set yet) and counts a
-        prefix break when the messages continue no earlier reply of this session.
+    def context_for(self, messages: list[dict[str, Any]], renderer: Renderer) -> CallContext:
+        """The context of a call with ``messages`` (the prefix rule of the module doc).
+
+        Changes nothing: the continued call's observation ids and a break are recorded by
+        :meth:`record`, once the call is sampled.
         """
         for s in reversed(self.candidates):
             if messages == s.history:  # the same call again (a retry): the same context ids
-                return list(s.call.context_ids)
+                return CallContext(list(s.call.context_ids), retry_of=s.index)
             n = len(s.history)
             new = messages[n + 1:]
             if (len(messages) > n + 1 and messages[:n] == s.history and _same_reply(messages[n], s.message)
@@ -82,39 +131,112 @@ class Session:
                 try:
                     obs = renderer.observation_ids(s.history, s.message, new)
                 except ValueError:  # the template re-renders earlier turns: the context cannot extend
-                    break
+                    return CallContext(renderer.prompt_ids(messages), reason=(
+                        "the chat template renders the earlier turns differently once the new messages are added"))
                 if not s.call.output_ids or s.call.output_ids[-1] not in renderer.stop_ids:
                     obs = [renderer.eot_id] + obs  # a reply cut by max_tokens or a stop string: close the turn
-                if not s.call.observation_ids:
-                    s.call.observation_ids = list(obs)
-                return s.call.context_ids + s.call.output_ids + obs
-        if self.trajectory.calls:
-            self.prefix_breaks += 1
-        return renderer.prompt_ids(messages)
+                return CallContext(s.call.context_ids + s.call.output_ids + obs, s, list(obs))
+        return CallContext(renderer.prompt_ids(messages), reason=(
+            "the messages continue no earlier reply of the session (an earlier turn was edited, dropped or "
+            "reordered, or a reply's content or tool calls changed)"))
 
-    def record(self, messages: list[dict[str, Any]], context: list[int], sample: Any,
+    def record(self, messages: list[dict[str, Any]], context: CallContext, sample: Any,
                parsed: ParsedTurn) -> ModelCall:
         """Keep one sampled choice as a call of the trajectory (and as a candidate to continue).
 
+        Sets the observation ids of the call it continues when that is the last recorded
+        call; otherwise, after the first call, counts a prefix break with its reason.
+
         Args:
             messages: the normalised messages of the call.
-            context: its context ids (:meth:`context_for`).
+            context: its context (:meth:`context_for`); each choice of the request is
+                recorded with the same one.
             sample: the sampler's ``Sample`` (output ids, log-probs, stop reason, supports).
             parsed: ``Renderer.parse`` of the sample.
+
+        Raises:
+            RecorderError: the record no longer has ``1 + prefix_breaks`` training rows.
         """
+        calls = self.trajectory.calls
+        index, last = len(calls), len(calls) - 1
+        reason = None
+        if context.recorded:
+            first = index - context.recorded
+            reason = (f"calls[{index}] is choice {context.recorded} of the request of calls[{first}] (n > 1): each "
+                      "further choice starts its own row")
+        elif not calls:
+            pass  # the first call starts the first row
+        elif context.continues is not None and context.continues.index == last:
+            calls[last].observation_ids = list(context.observation_ids)  # the reply was used: the row goes on
+        elif context.continues is not None:
+            reason = (f"calls[{index}] continues calls[{context.continues.index}], not the last call: the client did "
+                      f"not use the reply of calls[{last}] (timed out or abandoned)")
+        elif context.retry_of is not None:
+            reason = (f"calls[{index}] repeats the messages of calls[{context.retry_of}] (a retry): the client did not "
+                      f"use the reply of calls[{context.retry_of}] (timed out or abandoned)")
+        else:
+            reason = f"calls[{index}]: {context.reason}"
+        if reason is not None and not context.recorded and calls:
+            done = calls[last].context_ids + calls[last].output_ids
+            if context.ids[:len(done)] == done:  # re-rendered to exactly the sampled ids: the row goes on
+                calls[last].observation_ids, reason = context.ids[len(done):], None
+        context.recorded += 1
         keep = getattr(sample, "keep_ids", None)
-        call = ModelCall(context_ids=list(context), output_ids=list(sample.output_ids),
+        call = ModelCall(context_ids=list(context.ids), output_ids=list(sample.output_ids),
                          sample_logprobs=list(sample.logprobs), stop_reason=sample.stop_reason,
                          tool_calls=parsed.tool_calls, parse_error=parsed.parse_error,
                          keep_ids=None if keep is None else [list(k) for k in keep])
-        self.trajectory.calls.append(call)
-        self.candidates.append(_Sampled(list(messages), parsed.message, call))
+        calls.append(call)
+        if reason is not None:
+            self.breaks.append({"call": index, "reason": reason})
+        self.candidates.append(_Sampled(list(messages), parsed.message, call, index))
         self.trajectory.messages = list(messages) + [parsed.message]
+        self.check_rows()
         return call
 
+    def check_rows(self) -> None:
+        """The invariant of the record: ``trajectory_to_rows`` makes ``1 + prefix_breaks``
+        rows (none for a session without calls), so every row after the first is a counted
+        break with its reason. Costs one pass over the session's ids.
+
+        Raises:
+            RecorderError: naming the counts, the calls that start rows and the breaks.
+        """
+        check_rows(self.trajectory, self.breaks, self.id)
+
     def record_dict(self) -> dict[str, Any]:
-        """The trajectory as plain data plus ``prefix_breaks`` (``GET /s/{id}/record``)."""
-        return self.trajectory.to_dict() | {"prefix_breaks": self.prefix_breaks}
+        """The trajectory as plain data plus ``prefix_breaks`` and ``breaks`` (``GET /s/{id}/record``)."""
+        return self.trajectory.to_dict() | {"prefix_breaks": self.prefix_breaks,
+                                            "breaks": [dict(b) for b in self.breaks]}
+
+
+def check_rows(trajectory: Trajectory, breaks: list[dict[str, Any]], name: str = "") -> None:
+    """Check that ``trajectory``'s calls make ``1 + len(breaks)`` training rows
+    (``records.trajectory_to_rows``; 0 rows and no breaks for no calls), and that the
+    breaks name exactly the calls that start a row after the first.
+
+    Args:
+        trajectory: a session's record.
+        breaks: its ``{"call": int, "reason": str}`` entries (:attr:`Session.breaks`).
+        name: the session id, for the message.
+
+    Raises:
+        RecorderError: the counts or the calls differ.
+    """
+    calls = trajectory.calls
+    starts: list[int] = []  # the calls that start a row, by the rule of trajectory_to_rows (for the message)
+    row: list[int] = []
+    for k, c in enumerate(calls):
+        if not (k and len(c.context_ids) >= len(row) and c.context_ids[:len(row)] == row):
+            starts.append(k)
+        row = c.context_ids + c.output_ids + c.observation_ids  # the row's ids after call k, either way
+    rows = len(trajectory_to_rows(trajectory)) if calls else 0
+    counted = [b["call"] for b in breaks]
+    if rows != (1 + len(breaks) if calls else len(breaks)) or counted != starts[1:]:
+        raise RecorderError(
+            f"session {name!r}: its {len(calls)} calls make {rows} training rows (new rows at calls {starts}) but "
+            f"{len(breaks)} prefix breaks are counted (at calls {counted}); every row after the first must be a "
+            "counted break (consequence.serve.sessions; a bug of the recorder, please report it)")
 
 
 def _same_reply(sent: dict[str, Any], returned: dict[str, Any]) -> bool:
@@ -124,8 +246,6 @@ def _same_reply(sent: dict[str, Any], returned: dict[str, Any]) -> bool:
         return False
     calls = lambda m: [(c["function"]["name"], c["function"]["arguments"]) for c in m.get("tool_calls") or []]  # noqa: E731
     return (sent.get("content") or "") == (returned.get("content") or "") and calls(sent) == calls(returned)
-
-
 class SessionStore:
     """The open sessions by id (thread-safe)."""
 
