@@ -105,3 +105,37 @@ class BadSums(ReverseEnvironment):
         ep = HintEpisode(task)
         ep.step = lambda action: ("", 1.0, True, False, {"reward_components": {"accuracy": 0.5}})
         return ep
+
+
+class ParityEpisode:
+    """Any reply ends the episode; reward 1 when it is a ``read_code`` call."""
+
+    def __init__(self, task):
+        self.task = task
+
+    def reset(self, seed=None, options=None):
+        return f"Say something about {self.task.word}.", {}
+
+    def step(self, action):
+        win = float(action.get("name") == "read_code")
+        return "", win, True, False, {"reward_components": {"parity": win}}
+
+
+class ParityEnvironment(Environment):
+    """Mixed groups from the bundled warm start (its first call is ``run_tests`` or
+    ``read_code``, about half and half), so that tiny runs take real optimizer steps in
+    subprocesses, where no test can wrap the reward."""
+
+    name = "parity"
+    system_prompt = "Answer briefly."
+    # the repair task's tool names, which the bundled warm start calls: any valid call ends the episode
+    tools = [{"type": "function", "function": {"name": n, "description": n, "parameters": {"type": "object", "properties": {}}}}
+             for n in ("run_tests", "read_code", "finish")]
+    reward_components = ("parity",)
+
+    def load_splits(self, split_seed):
+        ws = [Word(f"w{i}", f"p{i}", w) for i, w in enumerate(("abc", "de", "fgh", "ij", "kl", "mno"))]
+        return {"train": ws[:4], "validation": ws[4:5], "test": ws[5:]}
+
+    def make_episode(self, task):
+        return ParityEpisode(task)

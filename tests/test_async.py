@@ -49,11 +49,11 @@ def test_batches_done_reads_consumed_and_dropped_batches():
 
 def test_worker_threads_share_the_cores_among_concurrent_batches():
     base = dict(rollout_workers=4)
-    assert worker_threads(TrainConfig(**base), 8) == (8, 8)  # k = 0: one batch at a time, every core (as sync)
-    assert worker_threads(TrainConfig(**base, max_staleness=1), 8) == (4, 8)  # 2 batches at once
-    assert worker_threads(TrainConfig(**base, max_staleness=9), 8) == (2, 8)  # 4 batches at once
-    assert worker_threads(TrainConfig(rollout_workers=1, max_staleness=1), 2) == (2, 2)
-    assert worker_threads(TrainConfig(**base, ray_address="auto"), 8) == (1, 8)
+    assert worker_threads(TrainConfig(**base), 8) == 8  # k = 0: one batch at a time, every core (as sync)
+    assert worker_threads(TrainConfig(**base, max_staleness=1), 8) == 4  # 2 batches at once
+    assert worker_threads(TrainConfig(**base, max_staleness=9), 8) == 2  # 4 batches at once
+    assert worker_threads(TrainConfig(rollout_workers=1, max_staleness=1), 2) == 2
+    assert worker_threads(TrainConfig(**base, ray_address="auto"), 8) == 1
 
 
 # ---- a scripted Ray --------------------------------------------------------------------
@@ -82,14 +82,20 @@ class FakeRay:
 
     def __init__(self, durations=None, die=()):
         self.now, self.durations, self.die = 0.0, durations or {}, list(die)
-        self.started, self.killed, self.max_in_flight = [], 0, 0
+        self.started, self.killed, self.max_in_flight, self.options = [], 0, 0, []
 
     def is_initialized(self):
         return True
 
     def remote(self, num_cpus):
-        return lambda cls: SimpleNamespace(options=lambda **kw: SimpleNamespace(
-            remote=lambda *args: FakeActor(self, cls(*args))))
+        def actor_class(cls):
+            def options(**kw):
+                self.options.append(kw)
+                return SimpleNamespace(remote=lambda *args: FakeActor(self, cls(*args)))
+
+            return SimpleNamespace(options=options)
+
+        return actor_class
 
     def put(self, obj):
         return obj
@@ -167,6 +173,22 @@ def test_k0_runs_one_batch_at_a_time_with_the_newest_weights():
     assert [(m["batch"], m["sampled_version"]) for m in ms] == [(0, 0), (1, 1), (2, 2), (3, 3)]
     assert ray.started == [(0, 0), (1, 1), (2, 2), (3, 3)] and ray.max_in_flight == 1
     assert all(m["lag_histogram"] == {"0": 2} and m["dropped_batches"] == [] for m in ms)
+
+
+def test_the_trainer_keeps_its_threads_and_workers_start_with_theirs(monkeypatch):
+    """torch.set_num_threads also turns MKL's dynamic threading off (ATen), which may change
+    float results: the trainer must never call it, and a worker gets its threads from the
+    environment it starts with, so that k = 0 computes as the synchronous loop."""
+    calls = []
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: calls.append(n))
+    ray = FakeRay()
+    s = _scheduler(1, 0, ray)
+    _run(s, ray, 2)
+    s.close()
+    assert calls == []
+    cores = torch.get_num_threads()
+    assert ray.options == [{"scheduling_strategy": "SPREAD",
+                            "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(cores), "MKL_NUM_THREADS": str(cores)}}}]
 
 
 def test_k1_one_worker_samples_the_next_batch_during_the_update():

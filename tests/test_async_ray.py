@@ -16,7 +16,9 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from rich.console import Console
+from safetensors.torch import load_file
 
 from consequence.config import TrainConfig
 from consequence.records import read_trajectories
@@ -55,6 +57,36 @@ def test_k0_with_one_worker_reproduces_the_synchronous_run(tmp_path):
         assert [strip(t) for t in ts] == [strip(t) for t in ta]
     manifest = json.loads((tmp_path / "async" / "manifest.json").read_text())
     assert manifest["rollout_workers"][0]["workers"] == 1 and manifest["rollout_workers"][0]["unconsumed_batches"] == 0
+
+
+def test_k0_reproduces_the_synchronous_run_after_optimizer_steps_with_default_threads(tmp_path):
+    """As above, but in fresh processes with torch's default threads (conftest pins this
+    process to 1) and an optimizer step in every iteration: the scheduler must not touch
+    the trainer's threads, and the worker must compute as the trainer (worker_runtime_env)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "RAY_ADDRESS")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests")])
+    args = ["train", "--model", str(BUNDLED), "--env", "env_fixtures:ParityEnvironment", "--iterations", "3",
+            "--tasks-per-iteration", "2", "--group-size", "4", "--eval-every", "0", "--final-eval-episodes", "0",
+            "--max-turns", "1", "--max-new-tokens", "24", "--skip-checks"]
+    for name, extra in (("sync", []), ("async", ["--rollout-workers", "1"])):
+        out = subprocess.run([sys.executable, "-c", "from consequence.cli import app; app()", *args, *extra,
+                              "--run-dir", str(tmp_path / name)], env=env, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    sync, asyn = _metrics(tmp_path / "sync"), _metrics(tmp_path / "async")
+    assert [m["optimizer_steps_taken"] for m in sync] == [1.0, 1.0, 1.0]  # every iteration moved the weights
+    for s, a in zip(sync, asyn, strict=True):
+        assert {k: s[k] for k in s.keys() - TIMINGS} == {k: a[k] for k in s.keys() - TIMINGS}
+    for it in range(3):
+        name = f"trajectories/iter_{it:04d}.parquet"
+        ts, ta = read_trajectories(tmp_path / "sync" / name), read_trajectories(tmp_path / "async" / name)
+        strip = lambda t: {k: v for k, v in t.to_dict().items() if k != "wall_time_s"}  # noqa: E731
+        assert [strip(t) for t in ts] == [strip(t) for t in ta]
+    w = [load_file(tmp_path / run / "checkpoints" / "final" / "model.safetensors") for run in ("sync", "async")]
+    assert w[0].keys() == w[1].keys() and all(torch.equal(w[0][k], w[1][k]) for k in w[0])
+    manifest = json.loads((tmp_path / "async" / "manifest.json").read_text())
+    trainer_threads = json.loads(subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
+                                                env=env, capture_output=True, text=True).stdout)
+    assert [w["threads"] for w in manifest["rollout_workers"][0]["where"]] == [trainer_threads]
 
 
 def test_two_workers_with_staleness_and_a_dying_worker_finish_with_the_report(tmp_path):

@@ -28,7 +28,7 @@ from consequence.config import TrainConfig
 from consequence.scale.staleness import lag, lag_metrics, may_start
 from consequence.scale.worker import RolloutWorker, trainable_state
 
-__all__ = ["AsyncRollouts", "RolloutError", "batches_done", "worker_threads"]
+__all__ = ["AsyncRollouts", "RolloutError", "batches_done", "worker_runtime_env", "worker_threads"]
 
 MAX_ATTEMPTS = 3  # runs of one batch (a worker died under it) before the run stops
 
@@ -57,8 +57,8 @@ class _Job:
     attempt: int
 
 
-def worker_threads(cfg: TrainConfig, cores: int | None = None) -> tuple[int, int]:
-    """Torch threads of (each rollout worker, the trainer) while workers run.
+def worker_threads(cfg: TrainConfig, cores: int | None = None) -> int:
+    """Torch threads of each rollout worker.
 
     On a local instance the trainer's threads (``cores``, default ``torch.get_num_threads()``)
     are the machine's share: the c = min(N, k + 1) batches that can run at once split them,
@@ -70,8 +70,21 @@ def worker_threads(cfg: TrainConfig, cores: int | None = None) -> tuple[int, int
     """
     cores = cores or torch.get_num_threads()
     if cfg.ray_address:
-        return 1, cores
-    return max(1, cores // min(cfg.rollout_workers, cfg.max_staleness + 1)), cores
+        return 1
+    return max(1, cores // min(cfg.rollout_workers, cfg.max_staleness + 1))
+
+
+def worker_runtime_env(threads: int) -> dict[str, Any]:
+    """The Ray runtime environment of a rollout worker with ``threads`` torch threads.
+
+    The thread count is set through the environment the process starts with
+    (``OMP_NUM_THREADS``, ``MKL_NUM_THREADS``; Ray would set 1) rather than by calling
+    ``torch.set_num_threads`` in it: that call also switches MKL's dynamic threading off
+    (ATen's ``set_num_threads``), which may change float results, so a worker would no
+    longer compute bit for bit as the trainer, which never calls it. Neither process calls
+    it, and with k = 0 the worker's rollouts are the synchronous loop's.
+    """
+    return {"env_vars": {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}}
 
 
 def batches_done(history: list[dict[str, Any]]) -> set[int]:
@@ -119,9 +132,8 @@ class AsyncRollouts:
         self.attempts: dict[int, int] = {}
         self.version, self.state_ref = -1, None
         self.reruns = 0
-        self.trainer_threads = torch.get_num_threads()  # restored by close()
-        self.threads, trainer = worker_threads(cfg, self.trainer_threads)
-        torch.set_num_threads(trainer)
+        # the trainer's threads are left as they are (worker_runtime_env says why)
+        self.threads = worker_threads(cfg)
         self.actor_cls = ray.remote(num_cpus=1)(worker_cls)
         self.workers = [self._start_worker(i) for i in range(cfg.rollout_workers)]
         self.where = self._wait_ready(list(range(cfg.rollout_workers)))
@@ -141,7 +153,7 @@ class AsyncRollouts:
                                "pass the address it prints, or drop --ray-address for a local instance") from e
 
     def _start_worker(self, slot: int):
-        return self.actor_cls.options(scheduling_strategy="SPREAD").remote(
+        return self.actor_cls.options(scheduling_strategy="SPREAD", runtime_env=worker_runtime_env(self.threads)).remote(
             self.cfg, self.model_path, self.threads, slot, sys.path)
 
     def _wait_ready(self, slots: list[int]) -> dict[int, dict[str, Any]]:
@@ -181,7 +193,6 @@ class AsyncRollouts:
         self.finished.clear()
         if self._own_ray and self._ray.is_initialized():
             self._ray.shutdown()
-        torch.set_num_threads(self.trainer_threads)  # the final evaluation has the machine again
         return {"unconsumed_batches": unconsumed}
 
     # ---- weights ------------------------------------------------------------------------

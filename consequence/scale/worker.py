@@ -65,7 +65,8 @@ class RolloutWorker:
         from consequence.policy.tiny import load_policy
         from consequence.rollout.episodes import Budgets
 
-        torch.set_num_threads(max(1, threads))
+        if torch.get_num_threads() != threads:  # started by the scheduler with these threads already
+            torch.set_num_threads(max(1, threads))  # (scheduler.worker_runtime_env: why not always)
         self.cfg, self.worker_id, self.version = cfg, worker_id, -1
         self.split = env_of(cfg)
         model, tokenizer = load_policy(Path(model_path))
