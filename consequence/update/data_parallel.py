@@ -43,7 +43,6 @@ learner (model + optimizer, copied from rank 0 at the first step and again whene
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import math
 import os
@@ -222,25 +221,21 @@ def data_parallel_gradients(
     tokens = math.fsum(c[0] for c in counts)
     seqs = math.fsum(c[1] for c in counts)
     norm = float(cfg.norm_const) if cfg.norm_const is not None else max(c[2] for c in counts)
-    total, mine = (tokens, local[0]) if cfg.reduction == "token_mean" else (seqs, local[1])
-    scale = mine / total if total > 0 else 0.0
-    gcfg = dataclasses.replace(cfg, norm_const=norm)
     metrics: dict[str, float] | None = None
-    try:
-        metrics = accumulate_gradients(model, rows, advantages_N, gcfg, pad_id, logprob_fn,
-                                       ref_logprobs=ref_logprobs, sampler_logprobs=sampler_logprobs)
-        metrics["loss"] *= scale
+    try:  # every micro-batch divided by the step's global totals: Σ_ranks of the gradients is one process's
+        metrics = accumulate_gradients(model, rows, advantages_N, cfg, pad_id, logprob_fn, ref_logprobs=ref_logprobs,
+                                       sampler_logprobs=sampler_logprobs, totals=(tokens, seqs, norm))
     except Exception as e:  # noqa: BLE001
         own = e
     gathered = col.gather("the shards' metrics and errors",
                           (metrics, None if own is None else _error_info(own, row_ids, col.rank)))
     _raise_agreed([g[1] for g in gathered], col.world, own)
-    _all_reduce_grads(model, scale, col)
+    _all_reduce_grads(model, col)
     return merge_rank_metrics([g[0] for g in gathered])
 
 
-def _all_reduce_grads(model: torch.nn.Module, scale: float, col: _Collective) -> None:
-    """``.grad ← Σ_ranks scale_r · .grad_r`` for every trainable parameter, in flat buckets."""
+def _all_reduce_grads(model: torch.nn.Module, col: _Collective) -> None:
+    """``.grad ← Σ_ranks .grad_r`` for every trainable parameter, in flat buckets."""
     params = [p for p in model.parameters() if p.requires_grad]
     has = torch.tensor([float(p.grad is not None) for p in params], dtype=torch.float32)
     col("all_reduce of which parameters have a gradient", dist.all_reduce, has)
@@ -254,8 +249,6 @@ def _all_reduce_grads(model: torch.nn.Module, scale: float, col: _Collective) ->
         flat = torch.cat([(p.grad.detach().float() if p.grad is not None
                            else torch.zeros(p.shape, dtype=torch.float32, device=p.device)).reshape(-1)
                           for p in chunk])
-        if scale != 1.0:
-            flat.mul_(scale)
         col(f"all_reduce of the gradients (parameters {start}–{end - 1} of {len(params)})", dist.all_reduce, flat)
         off = 0
         for j, p in enumerate(chunk):

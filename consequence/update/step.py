@@ -247,6 +247,7 @@ def accumulate_gradients(
     ref_logprobs: TokenValues | None = None,
     sampler_logprobs: TokenValues | None = None,
     teacher: torch.nn.Module | None = None,
+    totals: tuple[float, float, float] | None = None,
 ) -> dict[str, float]:
     """Forward/backward the step's micro-batches, ADDING −reduce(objective) gradients to
     ``.grad`` of the model's parameters; no clipping, no optimizer step.
@@ -279,6 +280,11 @@ def accumulate_gradients(
         teacher: the frozen teacher of ``cfg.distill_loss`` (same tokenizer); its logits
             come without gradient, and the student's from one forward that also gives the
             log-probs (``logprob_fn`` is not called then; full ``[n, S-1, V]`` logits).
+        totals: ``(target tokens, sequences with a target, length constant)`` of the whole
+            optimizer step when ``rows`` are one shard of it (data parallel); default: those
+            of ``rows``. Each micro-batch is divided by the step's own totals, never by a
+            shard's and rescaled afterwards, so a shard's gradient is bit for bit the sum of
+            the same micro-batches' gradients in one process.
 
     Returns:
         metrics: loss (step loss = Σ micro-batch losses), n_tokens (targets that ran),
@@ -299,7 +305,7 @@ def accumulate_gradients(
     if cfg.distill_loss != "none" and teacher is None:
         raise ValueError(f"distill_loss {cfg.distill_loss!r} needs the frozen teacher (teacher=...)")
     adv_all = _check_advantages(rows, advantages_N)
-    total_tokens, total_seqs, norm_const = _step_totals(rows, cfg)
+    total_tokens, total_seqs, norm_const = _step_totals(rows, cfg) if totals is None else totals
     device = next(model.parameters()).device
     live = [i for i in range(len(rows)) if not _contributes_nothing(adv_all[i], cfg)]
     order = sorted(live, key=lambda i: len(rows[i].input_ids))
