@@ -16,7 +16,8 @@ threads:
 
 A fourth row runs the new path with torch's default thread count, to separate the two
 changes (batching across problems; leaving cores to the sandbox). The paths draw different
-samples (the seeds are per batch; docs/evaluation.md), so the timing is per sample. Each
+samples (old: one generator per problem; new: one stream per sample, docs/evaluation.md),
+so the timing is per sample. Each
 path first runs once untimed on 2 problems (sandbox probes, imports). Runs alternate old, old (1 thread), new (``--repeats`` times)
 and the best of each is kept; the report caches are cleared before each run. Prints a table and
 writes ``benchmarks/results/bench_eval.json``.
