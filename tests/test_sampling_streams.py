@@ -100,3 +100,56 @@ def test_an_evaluation_episode_depends_on_its_task_not_on_the_task_list():
         assert [c.output_ids for c in t.calls] == [c.output_ids for c in twin.calls]
         assert t.reward == twin.reward
     assert len({t.seed for t in every}) == len(every)  # every episode its own stream
+
+
+def test_a_finished_row_does_not_advance_its_stream_while_others_decode():
+    """A row that stops early rides along in the batch (sampler.decode) but draws nothing:
+    its stream ends where it would end alone, so the episode's next turn starts from the same
+    state whatever other rows kept the batch going (break-test: `eval --problems 2` vs `4`
+    gave other recovery turns). A tenth of the vocabulary stops, so rows end at different
+    steps, and of 20 rows one or two finished ones stay in the batch (rows leave the batch
+    only once >= 1/8 of it has finished)."""
+    from consequence.policy.tiny import BUNDLED, load_policy
+
+    model, tok = load_policy(BUNDLED)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, len(tok), (n,), generator=g).tolist() for n in range(4, 24)]
+    params = SamplingParams(temperature=1.0, max_new_tokens=16)
+    stop = range(3, 3 + len(tok) // 10)
+    seeds = [seed_of(9, "row", i) for i in range(len(prompts))]
+    streams = _streams(*seeds)
+    batch = generate(model, prompts, params, stop_ids=stop, generator=streams)
+    assert len({len(s.output_ids) for s in batch}) > 1  # rows finished at different steps
+    after_batch = [torch.rand(1, generator=s, dtype=torch.float64).item() for s in streams]
+    for i, seed in enumerate(seeds):
+        alone = _streams(seed)
+        sample = generate(model, [prompts[i]], params, stop_ids=stop, generator=alone)[0]
+        assert sample.output_ids == batch[i].output_ids
+        # one uniform per kept token, nothing more (exact: the same generator, the same calls)
+        assert torch.rand(1, generator=alone[0], dtype=torch.float64).item() == after_batch[i]
+        fresh = _streams(seed)[0]
+        for _ in batch[i].output_ids:
+            torch.rand(1, generator=fresh, dtype=torch.float64)
+        assert torch.rand(1, generator=fresh, dtype=torch.float64).item() == after_batch[i]
+
+
+def test_the_hf_path_also_draws_nothing_for_finished_rows(monkeypatch):
+    """Same property on the HF fallback path (non-Llama architectures)."""
+    from consequence.policy import sampler
+    from consequence.policy.tiny import BUNDLED, load_policy
+
+    monkeypatch.setattr(sampler._FastLlama, "supports", staticmethod(lambda model: False))
+    model, tok = load_policy(BUNDLED)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, len(tok), (n,), generator=g).tolist() for n in (6, 8, 5, 8)]
+    params = SamplingParams(temperature=1.0, max_new_tokens=12)
+    stop = range(3, len(tok) // 2)
+    streams = _streams(*(seed_of(2, "hf", i) for i in range(4)))
+    batch = generate(model, prompts, params, stop_ids=stop, generator=streams)
+    assert len({len(s.output_ids) for s in batch}) > 1
+    for i, s in enumerate(streams):
+        fresh = _streams(seed_of(2, "hf", i))[0]
+        for _ in batch[i].output_ids:
+            torch.rand(1, generator=fresh, dtype=torch.float64)
+        assert torch.rand(1, generator=s, dtype=torch.float64).item() == \
+            torch.rand(1, generator=fresh, dtype=torch.float64).item()

@@ -248,8 +248,9 @@ class _FastLlama:
 
 # A generator for a batch: one torch.Generator shared by every row (its draws depend on the
 # batch's composition), a sequence of one generator per row (row i's draws depend only on row
-# i: one random stream per episode), or None (torch's global RNG).
-Generators = torch.Generator | Sequence[torch.Generator] | None
+# i: one random stream per episode; a None entry marks a finished row that rides along and
+# must not advance any stream), or None (torch's global RNG).
+Generators = torch.Generator | Sequence[torch.Generator | None] | None
 
 
 def draw(probs_BV: torch.Tensor, generator: Generators) -> torch.Tensor:
@@ -259,11 +260,13 @@ def draw(probs_BV: torch.Tensor, generator: Generators) -> torch.Tensor:
     own generator: u_b ~ U[0, 1), token = min{j : Σ_{k≤j} p_bk > u_b · Σ_k p_bk} (the CDF in
     float64). Its value depends only on row b's probabilities and stream, never on which
     other rows share the batch, so a different token in one episode cannot shift the draws
-    of any other. A token of probability 0 is never drawn (its CDF step is empty).
+    of any other. A token of probability 0 is never drawn (its CDF step is empty). A row
+    whose generator is ``None`` (finished, its output ignored) draws nothing: u_b = 0, so
+    no stream advances for a token nobody keeps.
 
     Args:
         probs_BV: [B, V] float, non-negative, each row with a positive sum.
-        generator: see ``Generators``; a sequence must hold exactly B generators.
+        generator: see ``Generators``; a sequence must hold exactly B entries.
 
     Returns:
         [B] long token ids.
@@ -280,17 +283,24 @@ def draw(probs_BV: torch.Tensor, generator: Generators) -> torch.Tensor:
         return torch.multinomial(probs_BV, 1, generator=generator).squeeze(-1)
     if len(generator) != probs_BV.shape[0]:
         raise ValueError(f"draw: {len(generator)} generators for {probs_BV.shape[0]} rows (one per row)")
-    u_B = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generator]).to(probs_BV.device)
+    zero = torch.zeros(1, dtype=torch.float64)
+    u_B = torch.cat([zero if g is None else torch.rand(1, generator=g, dtype=torch.float64)
+                     for g in generator]).to(probs_BV.device)
     cdf_BV = probs_BV.double().cumsum(-1)
     tok = torch.searchsorted(cdf_BV, (u_B * cdf_BV[:, -1])[:, None], right=True).squeeze(-1)
     return tok.clamp_max(probs_BV.shape[-1] - 1)  # u · total < total, so only a guard
 
 
-def _rows(generator: Generators, active: list[int]) -> Generators:
-    """The generators of the batch rows ``active`` (original indices) when there is one per row."""
+def _rows(generator: Generators, active: list[int], done: list[bool]) -> Generators:
+    """The generators of the batch rows ``active`` (original indices) when there is one per row.
+
+    A finished row (``done``) gets ``None``: it still rides in the batch, but its stream must
+    not advance, or the row's next call (the episode's next turn) would start at an offset
+    that depends on how long the other rows of this batch kept it waiting.
+    """
     if generator is None or isinstance(generator, torch.Generator):
         return generator
-    return [generator[i] for i in active]
+    return [None if d else generator[i] for i, d in zip(active, done)]
 
 
 def _pick(logits_BV: torch.Tensor, params: SamplingParams, generator: Generators
@@ -424,7 +434,7 @@ def decode(fast: _FastLlama, logits: torch.Tensor, key_valid: torch.Tensor, next
     done_in_batch = [False] * n
     stop_t = torch.tensor(sorted(stop_ids), dtype=torch.long, device=dev) if stop_ids else None
     for step in range(params.max_new_tokens):
-        tok, lp, keep = _pick(logits, params, _rows(generator, active))
+        tok, lp, keep = _pick(logits, params, _rows(generator, active, done_in_batch))
         tok_l, lp_l = tok.tolist(), lp.tolist()
         if keep is not None and out_keep is None:
             out_keep = [[] for _ in range(n)]
@@ -491,7 +501,7 @@ def _generate_hf(model, prompts, params, stop_ids, generator) -> list[Sample]:
     reason = ["length"] * n
     done = [False] * n
     for step in range(params.max_new_tokens):
-        tok, lp, keep = _pick(logits, params, generator)
+        tok, lp, keep = _pick(logits, params, _rows(generator, list(range(n)), done))
         if keep is not None and out_keep is None:
             out_keep = [[] for _ in range(n)]
         for i, (t, l) in enumerate(zip(tok.tolist(), lp.tolist())):
