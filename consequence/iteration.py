@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from consequence.config import TrainConfig, generation_budget
-from consequence.credit.batch import Batch, assign_credit, credit_rewards, training_rows
+from consequence.credit.batch import Batch, assign_credit, credit_rewards, credited, training_rows
 from consequence.credit.value import ValueModel, explained_variance
 from consequence.policy.logprobs import enable_gradient_checkpointing, token_logprobs
 from consequence.records import Trajectory
@@ -119,7 +119,7 @@ def collect(it: int, cfg: TrainConfig, model, renderer, split, budgets, sampling
                                  it if policy_version is None else policy_version, engine)
         generated += len(groups)
         tokens += sum(t.n_generated_tokens for g in groups for t in g)
-        kept += [g for g in groups if not cfg.dynamic_sampling or _is_mixed(g)]
+        kept += [g for g in groups if not cfg.dynamic_sampling or _is_mixed(g, split.reward_components[0])]
         if len(kept) >= cfg.tasks_per_iteration:
             break
     kept = kept[: cfg.tasks_per_iteration]
@@ -165,11 +165,14 @@ def _roll_out_round(it, r, cfg, model, renderer, split, budgets, sampling, progr
     return list(groups.values())
 
 
-def _is_mixed(group: list[Trajectory]) -> bool:
-    """Whether the group's rewards differ among the members the credit box keeps: an
-    env_error or an episode with no generated token leaves the group (docs/cases.md, case 15),
-    so a group mixed only through one of them carries no group-relative signal."""
-    return len({r for r in credit_rewards(group) if r is not None}) > 1
+def _is_mixed(group: list[Trajectory], primary: str) -> bool:
+    """Whether the group's accuracy differs among the members the credit box keeps (DAPO
+    §3.2: keep a group when 0 < #correct < G): the ``primary`` reward component, the
+    verifier's, not the shaped total, so an overlong penalty or another shaping term that
+    differs among equally right (or equally wrong) answers does not keep the group. An
+    env_error or an episode with no generated token leaves the group (docs/cases.md, case
+    15), so a group mixed only through one of them carries no group-relative signal."""
+    return len({t.reward_components.get(primary, 0.0) for t in group if credited(t)}) > 1
 
 
 # ---- credit box ----------------------------------------------------------------------

@@ -34,7 +34,7 @@ def _traj(sample_id, reward, group="p#0@0", tokens=2, outcome="finished"):
     out = list(range(3, 3 + tokens))
     return Trajectory(task_id=group.split("@")[0], group_id=group, sample_id=sample_id, seed=sample_id,
                       policy_version=0, calls=[ModelCall([1, 2], out, [-0.1] * tokens, "length")],
-                      outcome=outcome, reward=reward)
+                      outcome=outcome, reward=reward, reward_components={"hidden_tests": reward})
 
 
 def _no_call(sample_id, reward=0.0, group="p#0@0"):
@@ -168,9 +168,9 @@ def test_group_metrics_and_dynamic_sampling_see_the_group_without_the_empty_one(
     # two members that sampled, both reward 1, and one empty episode scored 0: not a mixed group
     group = [_traj(0, 1.0), _traj(1, 1.0), _no_call(2, 0.0)]
     assert credit_rewards(group) == [1.0, 1.0, None]
-    assert not _is_mixed(group)  # dynamic sampling drops it: no group-relative signal
+    assert not _is_mixed(group, "hidden_tests")  # dynamic sampling drops it: no group-relative signal
     assert iteration_extras(group)["groups_all_equal"] == 1
-    assert _is_mixed([_traj(0, 1.0), _traj(1, 0.0), _no_call(2, 0.0)])  # negative control
+    assert _is_mixed([_traj(0, 1.0), _traj(1, 0.0), _no_call(2, 0.0)], "hidden_tests")  # negative control
 
 
 def test_the_mask_check_does_not_expect_rows_of_an_empty_trajectory():

@@ -328,3 +328,27 @@ def test_unsupported_settings_are_refused():
         check_supported(TrainConfig(update_ranks=2, gradient_checkpointing=True))
     check_supported(TrainConfig(update_ranks=1, advantage="gae"))
     check_supported(TrainConfig(update_ranks=2))
+
+
+def test_more_ranks_than_cores_are_refused_before_an_earlier_run_is_touched(tmp_path):
+    """Break-test: --update-ranks 1000 was accepted, deleted the earlier run's outputs and kept
+    starting processes. It is refused in the checks, before anything in the run folder moves."""
+    from typer.testing import CliRunner
+
+    from consequence.cli import app
+    from consequence.config import TrainConfig
+    from consequence.update.data_parallel import check_supported, max_update_ranks
+
+    cap = max_update_ranks()
+    assert cap >= 2
+    check_supported(TrainConfig(update_ranks=cap))
+    with pytest.raises(ValueError, match=f"--update-ranks {cap + 1} would start {cap + 1} processes.*use at most {cap}"):
+        check_supported(TrainConfig(update_ranks=cap + 1))
+    run = tmp_path / "run"
+    (run / "trajectories").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"iteration": 0}\n')
+    (run / "trajectories" / "iter_0000.parquet").write_bytes(b"earlier")
+    res = CliRunner().invoke(app, ["train", "--update-ranks", "1000", "--run-dir", str(run), "--iterations", "1"])
+    assert res.exit_code == 2 and "use at most" in res.output, res.output
+    assert (run / "metrics.jsonl").read_text() == '{"iteration": 0}\n'
+    assert (run / "trajectories" / "iter_0000.parquet").read_bytes() == b"earlier"

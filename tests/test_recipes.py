@@ -78,8 +78,12 @@ def test_cli_recipe_errors_exit_before_work(tmp_path):
 def _fake_group(gid: str, rewards):
     """Scored episodes of one sampled token each (an episode with none leaves its group: case 15)."""
     return [Trajectory(task_id=gid, group_id=gid, sample_id=i, seed=i, policy_version=0, reward=r,
-                       calls=[ModelCall([1], [2], [-0.5], "length")])
+                       reward_components={"hidden_tests": r}, calls=[ModelCall([1], [2], [-0.5], "length")])
             for i, r in enumerate(rewards)]
+
+
+class _Split:
+    reward_components = ("hidden_tests",)
 
 
 def test_dynamic_sampling_keeps_mixed_groups_and_reports_counts(monkeypatch):
@@ -89,12 +93,32 @@ def test_dynamic_sampling_keeps_mixed_groups_and_reports_counts(monkeypatch):
     ]
     monkeypatch.setattr(iteration_module, "_roll_out_round", lambda it, r, *a: rounds[r])
     cfg = TrainConfig(tasks_per_iteration=3, dynamic_sampling=True, dynamic_sampling_max_rounds=3)
-    trajs, stats = collect(0, cfg, None, None, None, None, None)
+    trajs, stats = collect(0, cfg, None, None, _Split(), None, None)
     assert [t.group_id for t in trajs] == ["b", "b", "d", "d", "e", "e"]
     assert stats == {"groups_generated": 6, "groups_kept": 3, "groups_dropped": 3, "gen_tokens_total": 12}
     cfg = TrainConfig(tasks_per_iteration=3, dynamic_sampling=True, dynamic_sampling_max_rounds=1)
-    trajs, stats = collect(0, cfg, None, None, None, None, None)  # the limit: train on what was kept
+    trajs, stats = collect(0, cfg, None, None, _Split(), None, None)  # the limit: train on what was kept
     assert stats == {"groups_generated": 3, "groups_kept": 1, "groups_dropped": 2, "gen_tokens_total": 6}
+
+
+def test_dynamic_sampling_reads_accuracy_not_the_shaped_total(monkeypatch):
+    """DAPO §3.2 keeps a group when 0 < #correct < G. Group a: both right, one with an
+    overlong penalty (totals 1.0 and 0.6): the totals differ, the accuracy does not -- dropped.
+    Group b: one right (1.0 - 0.4) and one wrong (0.0) -- kept. Group c: both wrong, one
+    penalised (0.0 and -1.0) -- dropped. On the shaped total all three were kept."""
+    def shaped(gid, accuracy, overlong):
+        group = _fake_group(gid, accuracy)
+        for t, a, o in zip(group, accuracy, overlong):
+            t.reward, t.reward_components = a + o, {"hidden_tests": a, "overlong": o}
+        return group
+
+    rounds = [[shaped("a", [1.0, 1.0], [0.0, -0.4]), shaped("b", [1.0, 0.0], [-0.4, 0.0]),
+               shaped("c", [0.0, 0.0], [0.0, -1.0])]]
+    monkeypatch.setattr(iteration_module, "_roll_out_round", lambda it, r, *a: rounds[r])
+    cfg = TrainConfig(tasks_per_iteration=3, dynamic_sampling=True, dynamic_sampling_max_rounds=1)
+    trajs, stats = collect(0, cfg, None, None, _Split(), None, None)
+    assert [t.group_id for t in trajs] == ["b", "b"]
+    assert stats["groups_kept"] == 1 and stats["groups_dropped"] == 2
 
 
 @pytest.fixture(scope="module")
@@ -146,3 +170,21 @@ def test_every_recipe_trains_one_iteration(name, signal, teacher_dir, tmp_path, 
         assert m["value_loss"] > 0
     if name == "grpo":
         assert m["kl_ref"] >= 0  # k3 ≥ 0; the first step starts at the reference
+
+
+def test_a_folder_named_like_a_bundled_recipe_does_not_shadow_it(tmp_path, monkeypatch):
+    """Break-test: a `grpo/` folder in the working directory made `--recipe grpo` (and every
+    listing that reads all bundled recipes) fail; a bundled name means the bundled recipe."""
+    from consequence.recipes import _bundled_knobs
+
+    monkeypatch.chdir(tmp_path)
+    for name in ALL:
+        (tmp_path / name).mkdir()
+    _bundled_knobs.cache_clear()
+    assert [load_recipe(n).name for n in ALL] == ALL
+    assert "clip_eps_high" in _bundled_knobs()
+    res = CliRunner().invoke(app, ["explain", "grpo", "dapo"])
+    assert res.exit_code == 0 and "clip_eps_high" in res.output
+    (tmp_path / "mine").mkdir()  # a folder that is not a bundled name is still refused clearly
+    with pytest.raises(ValueError, match="mine is a directory, not a recipe name"):
+        load_recipe("mine")

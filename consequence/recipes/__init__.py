@@ -81,7 +81,9 @@ def load_recipe(name_or_path: str | Path) -> Recipe:
         ref = absolute(p)
     else:
         ref, p = str(name_or_path), HERE / f"{name_or_path}.yaml"
-        if Path(name_or_path).is_dir():
+        # a bundled name means the bundled recipe, whatever folder of that name the working
+        # directory holds (a user's `grpo/` of outputs must not break `--recipe grpo`)
+        if str(name_or_path) not in recipe_names() and Path(name_or_path).is_dir():
             raise ValueError(f"{name_or_path} is a directory, not a recipe name or recipe .yaml file; "
                              f"bundled recipes: {', '.join(recipe_names())}")
         if not p.is_file():

@@ -367,17 +367,27 @@ def check_replicas_equal(model: torch.nn.Module, group=None) -> None:
 
 
 # ---- the trainer's side: rank 0 and its rank processes -----------------------------------
+def max_update_ranks() -> int:
+    """The most ``--update-ranks`` this machine runs: one rank per usable CPU core, 2 at least."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(2, cores)
+
+
 def check_supported(cfg: Any) -> None:
     """Refuse training settings ``--update-ranks > 1`` does not run data-parallel.
 
     Raises:
-        ValueError: a critic (``--advantage gae``), a teacher (``--teacher``,
+        ValueError: more ranks than ``max_update_ranks()``; a critic (``--advantage gae``), a teacher (``--teacher``,
             ``--distill-loss``, ``--advantage reverse_kl``), ``--gradient-checkpointing``
             or ``--lora-rank``; the message says what to change.
     """
     n = getattr(cfg, "update_ranks", 1)
     if n <= 1:
         return
+    if n > (cap := max_update_ranks()):
+        raise ValueError(f"--update-ranks {n} would start {n} processes on loopback, each with a copy of the policy "
+                         f"and optimizer, on a machine with {os.cpu_count()} CPU cores; use at most {cap} "
+                         "(one rank per core; 2 at least, to test data parallelism)")
     fix = "; use --update-ranks 1 for it"
     if cfg.advantage == "gae":
         raise ValueError(f"--update-ranks {n} with --advantage gae is not supported: the critic's value step "
