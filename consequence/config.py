@@ -159,6 +159,22 @@ class TrainConfig(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
+    def _no_yes_no_for_numbers(cls, data):
+        """A YAML ``true`` / ``false`` for a number (``overlong_buffer: true``) is refused, not
+        read as 1 / 0: pydantic would accept it silently, and 1 token is not what was meant."""
+        if not isinstance(data, dict):
+            return data
+        for key, value in data.items():
+            field = cls.model_fields.get(key)
+            if isinstance(value, bool) and field is not None and field.annotation in (int, float, int | None,
+                                                                                     float | None):
+                kind = "a whole number" if field.annotation in (int, int | None) else "a number"
+                raise ValueError(f"{key}: {str(value).lower()} is a yes/no, but {key} takes {kind} "
+                                 f"(default {field.default}); give {kind}, see `consequence train --help`")
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
     def _env_shorthands(cls, data):
         """``tasks`` is an older name of ``env``; an ``env`` that is a .jsonl path means jsonl on that file."""
         if not isinstance(data, dict):

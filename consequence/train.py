@@ -21,6 +21,8 @@ import errno
 import functools
 import json
 import os
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -91,7 +93,7 @@ def run_ending(e: BaseException | None) -> tuple[str, str | None]:
     ``(status, stop_reason)``, one of
 
     - ``finished``: the run returned (final checkpoint, evaluation, report written); no reason;
-    - ``interrupted``: Ctrl-C / SIGINT (KeyboardInterrupt);
+    - ``interrupted``: Ctrl-C / SIGINT (KeyboardInterrupt), or SIGTERM (:class:`Terminated`);
     - ``stopped``: a clean stop the run foresees, resumable once the cause is gone: a failed
       pre-step check, a NaN / ±inf in an update, the rollout workers' error, a failed write
       (disk full, read-only, ...: :data:`WRITE_ERRNOS`);
@@ -103,6 +105,8 @@ def run_ending(e: BaseException | None) -> tuple[str, str | None]:
     """
     if e is None:
         return "finished", None
+    if isinstance(e, Terminated):
+        return "interrupted", "terminated (SIGTERM)"
     if isinstance(e, KeyboardInterrupt):
         return "interrupted", "interrupted (Ctrl-C / SIGINT)"
     if isinstance(e, (PreStepCheckError, FloatingPointError, RolloutError)) or (
@@ -111,6 +115,15 @@ def run_ending(e: BaseException | None) -> tuple[str, str | None]:
     if isinstance(e, ValueError):
         return "refused", str(e)
     return "failed", f"{type(e).__name__}: {e}"
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a job scheduler's stop, ``kill``, a container shutdown) during a run: handled
+    like Ctrl-C, so the run ends ``interrupted`` and resumable instead of dying as ``running``."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated()
 
 
 class _Ending:
@@ -124,11 +137,16 @@ class _Ending:
 
     def __init__(self, run: Path):
         self.run, self.opened = run, False
+        self._sigterm = None
 
     def __enter__(self) -> _Ending:
+        if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
+            self._sigterm = signal.signal(signal.SIGTERM, _raise_terminated)
         return self
 
     def __exit__(self, kind, e, tb) -> bool:
+        if self._sigterm is not None:
+            signal.signal(signal.SIGTERM, self._sigterm)
         if self.opened:
             status, reason = run_ending(e)
             # "finished" must not be lost silently: a failed write there raises (and is a stopped run)

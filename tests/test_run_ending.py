@@ -119,3 +119,24 @@ def test_an_error_before_the_manifest_is_written_leaves_an_earlier_runs_manifest
         ending.opened = True
         raise ValueError("bad template")
     assert _manifest(tmp_path) == {"status": "refused", "config": {}, "stop_reason": "bad template"}
+
+
+def test_sigterm_ends_a_run_interrupted_not_running(tmp_path):
+    """Break-test: SIGTERM (a scheduler's stop) left manifest.json at ``running``. It is
+    handled like Ctrl-C: the run ends ``interrupted`` (resumable), and the handler before the
+    run is back afterwards."""
+    import os
+    import signal
+
+    from consequence.train import Terminated, _Ending, run_ending
+
+    assert run_ending(Terminated()) == ("interrupted", "terminated (SIGTERM)")
+    before = signal.getsignal(signal.SIGTERM)
+    (tmp_path / "manifest.json").write_text(json.dumps({"status": "running", "config": {}}))
+    with pytest.raises(Terminated), _Ending(tmp_path) as ending:
+        ending.opened = True
+        os.kill(os.getpid(), signal.SIGTERM)
+        signal.pthread_sigmask(signal.SIG_BLOCK, [])  # a pending signal is handled at the next bytecode
+        raise AssertionError("SIGTERM did not stop the run")
+    assert _manifest(tmp_path) == {"status": "interrupted", "config": {}, "stop_reason": "terminated (SIGTERM)"}
+    assert signal.getsignal(signal.SIGTERM) == before

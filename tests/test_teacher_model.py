@@ -51,7 +51,7 @@ def test_same_vocabulary_other_merges_is_refused_naming_the_first_merge(tiny_tok
 
 @pytest.mark.parametrize("name,edit_json,edit_config,needle", [
     ("normalizer", lambda d: d.update(normalizer={"type": "NFC"}), None,
-     'its normalizer is none for the student and {"type": "NFC"} for the teacher'),
+     'its normalizer is absent for the student and {"type": "NFC"} for the teacher'),
     ("pre-tokenizer", lambda d: d["pre_tokenizer"].update(add_prefix_space=True), None,
      "its pre-tokenizer (pre_tokenizer.add_prefix_space) is false for the student and true for the teacher"),
     ("eos role", None, lambda d: d.update(eos_token="<|endoftext|>"),

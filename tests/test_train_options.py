@@ -285,3 +285,16 @@ def test_a_config_file_with_a_distillation_recipe_and_teacher_on_the_command_lin
     assert (cfg.distill_loss, cfg.teacher, cfg.iterations) == ("jsd", str(BUNDLED), 2)
     res, _ = captured("--config", str(tmp_path / "c.yaml"), "--recipe", "gkd")
     assert res.exit_code == 2 and "needs --teacher" in res.output
+
+
+def test_a_yes_no_for_a_number_is_refused_not_read_as_one(tmp_path):
+    """Break-test: `overlong_buffer: true` in a config file was accepted as a buffer of 1 token."""
+    p = tmp_path / "c.yaml"
+    p.write_text("recipe: dapo\noverlong_buffer: true\n")
+    res = CliRunner().invoke(app, ["train", "--config", str(p), "--run-dir", str(tmp_path / "r")])
+    assert res.exit_code == 2
+    assert "overlong_buffer: true is a yes/no, but overlong_buffer takes a whole number (default 0)" in res.output
+    with pytest.raises(ValueError, match="clip_eps: false is a yes/no, but clip_eps takes a number"):
+        TrainConfig(clip_eps=False)
+    assert TrainConfig(overlong_buffer=128, dynamic_sampling=True).overlong_buffer == 128
+    assert not (tmp_path / "r").exists()

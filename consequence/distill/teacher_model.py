@@ -195,9 +195,10 @@ def _show_token(x: str | None) -> str:
 
 
 def _show(x: Any, limit: int = 120) -> str:
-    """A JSON value, short: ``none`` for null, JSON otherwise (cut after ``limit`` characters)."""
+    """A JSON value, short: ``absent`` for null (the pipeline has no such step), JSON
+    otherwise (cut after ``limit`` characters)."""
     if x is None:
-        return "none"
+        return "absent"
     text = json.dumps(x, ensure_ascii=False)
     return text if len(text) <= limit else text[:limit] + "…"
 
