@@ -44,8 +44,10 @@ import torch
 from consequence.fileio import as_write_error, write_text_atomic
 
 STATE_FORMAT = 1
-# Options a resumed run may change: where and how patiently rollouts run, not what is trained.
-RESUME_MAY_CHANGE = frozenset({"rollout_timeout", "ray_address", "rollout_workers"})
+# Options a resumed run may change: where and how patiently rollouts run, and whether the
+# pre-step checks run (a run they stopped is resumed with --skip-checks, as their message
+# says; manifest.json records it) -- not what is trained.
+RESUME_MAY_CHANGE = frozenset({"rollout_timeout", "ray_address", "rollout_workers", "skip_checks"})
 STATE_RE = re.compile(r"^state-(\d{4,})$")
 
 

@@ -371,6 +371,8 @@ def test_resume_may_move_the_rollouts_but_not_change_what_is_trained(tmp_path):
     (tmp_path / "manifest.json").write_text('{"status": "running"}')
     cfg = resume_config(tmp_path, {"rollout_timeout": 3600.0, "rollout_workers": 2, "ray_address": "auto"}, None)
     assert (cfg.rollout_timeout, cfg.rollout_workers, cfg.ray_address, cfg.max_staleness) == (3600.0, 2, "auto", 1)
+    # a run its pre-step checks stopped is resumed with --skip-checks, as the checks' message says (break-test)
+    assert resume_config(tmp_path, {"skip_checks": True}, None).skip_checks is True
     with pytest.raises(ValueError, match=r"--max-staleness 2 \(the run has 1\)"):
         resume_config(tmp_path, {"max_staleness": 2}, None)
     with pytest.raises(ValueError, match="--rollout-workers is 0 \\(the synchronous loop\\)"):

@@ -87,7 +87,9 @@ def _train_signature() -> inspect.Signature:
               inspect.Parameter("resume", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[Path],
                                 default=typer.Option(None, "--resume", metavar="RUN_DIR", help=(
                                     "Continue the run in RUN_DIR from its last resume state (checkpoints/state-NNNN), "
-                                    "with the config saved in RUN_DIR/config.yaml; other options must match it.")))]
+                                    "with the config saved in RUN_DIR/config.yaml; other options must match it, except "
+                                    "--skip-checks and where rollouts run (--rollout-workers, --ray-address, "
+                                    "--rollout-timeout).")))]
     params.append(inspect.Parameter("tasks", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[str],
                                     default=typer.Option(None, "--tasks", hidden=True)))  # older name of --env
     for name, field in TrainConfig.model_fields.items():
