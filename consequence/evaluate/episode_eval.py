@@ -53,7 +53,11 @@ def outcome_shares(trajs: Sequence[Trajectory]) -> dict[str, Any]:
 
 def per_task_counts(trajs: Sequence[Trajectory]) -> list[dict[str, Any]]:
     """One dict per task, in first-seen order: task_id, problem_id, n (valid), c (successes),
-    env_errors, generated tokens, tool calls and wall seconds summed over its episodes."""
+    env_errors, generated tokens, tool calls and wall seconds summed over its episodes.
+
+    ``wall_s`` adds each episode's own wall time; the episodes of a batch run concurrently,
+    so these overlap and their sum over tasks exceeds the evaluation's wall time (the
+    batch's time per episode is ``cost_summary``'s ``wall_s_per_episode``)."""
     tasks: dict[str, dict[str, Any]] = {}
     for t in trajs:
         d = tasks.setdefault(t.group_id, {"task_id": t.group_id, "problem_id": t.task_id.split("#")[0], "n": 0,
