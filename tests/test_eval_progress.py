@@ -3,6 +3,7 @@
 import io
 import re
 
+import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
@@ -19,6 +20,20 @@ def test_lines_per_phase_when_not_a_terminal():
     lines = buf.getvalue().splitlines()
     assert lines[0] == "episodes: start, 4 episodes"
     assert re.fullmatch(r"episodes: done, 3/4 episodes in \d+\.\d s \(\d+\.\d\d episodes/s\)", lines[1])
+
+
+def test_a_phase_cut_short_is_not_reported_done():
+    """Break-test: Ctrl-C during the final evaluation printed "episodes: done, 0/4"."""
+    buf = io.StringIO()
+    with Phases(Console(file=buf, force_terminal=False, width=200)) as phases:
+        with pytest.raises(KeyboardInterrupt), phases.phase("episodes", 4) as tick:
+            tick(1)
+            raise KeyboardInterrupt
+        with pytest.raises(RuntimeError), phases.phase("recovery", 2):
+            raise RuntimeError("sandbox broke")
+    lines = buf.getvalue().splitlines()
+    assert re.fullmatch(r"episodes: interrupted, 1/4 episodes in [0-9.]+ s \([0-9.]+ episodes/s\)", lines[1])
+    assert lines[3].startswith("recovery: stopped, 0/2 episodes in ")
 
 
 def test_a_bar_with_counts_and_rate_on_a_terminal():

@@ -8,6 +8,8 @@ when it starts and one when it ends, with the counts and the time:
     episodes: start, 40 episodes
     episodes: done, 40/40 episodes in 12.3 s (3.25 episodes/s)
 
+(``interrupted`` instead of ``done`` after Ctrl-C, ``stopped`` after an error.)
+
 Callbacks may be called from any thread. ``Phases(None)`` reports nothing (library use).
 """
 
@@ -70,15 +72,22 @@ class Phases:
                 if bar is not None:
                     bar.update(job, completed=state["done"])
 
+        ended = "done"
         try:
             yield tick
+        except KeyboardInterrupt:
+            ended = "interrupted"  # Ctrl-C mid-phase: never reported as done (break-test)
+            raise
+        except BaseException:
+            ended = "stopped"
+            raise
         finally:
             dt = time.perf_counter() - t0
             if bar is not None:
                 bar.update(job, completed=state["done"])
             elif self.console is not None:
                 rate = state["done"] / dt if dt > 0 else 0.0
-                self.console.print(f"{name}: done, {state['done']}/{total} {unit} in {dt:.1f} s "
+                self.console.print(f"{name}: {ended}, {state['done']}/{total} {unit} in {dt:.1f} s "
                                    f"({rate:.2f} {unit}/s)", markup=False, highlight=False)
 
     def counter(self, tick: Tick) -> Callable[[int], None]:
