@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from dataclasses import dataclass, field
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 Outcome = Literal["finished", "truncated", "env_error"]
@@ -130,7 +130,7 @@ class Trajectory:
         return {f.name: d[f.name] for f in dataclasses.fields(self)}  # field order, as asdict
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Trajectory":
+    def from_dict(cls, d: dict[str, Any]) -> Trajectory:
         d = dict(d)
         d["calls"] = [ModelCall(**c) for c in d.get("calls", [])]
         return cls(**d)

@@ -18,16 +18,16 @@ import hashlib
 import json
 import random
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
-from consequence.fileio import cache_root
 from consequence.distill.sft import SFTConfig, train_sft
 from consequence.distill.teacher import ScriptedTeacher, TeacherHabits, plan_episode
 from consequence.envs.registry import load_environment
+from consequence.fileio import cache_root
 from consequence.harness.renderer import Renderer, replay_conversation
 from consequence.policy.tiny import BUNDLED, build_model, build_tokenizer, save_policy
 from consequence.records import ModelCall, Trajectory, trajectory_to_rows

@@ -56,7 +56,7 @@ class Batch:
                        else f"trajectory {i}")
         return "; ".join(dict.fromkeys(out))  # a trajectory split into several rows is named once
 
-    def select(self, keep: list[int]) -> "Batch":
+    def select(self, keep: list[int]) -> Batch:
         """The batch restricted to rows ``keep`` (indices into ``self.rows``)."""
         pick = lambda xs: None if xs is None else [xs[j] for j in keep]  # noqa: E731
         return Batch(pick(self.rows), pick(self.advantages), pick(self.sampler_logprobs),

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from consequence.records import Trajectory, read_trajectories
 from consequence.seeding import seed_of

@@ -67,9 +67,9 @@ def tokenizer_difference(student_tok, teacher_tok) -> str | None:
         return (f"its vocabulary: id {first} is {s.get(first, '(none)')!r} for the student and "
                 f"{t.get(first, '(none)')!r} for the teacher ({len(s)} vs {len(t)} tokens)")
     js, jt = _backend_json(student_tok), _backend_json(teacher_tok)
-    if js is not None and jt is not None:
-        if found := _added_tokens_difference(js.get("added_tokens") or [], jt.get("added_tokens") or []):
-            return found
+    if js is not None and jt is not None and (
+            found := _added_tokens_difference(js.get("added_tokens") or [], jt.get("added_tokens") or [])):
+        return found
     if found := _roles_difference(student_tok, teacher_tok):
         return found
     if js is None or jt is None:  # a slow tokenizer: no JSON to compare, compare what it does

@@ -20,6 +20,7 @@ A template that does neither is refused (:class:`Renderer`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from dataclasses import dataclass, field
@@ -44,10 +45,8 @@ def format_call(name: str, arguments: dict | str) -> str:
     ``arguments`` given as a JSON string (the OpenAI wire shape) is decoded first.
     """
     if isinstance(arguments, str):
-        try:
+        with contextlib.suppress(json.JSONDecodeError):  # not JSON: kept as the text it is
             arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            pass
     return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
 
 

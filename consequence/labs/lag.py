@@ -48,8 +48,8 @@ def exact_bias(k: float, theta: float = 0.0, lmax: int = 400) -> float:
     """E[estimate | L ≤ k] − p(1−p)(q_A−q_B) at the learner's θ."""
     p = sigmoid(theta)
     top = lmax if math.isinf(k) else int(k)
-    w = [(1 - RHO) * RHO**l for l in range(top + 1)]
-    e = sum(wl * expected_estimate(sigmoid(theta - DRIFT * l), p) for l, wl in enumerate(w)) / sum(w)
+    w = [(1 - RHO) * RHO**ell for ell in range(top + 1)]
+    e = sum(wl * expected_estimate(sigmoid(theta - DRIFT * ell), p) for ell, wl in enumerate(w)) / sum(w)
     return e - p * (1 - p) * (Q_A - Q_B)
 
 
@@ -74,7 +74,7 @@ def train(k: float, seed: int, steps: int = 300, lr: float = 0.5, groups_per_ste
         lag = np.minimum(rng.geometric(1 - RHO, groups_per_step) - 1, t)
         keep = lag <= k
         if keep.any():
-            est = _group_estimates(thetas[-1], np.array([thetas[t - l] for l in lag[keep]]), rng)
+            est = _group_estimates(thetas[-1], np.array([thetas[t - ell] for ell in lag[keep]]), rng)
             thetas.append(thetas[-1] + lr * float(est.mean()))
         else:
             thetas.append(thetas[-1])

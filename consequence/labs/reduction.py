@@ -40,7 +40,7 @@ def run(out_dir: Path, seed: int = 0) -> dict:
         (grad,) = torch.autograd.grad(-loss, u)
         weights[red] = grad * mask
         out[f"loss {red}"] = float(loss.detach())
-        for i, L in enumerate(LENGTHS):
+        for i in range(len(LENGTHS)):
             out[f"token weight {red} seq {i + 1}"] = float(weights[red][i, 0])
         out[f"sum of weights {red}"] = float(weights[red].sum())
 

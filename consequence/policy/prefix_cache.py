@@ -25,9 +25,16 @@ from dataclasses import dataclass, field
 
 import torch
 
+from consequence.policy.sampler import (
+    PREFILL_CHUNK_TOKENS,
+    Generators,
+    Sample,
+    SamplingParams,
+    _FastLlama,
+    decode,
+    generate,
+)
 from consequence.policy.shared_prefix import SHARED_PREFIX_MIN_TOKENS
-from consequence.policy.sampler import (PREFILL_CHUNK_TOKENS, Generators, Sample, SamplingParams, _FastLlama, decode,
-                                       generate)
 
 
 @dataclass

@@ -131,9 +131,7 @@ class _FastLlama:
             return False
         inner = getattr(model, "model", None)
         rot = getattr(inner, "rotary_emb", None)
-        if rot is None or getattr(rot, "rope_type", "default") not in _STATIC_ROPE:
-            return False
-        return True
+        return rot is not None and getattr(rot, "rope_type", "default") in _STATIC_ROPE
 
     # -- pieces ---------------------------------------------------------------
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -504,11 +502,11 @@ def _generate_hf(model, prompts, params, stop_ids, generator) -> list[Sample]:
         tok, lp, keep = _pick(logits, params, _rows(generator, list(range(n)), done))
         if keep is not None and out_keep is None:
             out_keep = [[] for _ in range(n)]
-        for i, (t, l) in enumerate(zip(tok.tolist(), lp.tolist())):
+        for i, (t, t_lp) in enumerate(zip(tok.tolist(), lp.tolist())):
             if done[i]:
                 continue
             out_ids[i].append(t)
-            out_lp[i].append(l)
+            out_lp[i].append(t_lp)
             if keep is not None:
                 out_keep[i].append(keep[i])
             if t in stop_ids:

@@ -10,8 +10,8 @@ which keeps one layer in two; TinyLlama-style depth pruning keeps evenly spaced 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 

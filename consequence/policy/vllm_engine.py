@@ -47,6 +47,7 @@ defaults for the ones not already set (``VLLM_CPU_KVCACHE_SPACE``, ``HF_HUB_OFFL
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -355,11 +356,8 @@ class VllmEngine:
         llm, self._llm = getattr(self, "_llm", None), None
         if llm is None:
             return
-        with self._lock:
-            try:
-                llm.llm_engine.engine_core.shutdown()
-            except Exception:  # noqa: BLE001 (already gone)
-                pass
+        with self._lock, contextlib.suppress(Exception):  # an engine already gone needs no shutdown
+            llm.llm_engine.engine_core.shutdown()
         del llm
 
     def __enter__(self) -> VllmEngine:

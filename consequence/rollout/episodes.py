@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from consequence.envs.api import ANSWER_KEY
 from consequence.harness.renderer import Renderer
@@ -91,7 +92,7 @@ def run_episodes(generate_fn: GenerateFn, renderer: Renderer, specs: Sequence[Ep
     """
     tool_specs = check_tool_specs(renderer.tools)
     live = [_start(i, s, renderer, system_prompt, policy_version, examples) for i, s in enumerate(specs)]
-    for turn in range(budgets.max_turns):
+    for _turn in range(budgets.max_turns):
         active = [e for e in live if not e.done]
         for e in active:
             if len(e.context) + budgets.max_new_tokens > budgets.max_total_tokens:

@@ -14,13 +14,15 @@ consumes (cancelled at the end) is counted too. Nothing is lost silently.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -185,10 +187,8 @@ class AsyncRollouts:
         if self.cfg.rollout_engine != "ours":  # an engine's own processes end before their actor (bounded wait)
             self._ray.wait([w.close.remote() for w in self.workers], num_returns=len(self.workers), timeout=60)
         for w in self.workers:
-            try:
+            with contextlib.suppress(Exception):  # an actor that already died needs no kill
                 self._ray.kill(w)
-            except Exception:  # an actor that already died needs no kill
-                pass
         self.jobs.clear()
         self.finished.clear()
         if self._own_ray and self._ray.is_initialized():

@@ -23,7 +23,7 @@ ahead: batches that finish in order are at most min(k, N) versions old.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Iterable
+from collections.abc import Iterable
 
 __all__ = ["lag", "may_start", "lag_metrics", "pipeline_warning"]
 

@@ -38,8 +38,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from consequence.harness.renderer import ParsedTurn, Renderer
 from consequence.policy.sampler import Sample, SamplingParams
 from consequence.serve.batcher import Batcher
-from consequence.serve.protocol import (ChatRequest, Choice, ServeError, bad, completion, parse_request,
-                                        stream_chunks)
+from consequence.serve.protocol import ChatRequest, Choice, ServeError, bad, completion, parse_request, stream_chunks
 from consequence.serve.sessions import Session, SessionStore
 
 SESSION_HEADER = "x-session-id"
@@ -365,7 +364,7 @@ class BackgroundServer:
         self.thread = threading.Thread(target=self.server.run, name="consequence-serve", daemon=True)
         self.port = port
 
-    def start(self, timeout_s: float = 30.0) -> "BackgroundServer":
+    def start(self, timeout_s: float = 30.0) -> BackgroundServer:
         """Start serving; returns once the port is bound (:attr:`port` is then the real one)."""
         self.server.install_signal_handlers = lambda: None  # signals belong to the main thread
         self.thread.start()
@@ -387,7 +386,7 @@ class BackgroundServer:
         self.server.should_exit = True
         self.thread.join(timeout=30)
 
-    def __enter__(self) -> "BackgroundServer":
+    def __enter__(self) -> BackgroundServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -19,6 +19,7 @@ reply, docs/agents.md §5).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import itertools
@@ -119,10 +120,8 @@ class Batcher:
         """Stop the loop; queued requests fail with ``RuntimeError`` (the server is shutting down)."""
         if self._task is not None:
             self._task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):  # the cancellation just asked for
                 await self._task
-            except asyncio.CancelledError:
-                pass
         while self._queue is not None and not self._queue.empty():
             r = self._queue.get_nowait()
             if not r.future.done():

@@ -22,9 +22,10 @@ import importlib
 import importlib.util
 import inspect
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from consequence.harness.renderer import Renderer
 from consequence.harness.tools import check_tool_specs
@@ -218,7 +219,7 @@ async def _run_one(agent: Callable, openai, url: str, session: Session, task: Ag
     ep = session.episode
     try:
         result = await asyncio.wait_for(agent(client, task), limit_s)
-    except asyncio.TimeoutError:  # a hang is the agent program's failure (the token budgets bound the policy)
+    except TimeoutError:  # a hang is the agent program's failure (the token budgets bound the policy)
         ep.finish(None, agent_error=None if ep.ended else
                   f"the agent did not return within {limit_s:g} s (--agent-timeout; the default is "
                   f"{SECONDS_PER_TURN:g} s × --max-turns) and was cancelled")

@@ -16,9 +16,10 @@ import json
 import os
 import random
 import tempfile
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from consequence.tasks.repair import RepairTask, TestCase, TestProgram
 

@@ -43,6 +43,7 @@ learner (model + optimizer, copied from rank 0 at the first step and again whene
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
 import os
@@ -58,8 +59,16 @@ import torch
 import torch.distributed as dist
 
 from consequence.records import TrainingRow
-from consequence.update.step import (NonFiniteError, TokenValues, UpdateConfig, _check_needs, _clip_grad_norm,
-                                     _contributes_nothing, _step_totals, accumulate_gradients)
+from consequence.update.step import (
+    NonFiniteError,
+    TokenValues,
+    UpdateConfig,
+    _check_needs,
+    _clip_grad_norm,
+    _contributes_nothing,
+    _step_totals,
+    accumulate_gradients,
+)
 
 DEFAULT_TIMEOUT_S = 600.0  # one collective: covers the slowest rank's forward/backward of its shard
 START_TIMEOUT_S = 180.0  # a rank process starting (imports, unpickling the model) and joining the group
@@ -435,10 +444,8 @@ class _Ranks:
     def shutdown(self) -> None:
         """Ask every rank process to stop, then terminate and kill the ones that did not."""
         for c in self.conns:
-            try:
+            with contextlib.suppress(OSError, ValueError):  # a rank whose pipe is already closed
                 c.send(("stop",))
-            except (OSError, ValueError):
-                pass
         deadline = time.monotonic() + 10.0
         for p in self.procs:
             p.join(max(0.0, deadline - time.monotonic()))
@@ -450,10 +457,8 @@ class _Ranks:
                 p.kill()
                 p.join(5.0)
         for c in self.conns:
-            try:
+            with contextlib.suppress(OSError):
                 c.close()
-            except OSError:
-                pass
         self.procs, self.conns = [], []
         if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()
@@ -500,7 +505,7 @@ class DataParallelUpdate:
         self._launched_at = 0.0
 
     # -- life cycle
-    def launch(self, model_module: str | None = None) -> "DataParallelUpdate":
+    def launch(self, model_module: str | None = None) -> DataParallelUpdate:
         """Spawn the rank processes now (they import torch and ``model_module`` while the
         trainer rolls out); the policy copy follows at the first step. Idempotent.
 
@@ -581,7 +586,7 @@ class DataParallelUpdate:
         """Stop the rank processes and destroy the process group (idempotent)."""
         self._finalizer()
 
-    def __enter__(self) -> "DataParallelUpdate":
+    def __enter__(self) -> DataParallelUpdate:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -707,7 +712,7 @@ def _rank_main(rank: int, world_size: int, port: int, conn, timeout_s: float, st
         return
     except BaseException as e:  # noqa: BLE001 - reported to rank 0, which names it
         _tell(conn, f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}")
-        raise SystemExit(1)
+        raise SystemExit(1) from None  # the error went to rank 0 above; the exit code says which kind
     try:
         while True:
             try:
@@ -729,17 +734,15 @@ def _rank_main(rank: int, world_size: int, port: int, conn, timeout_s: float, st
                 continue  # raised on rank 0 too (agreed): the group is still in step
             except DataParallelError as e:
                 _tell(conn, str(e))
-                raise SystemExit(2)
+                raise SystemExit(2) from None
             except Exception as e:  # noqa: BLE001
                 _tell(conn, f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}")
-                raise SystemExit(3)
+                raise SystemExit(3) from None
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
 def _tell(conn, text: str) -> None:
-    try:
+    with contextlib.suppress(OSError, ValueError):  # rank 0 is gone: nobody to tell
         conn.send(("error", text))
-    except (OSError, ValueError):
-        pass

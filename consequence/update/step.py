@@ -24,8 +24,8 @@ from torch import Tensor
 from consequence.policy.logprobs import auto_chunk_size, logprobs_from_logits
 from consequence.policy.shared_prefix import shared_prefix_len
 from consequence.records import TrainingRow, pad_rows
-from consequence.update.divergence import token_divergence
 from consequence.update.distill_chunks import can_chunk, distill_chunked
+from consequence.update.divergence import token_divergence
 from consequence.update.losses import REDUCTIONS, reduce_tokens
 from consequence.update.regularizers import kl_estimate, offpolicy_sequence_mask, tis_weights
 from consequence.update.surrogates import SURROGATES, surrogate_objective
