@@ -73,7 +73,7 @@ def main() -> None:
             rows.append(run_one(name, extra, args.iterations, Path(tmp)))
     base = rows[0]["loop_s"]
     print(f"\n{args.iterations} iterations of the default task (16 tasks × 8 rollouts), {os.cpu_count()} cores\n")
-    print(f"| setting | loop s | speed-up | trajectories/s | tokens/s | trainer wait s | update s | mean lag | dropped groups | start s |")
+    print("| setting | loop s | speed-up | trajectories/s | tokens/s | trainer wait s | update s | mean lag | dropped groups | start s |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['setting']} | {r['loop_s']:.0f} | {base / r['loop_s']:.2f}× | {r['trajectories_per_s']:.2f} | "

@@ -131,7 +131,7 @@ def main() -> None:
         one(name, threads, tasks[:2])
     for _ in range(args.repeats):
         for name, threads in paths.items():
-            dt, results[name] = _timed(lambda: one(name, threads))
+            dt, results[name] = _timed(lambda name=name, threads=threads: one(name, threads))
             runs[name].append(dt)
     best = {k: min(v) for k, v in runs.items()}
     today, like, _batched, _new = list(paths)

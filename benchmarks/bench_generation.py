@@ -73,8 +73,8 @@ def main() -> None:
     hf(prompts[:2])
     rows = []
     for name, ps in [("distinct prompts", prompts), (f"groups of {args.group}", grouped)]:
-        t_ours = _time(lambda: ours(ps), args.repeats)
-        t_hf = _time(lambda: hf(ps), args.repeats)
+        t_ours = _time(lambda ps=ps: ours(ps), args.repeats)
+        t_hf = _time(lambda ps=ps: hf(ps), args.repeats)
         toks = B * N
         rows.append(
             {

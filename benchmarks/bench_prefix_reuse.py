@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
+from consequence.envs.registry import load_environment
 from consequence.envs.repair_env import SYSTEM_PROMPT, TOOLS, RepairEnv
-from consequence.envs.sources import load_task_source
 from consequence.harness.renderer import Renderer
 from consequence.policy.prefix_cache import PrefixCache, generate_with_prefix
 from consequence.policy.sampler import SamplingParams, generate
@@ -57,7 +57,7 @@ def main() -> None:
     args = ap.parse_args()
     model, tok = load_policy(BUNDLED)
     renderer = Renderer(tok, TOOLS)
-    tasks = load_task_source("repair", 0).sample("test", args.episodes, seed=seed_of(0, "test"))
+    tasks = load_environment("repair", 0).sample("test", args.episodes, seed=seed_of(0, "test"))
     rows = []
     for name, temperature in (("greedy", 0.0), ("sampled T=1", 1.0)):
         full, t_full, tok_full = _run(model, renderer, tasks, temperature, reuse=False)

@@ -21,14 +21,14 @@ from pathlib import Path
 
 from rich.console import Console
 
+from consequence.envs.repair_env import TOOLS
 from consequence.evaluate.compare import ArmResult, paired_comparison, summarize
 from consequence.evaluate.stats import paired_bootstrap_ci
 from consequence.harness.renderer import Renderer
-from consequence.envs.repair_env import TOOLS
-from consequence.seeding import seed_of
 from consequence.policy.tiny import load_policy
 from consequence.recipes import BASELINE, differences, load_recipe, recipe_names
 from consequence.rollout.episodes import Budgets
+from consequence.seeding import seed_of
 from consequence.tasks.repair import load_split, make_tasks
 from consequence.train import run_eval, train
 from consequence.warmstart import BUNDLED

@@ -53,7 +53,7 @@ def _rows():
     shape = SHAPES
     shared = torch.randint(10, 49152, (shape["shared"],), generator=g).tolist()
     rows = []
-    for q in range(shape["rows"] // shape["group"]):
+    for _q in range(shape["rows"] // shape["group"]):
         question = torch.randint(10, 49152, (shape["question"],), generator=g).tolist()
         for _ in range(shape["group"]):
             sampled = torch.randint(10, 49152, (shape["sampled"],), generator=g).tolist()

@@ -126,7 +126,6 @@ from consequence.tasks.repair import RepairTask, load_split, make_tasks
 from consequence.update.step import UpdateConfig, accumulate_gradients, ppo_step
 from consequence.warmstart import BUNDLED
 
-
 RESULTS = Path(__file__).parent / "results"
 
 
@@ -781,10 +780,8 @@ def main() -> None:
     meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "python": platform.python_version(),
             "machine": platform.machine(), "cpu_count": os.cpu_count(), "load_average_at_end": os.getloadavg()}
     for name in ("transformers", "trl", "accelerate", "datasets"):
-        try:
+        with contextlib.suppress(ImportError):  # a package not installed has no version to record
             meta[name] = __import__(name).__version__
-        except ImportError:
-            pass
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": meta, "args": asdict(args), "summary": rows, "results": results},

@@ -6,6 +6,7 @@
     kill -9 of the trainer, then --resume: every batch is trained on exactly once.
 """
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -132,10 +133,8 @@ def test_kill_minus_9_of_the_trainer_then_resume_trains_every_batch_once(tmp_pat
         os.kill(proc.pid, signal.SIGKILL)
         proc.communicate(timeout=60)
     finally:  # what the dead trainer's Ray instance left behind
-        try:
+        with contextlib.suppress(ProcessLookupError):  # nothing left to kill
             os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
     before = _metrics(run)
     assert len(before) == 1  # iteration 0's state was written; iteration 1 was cut before its state
     out = subprocess.run([*child, "--", "--resume", str(run)], env=env, capture_output=True, text=True, timeout=600)

@@ -9,7 +9,7 @@ import torch
 from consequence.config import TrainConfig
 from consequence.iteration import credit, logprob_fn
 from consequence.policy.logprobs import process_logits, token_logprobs
-from consequence.records import ModelCall, Trajectory, TrainingRow
+from consequence.records import ModelCall, TrainingRow, Trajectory
 from consequence.update.step import UpdateConfig, accumulate_gradients
 
 NO_CRITIC = SimpleNamespace(reference=None, critic=None, teacher=None)

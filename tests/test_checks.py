@@ -5,7 +5,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_update_step import PAD, TinyLM, make_rows, ref_logprobs
 
 from consequence.checks import (
     PreStepCheckError,
@@ -20,6 +19,7 @@ from consequence.credit.advantages import group_advantages
 from consequence.records import ModelCall, Trajectory, trajectory_to_rows
 from consequence.update.step import UpdateConfig
 from consequence.update.surrogates import surrogate_objective
+from test_update_step import PAD, TinyLM, make_rows, ref_logprobs
 
 EOT = 9
 

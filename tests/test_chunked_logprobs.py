@@ -18,8 +18,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from consequence.policy.logprobs import (enable_gradient_checkpointing, keep_mask, lm_head_split, process_logits,
-                                         token_logprobs, token_logprobs_unchunked)
+from consequence.policy.logprobs import (
+    enable_gradient_checkpointing,
+    keep_mask,
+    lm_head_split,
+    process_logits,
+    token_logprobs,
+    token_logprobs_unchunked,
+)
 
 V = 2000
 LENGTHS = (13, 9, 5)  # right-padded to 13: 12 + 8 + 4 = 24 real targets

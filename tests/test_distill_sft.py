@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from consequence.distill.sft import SFTConfig, sft_step_gradients, train_sft
-from consequence.records import TrainingRow
 from consequence.policy.tiny import BUNDLED, load_policy
+from consequence.records import TrainingRow
 
 
 class _Scale(torch.nn.Module):

@@ -14,8 +14,15 @@ from typer.testing import CliRunner
 
 from consequence.envs import calculator_env as calc
 from consequence.envs import sandbox
-from consequence.envs.calculator_env import (ArithmeticTask, CalculatorEnvironment, CalculatorEpisode, calculate,
-                                             check_expression, extract_answer, is_correct)
+from consequence.envs.calculator_env import (
+    ArithmeticTask,
+    CalculatorEnvironment,
+    CalculatorEpisode,
+    calculate,
+    check_expression,
+    extract_answer,
+    is_correct,
+)
 from consequence.envs.registry import load_environment
 from consequence.envs.sandbox import TestReport
 from consequence.harness.renderer import Renderer

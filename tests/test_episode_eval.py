@@ -4,8 +4,7 @@ import pytest
 from typer.testing import CliRunner
 
 from consequence.cli import app
-from consequence.evaluate.episode_eval import (cost_summary, per_task_counts, success_under_caps,
-                                               summarize_pass_at_k)
+from consequence.evaluate.episode_eval import cost_summary, per_task_counts, success_under_caps, summarize_pass_at_k
 from consequence.evaluate.run import default_samples
 from consequence.records import ModelCall, Trajectory
 

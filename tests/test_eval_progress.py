@@ -12,11 +12,10 @@ from consequence.evaluate.progress import Phases
 
 def test_lines_per_phase_when_not_a_terminal():
     buf = io.StringIO()
-    with Phases(Console(file=buf, force_terminal=False, width=200)) as phases:
-        with phases.phase("episodes", 4) as tick:
-            tick(1)
-            tick(3)
-            tick(2)  # an older count never moves it back
+    with Phases(Console(file=buf, force_terminal=False, width=200)) as phases, phases.phase("episodes", 4) as tick:
+        tick(1)
+        tick(3)
+        tick(2)  # an older count never moves it back
     lines = buf.getvalue().splitlines()
     assert lines[0] == "episodes: start, 4 episodes"
     assert re.fullmatch(r"episodes: done, 3/4 episodes in \d+\.\d s \(\d+\.\d\d episodes/s\)", lines[1])
@@ -39,11 +38,10 @@ def test_a_phase_cut_short_is_not_reported_done():
 def test_a_bar_with_counts_and_rate_on_a_terminal():
     buf = io.StringIO()
     console = Console(file=buf, force_terminal=True, width=120, color_system=None)
-    with Phases(console) as phases:
-        with phases.phase("episodes", 10) as tick:
-            add = phases.counter(tick)
-            for _ in range(10):
-                add(1)
+    with Phases(console) as phases, phases.phase("episodes", 10) as tick:
+        add = phases.counter(tick)
+        for _ in range(10):
+            add(1)
     text = buf.getvalue()
     assert "episodes" in text and "10/10" in text and "episodes/s" in text and "start," not in text
 
@@ -54,10 +52,10 @@ def test_silent_without_a_console():
 
 
 def test_sample_episodes_reports_episodes_finished(renderer):
+    from consequence.envs.registry import load_environment
     from consequence.evaluate.rollouts import sample_episodes
     from consequence.policy.tiny import load_policy
     from consequence.rollout.episodes import Budgets
-    from consequence.envs.registry import load_environment
     from consequence.warmstart import BUNDLED
 
     model, tok = load_policy(BUNDLED)

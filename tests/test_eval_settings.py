@@ -12,7 +12,7 @@ from consequence.cli import app
 from consequence.evaluate.settings import describe, resolve_settings
 from consequence.tasks.repair import load_split
 from consequence.warmstart import BUNDLED
-from policy_copies import fake_run, other_policy
+from policy_copies import fake_run
 
 FAST = ["--problems", "2", "-n", "1", "--no-recovery"]
 RUN_CFG = {"tasks": "repair", "split_seed": 1, "max_turns": 2, "max_new_tokens": 16, "max_total_tokens": 1024}

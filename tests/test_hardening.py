@@ -47,10 +47,10 @@ def test_codec_special_floats_and_rejections():
     back = dec(json.loads(json.dumps(enc([math.inf, -0.0, math.nan]))))
     assert back[0] == math.inf and math.copysign(1, back[1]) == -1 and math.isnan(back[2])
 
-    class I(int):
+    class IntSubclass(int):
         pass
 
-    for bad in (I(1), [object()], {1: range(3)}, (lambda: 0)):
+    for bad in (IntSubclass(1), [object()], {1: range(3)}, (lambda: 0)):
         with pytest.raises(ValueError, match="not plain data"):
             enc(bad)
     for frame in ({"q": []}, {"t": 1}, {"d": [[1]]}, {"s": [[1]]}, {"t": [], "d": []}):

@@ -13,6 +13,7 @@ import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from importlib import resources
+from pathlib import Path
 
 import pytest
 
@@ -180,7 +181,7 @@ def test_nonce_theft_forges_run_tests_but_not_the_judge():
 
 def test_editing_files_is_blocked(he0, sentinel, tmp_path):
     marker = f"/tmp/consequence-pwned-{os.getpid()}"
-    data_hash = hashlib.sha256(open(DATA, "rb").read()).hexdigest()
+    data_hash = hashlib.sha256(Path(DATA).read_bytes()).hexdigest()
     body = (
         "    import os\n"
         "    errors = []\n"
@@ -198,7 +199,7 @@ def test_editing_files_is_blocked(he0, sentinel, tmp_path):
         "    return len(errors) == 7\n")  # True only when every attempt failed
     _fails(_score(he0, body))
     assert not os.path.exists(marker)
-    assert hashlib.sha256(open(DATA, "rb").read()).hexdigest() == data_hash
+    assert hashlib.sha256(Path(DATA).read_bytes()).hexdigest() == data_hash
 
 
 def test_socket_connections_do_not_leave_the_sandbox(he0):

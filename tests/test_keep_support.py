@@ -20,8 +20,15 @@ from consequence.iteration import logprob_fn
 from consequence.policy.logprobs import keep_mask, mask_to_support, token_logprobs
 from consequence.policy.sampler import SamplingParams, generate
 from consequence.policy.tiny import build_model, build_tokenizer
-from consequence.records import (ModelCall, Trajectory, TrainingRow, pad_rows, read_trajectories,
-                                 trajectory_to_rows, write_trajectories)
+from consequence.records import (
+    ModelCall,
+    TrainingRow,
+    Trajectory,
+    pad_rows,
+    read_trajectories,
+    trajectory_to_rows,
+    write_trajectories,
+)
 from consequence.update.step import UpdateConfig, compute_logprobs, ppo_step
 
 CORPUS = ["def add(a, b):\n    return a + b\n", "<|im_start|>user\nfix it<|im_end|>\n",

@@ -18,8 +18,8 @@ import copy
 import importlib.util
 
 import pytest
-from conftest import TOOLS
 
+from conftest import TOOLS
 from consequence.harness.renderer import Renderer, hermes_messages
 
 NAME = "smollm2-135m-instruct"

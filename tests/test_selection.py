@@ -126,10 +126,9 @@ def test_unwritable_ledger_does_not_stop_the_evaluation(tmp_path):
 
 
 def test_eval_cli_records_the_touch_and_warns_on_test_reuse(tmp_path):
-    from policy_copies import other_policy
-
     from consequence.cli import app
     from consequence.warmstart import BUNDLED
+    from policy_copies import other_policy
 
     runner = CliRunner()
     args = ["eval", "--split", "test", "--problems", "1", "-n", "2", "-k", "1,2", "--no-recovery",
@@ -150,10 +149,9 @@ def test_eval_cli_records_the_touch_and_warns_on_test_reuse(tmp_path):
 
 
 def test_compare_cli_pairs_success_and_recovery(tmp_path):
-    from policy_copies import other_policy
-
     from consequence.cli import app
     from consequence.warmstart import BUNDLED
+    from policy_copies import other_policy
 
     same = other_policy(tmp_path / "pad-row-moved")  # other weights, the same behaviour
     res = CliRunner().invoke(app, ["compare", str(BUNDLED), str(same), "--problems", "2", "-n", "2",
@@ -219,10 +217,9 @@ def test_bad_eval_and_compare_requests_fail_before_any_touch(tmp_path):
 
 
 def test_a_first_comparison_on_test_does_not_warn_about_its_own_arms(tmp_path):
-    from policy_copies import other_policy
-
     from consequence.cli import app
     from consequence.warmstart import BUNDLED
+    from policy_copies import other_policy
 
     other = other_policy(tmp_path / "b")
     for out in ("c", "c-again"):  # the same comparison again: still only its own two arms

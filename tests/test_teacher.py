@@ -3,9 +3,9 @@ import random
 
 import torch
 
+from consequence.distill.sft import bucketed_batches as _bucketed_batches
 from consequence.distill.teacher import TeacherHabits, plan_episode
 from consequence.tasks.repair import load_split, make_tasks
-from consequence.distill.sft import bucketed_batches as _bucketed_batches
 
 
 def _tasks(n=400):

@@ -8,7 +8,6 @@ import math
 
 import pytest
 import torch
-from test_update_step import PAD, TinyLM, make_rows
 
 import consequence.iteration as iteration_module
 from consequence.config import TrainConfig
@@ -16,6 +15,7 @@ from consequence.credit.value import ValueModel, explained_variance
 from consequence.iteration import Batch, Learner, _chunks, merge_steps, update
 from consequence.policy.logprobs import token_logprobs
 from consequence.update.step import UpdateConfig
+from test_update_step import PAD, TinyLM, make_rows
 
 
 def _learner(model, lr=0.0):

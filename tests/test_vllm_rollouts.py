@@ -9,9 +9,8 @@ import json
 import math
 
 import pytest
-from rich.console import Console
-
 import torch
+from rich.console import Console
 
 from consequence.config import TrainConfig
 from consequence.policy.logprobs import token_logprobs_unchunked
