@@ -5,7 +5,8 @@ BIN := $(VENV)/bin
 
 .PHONY: demo test install bench vllm-env
 
-$(BIN)/consequence: pyproject.toml
+# consequence/__init__.py too: an editable install records whether `consequence` is a namespace package
+$(BIN)/consequence: pyproject.toml consequence/__init__.py
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0

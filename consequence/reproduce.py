@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from consequence.config import MODEL_NAMES, TrainConfig
+from consequence.config import MODEL_NAMES, TrainConfig, is_hub_id
 from consequence.report.manifest import git_commit, library_versions, read_manifest, sha256_of
 
 COMPARED = ("reward_mean", "success", "loss", "grad_norm", "entropy", "gen_tokens_mean")
@@ -90,6 +90,9 @@ def reproduce_config(run_dir: Path, new_dir: Path | None = None, overrides: dict
         value = config.get(key)
         if not value or (key == "tasks" and not str(value).endswith(".jsonl")) or (key == "model" and value in MODEL_NAMES):
             continue
+        recorded = manifest.get("model", {}).get("path")
+        if key == "model" and is_hub_id(value) and recorded and Path(recorded) != Path(cwd or "") / value:
+            continue  # a hub id the run fetched (its snapshot is elsewhere): fetched, or refused offline, again
         p = Path(value)
         if not p.is_absolute() and cwd:
             p = Path(cwd) / p

@@ -5,6 +5,9 @@ import pytest
 import torch
 
 torch.set_num_threads(1)
+# No test may reach the Hugging Face hub (a hub id is resolved offline: from the cache, or a
+# clear error); huggingface_hub reads this once, at its import, which comes after this file.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Module- and session-scoped fixtures run before the per-test ledger below: give them a
 # ledger of the test session's own instead of the user's.
 os.environ["CONSEQUENCE_LEDGER"] = os.path.join(tempfile.mkdtemp(prefix="ledger-"), "split-ledger.jsonl")

@@ -14,7 +14,7 @@ LAYERS = [
     {"report", "labs"},
     {"train", "warmstart", "reproduce"},
     {"coldstart"},
-    {"cli", "__init__", "assets"},
+    {"cli", "api", "__init__", "assets"},
 ]
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
 

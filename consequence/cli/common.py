@@ -19,13 +19,17 @@ def quiet_libraries() -> None:
 
 def check_model_dir(model: str | None, option: str = "--model", chat_template: bool = True) -> None:
     """A local checkpoint needs its config and tokenizer files (checked before any work); a
-    registered model name (consequence.policy.named) needs its package, not yet its conversion."""
+    registered model name (consequence.policy.named) needs its package, not yet its conversion;
+    a Hugging Face hub id is fetched (or refused offline: ``policy.named.hub_folder``) and checked."""
     if model is None:
         return
-    from consequence.policy.named import check_available, is_named
+    from consequence.config import is_hub_id
+    from consequence.policy.named import check_available, is_named, model_folder
 
     if is_named(model):
         return check_available(model, option)
+    if is_hub_id(model):  # fetched now where online (else a clear error), then checked like any folder
+        model = str(model_folder(model, log=console.print, option=option))
     p = Path(model)
     if not p.is_dir():
         raise ValueError(f"{option} {p}: no such directory (give a local Hugging Face checkpoint folder)")

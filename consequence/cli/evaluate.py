@@ -30,14 +30,17 @@ _ENV_HELP = ("Environment: repair, humaneval-repair, humaneval (single-turn comp
 
 
 def _env_options(env: Optional[str], tasks: Optional[str], tasks_file: Optional[str],
-                 env_option: Optional[list[str]]) -> dict:
-    """The environment options as given (None = not given, so a run folder's value applies)."""
+                 env_option: Optional[list[str]], env_options: Optional[dict] = None) -> dict:
+    """The environment options as given (None = not given, so a run folder's value applies);
+    ``env_options``, a mapping, is the Python API's form of ``env_option``."""
     if tasks is not None and env is not None and tasks != env:
         raise ValueError(f"--tasks {tasks} and --env {env} disagree; --tasks is an older name of --env: give one")
     env = env if env is not None else tasks
     if env is not None and env.endswith(".jsonl"):
         env, tasks_file = "jsonl", tasks_file or env
-    options = parse_env_options(env_option) if env_option else None
+    if env_option and env_options:
+        raise ValueError("give the environment options once: as KEY=VALUE strings or as a mapping")
+    options = parse_env_options(env_option) if env_option else dict(env_options) if env_options else None
     if env is not None:  # another environment than the run's: none of the run's options or task file carry over
         options = options or {}
         tasks_file = tasks_file or ""
@@ -76,30 +79,50 @@ def eval_cmd(model: Optional[str] = typer.Option(None, help="Checkpoint folder, 
              out: Path = typer.Option(Path("runs/eval"), help="Output folder: eval.json, episodes.parquet, recovery_episodes.parquet, report.md, cost.png (humaneval: eval.json).")) -> None:
     """Evaluate a policy: pass@k and final-selection success with bootstrap CIs over problems,
     the recovery diagnostic, outcomes, budgets, cost, env errors and the split touched."""
+    try:
+        run_eval(model, env, tasks, tasks_file, env_option, split, split_seed, max_turns, max_new_tokens,
+                 max_total_tokens, n, k, problems, temperature, seed, selection, recovery, out)
+    except ValueError as e:
+        _fail(e)
+
+
+def run_eval(model: Optional[str], env: Optional[str], tasks: Optional[str], tasks_file: Optional[str],
+             env_option: Optional[list[str]], split: str, split_seed: Optional[int], max_turns: Optional[int],
+             max_new_tokens: Optional[int], max_total_tokens: Optional[int], n: Optional[int], k: str, problems: int,
+             temperature: float, seed: int, selection: str, recovery: bool, out: Path,
+             env_options: Optional[dict] = None) -> Path:
+    """What ``consequence eval`` does with its options (``eval_cmd``'s help says each), printing
+    to the console; ``consequence.evaluate`` calls it too. ``env_options`` (a mapping) may be
+    given instead of ``env_option`` (``KEY=VALUE`` strings).
+
+    Returns:
+        The eval.json written.
+
+    Raises:
+        ValueError: a setting, the model or the environment is refused (before any work), or
+            cannot work with this model (once it has loaded); nothing is written then.
+    """
     from consequence.evaluate.run import check_request, default_samples, resolve_model
     from consequence.evaluate.selection import check_rules
     from consequence.evaluate.settings import check_budgets, resolve_settings
 
-    try:
-        options = {**_env_options(env, tasks, tasks_file, env_option), "split_seed": split_seed,
-                   "max_turns": max_turns, "max_new_tokens": max_new_tokens, "max_total_tokens": max_total_tokens}
-        ks = parse_ks(k)
-        n = default_samples(n, temperature)
-        st = resolve_settings([("", model)], options)
-        environment = _load_env(st.values)
-        completion = getattr(environment, "completion_protocol", False)
-        if completion and (max_turns is not None or max_total_tokens is not None):
-            raise ValueError(f"--max-turns / --max-total-tokens: {environment.name} is evaluated as single-turn "
-                             "completions; give --max-new-tokens (tokens per completion) instead")
-        check_budgets(st.values)
-        check_request(split, n, ks, temperature, problems, splits=("train", "validation", "test", "all")
-                      if completion else ("train", "validation", "test"))
-        rules = check_rules(parse_list(selection, "--selection", "first,majority"))
-        model_path = resolve_model(model)
-        check_model_dir(str(model_path), chat_template=not completion)
-        check_run_dir(out, "--out")
-    except ValueError as e:
-        _fail(e)
+    options = {**_env_options(env, tasks, tasks_file, env_option, env_options), "split_seed": split_seed,
+               "max_turns": max_turns, "max_new_tokens": max_new_tokens, "max_total_tokens": max_total_tokens}
+    ks = parse_ks(k)
+    n = default_samples(n, temperature)
+    st = resolve_settings([("", model)], options)
+    environment = _load_env(st.values)
+    completion = getattr(environment, "completion_protocol", False)
+    if completion and (max_turns is not None or max_total_tokens is not None):
+        raise ValueError(f"--max-turns / --max-total-tokens: {environment.name} is evaluated as single-turn "
+                         "completions; give --max-new-tokens (tokens per completion) instead")
+    check_budgets(st.values)
+    check_request(split, n, ks, temperature, problems, splits=("train", "validation", "test", "all")
+                  if completion else ("train", "validation", "test"))
+    rules = check_rules(parse_list(selection, "--selection", "first,majority"))
+    model_path = resolve_model(model)
+    check_model_dir(str(model_path), chat_template=not completion)
+    check_run_dir(out, "--out")
     quiet_libraries()
     if completion:
         return _eval_completions(model_path, environment, st, split, n, ks, problems, temperature, seed,
@@ -112,24 +135,23 @@ def eval_cmd(model: Optional[str] = typer.Option(None, help="Checkpoint folder, 
     _say(f"{environment.label} {split}: {str(problems) + ' (drawn with --seed)' if problems else 'all'} problems of "
          f"the split × n = {n} episodes of {model_path}")
     _say(describe(record))
-    try:
-        with Phases(console) as phases:
-            ev = evaluate_episodes(model_path, environment, split, n, ks, problems=problems,
-                                   temperature=temperature, seed=seed, budgets=st.budgets(),
-                                   selection=rules, recovery=recovery,
-                                   provenance=record, phases=phases)
-    except ValueError as e:  # settings that cannot work with this model (checked once it has loaded)
-        _fail(e)
+    # a ValueError here: settings that cannot work with this model (checked once it has loaded)
+    with Phases(console) as phases:
+        ev = evaluate_episodes(model_path, environment, split, n, ks, problems=problems,
+                               temperature=temperature, seed=seed, budgets=st.budgets(),
+                               selection=rules, recovery=recovery,
+                               provenance=record, phases=phases)
     write_outputs(ev, out)
     _say((out / "report.md").read_text())
     for w in ev.result["warnings"]:
         console.print(f"[yellow]warning:[/] {escape(w)}")
     console.print(f"written: {out}/eval.json, episodes.parquet{', recovery_episodes.parquet' if recovery else ''}, "
                   "report.md, cost.png")
+    return out / "eval.json"
 
 
 def _eval_completions(model_path: Path, environment, st, split: str, n: int, ks: list[int], problems: int,
-                      temperature: float, seed: int, max_new_tokens: Optional[int], out: Path) -> None:
+                      temperature: float, seed: int, max_new_tokens: Optional[int], out: Path) -> Path:
     """``eval --env humaneval``: single-turn completions, batched across problems (pass@k protocol)."""
     from consequence.evaluate.completions import evaluate_completions, save_eval
     from consequence.evaluate.progress import Phases
@@ -159,6 +181,7 @@ def _eval_completions(model_path: Path, environment, st, split: str, n: int, ks:
         console.print(f"[yellow]warning:[/] {escape(warning)}")
     _say(res.summary())
     console.print(f"written: {path}")
+    return Path(path)
 
 
 @app.command("compare")
@@ -182,46 +205,64 @@ def compare_cmd(a: str = typer.Argument(..., metavar="A", help="Policy A: checkp
                 out: Path = typer.Option(Path("runs/compare"), help="Output folder for compare.json, compare.md and each arm's cost plot.")) -> None:
     """Two policies on the same tasks, seeds, split and budgets: success of each, paired
     difference B − A with a 95 % bootstrap CI over problems, and how many problems each wins."""
+    try:
+        run_compare(a, b, env, tasks, tasks_file, env_option, split, split_seed, max_turns, max_new_tokens,
+                    max_total_tokens, n, k, problems, temperature, seed, recovery, out)
+    except ValueError as e:
+        _fail(e)
+
+
+def run_compare(a: str, b: str, env: Optional[str], tasks: Optional[str], tasks_file: Optional[str],
+                env_option: Optional[list[str]], split: str, split_seed: Optional[int], max_turns: Optional[int],
+                max_new_tokens: Optional[int], max_total_tokens: Optional[int], n: int, k: str, problems: int,
+                temperature: float, seed: int, recovery: bool, out: Path,
+                env_options: Optional[dict] = None) -> Path:
+    """What ``consequence compare`` does with its options (``compare_cmd``'s help says each),
+    printing to the console; ``consequence.compare`` calls it too. ``env_options`` (a mapping)
+    may be given instead of ``env_option`` (``KEY=VALUE`` strings).
+
+    Returns:
+        The compare.json written.
+
+    Raises:
+        ValueError: a setting, a model or the environment is refused (before any work), or
+            cannot work with these models (once they have loaded); nothing is written then.
+    """
     from consequence.evaluate.run import check_distinct, check_request, resolve_model
     from consequence.evaluate.settings import check_budgets, resolve_settings
 
-    try:
-        options = {**_env_options(env, tasks, tasks_file, env_option), "split_seed": split_seed,
-                   "max_turns": max_turns, "max_new_tokens": max_new_tokens, "max_total_tokens": max_total_tokens}
-        ks = parse_ks(k)
-        st = resolve_settings([("A", a), ("B", b)], options)
-        environment = _load_env(st.values)
-        check_budgets(st.values)
-        check_request(split, n, ks, temperature, problems)
-        if problems == 1:
-            raise ValueError("--problems 1: a paired CI over problems needs at least 2 problems")
-        pa, pb = resolve_model(a, "A"), resolve_model(b, "B")
-        for p, name in ((pa, "A"), (pb, "B")):
-            check_model_dir(str(p), name)
-        check_distinct(pa, pb)
-        check_run_dir(out, "--out")
-    except ValueError as e:
-        _fail(e)
+    options = {**_env_options(env, tasks, tasks_file, env_option, env_options), "split_seed": split_seed,
+               "max_turns": max_turns, "max_new_tokens": max_new_tokens, "max_total_tokens": max_total_tokens}
+    ks = parse_ks(k)
+    st = resolve_settings([("A", a), ("B", b)], options)
+    environment = _load_env(st.values)
+    check_budgets(st.values)
+    check_request(split, n, ks, temperature, problems)
+    if problems == 1:
+        raise ValueError("--problems 1: a paired CI over problems needs at least 2 problems")
+    pa, pb = resolve_model(a, "A"), resolve_model(b, "B")
+    for p, name in ((pa, "A"), (pb, "B")):
+        check_model_dir(str(p), name)
+    check_distinct(pa, pb)
+    check_run_dir(out, "--out")
     quiet_libraries()
-    _compare(pa, pb, environment, st, split, n, ks, problems, temperature, seed, recovery, out)
+    return _compare(pa, pb, environment, st, split, n, ks, problems, temperature, seed, recovery, out)
 
 
 def _compare(pa: Path, pb: Path, environment, st, split: str, n: int, ks: list[int], problems: int, temperature: float,
-             seed: int, recovery: bool, out: Path) -> None:
+             seed: int, recovery: bool, out: Path) -> Path:
     from consequence.evaluate.progress import Phases
     from consequence.evaluate.run import compare_policies, write_compare
     from consequence.evaluate.settings import describe
 
     record = st.record()
     _say(describe(record))
-    try:
-        with Phases(console) as phases:
-            res = compare_policies(pa, pb, environment, split, n, ks=ks, problems=problems,
-                                   temperature=temperature, seed=seed, budgets=st.budgets(),
-                                   recovery=recovery, provenance=record,
-                                   phases=phases)
-    except ValueError as e:  # settings that cannot work with this model (checked once it has loaded)
-        _fail(e)
+    # a ValueError here: settings that cannot work with these models (checked once they have loaded)
+    with Phases(console) as phases:
+        res = compare_policies(pa, pb, environment, split, n, ks=ks, problems=problems,
+                               temperature=temperature, seed=seed, budgets=st.budgets(),
+                               recovery=recovery, provenance=record,
+                               phases=phases)
     write_compare(res, out)
     for key, what in (("paired", "success"), ("paired_recovery", "recovery after the same wrong first patch")):
         if key not in res:
@@ -234,3 +275,4 @@ def _compare(pa: Path, pb: Path, environment, st, split: str, n: int, ks: list[i
     for w in res["a"]["warnings"]:
         console.print(f"[yellow]warning:[/] {escape(w)}")
     console.print(f"written: {out}/compare.json, compare.md, cost-a.png, cost-b.png")
+    return out / "compare.json"

@@ -28,18 +28,29 @@ raises, or sets ``info["env_error"]``, is an ``env_error``: excluded and counted
 A group builder (:meth:`Environment.make_group`) makes the G isolated episodes of one
 task (default: G calls of :meth:`make_episode`); :meth:`Environment.score_group` may
 rescore the finished group jointly (e.g. a pairwise judge) before advantages are taken.
+
+:class:`SingleTurnEnvironment` is a single-turn task given as data: a dataset of prompts
+and a Python ``reward_fn(prompt, completion, **info) -> float | dict`` whose value gets
+the checks of any verifier (:func:`check_reward_fn_value`); ``SingleTurnEnvironment.scoring``
+puts a ``reward_fn`` in place of a single-turn environment's own verifier (docs/api.md).
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import hashlib
 import inspect
 import json
+import math
 import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Protocol, Sequence, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
-__all__ = ["Episode", "Environment", "SPLITS", "ANSWER_KEY", "source_sha256", "answer_in_text"]
+__all__ = ["Episode", "Environment", "SPLITS", "ANSWER_KEY", "source_sha256", "answer_in_text",
+           "SingleTurnEnvironment", "SingleTurnEpisode", "SingleTurnTask", "check_reward_fn_value"]
 
 SPLITS: tuple[str, ...] = ("train", "validation", "test")
 ANSWER_KEY = "answer"  # the action of a reply without a tool call: {"answer": text}
@@ -319,3 +330,275 @@ def check_environment(env: Environment) -> None:
 def first_reward_parts(components: Sequence[str]) -> dict[str, float]:
     """``{name: 0.0}`` for each declared component: the reward of an episode that earned nothing."""
     return {c: 0.0 for c in components}
+
+
+# ---- a single-turn task from a dataset and a Python reward function ------------------
+def callable_name(fn: Any) -> str:
+    """``module:qualname`` of a function (what error messages and the manifest call it)."""
+    return f"{getattr(fn, '__module__', None) or '?'}:{getattr(fn, '__qualname__', None) or type(fn).__qualname__}"
+
+
+def _finite(x: Any) -> float | None:
+    """``x`` as a finite float, or None (a bool is not a reward: True is not 1.0 by accident)."""
+    if isinstance(x, bool) or not (isinstance(x, (int, float)) or hasattr(x, "__float__")):
+        return None
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return None
+    return v if math.isfinite(v) else None
+
+
+def check_reward_fn_value(raw: Any, components: Sequence[str], low: float, high: float
+                          ) -> tuple[dict[str, float] | None, str | None]:
+    """What a ``reward_fn`` returned, as named components, with the checks of any verifier
+    (docs/design.md §3, docs/cases.md, case 03): every value a finite number, the total
+    inside ``[low, high]``.
+
+    Args:
+        raw: a number (it becomes the primary component ``components[0]``) or a dict
+            ``{component: number}`` whose names are among ``components``.
+        components: the environment's declared reward components.
+        low, high: the declared inclusive range of the total.
+
+    Returns:
+        ``(parts, None)`` when valid, else ``(None, error)``: the error shows the value.
+    """
+    if isinstance(raw, dict):
+        if not raw:
+            return None, "returned an empty dict of components"
+        unknown = [k for k in raw if k not in components]
+        if unknown:
+            return None, (f"returned components {', '.join(map(repr, unknown))}, which the environment does not "
+                          f"declare (reward_components={tuple(components)!r}; declare them)")
+        parts = {str(k): _finite(v) for k, v in raw.items()}
+        bad = {k: raw[k] for k, v in parts.items() if v is None}
+        if bad:
+            return None, f"returned {bad!r}, not finite numbers (components {raw!r})"
+    else:
+        v = _finite(raw)
+        if v is None:
+            return None, f"returned {raw!r} ({type(raw).__name__}), not a finite number"
+        parts = {components[0]: v}
+    total = math.fsum(parts.values())  # type: ignore[arg-type]
+    if not low <= total <= high:
+        return None, (f"returned a total of {total!r}, outside the declared reward_range [{low}, {high}] "
+                      "(declare reward_range=(low, high))")
+    return parts, None  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class SingleTurnTask:
+    """One record of a :class:`SingleTurnEnvironment`'s dataset.
+
+    Attributes:
+        task_id: ``str(index)`` in the dataset (instances drawn by ``sample`` add ``#seed-k``).
+        problem_id: the record's ``problem_id`` when it has one, else ``sha256(prompt)[:16]``
+            (the same prompt twice is one problem: it never sits in two splits).
+        prompt: the user message.
+        info: the record's other fields, given to ``reward_fn`` as keyword arguments.
+    """
+
+    task_id: str
+    problem_id: str
+    prompt: str
+    info: dict = field(default_factory=dict, repr=False, compare=False)
+
+
+class SingleTurnEpisode:
+    """One prompt, one reply: ``reset`` shows the prompt, ``step({"answer": text})`` scores
+    ``reward_fn(prompt, text, **info)`` and ends the episode.
+
+    A ``reward_fn`` that raises, or returns what :func:`check_reward_fn_value` rejects (NaN,
+    ±inf, not a number, outside the range, an undeclared component), makes the episode an
+    ``env_error`` (excluded and counted, never scored 0) whose error names the function.
+    """
+
+    answer_ends_episode = True
+
+    def __init__(self, task: Any, prompt: str, info: dict, reward_fn: Any, components: Sequence[str],
+                 reward_range: tuple[float, float], opening: Any = None):
+        self.task, self.prompt, self.info, self.reward_fn = task, prompt, info, reward_fn
+        self.components, self.reward_range = tuple(components), reward_range
+        self.opening = opening  # the wrapped environment's episode (its reset makes the prompt)
+        self.code: str | None = None  # the reply (the trajectory's final_code)
+
+    def reset(self, seed: int | None = None, options: dict | None = None) -> tuple[str, dict]:
+        self.code = None
+        if self.opening is not None:
+            self.prompt = self.opening.reset(seed=seed, options=options)[0]
+        return self.prompt, {"task_id": self.task.task_id, "problem_id": self.task.problem_id}
+
+    def step(self, action: dict) -> tuple[str, float, bool, bool, dict]:
+        """Score the reply with ``reward_fn`` (see the class doc).
+
+        Raises:
+            ValueError: an action that is not ``{"answer": text}`` (this task has no tools).
+        """
+        if ANSWER_KEY not in action:
+            raise ValueError(f"{self.task.task_id}: single-turn episodes take an answer, not a tool call {action!r}")
+        completion = action[ANSWER_KEY] or ""
+        self.code = completion
+        info: dict[str, Any] = {"task_id": self.task.task_id}
+        who = f"reward_fn {callable_name(self.reward_fn)}"
+        try:  # the user's function gets its own copy: it cannot change the task for later episodes
+            raw = self.reward_fn(self.prompt, completion, **copy.deepcopy(self.info))
+        except Exception as e:  # the scorer failing is an env_error, never a 0
+            info["env_error"] = f"{who} raised {type(e).__name__}: {e}"
+            return "", 0.0, True, False, info
+        parts, error = check_reward_fn_value(raw, self.components, *self.reward_range)
+        if error is not None:
+            info["env_error"] = f"{who} {error}"
+            return "", 0.0, True, False, info
+        info["reward_components"] = parts
+        return "", math.fsum(parts.values()), True, False, info  # type: ignore[union-attr]
+
+
+class SingleTurnEnvironment(Environment):
+    """A single-turn task given as data: a dataset of prompts and a Python reward function
+    (as TRL's ``reward_funcs``). Each episode shows one prompt; the policy's reply (no tools)
+    is scored by ``reward_fn(prompt, completion, **info)`` and the episode ends.
+
+    Args:
+        dataset: a sequence (or any iterable) of mappings, each with at least ``prompt`` (a
+            non-empty str); its other fields (e.g. ``answer``) reach ``reward_fn`` as keyword
+            arguments. An optional ``problem_id`` (str) groups records into one problem;
+            otherwise records with the same prompt are one problem.
+        reward_fn: ``reward_fn(prompt: str, completion: str, **info) -> float | dict[str, float]``;
+            a dict names the reward's components (all among ``reward_components``), a number
+            is the first component.
+        system_prompt: the system message of every episode ("" = none).
+        split_seed: seed of the problem-level split: problems are split 80 / 10 / 10 into
+            train / validation / test by :func:`consequence.tasks.jsonl.split_by_problem`
+            (the rule of every built-in task source).
+        name: the environment's name (reports, the manifest, the split ledger's label with
+            the dataset's hash).
+        reward_range: inclusive (low, high) of a reply's total reward; checked on every reply.
+        reward_components: the names of the reward's parts; the first is the primary one
+            (evaluation calls a reply a success when it is 1).
+        examples: worked examples ``(request, reply)`` shown before each prompt (few-shot).
+
+    Raises:
+        ValueError: an empty dataset, a record that is not a mapping, without a non-empty
+            str ``prompt``, or with a non-str ``problem_id``; a ``reward_fn`` that is not
+            callable; no reward component (each names the record and the fix).
+    """
+
+    name = "single-turn"
+    version = "1"
+    tools = []
+    answer_ends_episode = True
+    reward_fn_wrapper = True  # `consequence.train(reward_fn=...)` knows it scores by a Python function
+
+    def __init__(self, dataset: Iterable[Mapping[str, Any]], reward_fn: Any, system_prompt: str = "",
+                 split_seed: int = 0, *, name: str = "single-turn", reward_range: tuple[float, float] = (0.0, 1.0),
+                 reward_components: Sequence[str] = ("reward",), examples: Sequence[tuple[str, str]] = ()):
+        who = "SingleTurnEnvironment"
+        if not callable(reward_fn):
+            raise ValueError(f"{who}: reward_fn must be a function reward_fn(prompt, completion, **info) -> float "
+                             f"| dict, got {type(reward_fn).__name__}")
+        if isinstance(dataset, (str, bytes, Mapping)) or not isinstance(dataset, Iterable):
+            raise ValueError(f"{who}: dataset must be a sequence of dicts with a 'prompt', got {type(dataset).__name__}")
+        records = list(dataset)
+        if not records:
+            raise ValueError(f"{who}: the dataset is empty; give a sequence of dicts with a 'prompt'")
+        for i, r in enumerate(records):
+            if not isinstance(r, Mapping):
+                raise ValueError(f"{who}: dataset[{i}] is a {type(r).__name__}, not a dict with a 'prompt'")
+            if not isinstance(r.get("prompt"), str) or not r["prompt"].strip():
+                raise ValueError(f"{who}: dataset[{i}] has no 'prompt' (a non-empty str); its keys: "
+                                 f"{', '.join(map(str, r)) or 'none'}")
+            if "problem_id" in r and not isinstance(r["problem_id"], str):
+                raise ValueError(f"{who}: dataset[{i}]['problem_id'] must be a str, got {r['problem_id']!r}")
+        if isinstance(reward_components, str) or not reward_components:
+            raise ValueError(f"{who}: reward_components must be a non-empty sequence of names, got {reward_components!r}")
+        self.records = [dict(r) for r in records]
+        self.reward_fn = reward_fn
+        self.base: Environment | None = None
+        # per-instance declarations (the class attributes are the defaults), as reasoning-gym's and calculator's
+        self.system_prompt, self.name = system_prompt, name  # type: ignore[misc]
+        self.reward_range, self.reward_components = tuple(reward_range), tuple(reward_components)  # type: ignore[misc,assignment]
+        self.examples = tuple(tuple(x) for x in examples)  # type: ignore[misc]
+        super().__init__(split_seed)
+
+    @classmethod
+    def scoring(cls, env: Environment, reward_fn: Any) -> SingleTurnEnvironment:
+        """The single-turn environment ``env`` (no tools, a reply is its answer) scored by
+        ``reward_fn`` instead of its own verifier: the same splits, prompts (its episodes'
+        ``reset``), system prompt, examples, reward components and range; ``info`` is the
+        task's fields (a dataclass's, else its attributes), ``prompt`` and ``completion`` left out.
+
+        Raises:
+            ValueError: ``env`` has tools or replies without a tool call do not end its
+                episodes (a multi-turn task: score it in its ``Episode.step``), or it is
+                itself a reward_fn environment.
+        """
+        where = f"reward_fn {callable_name(reward_fn)}"
+        if not callable(reward_fn):
+            raise ValueError(f"reward_fn must be a function reward_fn(prompt, completion, **info) -> float | dict, "
+                             f"got {type(reward_fn).__name__}")
+        if getattr(env, "reward_fn_wrapper", False):
+            raise ValueError(f"{where}: environment {env.label!r} is already scored by reward_fn "
+                             f"{callable_name(env.reward_fn)}; give the reward function once")  # type: ignore[attr-defined]
+        if env.tools or not env.answer_ends_episode:
+            why = (f"it has tools ({', '.join(t['function']['name'] for t in env.tools)})" if env.tools
+                   else "a reply without a tool call does not end its episodes")
+            raise ValueError(f"{where}: a reward_fn scores a single-turn task (one prompt, one reply), and environment "
+                             f"{env.label!r} is multi-turn: {why}. Score a multi-turn environment in its "
+                             "Episode.step (docs/api.md), or give a single-turn one (a dataset of prompts, "
+                             "reasoning-gym, humaneval)")
+        self = cls.__new__(cls)
+        self.base, self.records, self.reward_fn = env, [], reward_fn
+        self.name, self.system_prompt, self.examples = env.name, env.system_prompt, tuple(env.examples)  # type: ignore[misc]
+        self.reward_range, self.reward_components = tuple(env.reward_range), tuple(env.reward_components)  # type: ignore[misc,assignment]
+        Environment.__init__(self, env.split_seed)
+        return self
+
+    def load_splits(self, split_seed: int) -> dict[str, list]:
+        if self.base is not None:
+            return {k: list(v) for k, v in self.base.split.items()}
+        from consequence.tasks.jsonl import split_by_problem
+
+        tasks = [SingleTurnTask(str(i), r.get("problem_id") or hashlib.sha256(r["prompt"].encode()).hexdigest()[:16],
+                                r["prompt"], {k: v for k, v in r.items() if k != "prompt"})
+                 for i, r in enumerate(self.records)]
+        ids = split_by_problem([t.problem_id for t in tasks], seed=split_seed)
+        return {s: [t for t in tasks if t.problem_id in ids[s]] for s in SPLITS}
+
+    def make_episode(self, task: Any) -> SingleTurnEpisode:
+        if self.base is None:
+            return SingleTurnEpisode(task, task.prompt, task.info, self.reward_fn, self.reward_components,
+                                     self.reward_range)
+        fields = ({f.name: getattr(task, f.name) for f in dataclasses.fields(task)} if dataclasses.is_dataclass(task)
+                  else dict(getattr(task, "__dict__", {})))
+        info = {k: v for k, v in fields.items() if k not in ("prompt", "completion")}
+        return SingleTurnEpisode(task, "", info, self.reward_fn, self.reward_components, self.reward_range,
+                                 opening=self.base.make_episode(task))
+
+    def dataset_sha256(self) -> str | None:
+        """sha256 of the dataset as canonical JSON (None for a wrapped environment: its own record names its source)."""
+        if self.base is not None:
+            return None
+        text = json.dumps(self.records, sort_keys=True, default=repr, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    @property
+    def label(self) -> str:
+        """``NAME:SHA12`` of the dataset (another dataset is another task source in the split
+        ledger); a wrapped environment keeps its own label (the same problems)."""
+        return self.base.label if self.base is not None else f"{self.name}:{self.dataset_sha256()[:12]}"  # type: ignore[index]
+
+    def describe(self) -> dict[str, Any]:
+        """The base record plus the reward function, the dataset's size and hash, or the wrapped environment's record."""
+        out = super().describe() | {"reward_fn": callable_name(self.reward_fn), "reward_fn_sha256": _code_sha256(self.reward_fn)}
+        if self.base is not None:
+            return out | {"scored_environment": self.base.describe()}
+        return out | {"dataset_records": len(self.records), "dataset_sha256": self.dataset_sha256()}
+
+
+def _code_sha256(fn: Any) -> str | None:
+    """sha256 of a function's source text (None when it cannot be read, e.g. a builtin)."""
+    try:
+        return hashlib.sha256(inspect.getsource(fn).encode()).hexdigest()
+    except (OSError, TypeError):
+        return None

@@ -9,6 +9,12 @@
 3. ``module:attr``, importable from the current Python path (``attr`` may be dotted);
 4. a path ending in ``.jsonl``: the ``jsonl`` environment on that file.
 
+Beside these, a Python process may register environments of its own (in process only):
+:func:`register_env` under a name, and ``consequence.train(env=...)`` an object, class or
+function that cannot be imported by ``module:attr`` under the key ``python:MODULE:QUALNAME``,
+which is what the run's config.yaml records. Another process (``train --resume``,
+``reproduce``) cannot re-create such an environment from the config, and says so.
+
 The object found is an :class:`~consequence.envs.api.Environment` subclass, or a
 function returning an instance; it is called with ``split_seed`` and the options.
 """
@@ -23,7 +29,8 @@ from typing import Any
 
 from consequence.envs.api import Environment, check_environment
 
-__all__ = ["BUILTINS", "ENTRY_POINT_GROUP", "available", "load_environment", "resolve"]
+__all__ = ["BUILTINS", "ENTRY_POINT_GROUP", "IN_PROCESS_PREFIX", "available", "is_in_process", "load_environment",
+           "register_env", "resolve"]
 
 ENTRY_POINT_GROUP = "consequence.environments"
 BUILTINS: dict[str, str] = {
@@ -37,6 +44,68 @@ BUILTINS: dict[str, str] = {
 }
 
 
+IN_PROCESS_PREFIX = "python:"  # the key of an environment object given to consequence.train(env=...)
+# Environments registered in this process: register_env's names and python: keys -> factory.
+_IN_PROCESS: dict[str, Any] = {}
+
+
+def register_env(name: str, factory: Any) -> None:
+    """Make ``factory`` usable as ``--env NAME`` / ``env: NAME`` / ``consequence.train(env=NAME)``
+    in this Python process (a script that registers, then trains or calls the CLI's ``app()``).
+
+    Args:
+        name: the name; not a built-in's, without ``:`` (kept for ``module:attr``), not
+            ending in ``.jsonl``. Registering a name again replaces the earlier factory.
+        factory: an :class:`Environment` subclass or a function ``(split_seed, **options)
+            -> Environment`` (both made anew for every load, with the config's split seed and
+            options), or an :class:`Environment` instance (used as it is: it takes no options,
+            and the config's ``split_seed`` must be the one it was made with).
+
+    Raises:
+        ValueError: a name that is empty, a built-in's, has ``:`` or ends in ``.jsonl``; a
+            factory that is none of the above.
+    """
+    if not isinstance(name, str) or not name.strip() or ":" in name or name.endswith(".jsonl"):
+        raise ValueError(f"register_env: name {name!r} must be a non-empty str without ':' (kept for module:attr) "
+                         "and not a .jsonl path")
+    if name in BUILTINS:
+        raise ValueError(f"register_env: {name!r} is a built-in environment; register under another name")
+    _IN_PROCESS[name] = _factory_of(factory, name)
+
+
+def _factory_of(obj: Any, name: str) -> Any:
+    """A factory that :func:`load_environment` can call: a class or function as it is; an
+    instance wrapped in one that returns it (refusing options and another split seed)."""
+    if isinstance(obj, Environment):
+        def the_instance(split_seed: int = obj.split_seed) -> Environment:
+            if split_seed != obj.split_seed:
+                raise ValueError(f"--env {name}: the environment object was made with split_seed {obj.split_seed} "
+                                 f"and the config asks for split_seed {split_seed}; make them agree (set "
+                                 f"split_seed={obj.split_seed} in the config, or make the object with "
+                                 f"split_seed={split_seed})")
+            return obj
+
+        return the_instance
+    if isinstance(obj, type) and not issubclass(obj, Environment):
+        raise ValueError(f"{name}: {obj.__qualname__} is not a consequence.envs.api.Environment subclass "
+                         "(subclass it; docs/environments.md)")
+    if not callable(obj):
+        raise ValueError(f"{name}: {obj!r} is neither an Environment (class or instance) nor a function "
+                         "returning one")
+    return obj
+
+
+def _register_in_process(key: str, factory: Any) -> str:
+    """Register ``factory`` under ``key`` (a ``python:`` key of :mod:`consequence.api`); returns the key."""
+    _IN_PROCESS[key] = _factory_of(factory, key)
+    return key
+
+
+def is_in_process(name: str) -> bool:
+    """``name`` is an environment only this process has (:func:`register_env`'s, or a ``python:`` key)."""
+    return name in _IN_PROCESS or name.startswith(IN_PROCESS_PREFIX)
+
+
 def _entry_points() -> dict[str, metadata.EntryPoint]:
     return {ep.name: ep for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)}
 
@@ -44,6 +113,10 @@ def _entry_points() -> dict[str, metadata.EntryPoint]:
 def available() -> dict[str, str]:
     """Every name ``--env`` accepts → where it comes from (``module:attr``), built-ins first."""
     out = dict(BUILTINS)
+    for name, factory in _IN_PROCESS.items():
+        if not name.startswith(IN_PROCESS_PREFIX):
+            out.setdefault(name, f"{getattr(factory, '__module__', '?')}:{getattr(factory, '__qualname__', '?')} "
+                                 "(registered in this process)")
     for name, ep in _entry_points().items():
         out.setdefault(name, ep.value)
     return out
@@ -77,6 +150,13 @@ def resolve(name: str) -> Any:
     """
     if name in BUILTINS:
         return _import(BUILTINS[name], name)
+    if name in _IN_PROCESS:
+        return _IN_PROCESS[name]
+    if name.startswith(IN_PROCESS_PREFIX):
+        raise ValueError(f"--env {name}: this run's environment was a Python object given to consequence.train(env=...) "
+                         "or reward_fn=... in another process; it cannot be re-created from the run's config. Resume or "
+                         "reproduce it from Python with the same environment (consequence.train(config, env=..., "
+                         "resume=True)), or make it importable (module:attr, an entry point) for the command line")
     eps = _entry_points()
     if name in eps:
         try:
@@ -87,7 +167,8 @@ def resolve(name: str) -> Any:
     if ":" in name:
         return _import(name, name)
     raise ValueError(f"--env {name!r}: unknown environment; valid: " + ", ".join(available())
-                     + ", a module:attr path, or a .jsonl task file (docs/environments.md)")
+                     + ", a module:attr path, or a .jsonl task file (docs/environments.md); a name given to "
+                     "consequence.register_env exists only in the Python process that registered it")
 
 
 def load_environment(name: str, split_seed: int = 0, options: dict[str, Any] | None = None) -> Environment:

@@ -39,21 +39,24 @@ TOKEN_CAPS = (32, 64, 96, 128, 192, 256, 384)
 
 def resolve_model(path: str | None, option: str = "--model") -> Path:
     """A checkpoint folder; a run folder means its ``checkpoints/final``; None = the bundled model;
-    a registered model name (``consequence.policy.named``) its converted folder (converted on first use).
+    a registered model name (``consequence.policy.named``) its converted folder (converted on first use);
+    a Hugging Face hub id that names no local path its snapshot (``policy.named.hub_folder``).
 
     Raises:
         ValueError: the path does not exist or holds no ``config.json`` (nor a LoRA adapter's
             ``adapter_config.json``: ``policy.lora``); a name's package is
-            missing (names the pip extra) or its conversion failed.
+            missing (names the pip extra) or its conversion failed; a hub id offline and not
+            cached, or its fetch failed.
     """
     if path is None:
         from consequence.policy.tiny import BUNDLED
 
         return BUNDLED
-    from consequence.policy.named import is_named, resolve_named_model
+    from consequence.config import is_hub_id
+    from consequence.policy.named import is_named, model_folder
 
-    if is_named(path):
-        return resolve_named_model(path, option=option)
+    if is_named(path) or is_hub_id(path):  # resolved in one place (converted, or fetched from the hub)
+        return model_folder(path, option=option)
     from consequence.policy.lora import is_model_folder
 
     p = Path(path)

@@ -34,6 +34,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from consequence.config import is_hub_id
 from consequence.fileio import as_write_error, cache_root
 
 MARKER = "consequence-source.json"  # written last into a converted folder: what it was made from
@@ -381,11 +382,65 @@ def resolve_named_model(name: str, log: Callable[[str], Any] = print, option: st
                         extra={"name": name, "package": m.package, "version": package_version(name)})
 
 
-def model_folder(model: str, log: Callable[[str], Any] = print, option: str = "--model") -> Path:
-    """``model`` as a local folder: a registered name is resolved (:func:`resolve_named_model`),
-    anything else is taken as a path.
+# What a model folder needs from a hub repository (config, weights, tokenizer, chat template);
+# other formats a repository may also hold (pytorch_model.bin beside safetensors, ONNX, GGUF) are not fetched.
+HUB_PATTERNS: tuple[str, ...] = ("*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken")
+
+
+def hub_offline() -> bool:
+    """``HF_HUB_OFFLINE`` (or ``TRANSFORMERS_OFFLINE``) is set to a true value, read now (the
+    hub library reads it once at import), by the hub library's rule: 1, ON, YES or TRUE."""
+    value = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
+    return value.strip().upper() in {"1", "ON", "YES", "TRUE"}
+
+
+def hub_folder(repo_id: str, log: Callable[[str], Any] = print, option: str = "--model") -> Path:
+    """The local folder of the Hugging Face hub repository ``repo_id`` (``ORG/NAME``): its
+    snapshot in the Hugging Face cache (``huggingface_hub.snapshot_download``, the files of
+    :data:`HUB_PATTERNS`), fetched when the machine is online, as ``from_pretrained`` would.
+    Offline (:func:`hub_offline`) only a snapshot already in the cache is used: nothing is
+    fetched, no network is tried.
 
     Raises:
-        ValueError: as :func:`resolve_named_model` for a registered name.
+        ValueError: offline and not in the cache (names the id, says that hub ids are fetched
+            only online, and the two ways on: download on an online machine into a folder and
+            pass the folder, or unset HF_HUB_OFFLINE); online, the fetch failed (names the id
+            and the error).
     """
-    return resolve_named_model(model, log=log, option=option) if is_named(model) else Path(model)
+    from huggingface_hub import snapshot_download
+
+    get = f"download it on a machine that is online (hf download {repo_id} --local-dir DIR), bring DIR here and " \
+          f"pass {option} DIR"
+    if hub_offline():
+        try:
+            return Path(snapshot_download(repo_id, allow_patterns=list(HUB_PATTERNS), local_files_only=True))
+        except Exception:  # not in the cache (LocalEntryNotFoundError) or a cache it cannot read: the same way on
+            raise ValueError(f"{option} {repo_id}: no such local folder, so it is read as a Hugging Face hub id; hub ids "
+                             "are fetched only when the machine is online, and HF_HUB_OFFLINE is set (nor is it in the "
+                             f"Hugging Face cache). Either {get}, or unset HF_HUB_OFFLINE to fetch it into the cache"
+                             ) from None
+    log(f"{option} {repo_id}: fetching from the Hugging Face hub into its cache (only files missing there)")
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=list(HUB_PATTERNS)))
+    except Exception as e:  # unknown or gated repository, no network: say which, and the way on
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ValueError(f"{option} {repo_id}: no such local folder, and fetching it as a Hugging Face hub id failed "
+                         f"({type(e).__name__}: {first}); check the id and the network (a gated model needs "
+                         f"`hf auth login`), or {get}") from None
+
+
+def model_folder(model: str, log: Callable[[str], Any] = print, option: str = "--model") -> Path:
+    """``model`` as a local folder: the one place where a model given by name is resolved.
+    A registered name is resolved (:func:`resolve_named_model`), a Hugging Face hub id that
+    names no local path (``consequence.config.is_hub_id``) is fetched or found in the cache
+    (:func:`hub_folder`), anything else is taken as a path.
+
+    Raises:
+        ValueError: as :func:`resolve_named_model` for a registered name, as
+            :func:`hub_folder` for a hub id.
+    """
+    if is_named(model):
+        return resolve_named_model(model, log=log, option=option)
+    if is_hub_id(model):
+        return hub_folder(model, log=log, option=option)
+    return Path(model)
