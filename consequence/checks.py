@@ -70,7 +70,8 @@ def check_ratio(model, rows: Sequence[TrainingRow], pad_id: int, logprob_fn: Cal
             worst, where = worst_b, where_b
     ok = worst <= tol
     if not ok:
-        detail += (f", at trajectory {where[0]} token {where[1]}: the trainer does not see the distribution the "
+        at = f", at trajectory {where[0]} token {where[1]}" if where is not None else ""  # None: tol < 0
+        detail += (f"{at}: the trainer does not see the distribution the "
                    "sampler used (temperature / top-k / top-p must match, weights must be the behaviour snapshot)")
     return CheckResult("ratio", ok, detail)
 
@@ -179,6 +180,7 @@ def check_clip_direction(ucfg: UpdateConfig, surrogate_fn: Callable = surrogate_
                                  torch.ones_like(lp), eps_low=ucfg.clip_eps_low, eps_high=ucfg.clip_eps_high,
                                  dual_clip_c=ucfg.dual_clip_c)
         (-obj.sum()).backward()
+        assert lp.grad is not None  # a leaf that requires grad, after backward
         grads[a] = lp.grad[0, 0].item()
     if ucfg.surrogate == "cispo":
         pos_ok = math.isclose(-grads[1.0], 1.0 + ucfg.clip_eps_high, rel_tol=1e-6)

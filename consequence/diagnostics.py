@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 from consequence.credit.batch import credit_rewards
 from consequence.records import Trajectory, trajectory_to_rows
@@ -68,7 +68,7 @@ def _stale_gap(m: dict[str, Any]) -> bool:
     return m.get("lag_max", 0) > 0 and _num(outside) and outside > STALE_OUTSIDE_BAND and not corrected
 
 
-def _stale_gap_warning(history: list[dict[str, Any]]) -> list[str]:
+def _stale_gap_warning(history: Sequence[dict[str, Any]]) -> list[str]:
     """Once per run (the first iteration where it holds): stale batches far from the trainer, uncorrected."""
     now = history[-1]
     if not _stale_gap(now) or any(_stale_gap(h) for h in history[:-1]):
@@ -100,8 +100,8 @@ def warnings_for(history: Sequence[dict[str, Any]]) -> list[str]:
     elif _num(lo) and _num(hi) and max(1 - lo, hi - 1) > FIRST_STEP_RATIO_TOL:
         out.append(f"ratio far from 1 on the first step ({lo:.4f} … {hi:.4f}): the trainer's log-probs differ "
                    "from the sampler's; check temperature / top-k / top-p and the weights used for rollouts")
-    trunc = [h.get("truncated_fraction") for h in history[-3:]]
-    if len(trunc) == 3 and all(_num(x) for x in trunc) and trunc[0] < trunc[1] < trunc[2] \
+    trunc = [h["truncated_fraction"] for h in history[-3:] if _num(h.get("truncated_fraction"))]
+    if len(trunc) == 3 and trunc[0] < trunc[1] < trunc[2] \
             and trunc[2] - trunc[0] >= TRUNCATION_RISE:
         out.append(f"truncated episodes rising: {trunc[0]:.2f} → {trunc[2]:.2f} over 3 iterations; the policy "
                    "is running into its budgets")
@@ -119,6 +119,6 @@ def warnings_for(history: Sequence[dict[str, Any]]) -> list[str]:
     return out
 
 
-def _num(x) -> bool:
+def _num(x: object) -> TypeGuard[float]:
     """A finite number (not None, NaN, ±inf or a bool)."""
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)

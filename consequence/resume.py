@@ -164,7 +164,9 @@ def _remove_older_states(root: Path, keep: Path) -> None:
 # ---- RNG -----------------------------------------------------------------------------
 def capture_rng() -> dict[str, Any]:
     """The global generators' states as JSON-able data (torch states base64-encoded)."""
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = np.random.get_state()  # legacy=True (the default): a tuple, not the dict form
+    assert isinstance(state, tuple)
+    kind, keys, pos, has_gauss, gauss = state
     out = {"python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
            "numpy": [kind, keys.tolist(), pos, has_gauss, gauss],
            "torch": _b64(torch.get_rng_state())}
@@ -276,10 +278,10 @@ def stop_message(e: BaseException, run: Path) -> str:
                 "on with other settings (e.g. a lower --learning-rate) start a new run from the state's policy "
                 "folder (--model STATE/policy), or, once the cause is fixed in code, continue")
     else:
-        fix = {errno.EFBIG: "Raise the file-size limit (ulimit -f)",
-               errno.EROFS: "Make the run folder writable"}.get(getattr(e, "errno", None),
-                                                                "Free disk space (a resume state takes about 3 x "
-                                                                "the model's weights, 6 x with a value head)")
+        fixes: dict[int | None, str] = {errno.EFBIG: "Raise the file-size limit (ulimit -f)",
+                                         errno.EROFS: "Make the run folder writable"}
+        fix = fixes.get(getattr(e, "errno", None),
+                        "Free disk space (a resume state takes about 3 x the model's weights, 6 x with a value head)")
         what = (f"stopped: cannot write {getattr(e, 'filename', None) or run} ({getattr(e, 'strerror', None) or e}); "
                 f"{where} and no file was left half-written. {fix}, then continue")
     return f"{what} with `consequence train --resume {run}`."

@@ -44,7 +44,7 @@ class Batch:
     returns: list[list[float]] | None = None
     old_values: list[list[float]] | None = None
     trajectories: list[Trajectory] | None = None  # what rows[j].traj_index points into
-    metrics: dict[str, float] = field(default_factory=dict)  # the credit box's own (teacher KL, ...)
+    metrics: dict[str, float | None] = field(default_factory=dict)  # the credit box's own (teacher KL, ...)
 
     def describe_rows(self, rows: list[int]) -> str:
         """The trajectories of ``rows`` (indices into ``self.rows``), for error messages."""
@@ -58,8 +58,13 @@ class Batch:
 
     def select(self, keep: list[int]) -> Batch:
         """The batch restricted to rows ``keep`` (indices into ``self.rows``)."""
-        pick = lambda xs: None if xs is None else [xs[j] for j in keep]  # noqa: E731
-        return Batch(pick(self.rows), pick(self.advantages), pick(self.sampler_logprobs),
+        def take(xs: list) -> list:
+            return [xs[j] for j in keep]
+
+        def pick(xs: list | None) -> list | None:  # an absent side input stays absent
+            return None if xs is None else take(xs)
+
+        return Batch(take(self.rows), take(self.advantages), take(self.sampler_logprobs),
                      pick(self.ref_logprobs), pick(self.returns), pick(self.old_values), self.trajectories,
                      dict(self.metrics))
 

@@ -13,9 +13,10 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # annotations only
+    from transformers import PreTrainedModel
 
 from consequence.policy.tiny import load_policy
 
@@ -82,8 +83,8 @@ def tokenizer_difference(student_tok, teacher_tok) -> str | None:
     if found := _model_difference(js.get("model") or {}, jt.get("model") or {}):
         return found
     for key, words in PIPELINE:
-        if found := _first_leaf_difference(js.get(key), jt.get(key), key):
-            path, a, b = found
+        if leaf := _first_leaf_difference(js.get(key), jt.get(key), key):
+            path, a, b = leaf
             where = "" if path == key else f" ({path})"
             return f"its {words}{where} is {_show(a)} for the student and {_show(b)} for the teacher"
     return None
@@ -122,7 +123,9 @@ def _added_tokens_difference(a: list[dict], b: list[dict]) -> str | None:
         if x == y:
             continue
         if x is None or y is None:
-            return (f"its added tokens: {(x or y)['content']!r} (id {i}) is an added token of the "
+            one = x if x is not None else y
+            assert one is not None  # id i is in by_a or by_b
+            return (f"its added tokens: {one['content']!r} (id {i}) is an added token of the "
                     f"{'student' if y is None else 'teacher'} only")
         key = next(k for k in sorted(set(x) | set(y)) if x.get(k) != y.get(k))
         return (f"its added tokens: the token with id {i} ({x['content']!r}) has {key}={_show(x.get(key))} for the "
@@ -153,8 +156,8 @@ def _model_difference(a: dict, b: dict) -> str | None:
         return (f"its BPE merges: merge #{k} (counting from 0, in rank order) is {_merge(ma, k)} for the student and "
                 f"{_merge(mb, k)} for the teacher ("
                 + (f"both have {len(ma)} merges)" if len(ma) == len(mb) else f"{len(ma)} vs {len(mb)} merges)"))
-    rest = ({k: v for k, v in m.items() if k != "merges"} for m in (a, b))
-    if found := _first_leaf_difference(*rest, "model"):
+    rest_a, rest_b = ({k: v for k, v in m.items() if k != "merges"} for m in (a, b))
+    if found := _first_leaf_difference(rest_a, rest_b, "model"):
         path, x, y = found
         return f"its {a.get('type')} model ({path}) is {_show(x)} for the student and {_show(y)} for the teacher"
     return None
@@ -203,7 +206,7 @@ def _show(x: Any, limit: int = 120) -> str:
     return text if len(text) <= limit else text[:limit] + "…"
 
 
-def _out_rows(model: torch.nn.Module) -> int:
+def _out_rows(model: PreTrainedModel) -> int:
     """Rows of the model's output layer: the vocabulary its next-token distributions cover."""
     return int(model.get_output_embeddings().weight.shape[0])
 
@@ -220,7 +223,7 @@ def _teacher_tokenizer(folder: Path):
 
 
 def load_teacher(path: str | Path, student_tok, log: Callable[[str], None] = print,
-                 student: torch.nn.Module | None = None) -> torch.nn.Module:
+                 student: PreTrainedModel | None = None) -> PreTrainedModel:
     """Load the teacher at ``path`` (a local model folder or a registered name), frozen.
 
     Args:

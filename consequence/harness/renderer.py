@@ -223,9 +223,9 @@ class Renderer:
     def _hermes_gaps(self, names: list[str]) -> list[str]:
         """What the template fails to show of a probe conversation in the Hermes format."""
         call = {"type": "function", "function": {"name": names[0], "arguments": {"probe": 1}}}
-        probe = [{"role": "system", "content": "probe-system"}, {"role": "user", "content": "probe-user"},
-                 {"role": "assistant", "content": "", "tool_calls": [call]},
-                 {"role": "tool", "name": names[0], "content": "probe-result"}]
+        probe: list[dict[str, Any]] = [{"role": "system", "content": "probe-system"}, {"role": "user", "content": "probe-user"},
+                                      {"role": "assistant", "content": "", "tool_calls": [call]},
+                                      {"role": "tool", "name": names[0], "content": "probe-result"}]
         try:
             text = self.render_text(probe, add_generation_prompt=False)
             prompt = self.render_text(probe[:2], add_generation_prompt=True)
@@ -301,10 +301,14 @@ class Renderer:
         """
         ids = output_ids[:-1] if output_ids and output_ids[-1] in self.stop_ids else output_ids
         text = self.tokenizer.decode(ids, skip_special_tokens=False)
-        calls, errors = [], []
+        calls: list[dict[str, Any]] = []
+        errors: list[str] = []
         for block in _TOOL_CALL_RE.findall(text) if self.tools else ():
-            call, err = _parse_call(block)
-            (errors.append(err) if err else calls.append(call))
+            call, err = _parse_call(block)  # exactly one of the two is None
+            if err is not None:
+                errors.append(err)
+            elif call is not None:
+                calls.append(call)
         content = _TOOL_CALL_RE.sub("", text).strip() if self.tools else text.strip()
         if stop_reason == "length":
             error = "output cut at the token limit"

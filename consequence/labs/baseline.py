@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
@@ -61,7 +62,8 @@ def one_sample_estimates(p: float = 0.5) -> dict[str, float]:
     outcomes = {"A rewarded": (0, 1.0, p * Q_A), "B rewarded": (1, 1.0, (1 - p) * Q_B),
                 "A not rewarded": (0, 0.0, p * (1 - Q_A)), "B not rewarded": (1, 0.0, (1 - p) * (1 - Q_B))}
     # one sample per group: with "reinforce" the advantage is the reward itself
-    adv = group_advantages([r for _, r, _ in outcomes.values()], list(outcomes), "reinforce")
+    # every reward is a number, so every member has an advantage (none is None)
+    adv = cast(list[float], group_advantages([r for _, r, _ in outcomes.values()], list(outcomes), "reinforce"))
     out = {name: a * score[act] + 0.0 for a, (name, (act, _, _)) in zip(adv, outcomes.items())}  # + 0.0: no "-0"
     out["mean"] = sum(out[name] * prob for name, (_, _, prob) in outcomes.items())
     return out

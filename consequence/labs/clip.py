@@ -59,6 +59,7 @@ def _has_gradient(pi: float, pi_old: float, eps_low: float, eps_high: float) -> 
     obj, _, _ = clipped_surrogate(logp, torch.tensor([[math.log(pi_old)]], dtype=torch.float64),
                                   torch.ones(1, dtype=torch.float64), eps_low, eps_high)
     obj.sum().backward()
+    assert logp.grad is not None  # a leaf that requires grad, after backward
     return bool(logp.grad[0, 0] != 0)
 
 

@@ -9,6 +9,7 @@ w(a)·r over 24 samples drawn from μ.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -25,7 +26,7 @@ def run(out_dir: Path, seed: int = 0, n_estimates: int = 20_000) -> dict:
     reward = (rng.random(took_a.shape) < np.where(took_a, R_A, R_B)).astype(float)
     weighted = (np.where(took_a, w_a, w_b) * reward).mean(axis=1)
     naive = reward.mean(axis=1)
-    out = {
+    out: dict[str, Any] = {  # numbers, and the figure's path
         "weight A (pi/mu)": w_a, "weight B (pi/mu)": w_b,
         "exact E_pi[r]": target,
         "exact E_mu[w r]": MU_A * w_a * R_A + (1 - MU_A) * w_b * R_B,

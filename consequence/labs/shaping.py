@@ -77,6 +77,7 @@ def expected_return(policy: Callable[[Obs], str], kind: str) -> float:
     def value(t: int, tested: bool, fixed: bool, n_patches: int, last: str | None) -> float:
         action = policy((t, n_patches, last))
         # outcomes: (prob, tested', fixed', last', done, true reward)
+        outs: list[tuple[float, bool, bool, str | None, bool, float]]
         if action == "run_tests":
             outs = [(1.0, True, fixed, "pass" if fixed else "fail", False, 0.0)]
         elif action == "patch":

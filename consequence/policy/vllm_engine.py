@@ -294,11 +294,12 @@ class VllmEngine:
             c = calls[0]
             calls[0] += 1
             out = self.generate(prompts, p, stop_ids, [seed_of(seed, c, i) for i in range(len(prompts))])
-            fn.version = self.version
+            fn.version = self.version  # type: ignore[attr-defined]  # read by the rollout worker (scale/)
             return out
 
-        fn.version = self.version
-        fn.engine = self
+        # The weights version and the engine ride on the function, as on every generate function.
+        fn.version = self.version  # type: ignore[attr-defined]
+        fn.engine = self  # type: ignore[attr-defined]
         return fn
 
     # -- weights -----------------------------------------------------------------------

@@ -16,6 +16,7 @@ folder that holds an earlier run deletes that run's outputs first (:func:`clear_
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import platform
 import re
@@ -112,7 +113,7 @@ def build_manifest(cfg: TrainConfig, model_path: Path, env, *, chat_template: st
                   "sizes": {k: len(v) for k, v in split_ids.items()},
                   "split_sha256": _text_hash(json.dumps(split_ids, sort_keys=True)), "split_file": "split.json"},
         "environment": {**env.describe(),
-                        "sandbox_source_sha256": {m.__name__: sha256_of(Path(m.__file__)) for m in (sandbox, judge)},
+                        "sandbox_source_sha256": {m.__name__: sha256_of(Path(inspect.getfile(m))) for m in (sandbox, judge)},
                         "isolation": isolation},
         "harness": {"tools": env.tools, "system_prompt": env.system_prompt, "tool_format": tool_format,
                     "examples": [list(x) for x in env.examples],

@@ -130,7 +130,9 @@ def select_trajectories(by_iter: dict[int, list[Trajectory]], limit: int) -> tup
 
 def _spread(n: int) -> list[int]:
     """0..n-1 ordered latest first, then halving the gaps (van der Corput sequence)."""
-    order, seen, i = [], set(), 0
+    order: list[int] = []
+    seen: set[int] = set()
+    i = 0
     while len(order) < n:
         x, f, j = 0.0, 0.5, i  # x = i-th van der Corput number in [0, 1)
         while j:

@@ -40,13 +40,18 @@ class RewardResult:
 def _as_finite(x: object, what: str) -> tuple[float | None, str | None]:
     if isinstance(x, (int, float)) or hasattr(x, "__float__"):
         try:
-            v = float(x)  # type: ignore[arg-type]
+            v = float(x)
         except (TypeError, ValueError) as e:
             return None, f"{what} {x!r} is not a number ({e})"
         if not math.isfinite(v):
             return None, f"{what} is {x!r}, not a finite number"
         return v, None
     return None, f"{what} {x!r} has type {type(x).__name__}, not a number"
+
+
+def _returning(value: float | dict[str, float]) -> Callable[[], float | dict[str, float]]:
+    """A reward function returning ``value``: a reward already at hand, checked as any other."""
+    return lambda: value
 
 
 def checked_reward(
@@ -139,7 +144,7 @@ def score_trajectories(trajs: list[Trajectory], overlong_buffer: int = 0, max_ge
             parts[components[0]] = t.verifier_score  # a trajectory recorded without per-step rewards
         if overlong_buffer:  # |y| = generated tokens (0 without a call: penalty 0, component kept)
             parts["overlong"] = overlong_penalty(t.n_generated_tokens, max_generated_tokens, overlong_buffer)
-        res = checked_reward(lambda p=parts: p, low=low - 1.0 if overlong_buffer else low, high=high)
+        res = checked_reward(_returning(parts), low=low - 1.0 if overlong_buffer else low, high=high)
         t.reward, t.reward_components = res.value, res.components
         if res.value is None:
             t.outcome, t.error = "env_error", res.error
@@ -155,6 +160,6 @@ def rescore_group(env, task, group: list[Trajectory], overlong: bool = False) ->
     for t in group:
         if t.reward is None:
             continue
-        res = checked_reward(lambda r=t.reward: r, low=low - 1.0 if overlong else low, high=high)
+        res = checked_reward(_returning(t.reward), low=low - 1.0 if overlong else low, high=high)
         if res.value is None:
             t.reward, t.outcome, t.error = None, "env_error", f"score_group: {res.error}"

@@ -37,6 +37,6 @@ def policy_generate_fn(model, params: SamplingParams, stop_ids, seed: int,
         rows = gen if streams is None else [streams[i] for i in episode_indices]
         return generate_with_prefix(model, prompts, episode_indices, p, stop_ids, cache, generator=rows)
 
-    fn.prefix_cache = cache  # for metrics and benchmarks
+    fn.prefix_cache = cache  # type: ignore[attr-defined]  # for metrics and benchmarks
 
     return fn

@@ -20,7 +20,7 @@ import re
 import sys
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Set
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,7 +115,7 @@ class AsyncRollouts:
             cluster's CPUs, or the worker's own error).
     """
 
-    def __init__(self, cfg: TrainConfig, model_path: str, done: set[int] = frozenset(),
+    def __init__(self, cfg: TrainConfig, model_path: str, done: Set[int] = frozenset(),
                  log: Callable[[str], None] = lambda line: None, ray_module=None, worker_cls=RolloutWorker):
         if ray_module is None:
             import ray as ray_module

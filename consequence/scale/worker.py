@@ -12,6 +12,7 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +57,7 @@ class RolloutWorker:
     """
 
     def __init__(self, cfg: TrainConfig, model_path: str, threads: int, worker_id: int,
-                 sys_path: list[str] = ()):
+                 sys_path: Sequence[str] = ()):
         sys.path.extend(p for p in sys_path if p not in sys.path)
         from consequence.envs.registry import env_of
         from consequence.harness.renderer import Renderer

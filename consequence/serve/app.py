@@ -366,7 +366,7 @@ class BackgroundServer:
 
     def start(self, timeout_s: float = 30.0) -> BackgroundServer:
         """Start serving; returns once the port is bound (:attr:`port` is then the real one)."""
-        self.server.install_signal_handlers = lambda: None  # signals belong to the main thread
+        # Signals belong to the main thread: uvicorn installs its handlers only there (Server.capture_signals).
         self.thread.start()
         t0 = time.monotonic()
         while not self.server.started:

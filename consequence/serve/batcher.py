@@ -25,7 +25,7 @@ import hashlib
 import itertools
 from collections.abc import Collection, Hashable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -41,7 +41,7 @@ class _Request:
     params: SamplingParams
     key: Hashable | None  # the session whose K/V may be reused, or None
     seed: int | None
-    future: asyncio.Future = field(default=None)  # type: ignore[assignment]
+    future: asyncio.Future  # made by the batcher's loop when the request is queued
     started: bool = False  # taken into a batch: its sample will exist whatever the client does
 
 

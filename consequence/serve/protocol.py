@@ -187,7 +187,8 @@ def _stop(stop: Any) -> list[str]:
 # out). The whole body is checked against these tables before any value is read, so a
 # wrong type is a 400 naming its field, never an exception deeper in the server.
 _NUM, _INT, _STR, _BOOL, _OBJ, _LIST = "number", "integer", "string", "boolean", "object", "array"
-_BODY_TYPES: dict[str, tuple[str, ...]] = {
+_FieldTypes = dict[str, tuple[str, ...]]  # field name -> the JSON types it may have
+_BODY_TYPES: _FieldTypes = {
     "model": (_STR,), "messages": (_LIST,), "tools": (_LIST,), "tool_choice": (_STR, _OBJ),
     "temperature": (_NUM,), "top_p": (_NUM,), "max_tokens": (_INT,), "max_completion_tokens": (_INT,),
     "n": (_INT,), "stop": (_STR, _LIST), "seed": (_INT,), "logprobs": (_BOOL,), "top_logprobs": (_INT,),
@@ -195,14 +196,14 @@ _BODY_TYPES: dict[str, tuple[str, ...]] = {
     "parallel_tool_calls": (_BOOL,), "service_tier": (_STR,), "frequency_penalty": (_NUM,),
     "presence_penalty": (_NUM,), "logit_bias": (_OBJ,), "response_format": (_OBJ,),
 }
-_STREAM_OPTIONS_TYPES = {"include_usage": (_BOOL,)}
-_MESSAGE_TYPES = {"role": (_STR,), "content": (_STR, _LIST), "name": (_STR,), "tool_call_id": (_STR,),
-                  "tool_calls": (_LIST,), "refusal": (_STR,)}
-_PART_TYPES = {"type": (_STR,), "text": (_STR,)}
-_CALL_TYPES = {"id": (_STR,), "type": (_STR,), "function": (_OBJ,)}
-_CALL_FUNCTION_TYPES = {"name": (_STR,), "arguments": (_STR, _OBJ)}
-_TOOL_TYPES = {"type": (_STR,), "function": (_OBJ,)}
-_TOOL_FUNCTION_TYPES = {"name": (_STR,), "description": (_STR,), "parameters": (_OBJ,), "strict": (_BOOL,)}
+_STREAM_OPTIONS_TYPES: _FieldTypes = {"include_usage": (_BOOL,)}
+_MESSAGE_TYPES: _FieldTypes = {"role": (_STR,), "content": (_STR, _LIST), "name": (_STR,), "tool_call_id": (_STR,),
+                               "tool_calls": (_LIST,), "refusal": (_STR,)}
+_PART_TYPES: _FieldTypes = {"type": (_STR,), "text": (_STR,)}
+_CALL_TYPES: _FieldTypes = {"id": (_STR,), "type": (_STR,), "function": (_OBJ,)}
+_CALL_FUNCTION_TYPES: _FieldTypes = {"name": (_STR,), "arguments": (_STR, _OBJ)}
+_TOOL_TYPES: _FieldTypes = {"type": (_STR,), "function": (_OBJ,)}
+_TOOL_FUNCTION_TYPES: _FieldTypes = {"name": (_STR,), "description": (_STR,), "parameters": (_OBJ,), "strict": (_BOOL,)}
 _REQUIRED = ("model", "messages")
 
 
@@ -215,7 +216,7 @@ def _is(value: Any, kind: str) -> bool:
     return isinstance(value, {_STR: str, _BOOL: bool, _OBJ: dict, _LIST: list}[kind])
 
 
-def _check_types(obj: Any, types: dict[str, tuple[str, ...]], where: str) -> None:
+def _check_types(obj: Any, types: _FieldTypes, where: str) -> None:
     """``obj`` is a JSON object whose listed fields have their types (others are not looked at here).
 
     Raises:

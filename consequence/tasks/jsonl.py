@@ -142,11 +142,11 @@ def to_record(task: CodeTask) -> dict:
     """:class:`CodeTask` -> JSON-ready dict (inverse of :func:`parse_record`)."""
     tests = lambda ts: [{"call": t.call, "expected": t.expected} for t in ts]  # noqa: E731
     h = task.hidden_tests
-    rec = {"task_id": task.task_id, "problem_id": task.problem_id, "kind": task.kind,
-           "prompt": task.prompt, "starting_code": task.starting_code,
-           "entry_point": task.entry_point, "visible_tests": tests(task.visible_tests),
-           "hidden_tests": ({"check": h.check, "setup": h.setup} if isinstance(h, TestProgram)
-                            else tests(h))}
+    rec: dict[str, Any] = {"task_id": task.task_id, "problem_id": task.problem_id, "kind": task.kind,
+                           "prompt": task.prompt, "starting_code": task.starting_code,
+                           "entry_point": task.entry_point, "visible_tests": tests(task.visible_tests),
+                           "hidden_tests": ({"check": h.check, "setup": h.setup} if isinstance(h, TestProgram)
+                                            else tests(h))}
     for key in ("reference_code", "bug_kind"):
         if getattr(task, key) is not None:
             rec[key] = getattr(task, key)

@@ -84,7 +84,7 @@ class Problem:
     decoy_killers: tuple[tuple[int, ...], ...]
 
 
-_EDGES = {
+_EDGES: dict[str, list] = {  # per spec: edge-case lists, or (list, target) pairs for "LT"
     "L": [[], [5], [-3], [0], [2, 2, 2], [-2, -5, -8], [1, 2, 3, 4], [4, 3, 2, 1],
           [3, -1, 3, 0], [-4, 6, -4, 1]],
     "N": [[5], [-3], [0], [2, 2, 2], [-2, -5, -8], [1, 2, 3, 4], [4, 3, 2, 1],
@@ -159,7 +159,7 @@ def _problems_of(variant: Variant, seed: int) -> list[Problem]:
         kill = _killers(_outputs(lines, variant, inputs), ref)
         if kill:
             live.append((kind, idx, text, kill))
-    out = []
+    out: list[Problem] = []
     for kind, idx, text, kill in live:
         same = [(i, t, k) for (_, i, t, k) in live if i == idx and t != text][:3]
         if not same:  # fall back to mutating another line of the buggy code
@@ -248,12 +248,12 @@ def make_instance(problem: Problem, instance: str) -> RepairTask:
         fresh.append((a, _outcome(fn, a)))
     pool = list(zip(problem.inputs, problem.outputs))
     n_edge = len(_EDGES[v.spec])
-    visible = {pool[rng.choice(problem.bug_killers)]: 0, fresh[0]: 0}
+    chosen = {pool[rng.choice(problem.bug_killers)]: 0, fresh[0]: 0}  # a dict: insertion order, no repeats
     for k in rng.sample(range(len(pool)), len(pool)):
-        if len(visible) >= 3:
+        if len(chosen) >= 3:
             break
-        visible[pool[k]] = 0
-    visible = list(visible)
+        chosen[pool[k]] = 0
+    visible = list(chosen)
     rng.shuffle(visible)
     hidden = list(visible)
     hidden += [pool[rng.choice(k)] for k in problem.decoy_killers]

@@ -347,7 +347,7 @@ def data_parallel_step(
     except BaseException:
         optimizer.zero_grad(set_to_none=True)
         raise
-    if stepped:
+    if grad_norm is not None:  # some row trained (stepped)
         optimizer.step()
         metrics["grad_norm"] = grad_norm
     optimizer.zero_grad(set_to_none=True)

@@ -21,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from consequence.policy.logprobs import DEFAULT_CHUNK_SIZE, lm_head_split, scatter_targets
 from consequence.policy.shared_prefix import trunk_hidden
-from consequence.update.divergence import token_divergence
+from consequence.update.divergence import Kind, token_divergence
 
 __all__ = ["distill_chunked", "can_chunk"]
 
@@ -32,7 +32,7 @@ def can_chunk(model, teacher) -> bool:
 
 
 def distill_chunked(model, teacher, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                    target_mask: torch.Tensor, temperature: float, entropy_grad: bool, kind: str, beta: float,
+                    target_mask: torch.Tensor, temperature: float, entropy_grad: bool, kind: Kind, beta: float,
                     tau: float, top_k: int, shared: int = 0, chunk_size: int = DEFAULT_CHUNK_SIZE
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Student log-probs, entropy and divergence to the teacher at the target positions.
@@ -64,9 +64,11 @@ def distill_chunked(model, teacher, input_ids: torch.Tensor, attention_mask: tor
     S1 = S - 1
     lin = (attention_mask[:, 1:].bool() & target_mask.bool()).reshape(-1).nonzero().squeeze(1)
     rows, pos = lin // max(S1, 1), lin % max(S1, 1)
-    trunk, head = lm_head_split(model)
+    split, t_split = lm_head_split(model), lm_head_split(teacher)
+    assert split is not None and t_split is not None  # can_chunk above
+    trunk, head = split
     feats = trunk_hidden(trunk, input_ids, attention_mask, prefix_len=shared)[:, :-1][rows, pos]  # [P, H]
-    t_trunk, t_head = lm_head_split(teacher)
+    t_trunk, t_head = t_split
     with torch.no_grad():
         t_feats = trunk_hidden(t_trunk, input_ids, attention_mask, prefix_len=shared)[:, :-1][rows, pos]
     targets = input_ids[:, 1:][rows, pos]
@@ -78,10 +80,11 @@ def distill_chunked(model, teacher, input_ids: torch.Tensor, attention_mask: tor
         parts.append(checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
                      if torch.is_grad_enabled() else fn(*args))
     zero = feats.sum().float() * 0 if not lin.numel() else None  # no target: zeros still on the graph
-    return tuple(scatter_targets([p[k] for p in parts], lin, n * S1, zero).view(n, S1) for k in range(3))
+    lp, ent, div = (scatter_targets([p[k] for p in parts], lin, n * S1, zero).view(n, S1) for k in range(3))
+    return lp, ent, div
 
 
-def _chunk(head, t_head, temperature: float, entropy_grad: bool, kind: str, beta: float, tau: float, top_k: int,
+def _chunk(head, t_head, temperature: float, entropy_grad: bool, kind: Kind, beta: float, tau: float, top_k: int,
            feats_cH: torch.Tensor, t_feats_cH: torch.Tensor, targets_c: torch.Tensor
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(log-prob [c], entropy [c], divergence [c]) of ``c`` target positions."""

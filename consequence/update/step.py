@@ -16,7 +16,7 @@ import inspect
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -25,7 +25,7 @@ from consequence.policy.logprobs import auto_chunk_size, logprobs_from_logits
 from consequence.policy.shared_prefix import shared_prefix_len
 from consequence.records import TrainingRow, pad_rows
 from consequence.update.distill_chunks import can_chunk, distill_chunked
-from consequence.update.divergence import token_divergence
+from consequence.update.divergence import Kind, token_divergence
 from consequence.update.losses import REDUCTIONS, reduce_tokens
 from consequence.update.regularizers import kl_estimate, offpolicy_sequence_mask, tis_weights
 from consequence.update.surrogates import SURROGATES, surrogate_objective
@@ -97,7 +97,7 @@ def _call_logprob_fn(logprob_fn: Callable[..., Any], model, batch: dict[str, Ten
     TypeError on rows with stored supports instead of silently recomputing top-k / top-p
     from logits the sampler never saw.
     """
-    support = {k: batch[k] for k in ("keep_index", "keep_rows") if k in batch}
+    support: dict[str, Tensor] = {k: batch[k] for k in ("keep_index", "keep_rows") if k in batch}
     if "loss_mask" in batch and _takes_target_mask(logprob_fn):  # prompt positions: no LM head needed
         support["target_mask"] = batch["loss_mask"][:, 1:] > 0
     out = logprob_fn(model, batch["input_ids"], batch["attention_mask"], temperature=temperature, **support)
@@ -443,18 +443,19 @@ def _distill_forward(model, teacher, batch: dict[str, Tensor], cfg: UpdateConfig
     shared by every row) go through :func:`~consequence.update.distill_chunks.distill_chunked`:
     the same values at the target positions without holding the full logits."""
     ids, am = batch["input_ids"], batch["attention_mask"]
+    kind = cast(Kind, cfg.distill_loss)  # not "none" here; token_divergence refuses any other name
     shared = shared_prefix_len(ids, am)
     if "keep_index" not in batch and auto_chunk_size(model, ids, am, shared) and can_chunk(model, teacher):
         return distill_chunked(model, teacher, ids, am, batch["loss_mask"][:, 1:] > 0, cfg.temperature,
-                               cfg.entropy_coef > 0, cfg.distill_loss, cfg.distill_beta, cfg.distill_temperature,
+                               cfg.entropy_coef > 0, kind, cfg.distill_beta, cfg.distill_temperature,
                                cfg.distill_top_k, shared=shared)
     logits = model(input_ids=ids, attention_mask=am).logits[:, :-1].float()
-    support = {k: batch[k] for k in ("keep_index", "keep_rows") if k in batch}
     lp, ent = logprobs_from_logits(logits, ids, am, cfg.temperature, with_entropy=True,
-                                   entropy_grad=cfg.entropy_coef > 0, **support)
+                                   entropy_grad=cfg.entropy_coef > 0, keep_index=batch.get("keep_index"),
+                                   keep_rows=batch.get("keep_rows"))
     with torch.no_grad():
         t_logits = teacher(input_ids=ids, attention_mask=am).logits[:, :-1].float()
-    div = token_divergence(logits, t_logits, cfg.distill_loss, cfg.distill_beta, cfg.distill_temperature,
+    div = token_divergence(logits, t_logits, kind, cfg.distill_beta, cfg.distill_temperature,
                            cfg.distill_top_k, mask=batch["loss_mask"][:, 1:] > 0)
     return lp, ent, div
 
@@ -501,7 +502,7 @@ def ppo_step(
     except Exception:  # never leave half-accumulated gradients behind
         optimizer.zero_grad(set_to_none=True)
         raise
-    if stepped:
+    if grad_norm is not None:  # some row trained (stepped)
         optimizer.step()
         metrics["grad_norm"] = grad_norm
     optimizer.zero_grad(set_to_none=True)

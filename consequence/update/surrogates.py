@@ -28,6 +28,8 @@ Without ``mask`` every position counts as a target.
 
 from __future__ import annotations
 
+from typing import overload
+
 import torch
 from torch import Tensor
 
@@ -52,6 +54,12 @@ def _check_pair(logprobs: Tensor, old_logprobs: Tensor) -> None:
         )
 
 
+@overload
+def _select(mask: Tensor | None, logprobs: Tensor, old_logprobs: Tensor,
+            advantages: Tensor) -> tuple[Tensor, Tensor, Tensor]: ...
+@overload
+def _select(mask: Tensor | None, logprobs: Tensor, old_logprobs: None,
+            advantages: Tensor) -> tuple[Tensor, None, Tensor]: ...
 def _select(mask: Tensor | None, logprobs: Tensor, old_logprobs: Tensor | None,
             advantages: Tensor) -> tuple[Tensor, Tensor | None, Tensor]:
     """(logprobs, old_logprobs, advantages [N, T]) with every non-target position set to 0.
