@@ -2,8 +2,12 @@
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+# Lint tools, pinned (also in .pre-commit-config.yaml): a new version is a deliberate change.
+RUFF_VERSION := 0.17.6
+MYPY_VERSION := 2.4.1
+PRE_COMMIT_VERSION := 4.7.0
 
-.PHONY: demo test install bench vllm-env
+.PHONY: demo test test-fast lint hooks install bench vllm-env
 
 # consequence/__init__.py too: an editable install records whether `consequence` is a namespace package
 $(BIN)/consequence: pyproject.toml consequence/__init__.py
@@ -21,8 +25,24 @@ install: $(BIN)/consequence
 demo: install  ## the default training job, end to end
 	$(BIN)/consequence train
 
-test: install  ## the test suite
+test: install  ## the test suite, everything (what CI runs)
 	$(BIN)/python -m pytest -q -n 2 -p no:cacheprovider
+
+test-fast: install  ## the unit tests: everything not marked slow (< 60 s on 2 cores)
+	$(BIN)/python -m pytest -q -n 2 -p no:cacheprovider -m "not slow"
+
+# The stamp names the versions: changing a pin above reinstalls.
+$(VENV)/.lint-tools-$(RUFF_VERSION)-$(MYPY_VERSION): | $(BIN)/consequence
+	$(BIN)/pip install -q ruff==$(RUFF_VERSION) mypy==$(MYPY_VERSION)
+	touch $@
+
+lint: install $(VENV)/.lint-tools-$(RUFF_VERSION)-$(MYPY_VERSION)  ## ruff check (whole repository) and mypy (the package; settings in pyproject.toml)
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+
+hooks: install  ## pre-commit (pinned) in .venv, and its git hook: ruff check + format and mypy on each commit
+	$(BIN)/pip install -q pre-commit==$(PRE_COMMIT_VERSION)
+	$(BIN)/pre-commit install
 
 bench: install  ## generation speed vs transformers, prefix reuse, evaluation and sandbox speed, training-step FLOP/s, hostile corpus
 	$(BIN)/python benchmarks/bench_generation.py
