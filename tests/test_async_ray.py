@@ -26,8 +26,9 @@ from consequence.records import read_trajectories
 from consequence.train import train
 from consequence.warmstart import BUNDLED
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
-                                reason="ray is not installed (pip install 'consequence[ray]')")
+pytestmark = [pytest.mark.slow,  # Ray workers and training runs: minutes each
+              pytest.mark.skipif(importlib.util.find_spec("ray") is None,
+                                 reason="ray is not installed (pip install 'consequence[ray]')")]
 
 SMALL = dict(model=str(BUNDLED), iterations=2, tasks_per_iteration=2, group_size=2, eval_every=0, max_turns=2,
              max_new_tokens=16, final_eval_episodes=0)

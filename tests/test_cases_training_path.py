@@ -44,6 +44,7 @@ def test_case_05_a_truncated_episode_enters_the_baseline_and_overlong_filtering_
     assert sorted({r.traj_index for r in kept.rows}) == [0, 1]  # without the filter it is trained on
 
 
+@pytest.mark.slow
 def test_case_04_humaneval_prompt_too_long_stays_in_n():
     from consequence.envs.code_tasks import load_humaneval
     from consequence.evaluate.completions import score_completions

@@ -122,6 +122,7 @@ MODES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", list(MODES))
 def test_chunked_equals_unchunked_in_every_mode(model, mode):
     kw = MODES[mode]
@@ -148,6 +149,7 @@ def test_greedy_and_t1_are_the_plain_log_softmax(model):
             torch.testing.assert_close(ent, want_ent, atol=ATOL, rtol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 0.9), (0.7, 30, 1.0), (1.3, 40, 0.8)])
 def test_stored_supports_chunked_equal_unchunked_and_by_hand(model, temperature, top_k, top_p):
     """Supports stored by a behaviour model, scored by moved weights (keep_index); row 1
@@ -174,6 +176,7 @@ def test_stored_supports_chunked_equal_unchunked_and_by_hand(model, temperature,
     assert lp[0, 3].item() == pytest.approx(float(torch.log_softmax(z[0, 3], -1)[ids[0, 4]]), abs=ATOL)
 
 
+@pytest.mark.slow
 def test_entropy_without_gradient_and_no_grad_path(model):
     ids, am, _ = _sample_batch(model, 0.8, 0, 0.9)
     want = _run(model, ids, am, 0, entropy_grad=False, temperature=0.8, top_p=0.9)
@@ -224,6 +227,7 @@ def test_model_without_split_chunks_its_processing(kw):
     _assert_same(_run(m, ids, am, 7, **kw), _run(m, ids, am, 0, **kw))
 
 
+@pytest.mark.slow
 def test_errors_and_edge_cases(model):
     ids, am, keep_index = _sample_batch(model, 1.0, 0, 0.9)
     for bad in (torch.tensor([[0, 0, 1]]), torch.tensor([[0, 13, 1]]), torch.tensor([[3, 2, 1]]),
@@ -255,6 +259,7 @@ def _count_attention_calls(model):
     return calls, handle
 
 
+@pytest.mark.slow
 def test_gradient_checkpointing_same_values_and_layers_recomputed(model):
     ids, am, keep_index = _sample_batch(model, 0.8, 0, 0.9)
     kw = dict(temperature=0.8, top_p=0.9, keep_index=keep_index)
@@ -276,6 +281,7 @@ def test_gradient_checkpointing_same_values_and_layers_recomputed(model):
         enable_gradient_checkpointing(TinyLM())
 
 
+@pytest.mark.slow
 def test_ppo_step_gradient_unchanged_by_chunking():
     """The trainer's path (accumulate_gradients, micro-batches, stored supports)."""
     from consequence.records import TrainingRow

@@ -25,6 +25,7 @@ def test_extract_completion_raw_cuts_at_stop_sequences(he):
     assert comp.extract_completion("    return 2", t, "raw") == "    return 2"
 
 
+@pytest.mark.slow
 def test_extract_completion_chat_takes_the_defining_block(he):
     t = he[0]
     reply = ("Sure.\n```python\nimport math\n```\nand\n```python\n"
@@ -37,6 +38,7 @@ def test_extract_completion_chat_takes_the_defining_block(he):
         comp.extract_completion("", t, "json")
 
 
+@pytest.mark.slow
 def test_score_completions_pass_at_k_values(he):
     a, b = he
     good_a = a.reference_code[len(a.prompt):]
@@ -71,6 +73,7 @@ def test_env_errors_are_retried_then_dropped_from_n(he, monkeypatch):
     assert res.pass_at_k[1] == pytest.approx(0.75)
 
 
+@pytest.mark.slow
 def test_evaluate_tiny_model_end_to_end(he, tmp_path):
     res = comp.evaluate_completions(TINY, list(he), n=2, ks=(1, 2), temperature=1.0, seed=3,
                                     max_new_tokens=8)
@@ -98,6 +101,7 @@ def test_batches_group_by_prompt_length():
     assert comp.batches([5, 1, 3], n=4, batch_rows=2) == [[1], [2], [0]]  # at least one task per batch
 
 
+@pytest.mark.slow
 def test_a_samples_completion_does_not_depend_on_the_batching(he):
     """One stream per sample (seed_of(seed, task_id, j)): one task per batch, all tasks in one
     batch and the reversed task list give the same completions (a token could move only
@@ -112,6 +116,7 @@ def test_a_samples_completion_does_not_depend_on_the_batching(he):
     assert other != one  # the seed is used
 
 
+@pytest.mark.slow
 def test_batched_sampling_is_reproducible_and_reports_progress(he):
     import io
 

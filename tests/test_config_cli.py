@@ -31,6 +31,7 @@ def test_bad_config_is_reported_with_the_key(tmp_path, text, needle):
     assert needle in str(e.value)
 
 
+@pytest.mark.slow
 def test_cli_help_lists_every_option_and_rejects_bad_input(tmp_path):
     runner = CliRunner()
     res = runner.invoke(app, ["train", "--help"], env={"COLUMNS": "200"})

@@ -79,6 +79,7 @@ def _bandit_gradient(estimator: str, G: int, n_groups: int, seed: int = 0) -> fl
     return total / (G * n_groups)
 
 
+@pytest.mark.slow
 def test_bandit_self_including_mean_shrinks_by_g_minus_1_over_g_and_loo_is_unbiased():
     G, n = 4, 40_000  # per-group estimate has sd ≈ 0.2, so the mean's sd ≈ 0.001
     exact = 0.25 * (0.75 - 0.35)

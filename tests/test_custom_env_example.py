@@ -91,6 +91,7 @@ def test_the_environment_code_is_under_80_lines():
     assert imports == ["from consequence.envs.api import Environment"]  # the public API only
 
 
+@pytest.mark.slow
 def test_the_entry_point_is_found_only_where_installed(site):
     eps, names = _plugins(site)
     assert eps[NAME] == CLASS and names[NAME] == CLASS
@@ -99,6 +100,7 @@ def test_the_entry_point_is_found_only_where_installed(site):
     assert (site / "consequence_vowels" / "env.py").read_bytes() == MODULE.read_bytes()
 
 
+@pytest.mark.slow
 def test_train_then_eval_from_the_command_line(site, tmp_path):
     """One test, so that a parallel run (pytest -n) never trains twice."""
     run = tmp_path / "vowels"
@@ -147,6 +149,7 @@ def test_module_attr_loads_the_class_without_installing():
     assert len(set(sum(ids.values(), []))) == 40  # split by problem: no word in two splits
 
 
+@pytest.mark.slow
 def test_unknown_environment_exits_2_listing_the_valid_names(site, tmp_path):
     res = _run([*CLI, "train", "--env", "nope", "--run-dir", str(tmp_path / "r")], site)
     assert res.returncode == 2
@@ -157,6 +160,7 @@ def test_unknown_environment_exits_2_listing_the_valid_names(site, tmp_path):
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.slow
 def test_an_option_it_does_not_take_is_refused_from_the_cli_and_from_yaml(site, tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"env: {NAME}\nenv_options:\n  colour: red\n")

@@ -25,8 +25,14 @@ import torch
 
 from consequence.policy.logprobs import token_logprobs
 from consequence.records import TrainingRow
-from consequence.update.data_parallel import (DataParallelError, DataParallelUpdate, data_parallel_gradients,
-                                              data_parallel_step, merge_rank_metrics, shard_rows)
+from consequence.update.data_parallel import (
+    DataParallelError,
+    DataParallelUpdate,
+    data_parallel_gradients,
+    data_parallel_step,
+    merge_rank_metrics,
+    shard_rows,
+)
 from consequence.update.step import NonFiniteError, UpdateConfig, accumulate_gradients, ppo_step
 
 V, PAD = 64, 0
@@ -98,7 +104,7 @@ def _rank_job(rank: int, port: int, out: str) -> None:
         rows, ref = _rows(model)
         cfg = _cfg(name, micro=2)  # another micro-batch split than the single process's
         mine = shard_rows(rows, 2, ADV, cfg)[rank]
-        sub = lambda xs: [xs[i] for i in mine]  # noqa: E731
+        sub = lambda xs, mine=mine: [xs[i] for i in mine]  # noqa: E731
         model.zero_grad(set_to_none=True)
         m = data_parallel_gradients(model, sub(rows), sub(ADV), cfg, PAD, LP, row_ids=mine, **_kw(name, ref, mine))
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -191,6 +197,7 @@ def _same_metrics(got: dict, want: dict) -> None:
         assert got[k] == pytest.approx(want[k], rel=1e-5, abs=1e-6), k
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_two_ranks_give_the_single_process_gradient_metrics_and_weights(two_ranks, name):
     grads, m, ms, weights = _single(name)
@@ -210,6 +217,7 @@ def test_two_ranks_give_the_single_process_gradient_metrics_and_weights(two_rank
         torch.testing.assert_close(r0["weights"][n], weights[n], atol=1e-6, rtol=1e-5, msg=n)
 
 
+@pytest.mark.slow  # shares the 2-rank job of two_ranks
 def test_one_ranks_nan_advantage_stops_both_ranks_with_the_same_error(two_ranks):
     a, b = two_ranks[0]["nan"], two_ranks[1]["nan"]
     assert a["raised"] is not None and a["raised"] == b["raised"]
@@ -219,6 +227,7 @@ def test_one_ranks_nan_advantage_stops_both_ranks_with_the_same_error(two_ranks)
     assert a["after_ok"] == b["after_ok"] == 1.0  # the group stays usable after an agreed error
 
 
+@pytest.mark.slow  # shares the 2-rank job of two_ranks
 def test_a_collective_one_rank_never_enters_ends_in_a_named_timeout(two_ranks):
     msg = two_ranks[0]["timeout"]
     assert msg is not None and "update rank 0 of 2" in msg and "all_gather_object of the shards' counts" in msg
@@ -246,6 +255,7 @@ def test_merge_rank_metrics_weights_token_means_by_tokens():
 
 
 # ---- the trainer's side --------------------------------------------------------------------
+@pytest.mark.slow
 def test_a_dead_rank_process_is_a_clear_error_not_a_hang():
     model = _model()
     rows, _ = _rows(model)

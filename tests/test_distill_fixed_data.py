@@ -12,8 +12,13 @@ import torch
 from rich.console import Console
 
 from consequence.config import TrainConfig
-from consequence.distill.fixed_data import (check_token_ids, draw_fixed_batch, first_student_iteration,
-                                            load_fixed_data, uses_fixed_data)
+from consequence.distill.fixed_data import (
+    check_token_ids,
+    draw_fixed_batch,
+    first_student_iteration,
+    load_fixed_data,
+    uses_fixed_data,
+)
 from consequence.policy.tiny import BUNDLED, load_policy
 from consequence.records import ModelCall, Trajectory, read_trajectories, write_trajectories
 
@@ -54,6 +59,7 @@ def test_a_fixed_batch_is_a_seeded_draw_relabelled_as_not_the_students():
     assert pool[0].group_id == "0/p0"  # the pool itself is not changed
 
 
+@pytest.mark.slow
 def test_load_refuses_other_splits_bad_ids_and_missing_files(tmp_path, data_file):
     from consequence.envs.registry import env_of
 
@@ -92,6 +98,7 @@ def test_settings_that_cannot_work_are_refused(kw, match, tmp_path):
         TrainConfig(**kw)
 
 
+@pytest.mark.slow
 def test_lambda_zero_trains_the_divergence_on_the_data_only(tmp_path, teacher_dir, data_file):
     from consequence.train import train
 
@@ -113,6 +120,7 @@ def test_lambda_zero_trains_the_divergence_on_the_data_only(tmp_path, teacher_di
     assert manifest["splits_touched"][0]["purpose"] == "--distill-data batches (no rollout)"
 
 
+@pytest.mark.slow
 def test_a_fixed_batch_step_equals_the_divergence_alone(teacher_dir, data_file):
     """divergence_only: with --task-reward-weight 1 the step on data rows is the one of weight 0."""
     from consequence.credit.batch import assign_credit, training_rows
@@ -134,6 +142,7 @@ def test_a_fixed_batch_step_equals_the_divergence_alone(teacher_dir, data_file):
     assert torch.equal(after[0], after[1]) and not torch.equal(after[0], after[2])
 
 
+@pytest.mark.slow
 def test_cross_stage_a_past_checkpoint_teaches_with_groups_of_one(tmp_path):
     """GLM-5 §3.5: a later stage distils from an earlier checkpoint of the same run, G = 1."""
     from consequence.train import train
@@ -158,6 +167,7 @@ def test_cross_stage_a_past_checkpoint_teaches_with_groups_of_one(tmp_path):
     assert json.loads((run / "manifest.json").read_text())["checks"]["results"]  # the pre-step checks ran
 
 
+@pytest.mark.slow
 def test_data_of_another_split_seed_is_refused_before_a_warm_start_is_built(tmp_path, teacher_dir, data_file,
                                                                              monkeypatch):
     """A new --split-seed builds a warm start (~30 min); the data is checked against that split first."""

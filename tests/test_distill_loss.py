@@ -38,6 +38,7 @@ def student():
     return model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,beta", [("forward", 0.5), ("reverse", 0.5), ("jsd", 0.5), ("jsd", 0.1)])
 def test_loss_and_gradient_equal_the_direct_token_mean_of_the_divergence(student, kind, beta):
     model = copy.deepcopy(student)
@@ -104,6 +105,7 @@ def test_a_loss_without_teacher_is_refused(student):
         accumulate_gradients(copy.deepcopy(student), _rows(), [0.0, 0.0], UpdateConfig(distill_loss="jsd"), 0, None)
 
 
+@pytest.mark.slow
 def test_cli_run_trains_on_the_divergence_and_counts_the_teacher(tmp_path, teacher_dir):
     from consequence.train import train
 
@@ -133,6 +135,7 @@ def test_settings_that_would_be_dropped_are_refused(kw, match, tmp_path):
         TrainConfig(**kw)
 
 
+@pytest.mark.slow
 def test_teacher_vocabulary_and_top_k_are_checked_before_any_work(tmp_path, student):
     from consequence.train import train
 
@@ -154,6 +157,7 @@ def test_teacher_vocabulary_and_top_k_are_checked_before_any_work(tmp_path, stud
     assert not run.exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,beta,top_k", [("jsd", 0.3, 0), ("forward", 0.5, 5), ("reverse", 0.5, 0)])
 def test_chunked_forward_equals_the_direct_one_in_values_and_gradients(student, kind, beta, top_k):
     """update/distill_chunks.py against the full-logits path, chunks of 3 target positions."""

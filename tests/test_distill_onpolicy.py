@@ -18,6 +18,7 @@ def _cfg(run, teacher, **kw) -> TrainConfig:
                        teacher=str(teacher), **kw)
 
 
+@pytest.mark.slow
 def test_advantages_are_teacher_minus_sampler_log_probs_per_token(tmp_path, teacher_dir, monkeypatch):
     import consequence.credit.batch as batch_module
     from consequence.train import train

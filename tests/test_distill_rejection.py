@@ -43,6 +43,7 @@ def test_accepted_rows_train_only_on_the_sampled_tokens():
     assert [r.traj_index for r in rows] == [0, 1]
 
 
+@pytest.mark.slow
 def test_rejection_sample_on_the_tiny_policy_matches_a_direct_count():
     from consequence.envs.registry import load_environment
     from consequence.harness.renderer import Renderer

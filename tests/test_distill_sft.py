@@ -59,6 +59,7 @@ def test_the_step_gradient_does_not_depend_on_the_micro_batch_split():
             torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_train_sft_lowers_the_loss_and_refuses_rows_without_targets():
     model, tok = load_policy(BUNDLED)
     rows = _rows(tok)
@@ -74,6 +75,7 @@ def test_train_sft_lowers_the_loss_and_refuses_rows_without_targets():
         SFTConfig(rows_per_step=0)
 
 
+@pytest.mark.slow
 def test_cli_sft_cold_start_writes_a_model_that_loads(tmp_path):
     """``consequence sft``: teacher demos in the student's format, LoRA SFT merged into a
     plain folder with sft.json whose counts add up; a non-repair environment is refused

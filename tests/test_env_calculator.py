@@ -296,6 +296,7 @@ def test_declarations_for_the_manifest():
 
 
 # ---- the command line -------------------------------------------------------------
+@pytest.mark.slow
 def test_cli_train_then_eval(tmp_path):
     from consequence.cli import app
     from consequence.records import read_trajectories

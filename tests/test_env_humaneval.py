@@ -8,6 +8,7 @@ trained on it is evaluated with that protocol by ``consequence eval``.
 import json
 from types import SimpleNamespace
 
+import pytest
 from typer.testing import CliRunner
 
 from consequence.cli import app
@@ -17,6 +18,8 @@ from consequence.harness.renderer import Renderer
 from consequence.records import read_trajectories
 from consequence.reward.scoring import score_trajectories
 from consequence.rollout.episodes import Budgets, EpisodeSpec, run_episodes
+
+pytestmark = pytest.mark.slow  # every test scores HumanEval problems in the sandbox or trains on them
 
 
 def _answer(env, task, text, tokenizer):

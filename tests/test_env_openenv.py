@@ -199,6 +199,7 @@ def _sessions(log, since=0):
 
 
 # ---- (a) the mapping by hand -------------------------------------------------------
+@pytest.mark.slow
 def test_answer_mode_reset_step_and_rewards(servers):
     env = _env(servers["word"], n_problems=16)
     assert (env.name, env.tools, env.answer_ends_episode, env.answer_field) == ("openenv", [], True, "word")
@@ -443,6 +444,7 @@ def test_two_field_action_needs_a_field_or_tool_mode(servers):
 
 
 # ---- (d) the command line ------------------------------------------------------------
+@pytest.mark.slow
 def test_cli_train(servers, tmp_path):
     from consequence.cli import app
     from consequence.records import read_trajectories

@@ -237,6 +237,7 @@ def test_worked_examples_are_train_problems_shown_as_earlier_turns(tiny_tokenize
         _env(size=4, shots=3)
 
 
+@pytest.mark.slow
 def test_train_and_eval_cli(tmp_path):
     from typer.testing import CliRunner
 

@@ -71,6 +71,7 @@ def test_sample_episodes_reports_episodes_finished(renderer):
     assert [t.calls[-1].output_ids for t in trajs] == [t.calls[-1].output_ids for t in quiet]  # same episodes
 
 
+@pytest.mark.slow
 def test_eval_prints_each_phase_with_counts(tmp_path):
     from consequence.cli import app
 

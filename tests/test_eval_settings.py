@@ -30,6 +30,7 @@ def test_settings_come_from_the_run_and_options_override():
                          "max_new_tokens": 48, "max_total_tokens": 768} and set(st.origin.values()) == {"default"}
 
 
+@pytest.mark.slow
 def test_eval_of_a_run_uses_its_split_seed_and_budgets(tmp_path):
     run = fake_run(tmp_path / "run", **RUN_CFG)
     res = CliRunner().invoke(app, ["eval", "--model", str(run), *FAST, "--selection", "first",
@@ -65,6 +66,7 @@ def test_an_option_overrides_the_run_and_the_report_says_so(tmp_path):
             "(--max-total-tokens; run: 1024)") in (tmp_path / "e" / "report.md").read_text()
 
 
+@pytest.mark.slow
 def test_humaneval_completion_takes_the_runs_split_seed(tmp_path):
     from consequence.envs.code_tasks import humaneval_split
 
@@ -91,6 +93,7 @@ def test_compare_refuses_runs_that_disagree_unless_overridden(tmp_path, key, a, 
     assert f"pass {option}" in res.output and not (tmp_path / "c" / "compare.json").exists()
 
 
+@pytest.mark.slow
 def test_compare_of_two_runs_shares_their_settings_and_links_only_written_files(tmp_path):
     ra = fake_run(tmp_path / "ra", 1e-6, **RUN_CFG)
     rb = fake_run(tmp_path / "rb", 2e-6, **{**RUN_CFG, "max_turns": 3})

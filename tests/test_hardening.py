@@ -36,6 +36,7 @@ def _shape(v) -> str:
     return f"{t}:{v!r}"
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None)
 @given(plain)
 def test_codec_round_trip_keeps_values_and_exact_types(v):

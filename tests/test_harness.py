@@ -2,12 +2,11 @@ import json
 
 import pytest
 
+from conftest import TOOLS
 from consequence.harness.renderer import Renderer, replay_conversation
 from consequence.harness.tools import check_tool_specs, validate_call
 from consequence.records import ModelCall, Trajectory, trajectory_to_rows
 from consequence.rollout.episodes import Budgets, EpisodeSpec, run_episodes
-
-from conftest import TOOLS
 
 SYSTEM = [{"role": "system", "content": "You fix code."}, {"role": "user", "content": "Fix find_max."}]
 

@@ -41,6 +41,7 @@ def test_corpus_covers_the_issue_list():
         assert must in BY_NAME, must
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [c.name for c in CASES + CONTROLS])
 def test_case_is_contained(name, tmp_path, guards):
     case = BY_NAME[name]
@@ -122,6 +123,7 @@ def test_heap_walk_finds_tests_that_share_its_process():
     assert got.stdout.strip() == "5", got.stderr
 
 
+@pytest.mark.slow
 def test_ignored_sigterm_still_dies_with_the_group(tmp_path):
     """The sandbox kills with SIGKILL to the whole group: SIG_IGN on SIGTERM does not help."""
     r = run_case(BY_NAME["ignore_signals"], tmp_path / "o", SandboxLimits(wall_s=1.0, cpu_s=1),
@@ -130,6 +132,7 @@ def test_ignored_sigterm_still_dies_with_the_group(tmp_path):
     assert signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN  # ours untouched
 
 
+@pytest.mark.slow
 def test_without_seccomp_a_root_daemon_escapes_the_group(tmp_path, monkeypatch):
     """The gap README states: RLIMIT_NPROC does not apply to uid 0, so on a root host
     without seccomp a double-forked ``setsid`` daemon leaves the process group the sandbox

@@ -7,9 +7,17 @@ import pytest
 from consequence.envs import code_tasks
 from consequence.envs.repair_env import RepairEnv
 from consequence.tasks import humaneval as he
-from consequence.tasks.jsonl import (CodeTask, TaskFormatError, as_repair_task, cycle_tasks,
-                                     dump_jsonl, load_jsonl, parse_record, split_by_problem,
-                                     to_record)
+from consequence.tasks.jsonl import (
+    CodeTask,
+    TaskFormatError,
+    as_repair_task,
+    cycle_tasks,
+    dump_jsonl,
+    load_jsonl,
+    parse_record,
+    split_by_problem,
+    to_record,
+)
 from consequence.tasks.repair import TestCase, TestProgram
 
 GOOD = {"task_id": "t1", "kind": "repair", "prompt": "Return the largest element.",
@@ -110,6 +118,7 @@ def test_split_by_humaneval_task_id_is_disjoint_and_seeded():
 
 # ---- HumanEval repair --------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_repair_candidates_change_exactly_one_solution_line():
     cands = he.repair_candidates(0)
     assert len(cands) == 164 and sum(1 for v in cands.values() if v) == 146
@@ -124,6 +133,7 @@ def test_repair_candidates_change_exactly_one_solution_line():
     assert [t.task_id for t in cands["HumanEval/0"]] != [t.task_id for t in he.repair_candidates(1)["HumanEval/0"]]
 
 
+@pytest.mark.slow
 def test_build_keeps_only_bugs_the_official_tests_catch():
     ids = ["HumanEval/0", "HumanEval/2", "HumanEval/13", "HumanEval/23", "HumanEval/55"]
     tasks, stats = code_tasks.build_humaneval_repair(0, task_ids=ids, workers=2)
@@ -135,6 +145,7 @@ def test_build_keeps_only_bugs_the_official_tests_catch():
         assert bad.status == "ok" and bad.passed == 0
 
 
+@pytest.mark.slow
 def test_humaneval_repair_episode_with_the_teacher_patch():
     t = next(c for c in he.repair_candidates(0)["HumanEval/0"]
              if not code_tasks.run_hidden(c.starting_code, c.hidden_tests).all_passed)

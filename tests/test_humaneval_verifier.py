@@ -59,6 +59,7 @@ def _fails(rep):
 
 # ---- controls ---------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_canonical_and_empty_controls(he0):
     ok = run_hidden(he0.reference_code, he0.hidden_tests)
     assert (ok.status, ok.passed, ok.total) == ("ok", 1, 1)
@@ -224,6 +225,7 @@ def test_socket_connections_do_not_leave_the_sandbox(he0):
         srv.close()
 
 
+@pytest.mark.slow
 def test_infinite_loops_time_out_quickly(he0):
     for body in ("    while True:\n        pass\n", "    return True\nwhile True:\n    pass\n"):
         t0 = time.perf_counter()
@@ -265,6 +267,7 @@ def _all(tasks, fn):
         return dict(zip(tasks, ex.map(fn, tasks.values())))
 
 
+@pytest.mark.slow
 def test_all_164_canonical_solutions_score_one(tasks):
     t0 = time.perf_counter()
     reps = _all(tasks, lambda t: verify_completion(t, t.reference_code[len(t.prompt):]))
@@ -273,6 +276,7 @@ def test_all_164_canonical_solutions_score_one(tasks):
     assert time.perf_counter() - t0 < 120
 
 
+@pytest.mark.slow
 def test_empty_completion_scores_zero_fixed_sample(tasks):
     sample = {k: tasks[k] for k in sorted(tasks, key=lambda s: int(s.split("/")[1]))[::8][:20]}
     reps = _all(sample, lambda t: verify_completion(t, ""))

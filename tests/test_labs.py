@@ -19,6 +19,7 @@ def test_registry_names():
     assert list(LABS) == NAMES
 
 
+@pytest.mark.slow
 def test_baseline(tmp_path):
     out = baseline.run(tmp_path, seed=0, n_groups=20_000, steps=300)
     n = out["groups"]
@@ -238,6 +239,7 @@ def test_shaping_negative_control():
     assert blind == pytest.approx(0.3 * 0.95)
 
 
+@pytest.mark.slow
 def test_lag(tmp_path):
     out = lag.run(tmp_path, seed=0, n_groups=40_000, steps=300)
     n = out["groups"]

@@ -30,7 +30,6 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_update_step import PAD, TinyLM, make_rows, ref_logprobs
 
 from consequence.credit.kl import KL_ESTIMATORS, kl_estimate, reverse_kl_advantages
 from consequence.records import TrainingRow
@@ -39,10 +38,18 @@ from consequence.update.losses import REDUCTIONS, reduce_tokens
 from consequence.update.regularizers import tis_weights
 from consequence.update.sampler_gap import is_mask_keep, sampler_gap_metrics
 from consequence.update.step import UpdateConfig, accumulate_gradients
-from consequence.update.surrogates import (SURROGATES, clipped_surrogate, cispo_surrogate, dual_clip_surrogate,
-                                           gspo_surrogate, gspo_token_surrogate, policy_gradient_objective,
-                                           surrogate_objective)
+from consequence.update.surrogates import (
+    SURROGATES,
+    cispo_surrogate,
+    clipped_surrogate,
+    dual_clip_surrogate,
+    gspo_surrogate,
+    gspo_token_surrogate,
+    policy_gradient_objective,
+    surrogate_objective,
+)
 from consequence.update.value_step import value_step
+from test_update_step import PAD, TinyLM, make_rows, ref_logprobs
 
 INF, NAN = float("inf"), float("nan")
 EXTREMES = (1e4, -1e4, 1e30, -1e30, INF, -INF, NAN, 3e38)
@@ -65,7 +72,7 @@ class Batch:
     adv_seq: torch.Tensor
     ent: torch.Tensor
 
-    def compact(self, keep: torch.Tensor | None = None) -> "Batch":
+    def compact(self, keep: torch.Tensor | None = None) -> Batch:
         """The same targets with every other position removed: each row's targets moved to
         the front (order kept), rows without a target dropped, padded with 0 and mask 0."""
         keep = self.mask > 0 if keep is None else keep
@@ -171,6 +178,7 @@ def _dispatched(name: str):
     return objective
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(DIRECT))
 @PROPERTY
 @given(b=batches())
@@ -197,6 +205,7 @@ def _entropy_bonus(b, lp, ent, m):
     return policy_gradient_objective(lp, b.adv, mask=m) + 0.01 * ent
 
 
+@pytest.mark.slow
 @PROPERTY
 @given(b=batches(), cap=st.sampled_from([0.5, 1.5, 2.0]), reduction=st.sampled_from(REDUCTIONS))
 def test_regularizers_ignore_extremes_on_masked_positions(b, cap, reduction):
@@ -251,6 +260,7 @@ def test_reverse_kl_advantages_ignore_extremes_on_masked_positions(b):
 
 
 # ---- distillation divergences to a teacher ----------------------------------------------------
+@pytest.mark.slow
 @PROPERTY
 @given(b=batches(), data=st.data())
 def test_token_divergence_ignores_extremes_on_masked_positions(b, data):

@@ -244,6 +244,7 @@ def test_another_process_finishing_first_is_used(fake_source, cache):
     assert [p.name for p in (cache / "models").iterdir()] == [final.name]
 
 
+@pytest.mark.slow
 def test_the_name_through_train_eval_view_reproduce_and_the_manifest(fake_source, cache, tmp_path):
     """The fake converter copies the tiny model, so the whole path runs in seconds."""
     from consequence.report.manifest import read_manifest

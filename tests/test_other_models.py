@@ -17,6 +17,7 @@ def _config(kind, vocab):
     return transformers.GPT2Config(vocab_size=vocab, n_embd=64, n_layer=2, n_head=4, n_positions=1024)  # HF fallback path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["qwen2", "gpt2"])
 def test_train_runs_on_a_local_checkpoint_of_another_architecture(tmp_path, kind):
     from rich.console import Console

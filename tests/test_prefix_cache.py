@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from consequence.envs.repair_env import SYSTEM_PROMPT, TOOLS, RepairEnv
 from consequence.envs.registry import load_environment
+from consequence.envs.repair_env import SYSTEM_PROMPT, TOOLS, RepairEnv
 from consequence.harness.renderer import Renderer
 from consequence.policy.prefix_cache import PrefixCache, generate_with_prefix
 from consequence.policy.sampler import SamplingParams, generate
@@ -38,6 +38,7 @@ def _episodes(model, renderer, params, cached: bool, n_tasks=6, group=1):
 @pytest.mark.parametrize("params,group", [(SamplingParams(temperature=0.0, max_new_tokens=24), 1),
                                           (SamplingParams(temperature=1.0, max_new_tokens=24), 3),
                                           (SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=24), 2)])
+@pytest.mark.slow
 def test_multi_turn_episodes_equal_full_prefill(policy, params, group):
     model, renderer = policy
     full, _ = _episodes(model, renderer, params, cached=False, group=group)
@@ -82,6 +83,7 @@ def test_keep_only_forgets_ended_episodes(policy):
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0.0, max_new_tokens=24),
                                     SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=24)])
+@pytest.mark.slow
 def test_a_prefix_shared_by_first_turns_is_prefilled_once(policy, params, monkeypatch):
     """The repair prompts of different tasks share their first 78 tokens (system prompt and
     tool specs). With the threshold lowered below that, the prefix runs once per call and

@@ -1,7 +1,13 @@
 import pytest
 
-from consequence.records import (ModelCall, Trajectory, TrainingRow, read_trajectories,
-                                 trajectory_to_rows, write_trajectories)
+from consequence.records import (
+    ModelCall,
+    TrainingRow,
+    Trajectory,
+    read_trajectories,
+    trajectory_to_rows,
+    write_trajectories,
+)
 
 
 def _traj():

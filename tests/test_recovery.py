@@ -21,6 +21,7 @@ def _patched(task, opening):
     return "\n".join(lines)
 
 
+@pytest.mark.slow
 def test_every_wrong_first_patch_fails_the_hidden_tests_and_sits_on_the_bug_line(tasks):
     kept, openings = recovery_openings(tasks)
     assert len(kept) == len(tasks)  # every generated task has a decoy

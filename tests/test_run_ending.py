@@ -40,6 +40,7 @@ def _manifest(run):
     return json.loads((run / "manifest.json").read_text())
 
 
+@pytest.mark.slow
 def test_a_run_refused_after_it_started_records_refused_and_can_be_resumed_once_fixed(tmp_path):
     from consequence.cli import app
     from consequence.reproduce import reproduce_config
@@ -69,6 +70,7 @@ def test_a_run_refused_after_it_started_records_refused_and_can_be_resumed_once_
     assert m["status"] == "finished" and "stop_reason" not in m
 
 
+@pytest.mark.slow
 def test_a_crash_records_failed_with_the_exception_and_a_resume_keeps_how_it_ended(tmp_path):
     from consequence.train import train
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from consequence.policy.sampler import SamplingParams, draw, generate
@@ -42,6 +43,7 @@ def test_a_rows_token_does_not_depend_on_the_other_rows():
     assert subset == [alone[i] for i in order]
 
 
+@pytest.mark.slow
 def test_draw_frequencies_follow_the_distribution_and_skip_zero_probability():
     p = torch.tensor([0.05, 0.0, 0.25, 0.0, 0.7])
     n = 20_000
@@ -54,6 +56,7 @@ def test_draw_frequencies_follow_the_distribution_and_skip_zero_probability():
         assert abs(c - n * q) <= 5 * math.sqrt(n * q * (1 - q)) + 1e-9, (counts, p)
 
 
+@pytest.mark.slow
 def test_per_episode_streams_survive_other_episodes_in_the_batch():
     """generate(): each prompt's completion equals the one it gets alone with the same stream.
 
@@ -77,6 +80,7 @@ def test_per_episode_streams_survive_other_episodes_in_the_batch():
     assert [s.output_ids for s in shared] != [s.output_ids for s in batch]  # the streams are used
 
 
+@pytest.mark.slow
 def test_an_evaluation_episode_depends_on_its_task_not_on_the_task_list():
     """sample_episodes: the same task gives the same episode in [t0, t1, t2] and in [t2, t0]
     (other tasks, another order, other batch compositions; see the tolerance note above)."""
@@ -102,6 +106,7 @@ def test_an_evaluation_episode_depends_on_its_task_not_on_the_task_list():
     assert len({t.seed for t in every}) == len(every)  # every episode its own stream
 
 
+@pytest.mark.slow
 def test_a_finished_row_does_not_advance_its_stream_while_others_decode():
     """A row that stops early rides along in the batch (sampler.decode) but draws nothing:
     its stream ends where it would end alone, so the episode's next turn starts from the same

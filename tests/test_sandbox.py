@@ -39,6 +39,7 @@ def test_exception_and_syntax_error():
     assert r.passed == 0 and not r.all_passed
 
 
+@pytest.mark.slow
 def test_infinite_loop_times_out():
     t0 = time.perf_counter()
     r = run_tests("def f(xs):\n    while True:\n        pass", T, cache=False)

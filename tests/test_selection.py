@@ -125,6 +125,7 @@ def test_unwritable_ledger_does_not_stop_the_evaluation(tmp_path):
     assert entry["ledger"] is None and entry["split"] == "test"
 
 
+@pytest.mark.slow
 def test_eval_cli_records_the_touch_and_warns_on_test_reuse(tmp_path):
     from consequence.cli import app
     from consequence.warmstart import BUNDLED
@@ -148,6 +149,7 @@ def test_eval_cli_records_the_touch_and_warns_on_test_reuse(tmp_path):
     assert bad.exit_code == 2 and "give one or more of first, majority, visible" in bad.output
 
 
+@pytest.mark.slow
 def test_compare_cli_pairs_success_and_recovery(tmp_path):
     from consequence.cli import app
     from consequence.warmstart import BUNDLED
@@ -216,6 +218,7 @@ def test_bad_eval_and_compare_requests_fail_before_any_touch(tmp_path):
     assert not ledger.exists()
 
 
+@pytest.mark.slow
 def test_a_first_comparison_on_test_does_not_warn_about_its_own_arms(tmp_path):
     from consequence.cli import app
     from consequence.warmstart import BUNDLED

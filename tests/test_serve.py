@@ -90,6 +90,7 @@ def _specs(env, n=5):
 
 
 # ---- 1. the agent-runner path records what the in-process harness records ------------------------
+@pytest.mark.slow
 def test_agent_runner_and_harness_record_identical_ids_masks_and_logprobs(policy):
     model, renderer, env = policy
     gen = policy_generate_fn(model, GREEDY, renderer.stop_ids, seed=0)
@@ -113,6 +114,7 @@ def test_agent_runner_and_harness_record_identical_ids_masks_and_logprobs(policy
         assert ratio.exp().sub(1).abs().max().item() < 1e-4  # ratio = 1 to 1e-4
 
 
+@pytest.mark.slow
 def test_recorded_logprobs_equal_a_teacher_forced_recompute(policy):
     model, renderer, env = policy
     got, _ = run_agent_episodes(harness_like_agent, model, renderer, _specs(env, 3), BUDGETS, GREEDY,
@@ -142,6 +144,7 @@ async def rewriting_agent(client, task):
             return None
 
 
+@pytest.mark.slow
 def test_a_rewritten_assistant_turn_is_a_counted_prefix_break_with_a_new_row(policy):
     model, renderer, env = policy
     specs = _specs(env, 6)
@@ -161,6 +164,7 @@ def test_a_rewritten_assistant_turn_is_a_counted_prefix_break_with_a_new_row(pol
         assert rows[1].input_ids == ctx + t.calls[2].output_ids
 
 
+@pytest.mark.slow
 def test_reserialised_arguments_do_not_break_the_row(server):
     """The same call with its arguments re-serialised (spacing, key order) continues the sampled ids."""
     c = _client(server, "reserialise")
@@ -193,6 +197,7 @@ def test_a_closed_session_is_forgotten(server):
 
 
 # ---- 3. concurrency ------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_32_simultaneous_sessions_are_batched_and_each_recorded(server):
     before = _get(server, "/health")
 
@@ -217,6 +222,7 @@ def test_32_simultaneous_sessions_are_batched_and_each_recorded(server):
         assert _get(server, f"/s/many-{k}/record")["calls"][0]["output_ids"] == ids
 
 
+@pytest.mark.slow
 def test_n_choices_stop_strings_logprobs_and_streaming(server):
     c = _client(server)
     r = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "fix add"}], n=3,
@@ -263,6 +269,7 @@ def test_bad_requests_get_openai_style_errors(server, change, status, code):
     assert e.value.body["message"]
 
 
+@pytest.mark.slow
 def test_a_client_that_disconnects_mid_generation_leaves_no_stuck_batch(server):
     before = _get(server, "/health")
     body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x " * 50}], "max_tokens": 900,
@@ -288,6 +295,7 @@ def test_a_client_that_disconnects_mid_generation_leaves_no_stuck_batch(server):
 CLIENT_TIMEOUT_S = 0.5
 
 
+@pytest.mark.slow
 def test_a_reply_the_client_timed_out_on_is_recorded_and_the_next_call_is_a_counted_break(server, policy):
     """The stock openai client gives up mid-generation (its `timeout`); the agent then sends
     the conversation without that reply (a new user turn), then retries the request. The
@@ -358,6 +366,7 @@ def test_a_reply_the_client_timed_out_on_is_recorded_and_the_next_call_is_a_coun
         assert max(abs(row.old_logprobs[j] - lp[j]) for j, m in enumerate(row.loss_mask) if m) < 1e-4
 
 
+@pytest.mark.slow
 def test_sigterm_stops_the_server_cleanly(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -399,6 +408,7 @@ def test_load_agent_refuses_what_cannot_be_an_agent(tmp_path):
         load_agent("no_such_module_xyz:agent")
 
 
+@pytest.mark.slow
 def test_an_episode_refuses_other_sampling_settings_and_ends_on_its_budget(policy):
     model, renderer, env = policy
 
@@ -497,6 +507,7 @@ def _post(server, body) -> tuple[int, dict]:
         return e.code, json.loads(e.read())
 
 
+@pytest.mark.slow
 def test_a_wrong_type_anywhere_in_a_request_is_a_400_naming_the_field(server):
     status, _ = _post(server, _FULL_BODY)
     assert status == 200  # the unchanged body is valid: each failure below is the changed field's
@@ -549,6 +560,7 @@ def test_the_unknown_field_error_lists_every_accepted_field(server):
         assert accepted in out["error"]["message"]
 
 
+@pytest.mark.slow
 def test_n_seeded_choices_differ_and_repeat_as_a_set(server):
     def ids():
         r = _client(server).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "fix add"}],
@@ -607,6 +619,7 @@ def _post_session(server, sid: str) -> tuple[int, dict]:
 
 
 # ---- the agent's failures are the agent's ---------------------------------------------------------
+@pytest.mark.slow
 def test_an_agent_that_never_returns_is_cancelled_at_its_time_limit(policy):
     from consequence.serve.runner import SECONDS_PER_TURN, episode_time_limit
 

@@ -95,6 +95,7 @@ def test_too_short_a_prefix_keeps_the_plain_forward():
     assert SHARED_PREFIX_MIN_TOKENS > 78  # the tiny model's repair prompts (78 shared) stay on the direct path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_token_logprobs_with_a_shared_prefix_equal_the_direct_computation(lora):
     """The update's log-probs and entropy, and their gradients (full fine-tuning or the

@@ -44,6 +44,7 @@ def test_kept_layers_compute_what_the_teacher_s_layers_compute():
         keep_layers(teacher, [0, 0])
 
 
+@pytest.mark.slow
 def test_cli_shrink_writes_a_student_that_shares_the_tokenizer(tmp_path):
     from consequence.distill.teacher_model import load_teacher
 
@@ -57,6 +58,7 @@ def test_cli_shrink_writes_a_student_that_shares_the_tokenizer(tmp_path):
     assert res.exit_code == 2 and "keep between 1 and" in res.output and not (tmp_path / "t").exists()
 
 
+@pytest.mark.slow
 def test_shrink_never_writes_over_the_teacher_or_other_files(tmp_path):
     """--out is replaced whole: refused where that would delete the teacher or files of the user."""
     import shutil

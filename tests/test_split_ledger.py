@@ -5,6 +5,7 @@ import json
 import os
 import time
 
+import pytest
 import yaml
 from typer.testing import CliRunner
 
@@ -82,6 +83,7 @@ def test_old_ledger_lines_without_hashes_still_count_by_path(tmp_path):
     assert earlier_choosers("repair", 0, ["/nowhere/old"], path) == []
 
 
+@pytest.mark.slow
 def test_eval_twice_of_the_same_policy_with_another_in_between_warns_never(tmp_path):
     from consequence.cli import app
 

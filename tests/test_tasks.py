@@ -48,6 +48,7 @@ def test_many_distinct_problems_and_bug_kinds(problems):
     assert len({p.family for p in problems}) >= 12
 
 
+@pytest.mark.slow
 def test_sample_of_instances_is_consistent(problems):
     rng = random.Random(1)
     tasks = make_tasks(rng.sample(problems, 200), 200, seed=3)

@@ -117,6 +117,7 @@ def test_slow_tokenizers_are_compared_by_how_they_split_a_probe_text(tiny_tokeni
     assert tokenizer_difference(_Slow(tiny_tokenizer), _Slow(_variant(tiny_tokenizer, tmp_path / "s"))) is None
 
 
+@pytest.mark.slow
 def test_train_with_such_a_teacher_prints_one_error_line_and_leaves_the_run_folder(tmp_path):
     from consequence.cli import app
 

@@ -61,6 +61,7 @@ def write_tasks(path, n: int = 12, bad_line: dict | None = None) -> None:
 
 
 # ---- 1. a recipe means the same from YAML, --recipe and explain ---------------------------------
+@pytest.mark.slow
 def test_recipe_in_yaml_is_applied_as_with_the_recipe_option(tmp_path, captured):
     (tmp_path / "dapo.yaml").write_text("recipe: dapo\n")
     res, from_yaml = captured("--config", str(tmp_path / "dapo.yaml"))
@@ -119,6 +120,7 @@ def test_path_options_are_stored_absolute(tmp_path, monkeypatch, captured):
 
 
 # ---- 5. booleans switch off -----------------------------------------------------------------------
+@pytest.mark.slow
 def test_every_boolean_option_has_a_no_form_that_overrides_the_recipe(captured):
     res = CliRunner().invoke(app, ["train", "--help"], env=ENV)
     bools = [n for n, f in TrainConfig.model_fields.items() if f.annotation is bool]
@@ -134,6 +136,7 @@ def test_every_boolean_option_has_a_no_form_that_overrides_the_recipe(captured):
 
 
 # ---- 6. one list syntax ---------------------------------------------------------------------------
+@pytest.mark.slow
 def test_list_options_are_comma_separated_or_repeated_without_duplicates(tmp_path, captured):
     res, cfg = captured("--final-eval-decoding", "greedy,sampled")
     assert res.exit_code == 0 and cfg.final_eval_decoding == ["greedy", "sampled"]
@@ -157,6 +160,7 @@ def test_list_options_are_comma_separated_or_repeated_without_duplicates(tmp_pat
 
 
 # ---- 7. names and folders of runs -------------------------------------------------------------------
+@pytest.mark.slow
 def test_a_run_is_named_by_what_it_is_and_a_recipe_has_its_own_folder(captured):
     _, default = captured()
     _, grpo = captured("--recipe", "grpo")
@@ -182,6 +186,7 @@ def test_mini_batches_larger_than_the_batch_are_refused(captured):
 
 
 # ---- 11. JSONL task files -----------------------------------------------------------------------------
+@pytest.mark.slow
 def test_a_jsonl_task_file_is_accepted_and_checked_before_work(tmp_path, captured):
     from consequence.envs.registry import env_of
 

@@ -5,9 +5,8 @@ import pytest
 import torch
 
 from consequence.credit.advantages import group_advantages
-from consequence.records import TrainingRow
+from consequence.records import TrainingRow, pad_rows
 from consequence.update.losses import REDUCTIONS
-from consequence.records import pad_rows
 from consequence.update.step import UpdateConfig, accumulate_gradients, ppo_step
 
 V = 11

@@ -107,6 +107,7 @@ def test_doctests():
     assert doctest.testmod(viewer).failed == 0
 
 
+@pytest.mark.slow
 @needs_chromium
 def test_coloured_tokens_match_the_loss_mask(page, tmp_path):
     """Per trajectory: targets = mask ones, padding = attention zeros, every sampled token
@@ -136,6 +137,7 @@ def test_coloured_tokens_match_the_loss_mask(page, tmp_path):
     assert saw_padding, "the two-row trajectory should show padding"
 
 
+@pytest.mark.slow
 @needs_chromium
 def test_pinned_token_shows_sampling_and_current_logprob_and_ratio(page, run_dir, tmp_path):
     from consequence.policy.tiny import load_policy
@@ -157,6 +159,7 @@ def test_pinned_token_shows_sampling_and_current_logprob_and_ratio(page, run_dir
     assert float(fields["advantage"]) == pytest.approx(t.advantage, abs=1e-4)
 
 
+@pytest.mark.slow
 @needs_chromium
 def test_screenshot(page, tmp_path):
     out, _ = page
@@ -166,6 +169,7 @@ def test_screenshot(page, tmp_path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
 
 
+@pytest.mark.slow  # shares run_dir's training run
 def test_page_is_self_contained_and_small(page):
     html = page[0].read_text()
     assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", html)
@@ -173,6 +177,7 @@ def test_page_is_self_contained_and_small(page):
     assert len(html.encode()) < 200 * 1024 * 6  # about 20 bytes per token, 6 trajectories
 
 
+@pytest.mark.slow  # shares run_dir's training run
 def test_limit_keeps_whole_groups_spread_over_iterations(run_dir):
     # iteration 0: two groups of 2; iteration 1: one group of 1. A limit of 4 cannot take all 5.
     html, summary = viewer.build_page(run_dir, limit=4, log=lambda *_: None)
@@ -180,6 +185,7 @@ def test_limit_keeps_whole_groups_spread_over_iterations(run_dir):
     assert "split-row-example" in html
 
 
+@pytest.mark.slow
 def test_cli_writes_the_page_and_rejects_bad_input(run_dir, tmp_path):
     runner = CliRunner()
     out = tmp_path / "v.html"

@@ -54,6 +54,7 @@ def _probe_all() -> dict[str, str]:
     return out
 
 
+@pytest.mark.slow
 def test_children_are_confined_like_fresh_interpreters(monkeypatch):
     monkeypatch.setenv("CONSEQUENCE_SANDBOX_START", "fresh")
     fresh = _probe_all()
@@ -74,6 +75,7 @@ def test_children_are_confined_like_fresh_interpreters(monkeypatch):
         assert forked["write_cwd"].startswith("'denied PermissionError'")
 
 
+@pytest.mark.slow
 def test_both_modes_score_the_reward_path_alike(monkeypatch):
     prog = TestProgram(entry_point="add", setup="", check="def check(c):\n    assert c(1, 2) == 3\n")
     got = {}
@@ -120,6 +122,7 @@ def test_unknown_start_mode_is_refused(monkeypatch):
         sandbox.start_mode()
 
 
+@pytest.mark.slow
 def test_works_under_a_low_descriptor_limit():
     """`ulimit -n 1024` is a common default: the child's descriptor shuffling must stay below it."""
     import resource
@@ -136,6 +139,7 @@ def test_works_under_a_low_descriptor_limit():
     assert out.stdout.split() == ["ok", "ok"], out.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_a_fork_server_dying_mid_run_is_a_sandbox_error_not_a_score(monkeypatch):
     import threading
     import time
@@ -166,6 +170,7 @@ def _gone(pid: int) -> bool:
         return True
 
 
+@pytest.mark.slow
 def test_no_sandbox_process_outlives_the_parent():
     """A sleeping candidate never reaches its CPU limit: the parent's exit must end it."""
     import subprocess
