@@ -184,7 +184,9 @@ def test_no_sandbox_process_outlives_the_parent():
             "for fn in (sandbox.run_tests, judge.run_cases):\n"
             "    threading.Thread(target=fn, args=(c, [TestCase('f()', '1')], lim), kwargs={'cache': False},"
             " daemon=True).start()\n"
-            "time.sleep(1.5)\ns = sandbox._fork_server()\n"
+            # poll, not a fixed sleep: under load the fork server and its three children come up late
+            "s = sandbox._fork_server()\nt0 = time.monotonic()\n"
+            "while len(s._children) < 3 and time.monotonic() - t0 < 45:\n    time.sleep(0.05)\n"
             "print(s._proc.pid, *s._children, flush=True)\nos._exit(0)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                          env={**__import__("os").environ, "CONSEQUENCE_SANDBOX_START": "fork-server"})
