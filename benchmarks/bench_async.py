@@ -28,16 +28,30 @@ import tempfile
 import time
 from pathlib import Path
 
-SETTINGS = [("sync", []),
-            ("1 worker, k=1", ["--rollout-workers", "1", "--max-staleness", "1"]),
-            ("2 workers, k=1", ["--rollout-workers", "2", "--max-staleness", "1"]),
-            ("2 workers, k=2", ["--rollout-workers", "2", "--max-staleness", "2"])]
+SETTINGS = [
+    ("sync", []),
+    ("1 worker, k=1", ["--rollout-workers", "1", "--max-staleness", "1"]),
+    ("2 workers, k=1", ["--rollout-workers", "2", "--max-staleness", "1"]),
+    ("2 workers, k=2", ["--rollout-workers", "2", "--max-staleness", "2"]),
+]
 
 
 def run_one(name: str, extra: list[str], iterations: int, folder: Path) -> dict:
     run = folder / name.replace(" ", "_").replace(",", "").replace("=", "")
-    cmd = [str(Path(sys.executable).with_name("consequence")), "train", "--iterations", str(iterations), "--eval-every", "0",
-           "--final-eval-episodes", "0", "--skip-checks", "--run-dir", str(run), *extra]
+    cmd = [
+        str(Path(sys.executable).with_name("consequence")),
+        "train",
+        "--iterations",
+        str(iterations),
+        "--eval-every",
+        "0",
+        "--final-eval-episodes",
+        "0",
+        "--skip-checks",
+        "--run-dir",
+        str(run),
+        *extra,
+    ]
     t0 = time.perf_counter()
     out = subprocess.run(cmd, capture_output=True, text=True)
     total = time.perf_counter() - t0
@@ -47,12 +61,19 @@ def run_one(name: str, extra: list[str], iterations: int, folder: Path) -> dict:
     loop = sum(m["iteration_s"] for m in ms)
     trajs = 16 * 8 * len(ms)  # B × G per iteration (no dynamic sampling)
     tokens = sum(m["gen_tokens_total"] for m in ms)
-    return {"setting": name, "iterations": len(ms), "loop_s": loop, "start_s": total - loop,
-            "trajectories_per_s": trajs / loop, "tokens_per_s": tokens / loop,
-            "trainer_wait_s": sum(m["rollout_s"] for m in ms), "update_s": sum(m["update_s"] for m in ms),
-            "lag_mean": sum(m.get("lag_mean", 0.0) for m in ms) / len(ms),
-            "dropped_stale_groups": sum(m.get("dropped_stale_groups", 0) for m in ms),
-            "success_mean": sum(m["success"] for m in ms) / len(ms)}
+    return {
+        "setting": name,
+        "iterations": len(ms),
+        "loop_s": loop,
+        "start_s": total - loop,
+        "trajectories_per_s": trajs / loop,
+        "tokens_per_s": tokens / loop,
+        "trainer_wait_s": sum(m["rollout_s"] for m in ms),
+        "update_s": sum(m["update_s"] for m in ms),
+        "lag_mean": sum(m.get("lag_mean", 0.0) for m in ms) / len(ms),
+        "dropped_stale_groups": sum(m.get("dropped_stale_groups", 0) for m in ms),
+        "success_mean": sum(m["success"] for m in ms) / len(ms),
+    }
 
 
 def main() -> None:
@@ -73,12 +94,16 @@ def main() -> None:
             rows.append(run_one(name, extra, args.iterations, Path(tmp)))
     base = rows[0]["loop_s"]
     print(f"\n{args.iterations} iterations of the default task (16 tasks × 8 rollouts), {os.cpu_count()} cores\n")
-    print("| setting | loop s | speed-up | trajectories/s | tokens/s | trainer wait s | update s | mean lag | dropped groups | start s |")
+    print(
+        "| setting | loop s | speed-up | trajectories/s | tokens/s | trainer wait s | update s | mean lag | dropped groups | start s |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['setting']} | {r['loop_s']:.0f} | {base / r['loop_s']:.2f}× | {r['trajectories_per_s']:.2f} | "
-              f"{r['tokens_per_s']:.0f} | {r['trainer_wait_s']:.0f} | {r['update_s']:.0f} | {r['lag_mean']:.2f} | "
-              f"{r['dropped_stale_groups']} | {r['start_s']:.0f} |")
+        print(
+            f"| {r['setting']} | {r['loop_s']:.0f} | {base / r['loop_s']:.2f}× | {r['trajectories_per_s']:.2f} | "
+            f"{r['tokens_per_s']:.0f} | {r['trainer_wait_s']:.0f} | {r['update_s']:.0f} | {r['lag_mean']:.2f} | "
+            f"{r['dropped_stale_groups']} | {r['start_s']:.0f} |"
+        )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp_out = out.with_suffix(".tmp")

@@ -96,25 +96,51 @@ def main() -> None:
         start_s = time.perf_counter() - t0
         med, times = timed(lambda: dp.ppo_step(model, opt, rows, adv, cfg, pad, token_logprobs), args.repeats)
     diff = max(float((p - q).detach().abs().max()) for p, q in zip(one_model.parameters(), model.parameters()))
-    results.append({"ranks": 2, "threads_per_rank": max(1, cores // 2), "step_s": med, "times_s": times,
-                    "start_s": start_s, "shard_tokens": [sum(len(rows[i].input_ids) for i in s) for s in shards],
-                    "max_weight_diff_vs_1_rank": diff})
+    results.append(
+        {
+            "ranks": 2,
+            "threads_per_rank": max(1, cores // 2),
+            "step_s": med,
+            "times_s": times,
+            "start_s": start_s,
+            "shard_tokens": [sum(len(rows[i].input_ids) for i in s) for s in shards],
+            "max_weight_diff_vs_1_rank": diff,
+        }
+    )
     ref = results[0]["step_s"]
-    print(f"{args.rows} rows, {sum(len(r.input_ids) for r in rows)} tokens ({sum(sum(r.loss_mask) for r in rows)} "
-          f"targets), micro-batch {args.micro_batch}, {cores} cores, median of {args.repeats} steps, "
-          f"load average {load:.1f} at start")
+    print(
+        f"{args.rows} rows, {sum(len(r.input_ids) for r in rows)} tokens ({sum(sum(r.loss_mask) for r in rows)} "
+        f"targets), micro-batch {args.micro_batch}, {cores} cores, median of {args.repeats} steps, "
+        f"load average {load:.1f} at start"
+    )
     print(f"{'ranks':>5} {'threads/rank':>12} {'step s':>8} {'speed-up':>8}")
     for r in results:
         r["speedup_vs_1_rank_all_cores"] = ref / r["step_s"]
-        print(f"{r['ranks']:>5} {r['threads_per_rank']:>12} {r['step_s']:>8.2f} {r['speedup_vs_1_rank_all_cores']:>7.2f}×")
-    print(f"2 ranks: start (spawn + imports + policy copy + group) {start_s:.1f} s once; shard tokens "
-          f"{results[-1]['shard_tokens']}; max |Δw| vs 1 rank after {args.repeats + 1} steps: {diff:.1e}")
+        print(
+            f"{r['ranks']:>5} {r['threads_per_rank']:>12} {r['step_s']:>8.2f} {r['speedup_vs_1_rank_all_cores']:>7.2f}×"
+        )
+    print(
+        f"2 ranks: start (spawn + imports + policy copy + group) {start_s:.1f} s once; shard tokens "
+        f"{results[-1]['shard_tokens']}; max |Δw| vs 1 rank after {args.repeats + 1} steps: {diff:.1e}"
+    )
     out = Path(__file__).parent / "results" / "data_parallel.json"
     out.parent.mkdir(exist_ok=True)
     tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"rows": args.rows, "micro_batch": args.micro_batch, "cores": cores, "load_average_at_start": load,
-                               "command": f"benchmarks/bench_data_parallel.py --rows {args.rows} --repeats {args.repeats}",
-                               "torch": torch.__version__, "repeats": args.repeats, "results": results}, indent=2))
+    tmp.write_text(
+        json.dumps(
+            {
+                "rows": args.rows,
+                "micro_batch": args.micro_batch,
+                "cores": cores,
+                "load_average_at_start": load,
+                "command": f"benchmarks/bench_data_parallel.py --rows {args.rows} --repeats {args.repeats}",
+                "torch": torch.__version__,
+                "repeats": args.repeats,
+                "results": results,
+            },
+            indent=2,
+        )
+    )
     os.replace(tmp, out)
 
 

@@ -44,9 +44,13 @@ from consequence.warmstart import ensure_warmstart
 
 
 def _specs(env, tasks, group: int):
-    return [EpisodeSpec(episode, t.task_id, t.task_id, j, seed_of(0, t.task_id, j),
-                        answer_ends_episode=env.answer_ends_episode)
-            for t in tasks for j, episode in enumerate(group_of(env, t, group))]
+    return [
+        EpisodeSpec(
+            episode, t.task_id, t.task_id, j, seed_of(0, t.task_id, j), answer_ends_episode=env.answer_ends_episode
+        )
+        for t in tasks
+        for j, episode in enumerate(group_of(env, t, group))
+    ]
 
 
 def _gap(model, trajs, params: SamplingParams, rows_per_batch: int = 16) -> dict:
@@ -54,15 +58,15 @@ def _gap(model, trajs, params: SamplingParams, rows_per_batch: int = 16) -> dict
     calls = [c for t in trajs for c in t.calls if c.output_ids]
     diffs = []
     for b in range(0, len(calls), rows_per_batch):
-        part = calls[b:b + rows_per_batch]
+        part = calls[b : b + rows_per_batch]
         rows = [c.context_ids + c.output_ids for c in part]
         S = max(len(r) for r in rows)
         ids = torch.zeros(len(rows), S, dtype=torch.long)
         am = torch.zeros(len(rows), S, dtype=torch.long)
         keep = []
         for i, (r, c) in enumerate(zip(rows, part)):
-            ids[i, :len(r)] = torch.tensor(r)
-            am[i, :len(r)] = 1
+            ids[i, : len(r)] = torch.tensor(r)
+            am[i, : len(r)] = 1
             for k, sup in enumerate(c.keep_ids or []):
                 keep += [(i, len(c.context_ids) + k, t) for t in sup]
         ki = torch.tensor(keep, dtype=torch.long).view(-1, 3) if keep else None
@@ -70,13 +74,17 @@ def _gap(model, trajs, params: SamplingParams, rows_per_batch: int = 16) -> dict
             lp, _ = token_logprobs(model, ids, am, params.temperature, params.top_k, params.top_p, keep_index=ki)
         for i, c in enumerate(part):
             n0 = len(c.context_ids) - 1
-            pi = lp[i, n0:n0 + len(c.output_ids)].double()
+            pi = lp[i, n0 : n0 + len(c.output_ids)].double()
             mu = torch.tensor(c.sample_logprobs, dtype=torch.float64)
             diffs.append(pi - mu)
     d = torch.cat(diffs)
     k3 = (d.exp() - 1 - d).mean().item()
-    return {"tokens": int(d.numel()), "mean_abs_logprob_gap": d.abs().mean().item(),
-            "max_abs_logprob_gap": d.abs().max().item(), "k3_kl": k3}
+    return {
+        "tokens": int(d.numel()),
+        "mean_abs_logprob_gap": d.abs().mean().item(),
+        "max_abs_logprob_gap": d.abs().max().item(),
+        "k3_kl": k3,
+    }
 
 
 def _run(name: str, gen, renderer, env, specs, budgets, model, params) -> dict:
@@ -94,14 +102,23 @@ def _run(name: str, gen, renderer, env, specs, budgets, model, params) -> dict:
     wall = time.perf_counter() - t0
     n_tok = sum(len(c.output_ids) for t in trajs for c in t.calls)
     n_calls = sum(len(t.calls) for t in trajs)
-    row = {"engine": name, "episodes": len(trajs), "model_calls": n_calls, "generated_tokens": n_tok,
-           "wall_s": round(wall, 2), "tokens_per_s": round(n_tok / wall, 1),
-           "generate_s": round(in_gen[0], 2), "generate_tokens_per_s": round(n_tok / in_gen[0], 1),
-           **_gap(model, trajs, params)}
-    print(f"{name}: {n_tok} tokens in {wall:.1f} s = {n_tok / wall:.1f} tok/s "
-          f"({n_tok / in_gen[0]:.1f} tok/s inside generate); "
-          f"gap mean {row['mean_abs_logprob_gap']:.2e} max {row['max_abs_logprob_gap']:.2e} k3 {row['k3_kl']:.2e}",
-          flush=True)
+    row = {
+        "engine": name,
+        "episodes": len(trajs),
+        "model_calls": n_calls,
+        "generated_tokens": n_tok,
+        "wall_s": round(wall, 2),
+        "tokens_per_s": round(n_tok / wall, 1),
+        "generate_s": round(in_gen[0], 2),
+        "generate_tokens_per_s": round(n_tok / in_gen[0], 1),
+        **_gap(model, trajs, params),
+    }
+    print(
+        f"{name}: {n_tok} tokens in {wall:.1f} s = {n_tok / wall:.1f} tok/s "
+        f"({n_tok / in_gen[0]:.1f} tok/s inside generate); "
+        f"gap mean {row['mean_abs_logprob_gap']:.2e} max {row['max_abs_logprob_gap']:.2e} k3 {row['k3_kl']:.2e}",
+        flush=True,
+    )
     return row
 
 
@@ -133,8 +150,18 @@ def main() -> None:
 
     rows = []
     if args.only != "vllm":
-        rows.append(_run("consequence sampler", policy_generate_fn(model, params, renderer.stop_ids, seed=0),
-                         renderer, env, specs(), budgets, model, params))
+        rows.append(
+            _run(
+                "consequence sampler",
+                policy_generate_fn(model, params, renderer.stop_ids, seed=0),
+                renderer,
+                env,
+                specs(),
+                budgets,
+                model,
+                params,
+            )
+        )
     if args.only == "ours":
         _write(args, folder, rows)
         return
@@ -146,7 +173,9 @@ def main() -> None:
     try:
         gen = engine.generate_fn(params, renderer.stop_ids, seed=0)
         gen([[1, 2, 3]], 4, [0])  # the first request pays one-time warm-ups; not timed
-        row = _run(f"vLLM {'compiled' if args.compile else 'eager'}", gen, renderer, env, specs(), budgets, model, params)
+        row = _run(
+            f"vLLM {'compiled' if args.compile else 'eager'}", gen, renderer, env, specs(), budgets, model, params
+        )
         row["engine_start_s"] = round(start, 1)
         rows.append(row)
     finally:
@@ -161,17 +190,26 @@ def _write(args, folder, rows) -> None:
         v = vllm.__version__
     except ImportError:
         v = None
-    out = {"model": str(folder), "task": "repair (test split)", "tasks": args.tasks, "group": args.group,
-           "budgets": {"calls": 8, "tokens_per_call": 48, "episode_tokens": 768},
-           "sampling": {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p},
-           "versions": {"vllm": v, "torch": torch.__version__},
-           "machine": f"{platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads",
-           "load_average_1min": {"before": round(args.load_before[0], 2), "after": round(os.getloadavg()[0], 2)},
-           "rows": rows}
-    print(f"\n{'engine':<22}{'tokens':>8}{'wall s':>9}{'tok/s':>8}{'gen tok/s':>10}{'mean|Δ|':>11}{'max|Δ|':>11}{'k3 KL':>11}")
+    out = {
+        "model": str(folder),
+        "task": "repair (test split)",
+        "tasks": args.tasks,
+        "group": args.group,
+        "budgets": {"calls": 8, "tokens_per_call": 48, "episode_tokens": 768},
+        "sampling": {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p},
+        "versions": {"vllm": v, "torch": torch.__version__},
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads",
+        "load_average_1min": {"before": round(args.load_before[0], 2), "after": round(os.getloadavg()[0], 2)},
+        "rows": rows,
+    }
+    print(
+        f"\n{'engine':<22}{'tokens':>8}{'wall s':>9}{'tok/s':>8}{'gen tok/s':>10}{'mean|Δ|':>11}{'max|Δ|':>11}{'k3 KL':>11}"
+    )
     for r in rows:
-        print(f"{r['engine']:<22}{r['generated_tokens']:>8}{r['wall_s']:>9}{r['tokens_per_s']:>8}{r['generate_tokens_per_s']:>10}"
-              f"{r['mean_abs_logprob_gap']:>11.2e}{r['max_abs_logprob_gap']:>11.2e}{r['k3_kl']:>11.2e}")
+        print(
+            f"{r['engine']:<22}{r['generated_tokens']:>8}{r['wall_s']:>9}{r['tokens_per_s']:>8}{r['generate_tokens_per_s']:>10}"
+            f"{r['mean_abs_logprob_gap']:>11.2e}{r['max_abs_logprob_gap']:>11.2e}{r['k3_kl']:>11.2e}"
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = args.out.with_suffix(".tmp")
     tmp.write_text(json.dumps(out, indent=2) + "\n")

@@ -47,7 +47,7 @@ from consequence.policy.tiny import BUNDLED
 def old_sample(model, tok, tasks, n, temperature, seed, max_new_tokens, on_task):
     """The sampling loop before batching: one generate per task, seeded ``seed * 1_000_003 + i``."""
     mode = "chat" if getattr(tok, "chat_template", None) else "raw"
-    ctx = getattr(model.config, "max_position_embeddings", None) or 10 ** 9
+    ctx = getattr(model.config, "max_position_embeddings", None) or 10**9
     params = SamplingParams(temperature=temperature, top_p=1.0, max_new_tokens=max_new_tokens)
     stops = comp._stop_ids(model, tok)
     comps, flags = [], []
@@ -58,8 +58,12 @@ def old_sample(model, tok, tasks, n, temperature, seed, max_new_tokens, on_task)
         else:
             gen = torch.Generator(device=model.device).manual_seed(seed * 1_000_003 + i)
             samples = generate(model, [ids] * n, params, stops, gen)
-            cs = [comp.extract_completion(tok.decode([t for t in s.output_ids if t not in stops],
-                                                     skip_special_tokens=True), task, mode) for s in samples]
+            cs = [
+                comp.extract_completion(
+                    tok.decode([t for t in s.output_ids if t not in stops], skip_special_tokens=True), task, mode
+                )
+                for s in samples
+            ]
             fl = [s.stop_reason for s in samples]
         comps.append(cs)
         flags.append(fl)
@@ -106,24 +110,37 @@ def main() -> None:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "bench_eval.json"))
     args = ap.parse_args()
     default_threads = torch.get_num_threads()
-    tasks = load_humaneval("all")[:args.problems]
+    tasks = load_humaneval("all")[: args.problems]
     ks = (1,)
     samples = len(tasks) * args.n
-    paths = {f"old (torch threads {default_threads}: as before)": default_threads, "old (torch threads 1)": 1,
-             f"new, batched only (torch threads {default_threads})": -default_threads, "new": None}
+    paths = {
+        f"old (torch threads {default_threads}: as before)": default_threads,
+        "old (torch threads 1)": 1,
+        f"new, batched only (torch threads {default_threads})": -default_threads,
+        "new": None,
+    }
     runs = {k: [] for k in paths}
     results = {}
 
     def one(name, threads, tasks=tasks):
         if threads is None or threads < 0:  # the library path; its own thread policy, or -threads forced
-            return comp.evaluate_completions(args.model, tasks, n=args.n, ks=ks, temperature=args.temperature,
-                                             seed=args.seed, max_new_tokens=args.max_new_tokens,
-                                             workers=args.workers, batch_rows=args.batch_rows,
-                                             threads=None if threads is None else -threads)
+            return comp.evaluate_completions(
+                args.model,
+                tasks,
+                n=args.n,
+                ks=ks,
+                temperature=args.temperature,
+                seed=args.seed,
+                max_new_tokens=args.max_new_tokens,
+                workers=args.workers,
+                batch_rows=args.batch_rows,
+                threads=None if threads is None else -threads,
+            )
         torch.set_num_threads(threads)
         try:
-            return old_evaluate(args.model, tasks, args.n, ks, args.temperature, args.seed, args.max_new_tokens,
-                                args.workers)[0]
+            return old_evaluate(
+                args.model, tasks, args.n, ks, args.temperature, args.seed, args.max_new_tokens, args.workers
+            )[0]
         finally:
             torch.set_num_threads(default_threads)
 
@@ -136,29 +153,50 @@ def main() -> None:
     best = {k: min(v) for k, v in runs.items()}
     today, like, _batched, _new = list(paths)
     ratio, ratio_like = best[today] / best["new"], best[like] / best["new"]
-    print(f"HumanEval completion, {len(tasks)} problems × n = {args.n} = {samples} samples, model {args.model}, "
-          f"max_new_tokens {args.max_new_tokens}, T = {args.temperature}, seed {args.seed}, scoring workers "
-          f"{args.workers}, batch rows {args.batch_rows}, new path's torch threads "
-          f"{results['new'].settings['torch_threads']}; best of {args.repeats}, load average "
-          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    print(
+        f"HumanEval completion, {len(tasks)} problems × n = {args.n} = {samples} samples, model {args.model}, "
+        f"max_new_tokens {args.max_new_tokens}, T = {args.temperature}, seed {args.seed}, scoring workers "
+        f"{args.workers}, batch rows {args.batch_rows}, new path's torch threads "
+        f"{results['new'].settings['torch_threads']}; best of {args.repeats}, load average "
+        f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+    )
     print("\n| path | wall s | s / sample | samples / s | pass@1 | cut by max_new_tokens | prompt too long |")
     print("|---|---|---|---|---|---|---|")
     for name in paths:
         r = results[name]
-        print(f"| {name} | {best[name]:.2f} | {best[name] / samples:.3f} | {samples / best[name]:.2f} | "
-              f"{r.pass_at_k[1]:.3f} | {r.truncated} | {r.prompt_too_long} |")
-    print(f"\nnew path per sample: {ratio:.1f}× faster than before, {ratio_like:.1f}× faster than the old loop "
-          "at 1 torch thread")
+        print(
+            f"| {name} | {best[name]:.2f} | {best[name] / samples:.3f} | {samples / best[name]:.2f} | "
+            f"{r.pass_at_k[1]:.3f} | {r.truncated} | {r.prompt_too_long} |"
+        )
+    print(
+        f"\nnew path per sample: {ratio:.1f}× faster than before, {ratio_like:.1f}× faster than the old loop "
+        "at 1 torch thread"
+    )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({
-        "meta": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
-                 "default_threads": default_threads, "new_threads": results["new"].settings["torch_threads"],
-                 "load_avg_1min": os.getloadavg()[0], **{k: v for k, v in vars(args).items() if k != "out"}},
-        "samples": samples, "wall_s": runs, "best_s": best,
-        "s_per_sample": {k: v / samples for k, v in best.items()}, "speedup_per_sample": ratio,
-        "speedup_per_sample_vs_old_at_1_thread": ratio_like,
-        "pass_at_1": {k: r.pass_at_k[1] for k, r in results.items()},
-        "truncated": {k: r.truncated for k, r in results.items()}}, indent=1))
+    Path(args.out).write_text(
+        json.dumps(
+            {
+                "meta": {
+                    "platform": platform.platform(),
+                    "cpus": os.cpu_count(),
+                    "torch": torch.__version__,
+                    "default_threads": default_threads,
+                    "new_threads": results["new"].settings["torch_threads"],
+                    "load_avg_1min": os.getloadavg()[0],
+                    **{k: v for k, v in vars(args).items() if k != "out"},
+                },
+                "samples": samples,
+                "wall_s": runs,
+                "best_s": best,
+                "s_per_sample": {k: v / samples for k, v in best.items()},
+                "speedup_per_sample": ratio,
+                "speedup_per_sample_vs_old_at_1_thread": ratio_like,
+                "pass_at_1": {k: r.pass_at_k[1] for k, r in results.items()},
+                "truncated": {k: r.truncated for k, r in results.items()},
+            },
+            indent=1,
+        )
+    )
     print(f"written: {args.out}")
 
 

@@ -43,10 +43,19 @@ from consequence.seeding import seed_of
 
 def arm(model, renderer, env, tasks, budgets: Budgets, seed: int, per_episode: bool) -> list:
     """One sampled episode per task (T = 1); streams shared by the arm or one per episode."""
-    specs = [EpisodeSpec(group_of(env, t, 1)[0], t.task_id, t.task_id, 0, seed_of(seed, t.task_id, 0), (),
-                         env.answer_ends_episode) for t in tasks]
-    gen = policy_generate_fn(model, SamplingParams(1.0, max_new_tokens=budgets.max_new_tokens), renderer.stop_ids,
-                             seed, episode_seeds=[s.seed for s in specs] if per_episode else None)
+    specs = [
+        EpisodeSpec(
+            group_of(env, t, 1)[0], t.task_id, t.task_id, 0, seed_of(seed, t.task_id, 0), (), env.answer_ends_episode
+        )
+        for t in tasks
+    ]
+    gen = policy_generate_fn(
+        model,
+        SamplingParams(1.0, max_new_tokens=budgets.max_new_tokens),
+        renderer.stop_ids,
+        seed,
+        episode_seeds=[s.seed for s in specs] if per_episode else None,
+    )
     trajs = run_episodes(gen, renderer, specs, budgets, env.system_prompt, examples=env.examples)
     score_trajectories(trajs, components=env.reward_components, reward_range=env.reward_range)
     return trajs
@@ -65,8 +74,12 @@ def main() -> None:
     ap.add_argument("--policy", required=True, help="checkpoint folder (e.g. runs/repair-default/checkpoints/final)")
     ap.add_argument("--episodes", type=int, default=400)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--deltas", type=lambda v: [float(x) for x in v.split(",")], default=[1e-7, 1e-6, 1e-5],
-                    help="relative perturbations δ, comma-separated")
+    ap.add_argument(
+        "--deltas",
+        type=lambda v: [float(x) for x in v.split(",")],
+        default=[1e-7, 1e-6, 1e-5],
+        help="relative perturbations δ, comma-separated",
+    )
     ap.add_argument("--out", default="benchmarks/results/bench_eval_streams.json")
     args = ap.parse_args()
     cfg = TrainConfig()
@@ -88,19 +101,37 @@ def main() -> None:
         a = runs[0.0]
         for delta in ap_deltas:
             b = runs[delta]
-            changed = [i for i, (x, y) in enumerate(zip(a, b))
-                       if [c.output_ids for c in x.calls] != [c.output_ids for c in y.calls]]
-            rows.append({"streams": rule, "delta": delta, "episodes": len(a), "episodes_changed": len(changed),
-                         "first_changed": changed[0] if changed else None,
-                         "success": sum(map(solved, a)) / len(a), "success_perturbed": sum(map(solved, b)) / len(b),
-                         "episodes_whose_success_changed": sum(solved(x) != solved(y) for x, y in zip(a, b))})
+            changed = [
+                i
+                for i, (x, y) in enumerate(zip(a, b))
+                if [c.output_ids for c in x.calls] != [c.output_ids for c in y.calls]
+            ]
+            rows.append(
+                {
+                    "streams": rule,
+                    "delta": delta,
+                    "episodes": len(a),
+                    "episodes_changed": len(changed),
+                    "first_changed": changed[0] if changed else None,
+                    "success": sum(map(solved, a)) / len(a),
+                    "success_perturbed": sum(map(solved, b)) / len(b),
+                    "episodes_whose_success_changed": sum(solved(x) != solved(y) for x, y in zip(a, b)),
+                }
+            )
     print("\n| streams | δ | episodes changed | first changed | success | success, perturbed | success flips |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['streams']} | {r['delta']:g} | {r['episodes_changed']} / {r['episodes']} | {r['first_changed']} | "
-              f"{100 * r['success']:.1f} % | {100 * r['success_perturbed']:.1f} % | {r['episodes_whose_success_changed']} |")
-    out = {"policy": str(args.policy), "seed": args.seed, "rows": rows, "machine": platform.processor() or platform.machine(),
-           "torch_threads": torch.get_num_threads()}
+        print(
+            f"| {r['streams']} | {r['delta']:g} | {r['episodes_changed']} / {r['episodes']} | {r['first_changed']} | "
+            f"{100 * r['success']:.1f} % | {100 * r['success_perturbed']:.1f} % | {r['episodes_whose_success_changed']} |"
+        )
+    out = {
+        "policy": str(args.policy),
+        "seed": args.seed,
+        "rows": rows,
+        "machine": platform.processor() or platform.machine(),
+        "torch_threads": torch.get_num_threads(),
+    }
     write_text_atomic(Path(args.out), json.dumps(out, indent=1) + "\n")
     print(f"wrote {args.out}")
 

@@ -21,7 +21,7 @@ from consequence.policy.tiny import build_model, build_tokenizer
 
 CORPUS = [
     "<|im_start|>user\nWrite a function that adds two numbers.<|im_end|>\n",
-    "<|im_start|>assistant\n<tool_call>\n{\"name\": \"run\", \"arguments\": {\"cmd\": \"ls\"}}\n</tool_call><|im_end|>\n",
+    '<|im_start|>assistant\n<tool_call>\n{"name": "run", "arguments": {"cmd": "ls"}}\n</tool_call><|im_end|>\n',
     "def add(a, b):\n    return a + b\n",
 ] * 50
 
@@ -63,8 +63,14 @@ def main() -> None:
         ids = torch.tensor(ps)
         with torch.inference_mode():
             out = model.generate(
-                input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
-                temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=N, min_new_tokens=N,
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=N,
+                min_new_tokens=N,
                 pad_token_id=tok.pad_token_id,
             )
         assert out.shape[1] == P + N
@@ -78,9 +84,14 @@ def main() -> None:
         toks = B * N
         rows.append(
             {
-                "case": name, "batch": B, "prompt_len": P, "new_tokens": N,
-                "ours_s": round(t_ours, 4), "hf_s": round(t_hf, 4),
-                "ours_tok_s": round(toks / t_ours, 1), "hf_tok_s": round(toks / t_hf, 1),
+                "case": name,
+                "batch": B,
+                "prompt_len": P,
+                "new_tokens": N,
+                "ours_s": round(t_ours, 4),
+                "hf_s": round(t_hf, 4),
+                "ours_tok_s": round(toks / t_ours, 1),
+                "hf_tok_s": round(toks / t_hf, 1),
                 "speedup": round(t_hf / t_ours, 2),
             }
         )
@@ -91,8 +102,11 @@ def main() -> None:
         print(f"{r['case']:<18} {r['ours_tok_s']:>11.1f} {r['hf_tok_s']:>10.1f} {r['speedup']:>7.2f}x")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"torch": torch.__version__, "threads": torch.get_num_threads(),
-            "params": sum(p.numel() for p in model.parameters())}
+    meta = {
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "params": sum(p.numel() for p in model.parameters()),
+    }
     try:
         import transformers
 

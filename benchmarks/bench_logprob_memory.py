@@ -61,9 +61,19 @@ def one(setting: dict) -> dict:
     from consequence.update.step import UpdateConfig, ppo_step
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=setting["layers"],
-                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
-                      rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True, pad_token_id=2)
+    cfg = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=setting["layers"],
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        rope_theta=100000.0,
+        tie_word_embeddings=True,
+        pad_token_id=2,
+    )
     model = LlamaForCausalLM(cfg).float().eval()  # eval, as the trainer's policy (load_policy)
     if setting["gc"]:
         enable_gradient_checkpointing(model)
@@ -83,14 +93,28 @@ def one(setting: dict) -> dict:
     t0, c0 = time.perf_counter(), time.process_time()
     m = ppo_step(model, opt, rows, adv, ucfg, cfg.pad_token_id, lp_fn)
     secs, cpu = time.perf_counter() - t0, time.process_time() - c0
-    return {**setting, "chunk": chunk, "step_s": round(secs, 2), "step_cpu_s": round(cpu, 2), "peak_rss_gb": round(_status_kb("VmHWM") * 1024 / 1e9, 3),
-            "rss_before_step_gb": round(rss_before * 1024 / 1e9, 3), "loss": m["loss"], "grad_norm": m["grad_norm"],
-            "entropy": m["entropy"], "threads": torch.get_num_threads(), "torch": torch.__version__}
+    return {
+        **setting,
+        "chunk": chunk,
+        "step_s": round(secs, 2),
+        "step_cpu_s": round(cpu, 2),
+        "peak_rss_gb": round(_status_kb("VmHWM") * 1024 / 1e9, 3),
+        "rss_before_step_gb": round(rss_before * 1024 / 1e9, 3),
+        "loss": m["loss"],
+        "grad_norm": m["grad_norm"],
+        "entropy": m["entropy"],
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+    }
 
 
 def _spawn(setting: dict, env: dict | None = None) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--one", json.dumps(setting)], capture_output=True, text=True,
-                         env={**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})})
+    out = subprocess.run(
+        [sys.executable, __file__, "--one", json.dumps(setting)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})},
+    )
     if out.returncode != 0:
         raise RuntimeError(f"setting {setting} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -112,8 +136,10 @@ def main() -> None:
         return
     base = {"rows": 32, "seq_len": 200, "layers": args.layers}
     results = []
-    print(f"{'micro-batch':>11} {'variant':>18} {'chunk':>6} {'peak GB':>8} {'× unch.':>8} {'step s':>7} "
-          f"{'× unch.':>8} {'cpu s':>7} {'× unch.':>8} {'grad norm':>10}")
+    print(
+        f"{'micro-batch':>11} {'variant':>18} {'chunk':>6} {'peak GB':>8} {'× unch.':>8} {'step s':>7} "
+        f"{'× unch.':>8} {'cpu s':>7} {'× unch.':>8} {'grad norm':>10}"
+    )
     for mb in (int(x) for x in args.micro_batches.split(",") if x):
         ref = None
         for name in args.variants.split(","):
@@ -124,9 +150,12 @@ def main() -> None:
             r["time_vs_unchunked"] = round(r["step_s"] / ref["step_s"], 3)
             r["cpu_vs_unchunked"] = round(r["step_cpu_s"] / ref["step_cpu_s"], 3)
             results.append(r)
-            print(f"{mb:>11} {name:>18} {r['chunk']:>6} {r['peak_rss_gb']:>8.2f} {r['peak_vs_unchunked']:>8.2f} "
-                  f"{r['step_s']:>7.1f} {r['time_vs_unchunked']:>8.2f} {r['step_cpu_s']:>7.1f} "
-                  f"{r['cpu_vs_unchunked']:>8.2f} {r['grad_norm']:>10.6f}", flush=True)
+            print(
+                f"{mb:>11} {name:>18} {r['chunk']:>6} {r['peak_rss_gb']:>8.2f} {r['peak_vs_unchunked']:>8.2f} "
+                f"{r['step_s']:>7.1f} {r['time_vs_unchunked']:>8.2f} {r['step_cpu_s']:>7.1f} "
+                f"{r['cpu_vs_unchunked']:>8.2f} {r['grad_norm']:>10.6f}",
+                flush=True,
+            )
     sweep = []
     if args.sweep:
         print(f"\nchunk-size sweep, micro-batch 32, {args.sweep_layers} layers (no gradient checkpointing)")
@@ -138,8 +167,11 @@ def main() -> None:
             r["time_vs_unchunked"] = round(r["step_s"] / ref["step_s"], 3)
             r["cpu_vs_unchunked"] = round(r["step_cpu_s"] / ref["step_cpu_s"], 3)
             sweep.append(r)
-            print(f"{c:>6} {r['peak_rss_gb']:>8.2f} {r['step_s']:>7.1f} {r['time_vs_unchunked']:>8.2f} "
-                  f"{r['step_cpu_s']:>7.1f} {r['cpu_vs_unchunked']:>8.2f}", flush=True)
+            print(
+                f"{c:>6} {r['peak_rss_gb']:>8.2f} {r['step_s']:>7.1f} {r['time_vs_unchunked']:>8.2f} "
+                f"{r['step_cpu_s']:>7.1f} {r['cpu_vs_unchunked']:>8.2f}",
+                flush=True,
+            )
     args.out.parent.mkdir(exist_ok=True)
     previous = []
     if args.out.exists():  # a partial run keeps the other table of the file; earlier runs are kept
@@ -147,9 +179,18 @@ def main() -> None:
         previous = old.get("previous_runs", []) + ([old["results"]] if results and old.get("results") else [])
         results, sweep = results or old.get("results", []), sweep or old.get("chunk_sweep", [])
     tmp = args.out.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"shapes": "SmolLM2-135M (random weights), 32 rows x 200 tokens, PPO-clip + AdamW",
-                               "memory": "VmHWM of a fresh process per setting (GB = 1e9 bytes)",
-                               "results": results, "chunk_sweep": sweep, "previous_runs": previous}, indent=2))
+    tmp.write_text(
+        json.dumps(
+            {
+                "shapes": "SmolLM2-135M (random weights), 32 rows x 200 tokens, PPO-clip + AdamW",
+                "memory": "VmHWM of a fresh process per setting (GB = 1e9 bytes)",
+                "results": results,
+                "chunk_sweep": sweep,
+                "previous_runs": previous,
+            },
+            indent=2,
+        )
+    )
     os.replace(tmp, args.out)
 
 

@@ -63,19 +63,40 @@ def main() -> None:
         full, t_full, tok_full = _run(model, renderer, tasks, temperature, reuse=False)
         reuse, t_reuse, tok_reuse = _run(model, renderer, tasks, temperature, reuse=True)
         same = sum([c.output_ids for c in a.calls] == [c.output_ids for c in b.calls] for a, b in zip(full, reuse))
-        dlp = max((abs(x - y) for a, b in zip(full, reuse) for ca, cb in zip(a.calls, b.calls)
-                   if ca.output_ids == cb.output_ids for x, y in zip(ca.sample_logprobs, cb.sample_logprobs)),
-                  default=0.0)
-        rows.append({"decoding": name, "episodes": len(tasks), "model_calls": sum(len(t.calls) for t in full),
-                     "full_prefill_s": t_full, "prefix_reuse_s": t_reuse, "speedup": t_full / t_reuse,
-                     "prompt_tokens_full": tok_full, "prompt_tokens_reuse": tok_reuse,
-                     "identical_episodes": same, "max_abs_logprob_diff": dlp})
-    print(f"{'decoding':<12} {'episodes':>8} {'calls':>6} {'full s':>8} {'reuse s':>8} {'speedup':>8} "
-          f"{'prompt tok full':>16} {'reuse':>8} {'identical':>10} {'max |Δlogp|':>12}")
+        dlp = max(
+            (
+                abs(x - y)
+                for a, b in zip(full, reuse)
+                for ca, cb in zip(a.calls, b.calls)
+                if ca.output_ids == cb.output_ids
+                for x, y in zip(ca.sample_logprobs, cb.sample_logprobs)
+            ),
+            default=0.0,
+        )
+        rows.append(
+            {
+                "decoding": name,
+                "episodes": len(tasks),
+                "model_calls": sum(len(t.calls) for t in full),
+                "full_prefill_s": t_full,
+                "prefix_reuse_s": t_reuse,
+                "speedup": t_full / t_reuse,
+                "prompt_tokens_full": tok_full,
+                "prompt_tokens_reuse": tok_reuse,
+                "identical_episodes": same,
+                "max_abs_logprob_diff": dlp,
+            }
+        )
+    print(
+        f"{'decoding':<12} {'episodes':>8} {'calls':>6} {'full s':>8} {'reuse s':>8} {'speedup':>8} "
+        f"{'prompt tok full':>16} {'reuse':>8} {'identical':>10} {'max |Δlogp|':>12}"
+    )
     for r in rows:
-        print(f"{r['decoding']:<12} {r['episodes']:>8} {r['model_calls']:>6} {r['full_prefill_s']:>8.1f} "
-              f"{r['prefix_reuse_s']:>8.1f} {r['speedup']:>7.2f}x {r['prompt_tokens_full']:>16} "
-              f"{r['prompt_tokens_reuse']:>8} {r['identical_episodes']:>6}/{r['episodes']:<3} {r['max_abs_logprob_diff']:>12.1e}")
+        print(
+            f"{r['decoding']:<12} {r['episodes']:>8} {r['model_calls']:>6} {r['full_prefill_s']:>8.1f} "
+            f"{r['prefix_reuse_s']:>8.1f} {r['speedup']:>7.2f}x {r['prompt_tokens_full']:>16} "
+            f"{r['prompt_tokens_reuse']:>8} {r['identical_episodes']:>6}/{r['episodes']:<3} {r['max_abs_logprob_diff']:>12.1e}"
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"torch_threads": torch.get_num_threads(), "rows": rows}, indent=1))
     print(f"written: {args.out}")

@@ -54,9 +54,16 @@ def _evaluate(model_dir: Path, name: str, tasks, seed: int) -> ArmResult:
 def run_recipe(name: str, args, tasks, warm: ArmResult) -> dict:
     recipe = load_recipe(name)
     run_dir = Path(args.runs) / name
-    cfg = recipe.train_config(run_dir=str(run_dir), model=str(BUNDLED), iterations=args.iterations,
-                              tasks_per_iteration=args.tasks, group_size=args.group, seed=args.seed,
-                              eval_every=0, final_eval_episodes=0)
+    cfg = recipe.train_config(
+        run_dir=str(run_dir),
+        model=str(BUNDLED),
+        iterations=args.iterations,
+        tasks_per_iteration=args.tasks,
+        group_size=args.group,
+        seed=args.seed,
+        eval_every=0,
+        final_eval_episodes=0,
+    )
     t0 = time.perf_counter()
     train(cfg, Console(quiet=True))
     wall = time.perf_counter() - t0
@@ -64,12 +71,15 @@ def run_recipe(name: str, args, tasks, warm: ArmResult) -> dict:
     arm = _evaluate(run_dir / "checkpoints" / "final", name, tasks, args.seed)
     changed = sorted(differences(load_recipe(BASELINE), recipe))
     return {
-        "recipe": name, "title": recipe.title, "boxes_changed": changed,
+        "recipe": name,
+        "title": recipe.title,
+        "boxes_changed": changed,
         "train_wall_s": wall,
         "generated_tokens": sum(m["gen_tokens_total"] for m in metrics),
         "episodes_generated": sum(m.get("groups_generated", args.tasks) * args.group for m in metrics),
         "optimizer_steps": sum(m.get("n_updates", 0) for m in metrics),
-        "test": _success_ci(arm), "vs_warm_start": paired_comparison(warm, arm, seed=args.seed),
+        "test": _success_ci(arm),
+        "vs_warm_start": paired_comparison(warm, arm, seed=args.seed),
         "test_summary": summarize(arm.trajectories),
     }
 
@@ -92,9 +102,13 @@ def table(results: list[dict], warm: dict, args) -> str:
             f"| {r['title']} | {', '.join(r['boxes_changed']) or '—'} | {100 * t['success']:.1f} "
             f"[{100 * t['low']:.1f}, {100 * t['high']:.1f}] | {100 * d['diff']:+.1f} [{100 * d['low']:+.1f}, "
             f"{100 * d['high']:+.1f}] | {r['train_wall_s'] / 60:.1f} | {r['generated_tokens']:,.0f} | "
-            f"{r['episodes_generated']:,} | {r['optimizer_steps']:.0f} |")
-    lines += ["", f"Produced by `python benchmarks/bench_recipes.py --iterations {args.iterations} "
-                  f"--test-episodes {args.test_episodes}` (2 CPU cores)."]
+            f"{r['episodes_generated']:,} | {r['optimizer_steps']:.0f} |"
+        )
+    lines += [
+        "",
+        f"Produced by `python benchmarks/bench_recipes.py --iterations {args.iterations} "
+        f"--test-episodes {args.test_episodes}` (2 CPU cores).",
+    ]
     return "\n".join(lines)
 
 
@@ -134,8 +148,11 @@ def main() -> None:
     for name in args.recipes:
         results.append(run_recipe(name, args, tasks, warm))
         r = results[-1]
-        print(f"{name:10s} test {100 * r['test']['success']:.1f} %  Δ {100 * r['vs_warm_start']['diff']:+.1f}  "
-              f"wall {r['train_wall_s'] / 60:.1f} min", flush=True)
+        print(
+            f"{name:10s} test {100 * r['test']['success']:.1f} %  Δ {100 * r['vs_warm_start']['diff']:+.1f}  "
+            f"wall {r['train_wall_s'] / 60:.1f} min",
+            flush=True,
+        )
         out = {"args": vars(args), "warm_start": warm_ci, "results": results}
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(args.out).with_name(".recipes.json.tmp")

@@ -38,10 +38,13 @@ from consequence.tasks.repair import TestCase, TestProgram
 
 CODE = "def add(a, b):\n    return a + b\n"
 TESTS = [TestCase("add(1, 2)", "3"), TestCase("add(-1, 1)", "0"), TestCase("add(2, 2)", "4")]
-PROGRAM = TestProgram(entry_point="add", setup="",
-                      check="def check(candidate):\n    assert candidate(1, 2) == 3\n    assert candidate(0, 0) == 0\n")
+PROGRAM = TestProgram(
+    entry_point="add",
+    setup="",
+    check="def check(candidate):\n    assert candidate(1, 2) == 3\n    assert candidate(0, 0) == 0\n",
+)
 
-PROBE_CODE = r'''
+PROBE_CODE = r"""
 import os
 def probe(kind):
     try:
@@ -76,9 +79,20 @@ def probe(kind):
         return "allowed"
     except BaseException as e:
         return "denied " + type(e).__name__
-'''
-PROBES = ["fork", "exec", "socket", "read_outside", "write_cwd", "write_tmp", "chmod", "signal_parent",
-          "env", "cwd", "memory"]
+"""
+PROBES = [
+    "fork",
+    "exec",
+    "socket",
+    "read_outside",
+    "write_cwd",
+    "write_tmp",
+    "chmod",
+    "signal_parent",
+    "env",
+    "cwd",
+    "memory",
+]
 
 
 def _check(report: TestReport, passed: int) -> TestReport:
@@ -149,13 +163,31 @@ def main() -> None:
         _set_mode(mode)
         reports[mode] = probe_reports(lambda c, t: sandbox.run_tests(c, t, cache=False))
         for threads in (1, 2):
-            rows.append(("sandbox.run_tests", mode, threads,
-                         *_measure(lambda: _check(sandbox.run_tests(CODE, TESTS, cache=False), 3), args.runs, threads)))
+            rows.append(
+                (
+                    "sandbox.run_tests",
+                    mode,
+                    threads,
+                    *_measure(lambda: _check(sandbox.run_tests(CODE, TESTS, cache=False), 3), args.runs, threads),
+                )
+            )
         for threads in (1, 2):
-            rows.append(("judge.run_cases (reward path, repair tasks)", mode, threads,
-                         *_measure(lambda: _check(judge.run_cases(CODE, TESTS, cache=False), 3), args.runs, threads)))
-        rows.append(("judge.run_program (reward path, HumanEval)", mode, 1,
-                     *_measure(lambda: _check(judge.run_program(CODE, PROGRAM, cache=False), 1), args.runs)))
+            rows.append(
+                (
+                    "judge.run_cases (reward path, repair tasks)",
+                    mode,
+                    threads,
+                    *_measure(lambda: _check(judge.run_cases(CODE, TESTS, cache=False), 3), args.runs, threads),
+                )
+            )
+        rows.append(
+            (
+                "judge.run_program (reward path, HumanEval)",
+                mode,
+                1,
+                *_measure(lambda: _check(judge.run_program(CODE, PROGRAM, cache=False), 1), args.runs),
+            )
+        )
     _set_mode("fork-server")
     same = {k: reports["fresh"][k] == reports["fork-server"][k] for k in reports["fresh"]}
     base = rows[0][3]
@@ -166,26 +198,54 @@ def main() -> None:
         print(f"| {name} | {mode} | {threads} | {rate:.1f} | {rate / base:.2f} | {cpu:.1f} |")
     print("\nprobe programs, fresh vs fork server (identical report = same layers in force):")
     for k in same:
-        print(f"  {k:14s} {'same' if same[k] else 'DIFFERENT'}: {reports['fresh'][k]}"
-              + ("" if same[k] else f" / fork server: {reports['fork-server'][k]}"))
+        print(
+            f"  {k:14s} {'same' if same[k] else 'DIFFERENT'}: {reports['fresh'][k]}"
+            + ("" if same[k] else f" / fork server: {reports['fork-server'][k]}")
+        )
     speed: dict[str, dict[str, tuple[float, float]]] = {}
     for name, mode, threads, rate, cpu in rows:
         if mode != "-":
             speed.setdefault(f"{name}, {threads} thread(s)", {})[mode] = (rate, cpu)
-    ratios = {k: {"runs_per_s": v["fork-server"][0] / v["fresh"][0], "cpu_per_run": v["fresh"][1] / v["fork-server"][1]}
-              for k, v in speed.items()}
-    print("\nfork server vs fresh: " + "; ".join(f"{k}: {r['runs_per_s']:.2f}× runs/s, {r['cpu_per_run']:.2f}× less CPU"
-                                              for k, r in ratios.items()))
+    ratios = {
+        k: {"runs_per_s": v["fork-server"][0] / v["fresh"][0], "cpu_per_run": v["fresh"][1] / v["fork-server"][1]}
+        for k, v in speed.items()
+    }
+    print(
+        "\nfork server vs fresh: "
+        + "; ".join(f"{k}: {r['runs_per_s']:.2f}× runs/s, {r['cpu_per_run']:.2f}× less CPU" for k, r in ratios.items())
+    )
     if not all(same.values()):
         raise SystemExit("the fork server's children did not get the same probe reports as fresh interpreters")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({
-        "meta": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
-                 "runs": args.runs, "isolation": iso, "load_avg_1min": os.getloadavg()[0]},
-        "results": [{"what": n, "children_start": m, "threads": t, "runs_per_s": round(r, 2),
-                     "x_floor": round(r / base, 3), "cpu_ms_per_run": round(c, 2)} for n, m, t, r, c in rows],
-        "fork_server_vs_fresh": ratios,
-        "probe_reports": reports, "probe_reports_same": same}, indent=1))
+    Path(args.out).write_text(
+        json.dumps(
+            {
+                "meta": {
+                    "platform": platform.platform(),
+                    "cpus": os.cpu_count(),
+                    "python": platform.python_version(),
+                    "runs": args.runs,
+                    "isolation": iso,
+                    "load_avg_1min": os.getloadavg()[0],
+                },
+                "results": [
+                    {
+                        "what": n,
+                        "children_start": m,
+                        "threads": t,
+                        "runs_per_s": round(r, 2),
+                        "x_floor": round(r / base, 3),
+                        "cpu_ms_per_run": round(c, 2),
+                    }
+                    for n, m, t, r, c in rows
+                ],
+                "fork_server_vs_fresh": ratios,
+                "probe_reports": reports,
+                "probe_reports_same": same,
+            },
+            indent=1,
+        )
+    )
     print(f"written: {args.out}")
 
 

@@ -76,11 +76,20 @@ def single_calls(model, renderer, env, sessions: int, repeats: int) -> list[dict
     prompts = [renderer.prompt_ids(c) for c in convs]
     for r in range(repeats):  # what a rollout calls: a shared opening prefix is prefilled once, as in the endpoint
         t0 = time.perf_counter()
-        out = generate_with_prefix(model, prompts, list(range(sessions)), PARAMS, renderer.stop_ids, PrefixCache(),
-                                   torch.Generator().manual_seed(r))
+        out = generate_with_prefix(
+            model,
+            prompts,
+            list(range(sessions)),
+            PARAMS,
+            renderer.stop_ids,
+            PrefixCache(),
+            torch.Generator().manual_seed(r),
+        )
         local.append((time.perf_counter() - t0, sum(len(s.output_ids) for s in out), sessions, 1))
-    return [_row("single calls", "endpoint (openai client)", sessions, served),
-            _row("single calls", "in-process sampler", sessions, local)]
+    return [
+        _row("single calls", "endpoint (openai client)", sessions, served),
+        _row("single calls", "in-process sampler", sessions, local),
+    ]
 
 
 def _agent():
@@ -94,32 +103,54 @@ def episodes(model, renderer, env, sessions: int, repeats: int) -> list[dict]:
     tasks = env.sample("validation", sessions, seed=11)
 
     def specs():
-        return [EpisodeSpec(env.make_episode(t), t.task_id, t.task_id, 0, 1000 + i,
-                            answer_ends_episode=env.answer_ends_episode) for i, t in enumerate(tasks)]
+        return [
+            EpisodeSpec(
+                env.make_episode(t), t.task_id, t.task_id, 0, 1000 + i, answer_ends_episode=env.answer_ends_episode
+            )
+            for i, t in enumerate(tasks)
+        ]
 
     served, local = [], []
     for r in range(repeats):
         t0 = time.perf_counter()
-        trajs, stats = run_agent_episodes(_agent(), model, renderer, specs(), BUDGETS, PARAMS, env.system_prompt,
-                                          seed=r, examples=env.examples)
-        served.append((time.perf_counter() - t0, sum(t.n_generated_tokens for t in trajs), stats["agent_calls"],
-                       stats["agent_batches"]))
+        trajs, stats = run_agent_episodes(
+            _agent(), model, renderer, specs(), BUDGETS, PARAMS, env.system_prompt, seed=r, examples=env.examples
+        )
+        served.append(
+            (
+                time.perf_counter() - t0,
+                sum(t.n_generated_tokens for t in trajs),
+                stats["agent_calls"],
+                stats["agent_batches"],
+            )
+        )
         t0 = time.perf_counter()
         gen = policy_generate_fn(model, PARAMS, renderer.stop_ids, seed=r)
         trajs = run_episodes(gen, renderer, specs(), BUDGETS, env.system_prompt, examples=env.examples)
         calls = [len(t.calls) for t in trajs]
         local.append((time.perf_counter() - t0, sum(t.n_generated_tokens for t in trajs), sum(calls), max(calls)))
-    return [_row("episodes", "agent-runner (endpoint)", sessions, served),
-            _row("episodes", "in-process harness", sessions, local)]
+    return [
+        _row("episodes", "agent-runner (endpoint)", sessions, served),
+        _row("episodes", "in-process harness", sessions, local),
+    ]
 
 
 def _row(what: str, path: str, sessions: int, runs: list[tuple]) -> dict:
     """The median run (by wall time) of ``runs``: (wall s, tokens, requests, generate calls)."""
     k = sorted(range(len(runs)), key=lambda i: runs[i][0])[len(runs) // 2]
     wall, tokens, reqs, batches = runs[k]
-    return {"measurement": what, "path": path, "sessions": sessions, "requests": int(reqs), "tokens": int(tokens),
-            "generate_calls": int(batches), "wall_s": round(wall, 3), "requests_per_s": round(reqs / wall, 1),
-            "tokens_per_s": round(tokens / wall, 1), "wall_s_all": [round(r[0], 3) for r in runs]}
+    return {
+        "measurement": what,
+        "path": path,
+        "sessions": sessions,
+        "requests": int(reqs),
+        "tokens": int(tokens),
+        "generate_calls": int(batches),
+        "wall_s": round(wall, 3),
+        "requests_per_s": round(reqs / wall, 1),
+        "tokens_per_s": round(tokens / wall, 1),
+        "wall_s_all": [round(r[0], 3) for r in runs],
+    }
 
 
 def main() -> None:
@@ -135,21 +166,39 @@ def main() -> None:
     renderer = Renderer(tok, env.tools)
     rows = single_calls(model, renderer, env, args.sessions, args.repeats)
     rows += episodes(model, renderer, env, args.sessions, args.repeats)
-    print(f"{'measurement':<13} {'path':<26} {'sessions':>8} {'requests':>8} {'tokens':>7} {'generate':>8} "
-          f"{'wall s':>7} {'req/s':>7} {'tok/s':>8}")
+    print(
+        f"{'measurement':<13} {'path':<26} {'sessions':>8} {'requests':>8} {'tokens':>7} {'generate':>8} "
+        f"{'wall s':>7} {'req/s':>7} {'tok/s':>8}"
+    )
     for r in rows:
-        print(f"{r['measurement']:<13} {r['path']:<26} {r['sessions']:>8} {r['requests']:>8} {r['tokens']:>7} "
-              f"{r['generate_calls']:>8} {r['wall_s']:>7.2f} {r['requests_per_s']:>7.1f} {r['tokens_per_s']:>8.1f}")
-    print("generate = sampler calls (endpoint: batches; harness: turns of the slowest episode); median of "
-          f"{args.repeats} runs; load average before: {load[0]:.1f}")
+        print(
+            f"{r['measurement']:<13} {r['path']:<26} {r['sessions']:>8} {r['requests']:>8} {r['tokens']:>7} "
+            f"{r['generate_calls']:>8} {r['wall_s']:>7.2f} {r['requests_per_s']:>7.1f} {r['tokens_per_s']:>8.1f}"
+        )
+    print(
+        "generate = sampler calls (endpoint: batches; harness: turns of the slowest episode); median of "
+        f"{args.repeats} runs; load average before: {load[0]:.1f}"
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"rows": rows, "model": "bundled tiny-repair", "temperature": PARAMS.temperature,
-                                    "max_tokens": PARAMS.max_new_tokens, "budgets": dataclasses.asdict(BUDGETS),
-                                    "torch_threads": torch.get_num_threads(), "load_average_before": list(load), "cpu_count": os.cpu_count(),
-                                    "machine": platform.machine(), "openai": openai.__version__,
-                                    "command": "python benchmarks/bench_serve.py "
-                                               f"--sessions {args.sessions} --repeats {args.repeats}"},
-                                   indent=2) + "\n")
+    args.out.write_text(
+        json.dumps(
+            {
+                "rows": rows,
+                "model": "bundled tiny-repair",
+                "temperature": PARAMS.temperature,
+                "max_tokens": PARAMS.max_new_tokens,
+                "budgets": dataclasses.asdict(BUDGETS),
+                "torch_threads": torch.get_num_threads(),
+                "load_average_before": list(load),
+                "cpu_count": os.cpu_count(),
+                "machine": platform.machine(),
+                "openai": openai.__version__,
+                "command": f"python benchmarks/bench_serve.py --sessions {args.sessions} --repeats {args.repeats}",
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(f"wrote {args.out}")
 
 

@@ -35,9 +35,19 @@ def _model(layers: int, lora_rank: int):
     from consequence.policy.lora import DEFAULT_TARGETS, apply_lora
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=layers,
-                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
-                      rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True, pad_token_id=2)
+    cfg = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=layers,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        rope_theta=100000.0,
+        tie_word_embeddings=True,
+        pad_token_id=2,
+    )
     model = LlamaForCausalLM(cfg).float().eval()
     if lora_rank:
         model = apply_lora(model, lora_rank, 32.0, list(DEFAULT_TARGETS), Path("random-smollm2-shapes"))
@@ -74,8 +84,12 @@ def _step(model, rows, share: bool) -> dict:
     fn = functools.partial(token_logprobs, with_entropy=True, entropy_grad=False, share_prefix=share)
     t0, c0 = time.perf_counter(), time.process_time()
     m = ppo_step(model, opt, rows, adv, UpdateConfig(micro_batch_size=16), 2, fn)
-    return {"step_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0, "loss": m["loss"],
-            "grad_norm": m["grad_norm"]}
+    return {
+        "step_s": time.perf_counter() - t0,
+        "cpu_s": time.process_time() - c0,
+        "loss": m["loss"],
+        "grad_norm": m["grad_norm"],
+    }
 
 
 def main() -> None:
@@ -98,19 +112,41 @@ def main() -> None:
         plain_s = min(r["step_s"] for r in runs["plain"])
         for name, rs in runs.items():
             best = min(rs, key=lambda r: r["step_s"])
-            r = {"training": f"lora r{lora_rank}" if lora_rank else "full", "prefix": name, "layers": args.layers,
-                 "step_s": round(best["step_s"], 2), "cpu_s": round(best["cpu_s"], 2),
-                 "all_step_s": [round(x["step_s"], 2) for x in rs], "speedup_vs_plain": round(plain_s / best["step_s"], 2),
-                 "loss": best["loss"], "grad_norm": best["grad_norm"], "threads": torch.get_num_threads()}
+            r = {
+                "training": f"lora r{lora_rank}" if lora_rank else "full",
+                "prefix": name,
+                "layers": args.layers,
+                "step_s": round(best["step_s"], 2),
+                "cpu_s": round(best["cpu_s"], 2),
+                "all_step_s": [round(x["step_s"], 2) for x in rs],
+                "speedup_vs_plain": round(plain_s / best["step_s"], 2),
+                "loss": best["loss"],
+                "grad_norm": best["grad_norm"],
+                "threads": torch.get_num_threads(),
+            }
             results.append(r)
-            print(f"{r['training']:>8} {name:>7} {r['step_s']:>7.1f} {r['cpu_s']:>7.1f} {r['speedup_vs_plain']:>8.2f} "
-                  f"{r['loss']:>12.3e} {r['grad_norm']:>10.6f}", flush=True)
+            print(
+                f"{r['training']:>8} {name:>7} {r['step_s']:>7.1f} {r['cpu_s']:>7.1f} {r['speedup_vs_plain']:>8.2f} "
+                f"{r['loss']:>12.3e} {r['grad_norm']:>10.6f}",
+                flush=True,
+            )
         del model
     args.out.parent.mkdir(exist_ok=True)
     tmp = args.out.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"shapes": {**SHAPES, "model": "SmolLM2-135M shapes, random weights",
-                                          "micro_batch": 16, "torch": torch.__version__},
-                               "results": results}, indent=2))
+    tmp.write_text(
+        json.dumps(
+            {
+                "shapes": {
+                    **SHAPES,
+                    "model": "SmolLM2-135M shapes, random weights",
+                    "micro_batch": 16,
+                    "torch": torch.__version__,
+                },
+                "results": results,
+            },
+            indent=2,
+        )
+    )
     os.replace(tmp, args.out)
 
 

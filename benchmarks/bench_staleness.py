@@ -37,8 +37,17 @@ from pathlib import Path
 MASK = ["--is-mask", "token"]
 MIS = [*MASK, "--tis-cap", "2"]
 # name: (max staleness k, correction options)
-SETTINGS = {"k0": (0, []), "k1": (1, []), "k1-masked": (1, MASK), "k2": (2, []), "k2-masked": (2, MASK),
-            "k2-mis": (2, MIS), "k4": (4, []), "k4-masked": (4, MASK), "k4-mis": (4, MIS)}
+SETTINGS = {
+    "k0": (0, []),
+    "k1": (1, []),
+    "k1-masked": (1, MASK),
+    "k2": (2, []),
+    "k2-masked": (2, MASK),
+    "k2-mis": (2, MIS),
+    "k4": (4, []),
+    "k4-masked": (4, MASK),
+    "k4-mis": (4, MIS),
+}
 DEFAULT = [n for n in SETTINGS if not n.endswith("-mis")]  # the full table; the -mis rows on request (--only)
 
 
@@ -46,10 +55,27 @@ def run_one(name: str, args, folder: Path) -> dict:
     k, correction = SETTINGS[name]
     workers = max(args.workers, k)  # each worker holds one batch: k deep needs k workers (docs/async.md §2)
     run = folder / name
-    cmd = [str(Path(sys.executable).with_name("consequence")), "train", "--iterations", str(args.iterations),
-           "--rollout-workers", str(workers), "--max-staleness", str(k), "--eval-every", "0",
-           "--final-eval-episodes", str(args.episodes), "--final-eval-splits", "test",
-           "--final-eval-decoding", "sampled", "--run-dir", str(run), *correction]
+    cmd = [
+        str(Path(sys.executable).with_name("consequence")),
+        "train",
+        "--iterations",
+        str(args.iterations),
+        "--rollout-workers",
+        str(workers),
+        "--max-staleness",
+        str(k),
+        "--eval-every",
+        "0",
+        "--final-eval-episodes",
+        str(args.episodes),
+        "--final-eval-splits",
+        "test",
+        "--final-eval-decoding",
+        "sampled",
+        "--run-dir",
+        str(run),
+        *correction,
+    ]
     t0 = time.perf_counter()
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode:
@@ -60,17 +86,27 @@ def run_one(name: str, args, folder: Path) -> dict:
     cmp = res["comparison"]
     consumed = sum(sum(m["lag_histogram"].values()) - m["dropped_stale_groups"] for m in ms)
     dropped = sum(m["dropped_stale_groups"] for m in ms)
-    return {"setting": name, "max_staleness": k, "rollout_workers": workers, "masked_is": bool(correction),
-            "correction": " ".join(correction), "wall_s": time.perf_counter() - t0,
-            "warmstart_success": res["warm_start"]["success"], "rl_success": res["rl"]["success"],
-            "difference": cmp["diff"], "ci": [cmp["low"], cmp["high"]], "lag_mean": sum(m["lag_mean"] for m in ms) / len(ms),
-            "lag_histogram": _sum_hist(ms), "dropped_fraction": dropped / max(1, consumed + dropped),
-            "is_ratio_min": min(m["is_ratio_min"] for m in ms if "is_ratio_min" in m),
-            "is_ratio_max": max(m["is_ratio_max"] for m in ms if "is_ratio_max" in m),
-            "sampler_trainer_kl": sum(m.get("sampler_trainer_kl", 0.0) for m in ms) / len(ms),
-            "masked_token_fraction": sum(m.get("is_masked_token_fraction", 0.0) for m in ms) / len(ms),
-            "clip_fraction": sum(m.get("clip_frac_low", 0.0) + m.get("clip_frac_high", 0.0) for m in ms) / len(ms),
-            "train_success_last3": sum(m["success"] for m in ms[-3:]) / 3}
+    return {
+        "setting": name,
+        "max_staleness": k,
+        "rollout_workers": workers,
+        "masked_is": bool(correction),
+        "correction": " ".join(correction),
+        "wall_s": time.perf_counter() - t0,
+        "warmstart_success": res["warm_start"]["success"],
+        "rl_success": res["rl"]["success"],
+        "difference": cmp["diff"],
+        "ci": [cmp["low"], cmp["high"]],
+        "lag_mean": sum(m["lag_mean"] for m in ms) / len(ms),
+        "lag_histogram": _sum_hist(ms),
+        "dropped_fraction": dropped / max(1, consumed + dropped),
+        "is_ratio_min": min(m["is_ratio_min"] for m in ms if "is_ratio_min" in m),
+        "is_ratio_max": max(m["is_ratio_max"] for m in ms if "is_ratio_max" in m),
+        "sampler_trainer_kl": sum(m.get("sampler_trainer_kl", 0.0) for m in ms) / len(ms),
+        "masked_token_fraction": sum(m.get("is_masked_token_fraction", 0.0) for m in ms) / len(ms),
+        "clip_fraction": sum(m.get("clip_frac_low", 0.0) + m.get("clip_frac_high", 0.0) for m in ms) / len(ms),
+        "train_success_last3": sum(m["success"] for m in ms[-3:]) / 3,
+    }
 
 
 def _sum_hist(ms: list[dict]) -> dict[str, int]:
@@ -86,8 +122,11 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=18)
     ap.add_argument("--episodes", type=int, default=200, help="final-evaluation episodes on the test split")
     ap.add_argument("--workers", type=int, default=2, help="rollout workers (at least k for max staleness k)")
-    ap.add_argument("--only", default="", help=f"comma-separated settings to run, of {', '.join(SETTINGS)} "
-                                                "(default: all but the -mis ones)")
+    ap.add_argument(
+        "--only",
+        default="",
+        help=f"comma-separated settings to run, of {', '.join(SETTINGS)} (default: all but the -mis ones)",
+    )
     ap.add_argument("--out", default="benchmarks/results/bench_staleness.json")
     args = ap.parse_args()
     only = {s for s in args.only.split(",") if s}
@@ -102,16 +141,22 @@ def main() -> None:
             print(f"running {name} ...", flush=True)
             rows = [r for r in rows if r["setting"] != name] + [run_one(name, args, Path(tmp))]
             _write(out, args, rows)
-    print(f"\n{args.iterations} iterations × 16 tasks × 8 rollouts, max({args.workers}, k) rollout workers; final "
-          f"evaluation: {args.episodes} test episodes, sampled (T = 1), paired with the warm start\n")
-    print("| setting | RL success | difference [95 % CI] | mean lag | lags (groups) | dropped | π_old/μ min … max "
-          "| sampler–trainer KL | masked tokens | clip fraction | wall s |")
+    print(
+        f"\n{args.iterations} iterations × 16 tasks × 8 rollouts, max({args.workers}, k) rollout workers; final "
+        f"evaluation: {args.episodes} test episodes, sampled (T = 1), paired with the warm start\n"
+    )
+    print(
+        "| setting | RL success | difference [95 % CI] | mean lag | lags (groups) | dropped | π_old/μ min … max "
+        "| sampler–trainer KL | masked tokens | clip fraction | wall s |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in sorted(rows, key=lambda r: list(SETTINGS).index(r["setting"])):
-        print(f"| {r['setting']} | {r['rl_success']:.1%} | {r['difference'] * 100:+.1f} [{r['ci'][0] * 100:+.1f}, "
-              f"{r['ci'][1] * 100:+.1f}] | {r['lag_mean']:.2f} | {r['lag_histogram']} | {r['dropped_fraction']:.1%} | "
-              f"{r['is_ratio_min']:.3f} … {r['is_ratio_max']:.2f} | {r['sampler_trainer_kl']:.2e} | "
-              f"{r['masked_token_fraction']:.2%} | {r['clip_fraction']:.4f} | {r['wall_s']:.0f} |")
+        print(
+            f"| {r['setting']} | {r['rl_success']:.1%} | {r['difference'] * 100:+.1f} [{r['ci'][0] * 100:+.1f}, "
+            f"{r['ci'][1] * 100:+.1f}] | {r['lag_mean']:.2f} | {r['lag_histogram']} | {r['dropped_fraction']:.1%} | "
+            f"{r['is_ratio_min']:.3f} … {r['is_ratio_max']:.2f} | {r['sampler_trainer_kl']:.2e} | "
+            f"{r['masked_token_fraction']:.2%} | {r['clip_fraction']:.4f} | {r['wall_s']:.0f} |"
+        )
     print(f"\nwrote {out}")
 
 

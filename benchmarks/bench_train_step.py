@@ -66,19 +66,38 @@ def main() -> None:
         for _ in range(reps):
             ppo_step(model, opt, rows, adv, cfg, tok.pad_token_id, token_logprobs)
         secs = (time.perf_counter() - t0) / reps
-        results.append({"micro_batch": mb, "rows": n_rows, "seq_len": seq_len, "step_s": round(secs, 3),
-                        "tokens_per_s": round(n_rows * seq_len / secs), "gflop_per_s": step_flops(model, n_rows, seq_len) / secs / 1e9})
+        results.append(
+            {
+                "micro_batch": mb,
+                "rows": n_rows,
+                "seq_len": seq_len,
+                "step_s": round(secs, 3),
+                "tokens_per_s": round(n_rows * seq_len / secs),
+                "gflop_per_s": step_flops(model, n_rows, seq_len) / secs / 1e9,
+            }
+        )
     peak = matmul_flops_per_s() / 1e9
     print(f"{'micro-batch':>11} {'step s':>8} {'tokens/s':>9} {'GFLOP/s':>8} {'% of matmul':>11}")
     for r in results:
         r["fraction_of_matmul"] = r["gflop_per_s"] / peak
-        print(f"{r['micro_batch']:>11} {r['step_s']:>8.2f} {r['tokens_per_s']:>9} {r['gflop_per_s']:>8.1f} {100 * r['fraction_of_matmul']:>10.1f}%")
+        print(
+            f"{r['micro_batch']:>11} {r['step_s']:>8.2f} {r['tokens_per_s']:>9} {r['gflop_per_s']:>8.1f} {100 * r['fraction_of_matmul']:>10.1f}%"
+        )
     print(f"large matmul (2048², fp32): {peak:.1f} GFLOP/s, threads {torch.get_num_threads()}")
     out = Path(__file__).parent / "results" / "train_step.json"
     out.parent.mkdir(exist_ok=True)
     tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"matmul_gflop_per_s": peak, "threads": torch.get_num_threads(),
-                               "torch": torch.__version__, "results": results}, indent=2))
+    tmp.write_text(
+        json.dumps(
+            {
+                "matmul_gflop_per_s": peak,
+                "threads": torch.get_num_threads(),
+                "torch": torch.__version__,
+                "results": results,
+            },
+            indent=2,
+        )
+    )
     os.replace(tmp, out)
 
 

@@ -157,8 +157,16 @@ class Args:
 # 8 updates (the config runs 20 iterations): seven timed ones for the medians.
 TASK_DEFAULTS: dict[str, dict] = {
     "repair": {},
-    "letters": {"model": "smollm2-135m-instruct", "prompts": 4, "group": 8, "max_new_tokens": 48,
-                "temperature": 0.7, "lr": 5e-6, "micro_batch": 16, "updates": 8},
+    "letters": {
+        "model": "smollm2-135m-instruct",
+        "prompts": 4,
+        "group": 8,
+        "max_new_tokens": 48,
+        "temperature": 0.7,
+        "lr": 5e-6,
+        "micro_batch": 16,
+        "updates": 8,
+    },
 }
 LETTERS_ENV = {"dataset": "letter_counting", "config": {"min_words": 3, "max_words": 6}, "size": 3000, "shots": 2}
 
@@ -219,16 +227,34 @@ def make_taskset(args: Args) -> TaskSet:
         split = load_split(0)
         train = make_tasks(split["train"], n_train, seed=1000)
         held = make_tasks(split["test"], args.eval_tasks, seed=2000)
-        return TaskSet(TOOLS, train, [task_messages(t, args.prompt) for t in train], held,
-                       [task_messages(t, args.prompt) for t in held], score_batch, {"task": "repair"})
+        return TaskSet(
+            TOOLS,
+            train,
+            [task_messages(t, args.prompt) for t in train],
+            held,
+            [task_messages(t, args.prompt) for t in held],
+            score_batch,
+            {"task": "repair"},
+        )
     if args.task == "letters":
         env = load_environment("reasoning-gym", 0, copy.deepcopy(LETTERS_ENV))
         train = [t for u in range(args.updates) for t in env.sample("train", args.prompts, seed=1000 + u)]
         held = env.split["test"][: args.eval_tasks]
         msgs = lambda ts: [opening_messages(env.system_prompt, env.request(t), env.examples) for t in ts]  # noqa: E731
-        return TaskSet(env.tools, train, msgs(train), held, msgs(held), functools.partial(score_answers, env),
-                       {"task": "letters", "env": env.label, "env_options": LETTERS_ENV,
-                        "split_sizes": {k: len(v) for k, v in env.split.items()}})
+        return TaskSet(
+            env.tools,
+            train,
+            msgs(train),
+            held,
+            msgs(held),
+            functools.partial(score_answers, env),
+            {
+                "task": "letters",
+                "env": env.label,
+                "env_options": LETTERS_ENV,
+                "split_sizes": {k: len(v) for k, v in env.split.items()},
+            },
+        )
     raise ValueError(f"--task must be 'repair' or 'letters', got {args.task!r}")
 
 
@@ -242,18 +268,28 @@ def task_messages(task: RepairTask, style: str) -> list[dict]:
     report = env.step({"name": "run_tests", "arguments": {}})[0]
     system = {"role": "system", "content": SYSTEM_PROMPT}
     if style == "user":
-        return [system, {"role": "user", "content": f"{request}\n\n{code}\n\nTests:\n{report}\n"
-                                                    "Reply with one replace_line call."}]
+        return [
+            system,
+            {"role": "user", "content": f"{request}\n\n{code}\n\nTests:\n{report}\nReply with one replace_line call."},
+        ]
     if style != "history":
         raise ValueError(f"--prompt must be 'history' or 'user', got {style!r}")
 
     def call(name):
-        return {"role": "assistant", "content": "",
-                "tool_calls": [{"type": "function", "function": {"name": name, "arguments": {}}}]}
+        return {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": name, "arguments": {}}}],
+        }
 
-    return [system, {"role": "user", "content": request},
-            call("read_code"), {"role": "tool", "name": "read_code", "content": code},
-            call("run_tests"), {"role": "tool", "name": "run_tests", "content": report}]
+    return [
+        system,
+        {"role": "user", "content": request},
+        call("read_code"),
+        {"role": "tool", "name": "read_code", "content": code},
+        call("run_tests"),
+        {"role": "tool", "name": "run_tests", "content": report},
+    ]
 
 
 _POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="verify")
@@ -300,18 +336,29 @@ def score_answers(env, renderer: Renderer, tasks, outputs) -> list[float | None]
     return out
 
 
-def evaluate(model, renderer, tasks, prompts, n_samples: int, seed: int, max_new: int, score: Callable,
-             temperature: float = 1.0) -> dict[str, float]:
+def evaluate(
+    model, renderer, tasks, prompts, n_samples: int, seed: int, max_new: int, score: Callable, temperature: float = 1.0
+) -> dict[str, float]:
     """Greedy and sampled (at ``temperature``) success of ``model`` on ``tasks`` (our sampler for any model)."""
     greedy = generate(model, prompts, SamplingParams(0.0, max_new_tokens=max_new), renderer.stop_ids)
     g = score(renderer, tasks, [(s.output_ids, s.stop_reason) for s in greedy])
     rep_p = [p for p in prompts for _ in range(n_samples)]
     rep_t = [t for t in tasks for _ in range(n_samples)]
-    sampled = generate(model, rep_p, SamplingParams(temperature, max_new_tokens=max_new), renderer.stop_ids,
-                       generator=torch.Generator().manual_seed(seed))
+    sampled = generate(
+        model,
+        rep_p,
+        SamplingParams(temperature, max_new_tokens=max_new),
+        renderer.stop_ids,
+        generator=torch.Generator().manual_seed(seed),
+    )
     s = score(renderer, rep_t, [(x.output_ids, x.stop_reason) for x in sampled])
-    return {"greedy": _mean_valid(g), "sampled": _mean_valid(s), "n_tasks": len(tasks), "n_sampled": len(s),
-            "scores": {"greedy": g, "sampled": s}}
+    return {
+        "greedy": _mean_valid(g),
+        "sampled": _mean_valid(s),
+        "n_tasks": len(tasks),
+        "n_sampled": len(s),
+        "scores": {"greedy": g, "sampled": s},
+    }
 
 
 def _mean_valid(xs: list[float | None]) -> float:
@@ -327,10 +374,16 @@ def compare(a: dict, b: dict, tasks: list[RepairTask], n_samples: int) -> dict:
     out = {}
     for decoding, reps in (("greedy", 1), ("sampled", n_samples)):
         groups = [t.problem_id for t in tasks for _ in range(reps)]
-        keep = [i for i, (x, y) in enumerate(zip(a["scores"][decoding], b["scores"][decoding]))
-                if x is not None and y is not None]
-        ci = paired_bootstrap_ci([a["scores"][decoding][i] for i in keep], [b["scores"][decoding][i] for i in keep],
-                                 groups=[groups[i] for i in keep])
+        keep = [
+            i
+            for i, (x, y) in enumerate(zip(a["scores"][decoding], b["scores"][decoding]))
+            if x is not None and y is not None
+        ]
+        ci = paired_bootstrap_ci(
+            [a["scores"][decoding][i] for i in keep],
+            [b["scores"][decoding][i] for i in keep],
+            groups=[groups[i] for i in keep],
+        )
         out[decoding] = {k: ci[k] for k in ("diff", "low", "high", "n", "n_groups")}
     return out
 
@@ -363,12 +416,20 @@ class OursGRPO:
         self.skip_zero_advantage = skip_zero_advantage
         self.args, self.model, self.renderer = args, model, renderer
         self.tasks, self.msgs, self.score = ts.train_tasks, ts.train_msgs, ts.score_batch
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.999), eps=1e-8,
-                                           weight_decay=0.0)
-        self.ucfg = UpdateConfig(clip_eps_low=0.2, clip_eps_high=0.2, reduction="token_mean",
-                                 micro_batch_size=args.micro_batch, max_grad_norm=1.0, temperature=args.temperature)
-        self.params = SamplingParams(temperature=args.temperature, top_k=0, top_p=1.0,
-                                     max_new_tokens=args.max_new_tokens)
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(), lr=args.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0
+        )
+        self.ucfg = UpdateConfig(
+            clip_eps_low=0.2,
+            clip_eps_high=0.2,
+            reduction="token_mean",
+            micro_batch_size=args.micro_batch,
+            max_grad_norm=1.0,
+            temperature=args.temperature,
+        )
+        self.params = SamplingParams(
+            temperature=args.temperature, top_k=0, top_p=1.0, max_new_tokens=args.max_new_tokens
+        )
         self.rng = torch.Generator().manual_seed(args.seed)
         self.logprob_fn = functools.partial(token_logprobs, with_entropy=True)  # as train.py
         self.steps: list[dict] = []
@@ -376,14 +437,15 @@ class OursGRPO:
 
     def update(self, u: int) -> None:
         B, G, r = self.args.prompts, self.args.group, self.renderer
-        tasks = self.tasks[u * B:(u + 1) * B]
+        tasks = self.tasks[u * B : (u + 1) * B]
         t0 = time.perf_counter()
-        prompts = [r.prompt_ids(m) for m in self.msgs[u * B:(u + 1) * B]]
+        prompts = [r.prompt_ids(m) for m in self.msgs[u * B : (u + 1) * B]]
         prompts_N = [p for p in prompts for _ in range(G)]
         samples = generate(self.model, prompts_N, self.params, r.stop_ids, generator=self.rng)
         t1 = time.perf_counter()
-        rewards_N = self.score(r, [t for t in tasks for _ in range(G)],
-                               [(s.output_ids, s.stop_reason) for s in samples])
+        rewards_N = self.score(
+            r, [t for t in tasks for _ in range(G)], [(s.output_ids, s.stop_reason) for s in samples]
+        )
         t2 = time.perf_counter()
         group_ids = [f"{u}/{i // G}" for i in range(B * G)]
         adv_N = group_advantages(rewards_N, group_ids, estimator="grpo", eps=1e-4, std_correction=1)
@@ -402,8 +464,9 @@ class OursGRPO:
         self.model.train()
         if rows:
             with every_row_runs(not self.skip_zero_advantage):
-                m = ppo_step(self.model, self.optimizer, rows, row_adv, self.ucfg, r.tokenizer.pad_token_id,
-                             self.logprob_fn)
+                m = ppo_step(
+                    self.model, self.optimizer, rows, row_adv, self.ucfg, r.tokenizer.pad_token_id, self.logprob_fn
+                )
             if not self.skip_zero_advantage and m["n_rows_trained"] != len(rows):
                 raise RuntimeError(f"ours: {m['n_rows_trained']:g} of {len(rows)} rows ran (some had no target?)")
         else:  # the step all-zero advantages would take: AdamW moves on its momentum alone
@@ -412,8 +475,15 @@ class OursGRPO:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         t3 = time.perf_counter()
-        self.steps.append({"generation_s": t1 - t0, "reward_s": t2 - t1, "optimisation_s": t3 - t2,
-                           "total_s": t3 - t0, "rows_trained": len(rows)})
+        self.steps.append(
+            {
+                "generation_s": t1 - t0,
+                "reward_s": t2 - t1,
+                "optimisation_s": t3 - t2,
+                "total_s": t3 - t0,
+                "rows_trained": len(rows),
+            }
+        )
         self.train_reward.append(_mean_valid(rewards_N))
 
 
@@ -478,19 +548,51 @@ class TRLGRPO:
 
         self._dir = tempfile.TemporaryDirectory(prefix="bench-trl-")
         cfg = GRPOConfig(
-            output_dir=self._dir.name, use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
-            per_device_train_batch_size=args.micro_batch, gradient_accumulation_steps=B * G // args.micro_batch,
-            num_generations=G, max_completion_length=args.max_new_tokens, temperature=args.temperature,
-            top_k=0, top_p=1.0,
-            learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
-            optim="adamw_torch", adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0,
-            beta=0.0, num_iterations=1, epsilon=0.2, epsilon_high=0.2, loss_type="dapo",
-            scale_rewards="group", mask_truncated_completions=False, shuffle_dataset=False,
-            max_steps=args.updates, seed=args.seed, logging_steps=args.updates, report_to="none",
-            save_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
+            output_dir=self._dir.name,
+            use_cpu=True,
+            bf16=False,
+            fp16=False,
+            gradient_checkpointing=False,
+            per_device_train_batch_size=args.micro_batch,
+            gradient_accumulation_steps=B * G // args.micro_batch,
+            num_generations=G,
+            max_completion_length=args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=0,
+            top_p=1.0,
+            learning_rate=args.lr,
+            lr_scheduler_type="constant",
+            warmup_steps=0,
+            weight_decay=0.0,
+            optim="adamw_torch",
+            adam_beta1=0.9,
+            adam_beta2=0.999,
+            adam_epsilon=1e-8,
+            max_grad_norm=1.0,
+            beta=0.0,
+            num_iterations=1,
+            epsilon=0.2,
+            epsilon_high=0.2,
+            loss_type="dapo",
+            scale_rewards="group",
+            mask_truncated_completions=False,
+            shuffle_dataset=False,
+            max_steps=args.updates,
+            seed=args.seed,
+            logging_steps=args.updates,
+            report_to="none",
+            save_strategy="no",
+            disable_tqdm=True,
+            dataloader_num_workers=0,
         )
-        self.trainer = Timed(model=model, reward_funcs=reward_fn, args=cfg, train_dataset=dataset,
-                             processing_class=tokenizer, callbacks=[Gate()])
+        self.trainer = Timed(
+            model=model,
+            reward_funcs=reward_fn,
+            args=cfg,
+            train_dataset=dataset,
+            processing_class=tokenizer,
+            callbacks=[Gate()],
+        )
         self._thread = threading.Thread(target=self._train, name="trl", daemon=True)
         self._thread.start()
         self._wait()  # the trainer's set-up runs here, before any update is timed
@@ -513,9 +615,15 @@ class TRLGRPO:
         self._go.release()
         self._wait()
         total, c = time.perf_counter() - t0, self._cur
-        self.steps.append({"generation_s": c["generation_s"], "reward_s": c["reward_s"],
-                           "optimisation_s": total - c["rollout_s"], "total_s": total,
-                           "rollout_other_s": c["rollout_s"] - c["generation_s"] - c["reward_s"]})
+        self.steps.append(
+            {
+                "generation_s": c["generation_s"],
+                "reward_s": c["reward_s"],
+                "optimisation_s": total - c["rollout_s"],
+                "total_s": total,
+                "rollout_other_s": c["rollout_s"] - c["generation_s"] - c["reward_s"],
+            }
+        )
 
     @property
     def model(self):
@@ -553,10 +661,16 @@ def check_same_gradient(args: Args, model, tokenizer, renderer, ts: TaskSet) -> 
     B, G, MB = args.prompts, args.group, args.micro_batch
     tasks, msgs = ts.train_tasks, ts.train_msgs
     prompts_N = [renderer.prompt_ids(m) for m in msgs[:B] for _ in range(G)]
-    samples = generate(model, prompts_N, SamplingParams(args.temperature, max_new_tokens=args.max_new_tokens),
-                       renderer.stop_ids, generator=torch.Generator().manual_seed(args.seed + 7))
-    rewards = ts.score_batch(renderer, [t for t in tasks[:B] for _ in range(G)],
-                             [(s.output_ids, s.stop_reason) for s in samples])
+    samples = generate(
+        model,
+        prompts_N,
+        SamplingParams(args.temperature, max_new_tokens=args.max_new_tokens),
+        renderer.stop_ids,
+        generator=torch.Generator().manual_seed(args.seed + 7),
+    )
+    rewards = ts.score_batch(
+        renderer, [t for t in tasks[:B] for _ in range(G)], [(s.output_ids, s.stop_reason) for s in samples]
+    )
     R = torch.tensor([r or 0.0 for r in rewards])
     stand_in = not bool((R.view(-1, G) != R.view(-1, G)[:, :1]).any())
     if stand_in:  # every group's rewards equal (e.g. a model cut by --layers): no gradient to compare,
@@ -577,8 +691,10 @@ def check_same_gradient(args: Args, model, tokenizer, renderer, ts: TaskSet) -> 
         return g
 
     model.train()
-    rows = [TrainingRow(p + s.output_ids, [0] * len(p) + [1] * len(s.output_ids), [0.0] * len(p) + s.logprobs)
-            for p, s in zip(prompts_N, samples)]
+    rows = [
+        TrainingRow(p + s.output_ids, [0] * len(p) + [1] * len(s.output_ids), [0.0] * len(p) + s.logprobs)
+        for p, s in zip(prompts_N, samples)
+    ]
     fn = functools.partial(token_logprobs, with_entropy=True)
     ucfg = UpdateConfig(micro_batch_size=MB, temperature=args.temperature)
     with every_row_runs():
@@ -587,19 +703,36 @@ def check_same_gradient(args: Args, model, tokenizer, renderer, ts: TaskSet) -> 
     keep = [i for i, a in enumerate(adv) if a != 0.0]  # the skip-zero-advantage variant
     scale = sum(sum(rows[i].loss_mask) for i in keep) / sum(sum(x.loss_mask) for x in rows)
     if keep:
-        accumulate_gradients(model, [rows[i] for i in keep], [adv[i] * scale for i in keep],
-                             ucfg, renderer.tokenizer.pad_token_id, fn)
+        accumulate_gradients(
+            model, [rows[i] for i in keep], [adv[i] * scale for i in keep], ucfg, renderer.tokenizer.pad_token_id, fn
+        )
         g_skip = grads()
     else:  # every advantage 0 (no batch above had one): the skipped variant runs nothing
         g_skip = torch.zeros_like(g_ours)
         norms.append(0.0)
     with tempfile.TemporaryDirectory(prefix="bench-trl-") as out_dir:
-        cfg = GRPOConfig(output_dir=out_dir, use_cpu=True, bf16=False, gradient_checkpointing=False,
-                         per_device_train_batch_size=MB, gradient_accumulation_steps=B * G // MB,
-                         num_generations=G, max_completion_length=args.max_new_tokens,
-                         temperature=args.temperature, top_k=0, beta=0.0, loss_type="dapo", report_to="none")
-        trainer = GRPOTrainer(model=model, reward_funcs=lambda prompts, **_: [0.0] * len(prompts), args=cfg,
-                              train_dataset=Dataset.from_list([{"prompt": "x"}] * B), processing_class=tokenizer)
+        cfg = GRPOConfig(
+            output_dir=out_dir,
+            use_cpu=True,
+            bf16=False,
+            gradient_checkpointing=False,
+            per_device_train_batch_size=MB,
+            gradient_accumulation_steps=B * G // MB,
+            num_generations=G,
+            max_completion_length=args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=0,
+            beta=0.0,
+            loss_type="dapo",
+            report_to="none",
+        )
+        trainer = GRPOTrainer(
+            model=model,
+            reward_funcs=lambda prompts, **_: [0.0] * len(prompts),
+            args=cfg,
+            train_dataset=Dataset.from_list([{"prompt": "x"}] * B),
+            processing_class=tokenizer,
+        )
         trainer.current_gradient_accumulation_steps = B * G // MB  # set by Trainer.train in a real run
         total = torch.tensor(sum(len(s.output_ids) for s in samples))
         for c in range(0, B * G, MB):
@@ -611,7 +744,8 @@ def check_same_gradient(args: Args, model, tokenizer, renderer, ts: TaskSet) -> 
                 "prompt_mask": pad(ones(p_ids), 0, "left"),
                 "completion_ids": pad([torch.tensor(x) for x in c_ids], tokenizer.pad_token_id, "right"),
                 "completion_mask": pad(ones(c_ids), 0, "right"),
-                "advantages": adv_trl[c:c + MB], "num_items_in_batch": total,
+                "advantages": adv_trl[c : c + MB],
+                "num_items_in_batch": total,
             }
             trainer.compute_loss(model, inputs).backward()
     g_trl = grads()
@@ -623,16 +757,24 @@ def check_same_gradient(args: Args, model, tokenizer, renderer, ts: TaskSet) -> 
     if len(compared) < len(named):
         # float64: in float32 the dot product and norms of ~35 M entries are off by ~1e-3 (a "cosine" of 1.002)
         cos = lambda g: float(torch.nn.functional.cosine_similarity(g.double(), g_trl.double(), dim=0))  # noqa: E731
-        out |= {"parameters_compared": len(compared), "parameters": len(named),
-                "numel_compared": int(g_trl.numel()), "cosine_ours_trl": cos(g_ours),
-                "cosine_ours-skip0_trl": cos(g_skip),
-                "grad_norm": dict(zip(("ours", "ours-skip0", "trl"), norms))}
+        out |= {
+            "parameters_compared": len(compared),
+            "parameters": len(named),
+            "numel_compared": int(g_trl.numel()),
+            "cosine_ours_trl": cos(g_ours),
+            "cosine_ours-skip0_trl": cos(g_skip),
+            "grad_norm": dict(zip(("ours", "ours-skip0", "trl"), norms)),
+        }
     return out
 
 
 # ---- plumbing -------------------------------------------------------------------------
-FRAMEWORK_NAMES = {"ours": "consequence", "ours-skip0": "consequence, zero-advantage rows skipped",
-                   "trl": "TRL GRPOTrainer"}
+FRAMEWORK_NAMES = {
+    "ours": "consequence",
+    "ours-skip0": "consequence, zero-advantage rows skipped",
+    "trl": "TRL GRPOTrainer",
+}
+
 
 def _median(steps: list[dict], key: str) -> float:
     """Median over updates 2..N: the first pays one-off warm-up, and the median is robust
@@ -646,8 +788,12 @@ def parse_args(argv: list[str] | None = None) -> Args:
     then from ``Args``; ``--no-eval`` sets ``--eval-tasks 0``."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     for k, v in asdict(Args()).items():
-        ap.add_argument(f"--{k.replace('_', '-')}", type=type(v), default=None,
-                        help=f"default {v!r}" + (" (repair; see TASK_DEFAULTS)" if k in TASK_DEFAULTS["letters"] else ""))
+        ap.add_argument(
+            f"--{k.replace('_', '-')}",
+            type=type(v),
+            default=None,
+            help=f"default {v!r}" + (" (repair; see TASK_DEFAULTS)" if k in TASK_DEFAULTS["letters"] else ""),
+        )
     ap.add_argument("--no-eval", action="store_true", help="no held-out evaluation before and after (= --eval-tasks 0)")
     ns = vars(ap.parse_args(argv))
     no_eval = ns.pop("no_eval")
@@ -678,9 +824,17 @@ def main() -> None:
     ts = make_taskset(args)
     renderer = Renderer(tokenizer, ts.tools)
     eval_prompts = [renderer.prompt_ids(m) for m in ts.eval_msgs]
-    ev = functools.partial(evaluate, renderer=renderer, tasks=ts.eval_tasks, prompts=eval_prompts,
-                           n_samples=args.eval_samples, seed=args.seed, max_new=args.max_new_tokens,
-                           score=ts.score_batch, temperature=args.temperature)
+    ev = functools.partial(
+        evaluate,
+        renderer=renderer,
+        tasks=ts.eval_tasks,
+        prompts=eval_prompts,
+        n_samples=args.eval_samples,
+        seed=args.seed,
+        max_new=args.max_new_tokens,
+        score=ts.score_batch,
+        temperature=args.temperature,
+    )
 
     results: dict = {"load_average_at_start": os.getloadavg()}  # other processes on a shared machine
     if args.task != "repair":
@@ -688,12 +842,16 @@ def main() -> None:
     if "trl" in frameworks:
         t0 = time.perf_counter()
         results["gradient_check"] = check_same_gradient(args, copy.deepcopy(model0), tokenizer, renderer, ts)
-        print(f"same batch, gradient vs TRL's (relative L2 difference): {results['gradient_check']} "
-              f"({time.perf_counter() - t0:.0f} s)", flush=True)
+        print(
+            f"same batch, gradient vs TRL's (relative L2 difference): {results['gradient_check']} "
+            f"({time.perf_counter() - t0:.0f} s)",
+            flush=True,
+        )
     if do_eval:
         results["before"] = ev(model0)
-        print(f"before: greedy {results['before']['greedy']:.3f}, sampled {results['before']['sampled']:.3f}",
-              flush=True)
+        print(
+            f"before: greedy {results['before']['greedy']:.3f}, sampled {results['before']['sampled']:.3f}", flush=True
+        )
     runs = {}
     for fw in frameworks:
         if fw in ("ours", "ours-skip0"):
@@ -722,8 +880,7 @@ def main() -> None:
         for fw in frameworks:
             results[fw]["after_minus_before"] = compare(results["before"], results[fw]["after"], **ev_kw)
             if fw != "trl" and "trl" in frameworks:
-                results[fw]["after_minus_trl_after"] = compare(results["trl"]["after"], results[fw]["after"],
-                                                               **ev_kw)
+                results[fw]["after_minus_trl_after"] = compare(results["trl"]["after"], results[fw]["after"], **ev_kw)
         for r in [results["before"]] + [results[fw]["after"] for fw in frameworks]:
             r.pop("scores")  # per-episode scores: used above, too long for the JSON
 
@@ -731,61 +888,86 @@ def main() -> None:
     for fw in frameworks:
         st = results[fw]["steps"]
         after = results[fw].get("after", {})
-        rows.append({
-            "framework": FRAMEWORK_NAMES[fw],
-            **{k: _median(st, k) for k in ("total_s", "generation_s", "reward_s", "optimisation_s")},
-            "gen_plus_opt_s": statistics.median(s["generation_s"] + s["optimisation_s"] for s in st[1:] or st),
-            "train_reward_first": statistics.fmean(results[fw]["train_reward"][:4]),
-            "train_reward_last": statistics.fmean(results[fw]["train_reward"][-4:]),
-            "greedy_after": after.get("greedy"), "sampled_after": after.get("sampled"),
-        })
+        rows.append(
+            {
+                "framework": FRAMEWORK_NAMES[fw],
+                **{k: _median(st, k) for k in ("total_s", "generation_s", "reward_s", "optimisation_s")},
+                "gen_plus_opt_s": statistics.median(s["generation_s"] + s["optimisation_s"] for s in st[1:] or st),
+                "train_reward_first": statistics.fmean(results[fw]["train_reward"][:4]),
+                "train_reward_last": statistics.fmean(results[fw]["train_reward"][-4:]),
+                "greedy_after": after.get("greedy"),
+                "sampled_after": after.get("sampled"),
+            }
+        )
     layers = len(model0.model.layers) if hasattr(model0, "model") and hasattr(model0.model, "layers") else None
-    print(f"\nmodel {args.model}" + (f" (first {args.layers} layers)" if args.layers else f" ({layers} layers)")
-          + f", task {args.task}: B={args.prompts} prompts × G={args.group}, {args.max_new_tokens} new tokens, "
-          f"temperature {args.temperature}, lr {args.lr}, {args.updates} updates, micro-batch {args.micro_batch}"
-          + (f", prompt '{args.prompt}'" if args.task == "repair" else "")
-          + f", {torch.get_num_threads()} threads; seconds = median of updates 2..N")
+    print(
+        f"\nmodel {args.model}"
+        + (f" (first {args.layers} layers)" if args.layers else f" ({layers} layers)")
+        + f", task {args.task}: B={args.prompts} prompts × G={args.group}, {args.max_new_tokens} new tokens, "
+        f"temperature {args.temperature}, lr {args.lr}, {args.updates} updates, micro-batch {args.micro_batch}"
+        + (f", prompt '{args.prompt}'" if args.task == "repair" else "")
+        + f", {torch.get_num_threads()} threads; seconds = median of updates 2..N"
+    )
     if do_eval:
         b = results["before"]
-        print(f"held-out success before: greedy {b['greedy']:.3f}, sampled {b['sampled']:.3f} "
-              f"({b['n_tasks']} test-split tasks, {b['n_sampled']} samples)\n")
+        print(
+            f"held-out success before: greedy {b['greedy']:.3f}, sampled {b['sampled']:.3f} "
+            f"({b['n_tasks']} test-split tasks, {b['n_sampled']} samples)\n"
+        )
     else:
         print("no held-out evaluation (--no-eval)\n")
     fmt = lambda x: "–" if x is None else f"{x:.3f}"  # noqa: E731
-    print("| framework | s / update | generation | reward | optimisation | gen + opt | "
-          "train reward (first 4 → last 4) | held-out greedy | held-out sampled |")
+    print(
+        "| framework | s / update | generation | reward | optimisation | gen + opt | "
+        "train reward (first 4 → last 4) | held-out greedy | held-out sampled |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['framework']} | {r['total_s']:.2f} | {r['generation_s']:.2f} | {r['reward_s']:.2f} | "
-              f"{r['optimisation_s']:.2f} | {r['gen_plus_opt_s']:.2f} | {r['train_reward_first']:.3f} → "
-              f"{r['train_reward_last']:.3f} | {fmt(r['greedy_after'])} | {fmt(r['sampled_after'])} |")
+        print(
+            f"| {r['framework']} | {r['total_s']:.2f} | {r['generation_s']:.2f} | {r['reward_s']:.2f} | "
+            f"{r['optimisation_s']:.2f} | {r['gen_plus_opt_s']:.2f} | {r['train_reward_first']:.3f} → "
+            f"{r['train_reward_last']:.3f} | {fmt(r['greedy_after'])} | {fmt(r['sampled_after'])} |"
+        )
     for fw in [f for f in frameworks if f != "trl" and "trl" in frameworks]:
         pairs = list(zip(results[fw]["steps"], results["trl"]["steps"]))
         pairs = pairs[1:] or pairs
-        sp = {k: statistics.median(t[k] / o[k] for o, t in pairs)
-              for k in ("total_s", "generation_s", "optimisation_s")}
+        sp = {
+            k: statistics.median(t[k] / o[k] for o, t in pairs) for k in ("total_s", "generation_s", "optimisation_s")
+        }
         sp["gen_plus_opt_s"] = statistics.median(
-            (t["generation_s"] + t["optimisation_s"]) / (o["generation_s"] + o["optimisation_s"]) for o, t in pairs)
+            (t["generation_s"] + t["optimisation_s"]) / (o["generation_s"] + o["optimisation_s"]) for o, t in pairs
+        )
         results[fw]["speedup_vs_trl"] = sp
         how = " at equal computation (every row run)" if fw == "ours" else ""
-        print(f"\nspeed-up of {FRAMEWORK_NAMES[fw]}{how} (median over updates 2..N of TRL s / our s): "
-              f"{sp['total_s']:.2f}× per update, {sp['gen_plus_opt_s']:.2f}× generation + optimisation, "
-              f"{sp['generation_s']:.2f}× generation, {sp['optimisation_s']:.2f}× optimisation")
+        print(
+            f"\nspeed-up of {FRAMEWORK_NAMES[fw]}{how} (median over updates 2..N of TRL s / our s): "
+            f"{sp['total_s']:.2f}× per update, {sp['gen_plus_opt_s']:.2f}× generation + optimisation, "
+            f"{sp['generation_s']:.2f}× generation, {sp['optimisation_s']:.2f}× optimisation"
+        )
     for fw in frameworks:
         for key, label in (("after_minus_before", "after − before"), ("after_minus_trl_after", "after − TRL after")):
             if key in results[fw]:
                 c = results[fw][key]
-                print(f"{FRAMEWORK_NAMES[fw]}, success {label} (95 % CI, by problem): " + ", ".join(
-                    f"{d} {c[d]['diff']:+.3f} [{c[d]['low']:+.3f}, {c[d]['high']:+.3f}]" for d in c))
-    meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "python": platform.python_version(),
-            "machine": platform.machine(), "cpu_count": os.cpu_count(), "load_average_at_end": os.getloadavg()}
+                print(
+                    f"{FRAMEWORK_NAMES[fw]}, success {label} (95 % CI, by problem): "
+                    + ", ".join(f"{d} {c[d]['diff']:+.3f} [{c[d]['low']:+.3f}, {c[d]['high']:+.3f}]" for d in c)
+                )
+    meta = {
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "load_average_at_end": os.getloadavg(),
+    }
     for name in ("transformers", "trl", "accelerate", "datasets"):
         with contextlib.suppress(ImportError):  # a package not installed has no version to record
             meta[name] = __import__(name).__version__
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"meta": meta, "args": asdict(args), "summary": rows, "results": results},
-                              indent=2) + "\n")
+    out.write_text(
+        json.dumps({"meta": meta, "args": asdict(args), "summary": rows, "results": results}, indent=2) + "\n"
+    )
 
 
 if __name__ == "__main__":

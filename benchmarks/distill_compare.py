@@ -52,8 +52,21 @@ def teacher_data(args) -> tuple[Path, int]:
     """The teacher's sampled episodes of every train problem (made once), and their generated tokens."""
     out = Path(args.runs) / "teacher-data"
     if not (out / "episodes.parquet").exists():
-        cmd = [str(Path(sys.executable).with_name("consequence")), "eval", "--model", str(args.teacher),
-               "--split", "train", "-n", "1", "--no-recovery", "--seed", str(args.seed), "--out", str(out)]
+        cmd = [
+            str(Path(sys.executable).with_name("consequence")),
+            "eval",
+            "--model",
+            str(args.teacher),
+            "--split",
+            "train",
+            "-n",
+            "1",
+            "--no-recovery",
+            "--seed",
+            str(args.seed),
+            "--out",
+            str(out),
+        ]
         print("$ " + " ".join(cmd), flush=True)
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     from consequence.records import read_trajectories
@@ -64,10 +77,25 @@ def teacher_data(args) -> tuple[Path, int]:
 
 def run(method: str, args, run_dir: Path) -> dict:
     """Train one method (or reuse a finished run of the same command) and read its numbers."""
-    cmd = [str(Path(sys.executable).with_name("consequence")), "train", *METHODS[method],
-           "--iterations", str(args.iterations), "--seed", str(args.seed), "--eval-every", "0",
-           "--final-eval-splits", "test", "--final-eval-decoding", "sampled",
-           "--final-eval-episodes", str(args.episodes), "--run-dir", str(run_dir)]
+    cmd = [
+        str(Path(sys.executable).with_name("consequence")),
+        "train",
+        *METHODS[method],
+        "--iterations",
+        str(args.iterations),
+        "--seed",
+        str(args.seed),
+        "--eval-every",
+        "0",
+        "--final-eval-splits",
+        "test",
+        "--final-eval-decoding",
+        "sampled",
+        "--final-eval-episodes",
+        str(args.episodes),
+        "--run-dir",
+        str(run_dir),
+    ]
     if method in NEEDS_TEACHER:
         cmd += ["--teacher", str(args.teacher)]
     data_tokens = 0
@@ -83,17 +111,30 @@ def run(method: str, args, run_dir: Path) -> dict:
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     row = next(r for r in report["results"] if r["decoding"] == "sampled")
     c = row["comparison"]
-    return {"method": method, "command": " ".join(cmd[1:]), "iterations": len(metrics),
-            "student_tokens": sum(m["gen_tokens_total"] for m in metrics),
-            "teacher_forward_tokens": sum(m.get("teacher_forward_tokens", 0.0) for m in metrics),
-            "teacher_generated_tokens": data_tokens,
-            "fixed_data_iterations": sum(m.get("fixed_data_batch", 0.0) for m in metrics),
-            "supervised_positions": sum(m.get("distill_targets", m.get("n_tokens", 0.0)) for m in metrics),
-            "acceptance_rate": (sum(m["rejection_accepted"] for m in metrics) / max(1.0, sum(m["rejection_attempts"] for m in metrics))
-                                if "rejection_attempts" in metrics[0] else None),
-            "warm_start": c["a_mean"], "after": c["b_mean"], "diff": c["diff"], "low": c["low"],
-            "high": c["high"], "problems": c["n_groups"], "episodes": c["n"],
-            "train_seconds": report["train_seconds"], "wall_s_this_call": wall}
+    return {
+        "method": method,
+        "command": " ".join(cmd[1:]),
+        "iterations": len(metrics),
+        "student_tokens": sum(m["gen_tokens_total"] for m in metrics),
+        "teacher_forward_tokens": sum(m.get("teacher_forward_tokens", 0.0) for m in metrics),
+        "teacher_generated_tokens": data_tokens,
+        "fixed_data_iterations": sum(m.get("fixed_data_batch", 0.0) for m in metrics),
+        "supervised_positions": sum(m.get("distill_targets", m.get("n_tokens", 0.0)) for m in metrics),
+        "acceptance_rate": (
+            sum(m["rejection_accepted"] for m in metrics) / max(1.0, sum(m["rejection_attempts"] for m in metrics))
+            if "rejection_attempts" in metrics[0]
+            else None
+        ),
+        "warm_start": c["a_mean"],
+        "after": c["b_mean"],
+        "diff": c["diff"],
+        "low": c["low"],
+        "high": c["high"],
+        "problems": c["n_groups"],
+        "episodes": c["n"],
+        "train_seconds": report["train_seconds"],
+        "wall_s_this_call": wall,
+    }
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -104,13 +145,27 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.ticker
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, key, label in ((axes[0], "student_tokens", "student tokens generated"),
-                           (axes[1], "teacher_forward_tokens", "teacher forward tokens")):
+    for ax, key, label in (
+        (axes[0], "student_tokens", "student tokens generated"),
+        (axes[1], "teacher_forward_tokens", "teacher forward tokens"),
+    ):
         for r in rows:
-            ax.errorbar(r[key], 100 * r["after"], yerr=[[100 * (r["diff"] - r["low"])], [100 * (r["high"] - r["diff"])]],
-                        fmt="o", capsize=4, label=r["method"])
-            ax.annotate(r["method"], (r[key], 100 * r["after"]), textcoords="offset points", xytext=(6, 0),
-                        fontsize=7, va="center")
+            ax.errorbar(
+                r[key],
+                100 * r["after"],
+                yerr=[[100 * (r["diff"] - r["low"])], [100 * (r["high"] - r["diff"])]],
+                fmt="o",
+                capsize=4,
+                label=r["method"],
+            )
+            ax.annotate(
+                r["method"],
+                (r[key], 100 * r["after"]),
+                textcoords="offset points",
+                xytext=(6, 0),
+                fontsize=7,
+                va="center",
+            )
         ax.axhline(100 * rows[0]["warm_start"], color="grey", ls="--", lw=1, label="warm start")
         ax.set_xlim(left=0, right=1.25 * max(r[key] for r in rows) or 1.0)
         ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x / 1000:.0f}k"))
@@ -131,7 +186,11 @@ def _merged(args, rows: list[dict]) -> list[dict]:
         return rows
     old = json.loads(path.read_text())
     same = (old.get("teacher"), old.get("iterations"), old.get("seed"), old.get("episodes")) == (
-        str(Path(args.teacher).resolve()), args.iterations, args.seed, args.episodes)
+        str(Path(args.teacher).resolve()),
+        args.iterations,
+        args.seed,
+        args.episodes,
+    )
     if not same:
         return rows
     new = {r["method"]: r for r in rows}
@@ -152,21 +211,32 @@ def main() -> None:
     ap.add_argument("--plot", default=str(ROOT / "docs/img/distill-compare.png"))
     args = ap.parse_args()
     if not (Path(args.teacher) / "config.json").exists():
-        raise SystemExit(f"no teacher model at {args.teacher}: run `make demo` (the default run's RL checkpoint) "
-                         "or give --teacher DIR, a model sharing the bundled tokenizer")
+        raise SystemExit(
+            f"no teacher model at {args.teacher}: run `make demo` (the default run's RL checkpoint) "
+            "or give --teacher DIR, a model sharing the bundled tokenizer"
+        )
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise SystemExit(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
     rows = _merged(args, [run(m, args, Path(args.runs) / m) for m in methods])
-    print("\n| method | student tokens | teacher forward tokens | sampled success, warm start → after | gain [95 % CI] | train s |")
+    print(
+        "\n| method | student tokens | teacher forward tokens | sampled success, warm start → after | gain [95 % CI] | train s |"
+    )
     print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['method']} | {r['student_tokens']:,} | {int(r['teacher_forward_tokens']):,} | "
-              f"{100 * r['warm_start']:.1f} → {100 * r['after']:.1f} % | {100 * r['diff']:+.1f} "
-              f"[{100 * r['low']:+.1f}, {100 * r['high']:+.1f}] | {r['train_seconds']:.0f} |")
-    out = {"teacher": str(Path(args.teacher).resolve()), "iterations": args.iterations, "seed": args.seed,
-           "episodes": args.episodes, "rows": rows}
+        print(
+            f"| {r['method']} | {r['student_tokens']:,} | {int(r['teacher_forward_tokens']):,} | "
+            f"{100 * r['warm_start']:.1f} → {100 * r['after']:.1f} % | {100 * r['diff']:+.1f} "
+            f"[{100 * r['low']:+.1f}, {100 * r['high']:+.1f}] | {r['train_seconds']:.0f} |"
+        )
+    out = {
+        "teacher": str(Path(args.teacher).resolve()),
+        "iterations": args.iterations,
+        "seed": args.seed,
+        "episodes": args.episodes,
+        "rows": rows,
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
     plot(rows, Path(args.plot))

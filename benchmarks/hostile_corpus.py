@@ -43,8 +43,10 @@ def _row(r) -> str:
     outside = ", ".join(r.outside_changed) if r.outside_changed else "none"
     if r.connections:
         outside += f"; {r.connections} connection(s) reached the host"
-    return (f"| `{r.name}` | {r.tries} | {fb} | {reward} | {_why(r.why)} | {len(r.survivors)} "
-            f"| {outside} | {r.wall_s:.2f} |")
+    return (
+        f"| `{r.name}` | {r.tries} | {fb} | {reward} | {_why(r.why)} | {len(r.survivors)} "
+        f"| {outside} | {r.wall_s:.2f} |"
+    )
 
 
 def main() -> None:
@@ -55,27 +57,48 @@ def main() -> None:
         for case in CASES + CONTROLS:
             results.append(run_case(case, Path(d) / case.name, guards=guards))
     total_s = time.perf_counter() - t0
-    print("| case | what it tries | visible tests (run_tests) | reward (judge) | judge's reason "
-          "| processes left | changed outside the work dir | wall s |")
+    print(
+        "| case | what it tries | visible tests (run_tests) | reward (judge) | judge's reason "
+        "| processes left | changed outside the work dir | wall s |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for r in results:
         print(_row(r))
     hostile = [r for r in results if not r.name.startswith("control") and not r.skipped]
-    contained = [r for r in hostile if r.reward == 0.0 and not r.env_error and not r.survivors
-                 and not r.outside_changed and not r.connections]
-    print(f"\n{len(CASES)} hostile programs ({len(hostile)} run, {len(CASES) - len(hostile)} "
-          f"skipped), {len(contained)} contained (reward 0, nothing outside changed, no "
-          f"process left); visible-test feedback forged by "
-          f"{sum(r.feedback_passed for r in hostile)}; {total_s:.1f} s in all")
+    contained = [
+        r
+        for r in hostile
+        if r.reward == 0.0 and not r.env_error and not r.survivors and not r.outside_changed and not r.connections
+    ]
+    print(
+        f"\n{len(CASES)} hostile programs ({len(hostile)} run, {len(CASES) - len(hostile)} "
+        f"skipped), {len(contained)} contained (reward 0, nothing outside changed, no "
+        f"process left); visible-test feedback forged by "
+        f"{sum(r.feedback_passed for r in hostile)}; {total_s:.1f} s in all"
+    )
     print("isolation:", json.dumps(isolation_report()))
     out = Path(__file__).parent / "results" / "hostile_corpus.json"
     out.parent.mkdir(exist_ok=True)
     tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps({
-        "cases": len(CASES), "run": len(hostile), "contained": len(contained), "total_s": total_s,
-        "host": {"uid": os.geteuid(), "kernel": platform.release(), "python": sys.version.split()[0],
-                 "guards": guards, "isolation": isolation_report()},
-        "results": [dataclasses.asdict(r) for r in results]}, indent=2))
+    tmp.write_text(
+        json.dumps(
+            {
+                "cases": len(CASES),
+                "run": len(hostile),
+                "contained": len(contained),
+                "total_s": total_s,
+                "host": {
+                    "uid": os.geteuid(),
+                    "kernel": platform.release(),
+                    "python": sys.version.split()[0],
+                    "guards": guards,
+                    "isolation": isolation_report(),
+                },
+                "results": [dataclasses.asdict(r) for r in results],
+            },
+            indent=2,
+        )
+    )
     os.replace(tmp, out)
 
 

@@ -75,15 +75,24 @@ def report_rows(report: dict, run: Path) -> list[dict]:
     for r in report.get("results", []):
         c = r["comparison"]
         split = r["split"].split(" ")[0]
-        row = {"split": split, "decoding": r["decoding"], "warm_start": c["a_mean"],
-               "rl": c["b_mean"], "difference": c["diff"], "ci_low": c["low"], "ci_high": c["high"],
-               "problems": c["n_groups"], "episodes": c["n"]}
+        row = {
+            "split": split,
+            "decoding": r["decoding"],
+            "warm_start": c["a_mean"],
+            "rl": c["b_mean"],
+            "difference": c["diff"],
+            "ci_low": c["low"],
+            "ci_high": c["high"],
+            "problems": c["n_groups"],
+            "episodes": c["n"],
+        }
         for arm, tag in (("warm_start", "warmstart"), ("rl", "rl")):
             f = run / "eval" / f"{split}-{r['decoding']}-{tag}.parquet"
             if f.is_file():
                 s = summarize_episodes(read_trajectories(f))
-                row[f"{arm}_answers"] = {k: s[k] for k in ("top_answer", "top_answer_share", "copied_answer_share",
-                                                           "success_not_copied")}
+                row[f"{arm}_answers"] = {
+                    k: s[k] for k in ("top_answer", "top_answer_share", "copied_answer_share", "success_not_copied")
+                }
         rows.append(row)
     return rows
 
@@ -97,23 +106,31 @@ def main(argv: list[str]) -> None:
             continue
         folder, _, log = spec.partition(":")
         arms[name] = summarize(Path(folder), Path(log) if log else None)
-    print(f"{'arm':<6} {'trained params':>15} {'rollout s':>10} {'update s':>9} {'update s / 32 rows':>19} "
-          f"{'peak GB':>8} {'wall min':>9}")
+    print(
+        f"{'arm':<6} {'trained params':>15} {'rollout s':>10} {'update s':>9} {'update s / 32 rows':>19} "
+        f"{'peak GB':>8} {'wall min':>9}"
+    )
     for name, a in arms.items():
         pt = a["policy_training"] or {}
-        print(f"{name:<6} {pt.get('trainable_parameters', 0):>15,} {a['rollout_s_mean']:>10.1f} "
-              f"{a['update_s_mean']:>9.1f} {a['update_s_per_32_rows'] or float('nan'):>19.1f} "
-              f"{a.get('peak_rss_gb') or float('nan'):>8.1f} {(a['train_seconds'] or 0) / 60:>9.1f}")
+        print(
+            f"{name:<6} {pt.get('trainable_parameters', 0):>15,} {a['rollout_s_mean']:>10.1f} "
+            f"{a['update_s_mean']:>9.1f} {a['update_s_per_32_rows'] or float('nan'):>19.1f} "
+            f"{a.get('peak_rss_gb') or float('nan'):>8.1f} {(a['train_seconds'] or 0) / 60:>9.1f}"
+        )
     for name, a in arms.items():
         for r in a["final"]:
-            print(f"{name:<6} {r['split']:<8} {r['decoding']:<8} {100 * r['warm_start']:5.1f} % -> "
-                  f"{100 * r['rl']:5.1f} %  {100 * r['difference']:+5.1f} pts [{100 * r['ci_low']:+.1f}, "
-                  f"{100 * r['ci_high']:+.1f}]  ({r['problems']} problems)")
+            print(
+                f"{name:<6} {r['split']:<8} {r['decoding']:<8} {100 * r['warm_start']:5.1f} % -> "
+                f"{100 * r['rl']:5.1f} %  {100 * r['difference']:+5.1f} pts [{100 * r['ci_low']:+.1f}, "
+                f"{100 * r['ci_high']:+.1f}]  ({r['problems']} problems)"
+            )
             for arm in ("warm_start", "rl"):
                 if ans := r.get(f"{arm}_answers"):
-                    print(f"{'':<6} {arm:<10} top answer {100 * ans['top_answer_share']:5.1f} %, copied from the "
-                          f"question {100 * ans['copied_answer_share']:5.1f} %, success not copied "
-                          f"{100 * ans['success_not_copied']:5.1f} %")
+                    print(
+                        f"{'':<6} {arm:<10} top answer {100 * ans['top_answer_share']:5.1f} %, copied from the "
+                        f"question {100 * ans['copied_answer_share']:5.1f} %, success not copied "
+                        f"{100 * ans['success_not_copied']:5.1f} %"
+                    )
     write_text_atomic(out, json.dumps(arms, indent=2))
     print(f"written: {out}")
 

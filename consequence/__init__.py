@@ -21,14 +21,28 @@ import sys
 import types
 from typing import Any
 
-__all__ = ["RECIPES", "Environment", "Episode", "Run", "SingleTurnEnvironment", "TrainConfig", "__version__",
-           "compare", "evaluate", "register_env", "train"]
+__all__ = [
+    "RECIPES",
+    "Environment",
+    "Episode",
+    "Run",
+    "SingleTurnEnvironment",
+    "TrainConfig",
+    "__version__",
+    "compare",
+    "evaluate",
+    "register_env",
+    "train",
+]
 
 # name -> the module that defines it (imported on first access)
 _WHERE = {
     "TrainConfig": "consequence.config",
-    "Run": "consequence.api", "compare": "consequence.api", "RECIPES": "consequence.api",
-    "Environment": "consequence.envs.api", "Episode": "consequence.envs.api",
+    "Run": "consequence.api",
+    "compare": "consequence.api",
+    "RECIPES": "consequence.api",
+    "Environment": "consequence.envs.api",
+    "Episode": "consequence.envs.api",
     "SingleTurnEnvironment": "consequence.envs.api",
     "register_env": "consequence.envs.registry",
 }

@@ -80,18 +80,29 @@ class Run:
                 raise ValueError(f"{d}: no {name}; give the folder of a `consequence train` run")
         config = TrainConfig.checked(**(yaml.safe_load((d / "config.yaml").read_text(encoding="utf-8")) or {}))
         metrics_file = d / "metrics.jsonl"
-        metrics = ([json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
-                   if metrics_file.is_file() else [])
+        metrics = (
+            [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
+            if metrics_file.is_file()
+            else []
+        )
         report = json.loads((d / "report.json").read_text()) if (d / "report.json").is_file() else {}
         ckpt = d / "checkpoints"
         checkpoints = tuple(sorted(p for p in ckpt.glob("iter_*") if p.is_dir())) + (
-            (ckpt / "final",) if (ckpt / "final").is_dir() else ())
+            (ckpt / "final",) if (ckpt / "final").is_dir() else ()
+        )
         status = json.loads((d / "manifest.json").read_text()).get("status", "unknown")
-        return cls(dir=d, config=config, report=report, metrics=metrics, checkpoints=checkpoints,
-                   final_checkpoint=ckpt / "final" if (ckpt / "final").is_dir() else None,
-                   report_md=d / "report.md" if (d / "report.md").is_file() else None,
-                   curves=d / "curves.png" if (d / "curves.png").is_file() else None,
-                   manifest=d / "manifest.json", status=status)
+        return cls(
+            dir=d,
+            config=config,
+            report=report,
+            metrics=metrics,
+            checkpoints=checkpoints,
+            final_checkpoint=ckpt / "final" if (ckpt / "final").is_dir() else None,
+            report_md=d / "report.md" if (d / "report.md").is_file() else None,
+            curves=d / "curves.png" if (d / "curves.png").is_file() else None,
+            manifest=d / "manifest.json",
+            status=status,
+        )
 
 
 # ---- environments given as objects -----------------------------------------------------
@@ -121,12 +132,16 @@ def _slug(text: str) -> str:
 
 
 def _is_dataset(env: Any) -> bool:
-    return (not isinstance(env, (str, bytes, Mapping, Environment, type)) and isinstance(env, Iterable)
-            and not callable(env))
+    return (
+        not isinstance(env, (str, bytes, Mapping, Environment, type))
+        and isinstance(env, Iterable)
+        and not callable(env)
+    )
 
 
 def _scored(base: str, reward_fn: Any):
     """A factory of the environment ``base`` (a name ``load_environment`` takes) scored by ``reward_fn``."""
+
     def factory(split_seed: int = 0, **options: Any) -> SingleTurnEnvironment:
         return SingleTurnEnvironment.scoring(load_environment(base, split_seed, options), reward_fn)
 
@@ -151,8 +166,10 @@ def environment_key(env: Any, reward_fn: Any = None, default: str = "repair") ->
             is refused when it is loaded (``SingleTurnEnvironment.scoring``).
     """
     if reward_fn is not None and not callable(reward_fn):
-        raise ValueError(f"reward_fn must be a function reward_fn(prompt, completion, **info) -> float | dict, got "
-                         f"{type(reward_fn).__name__}")
+        raise ValueError(
+            f"reward_fn must be a function reward_fn(prompt, completion, **info) -> float | dict, got "
+            f"{type(reward_fn).__name__}"
+        )
     fn_slug = f"-{getattr(reward_fn, '__name__', 'reward_fn')}" if reward_fn is not None else ""
     if env is None or isinstance(env, str):
         name = default if env is None else env
@@ -161,8 +178,10 @@ def environment_key(env: Any, reward_fn: Any = None, default: str = "repair") ->
         return _register_in_process(_python_key(reward_fn), _scored(name, reward_fn)), _slug(f"{name}{fn_slug}")
     if _is_dataset(env):
         if reward_fn is None:
-            raise ValueError("env is a dataset (a sequence of dicts with a 'prompt'): give reward_fn=... to score its "
-                             "replies, or make a SingleTurnEnvironment(dataset, reward_fn)")
+            raise ValueError(
+                "env is a dataset (a sequence of dicts with a 'prompt'): give reward_fn=... to score its "
+                "replies, or make a SingleTurnEnvironment(dataset, reward_fn)"
+            )
         return _dataset_key(env, reward_fn), _slug(f"{SingleTurnEnvironment.name}{fn_slug}")
     if isinstance(env, Environment):
         if reward_fn is not None:
@@ -175,8 +194,10 @@ def environment_key(env: Any, reward_fn: Any = None, default: str = "repair") ->
         if reward_fn is None:
             return base, _slug(str(called or "env"))
         return _register_in_process(_python_key(reward_fn), _scored(base, reward_fn)), _slug(f"{called}{fn_slug}")
-    raise ValueError(f"env must be an environment name, an Environment (class or instance), a function returning "
-                     f"one, or a dataset (a sequence of dicts with a 'prompt'); got {type(env).__name__}")
+    raise ValueError(
+        f"env must be an environment name, an Environment (class or instance), a function returning "
+        f"one, or a dataset (a sequence of dicts with a 'prompt'); got {type(env).__name__}"
+    )
 
 
 def _dataset_key(dataset: Any, reward_fn: Any) -> str:
@@ -200,11 +221,19 @@ def _config(config: TrainConfig | Mapping[str, Any]) -> tuple[TrainConfig, bool]
         from consequence.recipes import resolve_config
 
         return resolve_config(None, dict(config)), "run_dir" in config
-    raise ValueError(f"config must be a consequence.TrainConfig or a mapping of its options, got {type(config).__name__}")
+    raise ValueError(
+        f"config must be a consequence.TrainConfig or a mapping of its options, got {type(config).__name__}"
+    )
 
 
-def train(config: TrainConfig | Mapping[str, Any], env: Any = None, reward_fn: Any = None, *,
-          resume: bool = False, console: Any = None) -> Run:
+def train(
+    config: TrainConfig | Mapping[str, Any],
+    env: Any = None,
+    reward_fn: Any = None,
+    *,
+    resume: bool = False,
+    console: Any = None,
+) -> Run:
     """Train a policy: ``consequence train`` from Python.
 
     Args:
@@ -260,10 +289,12 @@ def train(config: TrainConfig | Mapping[str, Any], env: Any = None, reward_fn: A
             changes["run_dir"] = default_run_dir(Path(cfg.recipe).stem if cfg.recipe else "default", slug)
         cfg = TrainConfig.checked(**{**cfg.model_dump(), **changes})
     if cfg.rollout_workers and is_in_process(cfg.env):
-        raise ValueError(f"rollout_workers {cfg.rollout_workers}: the environment {cfg.env} exists only in this Python "
-                         "process, and rollout workers are other processes that make the environment from the config; "
-                         "make it importable (give env as module:attr or an installed entry point) or set "
-                         "rollout_workers=0")
+        raise ValueError(
+            f"rollout_workers {cfg.rollout_workers}: the environment {cfg.env} exists only in this Python "
+            "process, and rollout workers are other processes that make the environment from the config; "
+            "make it importable (give env as module:attr or an installed entry point) or set "
+            "rollout_workers=0"
+        )
     if resume:
         from consequence.resume import resume_config
 
@@ -288,13 +319,27 @@ def _env_name(env: Any, reward_fn: Any) -> str | None:
     return environment_key(env, reward_fn)[0]
 
 
-def evaluate(model: str | Path | None = None, env: Any = None, *, reward_fn: Any = None,
-             split: str = "validation", split_seed: int | None = None, env_options: Mapping[str, Any] | None = None,
-             tasks_file: str | Path | None = None, n: int | None = None, k: int | str | Sequence[int] = 1,
-             problems: int = 0, temperature: float = 1.0, seed: int = 0,
-             selection: str | Sequence[str] = ("first", "majority", "visible"), recovery: bool = True,
-             max_turns: int | None = None, max_new_tokens: int | None = None, max_total_tokens: int | None = None,
-             out: str | Path = "runs/eval") -> dict[str, Any]:
+def evaluate(
+    model: str | Path | None = None,
+    env: Any = None,
+    *,
+    reward_fn: Any = None,
+    split: str = "validation",
+    split_seed: int | None = None,
+    env_options: Mapping[str, Any] | None = None,
+    tasks_file: str | Path | None = None,
+    n: int | None = None,
+    k: int | str | Sequence[int] = 1,
+    problems: int = 0,
+    temperature: float = 1.0,
+    seed: int = 0,
+    selection: str | Sequence[str] = ("first", "majority", "visible"),
+    recovery: bool = True,
+    max_turns: int | None = None,
+    max_new_tokens: int | None = None,
+    max_total_tokens: int | None = None,
+    out: str | Path = "runs/eval",
+) -> dict[str, Any]:
     """Evaluate a policy: ``consequence eval`` from Python (docs/evaluation.md; each
     argument is the option of the same name, ``env_options`` a mapping of ``--env-option``).
 
@@ -317,20 +362,51 @@ def evaluate(model: str | Path | None = None, env: Any = None, *, reward_fn: Any
     """
     from consequence.cli.evaluate import run_eval
 
-    path = run_eval(None if model is None else str(model), _env_name(env, reward_fn), None,
-                    None if tasks_file is None else str(tasks_file), None, split, split_seed, max_turns,
-                    max_new_tokens, max_total_tokens, n, _ks(k), problems, temperature, seed,
-                    selection if isinstance(selection, str) else ",".join(selection), recovery, Path(out),
-                    env_options=dict(env_options) if env_options else None)
+    path = run_eval(
+        None if model is None else str(model),
+        _env_name(env, reward_fn),
+        None,
+        None if tasks_file is None else str(tasks_file),
+        None,
+        split,
+        split_seed,
+        max_turns,
+        max_new_tokens,
+        max_total_tokens,
+        n,
+        _ks(k),
+        problems,
+        temperature,
+        seed,
+        selection if isinstance(selection, str) else ",".join(selection),
+        recovery,
+        Path(out),
+        env_options=dict(env_options) if env_options else None,
+    )
     return json.loads(Path(path).read_text())
 
 
-def compare(a: str | Path, b: str | Path, env: Any = None, *, reward_fn: Any = None, split: str = "validation",
-            split_seed: int | None = None, env_options: Mapping[str, Any] | None = None,
-            tasks_file: str | Path | None = None, n: int = 4, k: int | str | Sequence[int] = 1, problems: int = 0,
-            temperature: float = 1.0, seed: int = 0, recovery: bool = True, max_turns: int | None = None,
-            max_new_tokens: int | None = None, max_total_tokens: int | None = None,
-            out: str | Path = "runs/compare") -> dict[str, Any]:
+def compare(
+    a: str | Path,
+    b: str | Path,
+    env: Any = None,
+    *,
+    reward_fn: Any = None,
+    split: str = "validation",
+    split_seed: int | None = None,
+    env_options: Mapping[str, Any] | None = None,
+    tasks_file: str | Path | None = None,
+    n: int = 4,
+    k: int | str | Sequence[int] = 1,
+    problems: int = 0,
+    temperature: float = 1.0,
+    seed: int = 0,
+    recovery: bool = True,
+    max_turns: int | None = None,
+    max_new_tokens: int | None = None,
+    max_total_tokens: int | None = None,
+    out: str | Path = "runs/compare",
+) -> dict[str, Any]:
     """Compare two policies on the same tasks, seeds, split and budgets: ``consequence
     compare`` from Python (docs/evaluation.md; arguments as in :func:`evaluate`).
 
@@ -345,10 +421,27 @@ def compare(a: str | Path, b: str | Path, env: Any = None, *, reward_fn: Any = N
     """
     from consequence.cli.evaluate import run_compare
 
-    path = run_compare(str(a), str(b), _env_name(env, reward_fn), None,
-                       None if tasks_file is None else str(tasks_file), None, split, split_seed, max_turns,
-                       max_new_tokens, max_total_tokens, n, _ks(k), problems, temperature, seed, recovery, Path(out),
-                       env_options=dict(env_options) if env_options else None)
+    path = run_compare(
+        str(a),
+        str(b),
+        _env_name(env, reward_fn),
+        None,
+        None if tasks_file is None else str(tasks_file),
+        None,
+        split,
+        split_seed,
+        max_turns,
+        max_new_tokens,
+        max_total_tokens,
+        n,
+        _ks(k),
+        problems,
+        temperature,
+        seed,
+        recovery,
+        Path(out),
+        env_options=dict(env_options) if env_options else None,
+    )
     return json.loads(Path(path).read_text())
 
 

@@ -52,8 +52,9 @@ class PreStepCheckError(RuntimeError):
     """A check before the first optimizer step failed; the message lists which and why."""
 
 
-def check_ratio(model, rows: Sequence[TrainingRow], pad_id: int, logprob_fn: Callable, temperature: float,
-                tol: float = RATIO_TOL) -> CheckResult:
+def check_ratio(
+    model, rows: Sequence[TrainingRow], pad_id: int, logprob_fn: Callable, temperature: float, tol: float = RATIO_TOL
+) -> CheckResult:
     """Check 1: recomputed logπ_old equals the sampler's logμ on every target (± tol nats).
 
     Rows with stored supports (``TrainingRow.keep_ids``) are checked on those supports
@@ -64,15 +65,19 @@ def check_ratio(model, rows: Sequence[TrainingRow], pad_id: int, logprob_fn: Cal
     if any(getattr(r, "keep_ids", None) is not None for r in rows):
         bare = [dataclasses.replace(r, keep_ids=None) for r in rows]
         worst_b, where_b = _worst_gap(model, bare, pad_id, logprob_fn, temperature)
-        detail = (f"max |logπ − logμ| = {worst:.2e} nats on the stored supports, {worst_b:.2e} on supports "
-                  f"recomputed with the config's top-k / top-p (tolerance {tol:g})")
+        detail = (
+            f"max |logπ − logμ| = {worst:.2e} nats on the stored supports, {worst_b:.2e} on supports "
+            f"recomputed with the config's top-k / top-p (tolerance {tol:g})"
+        )
         if worst_b > worst:
             worst, where = worst_b, where_b
     ok = worst <= tol
     if not ok:
         at = f", at trajectory {where[0]} token {where[1]}" if where is not None else ""  # None: tol < 0
-        detail += (f"{at}: the trainer does not see the distribution the "
-                   "sampler used (temperature / top-k / top-p must match, weights must be the behaviour snapshot)")
+        detail += (
+            f"{at}: the trainer does not see the distribution the "
+            "sampler used (temperature / top-k / top-p must match, weights must be the behaviour snapshot)"
+        )
     return CheckResult("ratio", ok, detail)
 
 
@@ -90,8 +95,9 @@ def _worst_gap(model, rows, pad_id, logprob_fn, temperature) -> tuple[float, tup
     return worst, where
 
 
-def check_mask(trajs: Sequence[Trajectory], rows: Sequence[TrainingRow], stop_ids: set[int],
-               expected: set[int] | None = None) -> CheckResult:
+def check_mask(
+    trajs: Sequence[Trajectory], rows: Sequence[TrainingRow], stop_ids: set[int], expected: set[int] | None = None
+) -> CheckResult:
     """Check 2: lengths agree; targets are exactly the sampled tokens, end-of-turn included.
 
     ``expected``: indices of the trajectories that should train (default: every scored
@@ -100,8 +106,12 @@ def check_mask(trajs: Sequence[Trajectory], rows: Sequence[TrainingRow], stop_id
     """
     for r in rows:
         if not (len(r.input_ids) == len(r.loss_mask) == len(r.old_logprobs)):
-            return CheckResult("mask", False, f"trajectory {r.traj_index}: ids {len(r.input_ids)}, mask "
-                               f"{len(r.loss_mask)}, log-probs {len(r.old_logprobs)} differ in length")
+            return CheckResult(
+                "mask",
+                False,
+                f"trajectory {r.traj_index}: ids {len(r.input_ids)}, mask "
+                f"{len(r.loss_mask)}, log-probs {len(r.old_logprobs)} differ in length",
+            )
     targets: dict[int, list[int]] = {}
     for r in rows:
         targets.setdefault(r.traj_index, []).extend(t for t, m in zip(r.input_ids, r.loss_mask) if m)
@@ -115,14 +125,22 @@ def check_mask(trajs: Sequence[Trajectory], rows: Sequence[TrainingRow], stop_id
         if not got:
             return CheckResult("mask", False, f"trajectory {i} ({traj.task_id}) trains but has no target token")
         if got != sampled:
-            return CheckResult("mask", False, f"trajectory {i} ({traj.task_id}): {len(got)} target tokens but "
-                               f"{len(sampled)} sampled; a prompt, observation or boundary token is a target, "
-                               "or a sampled token is not")
+            return CheckResult(
+                "mask",
+                False,
+                f"trajectory {i} ({traj.task_id}): {len(got)} target tokens but "
+                f"{len(sampled)} sampled; a prompt, observation or boundary token is a target, "
+                "or a sampled token is not",
+            )
         for c in traj.calls:
             if c.stop_reason == "stop":
                 if not c.output_ids or c.output_ids[-1] not in stop_ids:
-                    return CheckResult("mask", False, f"trajectory {i}: a call stopped without a sampled "
-                                       "end-of-turn token, so the stop is never trained")
+                    return CheckResult(
+                        "mask",
+                        False,
+                        f"trajectory {i}: a call stopped without a sampled "
+                        "end-of-turn token, so the stop is never trained",
+                    )
                 n_eot += 1
     n = sum(len(v) for v in targets.values())
     return CheckResult("mask", True, f"{n} targets = sampled tokens, {n_eot} end-of-turn tokens among them")
@@ -136,8 +154,12 @@ def check_groups(trajs: Sequence[Trajectory]) -> CheckResult:
     for gid, members in groups.items():
         tasks = {t.task_id for t in members}
         if len(tasks) > 1:
-            return CheckResult("groups", False, f"group {gid!r} mixes tasks {sorted(tasks)[:3]}; groups must be "
-                               "built by task id, not by position (case 02)")
+            return CheckResult(
+                "groups",
+                False,
+                f"group {gid!r} mixes tasks {sorted(tasks)[:3]}; groups must be "
+                "built by task id, not by position (case 02)",
+            )
         ids = [t.sample_id for t in members]
         if len(set(ids)) != len(ids):
             return CheckResult("groups", False, f"group {gid!r} repeats sample ids {ids}")
@@ -145,8 +167,15 @@ def check_groups(trajs: Sequence[Trajectory]) -> CheckResult:
     return CheckResult("groups", True, f"{len(groups)} groups, one task each, sizes {sizes}")
 
 
-def check_zero_gradient(model, rows: Sequence[TrainingRow], estimator: str, ucfg: UpdateConfig, pad_id: int,
-                        logprob_fn: Callable, advantage_fn: Callable = group_advantages) -> CheckResult:
+def check_zero_gradient(
+    model,
+    rows: Sequence[TrainingRow],
+    estimator: str,
+    ucfg: UpdateConfig,
+    pad_id: int,
+    logprob_fn: Callable,
+    advantage_fn: Callable = group_advantages,
+) -> CheckResult:
     """Check 4: rows of one group with equal rewards → every parameter gradient exactly 0."""
     if estimator not in GROUP_BASELINE:
         return CheckResult("zero_gradient", None, f"n/a: {estimator} has no group baseline")
@@ -154,8 +183,9 @@ def check_zero_gradient(model, rows: Sequence[TrainingRow], estimator: str, ucfg
     adv = advantage_fn([1.0] * len(sample), ["g"] * len(sample), estimator)
     # the policy-gradient part alone: KL, entropy, TIS, masking and a distillation loss need
     # inputs not at hand here (and the divergence has a gradient whatever the rewards)
-    plain = dataclasses.replace(ucfg, kl_coef=0.0, entropy_coef=0.0, tis_cap=0.0, offpolicy_delta=0.0,
-                                distill_loss="none", pg_coef=1.0)
+    plain = dataclasses.replace(
+        ucfg, kl_coef=0.0, entropy_coef=0.0, tis_cap=0.0, offpolicy_delta=0.0, distill_loss="none", pg_coef=1.0
+    )
     model.zero_grad(set_to_none=True)
     try:
         accumulate_gradients(model, sample, adv, plain, pad_id, logprob_fn)
@@ -163,8 +193,12 @@ def check_zero_gradient(model, rows: Sequence[TrainingRow], estimator: str, ucfg
     finally:
         model.zero_grad(set_to_none=True)
     ok = worst == 0.0
-    return CheckResult("zero_gradient", ok, f"max |grad| = {worst:.1e} for a group with equal rewards"
-                       + ("" if ok else ": the baseline does not cancel equal rewards"))
+    return CheckResult(
+        "zero_gradient",
+        ok,
+        f"max |grad| = {worst:.1e} for a group with equal rewards"
+        + ("" if ok else ": the baseline does not cancel equal rewards"),
+    )
 
 
 def check_clip_direction(ucfg: UpdateConfig, surrogate_fn: Callable = surrogate_objective) -> CheckResult:
@@ -176,9 +210,16 @@ def check_clip_direction(ucfg: UpdateConfig, surrogate_fn: Callable = surrogate_
     grads = {}
     for a in (1.0, -1.0):
         lp = torch.tensor([[math.log(rho), math.log(rho)]], dtype=torch.float64, requires_grad=True)
-        obj, _, _ = surrogate_fn(ucfg.surrogate, lp, torch.zeros_like(lp), torch.tensor([a], dtype=torch.float64),
-                                 torch.ones_like(lp), eps_low=ucfg.clip_eps_low, eps_high=ucfg.clip_eps_high,
-                                 dual_clip_c=ucfg.dual_clip_c)
+        obj, _, _ = surrogate_fn(
+            ucfg.surrogate,
+            lp,
+            torch.zeros_like(lp),
+            torch.tensor([a], dtype=torch.float64),
+            torch.ones_like(lp),
+            eps_low=ucfg.clip_eps_low,
+            eps_high=ucfg.clip_eps_high,
+            dual_clip_c=ucfg.dual_clip_c,
+        )
         (-obj.sum()).backward()
         assert lp.grad is not None  # a leaf that requires grad, after backward
         grads[a] = lp.grad[0, 0].item()
@@ -193,8 +234,19 @@ def check_clip_direction(ucfg: UpdateConfig, surrogate_fn: Callable = surrogate_
     return CheckResult("clip_direction", ok, f"ρ = {rho:g}: {pos_txt}; A<0: loss grad {grads[-1.0]:.3g} (want > 0)")
 
 
-def run_pre_step_checks(*, model, trajs, rows, pad_id, stop_ids, logprob_fn, cfg, ucfg: UpdateConfig,
-                        expected: set[int] | None = None, console=None) -> list[CheckResult]:
+def run_pre_step_checks(
+    *,
+    model,
+    trajs,
+    rows,
+    pad_id,
+    stop_ids,
+    logprob_fn,
+    cfg,
+    ucfg: UpdateConfig,
+    expected: set[int] | None = None,
+    console=None,
+) -> list[CheckResult]:
     """All five checks on the first batch; prints the table; raises on a failure.
 
     Raises:
@@ -202,21 +254,26 @@ def run_pre_step_checks(*, model, trajs, rows, pad_id, stop_ids, logprob_fn, cfg
             that skips the checks).
     """
     results = [
-        check_ratio(model, rows, pad_id, logprob_fn, cfg.temperature) if rows else
-        CheckResult("ratio", False, "no training rows in the first batch"),
+        check_ratio(model, rows, pad_id, logprob_fn, cfg.temperature)
+        if rows
+        else CheckResult("ratio", False, "no training rows in the first batch"),
         check_mask(trajs, rows, stop_ids, expected),
         check_groups(trajs),
-        check_zero_gradient(model, rows, cfg.advantage, ucfg, pad_id, logprob_fn) if rows else
-        CheckResult("zero_gradient", None, "n/a: no rows"),
+        check_zero_gradient(model, rows, cfg.advantage, ucfg, pad_id, logprob_fn)
+        if rows
+        else CheckResult("zero_gradient", None, "n/a: no rows"),
         check_clip_direction(ucfg),
     ]
     if console is not None:
         _print(results, console)
     failed = [r for r in results if r.passed is False]
     if failed:
-        raise PreStepCheckError("checks before the first optimizer step failed:\n" + "\n".join(
-            f"  {r.name}: {r.detail}" for r in failed) + "\nFix the cause; --skip-checks runs anyway "
-            "(recorded in manifest.json).")
+        raise PreStepCheckError(
+            "checks before the first optimizer step failed:\n"
+            + "\n".join(f"  {r.name}: {r.detail}" for r in failed)
+            + "\nFix the cause; --skip-checks runs anyway "
+            "(recorded in manifest.json)."
+        )
     return results
 
 

@@ -60,9 +60,14 @@ class ColdStartConfig:
     sft: SFTConfig = SFTConfig(learning_rate=2e-4, epochs=2.0, rows_per_step=16, micro_batch_size=4)
 
 
-def cold_start(model_path: Path, out: Path, cfg: ColdStartConfig = ColdStartConfig(),
-               log: Callable[[str], None] = print, phases: Phases = SILENT,
-               source: dict[str, Any] | None = None) -> dict[str, Any]:
+def cold_start(
+    model_path: Path,
+    out: Path,
+    cfg: ColdStartConfig = ColdStartConfig(),
+    log: Callable[[str], None] = print,
+    phases: Phases = SILENT,
+    source: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """Teacher demonstrations → the student's tokens → SFT → ``out`` (a plain model folder).
 
     Args:
@@ -91,8 +96,10 @@ def cold_start(model_path: Path, out: Path, cfg: ColdStartConfig = ColdStartConf
     rows = demo_rows(renderer, convs)
     t_teacher = time.perf_counter() - t0
     n_tokens, n_targets = sum(len(r.input_ids) for r in rows), sum(sum(r.loss_mask[1:]) for r in rows)
-    log(f"SFT rows: {len(rows)} ({n_tokens} tokens, {n_targets} targets: the assistant turns), "
-        f"tool format {renderer.tool_format}")
+    log(
+        f"SFT rows: {len(rows)} ({n_tokens} tokens, {n_targets} targets: the assistant turns), "
+        f"tool format {renderer.tool_format}"
+    )
     torch.manual_seed(cfg.seed)
     if cfg.lora_rank:
         model = apply_lora(model, cfg.lora_rank, cfg.lora_alpha, list(cfg.lora_targets), model_path)
@@ -105,19 +112,39 @@ def cold_start(model_path: Path, out: Path, cfg: ColdStartConfig = ColdStartConf
         model = model.merge_and_unload()  # W0 + (alpha / r) B A: RL starts from a plain folder
     out = Path(out).resolve()
     model.config.name_or_path = str(out)
-    record = {"student": str(model_path), "source": source, "environment": env.label,
-              "settings": _settings(cfg), "tool_format": renderer.tool_format,
-              "teacher": {"kind": "scripted", "episodes": cfg.demos, "verified": len(convs)},
-              "rows": len(rows), "tokens": n_tokens, "targets": n_targets, "trainable_parameters": trainable,
-              "losses": losses, "seconds": {"teacher": round(t_teacher, 2), "sft": round(t_sft, 2),
-                                            "total": round(time.perf_counter() - t0, 2)}}
+    record = {
+        "student": str(model_path),
+        "source": source,
+        "environment": env.label,
+        "settings": _settings(cfg),
+        "tool_format": renderer.tool_format,
+        "teacher": {"kind": "scripted", "episodes": cfg.demos, "verified": len(convs)},
+        "rows": len(rows),
+        "tokens": n_tokens,
+        "targets": n_targets,
+        "trainable_parameters": trainable,
+        "losses": losses,
+        "seconds": {
+            "teacher": round(t_teacher, 2),
+            "sft": round(t_sft, 2),
+            "total": round(time.perf_counter() - t0, 2),
+        },
+    }
     save_policy(model, tok, out, {"sft.json": json.dumps(record, indent=1)})
-    log(f"cold start saved to {out} in {record['seconds']['total']:.0f} s "
-        f"(SFT loss {losses[0]:.3f} → {losses[-1]:.3f})")
+    log(
+        f"cold start saved to {out} in {record['seconds']['total']:.0f} s (SFT loss {losses[0]:.3f} → {losses[-1]:.3f})"
+    )
     return record
 
 
 def _settings(cfg: ColdStartConfig) -> dict[str, Any]:
-    return {"env": cfg.env, "env_options": cfg.env_options, "demos": cfg.demos, "seed": cfg.seed,
-            "lora_rank": cfg.lora_rank, "lora_alpha": cfg.lora_alpha, "lora_targets": list(cfg.lora_targets),
-            "sft": cfg.sft.as_dict()}
+    return {
+        "env": cfg.env,
+        "env_options": cfg.env_options,
+        "demos": cfg.demos,
+        "seed": cfg.seed,
+        "lora_rank": cfg.lora_rank,
+        "lora_alpha": cfg.lora_alpha,
+        "lora_targets": list(cfg.lora_targets),
+        "sft": cfg.sft.as_dict(),
+    }

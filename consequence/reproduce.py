@@ -58,13 +58,17 @@ def _environment_drift(env: dict) -> list[str]:
         return [f"environment {env.get('name')}: {e}"]
     out = []
     if str(getattr(cls, "version", None)) != str(env.get("version")):
-        out.append(f"environment {env.get('name')} version {env.get('version')} then, {getattr(cls, 'version', None)} now")
+        out.append(
+            f"environment {env.get('name')} version {env.get('version')} then, {getattr(cls, 'version', None)} now"
+        )
     if env.get("source_sha256") and source_sha256(cls) != env["source_sha256"]:
         out.append(f"environment {env.get('name')}: its source changed since the run (sha256 differs)")
     return out
 
 
-def reproduce_config(run_dir: Path, new_dir: Path | None = None, overrides: dict[str, Any] | None = None) -> TrainConfig:
+def reproduce_config(
+    run_dir: Path, new_dir: Path | None = None, overrides: dict[str, Any] | None = None
+) -> TrainConfig:
     """The recorded config with ``run_dir`` set to the new folder (default RUN_DIR-reproduce)
     and ``overrides`` (``iterations``, ``final_eval_episodes``) applied.
 
@@ -88,7 +92,11 @@ def reproduce_config(run_dir: Path, new_dir: Path | None = None, overrides: dict
     cwd = manifest.get("cwd")
     for key, what in (("model", "model folder"), ("tasks", "task file")):
         value = config.get(key)
-        if not value or (key == "tasks" and not str(value).endswith(".jsonl")) or (key == "model" and value in MODEL_NAMES):
+        if (
+            not value
+            or (key == "tasks" and not str(value).endswith(".jsonl"))
+            or (key == "model" and value in MODEL_NAMES)
+        ):
             continue
         recorded = manifest.get("model", {}).get("path")
         if key == "model" and is_hub_id(value) and recorded and Path(recorded) != Path(cwd or "") / value:
@@ -97,10 +105,16 @@ def reproduce_config(run_dir: Path, new_dir: Path | None = None, overrides: dict
         if not p.is_absolute() and cwd:
             p = Path(cwd) / p
         if not p.exists():
-            raise ValueError(f"the run's {what} {value} (--{key}) does not exist"
-                             + ("" if Path(value).is_absolute() else " from here: the run recorded a relative path; "
-                                "run `consequence reproduce` from the folder the run was started in")
-                             + "; nothing was started")
+            raise ValueError(
+                f"the run's {what} {value} (--{key}) does not exist"
+                + (
+                    ""
+                    if Path(value).is_absolute()
+                    else " from here: the run recorded a relative path; "
+                    "run `consequence reproduce` from the folder the run was started in"
+                )
+                + "; nothing was started"
+            )
         config[key] = str(p)
     return TrainConfig.checked(**{**config, **(overrides or {}), "run_dir": str(new)})
 
@@ -111,7 +125,17 @@ def compare_metrics(a: Path, b: Path) -> list[dict[str, Any]]:
     mb = [json.loads(x) for x in (Path(b) / "metrics.jsonl").read_text().splitlines()]
     rows = []
     for x, y in zip(ma, mb):  # only the iterations both runs have
-        diffs = {k: abs(x[k] - y[k]) for k in COMPARED if isinstance(x.get(k), float | int) and isinstance(y.get(k), float | int)}
-        rows.append({"iteration": x["iteration"], "reward_then": x["reward_mean"], "reward_now": y["reward_mean"],
-                     "max_abs_diff": max(diffs.values(), default=0.0)})
+        diffs = {
+            k: abs(x[k] - y[k])
+            for k in COMPARED
+            if isinstance(x.get(k), float | int) and isinstance(y.get(k), float | int)
+        }
+        rows.append(
+            {
+                "iteration": x["iteration"],
+                "reward_then": x["reward_mean"],
+                "reward_now": y["reward_mean"],
+                "max_abs_diff": max(diffs.values(), default=0.0),
+            }
+        )
     return rows

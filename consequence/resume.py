@@ -63,8 +63,9 @@ class ResumeState:
 
 
 # ---- writing -------------------------------------------------------------------------
-def save_state(run: Path, iteration: int, learner, tokenizer, history: list[dict], manifest: dict,
-               config: dict) -> Path:
+def save_state(
+    run: Path, iteration: int, learner, tokenizer, history: list[dict], manifest: dict, config: dict
+) -> Path:
     """Write the resume state after ``iteration`` completed iterations; returns its folder.
 
     Raises:
@@ -83,8 +84,18 @@ def save_state(run: Path, iteration: int, learner, tokenizer, history: list[dict
         _write_learner(tmp, learner)
         _write_text(tmp / "rng.json", json.dumps(capture_rng()))
         # state.json last: its presence marks a state whose other files were all written
-        _write_text(tmp / "state.json", json.dumps({"format": STATE_FORMAT, "iteration": iteration,
-                                                    "history": history, "manifest": manifest, "config": config}))
+        _write_text(
+            tmp / "state.json",
+            json.dumps(
+                {
+                    "format": STATE_FORMAT,
+                    "iteration": iteration,
+                    "history": history,
+                    "manifest": manifest,
+                    "config": config,
+                }
+            ),
+        )
         _fsync_tree(tmp)
         if final.exists():  # only after a resume that re-ran past a state it had not seen
             shutil.rmtree(final)
@@ -167,9 +178,11 @@ def capture_rng() -> dict[str, Any]:
     state = np.random.get_state()  # legacy=True (the default): a tuple, not the dict form
     assert isinstance(state, tuple)
     kind, keys, pos, has_gauss, gauss = state
-    out = {"python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
-           "numpy": [kind, keys.tolist(), pos, has_gauss, gauss],
-           "torch": _b64(torch.get_rng_state())}
+    out = {
+        "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
+        "numpy": [kind, keys.tolist(), pos, has_gauss, gauss],
+        "torch": _b64(torch.get_rng_state()),
+    }
     if torch.cuda.is_available():
         out["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
     return out
@@ -203,8 +216,11 @@ def latest_state(run: Path) -> ResumeState | None:
             names the folder; delete it to fall back to an older one, if any).
     """
     root = Path(run) / "checkpoints"
-    found = sorted((int(m.group(1)), p) for p in (root.iterdir() if root.is_dir() else [])
-                   if (m := STATE_RE.match(p.name)) and (p / "state.json").is_file())
+    found = sorted(
+        (int(m.group(1)), p)
+        for p in (root.iterdir() if root.is_dir() else [])
+        if (m := STATE_RE.match(p.name)) and (p / "state.json").is_file()
+    )
     if not found:
         return None
     path = found[-1][1]
@@ -248,7 +264,7 @@ def rewind_run_dir(run: Path, done: int, history: list[dict[str, Any]]) -> None:
     for p in ckpt.glob("*") if ckpt.is_dir() else []:
         after = _number(r"iter_(\d+)", p.name, default=-1) > done  # iter_N is saved after iteration N-1
         other_state = _number(STATE_RE.pattern, p.name, default=done) != done  # a fresh start (done 0) drops
-        if p.name.startswith(".") or after or other_state:                   # an older run's states too
+        if p.name.startswith(".") or after or other_state:  # an older run's states too
             shutil.rmtree(p, ignore_errors=True)
     for p in run.glob(".*.tmp*"):
         p.unlink(missing_ok=True)
@@ -266,24 +282,35 @@ def stop_message(e: BaseException, run: Path) -> str:
         state = latest_state(run)
     except ValueError:
         state = None
-    where = (f"the resume state {state.path} (after iteration {state.iteration - 1}) is intact" if state
-             else "no resume state was written yet")
+    where = (
+        f"the resume state {state.path} (after iteration {state.iteration - 1}) is intact"
+        if state
+        else "no resume state was written yet"
+    )
     if getattr(e, "rollouts", False):  # the rollout workers' error (scale.scheduler.RolloutError): said as is
         what = f"stopped: {e}; {where}. Fix the cause, then continue"
     elif isinstance(e, FloatingPointError):
         it = getattr(e, "iteration", None)
         at = "" if it is None else f" in iteration {it} (trajectory numbers index trajectories/iter_{it:04d}.parquet)"
-        what = (f"stopped{at}: {e}. Nothing of this step was applied; {where}. Inspect those trajectories "
-                f"(`consequence view {run}`). A resume with the same config repeats the same computation; to go "
-                "on with other settings (e.g. a lower --learning-rate) start a new run from the state's policy "
-                "folder (--model STATE/policy), or, once the cause is fixed in code, continue")
+        what = (
+            f"stopped{at}: {e}. Nothing of this step was applied; {where}. Inspect those trajectories "
+            f"(`consequence view {run}`). A resume with the same config repeats the same computation; to go "
+            "on with other settings (e.g. a lower --learning-rate) start a new run from the state's policy "
+            "folder (--model STATE/policy), or, once the cause is fixed in code, continue"
+        )
     else:
-        fixes: dict[int | None, str] = {errno.EFBIG: "Raise the file-size limit (ulimit -f)",
-                                         errno.EROFS: "Make the run folder writable"}
-        fix = fixes.get(getattr(e, "errno", None),
-                        "Free disk space (a resume state takes about 3 x the model's weights, 6 x with a value head)")
-        what = (f"stopped: cannot write {getattr(e, 'filename', None) or run} ({getattr(e, 'strerror', None) or e}); "
-                f"{where} and no file was left half-written. {fix}, then continue")
+        fixes: dict[int | None, str] = {
+            errno.EFBIG: "Raise the file-size limit (ulimit -f)",
+            errno.EROFS: "Make the run folder writable",
+        }
+        fix = fixes.get(
+            getattr(e, "errno", None),
+            "Free disk space (a resume state takes about 3 x the model's weights, 6 x with a value head)",
+        )
+        what = (
+            f"stopped: cannot write {getattr(e, 'filename', None) or run} ({getattr(e, 'strerror', None) or e}); "
+            f"{where} and no file was left half-written. {fix}, then continue"
+        )
     return f"{what} with `consequence train --resume {run}`."
 
 
@@ -300,8 +327,11 @@ def interrupt_message(run: Path, done: int, iterations: int) -> str:
         what = f"interrupted after iteration {done - 1}" if done else "interrupted during iteration 0 (none completed)"
     kept = state.iteration if state else 0
     if kept < done:
-        what += (f" (the newest resume state covers iterations 0–{kept - 1}, so a resume repeats from iteration {kept})"
-                 if kept else " (no resume state was written yet, so a resume starts again at iteration 0)")
+        what += (
+            f" (the newest resume state covers iterations 0–{kept - 1}, so a resume repeats from iteration {kept})"
+            if kept
+            else " (no resume state was written yet, so a resume starts again at iteration 0)"
+        )
     return f"{what}; continue with `consequence train --resume {run}`"
 
 
@@ -383,17 +413,20 @@ def resume_config(run: Path, given: dict[str, Any], config_file: Path | None):
     free = {k: given.pop(k) for k in list(given) if k in RESUME_MAY_CHANGE}
     asked = TrainConfig.checked(**{**saved, **given}).model_dump()  # validates and normalises the types
     had = TrainConfig.checked(**saved).model_dump()  # the same normal form (absolute paths, lists)
-    clashes = [f"--{k.replace('_', '-')} {asked[k]!r} (the run has {had[k]!r})"
-               for k in given if asked[k] != had[k]]
+    clashes = [f"--{k.replace('_', '-')} {asked[k]!r} (the run has {had[k]!r})" for k in given if asked[k] != had[k]]
     if clashes:
-        raise ValueError(f"--resume {run} continues the run with its saved config ({saved_path}); these options "
-                         "differ from it: " + "; ".join(clashes) + ". Drop them, or start a new run in another "
-                         "--run-dir")
+        raise ValueError(
+            f"--resume {run} continues the run with its saved config ({saved_path}); these options "
+            "differ from it: " + "; ".join(clashes) + ". Drop them, or start a new run in another "
+            "--run-dir"
+        )
     cfg = TrainConfig.checked(**{**saved, **free, "run_dir": str(run)})
     if bool(cfg.rollout_workers) != bool(had["rollout_workers"]):
-        raise ValueError(f"--resume {run}: --rollout-workers {cfg.rollout_workers} would switch the run between the "
-                         f"synchronous loop and rollout workers (it has {had['rollout_workers']}); give a number of "
-                         "workers of the same kind, or start a new run in another --run-dir")
+        raise ValueError(
+            f"--resume {run}: --rollout-workers {cfg.rollout_workers} would switch the run between the "
+            f"synchronous loop and rollout workers (it has {had['rollout_workers']}); give a number of "
+            "workers of the same kind, or start a new run in another --run-dir"
+        )
     return cfg
 
 
@@ -403,5 +436,6 @@ def _check_not_finished(run: Path) -> None:
     except (OSError, json.JSONDecodeError):
         return  # killed before the manifest was written: resume starts from iteration 0
     if status == "finished":
-        raise ValueError(f"--resume {run}: that run already finished (manifest.json status 'finished'); "
-                         "nothing to resume")
+        raise ValueError(
+            f"--resume {run}: that run already finished (manifest.json status 'finished'); nothing to resume"
+        )

@@ -32,36 +32,49 @@ import torch
 import yaml
 from rich.markup import escape
 
+from consequence.checks import PreStepCheckError, run_pre_step_checks
 from consequence.config import TrainConfig
 from consequence.credit.advantages import mixed_group_fraction
 from consequence.credit.batch import credit_rewards, credited, training_rows
+from consequence.diagnostics import component_means, iteration_extras, warnings_for
+from consequence.distill.fixed_data import (
+    check_token_ids,
+    draw_fixed_batch,
+    first_student_iteration,
+    load_fixed_data,
+    uses_fixed_data,
+)
+from consequence.envs.registry import env_of
 from consequence.envs.sandbox import isolation_report, start_mode
 from consequence.evaluate.compare import summarize
 from consequence.evaluate.episode_eval import parse_error_fraction
-from consequence.harness.renderer import Renderer
-from consequence.policy.sampler import SamplingParams
-from consequence.policy.lora import apply_lora, is_adapter_folder
-from consequence.policy.tiny import load_policy, save_policy
-from consequence.checks import PreStepCheckError, run_pre_step_checks
-from consequence.diagnostics import component_means, iteration_extras, warnings_for
 from consequence.evaluate.final import final_report, validate
 from consequence.evaluate.splits import record_touch, reuse_warning
-from consequence.report.manifest import build_manifest, clear_run_outputs, sha256_of, write_manifest
-from consequence.recipes import run_label
-from consequence.resume import (ResumeState, interrupt_message, latest_state, load_learner_state,
-                                mark_status, previous_ending, rewind_run_dir, save_state, stop_message)
-from consequence.iteration import Learner, collect, credit, logprob_fn, make_learner, update
 from consequence.fileio import append_line, write_text_atomic
-from consequence.seeding import seed_of
+from consequence.harness.renderer import Renderer
+from consequence.iteration import Learner, collect, credit, logprob_fn, make_learner, update
+from consequence.policy.lora import apply_lora, is_adapter_folder
+from consequence.policy.sampler import SamplingParams
+from consequence.policy.tiny import load_policy, save_policy
+from consequence.recipes import run_label
 from consequence.records import Trajectory, write_trajectories
-from consequence.distill.fixed_data import (check_token_ids, draw_fixed_batch, first_student_iteration, load_fixed_data,
-                                            uses_fixed_data)
+from consequence.report.manifest import build_manifest, clear_run_outputs, sha256_of, write_manifest
+from consequence.resume import (
+    ResumeState,
+    interrupt_message,
+    latest_state,
+    load_learner_state,
+    mark_status,
+    previous_ending,
+    rewind_run_dir,
+    save_state,
+    stop_message,
+)
 from consequence.rollout.episodes import Budgets, opening_prompt_len
 from consequence.scale.preflight import check_rollout_workers
 from consequence.scale.scheduler import RolloutError
+from consequence.seeding import seed_of
 from consequence.update.data_parallel import check_supported
-from consequence.envs.registry import env_of
-
 
 # A write that fails with one of these stops the run cleanly (RunStopped); others propagate.
 WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO}
@@ -110,7 +123,8 @@ def run_ending(e: BaseException | None) -> tuple[str, str | None]:
     if isinstance(e, KeyboardInterrupt):
         return "interrupted", "interrupted (Ctrl-C / SIGINT)"
     if isinstance(e, (PreStepCheckError, FloatingPointError, RolloutError)) or (
-            isinstance(e, OSError) and e.errno in WRITE_ERRNOS):
+        isinstance(e, OSError) and e.errno in WRITE_ERRNOS
+    ):
         return "stopped", str(e)
     if isinstance(e, ValueError):
         return "refused", str(e)
@@ -233,8 +247,15 @@ def train(cfg: TrainConfig, console=None, resume: bool = False, reproduces: str 
         raise RunStopped(stop_message(e, run_path)) from e
 
 
-def _start(cfg: TrainConfig, console, run: Path, resume: bool, state: ResumeState | None,
-           reproduces: str | Path | None = None, ending: _Ending | None = None) -> _Run:
+def _start(
+    cfg: TrainConfig,
+    console,
+    run: Path,
+    resume: bool,
+    state: ResumeState | None,
+    reproduces: str | Path | None = None,
+    ending: _Ending | None = None,
+) -> _Run:
     """Load model, tasks and learner (from the resume state when there is one), check that the
     settings can work (:func:`preflight`); only then clear an earlier run's outputs and write
     the run's files (``ending.opened`` is set once manifest.json says ``running``)."""
@@ -267,43 +288,84 @@ def _start(cfg: TrainConfig, console, run: Path, resume: bool, state: ResumeStat
         write_text_atomic(run / "config.yaml", yaml.safe_dump(cfg.model_dump(), sort_keys=False))
     write_text_atomic(run / "split.json", json.dumps(split.problem_ids()))
     learner = make_learner(cfg, model, reference, teacher)
-    r = _Run(cfg, run, model_path, tokenizer, reference, learner, renderer, split,
-             Budgets(cfg.max_turns, cfg.max_new_tokens, cfg.max_total_tokens),
-             SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p, cfg.max_new_tokens), manifest={},
-             label=run_label(cfg), fixed_data=fixed,
-             first_student=first_student_iteration(cfg.distill_lambda, cfg.seed, cfg.iterations))
+    r = _Run(
+        cfg,
+        run,
+        model_path,
+        tokenizer,
+        reference,
+        learner,
+        renderer,
+        split,
+        Budgets(cfg.max_turns, cfg.max_new_tokens, cfg.max_total_tokens),
+        SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p, cfg.max_new_tokens),
+        manifest={},
+        label=run_label(cfg),
+        fixed_data=fixed,
+        first_student=first_student_iteration(cfg.distill_lambda, cfg.seed, cfg.iterations),
+    )
     if state is None:
-        r.manifest = build_manifest(cfg, model_path, split, chat_template=tokenizer.chat_template,
-                                    isolation=isolation_report(), tool_format=renderer.tool_format)
+        r.manifest = build_manifest(
+            cfg,
+            model_path,
+            split,
+            chat_template=tokenizer.chat_template,
+            isolation=isolation_report(),
+            tool_format=renderer.tool_format,
+        )
         r.manifest |= {"run_label": r.label, "cwd": os.getcwd(), "policy_training": policy_training(cfg, model)}
         if reproduces is not None:
             r.manifest["reproduces"] = os.path.abspath(reproduces)
         if r.first_student is None:
-            r.manifest["checks"]["not_run"] = (f"every iteration drew its batch from --distill-data (--distill-lambda "
-                                               f"{cfg.distill_lambda:g}): no batch of the student's own samples to check")
+            r.manifest["checks"]["not_run"] = (
+                f"every iteration drew its batch from --distill-data (--distill-lambda "
+                f"{cfg.distill_lambda:g}): no batch of the student's own samples to check"
+            )
         policy = [str(run / "checkpoints")]
-        r.manifest["splits_touched"] = [record_touch(split.label, cfg.split_seed, "train", _train_use(cfg, r.first_student), policy)] + (
-            [record_touch(split.label, cfg.split_seed, "validation", "greedy success of each checkpoint during "
-                          "training (selects checkpoints)", policy)] if cfg.eval_every else [])
+        r.manifest["splits_touched"] = [
+            record_touch(split.label, cfg.split_seed, "train", _train_use(cfg, r.first_student), policy)
+        ] + (
+            [
+                record_touch(
+                    split.label,
+                    cfg.split_seed,
+                    "validation",
+                    "greedy success of each checkpoint during training (selects checkpoints)",
+                    policy,
+                )
+            ]
+            if cfg.eval_every
+            else []
+        )
     else:
         load_learner_state(state, learner)
         r.manifest, r.history, r.start = state.manifest, state.history, state.iteration
-        r.manifest.setdefault("resumed", []).append({"from_iteration": state.iteration, "state": state.path.name,
-                                                     **previous_ending(run)})  # how the run before ended
+        r.manifest.setdefault("resumed", []).append(
+            {"from_iteration": state.iteration, "state": state.path.name, **previous_ending(run)}
+        )  # how the run before ended
         r.manifest["status"] = "running"
     rewind_run_dir(run, r.start, r.history)
     write_manifest(r.manifest, run)
     if ending is not None:
         ending.opened = True
-    console.print(f"[bold]consequence train[/] ({escape(r.label)}): {cfg.iterations} iterations (numbered 0–"
-                  f"{cfg.iterations - 1}) × {cfg.tasks_per_iteration} tasks × {cfg.group_size} rollouts, model "
-                  f"{escape(str(model_path))}, run dir {escape(str(run))}"
-                  + (f"; resuming at iteration {r.start} from {escape(str(state.path))}" if state else
-                     "; no resume state, starting at iteration 0" if resume else ""))
+    console.print(
+        f"[bold]consequence train[/] ({escape(r.label)}): {cfg.iterations} iterations (numbered 0–"
+        f"{cfg.iterations - 1}) × {cfg.tasks_per_iteration} tasks × {cfg.group_size} rollouts, model "
+        f"{escape(str(model_path))}, run dir {escape(str(run))}"
+        + (
+            f"; resuming at iteration {r.start} from {escape(str(state.path))}"
+            if state
+            else "; no resume state, starting at iteration 0"
+            if resume
+            else ""
+        )
+    )
     if cfg.lora_rank:
         pt = policy_training(cfg, r.learner.model)
-        console.print(f"LoRA r={cfg.lora_rank}, α={cfg.lora_alpha:g} on {','.join(cfg.lora_targets)}: "
-                      f"{pt['trainable_parameters']:,} of {pt['parameters']:,} parameters trained")
+        console.print(
+            f"LoRA r={cfg.lora_rank}, α={cfg.lora_alpha:g} on {','.join(cfg.lora_targets)}: "
+            f"{pt['trainable_parameters']:,} of {pt['parameters']:,} parameters trained"
+        )
     if cfg.rollout_workers:
         r.rollouts = _start_rollouts(r, console)
         write_manifest(r.manifest, run)
@@ -317,17 +379,26 @@ def _start_rollouts(r: _Run, console):
     from consequence.scale.staleness import pipeline_warning
 
     cfg = r.cfg
-    console.print(f"starting {cfg.rollout_workers} rollout worker(s) on Ray"
-                  + (f" at {escape(cfg.ray_address)}" if cfg.ray_address else " (local instance)")
-                  + f", max staleness {cfg.max_staleness}")
+    console.print(
+        f"starting {cfg.rollout_workers} rollout worker(s) on Ray"
+        + (f" at {escape(cfg.ray_address)}" if cfg.ray_address else " (local instance)")
+        + f", max staleness {cfg.max_staleness}"
+    )
     if warning := pipeline_warning(cfg.rollout_workers, cfg.max_staleness):
         console.print(f"[yellow]warning:[/] {escape(warning)}")
-    rollouts = AsyncRollouts(cfg, str(r.model_path), done=batches_done(r.history),
-                             log=lambda line: console.print(escape(line)))
+    rollouts = AsyncRollouts(
+        cfg, str(r.model_path), done=batches_done(r.history), log=lambda line: console.print(escape(line))
+    )
     rollouts.publish(r.learner.model, r.start)
     r.manifest.setdefault("rollout_workers", []).append(
-        {"from_iteration": r.start, "workers": cfg.rollout_workers, "max_staleness": cfg.max_staleness,
-         "ray_address": cfg.ray_address, "where": [rollouts.where[i] for i in sorted(rollouts.where)]})
+        {
+            "from_iteration": r.start,
+            "workers": cfg.rollout_workers,
+            "max_staleness": cfg.max_staleness,
+            "ray_address": cfg.ray_address,
+            "where": [rollouts.where[i] for i in sorted(rollouts.where)],
+        }
+    )
     return rollouts
 
 
@@ -352,21 +423,30 @@ def _refuse_an_untrainable_first_batch(trajs: list[Trajectory], cfg: TrainConfig
         errors = list(dict.fromkeys(t.error for t in trajs))
         # The agent-runner writes "the agent ..." for the agent's own failures (serve.runner).
         agent_failed = cfg.agent and any((e or "").startswith("the agent") for e in errors)
-        said, fix = (("", f"Fix the agent {cfg.agent} (docs/agents.md §4)") if agent_failed else
-                     ("the environment said: ", "Fix the environment (docs/environments.md §4)"))
-        raise PreStepCheckError(f"every episode of the first batch is an env_error ({len(trajs)} of {len(trajs)}), "
-                                f"so nothing can be trained; {said}{'; '.join(errors[:3])}. {fix}; {where}")
+        said, fix = (
+            ("", f"Fix the agent {cfg.agent} (docs/agents.md §4)")
+            if agent_failed
+            else ("the environment said: ", "Fix the environment (docs/environments.md §4)")
+        )
+        raise PreStepCheckError(
+            f"every episode of the first batch is an env_error ({len(trajs)} of {len(trajs)}), "
+            f"so nothing can be trained; {said}{'; '.join(errors[:3])}. {fix}; {where}"
+        )
     if cfg.agent and trajs and not any(t.calls for t in trajs):
-        raise PreStepCheckError(f"the agent made 0 model calls in {len(trajs)} episodes, so there is nothing to train "
-                                f"on: --agent {cfg.agent} must call client.chat.completions.create(model=task.model, "
-                                f"messages=task.messages, ...) (docs/agents.md §1); {where}")
+        raise PreStepCheckError(
+            f"the agent made 0 model calls in {len(trajs)} episodes, so there is nothing to train "
+            f"on: --agent {cfg.agent} must call client.chat.completions.create(model=task.model, "
+            f"messages=task.messages, ...) (docs/agents.md §1); {where}"
+        )
 
 
 def _train_use(cfg: TrainConfig, first_student: int | None) -> str:
     """How the run uses the train split (the ledger's purpose)."""
     if cfg.distill_lambda >= 1:
         return "RL rollouts"
-    return "RL rollouts and --distill-data batches" if first_student is not None else "--distill-data batches (no rollout)"
+    return (
+        "RL rollouts and --distill-data batches" if first_student is not None else "--distill-data batches (no rollout)"
+    )
 
 
 def preflight(cfg: TrainConfig, tokenizer, renderer: Renderer, split, model_path: Path) -> None:
@@ -381,40 +461,57 @@ def preflight(cfg: TrainConfig, tokenizer, renderer: Renderer, split, model_path
             before the policy acts). Each message names the option and the fix.
     """
     if is_adapter_folder(model_path):
-        raise ValueError(f"--model {model_path} is a LoRA adapter checkpoint: fold it into its base first "
-                         f"(consequence merge {model_path} --out MERGED), then train from --model MERGED")
+        raise ValueError(
+            f"--model {model_path} is a LoRA adapter checkpoint: fold it into its base first "
+            f"(consequence merge {model_path} --out MERGED), then train from --model MERGED"
+        )
     start_mode()  # a bad CONSEQUENCE_SANDBOX_START is refused before the run folder is made
     check_supported(cfg)  # --update-ranks combinations it cannot run
     if cfg.rollout_workers:
         check_rollout_workers(cfg)
     vocab = len(tokenizer)
     if cfg.distill_top_k > vocab:
-        raise ValueError(f"--distill-top-k {cfg.distill_top_k} is larger than the vocabulary of {model_path} ({vocab} "
-                         f"tokens); use a value up to {vocab}, or 0 for the whole vocabulary")
+        raise ValueError(
+            f"--distill-top-k {cfg.distill_top_k} is larger than the vocabulary of {model_path} ({vocab} "
+            f"tokens); use a value up to {vocab}, or 0 for the whole vocabulary"
+        )
     if cfg.top_k > vocab:
-        raise ValueError(f"--top-k {cfg.top_k} is larger than the vocabulary of {model_path} ({vocab} tokens), so it "
-                         f"would keep every token, the same as off; use --top-k 0 (off) or a value up to {vocab}")
-    split.check_splits({"train": "training", "validation": "--eval-every" if cfg.eval_every and cfg.val_episodes else None,
-                        "test": "--final-eval-episodes" if cfg.final_eval_episodes and "test" in cfg.final_eval_splits
-                        else None})
+        raise ValueError(
+            f"--top-k {cfg.top_k} is larger than the vocabulary of {model_path} ({vocab} tokens), so it "
+            f"would keep every token, the same as off; use --top-k 0 (off) or a value up to {vocab}"
+        )
+    split.check_splits(
+        {
+            "train": "training",
+            "validation": "--eval-every" if cfg.eval_every and cfg.val_episodes else None,
+            "test": "--final-eval-episodes" if cfg.final_eval_episodes and "test" in cfg.final_eval_splits else None,
+        }
+    )
     if cfg.final_eval_episodes and "test" in cfg.final_eval_splits and len(split.split["test"]) < 2:
-        raise ValueError(f"--env {split.label}: the test split has {len(split.split['test'])} problem, and the final "
-                         "paired comparison's CI (a bootstrap over problems) needs at least 2; add problems or set "
-                         "--final-eval-episodes 0")
-    longest = split.longest_prompt(functools.partial(opening_prompt_len, renderer, split.system_prompt,
-                                                     examples=split.examples),
-                                   seed=seed_of(cfg.seed, "prompt-check"))
+        raise ValueError(
+            f"--env {split.label}: the test split has {len(split.split['test'])} problem, and the final "
+            "paired comparison's CI (a bootstrap over problems) needs at least 2; add problems or set "
+            "--final-eval-episodes 0"
+        )
+    longest = split.longest_prompt(
+        functools.partial(opening_prompt_len, renderer, split.system_prompt, examples=split.examples),
+        seed=seed_of(cfg.seed, "prompt-check"),
+    )
     if longest + cfg.max_new_tokens > cfg.max_total_tokens:
-        raise ValueError(f"--max-total-tokens {cfg.max_total_tokens} is too small: the longest prompt of the train "
-                         f"tasks is {longest} tokens and a model call may add --max-new-tokens {cfg.max_new_tokens}, "
-                         "so such episodes would end truncated before the policy acts; raise --max-total-tokens "
-                         f"to at least {longest + cfg.max_new_tokens} (or lower --max-new-tokens)")
+        raise ValueError(
+            f"--max-total-tokens {cfg.max_total_tokens} is too small: the longest prompt of the train "
+            f"tasks is {longest} tokens and a model call may add --max-new-tokens {cfg.max_new_tokens}, "
+            "so such episodes would end truncated before the policy acts; raise --max-total-tokens "
+            f"to at least {longest + cfg.max_new_tokens} (or lower --max-new-tokens)"
+        )
 
 
 def policy_training(cfg: TrainConfig, model) -> dict[str, Any]:
     """What the optimizer trains: all weights, or a LoRA adapter (rank, alpha, targets), and how many."""
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    lora = {"rank": cfg.lora_rank, "alpha": cfg.lora_alpha, "targets": list(cfg.lora_targets)} if cfg.lora_rank else None
+    lora = (
+        {"rank": cfg.lora_rank, "alpha": cfg.lora_alpha, "targets": list(cfg.lora_targets)} if cfg.lora_rank else None
+    )
     return {"lora": lora, "trainable_parameters": trained, "parameters": sum(p.numel() for p in model.parameters())}
 
 
@@ -423,8 +520,10 @@ def _check_same_start(state: ResumeState, model_path: Path) -> None:
     want = state.manifest.get("model", {}).get("weights_sha256")
     have = sha256_of(model_path / "model.safetensors")
     if want and have != want:
-        raise ValueError(f"cannot resume: the starting model {model_path} changed since the run began "
-                         f"(weights sha256 {have} != {want} in the manifest); the reference policy would differ")
+        raise ValueError(
+            f"cannot resume: the starting model {model_path} changed since the run began "
+            f"(weights sha256 {have} != {want} in the manifest); the reference policy would differ"
+        )
 
 
 def _loop(r: _Run, console) -> None:
@@ -433,9 +532,15 @@ def _loop(r: _Run, console) -> None:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     cfg = r.cfg
-    with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(),
-                  TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(), TimeRemainingColumn(),
-                  TextColumn("{task.fields[status]}"), console=console) as bar:
+    with Progress(
+        TextColumn("[progress.description]{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        TextColumn("{task.fields[status]}"),
+        console=console,
+    ) as bar:
         job = bar.add_task(escape(r.label), total=cfg.iterations, completed=r.start, status="")
         for it in range(r.start, cfg.iterations):
             show = lambda text: bar.update(job, status=text)  # noqa: E731  (live phase within the iteration)
@@ -453,8 +558,11 @@ def _status_line(m: dict[str, Any]) -> str:
     if m.get("fixed_data_batch"):
         return f"fixed-data batch (--distill-data): divergence {m.get('distill_divergence', float('nan')):.3f}"
     reward = "n/a (all env errors)" if m["reward_mean"] is None else f"{m['reward_mean']:.2f}"
-    lag = (f"  lag {m['lag_max']}" + (f" (dropped {len(m['dropped_batches'])} stale)" if m["dropped_batches"] else "")
-           if "lag_max" in m else "")
+    lag = (
+        f"  lag {m['lag_max']}" + (f" (dropped {len(m['dropped_batches'])} stale)" if m["dropped_batches"] else "")
+        if "lag_max" in m
+        else ""
+    )
     return f"reward {reward}  mixed {m['mixed_group_fraction']:.2f}{lag}"
 
 
@@ -467,10 +575,22 @@ def _run_iteration(r: _Run, it: int, console, show=lambda text: None) -> dict[st
     n_roll = cfg.tasks_per_iteration * cfg.group_size
     t0 = time.perf_counter()
     try:
-        m = iteration(it, cfg, r.learner, r.renderer, r.split, r.budgets, r.sampling, r.dir,
-                      first=it == r.first_student, console=console, fixed_data=r.fixed_data,
-                      progress=lambda d: show(f"iteration {it}: rollouts {d}/{n_roll} episodes"),
-                      rollouts=r.rollouts, show=show)
+        m = iteration(
+            it,
+            cfg,
+            r.learner,
+            r.renderer,
+            r.split,
+            r.budgets,
+            r.sampling,
+            r.dir,
+            first=it == r.first_student,
+            console=console,
+            fixed_data=r.fixed_data,
+            progress=lambda d: show(f"iteration {it}: rollouts {d}/{n_roll} episodes"),
+            rollouts=r.rollouts,
+            show=show,
+        )
     except FloatingPointError as e:
         e.iteration = it  # for RunStopped's message: which trajectory file the indices point into
         raise
@@ -478,8 +598,14 @@ def _run_iteration(r: _Run, it: int, console, show=lambda text: None) -> dict[st
         r.rollouts.publish(model, it + 1)
     m["iteration_s"] = time.perf_counter() - t0  # wall time of the iteration, validation excluded
     if cfg.eval_every and ((it + 1) % cfg.eval_every == 0 or it + 1 == cfg.iterations):
-        m["val_success"] = validate(model, r.renderer, r.split, r.budgets, cfg, progress=lambda d: show(
-            f"iteration {it}: validation {d}/{cfg.val_episodes} episodes"))["success"]
+        m["val_success"] = validate(
+            model,
+            r.renderer,
+            r.split,
+            r.budgets,
+            cfg,
+            progress=lambda d: show(f"iteration {it}: validation {d}/{cfg.val_episodes} episodes"),
+        )["success"]
         save_policy(model, r.tokenizer, r.dir / "checkpoints" / f"iter_{it + 1:04d}")
     if "pre_step_checks" in m:
         r.manifest["checks"]["results"] = m.pop("pre_step_checks")
@@ -507,8 +633,11 @@ def _finish(r: _Run, console, t_start: float) -> dict[str, Any]:
     if skipped:
         console.print(skipped)
     report = final_report(r.cfg, r.reference, r.learner.model, r.renderer, r.split, r.budgets, console, run)
-    touches = [record_touch(r.split.label, r.cfg.split_seed, s, "final evaluation of consequence train", policies)
-               for s in r.cfg.final_eval_splits if r.cfg.final_eval_episodes]
+    touches = [
+        record_touch(r.split.label, r.cfg.split_seed, s, "final evaluation of consequence train", policies)
+        for s in r.cfg.final_eval_splits
+        if r.cfg.final_eval_episodes
+    ]
     r.manifest["splits_touched"] = r.manifest.get("splits_touched", []) + touches
     report["warnings"] = ([warning] if warning else []) + report.pop("answer_warnings", [])
     report["splits_touched"] = r.manifest["splits_touched"]
@@ -527,14 +656,31 @@ def _finish(r: _Run, console, t_start: float) -> dict[str, Any]:
     write_markdown_report(report, run / "report.md")
     if skipped:  # say so at the top of report.md, not only as an empty table
         title, _, rest = (run / "report.md").read_text().partition("\n")
-        write_text_atomic(run / "report.md", f"{title}\n\n**{skipped[0].upper() + skipped[1:]}**: the warm start "
-                                             f"and the RL checkpoint were not compared.\n{rest}")
+        write_text_atomic(
+            run / "report.md",
+            f"{title}\n\n**{skipped[0].upper() + skipped[1:]}**: the warm start "
+            f"and the RL checkpoint were not compared.\n{rest}",
+        )
     console.print((run / "report.md").read_text())
     return report
 
 
-def iteration(it, cfg, learner: Learner, renderer, split, budgets, sampling, run, first: bool = False,
-              console=None, progress=None, fixed_data=(), rollouts=None, show=None) -> dict[str, Any]:
+def iteration(
+    it,
+    cfg,
+    learner: Learner,
+    renderer,
+    split,
+    budgets,
+    sampling,
+    run,
+    first: bool = False,
+    console=None,
+    progress=None,
+    fixed_data=(),
+    rollouts=None,
+    show=None,
+) -> dict[str, Any]:
     """One collect → score → credit → update step (``consequence.iteration``); returns its metrics.
 
     With ``--distill-lambda`` < 1 an iteration may draw its batch from ``fixed_data`` instead
@@ -559,14 +705,24 @@ def iteration(it, cfg, learner: Learner, renderer, split, budgets, sampling, run
     if first:
         _refuse_an_untrainable_first_batch(trajs, cfg, it)
     if first and not from_data and not cfg.skip_checks:
-        expected = {i for i, t in enumerate(trajs) if credited(t)
-                    and not (cfg.overlong_filter and t.outcome == "truncated")}
+        expected = {
+            i for i, t in enumerate(trajs) if credited(t) and not (cfg.overlong_filter and t.outcome == "truncated")
+        }
         rows = batch.rows
         if cfg.advantage == "rejection":  # the bookkeeping is checked on every row, accepted or rejected
             rows, expected = training_rows(trajs)[0], None
-        checks = run_pre_step_checks(model=learner.model, trajs=trajs, rows=rows, pad_id=pad_id,
-                            stop_ids=renderer.stop_ids, logprob_fn=logprob_fn(cfg), cfg=cfg,
-                            ucfg=learner.update_cfg, expected=expected, console=console)
+        checks = run_pre_step_checks(
+            model=learner.model,
+            trajs=trajs,
+            rows=rows,
+            pad_id=pad_id,
+            stop_ids=renderer.stop_ids,
+            logprob_fn=logprob_fn(cfg),
+            cfg=cfg,
+            ucfg=learner.update_cfg,
+            expected=expected,
+            console=console,
+        )
     t1 = time.perf_counter()
     upd = update(batch, cfg, learner, pad_id, seed=seed_of(cfg.seed, it, "update"), divergence_only=from_data)
     t_update = time.perf_counter() - t1

@@ -74,8 +74,6 @@ def warmstart_path(cfg: WarmstartConfig = WarmstartConfig()) -> Path:
     return cache_root() / "warmstart" / f"tiny-repair-{cfg.key()}"
 
 
-
-
 def ensure_warmstart(cfg: WarmstartConfig = WarmstartConfig(), log: Callable[[str], None] = print) -> Path:
     """Return the warm-start checkpoint directory, building it first if it is missing.
 
@@ -108,11 +106,12 @@ def teacher_conversations(cfg: WarmstartConfig, log: Callable[[str], None] = pri
     env = env if env is not None else load_environment(cfg.env, cfg.seed)
     tasks = env.sample("train", cfg.n_demos, seed=cfg.seed + 1)
     if not all(isinstance(t, RepairTask) for t in tasks[:1]):
-        raise ValueError(f"--env {cfg.env}: the scripted teacher solves repair tasks only (repair, humaneval-repair, "
-                         "jsonl); train in this environment from a model of your own (--model PATH)")
+        raise ValueError(
+            f"--env {cfg.env}: the scripted teacher solves repair tasks only (repair, humaneval-repair, "
+            "jsonl); train in this environment from a model of your own (--model PATH)"
+        )
     rng = random.Random(cfg.seed)
-    habits = TeacherHabits(cfg.p_diagnose_first, cfg.p_read_only, cfg.p_wrong_patch_first,
-                           cfg.p_verify_before_finish)
+    habits = TeacherHabits(cfg.p_diagnose_first, cfg.p_read_only, cfg.p_wrong_patch_first, cfg.p_verify_before_finish)
     plans = [plan_episode(t, rng, habits) for t in tasks]
     # Any tokenizer will do to drive the episodes: demonstrations are re-rendered below.
     boot = build_tokenizer([env.system_prompt] + [t.buggy_code for t in tasks[:200]], vocab_size=300)
@@ -129,8 +128,10 @@ def demo_rows(renderer: Renderer, conversations: list[list[dict]]):
     """Token rows (loss mask on assistant tokens only) of the demonstrations."""
     rows = []
     for k, msgs in enumerate(conversations):
-        calls = [ModelCall(ctx, out, [0.0] * len(out), "stop", observation_ids=obs)
-                 for ctx, out, obs in replay_conversation(renderer, msgs)]
+        calls = [
+            ModelCall(ctx, out, [0.0] * len(out), "stop", observation_ids=obs)
+            for ctx, out, obs in replay_conversation(renderer, msgs)
+        ]
         traj = Trajectory(task_id=str(k), group_id=str(k), sample_id=0, seed=0, policy_version=0, calls=calls)
         rows += trajectory_to_rows(traj, k)
     return rows
@@ -147,14 +148,26 @@ def build_warmstart(cfg: WarmstartConfig, path: Path, log: Callable[[str], None]
     tokenizer = build_tokenizer(corpus, vocab_size=cfg.vocab_size)
     renderer = Renderer(tokenizer, tools)
     rows = demo_rows(renderer, convs)
-    model = build_model(tokenizer, seed=cfg.seed, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
-                        num_heads=cfg.num_heads, intermediate_size=cfg.intermediate_size)
+    model = build_model(
+        tokenizer,
+        seed=cfg.seed,
+        hidden_size=cfg.hidden_size,
+        num_layers=cfg.num_layers,
+        num_heads=cfg.num_heads,
+        intermediate_size=cfg.intermediate_size,
+    )
     n_tokens = sum(len(r.input_ids) for r in rows)
     log(f"SFT: {len(rows)} rows, {n_tokens} tokens, {sum(p.numel() for p in model.parameters())} parameters")
     losses = sft(model, rows, tokenizer.pad_token_id, cfg, log)
-    info = {"config": cfg.settings(), "n_demos": len(convs), "n_rows": len(rows), "n_tokens": n_tokens,
-            "final_loss": losses[-1] if losses else None, "seconds": time.perf_counter() - t0,
-            "version": WARMSTART_VERSION}
+    info = {
+        "config": cfg.settings(),
+        "n_demos": len(convs),
+        "n_rows": len(rows),
+        "n_tokens": n_tokens,
+        "final_loss": losses[-1] if losses else None,
+        "seconds": time.perf_counter() - t0,
+        "version": WARMSTART_VERSION,
+    }
     save_policy(model, tokenizer, path, {"warmstart.json": json.dumps(info, indent=2)})
     log(f"warm start saved to {path} in {info['seconds']:.0f} s (final SFT loss {info['final_loss']:.3f})")
     return path
@@ -163,6 +176,16 @@ def build_warmstart(cfg: WarmstartConfig, path: Path, log: Callable[[str], None]
 def sft(model, rows, pad_id: int, cfg: WarmstartConfig, log: Callable[[str], None] = print) -> list[float]:
     """Token-mean cross-entropy on target tokens (``distill.sft.train_sft``, one micro-batch
     per step); AdamW with warmup and cosine decay."""
-    return train_sft(model, rows, pad_id, SFTConfig(learning_rate=cfg.learning_rate, epochs=cfg.sft_epochs,
-                                                    rows_per_step=cfg.batch_size, micro_batch_size=cfg.batch_size,
-                                                    seed=cfg.seed), log)
+    return train_sft(
+        model,
+        rows,
+        pad_id,
+        SFTConfig(
+            learning_rate=cfg.learning_rate,
+            epochs=cfg.sft_epochs,
+            rows_per_step=cfg.batch_size,
+            micro_batch_size=cfg.batch_size,
+            seed=cfg.seed,
+        ),
+        log,
+    )

@@ -20,14 +20,34 @@ def _own_split_ledger(tmp_path, monkeypatch):
 
 
 TOOLS = [
-    {"type": "function", "function": {"name": "run_tests", "description": "Run the visible tests.",
-                                      "parameters": {"type": "object", "properties": {}}}},
-    {"type": "function", "function": {"name": "replace_line", "description": "Replace one line.",
-                                      "parameters": {"type": "object",
-                                                     "properties": {"line": {"type": "integer"}, "code": {"type": "string"}},
-                                                     "required": ["line", "code"]}}},
-    {"type": "function", "function": {"name": "finish", "description": "End the episode.",
-                                      "parameters": {"type": "object", "properties": {}}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "run_tests",
+            "description": "Run the visible tests.",
+            "parameters": {"type": "object", "properties": {}},
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "replace_line",
+            "description": "Replace one line.",
+            "parameters": {
+                "type": "object",
+                "properties": {"line": {"type": "integer"}, "code": {"type": "string"}},
+                "required": ["line", "code"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "finish",
+            "description": "End the episode.",
+            "parameters": {"type": "object", "properties": {}},
+        },
+    },
 ]
 
 
@@ -35,8 +55,11 @@ TOOLS = [
 def tiny_tokenizer():
     from consequence.policy.tiny import build_tokenizer
 
-    corpus = ["def find_max(xs):\n    best = 0\n    for x in xs:\n        if x > best:\n            best = x\n    return best",
-              '<tool_call>\n{"name": "run_tests", "arguments": {}}\n</tool_call>', "2/5 passed ab a b abab"] * 5
+    corpus = [
+        "def find_max(xs):\n    best = 0\n    for x in xs:\n        if x > best:\n            best = x\n    return best",
+        '<tool_call>\n{"name": "run_tests", "arguments": {}}\n</tool_call>',
+        "2/5 passed ab a b abab",
+    ] * 5
     return build_tokenizer(corpus, vocab_size=320)
 
 

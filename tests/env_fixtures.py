@@ -14,8 +14,14 @@ class Word:
     word: str
 
 
-TOOL = {"type": "function", "function": {"name": "hint", "description": "A hint, costs 0.1.",
-                                         "parameters": {"type": "object", "properties": {}}}}
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "hint",
+        "description": "A hint, costs 0.1.",
+        "parameters": {"type": "object", "properties": {}},
+    },
+}
 
 
 class HintEpisode:
@@ -38,7 +44,13 @@ class HintEpisode:
         if self.boom == "step":
             raise RuntimeError("step broke")
         if "answer" not in action:
-            return "the first letter is " + self.task.word[-1], -0.1, False, False, {"reward_components": {"hints": -0.1}}
+            return (
+                "the first letter is " + self.task.word[-1],
+                -0.1,
+                False,
+                False,
+                {"reward_components": {"hints": -0.1}},
+            )
         ok = action["answer"].strip() == self.task.word[::-1]
         return "", 1.0 if ok else 0.0, True, False, {"reward_components": {"accuracy": 1.0 if ok else 0.0}}
 
@@ -129,8 +141,13 @@ class ParityEnvironment(Environment):
     name = "parity"
     system_prompt = "Answer briefly."
     # the repair task's tool names, which the bundled warm start calls: any valid call ends the episode
-    tools = [{"type": "function", "function": {"name": n, "description": n, "parameters": {"type": "object", "properties": {}}}}
-             for n in ("run_tests", "read_code", "finish")]
+    tools = [
+        {
+            "type": "function",
+            "function": {"name": n, "description": n, "parameters": {"type": "object", "properties": {}}},
+        }
+        for n in ("run_tests", "read_code", "finish")
+    ]
     reward_components = ("parity",)
 
     def load_splits(self, split_seed):

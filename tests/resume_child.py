@@ -60,7 +60,7 @@ def main(argv: list[str]) -> None:
     _signal_rewards()
     from consequence.cli import app
 
-    app(["train", *argv[split + 1:]], standalone_mode=True)
+    app(["train", *argv[split + 1 :]], standalone_mode=True)
 
 
 if __name__ == "__main__":

@@ -31,8 +31,14 @@ from consequence.rollout.episodes import Budgets, EpisodeSpec, run_episodes
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "api.md"
-TINY = {"iterations": 1, "tasks_per_iteration": 2, "group_size": 2, "max_new_tokens": 64, "eval_every": 0,
-        "final_eval_episodes": 0}
+TINY = {
+    "iterations": 1,
+    "tasks_per_iteration": 2,
+    "group_size": 2,
+    "max_new_tokens": 64,
+    "eval_every": 0,
+    "final_eval_episodes": 0,
+}
 QUIET = Console(quiet=True)
 
 
@@ -56,15 +62,30 @@ def _fn_name(fn) -> str:
 
 # ---- exports --------------------------------------------------------------------------------
 def test_import_consequence_exports_exactly_all_and_imports_nothing_heavy():
-    code = ("import sys, consequence as cq; print(cq.__file__ is not None, sorted(m for m in ('torch', 'transformers', "
-            "'pydantic', 'consequence.train') if m in sys.modules))")
+    code = (
+        "import sys, consequence as cq; print(cq.__file__ is not None, sorted(m for m in ('torch', 'transformers', "
+        "'pydantic', 'consequence.train') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/", check=True).stdout
     assert out.strip() == "True []"  # a regular package, lazily filled: `consequence --help` pays nothing
     ns: dict = {}
     exec("from consequence import *", ns)
     assert sorted(k for k in ns if k != "__builtins__") == sorted(cq.__all__)
-    assert sorted(cq.__all__) == sorted(["TrainConfig", "train", "Run", "evaluate", "compare", "Environment",
-                                         "Episode", "SingleTurnEnvironment", "register_env", "RECIPES", "__version__"])
+    assert sorted(cq.__all__) == sorted(
+        [
+            "TrainConfig",
+            "train",
+            "Run",
+            "evaluate",
+            "compare",
+            "Environment",
+            "Episode",
+            "SingleTurnEnvironment",
+            "register_env",
+            "RECIPES",
+            "__version__",
+        ]
+    )
     from importlib import metadata
 
     import consequence.train as train_module  # the loop module stays a module with its contents
@@ -97,7 +118,9 @@ def test_single_turn_example_from_the_docs_trains_and_scores_with_its_reward_fn(
     assert run.config.env == "python:docs_api_single_turn:reward"  # what config.yaml records (docs/api.md §4)
     for path in (run.final_checkpoint / "model.safetensors", run.report_md, run.curves, run.manifest):
         assert path.is_file(), path
-    assert run.checkpoints == (run.final_checkpoint,) and run.report == json.loads((run.dir / "report.json").read_text())
+    assert run.checkpoints == (run.final_checkpoint,) and run.report == json.loads(
+        (run.dir / "report.json").read_text()
+    )
     manifest = json.loads(run.manifest.read_text())
     assert manifest["environment"]["reward_fn"] == "docs_api_single_turn:reward"
     assert manifest["environment"]["dataset_records"] == 100
@@ -138,8 +161,12 @@ def scored_run(tmp_path_factory):
     """One iteration over every train problem (B = 4: the seeded permutation draws each once), G = 2."""
     CALLS.clear()
     data = _dataset()
-    cfg = TrainConfig(run_dir=str(tmp_path_factory.mktemp("scored") / "run"), **{**TINY, "tasks_per_iteration": 4},
-                      max_turns=1, learning_rate=1e-3)
+    cfg = TrainConfig(
+        run_dir=str(tmp_path_factory.mktemp("scored") / "run"),
+        **{**TINY, "tasks_per_iteration": 4},
+        max_turns=1,
+        learning_rate=1e-3,
+    )
     run = cq.train(cfg, env=data, reward_fn=reward, console=QUIET)
     return run, data, list(CALLS)
 
@@ -158,8 +185,11 @@ def test_reward_fn_scores_appear_exactly_and_its_failures_are_env_errors(scored_
         elif mode[t.task_id] == "raise":
             assert (t.outcome, t.reward, t.error) == ("env_error", None, f"reward_fn {name} raised KeyError: 'boom'")
         elif mode[t.task_id] == "nan":
-            assert (t.outcome, t.reward, t.error) == ("env_error", None,
-                                                      f"reward_fn {name} returned nan (float), not a finite number")
+            assert (t.outcome, t.reward, t.error) == (
+                "env_error",
+                None,
+                f"reward_fn {name} returned nan (float), not a finite number",
+            )
         else:
             assert t.outcome == "finished" and t.reward == len(t.final_code) % 2
             assert t.reward_components == {"reward": t.reward} and t.verifier_score == t.reward
@@ -176,32 +206,49 @@ def test_reward_fn_scores_appear_exactly_and_its_failures_are_env_errors(scored_
 
 def _scripted(renderer, text):
     ids = renderer.encode(text) + [renderer.eot_id]
-    return lambda prompts, max_new_tokens, idx: [SimpleNamespace(output_ids=ids, logprobs=[-0.5] * len(ids),
-                                                                 stop_reason="stop") for _ in prompts]
+    return lambda prompts, max_new_tokens, idx: [
+        SimpleNamespace(output_ids=ids, logprobs=[-0.5] * len(ids), stop_reason="stop") for _ in prompts
+    ]
 
 
-@pytest.mark.parametrize("returned, error", [
-    (0.25, None), ({"reward": 0.5, "bonus": 0.25}, None),
-    (float("nan"), "returned nan (float), not a finite number"),
-    (float("inf"), "returned inf (float), not a finite number"),
-    ("0.5", "returned '0.5' (str), not a finite number"),
-    (True, "returned True (bool), not a finite number"),
-    (1.5, "returned a total of 1.5, outside the declared reward_range [0.0, 1.0] (declare reward_range=(low, high))"),
-    ({"reward": 0.5, "style": 0.1}, "returned components 'style', which the environment does not declare "
-                                    "(reward_components=('reward', 'bonus'); declare them)"),
-    ({"reward": float("nan")}, "returned {'reward': nan}, not finite numbers (components {'reward': nan})"),
-    ({}, "returned an empty dict of components"),
-])
+@pytest.mark.parametrize(
+    "returned, error",
+    [
+        (0.25, None),
+        ({"reward": 0.5, "bonus": 0.25}, None),
+        (float("nan"), "returned nan (float), not a finite number"),
+        (float("inf"), "returned inf (float), not a finite number"),
+        ("0.5", "returned '0.5' (str), not a finite number"),
+        (True, "returned True (bool), not a finite number"),
+        (
+            1.5,
+            "returned a total of 1.5, outside the declared reward_range [0.0, 1.0] (declare reward_range=(low, high))",
+        ),
+        (
+            {"reward": 0.5, "style": 0.1},
+            "returned components 'style', which the environment does not declare "
+            "(reward_components=('reward', 'bonus'); declare them)",
+        ),
+        ({"reward": float("nan")}, "returned {'reward': nan}, not finite numbers (components {'reward': nan})"),
+        ({}, "returned an empty dict of components"),
+    ],
+)
 def test_every_reward_fn_value_is_checked_like_a_verifiers(returned, error, tiny_tokenizer):
     def constant(prompt, completion, **info):
         return returned
 
-    env = SingleTurnEnvironment([{"prompt": f"q{i}"} for i in range(10)], constant,
-                                reward_components=("reward", "bonus"))
+    env = SingleTurnEnvironment(
+        [{"prompt": f"q{i}"} for i in range(10)], constant, reward_components=("reward", "bonus")
+    )
     renderer = Renderer(tiny_tokenizer, env.tools)
     task = env.split["train"][0]
-    [t] = run_episodes(_scripted(renderer, "ab"), renderer, [EpisodeSpec(env.make_episode(task), task.task_id, "g", 0, 0)],
-                       Budgets(max_turns=2, max_new_tokens=16, max_total_tokens=400), env.system_prompt)
+    [t] = run_episodes(
+        _scripted(renderer, "ab"),
+        renderer,
+        [EpisodeSpec(env.make_episode(task), task.task_id, "g", 0, 0)],
+        Budgets(max_turns=2, max_new_tokens=16, max_total_tokens=400),
+        env.system_prompt,
+    )
     score_trajectories([t], components=env.reward_components, reward_range=env.reward_range)
     if error is None:
         parts = {"reward": returned} if isinstance(returned, float) else returned
@@ -225,11 +272,17 @@ def test_bad_datasets_and_multi_turn_environments_are_refused_clearly():
         cq.train(TrainConfig(), env=[{"prompt": "a"}])
     from env_fixtures import ReverseEnvironment
 
-    with pytest.raises(ValueError, match=r"a reward_fn scores a single-turn task .* environment 'reverse' is "
-                                         r"multi-turn: it has tools \(hint\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"a reward_fn scores a single-turn task .* environment 'reverse' is "
+        r"multi-turn: it has tools \(hint\)",
+    ):
         SingleTurnEnvironment.scoring(ReverseEnvironment(), fn)
-    env = SingleTurnEnvironment([{"prompt": "x", "problem_id": "p"}, {"prompt": "y", "problem_id": "p"},
-                                 {"prompt": "z"}] + [{"prompt": f"w{i}"} for i in range(7)], fn)
+    env = SingleTurnEnvironment(
+        [{"prompt": "x", "problem_id": "p"}, {"prompt": "y", "problem_id": "p"}, {"prompt": "z"}]
+        + [{"prompt": f"w{i}"} for i in range(7)],
+        fn,
+    )
     homes = {s for s, ts in env.split.items() for t in ts if t.problem_id == "p"}
     assert len(homes) == 1 and sum(map(len, env.split.values())) == 10  # one problem: one split
     assert env.label == f"single-turn:{env.dataset_sha256()[:12]}"
@@ -297,11 +350,18 @@ def test_multi_turn_example_from_the_docs_trains_and_another_process_says_it_can
     monkeypatch.setattr(registry, "_IN_PROCESS", {})
     manifest = json.loads(run.manifest.read_text())
     (run.dir / "manifest.json").write_text(json.dumps({**manifest, "status": "interrupted"}))
-    for args in (["train", "--resume", str(run.dir)], ["reproduce", str(run.dir), "--run-dir", str(tmp_path / "again")]):
+    for args in (
+        ["train", "--resume", str(run.dir)],
+        ["reproduce", str(run.dir), "--run-dir", str(tmp_path / "again")],
+    ):
         res = CliRunner().invoke(app, args, env={"COLUMNS": "300"})
         text = " ".join(res.output.split())
-        assert res.exit_code == 2 and "--env python:docs_api_multi_turn:GuessNumber: this run's environment was a " \
-            "Python object given to consequence.train(env=...)" in text, res.output
+        assert (
+            res.exit_code == 2
+            and "--env python:docs_api_multi_turn:GuessNumber: this run's environment was a "
+            "Python object given to consequence.train(env=...)"
+            in text
+        ), res.output
         assert "cannot be re-created from the run's config" in text and "Traceback" not in res.output
     assert not (tmp_path / "again").exists()
 
@@ -319,8 +379,18 @@ def test_evaluate_and_compare_return_what_they_write(scored_run, tmp_path):
     from consequence.policy.tiny import BUNDLED
 
     clean = [{**r, "mode": "len"} for r in data]  # no failing record: every pair of episodes counts
-    res = cq.compare(BUNDLED, run.final_checkpoint, env=clean, reward_fn=reward, split="train", n=1, problems=2,
-                     recovery=False, max_turns=1, out=tmp_path / "cmp")
+    res = cq.compare(
+        BUNDLED,
+        run.final_checkpoint,
+        env=clean,
+        reward_fn=reward,
+        split="train",
+        n=1,
+        problems=2,
+        recovery=False,
+        max_turns=1,
+        out=tmp_path / "cmp",
+    )
     assert res == json.loads((tmp_path / "cmp" / "compare.json").read_text())
     paired = res["paired"]
     assert paired["n_groups"] == 2 and paired["low"] <= paired["diff"] <= paired["high"]
@@ -341,8 +411,10 @@ def test_a_hub_id_offline_is_a_clear_error_before_any_work(tmp_path, monkeypatch
     with pytest.raises(ValueError) as e:
         cq.train(cfg, console=QUIET)
     message = str(e.value)
-    assert message.startswith(f"--model {HUB_ID}: no such local folder, so it is read as a Hugging Face hub id; "
-                              "hub ids are fetched only when the machine is online, and HF_HUB_OFFLINE is set")
+    assert message.startswith(
+        f"--model {HUB_ID}: no such local folder, so it is read as a Hugging Face hub id; "
+        "hub ids are fetched only when the machine is online, and HF_HUB_OFFLINE is set"
+    )
     assert f"hf download {HUB_ID} --local-dir DIR" in message and "unset HF_HUB_OFFLINE" in message
     assert not (tmp_path / "r").exists()
     for args in (["train", "--model", HUB_ID, "--run-dir", str(tmp_path / "r")], ["eval", "--model", HUB_ID]):

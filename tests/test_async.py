@@ -143,8 +143,15 @@ class FakeWorker:
 
     def run(self, batch, version, state_ref):
         trajs = [SimpleNamespace(group_id=f"{batch}/t{g}") for g in range(2) for _ in range(2)]  # 2 groups
-        return {"batch": batch, "version": version, "trajectories": trajs, "stats": {"gen_tokens_total": 0},
-                "worker": self.slot, "rollout_s": 1.0, "load_s": 0.0}
+        return {
+            "batch": batch,
+            "version": version,
+            "trajectories": trajs,
+            "stats": {"gen_tokens_total": 0},
+            "worker": self.slot,
+            "rollout_s": 1.0,
+            "load_s": 0.0,
+        }
 
 
 def _scheduler(workers, k, ray, done=frozenset(), timeout=1800.0):
@@ -187,8 +194,12 @@ def test_the_trainer_keeps_its_threads_and_workers_start_with_theirs(monkeypatch
     s.close()
     assert calls == []
     cores = torch.get_num_threads()
-    assert ray.options == [{"scheduling_strategy": "SPREAD",
-                            "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(cores), "MKL_NUM_THREADS": str(cores)}}}]
+    assert ray.options == [
+        {
+            "scheduling_strategy": "SPREAD",
+            "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(cores), "MKL_NUM_THREADS": str(cores)}},
+        }
+    ]
 
 
 def test_k1_one_worker_samples_the_next_batch_during_the_update():
@@ -286,8 +297,9 @@ def test_sequence_level_masked_is_uses_the_geometric_mean():
 
 
 def test_masked_tokens_leave_the_loss_and_its_denominator():
-    row = TrainingRow(input_ids=[1, 2, 3, 4], loss_mask=[0, 1, 1, 1],
-                      old_logprobs=[0.0, math.log(3.0), 0.0, 0.0], traj_index=0)
+    row = TrainingRow(
+        input_ids=[1, 2, 3, 4], loss_mask=[0, 1, 1, 1], old_logprobs=[0.0, math.log(3.0), 0.0, 0.0], traj_index=0
+    )
     out, m = apply_is_mask([row], [[0.0, 0.0, 0.0, 0.0]], 0.5, 2.0, "token")
     assert out[0].loss_mask == [0, 0, 1, 1]
     assert m == {"is_masked_token_fraction": pytest.approx(1 / 3), "is_masked_rows": 0.0}
@@ -307,8 +319,9 @@ def test_masked_is_with_a_tis_cap_is_token_level_mis_by_hand():
     rows, m = apply_is_mask([row], [mu], 0.5, 2.0, "token")
     assert rows[0].loss_mask == [0, 0, 1, 0, 0, 1] and m["is_masked_token_fraction"] == pytest.approx(0.5)
     model.zero_grad(set_to_none=True)
-    accumulate_gradients(model, rows, [0.7], UpdateConfig(tis_cap=2.0, reduction="token_mean"), PAD, ref_logprobs,
-                         sampler_logprobs=[mu])
+    accumulate_gradients(
+        model, rows, [0.7], UpdateConfig(tis_cap=2.0, reduction="token_mean"), PAD, ref_logprobs, sampler_logprobs=[mu]
+    )
     got = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     ids = torch.tensor([row.input_ids])
@@ -334,8 +347,13 @@ def test_a_stale_uncorrected_gap_warns_once_instead_of_the_engine_mismatch_warni
 
     fresh = {"lag_max": 0, "first_step_ratio_min": 0.5, "first_step_ratio_max": 1.0}
     assert any("ratio far from 1" in w for w in warnings_for([fresh]))  # lag 0: the sampler should match
-    stale = {"lag_max": 1, "first_step_ratio_min": 0.05, "first_step_ratio_max": 2.1, "is_ratio_outside_band": 0.02,
-             "sampler_trainer_kl": 5.7e-4}
+    stale = {
+        "lag_max": 1,
+        "first_step_ratio_min": 0.05,
+        "first_step_ratio_max": 2.1,
+        "is_ratio_outside_band": 0.02,
+        "sampler_trainer_kl": 5.7e-4,
+    }
     (w,) = warnings_for([fresh, stale])
     assert w.startswith("stale batches are far from the trainer: 2.0% of target tokens") and "--is-mask token" in w
     assert warnings_for([fresh, stale, dict(stale)]) == []  # once per run

@@ -26,12 +26,23 @@ from consequence.records import read_trajectories
 from consequence.train import train
 from consequence.warmstart import BUNDLED
 
-pytestmark = [pytest.mark.slow,  # Ray workers and training runs: minutes each
-              pytest.mark.skipif(importlib.util.find_spec("ray") is None,
-                                 reason="ray is not installed (pip install 'consequence[ray]')")]
+pytestmark = [
+    pytest.mark.slow,  # Ray workers and training runs: minutes each
+    pytest.mark.skipif(
+        importlib.util.find_spec("ray") is None, reason="ray is not installed (pip install 'consequence[ray]')"
+    ),
+]
 
-SMALL = dict(model=str(BUNDLED), iterations=2, tasks_per_iteration=2, group_size=2, eval_every=0, max_turns=2,
-             max_new_tokens=16, final_eval_episodes=0)
+SMALL = dict(
+    model=str(BUNDLED),
+    iterations=2,
+    tasks_per_iteration=2,
+    group_size=2,
+    eval_every=0,
+    max_turns=2,
+    max_new_tokens=16,
+    final_eval_episodes=0,
+)
 TIMINGS = {"rollout_s", "update_s", "rollout_tokens_per_s", "iteration_s"}
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -67,12 +78,44 @@ def test_k0_reproduces_the_synchronous_run_after_optimizer_steps_with_default_th
     the trainer's threads, and the worker must compute as the trainer (worker_runtime_env)."""
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "RAY_ADDRESS")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests")])
-    args = ["train", "--model", str(BUNDLED), "--env", "env_fixtures:ParityEnvironment", "--iterations", "3",
-            "--tasks-per-iteration", "2", "--group-size", "4", "--eval-every", "0", "--final-eval-episodes", "0",
-            "--max-turns", "1", "--max-new-tokens", "24", "--skip-checks"]
+    args = [
+        "train",
+        "--model",
+        str(BUNDLED),
+        "--env",
+        "env_fixtures:ParityEnvironment",
+        "--iterations",
+        "3",
+        "--tasks-per-iteration",
+        "2",
+        "--group-size",
+        "4",
+        "--eval-every",
+        "0",
+        "--final-eval-episodes",
+        "0",
+        "--max-turns",
+        "1",
+        "--max-new-tokens",
+        "24",
+        "--skip-checks",
+    ]
     for name, extra in (("sync", []), ("async", ["--rollout-workers", "1"])):
-        out = subprocess.run([sys.executable, "-c", "from consequence.cli import app; app()", *args, *extra,
-                              "--run-dir", str(tmp_path / name)], env=env, capture_output=True, text=True, timeout=600)
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "from consequence.cli import app; app()",
+                *args,
+                *extra,
+                "--run-dir",
+                str(tmp_path / name),
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     sync, asyn = _metrics(tmp_path / "sync"), _metrics(tmp_path / "async")
     assert [m["optimizer_steps_taken"] for m in sync] == [1.0, 1.0, 1.0]  # every iteration moved the weights
@@ -86,18 +129,30 @@ def test_k0_reproduces_the_synchronous_run_after_optimizer_steps_with_default_th
     w = [load_file(tmp_path / run / "checkpoints" / "final" / "model.safetensors") for run in ("sync", "async")]
     assert w[0].keys() == w[1].keys() and all(torch.equal(w[0][k], w[1][k]) for k in w[0])
     manifest = json.loads((tmp_path / "async" / "manifest.json").read_text())
-    trainer_threads = json.loads(subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
-                                                env=env, capture_output=True, text=True).stdout)
+    trainer_threads = json.loads(
+        subprocess.run(
+            [sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
+            env=env,
+            capture_output=True,
+            text=True,
+        ).stdout
+    )
     assert [w["threads"] for w in manifest["rollout_workers"][0]["where"]] == [trainer_threads]
 
 
 def test_two_workers_with_staleness_and_a_dying_worker_finish_with_the_report(tmp_path):
     marker = tmp_path / "died"
     run = tmp_path / "run"
-    cfg = TrainConfig(**{**SMALL, "iterations": 4, "final_eval_episodes": 2}, run_dir=str(run),
-                      env="env_fixtures:ReverseEnvironment",
-                      env_options={"words": ["abc", "de", "fgh", "ij", "kl"], "boom": f"die-once:{marker}"},
-                      rollout_workers=2, max_staleness=2, final_eval_splits=["test"], final_eval_decoding=["greedy"])
+    cfg = TrainConfig(
+        **{**SMALL, "iterations": 4, "final_eval_episodes": 2},
+        run_dir=str(run),
+        env="env_fixtures:ReverseEnvironment",
+        env_options={"words": ["abc", "de", "fgh", "ij", "kl"], "boom": f"die-once:{marker}"},
+        rollout_workers=2,
+        max_staleness=2,
+        final_eval_splits=["test"],
+        final_eval_decoding=["greedy"],
+    )
     report = train(cfg, Console(quiet=True))
     assert int(marker.read_text()) != os.getpid()  # it was a worker process that died
     ms = _metrics(run)
@@ -118,13 +173,41 @@ def test_two_workers_with_staleness_and_a_dying_worker_finish_with_the_report(tm
 
 def test_kill_minus_9_of_the_trainer_then_resume_trains_every_batch_once(tmp_path):
     run, marker = tmp_path / "run", tmp_path / "paused"
-    args = ["--model", str(BUNDLED), "--iterations", "4", "--tasks-per-iteration", "2", "--group-size", "2",
-            "--eval-every", "0", "--final-eval-episodes", "0", "--skip-checks", "--max-turns", "2",
-            "--max-new-tokens", "16", "--rollout-workers", "2", "--max-staleness", "1", "--run-dir", str(run)]
+    args = [
+        "--model",
+        str(BUNDLED),
+        "--iterations",
+        "4",
+        "--tasks-per-iteration",
+        "2",
+        "--group-size",
+        "2",
+        "--eval-every",
+        "0",
+        "--final-eval-episodes",
+        "0",
+        "--skip-checks",
+        "--max-turns",
+        "2",
+        "--max-new-tokens",
+        "16",
+        "--rollout-workers",
+        "2",
+        "--max-staleness",
+        "1",
+        "--run-dir",
+        str(run),
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "400"}
     child = [sys.executable, str(ROOT / "tests" / "resume_child.py")]
-    proc = subprocess.Popen([*child, f"update:2:{marker}", "--", *args], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [*child, f"update:2:{marker}", "--", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         t0 = time.monotonic()
         while not marker.exists():  # paused after the second update, batches in flight on the workers

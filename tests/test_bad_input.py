@@ -50,12 +50,18 @@ def test_resume_takes_the_saved_config(old_run):
     assert (cfg.iterations, cfg.learning_rate, cfg.run_dir) == (3, 1e-3, str(old_run))
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["--learning-rate", "0.5", "--iterations", "3"], "these options differ from it: --learning-rate 0.5 (the run has 0.001)"),
-    (["--run-dir", "/tmp/elsewhere"], "--run-dir conflicts with --resume"),
-    (["--config", "x.yaml"], "drop --config x.yaml"),
-    (["--group-size", "0"], "group_size (--group-size): Input should be greater than or equal to 1"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (
+            ["--learning-rate", "0.5", "--iterations", "3"],
+            "these options differ from it: --learning-rate 0.5 (the run has 0.001)",
+        ),
+        (["--run-dir", "/tmp/elsewhere"], "--run-dir conflicts with --resume"),
+        (["--config", "x.yaml"], "drop --config x.yaml"),
+        (["--group-size", "0"], "group_size (--group-size): Input should be greater than or equal to 1"),
+    ],
+)
 def test_resume_rejects_conflicting_options(old_run, args, needle):
     res = _invoke("--resume", str(old_run), *args)
     assert res.exit_code == 2 and needle in " ".join(res.output.split()), res.output

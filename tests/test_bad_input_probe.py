@@ -13,16 +13,18 @@ def _run(*args):
 
 
 def test_eval_refuses_a_budget_in_which_no_episode_can_act(tmp_path):
-    code, out, _ = _run("eval", "--problems", "2", "-n", "1", "--no-recovery", "--max-total-tokens", "20",
-                        "--out", str(tmp_path / "e"))
+    code, out, _ = _run(
+        "eval", "--problems", "2", "-n", "1", "--no-recovery", "--max-total-tokens", "20", "--out", str(tmp_path / "e")
+    )
     assert code == 2 and "--max-total-tokens 20 is too small" in out and "at least" in out
     assert not (tmp_path / "e" / "eval.json").exists()
 
 
 def test_a_bad_value_in_the_config_file_is_refused_even_when_the_command_line_overrides_it(tmp_path):
     (tmp_path / "c.yaml").write_text('iterations: "abc"\n')
-    code, out, _ = _run("train", "--config", str(tmp_path / "c.yaml"), "--iterations", "1",
-                        "--run-dir", str(tmp_path / "run"))
+    code, out, _ = _run(
+        "train", "--config", str(tmp_path / "c.yaml"), "--iterations", "1", "--run-dir", str(tmp_path / "run")
+    )
     assert code == 2 and "iterations (--iterations): Input should be a valid integer" in out
 
 

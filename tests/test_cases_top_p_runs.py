@@ -13,15 +13,31 @@ import json
 import math
 
 import pytest
-from reward_signal import odd_samples_win
 from typer.testing import CliRunner
 
 import consequence.iteration as iteration_module
 from consequence.cli import app
 from consequence.warmstart import BUNDLED
+from reward_signal import odd_samples_win
 
-SMALL = ["--iterations", "2", "--tasks-per-iteration", "2", "--group-size", "4", "--max-turns", "3",
-         "--max-new-tokens", "40", "--final-eval-episodes", "0", "--eval-every", "0", "--learning-rate", "3e-3"]
+SMALL = [
+    "--iterations",
+    "2",
+    "--tasks-per-iteration",
+    "2",
+    "--group-size",
+    "4",
+    "--max-turns",
+    "3",
+    "--max-new-tokens",
+    "40",
+    "--final-eval-episodes",
+    "0",
+    "--eval-every",
+    "0",
+    "--learning-rate",
+    "3e-3",
+]
 CASES = {
     "epochs-and-mini-batches": ["--top-p", "0.9", "--epochs-per-batch", "2", "--mini-batches", "2"],
     "kl-to-reference": ["--top-p", "0.9", "--kl-coef", "0.05"],  # π_ref stays behind the sampler
@@ -39,8 +55,9 @@ def signal(monkeypatch):
 @pytest.mark.parametrize("case", list(CASES))
 def test_case_14_top_p_run_finishes_with_ratio_one_on_the_first_step(case, signal, tmp_path):
     run = tmp_path / "run"
-    res = CliRunner().invoke(app, ["train", "--model", str(BUNDLED), "--run-dir", str(run), *SMALL, *CASES[case]],
-                             env={"COLUMNS": "250"})
+    res = CliRunner().invoke(
+        app, ["train", "--model", str(BUNDLED), "--run-dir", str(run), *SMALL, *CASES[case]], env={"COLUMNS": "250"}
+    )
     assert res.exit_code == 0, res.output
     lines = (run / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 2

@@ -16,9 +16,16 @@ NO_CRITIC = SimpleNamespace(reference=None, critic=None, teacher=None)
 
 
 def _traj(sample_id, reward, outcome="finished", calls=1):
-    t = Trajectory(task_id="p#0", group_id="p#0@0", sample_id=sample_id, seed=sample_id, policy_version=0,
-                   calls=[ModelCall([1, 2 + k], [3, 4], [-0.1, -0.2], "stop") for k in range(calls)],
-                   outcome=outcome, reward=reward)
+    t = Trajectory(
+        task_id="p#0",
+        group_id="p#0@0",
+        sample_id=sample_id,
+        seed=sample_id,
+        policy_version=0,
+        calls=[ModelCall([1, 2 + k], [3, 4], [-0.1, -0.2], "stop") for k in range(calls)],
+        outcome=outcome,
+        reward=reward,
+    )
     return t
 
 
@@ -39,8 +46,9 @@ def test_case_05_a_truncated_episode_enters_the_baseline_and_overlong_filtering_
     batch = credit(trajs, TrainConfig(advantage="grpo", overlong_filter=True), NO_CRITIC, pad_id=0)
     assert [t.advantage for t in trajs] == pytest.approx([1.0, -1.0], abs=1e-5)  # it counted in the group
     assert [r.traj_index for r in batch.rows] == [0] and batch.advantages == pytest.approx([1.0], abs=1e-5)
-    kept = credit([_traj(0, 1.0), _traj(1, 0.0, outcome="truncated", calls=3)], TrainConfig(advantage="grpo"),
-                  NO_CRITIC, pad_id=0)
+    kept = credit(
+        [_traj(0, 1.0), _traj(1, 0.0, outcome="truncated", calls=3)], TrainConfig(advantage="grpo"), NO_CRITIC, pad_id=0
+    )
     assert sorted({r.traj_index for r in kept.rows}) == [0, 1]  # without the filter it is trained on
 
 
@@ -51,7 +59,7 @@ def test_case_04_humaneval_prompt_too_long_stays_in_n():
 
     tasks = load_humaneval()
     a, b = tasks[0], tasks[2]
-    good_a = a.reference_code[len(a.prompt):]
+    good_a = a.reference_code[len(a.prompt) :]
     res = score_completions([a, b], [[good_a], [""]], ks=(1,), flags=[["stop"], ["too_long"]])
     assert res.pass_at_k[1] == pytest.approx(0.5)  # not 1/1 = 1.0 with the long prompt dropped
     assert res.prompt_too_long == 1 and res.samples == 2
@@ -112,27 +120,39 @@ def test_case_13_two_tool_calls_in_one_sampled_turn_share_one_observation(tmp_pa
 
     renderer = Renderer(load_policy(BUNDLED)[1], TOOLS)
     task = make_tasks(load_split(0)["validation"], 1, seed=0)[0]
-    turns = [renderer.format_call("run_tests", {}) + "\n" + renderer.format_call("read_code", {}),
-             renderer.format_call("finish", {})]
+    turns = [
+        renderer.format_call("run_tests", {}) + "\n" + renderer.format_call("read_code", {}),
+        renderer.format_call("finish", {}),
+    ]
 
     def gen(prompts, max_new, idx):
         text = turns[min(len(gen.calls), 1)]
         gen.calls.append(prompts[0])
         ids = renderer.encode(text) + [renderer.eot_id]
         return [Sample(ids, [0.0] * len(ids), "stop")]
+
     gen.calls = []
 
-    [t] = run_episodes(gen, renderer, [EpisodeSpec(RepairEnv(task), task.task_id, task.task_id, 0, 0)],
-                       Budgets(max_new_tokens=96), SYSTEM_PROMPT)
+    [t] = run_episodes(
+        gen,
+        renderer,
+        [EpisodeSpec(RepairEnv(task), task.task_id, task.task_id, 0, 0)],
+        Budgets(max_new_tokens=96),
+        SYSTEM_PROMPT,
+    )
     assert t.outcome == "finished" and t.n_tool_calls == 3
     [row] = trajectory_to_rows(t)
     first, second = t.calls
     assert len(row.input_ids) == len(row.loss_mask) == len(row.old_logprobs)
     # exact mask: context, sampled turn 1 (both calls + end-of-turn), ONE observation, turn 2
-    assert row.loss_mask == ([0] * len(first.context_ids) + [1] * len(first.output_ids)
-                             + [0] * len(first.observation_ids) + [1] * len(second.output_ids))
+    assert row.loss_mask == (
+        [0] * len(first.context_ids)
+        + [1] * len(first.output_ids)
+        + [0] * len(first.observation_ids)
+        + [1] * len(second.output_ids)
+    )
     obs = renderer.tokenizer.decode(first.observation_ids)
-    assert obs.count("<tool_response>") == 2 and second.context_ids == row.input_ids[:len(second.context_ids)]
+    assert obs.count("<tool_response>") == 2 and second.context_ids == row.input_ids[: len(second.context_ids)]
     # the row is the template's own rendering of the conversation (no re-tokenisation drift)
     text = renderer.render_text(t.messages[:-2], add_generation_prompt=True)  # before the finish turn
     assert renderer.tokenizer.decode(second.context_ids) == text
@@ -145,8 +165,10 @@ def test_case_08_a_template_that_rewrites_earlier_turns_is_refused(tiny_tokenize
 
     tok = copy.deepcopy(tiny_tokenizer)
     # the turn count is printed first, so every new message changes the text before it
-    tok.chat_template = ("{{ messages|length }}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
-                         "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tok.chat_template = (
+        "{{ messages|length }}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+        "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
     r = Renderer(tok, [])
     history = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
     with pytest.raises(ValueError, match="re-renders earlier turns differently"):

@@ -30,8 +30,16 @@ def _traj(i, task="t1", group="g1", outputs=((5, 6, EOT), (7, EOT))):
         obs = [3, 4]
         calls.append(ModelCall(list(ctx), list(out), [-0.5] * len(out), "stop", observation_ids=obs))
         ctx = ctx + list(out) + obs
-    return Trajectory(task_id=task, group_id=group, sample_id=i, seed=i, policy_version=0, calls=calls,
-                      outcome="finished", reward=float(i % 2))
+    return Trajectory(
+        task_id=task,
+        group_id=group,
+        sample_id=i,
+        seed=i,
+        policy_version=0,
+        calls=calls,
+        outcome="finished",
+        reward=float(i % 2),
+    )
 
 
 def _rows(trajs):
@@ -134,5 +142,13 @@ def test_run_pre_step_checks_raises_with_the_failures_listed():
     rows = [dataclasses.replace(r, traj_index=i) for i, r in enumerate(rows)]
     cfg = SimpleNamespace(temperature=1.0, advantage="grpo")
     with pytest.raises(PreStepCheckError, match=r"(?s)ratio:.*groups:.*--skip-checks"):
-        run_pre_step_checks(model=model, trajs=trajs, rows=rows, pad_id=PAD, stop_ids={EOT},
-                            logprob_fn=ref_logprobs, cfg=cfg, ucfg=UpdateConfig())
+        run_pre_step_checks(
+            model=model,
+            trajs=trajs,
+            rows=rows,
+            pad_id=PAD,
+            stop_ids={EOT},
+            logprob_fn=ref_logprobs,
+            cfg=cfg,
+            ucfg=UpdateConfig(),
+        )

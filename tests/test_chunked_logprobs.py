@@ -35,9 +35,17 @@ ATOL, RTOL = 1e-5, 1e-6
 def _llama(tied: bool, seed: int = 0, scale: float = 4.0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      tie_word_embeddings=tied, pad_token_id=0)
+    cfg = LlamaConfig(
+        vocab_size=V,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=tied,
+        pad_token_id=0,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         m = LlamaForCausalLM(cfg).float().eval()
@@ -89,8 +97,7 @@ def _loss_mask(am):
 def _run(model, ids, am, chunk_size, entropy_grad=True, **kw):
     """(lp [N,S-1], ent [N,S-1], {param: grad}) of a loss on masked targets + entropy."""
     model.zero_grad(set_to_none=True)
-    lp, ent = token_logprobs(model, ids, am, with_entropy=True, entropy_grad=entropy_grad,
-                             chunk_size=chunk_size, **kw)
+    lp, ent = token_logprobs(model, ids, am, with_entropy=True, entropy_grad=entropy_grad, chunk_size=chunk_size, **kw)
     m = _loss_mask(am) > 0
     w = torch.linspace(-1.0, 1.0, lp.numel()).view_as(lp)
     loss = torch.where(m & torch.isfinite(lp), lp * w, 0.0).sum()
@@ -230,8 +237,12 @@ def test_model_without_split_chunks_its_processing(kw):
 @pytest.mark.slow
 def test_errors_and_edge_cases(model):
     ids, am, keep_index = _sample_batch(model, 1.0, 0, 0.9)
-    for bad in (torch.tensor([[0, 0, 1]]), torch.tensor([[0, 13, 1]]), torch.tensor([[3, 2, 1]]),
-                torch.tensor([[0, 2, V]])):
+    for bad in (
+        torch.tensor([[0, 0, 1]]),
+        torch.tensor([[0, 13, 1]]),
+        torch.tensor([[3, 2, 1]]),
+        torch.tensor([[0, 2, V]]),
+    ):
         with pytest.raises(ValueError, match="keep_index names a position"):
             token_logprobs(model, ids, am, keep_index=bad, chunk_size=5)
     with pytest.raises(ValueError, match="chunk_size"):
@@ -299,8 +310,11 @@ def test_ppo_step_gradient_unchanged_by_chunking():
             if r == i:
                 keep[j] = (keep[j] or []) + [t]
         old = [0.0] + [float(x) - 0.05 * (k % 3) for k, x in enumerate(lp[i, : n - 1])]
-        rows.append(TrainingRow(ids[i, :n].tolist(), mask, [o if m else 0.0 for o, m in zip(old, mask)],
-                                traj_index=i, keep_ids=keep))
+        rows.append(
+            TrainingRow(
+                ids[i, :n].tolist(), mask, [o if m else 0.0 for o, m in zip(old, mask)], traj_index=i, keep_ids=keep
+            )
+        )
     cfg = UpdateConfig(micro_batch_size=2, temperature=0.9, entropy_coef=0.01)
     grads = []
     for chunk in (0, 5):

@@ -23,14 +23,20 @@ def test_unpaired_arms_are_refused():
 
 
 def test_truncated_episode_is_not_a_success_and_summary_counts_outcomes():
-    s = summarize([_t("p#0", 0), _t("p#0", 1, "truncated", None), _t("p#0", 2, score=0.0), _t("p#0", 3, "env_error", None)])
+    s = summarize(
+        [_t("p#0", 0), _t("p#0", 1, "truncated", None), _t("p#0", 2, score=0.0), _t("p#0", 3, "env_error", None)]
+    )
     # success over the 3 episodes whose environment did not fail; outcome shares over all 4
     assert s["success"] == pytest.approx(1 / 3) and s["truncated"] == 0.25 and s["env_error"] == 0.25
 
 
 def test_reward_box_scores_verifier_and_keeps_env_errors_out():
-    ts = [_t("p#0", 0), _t("p#0", 1, "truncated", None), _t("p#0", 2, "env_error", None),
-          _t("p#0", 3, score=float("nan"))]
+    ts = [
+        _t("p#0", 0),
+        _t("p#0", 1, "truncated", None),
+        _t("p#0", 2, "env_error", None),
+        _t("p#0", 3, score=float("nan")),
+    ]
     score_trajectories(ts)
     assert [t.reward for t in ts] == [1.0, 0.0, None, None]
     assert ts[3].outcome == "env_error" and "nan" in ts[3].error.lower()
@@ -57,15 +63,18 @@ def test_a_constant_answer_policy_is_flagged_in_the_final_report():
     from consequence.evaluate.compare import constant_answer_warning
 
     def arm(answers, solved):
-        return [Trajectory(f"p{i}#0", f"p{i}#0", 0, 0, 0, outcome="finished", verifier_score=float(s),
-                           final_code=a) for i, (a, s) in enumerate(zip(answers, solved))]
+        return [
+            Trajectory(f"p{i}#0", f"p{i}#0", 0, 0, 0, outcome="finished", verifier_score=float(s), final_code=a)
+            for i, (a, s) in enumerate(zip(answers, solved))
+        ]
 
     warm = summarize(arm(["1"] * 18 + ["2", "3"], [1] * 10 + [0] * 10))
     rl = summarize(arm(["1"] * 20, [1] * 12 + [0] * 8))
     assert rl["top_answer"] == "1" and rl["top_answer_share"] == 1.0 and warm["top_answer_share"] == 0.9
     w = constant_answer_warning("test", "greedy", warm, rl)
-    assert w.startswith("test, greedy: the RL policy gave the same final answer '1' in 100% of its episodes "
-                        "(warm start: 90%)")
+    assert w.startswith(
+        "test, greedy: the RL policy gave the same final answer '1' in 100% of its episodes (warm start: 90%)"
+    )
     assert constant_answer_warning("test", "greedy", rl, rl) is None  # no more concentrated than before
     programs = summarize(arm([f"def f(): return {i}" for i in range(20)], [1] * 20))
     assert programs["top_answer_share"] == 0.05 and constant_answer_warning("test", "greedy", warm, programs) is None
@@ -83,12 +92,26 @@ def test_answers_copied_from_the_question_are_flagged():
     from consequence.records import ModelCall
 
     def ep(i, words, answer, ok):
-        msgs = [{"role": "system", "content": "sys"}, {"role": "user", "content": "Sort: b, a"},
-                {"role": "assistant", "content": "<answer>a, b</answer>"},  # a worked example
-                {"role": "user", "content": f"Sort these words: {words}\n"},
-                {"role": "assistant", "content": f"<answer>{answer}</answer>"}, {"role": "user", "content": "accuracy"}]
-        return Trajectory(f"p{i}#0", f"p{i}#0", 0, 0, 0, calls=[ModelCall([1], [2], [0.0], "stop")],
-                          outcome="finished", verifier_score=float(ok), final_code=answer, messages=msgs)
+        msgs = [
+            {"role": "system", "content": "sys"},
+            {"role": "user", "content": "Sort: b, a"},
+            {"role": "assistant", "content": "<answer>a, b</answer>"},  # a worked example
+            {"role": "user", "content": f"Sort these words: {words}\n"},
+            {"role": "assistant", "content": f"<answer>{answer}</answer>"},
+            {"role": "user", "content": "accuracy"},
+        ]
+        return Trajectory(
+            f"p{i}#0",
+            f"p{i}#0",
+            0,
+            0,
+            0,
+            calls=[ModelCall([1], [2], [0.0], "stop")],
+            outcome="finished",
+            verifier_score=float(ok),
+            final_code=answer,
+            messages=msgs,
+        )
 
     given = [("a, b, c" if i < 5 else "c, a, b") for i in range(20)]
     rl = summarize([ep(i, w, w, i < 5) for i, w in enumerate(given)])  # copies: right on the 5 sorted ones
@@ -97,8 +120,13 @@ def test_answers_copied_from_the_question_are_flagged():
     assert (rl["success"], rl["copied_answer_share"], rl["success_not_copied"]) == (0.25, 1.0, 0.0)
     assert (warm["copied_answer_share"], warm["success_not_copied"]) == (0.0, 0.05)
     w = copied_answer_warning("test", "greedy", warm, rl)
-    assert w.startswith("test, greedy: the RL policy's final answer is text copied from the question in 100% of "
-                        "its episodes (warm start: 0%)") and "5.0% → 0.0%" in w
+    assert (
+        w.startswith(
+            "test, greedy: the RL policy's final answer is text copied from the question in 100% of "
+            "its episodes (warm start: 0%)"
+        )
+        and "5.0% → 0.0%" in w
+    )
     assert copied_answer_warning("test", "greedy", rl, rl) is None  # not more than before
     assert not answer_in_text("1", "count the letters of word_1 in 1 second")  # short answers: not counted
     assert not answer_in_text("cat", "concatenate") and answer_in_text("cat", "the cat sat")  # whole words only

@@ -28,10 +28,13 @@ def test_extract_completion_raw_cuts_at_stop_sequences(he):
 @pytest.mark.slow
 def test_extract_completion_chat_takes_the_defining_block(he):
     t = he[0]
-    reply = ("Sure.\n```python\nimport math\n```\nand\n```python\n"
-             "def has_close_elements(numbers, threshold):\n    return False\n```\nDone.")
+    reply = (
+        "Sure.\n```python\nimport math\n```\nand\n```python\n"
+        "def has_close_elements(numbers, threshold):\n    return False\n```\nDone."
+    )
     assert comp.extract_completion(reply, t, "chat") == (
-        "\ndef has_close_elements(numbers, threshold):\n    return False\n")
+        "\ndef has_close_elements(numbers, threshold):\n    return False\n"
+    )
     assert comp.extract_completion("```\n    return True\n```", t, "chat") == "    return True\n"
     assert comp.extract_completion("no code", t, "chat") == "no code"
     with pytest.raises(ValueError, match="unknown prompt mode"):
@@ -41,9 +44,13 @@ def test_extract_completion_chat_takes_the_defining_block(he):
 @pytest.mark.slow
 def test_score_completions_pass_at_k_values(he):
     a, b = he
-    good_a = a.reference_code[len(a.prompt):]
-    res = comp.score_completions([a, b], [[good_a, "", good_a], ["", "", "    return 0.0\n"]],
-                                 ks=(1, 2), flags=[["stop", "length", "stop"], ["stop"] * 3])
+    good_a = a.reference_code[len(a.prompt) :]
+    res = comp.score_completions(
+        [a, b],
+        [[good_a, "", good_a], ["", "", "    return 0.0\n"]],
+        ks=(1, 2),
+        flags=[["stop", "length", "stop"], ["stop"] * 3],
+    )
     # task a: n=3, c=2 -> pass@1 2/3, pass@2 = 1 (n - c < k); task b: c=0
     assert [r["correct"] for r in res.per_task] == [2, 0]
     assert res.pass_at_k[1] == pytest.approx((2 / 3 + 0) / 2)
@@ -75,14 +82,12 @@ def test_env_errors_are_retried_then_dropped_from_n(he, monkeypatch):
 
 @pytest.mark.slow
 def test_evaluate_tiny_model_end_to_end(he, tmp_path):
-    res = comp.evaluate_completions(TINY, list(he), n=2, ks=(1, 2), temperature=1.0, seed=3,
-                                    max_new_tokens=8)
+    res = comp.evaluate_completions(TINY, list(he), n=2, ks=(1, 2), temperature=1.0, seed=3, max_new_tokens=8)
     assert res.settings["prompt_mode"] == "chat" and res.settings["n"] == 2
     assert res.samples == 4 and res.env_errors == 0
     assert res.pass_at_k == {1: 0.0, 2: 0.0}  # the tiny model was trained on tool calls only
     assert all(len(r["completions"]) == 2 for r in res.per_task)
-    again = comp.evaluate_completions(TINY, list(he), n=2, ks=(1,), temperature=1.0, seed=3,
-                                      max_new_tokens=8)
+    again = comp.evaluate_completions(TINY, list(he), n=2, ks=(1,), temperature=1.0, seed=3, max_new_tokens=8)
     assert [r["completions"] for r in again.per_task] == [r["completions"] for r in res.per_task]
     path = comp.save_eval(res, tmp_path / "eval.json")
     saved = json.loads(path.read_text())

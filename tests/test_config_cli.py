@@ -14,15 +14,18 @@ def test_defaults_are_valid_and_yaml_overrides(tmp_path):
     assert (cfg.iterations, cfg.group_size) == (3, 6)
 
 
-@pytest.mark.parametrize("text,needle", [
-    ("iteratons: 3\n", "iteratons (--iteratons): unknown option; did you mean iterations?"),
-    ("group_size: 0\n", "group_size (--group-size): Input should be greater than or equal to 1"),
-    ("group_size: 1\n", "--group-size 1 gives a group-relative advantage nothing to compare with"),
-    ("reduction: mean\n", "reduction (--reduction): Input should be"),
-    ("- 1\n- 2\n", "must hold a mapping"),
-    ("iterations: [1,\n", "is not valid YAML"),
-    ("learning_rate: .inf\n", "learning_rate (--learning-rate)"),
-])
+@pytest.mark.parametrize(
+    "text,needle",
+    [
+        ("iteratons: 3\n", "iteratons (--iteratons): unknown option; did you mean iterations?"),
+        ("group_size: 0\n", "group_size (--group-size): Input should be greater than or equal to 1"),
+        ("group_size: 1\n", "--group-size 1 gives a group-relative advantage nothing to compare with"),
+        ("reduction: mean\n", "reduction (--reduction): Input should be"),
+        ("- 1\n- 2\n", "must hold a mapping"),
+        ("iterations: [1,\n", "is not valid YAML"),
+        ("learning_rate: .inf\n", "learning_rate (--learning-rate)"),
+    ],
+)
 def test_bad_config_is_reported_with_the_key(tmp_path, text, needle):
     p = tmp_path / "c.yaml"
     p.write_text(text)
@@ -73,5 +76,7 @@ def test_every_shipped_config_is_a_valid_train_config():
     for f in files:
         cfg = resolve_config(f)
         # a model is a registered name, or the folder a command in the file's own header makes
-        assert cfg.model == "smollm2-135m-instruct" or f"--out {Path(cfg.model).relative_to(Path.cwd())}" in f.read_text(), f
+        assert (
+            cfg.model == "smollm2-135m-instruct" or f"--out {Path(cfg.model).relative_to(Path.cwd())}" in f.read_text()
+        ), f
         assert cfg.env in ("reasoning-gym", "repair"), f

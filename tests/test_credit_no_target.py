@@ -32,15 +32,31 @@ EPS = 1e-6  # the std offset of grpo / reinforce_pp (credit.advantages.group_adv
 def _traj(sample_id, reward, group="p#0@0", tokens=2, outcome="finished"):
     """One call with ``tokens`` sampled tokens after a 2-token prompt (tokens 0 = a call that sampled nothing)."""
     out = list(range(3, 3 + tokens))
-    return Trajectory(task_id=group.split("@")[0], group_id=group, sample_id=sample_id, seed=sample_id,
-                      policy_version=0, calls=[ModelCall([1, 2], out, [-0.1] * tokens, "length")],
-                      outcome=outcome, reward=reward, reward_components={"hidden_tests": reward})
+    return Trajectory(
+        task_id=group.split("@")[0],
+        group_id=group,
+        sample_id=sample_id,
+        seed=sample_id,
+        policy_version=0,
+        calls=[ModelCall([1, 2], out, [-0.1] * tokens, "length")],
+        outcome=outcome,
+        reward=reward,
+        reward_components={"hidden_tests": reward},
+    )
 
 
 def _no_call(sample_id, reward=0.0, group="p#0@0"):
     """The first prompt did not fit max_total_tokens: truncated before any model call, scored 0."""
-    return Trajectory(task_id=group.split("@")[0], group_id=group, sample_id=sample_id, seed=sample_id,
-                      policy_version=0, calls=[], outcome="truncated", reward=reward)
+    return Trajectory(
+        task_id=group.split("@")[0],
+        group_id=group,
+        sample_id=sample_id,
+        seed=sample_id,
+        policy_version=0,
+        calls=[],
+        outcome="truncated",
+        reward=reward,
+    )
 
 
 def _no_tokens(sample_id, reward=0.0, group="p#0@0"):
@@ -60,12 +76,12 @@ def _run(trajs, **cfg):
 # Group of three, rewards (1, 0) for the two that sampled and 0 for the empty one: the
 # advantages must be those of the group of two (1, 0), i.e. mean 0.5, population std 0.5.
 GROUP_OF_TWO = {
-    "reinforce": [1.0, 0.0],                                   # A = R (no baseline)
-    "batch_mean": [0.5, -0.5],                                 # R − mean{1, 0}
-    "reinforce_pp": [0.5 / (0.5 + EPS), -0.5 / (0.5 + EPS)],   # (R − 0.5) / (std 0.5 + ε)
-    "rloo": [1.0, -1.0],                                       # R_i − R_other
+    "reinforce": [1.0, 0.0],  # A = R (no baseline)
+    "batch_mean": [0.5, -0.5],  # R − mean{1, 0}
+    "reinforce_pp": [0.5 / (0.5 + EPS), -0.5 / (0.5 + EPS)],  # (R − 0.5) / (std 0.5 + ε)
+    "rloo": [1.0, -1.0],  # R_i − R_other
     "grpo": [0.5 / (0.5 + EPS), -0.5 / (0.5 + EPS)],
-    "dr_grpo": [0.5, -0.5],                                    # R − mean, no std
+    "dr_grpo": [0.5, -0.5],  # R − mean, no std
 }
 
 
@@ -103,7 +119,8 @@ def test_batch_statistics_leave_out_the_empty_ones_across_groups():
     m, s = 2 / 3, math.sqrt(2) / 3
     assert _run(trajs, advantage="batch_mean").advantages == pytest.approx([1 - m, -m, 1 - m], abs=1e-9)
     assert _run(trajs, advantage="reinforce_pp").advantages == pytest.approx(
-        [(1 - m) / (s + EPS), -m / (s + EPS), (1 - m) / (s + EPS)], abs=1e-9)
+        [(1 - m) / (s + EPS), -m / (s + EPS), (1 - m) / (s + EPS)], abs=1e-9
+    )
 
 
 def test_rloo_group_reduced_to_one_is_0_and_a_sampled_group_of_one_is_still_refused():
@@ -143,8 +160,9 @@ def test_gae_whitening_leaves_out_a_trajectory_without_targets(make_empty):
     # whitened over the batch's targets: mean 0.5, population std 0.5 → ±0.5 / (0.5 + 1e-6)
     trajs = [_traj(0, 1.0), _traj(1, 0.0), make_empty(2)]
     rows, owner = training_rows(trajs)
-    batch = assign_credit(trajs, rows, owner, TrainConfig(advantage="gae", gamma=1.0, gae_lambda=1.0),
-                          critic=_ZeroCritic())
+    batch = assign_credit(
+        trajs, rows, owner, TrainConfig(advantage="gae", gamma=1.0, gae_lambda=1.0), critic=_ZeroCritic()
+    )
     a = 0.5 / (0.5 + 1e-6)
     assert [r.traj_index for r in batch.rows] == [0, 1]
     for got, want in zip(batch.advantages, [[0, 0, a, a], [0, 0, -a, -a]]):

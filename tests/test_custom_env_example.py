@@ -36,9 +36,28 @@ CLASS = "consequence_vowels.env:VowelCountEnvironment"
 SCRIPT = Path(sys.executable).with_name("consequence")
 CLI = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-c", "from consequence.cli import app; app()"]
 # 40 problems: split 32 / 4 / 4 by problem (an option, so the run also shows options at work)
-TRAIN = ["--env", NAME, "--env-option", "n_words=40", "--iterations", "1", "--tasks-per-iteration", "2",
-         "--group-size", "2", "--eval-every", "0", "--final-eval-episodes", "2", "--final-eval-decoding", "greedy",
-         "--max-turns", "2", "--max-new-tokens", "16"]
+TRAIN = [
+    "--env",
+    NAME,
+    "--env-option",
+    "n_words=40",
+    "--iterations",
+    "1",
+    "--tasks-per-iteration",
+    "2",
+    "--group-size",
+    "2",
+    "--eval-every",
+    "0",
+    "--final-eval-episodes",
+    "2",
+    "--final-eval-decoding",
+    "greedy",
+    "--max-turns",
+    "2",
+    "--max-new-tokens",
+    "16",
+]
 
 
 def _source_hash() -> str:
@@ -53,8 +72,10 @@ def _run(args: list[str], path: Path | None, timeout: float = 300) -> subprocess
     return subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
-PROBE = ("import json; from importlib.metadata import entry_points; from consequence.envs.registry import available;"
-         "print(json.dumps([{e.name: e.value for e in entry_points(group='consequence.environments')}, available()]))")
+PROBE = (
+    "import json; from importlib.metadata import entry_points; from consequence.envs.registry import available;"
+    "print(json.dumps([{e.name: e.value for e in entry_points(group='consequence.environments')}, available()]))"
+)
 
 
 BEFORE: dict[str, tuple] = {}
@@ -77,8 +98,22 @@ def site(tmp_path_factory) -> Path:
     BEFORE["plugins"] = _plugins(None)  # what the venv offers before the install
     # offline with the venv's setuptools; a venv without it (Python >= 3.12 makes none) lets pip fetch it
     offline = ["--no-build-isolation", "--no-index"] if importlib.util.find_spec("setuptools") else []
-    res = _run([sys.executable, "-m", "pip", "install", "--no-deps", *offline, "--disable-pip-version-check",
-                "--quiet", "--target", str(target), str(copy)], None)
+    res = _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--no-deps",
+            *offline,
+            "--disable-pip-version-check",
+            "--quiet",
+            "--target",
+            str(target),
+            str(copy),
+        ],
+        None,
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     return target
 
@@ -95,7 +130,7 @@ def test_the_environment_code_is_under_80_lines():
 def test_the_entry_point_is_found_only_where_installed(site):
     eps, names = _plugins(site)
     assert eps[NAME] == CLASS and names[NAME] == CLASS
-    assert list(names)[:len(BUILTINS)] == list(BUILTINS)  # built-ins first, then plug-ins
+    assert list(names)[: len(BUILTINS)] == list(BUILTINS)  # built-ins first, then plug-ins
     assert _plugins(None) == BEFORE["plugins"]  # the install changed nothing outside its folder
     assert (site / "consequence_vowels" / "env.py").read_bytes() == MODULE.read_bytes()
 
@@ -126,8 +161,24 @@ def test_train_then_eval_from_the_command_line(site, tmp_path):
         assert "vowels" in t.messages[1]["content"] and t.messages[0]["content"].startswith("You count letters")
 
     out = tmp_path / "eval"
-    ev = _run([*CLI, "eval", "--model", str(run), "-n", "1", "-k", "1", "--problems", "2", "--no-recovery",
-               "--out", str(out)], site)
+    ev = _run(
+        [
+            *CLI,
+            "eval",
+            "--model",
+            str(run),
+            "-n",
+            "1",
+            "-k",
+            "1",
+            "--problems",
+            "2",
+            "--no-recovery",
+            "--out",
+            str(out),
+        ],
+        site,
+    )
     assert ev.returncode == 0, ev.stdout[-3000:] + ev.stderr[-3000:]
     got = json.loads((out / "eval.json").read_text())
     env = got["settings"]["environment"]
@@ -137,9 +188,11 @@ def test_train_then_eval_from_the_command_line(site, tmp_path):
 
 
 def test_module_attr_loads_the_class_without_installing():
-    probe = ("import json; from consequence.envs.registry import load_environment;"
-             f"e = load_environment({CLASS!r}, 0, {{'n_words': 40}});"
-             "import consequence_vowels.env as m; print(json.dumps([e.describe(), e.problem_ids(), m.__file__]))")
+    probe = (
+        "import json; from consequence.envs.registry import load_environment;"
+        f"e = load_environment({CLASS!r}, 0, {{'n_words': 40}});"
+        "import consequence_vowels.env as m; print(json.dumps([e.describe(), e.problem_ids(), m.__file__]))"
+    )
     res = _run([sys.executable, "-c", probe], SRC)
     assert res.returncode == 0, res.stderr
     desc, ids, where = json.loads(res.stdout)
@@ -189,12 +242,18 @@ def test_a_scripted_policy_through_the_runner_earns_each_component(monkeypatch):
     count = sum(c in "aeiou" for c in task.word)
     r = Renderer(AutoTokenizer.from_pretrained(str(BUNDLED)), env.tools)
     spell = r.encode(r.format_call("spell", {"word": task.word})) + [r.eot_id]
-    turns = {0: iter([spell, r.encode(str(count)) + [r.eot_id]]),
-             1: iter([r.encode(f"It has {count + 1} vowels.") + [r.eot_id]])}
+    turns = {
+        0: iter([spell, r.encode(str(count)) + [r.eot_id]]),
+        1: iter([r.encode(f"It has {count + 1} vowels.") + [r.eot_id]]),
+    }
 
     def generate(prompts, max_new_tokens, idx):
-        return [type("S", (), {"output_ids": (ids := next(turns[i])), "logprobs": [-0.1] * len(ids),
-                               "stop_reason": "stop"})() for i in idx]
+        return [
+            type(
+                "S", (), {"output_ids": (ids := next(turns[i])), "logprobs": [-0.1] * len(ids), "stop_reason": "stop"}
+            )()
+            for i in idx
+        ]
 
     specs = [EpisodeSpec(env.make_episode(task), task.task_id, "g", k, k) for k in (0, 1)]
     right, wrong = run_episodes(generate, r, specs, Budgets(max_turns=3), env.system_prompt)

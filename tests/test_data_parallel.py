@@ -59,8 +59,16 @@ def _optimizer(model):
 def _model(seed: int = 0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=64, pad_token_id=PAD)
+    cfg = LlamaConfig(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        pad_token_id=PAD,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return LlamaForCausalLM(cfg).float()
@@ -111,8 +119,13 @@ def _rank_job(rank: int, port: int, out: str) -> None:
         model.zero_grad(set_to_none=True)
         opt = _optimizer(model)
         ms = data_parallel_step(model, opt, sub(rows), sub(ADV), cfg, PAD, LP, row_ids=mine, **_kw(name, ref, mine))
-        seen[name] = {"grads": grads, "metrics": m, "step_metrics": ms, "shard": mine,
-                      "weights": {n: p.detach().clone() for n, p in model.named_parameters()}}
+        seen[name] = {
+            "grads": grads,
+            "metrics": m,
+            "step_metrics": ms,
+            "shard": mine,
+            "weights": {n: p.detach().clone() for n, p in model.named_parameters()},
+        }
     # one rank's NaN advantage: both ranks raise the same NonFiniteError, then the group still works
     model = _model()
     rows, ref = _rows(model)
@@ -133,8 +146,9 @@ def _rank_job(rank: int, port: int, out: str) -> None:
     short = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=2), backend="gloo")
     if rank == 0:
         try:
-            data_parallel_gradients(model, [rows[i] for i in mine], [ADV[i] for i in mine], cfg, PAD, LP,
-                                    row_ids=mine, group=short)
+            data_parallel_gradients(
+                model, [rows[i] for i in mine], [ADV[i] for i in mine], cfg, PAD, LP, row_ids=mine, group=short
+            )
             seen["timeout"] = None
         except DataParallelError as e:
             seen["timeout"] = str(e)
@@ -245,13 +259,14 @@ def test_shards_are_a_deterministic_token_balanced_partition():
 
 
 def test_merge_rank_metrics_weights_token_means_by_tokens():
-    got = merge_rank_metrics([{"loss": 0.5, "ratio_mean": 1.0, "ratio_min": 0.9, "ratio_max": 1.1, "n_tokens": 3.0,
-                               "n_rows": 2.0},
-                              {"loss": 0.25, "ratio_mean": 2.0, "ratio_min": 0.8, "ratio_max": 1.0, "n_tokens": 1.0,
-                               "n_rows": 1.0},
-                              {"loss": 0.0, "n_tokens": 0.0, "n_rows": 0.0}])
-    assert got == {"loss": 0.75, "ratio_mean": 1.25, "ratio_min": 0.8, "ratio_max": 1.1, "n_tokens": 4.0,
-                   "n_rows": 3.0}
+    got = merge_rank_metrics(
+        [
+            {"loss": 0.5, "ratio_mean": 1.0, "ratio_min": 0.9, "ratio_max": 1.1, "n_tokens": 3.0, "n_rows": 2.0},
+            {"loss": 0.25, "ratio_mean": 2.0, "ratio_min": 0.8, "ratio_max": 1.0, "n_tokens": 1.0, "n_rows": 1.0},
+            {"loss": 0.0, "n_tokens": 0.0, "n_rows": 0.0},
+        ]
+    )
+    assert got == {"loss": 0.75, "ratio_mean": 1.25, "ratio_min": 0.8, "ratio_max": 1.1, "n_tokens": 4.0, "n_rows": 3.0}
 
 
 # ---- the trainer's side --------------------------------------------------------------------
@@ -298,10 +313,23 @@ def test_update_ranks_2_trains_like_update_ranks_1(tmp_path):
 
     def run(n: int):
         # the parity environment: mixed groups from the warm start, so that steps train
-        cfg = TrainConfig(model=str(BUNDLED), env="env_fixtures:ParityEnvironment", run_dir=str(tmp_path / f"r{n}"),
-                          iterations=3, tasks_per_iteration=1, group_size=4, final_eval_episodes=0, eval_every=0,
-                          max_turns=1, max_new_tokens=24, micro_batch_size=1, mini_batches=2, learning_rate=3e-3,
-                          skip_checks=True, update_ranks=n)
+        cfg = TrainConfig(
+            model=str(BUNDLED),
+            env="env_fixtures:ParityEnvironment",
+            run_dir=str(tmp_path / f"r{n}"),
+            iterations=3,
+            tasks_per_iteration=1,
+            group_size=4,
+            final_eval_episodes=0,
+            eval_every=0,
+            max_turns=1,
+            max_new_tokens=24,
+            micro_batch_size=1,
+            mini_batches=2,
+            learning_rate=3e-3,
+            skip_checks=True,
+            update_ranks=n,
+        )
         train(cfg)
         lines = [json.loads(x) for x in (tmp_path / f"r{n}" / "metrics.jsonl").read_text().splitlines()]
         trajs = [read_trajectories(tmp_path / f"r{n}" / "trajectories" / f"iter_{i:04d}.parquet") for i in range(3)]
@@ -352,7 +380,9 @@ def test_more_ranks_than_cores_are_refused_before_an_earlier_run_is_touched(tmp_
     cap = max_update_ranks()
     assert cap >= 2
     check_supported(TrainConfig(update_ranks=cap))
-    with pytest.raises(ValueError, match=f"--update-ranks {cap + 1} would start {cap + 1} processes.*use at most {cap}"):
+    with pytest.raises(
+        ValueError, match=f"--update-ranks {cap + 1} would start {cap + 1} processes.*use at most {cap}"
+    ):
         check_supported(TrainConfig(update_ranks=cap + 1))
     run = tmp_path / "run"
     (run / "trajectories").mkdir(parents=True)

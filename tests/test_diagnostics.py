@@ -5,8 +5,13 @@ from consequence.records import ModelCall, Trajectory
 
 
 def _m(**kw):
-    base = {"reward_mean": 0.3, "entropy": 0.1, "truncated_fraction": 0.1,
-            "first_step_ratio_min": 1.0, "first_step_ratio_max": 1.0}
+    base = {
+        "reward_mean": 0.3,
+        "entropy": 0.1,
+        "truncated_fraction": 0.1,
+        "first_step_ratio_min": 1.0,
+        "first_step_ratio_max": 1.0,
+    }
     return {**base, **kw}
 
 
@@ -32,18 +37,38 @@ def test_rising_truncation():
 
 
 def test_reward_up_validation_flat_is_flagged():
-    h = [_m(reward_mean=0.2, val_success=0.40), _m(reward_mean=0.3), _m(reward_mean=0.35, val_success=0.41),
-         _m(reward_mean=0.45, val_success=0.38)]
+    h = [
+        _m(reward_mean=0.2, val_success=0.40),
+        _m(reward_mean=0.3),
+        _m(reward_mean=0.35, val_success=0.41),
+        _m(reward_mean=0.45, val_success=0.38),
+    ]
     (w,) = warnings_for(h)
     assert "possible reward hacking" in w and "0.20 → 0.45" in w
 
 
 def test_iteration_extras_counts():
     call = ModelCall([1, 2], [3, 4, 9], [0.0] * 3, "stop")
-    t1 = Trajectory(task_id="a", group_id="g", sample_id=0, seed=0, policy_version=0, calls=[call], reward=1.0,
-                    tool_histogram={"run_tests": 2})
-    t2 = Trajectory(task_id="a", group_id="g", sample_id=1, seed=1, policy_version=0, calls=[call], reward=1.0,
-                    tool_histogram={"run_tests": 1, "finish": 1})
+    t1 = Trajectory(
+        task_id="a",
+        group_id="g",
+        sample_id=0,
+        seed=0,
+        policy_version=0,
+        calls=[call],
+        reward=1.0,
+        tool_histogram={"run_tests": 2},
+    )
+    t2 = Trajectory(
+        task_id="a",
+        group_id="g",
+        sample_id=1,
+        seed=1,
+        policy_version=0,
+        calls=[call],
+        reward=1.0,
+        tool_histogram={"run_tests": 1, "finish": 1},
+    )
     t3 = Trajectory(task_id="b", group_id="h", sample_id=0, seed=0, policy_version=0, outcome="env_error")
     x = iteration_extras([t1, t2, t3])
     assert x["tool_histogram"] == {"finish": 1, "run_tests": 3}

@@ -16,7 +16,9 @@ Q = torch.log(torch.tensor([[[0.5, 0.5]]]))
 
 def test_divergences_by_hand():
     # KL(p‖q) = 0.8 ln 1.6 + 0.2 ln 0.4; KL(q‖p) = 0.5 ln(5/8) + 0.5 ln 2.5
-    assert float(token_divergence(Q, P, "forward")) == pytest.approx(0.8 * math.log(1.6) + 0.2 * math.log(0.4), abs=1e-6)
+    assert float(token_divergence(Q, P, "forward")) == pytest.approx(
+        0.8 * math.log(1.6) + 0.2 * math.log(0.4), abs=1e-6
+    )
     assert float(token_divergence(Q, P, "reverse")) == pytest.approx(0.22314355, abs=1e-6)
     # m = [0.65, 0.35]: 0.5 KL(p‖m) + 0.5 KL(q‖m)
     assert float(token_divergence(Q, P, "jsd", beta=0.5)) == pytest.approx(0.05067184, abs=1e-6)
@@ -28,7 +30,9 @@ def test_divergences_by_hand():
 def test_jsd_ends_are_forward_and_reverse_and_agree_with_torch_on_a_vocabulary():
     g = torch.Generator().manual_seed(0)
     s, t = torch.randn(2, 3, 50, generator=g), torch.randn(2, 3, 50, generator=g)
-    ref_fwd = torch.nn.functional.kl_div(s.log_softmax(-1), t.log_softmax(-1), log_target=True, reduction="none").sum(-1)
+    ref_fwd = torch.nn.functional.kl_div(s.log_softmax(-1), t.log_softmax(-1), log_target=True, reduction="none").sum(
+        -1
+    )
     assert torch.allclose(token_divergence(s, t, "forward"), ref_fwd, atol=1e-6)
     assert torch.allclose(token_divergence(s, t, "jsd", beta=0.0), ref_fwd, atol=1e-6)
     assert torch.allclose(token_divergence(s, t, "jsd", beta=1.0), token_divergence(s, t, "reverse"), atol=1e-6)

@@ -22,8 +22,7 @@ from consequence.distill.fixed_data import (
 from consequence.policy.tiny import BUNDLED, load_policy
 from consequence.records import ModelCall, Trajectory, read_trajectories, write_trajectories
 
-BASE = dict(tasks_per_iteration=2, group_size=2, eval_every=0, final_eval_episodes=0, max_turns=2,
-            max_new_tokens=16)
+BASE = dict(tasks_per_iteration=2, group_size=2, eval_every=0, final_eval_episodes=0, max_turns=2, max_new_tokens=16)
 
 
 @pytest.fixture(scope="module")
@@ -43,15 +42,27 @@ def test_lambda_is_the_fraction_of_student_iterations_and_is_seeded():
     assert not any(uses_fixed_data(1.0, 0, it) for it in range(100))
     assert all(uses_fixed_data(0.0, 0, it) for it in range(100))
     draws = [uses_fixed_data(0.5, 7, it) for it in range(50)]
-    assert draws == [uses_fixed_data(0.5, 7, it) for it in range(50)] != [uses_fixed_data(0.5, 8, it) for it in range(50)]
+    assert (
+        draws == [uses_fixed_data(0.5, 7, it) for it in range(50)] != [uses_fixed_data(0.5, 8, it) for it in range(50)]
+    )
     first = first_student_iteration(0.5, 7, 50)
     assert draws[first] is False and all(draws[:first])
     assert first_student_iteration(0.0, 7, 50) is None
 
 
 def test_a_fixed_batch_is_a_seeded_draw_relabelled_as_not_the_students():
-    pool = [Trajectory(task_id=f"p{k}#0-{k}", group_id=f"0/p{k}", sample_id=0, seed=k, policy_version=3,
-                       calls=[ModelCall([1, 2], [3], [-0.5], "stop")], reward=1.0) for k in range(5)]
+    pool = [
+        Trajectory(
+            task_id=f"p{k}#0-{k}",
+            group_id=f"0/p{k}",
+            sample_id=0,
+            seed=k,
+            policy_version=3,
+            calls=[ModelCall([1, 2], [3], [-0.5], "stop")],
+            reward=1.0,
+        )
+        for k in range(5)
+    ]
     a, b = draw_fixed_batch(pool, 7, 0, 4), draw_fixed_batch(pool, 7, 0, 4)
     assert [t.task_id for t in a] == [t.task_id for t in b] != [t.task_id for t in draw_fixed_batch(pool, 7, 0, 5)]
     assert len({t.task_id for t in a[:5]}) == 5 and [t.task_id for t in a[5:]] == [t.task_id for t in a[:2]]
@@ -77,20 +88,25 @@ def test_load_refuses_other_splits_bad_ids_and_missing_files(tmp_path, data_file
     with pytest.raises(ValueError, match="no such file"):
         load_fixed_data(tmp_path / "none.parquet", env.split)
     write_trajectories(tmp_path / "evalout" / "episodes.parquet", trajs)
-    with pytest.raises(ValueError, match="is a folder: give a trajectories parquet file; did you mean .*episodes.parquet"):
+    with pytest.raises(
+        ValueError, match="is a folder: give a trajectories parquet file; did you mean .*episodes.parquet"
+    ):
         load_fixed_data(tmp_path / "evalout", env.split)
     (tmp_path / "junk.parquet").write_text("not parquet")
     with pytest.raises(ValueError, match="not a trajectories parquet file"):
         load_fixed_data(tmp_path / "junk.parquet", env.split)
 
 
-@pytest.mark.parametrize("kw,match", [
-    ({"distill_lambda": 0.5}, "give both, or neither"),
-    ({"distill_data": "x.parquet"}, "give both, or neither"),
-    ({"distill_lambda": 0.5, "distill_data": "x.parquet", "advantage": "reverse_kl"}, "give --distill-loss"),
-    ({"group_size": 1}, "--group-size 1 gives a group-relative advantage nothing"),
-    ({"group_size": 1, "advantage": "reverse_kl", "task_reward_weight": 0.5}, "--group-size 1"),
-])
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        ({"distill_lambda": 0.5}, "give both, or neither"),
+        ({"distill_data": "x.parquet"}, "give both, or neither"),
+        ({"distill_lambda": 0.5, "distill_data": "x.parquet", "advantage": "reverse_kl"}, "give --distill-loss"),
+        ({"group_size": 1}, "--group-size 1 gives a group-relative advantage nothing"),
+        ({"group_size": 1, "advantage": "reverse_kl", "task_reward_weight": 0.5}, "--group-size 1"),
+    ],
+)
 def test_settings_that_cannot_work_are_refused(kw, match, tmp_path):
     if kw.get("advantage") == "reverse_kl":
         kw = {**kw, "teacher": str(tmp_path)}
@@ -102,8 +118,16 @@ def test_settings_that_cannot_work_are_refused(kw, match, tmp_path):
 def test_lambda_zero_trains_the_divergence_on_the_data_only(tmp_path, teacher_dir, data_file):
     from consequence.train import train
 
-    cfg = TrainConfig(run_dir=str(tmp_path / "run"), iterations=2, distill_loss="reverse", teacher=str(teacher_dir),
-                      task_reward_weight=1.0, distill_lambda=0.0, distill_data=str(data_file), **BASE)
+    cfg = TrainConfig(
+        run_dir=str(tmp_path / "run"),
+        iterations=2,
+        distill_loss="reverse",
+        teacher=str(teacher_dir),
+        task_reward_weight=1.0,
+        distill_lambda=0.0,
+        distill_data=str(data_file),
+        **BASE,
+    )
     assert cfg.distill_data == str(data_file.resolve())
     train(cfg, Console(quiet=True))
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -148,17 +172,36 @@ def test_cross_stage_a_past_checkpoint_teaches_with_groups_of_one(tmp_path):
     from consequence.train import train
 
     stage1 = tmp_path / "stage1"
-    train(TrainConfig(run_dir=str(stage1), iterations=2, learning_rate=1e-3,
-                      **{**BASE, "eval_every": 1, "val_episodes": 2, "tasks_per_iteration": 4, "group_size": 4,
-                         "max_turns": 8, "max_new_tokens": 48}),  # budgets the warm start solves tasks in
-          Console(quiet=True))
+    train(
+        TrainConfig(
+            run_dir=str(stage1),
+            iterations=2,
+            learning_rate=1e-3,
+            **{
+                **BASE,
+                "eval_every": 1,
+                "val_episodes": 2,
+                "tasks_per_iteration": 4,
+                "group_size": 4,
+                "max_turns": 8,
+                "max_new_tokens": 48,
+            },
+        ),  # budgets the warm start solves tasks in
+        Console(quiet=True),
+    )
     second = json.loads((stage1 / "metrics.jsonl").read_text().splitlines()[1])
     assert second["mixed_group_fraction"] > 0  # the second iteration moved the weights: final ≠ iter_0001
     past, last = stage1 / "checkpoints" / "iter_0001", stage1 / "checkpoints" / "final"
     assert past.is_dir() and last.is_dir()
     run = tmp_path / "stage2"
-    cfg = TrainConfig(run_dir=str(run), iterations=1, model=str(last), teacher=str(past), advantage="reverse_kl",
-                      **{**BASE, "group_size": 1, "tasks_per_iteration": 4})
+    cfg = TrainConfig(
+        run_dir=str(run),
+        iterations=1,
+        model=str(last),
+        teacher=str(past),
+        advantage="reverse_kl",
+        **{**BASE, "group_size": 1, "tasks_per_iteration": 4},
+    )
     train(cfg, Console(quiet=True))
     (m,) = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert m["mixed_group_fraction"] == 0.0  # a group of one never differs from itself ...
@@ -168,14 +211,23 @@ def test_cross_stage_a_past_checkpoint_teaches_with_groups_of_one(tmp_path):
 
 
 @pytest.mark.slow
-def test_data_of_another_split_seed_is_refused_before_a_warm_start_is_built(tmp_path, teacher_dir, data_file,
-                                                                             monkeypatch):
+def test_data_of_another_split_seed_is_refused_before_a_warm_start_is_built(
+    tmp_path, teacher_dir, data_file, monkeypatch
+):
     """A new --split-seed builds a warm start (~30 min); the data is checked against that split first."""
     from consequence.train import train
 
     monkeypatch.setenv("CONSEQUENCE_CACHE", str(tmp_path / "cache"))
-    cfg = TrainConfig(run_dir=str(tmp_path / "run"), iterations=1, split_seed=7, distill_loss="jsd",
-                      teacher=str(teacher_dir), distill_lambda=0.5, distill_data=str(data_file), **BASE)
+    cfg = TrainConfig(
+        run_dir=str(tmp_path / "run"),
+        iterations=1,
+        split_seed=7,
+        distill_loss="jsd",
+        teacher=str(teacher_dir),
+        distill_lambda=0.5,
+        distill_data=str(data_file),
+        **BASE,
+    )
     with pytest.raises(ValueError, match="--distill-data .* fixed data may hold train-split problems only"):
         train(cfg, Console(quiet=True))
     assert not (tmp_path / "run").exists() and not list((tmp_path / "cache").glob("**/warmstart.json"))
@@ -187,11 +239,20 @@ def test_pool_items_are_known_by_task_id_or_problem_id(tmp_path):
     from types import SimpleNamespace
 
     def traj(task_id):
-        return Trajectory(task_id=task_id, group_id="g", sample_id=0, seed=0, policy_version=0,
-                          calls=[ModelCall([1, 2], [3], [-0.5], "stop")], reward=1.0)
+        return Trajectory(
+            task_id=task_id,
+            group_id="g",
+            sample_id=0,
+            seed=0,
+            policy_version=0,
+            calls=[ModelCall([1, 2], [3], [-0.5], "stop")],
+            reward=1.0,
+        )
 
-    splits = {"train": [SimpleNamespace(task_id="lc/1"), SimpleNamespace(problem_id="rep/a")],
-              "test": [SimpleNamespace(task_id="lc/2")]}
+    splits = {
+        "train": [SimpleNamespace(task_id="lc/1"), SimpleNamespace(problem_id="rep/a")],
+        "test": [SimpleNamespace(task_id="lc/2")],
+    }
     write_trajectories(tmp_path / "ok.parquet", [traj("lc/1#5-0"), traj("rep/a#7-3")])
     assert [t.task_id for t in load_fixed_data(tmp_path / "ok.parquet", splits)] == ["lc/1#5-0", "rep/a#7-3"]
     write_trajectories(tmp_path / "bad.parquet", [traj("lc/2#5-0")])

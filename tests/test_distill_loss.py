@@ -44,8 +44,9 @@ def test_loss_and_gradient_equal_the_direct_token_mean_of_the_divergence(student
     model = copy.deepcopy(student)
     teacher = _perturbed(student)
     rows = _rows()
-    cfg = UpdateConfig(distill_loss=kind, distill_beta=beta, distill_temperature=2.0, pg_coef=0.0,
-                       micro_batch_size=1)  # two micro-batches: the step's totals must still hold
+    cfg = UpdateConfig(
+        distill_loss=kind, distill_beta=beta, distill_temperature=2.0, pg_coef=0.0, micro_batch_size=1
+    )  # two micro-batches: the step's totals must still hold
     model.zero_grad()
     m = accumulate_gradients(model, rows, [0.0, 0.0], cfg, 0, None, teacher=teacher)
     got = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -86,8 +87,9 @@ def test_kd_plus_rl_adds_the_weighted_surrogate(student):
 
     def loss(**kw):
         model = copy.deepcopy(student)
-        return accumulate_gradients(model, rows, adv, UpdateConfig(**kw), 0,
-                                    _lp_fn, teacher=teacher if kw.get("distill_loss") else None)["loss"]
+        return accumulate_gradients(
+            model, rows, adv, UpdateConfig(**kw), 0, _lp_fn, teacher=teacher if kw.get("distill_loss") else None
+        )["loss"]
 
     rl = loss()
     kd = loss(distill_loss="reverse", pg_coef=0.0)
@@ -97,6 +99,7 @@ def test_kd_plus_rl_adds_the_weighted_surrogate(student):
 
 def _lp_fn(model, input_ids, attention_mask, temperature=1.0, **kw):
     from consequence.policy.logprobs import token_logprobs_unchunked
+
     return token_logprobs_unchunked(model, input_ids, attention_mask, temperature)
 
 
@@ -109,9 +112,19 @@ def test_a_loss_without_teacher_is_refused(student):
 def test_cli_run_trains_on_the_divergence_and_counts_the_teacher(tmp_path, teacher_dir):
     from consequence.train import train
 
-    cfg = TrainConfig(run_dir=str(tmp_path / "run"), iterations=2, tasks_per_iteration=2, group_size=2,
-                      eval_every=0, final_eval_episodes=0, max_turns=2, max_new_tokens=16,
-                      distill_loss="jsd", distill_beta=0.3, teacher=str(teacher_dir))
+    cfg = TrainConfig(
+        run_dir=str(tmp_path / "run"),
+        iterations=2,
+        tasks_per_iteration=2,
+        group_size=2,
+        eval_every=0,
+        final_eval_episodes=0,
+        max_turns=2,
+        max_new_tokens=16,
+        distill_loss="jsd",
+        distill_beta=0.3,
+        teacher=str(teacher_dir),
+    )
     train(cfg, Console(quiet=True))
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(lines) == 2
@@ -121,13 +134,16 @@ def test_cli_run_trains_on_the_divergence_and_counts_the_teacher(tmp_path, teach
         assert m["rows_skipped_zero_advantage"] == 0.0
 
 
-@pytest.mark.parametrize("kw,match", [
-    ({"distill_loss": "jsd"}, "needs --teacher"),
-    ({"distill_loss": "jsd", "teacher": "T", "advantage": "reverse_kl"}, "give one"),
-    ({"distill_beta": 0.2}, "read only by --distill-loss"),
-    ({"distill_loss": "forward", "teacher": "T", "distill_beta": 0.2}, "read only by --distill-loss jsd"),
-    ({"distill_loss": "jsd", "teacher": "T", "top_p": 0.9}, "--top-k / --top-p"),
-])
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        ({"distill_loss": "jsd"}, "needs --teacher"),
+        ({"distill_loss": "jsd", "teacher": "T", "advantage": "reverse_kl"}, "give one"),
+        ({"distill_beta": 0.2}, "read only by --distill-loss"),
+        ({"distill_loss": "forward", "teacher": "T", "distill_beta": 0.2}, "read only by --distill-loss jsd"),
+        ({"distill_loss": "jsd", "teacher": "T", "top_p": 0.9}, "--top-k / --top-p"),
+    ],
+)
 def test_settings_that_would_be_dropped_are_refused(kw, match, tmp_path):
     if kw.get("teacher") == "T":
         kw = {**kw, "teacher": str(tmp_path)}
@@ -143,8 +159,15 @@ def test_teacher_vocabulary_and_top_k_are_checked_before_any_work(tmp_path, stud
     wide = copy.deepcopy(student)
     wide.resize_token_embeddings(1024)  # the same tokenizer files, a wider output layer
     save_policy(wide, tok, tmp_path / "wide")
-    base = dict(iterations=1, tasks_per_iteration=2, group_size=2, eval_every=0, final_eval_episodes=0,
-                max_turns=2, max_new_tokens=16)
+    base = dict(
+        iterations=1,
+        tasks_per_iteration=2,
+        group_size=2,
+        eval_every=0,
+        final_eval_episodes=0,
+        max_turns=2,
+        max_new_tokens=16,
+    )
     for kind in ({"distill_loss": "jsd"}, {"advantage": "reverse_kl"}):
         run = tmp_path / f"run-{len(kind)}-{list(kind.values())[0]}"
         with pytest.raises(ValueError, match="--teacher .* predicts over 1024 token ids, the student over 768"):
@@ -152,8 +175,10 @@ def test_teacher_vocabulary_and_top_k_are_checked_before_any_work(tmp_path, stud
         assert not run.exists()  # refused before the run folder was made
     run = tmp_path / "topk"
     with pytest.raises(ValueError, match="--distill-top-k 1000 is larger than the vocabulary"):
-        train(TrainConfig(run_dir=str(run), teacher=str(BUNDLED), distill_loss="jsd", distill_top_k=1000, **base),
-              Console(quiet=True))
+        train(
+            TrainConfig(run_dir=str(run), teacher=str(BUNDLED), distill_loss="jsd", distill_top_k=1000, **base),
+            Console(quiet=True),
+        )
     assert not run.exists()
 
 
@@ -167,15 +192,33 @@ def test_chunked_forward_equals_the_direct_one_in_values_and_gradients(student, 
 
     teacher = _perturbed(student)
     batch = {k: v for k, v in pad_rows(_rows(), 0).items() if isinstance(v, torch.Tensor)}
-    cfg = UpdateConfig(distill_loss=kind, distill_beta=beta, distill_temperature=2.0, distill_top_k=top_k,
-                       temperature=0.7, entropy_coef=0.01)
+    cfg = UpdateConfig(
+        distill_loss=kind,
+        distill_beta=beta,
+        distill_temperature=2.0,
+        distill_top_k=top_k,
+        temperature=0.7,
+        entropy_coef=0.01,
+    )
     tmask = batch["loss_mask"][:, 1:] > 0
     outs, grads = [], []
     for chunked in (False, True):
         model = copy.deepcopy(student)
         if chunked:
-            lp, ent, div = distill_chunked(model, teacher, batch["input_ids"], batch["attention_mask"], tmask,
-                                           0.7, True, kind, beta, 2.0, top_k, chunk_size=3)  # no shared prefix
+            lp, ent, div = distill_chunked(
+                model,
+                teacher,
+                batch["input_ids"],
+                batch["attention_mask"],
+                tmask,
+                0.7,
+                True,
+                kind,
+                beta,
+                2.0,
+                top_k,
+                chunk_size=3,
+            )  # no shared prefix
         else:
             lp, ent, div = _distill_forward(model, teacher, batch, cfg)
         (lp[tmask].sum() + 0.3 * ent[tmask].sum() - div[tmask].sum()).backward()

@@ -13,9 +13,19 @@ from consequence.policy.tiny import BUNDLED, load_policy
 
 
 def _cfg(run, teacher, **kw) -> TrainConfig:
-    return TrainConfig(run_dir=str(run), iterations=2, tasks_per_iteration=2, group_size=2, eval_every=0,
-                       final_eval_episodes=0, max_turns=2, max_new_tokens=16, advantage="reverse_kl",
-                       teacher=str(teacher), **kw)
+    return TrainConfig(
+        run_dir=str(run),
+        iterations=2,
+        tasks_per_iteration=2,
+        group_size=2,
+        eval_every=0,
+        final_eval_episodes=0,
+        max_turns=2,
+        max_new_tokens=16,
+        advantage="reverse_kl",
+        teacher=str(teacher),
+        **kw,
+    )
 
 
 @pytest.mark.slow
@@ -74,8 +84,9 @@ def test_task_reward_weight_adds_the_group_advantage():
     from consequence.records import ModelCall, TrainingRow, Trajectory
 
     cfg = TrainConfig(advantage="reverse_kl", teacher="/x", task_reward_weight=0.5)
-    trajs = [Trajectory("a", "g", i, 0, 0, calls=[ModelCall([1], [2], [-1.0], "stop")], reward=float(i))
-             for i in range(2)]
+    trajs = [
+        Trajectory("a", "g", i, 0, 0, calls=[ModelCall([1], [2], [-1.0], "stop")], reward=float(i)) for i in range(2)
+    ]
     rows = [TrainingRow([1, 2], [0, 1], [0.0, -1.0], traj_index=i) for i in range(2)]
     batch = assign_credit(trajs, rows, [0, 1], cfg, teacher_logprobs=[[0.0, -0.25], [0.0, -3.0]])
     # GRPO advantages of rewards (0, 1): −1, +1; per token: (log π_T − log μ) + 0.5 · A
@@ -105,6 +116,9 @@ def test_bad_teacher_settings_are_refused_before_any_work(tmp_path, teacher_dir)
 
     from consequence.cli import app
 
-    res = CliRunner().invoke(app, ["train", "--advantage", "reverse_kl", "--teacher", str(tmp_path / "nope"),
-                                   "--run-dir", str(tmp_path / "r")], env={"COLUMNS": "200"})
+    res = CliRunner().invoke(
+        app,
+        ["train", "--advantage", "reverse_kl", "--teacher", str(tmp_path / "nope"), "--run-dir", str(tmp_path / "r")],
+        env={"COLUMNS": "200"},
+    )
     assert res.exit_code == 2 and "--teacher" in res.output and not (tmp_path / "r").exists()

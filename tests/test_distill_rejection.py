@@ -11,17 +11,27 @@ from consequence.records import ModelCall, Trajectory
 
 
 def _traj(task: str, sid: int, score: float | None, out: list[int], outcome: str = "finished") -> Trajectory:
-    call = ModelCall(context_ids=[1, 2, 3], output_ids=out, sample_logprobs=[-0.5] * len(out),
-                     stop_reason="stop", observation_ids=[9])
+    call = ModelCall(
+        context_ids=[1, 2, 3],
+        output_ids=out,
+        sample_logprobs=[-0.5] * len(out),
+        stop_reason="stop",
+        observation_ids=[9],
+    )
     reward = None if outcome == "env_error" else (score or 0.0)
     return Trajectory(task, task, sid, 0, 0, calls=[call], outcome=outcome, verifier_score=score, reward=reward)
 
 
 def test_accept_counts_attempts_duplicates_and_env_errors_by_hand():
-    trajs = [_traj("a", 0, 1.0, [5, 6]), _traj("a", 1, 1.0, [5, 6]),  # the same tokens twice: one kept
-             _traj("a", 2, 0.0, [7]), _traj("b", 0, None, [], outcome="env_error"),
-             _traj("b", 1, 1.0, [8], outcome="truncated"),  # verified but cut by a budget: rejected
-             _traj("c", 0, 1.0, [5, 6]), _traj("c", 1, 0.5, [4])]  # same tokens, another task: kept
+    trajs = [
+        _traj("a", 0, 1.0, [5, 6]),
+        _traj("a", 1, 1.0, [5, 6]),  # the same tokens twice: one kept
+        _traj("a", 2, 0.0, [7]),
+        _traj("b", 0, None, [], outcome="env_error"),
+        _traj("b", 1, 1.0, [8], outcome="truncated"),  # verified but cut by a budget: rejected
+        _traj("c", 0, 1.0, [5, 6]),
+        _traj("c", 1, 0.5, [4]),
+    ]  # same tokens, another task: kept
     kept, st = accept(trajs)
     assert [(t.task_id, t.sample_id) for t in kept] == [("a", 0), ("c", 0)]
     assert (st.attempts, st.accepted, st.duplicates, st.env_errors, st.tasks, st.tasks_accepted) == (6, 2, 1, 1, 3, 2)
@@ -69,11 +79,22 @@ def test_advantage_rejection_keeps_the_accepted_rows_with_advantage_one():
     from consequence.config import TrainConfig
     from consequence.credit.batch import assign_credit, training_rows
 
-    trajs = [_traj("a", 0, 1.0, [5, 6]), _traj("a", 1, 1.0, [5, 6]), _traj("a", 2, 0.0, [7]),
-             _traj("b", 0, 1.0, [8], outcome="truncated"), _traj("b", 1, 1.0, [4])]
+    trajs = [
+        _traj("a", 0, 1.0, [5, 6]),
+        _traj("a", 1, 1.0, [5, 6]),
+        _traj("a", 2, 0.0, [7]),
+        _traj("b", 0, 1.0, [8], outcome="truncated"),
+        _traj("b", 1, 1.0, [4]),
+    ]
     rows, owner = training_rows(trajs)
     batch = assign_credit(trajs, rows, owner, TrainConfig(advantage="rejection", surrogate="pg"))
     assert [t.advantage for t in trajs] == [1.0, 0.0, 0.0, 0.0, 1.0]  # a duplicate and a truncated one: 0
     assert [r.traj_index for r in batch.rows] == [0, 4] and batch.advantages == [1.0, 1.0]
-    assert batch.metrics == {"rejection_attempts": 5.0, "rejection_accepted": 2.0, "rejection_duplicates": 1.0,
-                             "acceptance_rate": 0.4, "attempts_per_accepted": 2.5, "no_target_trajectories": 0.0}
+    assert batch.metrics == {
+        "rejection_attempts": 5.0,
+        "rejection_accepted": 2.0,
+        "rejection_duplicates": 1.0,
+        "acceptance_rate": 0.4,
+        "attempts_per_accepted": 2.5,
+        "no_target_trajectories": 0.0,
+    }

@@ -26,9 +26,11 @@ def _lp_fn(model, input_ids, attention_mask):
 
 
 def test_step_loss_is_the_token_mean_over_the_whole_step_by_hand():
-    rows = [TrainingRow([1, 2, 3, 4], [0, 0, 1, 1], [0.0] * 4),  # targets: ids 3, 4
-            TrainingRow([5, 6], [0, 1], [0.0] * 2),  # target: id 6
-            TrainingRow([7, 8, 9], [0, 1, 0], [0.0] * 3)]  # target: id 8 (id 9 is an observation)
+    rows = [
+        TrainingRow([1, 2, 3, 4], [0, 0, 1, 1], [0.0] * 4),  # targets: ids 3, 4
+        TrainingRow([5, 6], [0, 1], [0.0] * 2),  # target: id 6
+        TrainingRow([7, 8, 9], [0, 1, 0], [0.0] * 3),
+    ]  # target: id 8 (id 9 is an observation)
     model = _Scale()
     m = sft_step_gradients(model, rows, 0, micro_batch_size=2, logprob_fn=_lp_fn)
     # L = -(1/T) Σ logπ = -(1/4) · (-(3 + 4 + 6 + 8) / 10) = 0.525, dL/dw the same (logπ linear in w)
@@ -64,9 +66,14 @@ def test_train_sft_lowers_the_loss_and_refuses_rows_without_targets():
     model, tok = load_policy(BUNDLED)
     rows = _rows(tok)
     seen = []
-    losses = train_sft(model, rows, tok.pad_token_id, SFTConfig(learning_rate=1e-3, epochs=10, rows_per_step=4,
-                                                                micro_batch_size=2),
-                       log=lambda _: None, progress=lambda s, n, loss: seen.append((s, n)))
+    losses = train_sft(
+        model,
+        rows,
+        tok.pad_token_id,
+        SFTConfig(learning_rate=1e-3, epochs=10, rows_per_step=4, micro_batch_size=2),
+        log=lambda _: None,
+        progress=lambda s, n, loss: seen.append((s, n)),
+    )
     assert len(losses) == 10 and seen[-1] == (10, 10)
     assert losses[-1] < 0.5 * losses[0]
     with pytest.raises(ValueError, match="without a target token"):
@@ -87,9 +94,27 @@ def test_cli_sft_cold_start_writes_a_model_that_loads(tmp_path):
     from consequence.cli import app
 
     out = tmp_path / "sft"
-    res = CliRunner().invoke(app, ["sft", "--model", str(BUNDLED), "--demos", "8", "--epochs", "1",
-                                   "--rows-per-step", "4", "--micro-batch-size", "2", "--lora-rank", "4",
-                                   "--out", str(out)], env={"COLUMNS": "200"})
+    res = CliRunner().invoke(
+        app,
+        [
+            "sft",
+            "--model",
+            str(BUNDLED),
+            "--demos",
+            "8",
+            "--epochs",
+            "1",
+            "--rows-per-step",
+            "4",
+            "--micro-batch-size",
+            "2",
+            "--lora-rank",
+            "4",
+            "--out",
+            str(out),
+        ],
+        env={"COLUMNS": "200"},
+    )
     assert res.exit_code == 0, res.output
     rec = json.loads((out / "sft.json").read_text())
     assert rec["teacher"] == {"kind": "scripted", "episodes": 8, "verified": 8}
@@ -102,7 +127,10 @@ def test_cli_sft_cold_start_writes_a_model_that_loads(tmp_path):
     with torch.no_grad():
         moved = max(float((a - b).abs().max()) for a, b in zip(model.parameters(), base.parameters()))
     assert moved > 0
-    bad = CliRunner().invoke(app, ["sft", "--model", str(BUNDLED), "--env", "calculator", "--out",
-                                   str(tmp_path / "no")], env={"COLUMNS": "200"})
+    bad = CliRunner().invoke(
+        app,
+        ["sft", "--model", str(BUNDLED), "--env", "calculator", "--out", str(tmp_path / "no")],
+        env={"COLUMNS": "200"},
+    )
     assert bad.exit_code == 2 and "solves repair tasks only" in bad.output
     assert not (tmp_path / "no").exists()

@@ -16,8 +16,22 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 DESIGN = ROOT / "docs" / "design.md"
 CASES = ROOT / "docs" / "cases.md"
-TEXT_SUFFIXES = {".py", ".md", ".yaml", ".yml", ".toml", ".json", ".jsonl", ".txt", ".cfg", ".ini",
-                 ".jinja", ".html", ".sh", ""}
+TEXT_SUFFIXES = {
+    ".py",
+    ".md",
+    ".yaml",
+    ".yml",
+    ".toml",
+    ".json",
+    ".jsonl",
+    ".txt",
+    ".cfg",
+    ".ini",
+    ".jinja",
+    ".html",
+    ".sh",
+    "",
+}
 
 
 _NOT_SOURCES = {"runs", "__pycache__", "node_modules"}  # run outputs and caches, not the project's docs
@@ -28,8 +42,9 @@ def _markdown_files() -> list[Path]:
     without hidden folders (.git, .venv, .venv-vllm), run outputs and build metadata."""
     out = []
     for folder, dirs, files in os.walk(ROOT):
-        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in _NOT_SOURCES
-                         and not d.endswith(".egg-info"))
+        dirs[:] = sorted(
+            d for d in dirs if not d.startswith(".") and d not in _NOT_SOURCES and not d.endswith(".egg-info")
+        )
         out += [Path(folder) / f for f in sorted(files) if f.endswith(".md")]
     return out
 
@@ -46,8 +61,12 @@ def _text_files(*tops: str) -> list[Path]:
         p = ROOT / top
         paths = [p] if p.is_file() else sorted(p.rglob("*")) if p.is_dir() else []
         for f in paths:
-            if (f.is_file() and f.suffix in TEXT_SUFFIXES and "__pycache__" not in f.parts
-                    and f.stat().st_size < 5_000_000):
+            if (
+                f.is_file()
+                and f.suffix in TEXT_SUFFIXES
+                and "__pycache__" not in f.parts
+                and f.stat().st_size < 5_000_000
+            ):
                 out.append(f)
     return out
 
@@ -131,19 +150,25 @@ def test_every_relative_link_resolves():
 def test_broken_links_are_reported(tmp_path):
     (tmp_path / "there.md").write_text("# Title\n\n## 2. A section\n")
     (tmp_path / "sub").mkdir()
-    good = ("## Local\n[a](there.md) [b](there.md#2-a-section) ![img](sub) [c](https://example.org/x.md) "
-            "[d](#local) `[e](missing.md)`\n```\n[f](missing.md)\n```\n")
+    good = (
+        "## Local\n[a](there.md) [b](there.md#2-a-section) ![img](sub) [c](https://example.org/x.md) "
+        "[d](#local) `[e](missing.md)`\n```\n[f](missing.md)\n```\n"
+    )
     assert broken_links(good, tmp_path) == []
     bad = "[a](missing.md) and [b](there.md#no-such-heading) and ![c](sub/none.png) and [d](#nowhere)"
-    assert broken_links(bad, tmp_path) == ["missing.md: no such file",
-                                           "there.md#no-such-heading: no heading with anchor #no-such-heading",
-                                           "sub/none.png: no such file",
-                                           "#nowhere: no heading with anchor #nowhere in this file"]
+    assert broken_links(bad, tmp_path) == [
+        "missing.md: no such file",
+        "there.md#no-such-heading: no heading with anchor #no-such-heading",
+        "sub/none.png: no such file",
+        "#nowhere: no heading with anchor #nowhere in this file",
+    ]
 
 
 def test_slug_matches_github():
-    assert slug("Case 14 — top-p after the weights moved: the support is the sampler's (update box)") == \
-        "case-14--top-p-after-the-weights-moved-the-support-is-the-samplers-update-box"
+    assert (
+        slug("Case 14 — top-p after the weights moved: the support is the sampler's (update box)")
+        == "case-14--top-p-after-the-weights-moved-the-support-is-the-samplers-update-box"
+    )
     assert slug("2. The data that flows: token-in, token-out") == "2-the-data-that-flows-token-in-token-out"
     assert slug("`consequence train --resume RUN_DIR`") == "consequence-train---resume-run_dir"
     assert anchors("# A\n## A\n") == {"a", "a-1"}
@@ -214,23 +239,26 @@ def test_every_citation_has_its_section():
 
 
 def test_citation_checker_reports_missing_sections():
-    text = ("see docs/design.md §6 and docs/design.md §3, §12\n"
-            "(docs/cases.md, case 02) docs/cases.md (case 99) docs/cases.md, case 11, docs/cases.md,\n"
-            "case 03; docs/design.md\n§10 wrapped\n")
+    text = (
+        "see docs/design.md §6 and docs/design.md §3, §12\n"
+        "(docs/cases.md, case 02) docs/cases.md (case 99) docs/cases.md, case 11, docs/cases.md,\n"
+        "case 03; docs/design.md\n§10 wrapped\n"
+    )
     assert design_citations(text) == [6, 3, 12, 10]
     assert case_citations(text) == ["02", "99", "11", "03"]
     bad = missing_citations({"x.py": text}, sections={1, 3, 6}, cases={"02", "03", "11"})
-    assert bad == ["x.py:1: docs/design.md §12 has no section 12",
-                   "x.py:2: docs/cases.md case 99 has no heading",
-                   "x.py:3: docs/design.md §10 has no section 10"]
+    assert bad == [
+        "x.py:1: docs/design.md §12 has no section 12",
+        "x.py:2: docs/cases.md case 99 has no heading",
+        "x.py:3: docs/design.md §10 has no section 10",
+    ]
     assert design_sections("# design\n## 1. Loop\n## §2 Data\n```\n## 3. in code\n```\n") == {1, 2}
     assert case_headings("## Case 01 — a\n## case 2 — b\n### Case 13: c\n") == {"01", "13"}
 
 
 # ---- nothing points outside the repository ------------------------------------------------
 
-SCANNED = ("consequence", "tests", "docs", "benchmarks", "README.md", "CONTRIBUTING.md", "Makefile",
-           "pyproject.toml")
+SCANNED = ("consequence", "tests", "docs", "benchmarks", "README.md", "CONTRIBUTING.md", "Makefile", "pyproject.toml")
 _OUTSIDE = re.compile(r"(?<![\w.-])shared/|DESIGN\.md")
 
 
@@ -241,8 +269,12 @@ def outside_references(text: str) -> list[str]:
 
 def test_nothing_points_outside_the_repository():
     me = Path(__file__).resolve()
-    bad = [f"{f.relative_to(ROOT)} {hit}" for f in _text_files(*SCANNED) if f.resolve() != me
-           for hit in outside_references(_read(f))]
+    bad = [
+        f"{f.relative_to(ROOT)} {hit}"
+        for f in _text_files(*SCANNED)
+        if f.resolve() != me
+        for hit in outside_references(_read(f))
+    ]
     assert not bad, "\n".join(bad)
 
 
@@ -260,6 +292,7 @@ def test_the_two_documents_exist_and_are_linked_from_contributing(name):
 
 # ---- every command-line option is documented -----------------------------------------------
 
+
 def cli_options() -> dict[str, list[tuple[str, list[str]]]]:
     """``{command: [(parameter name, its option strings), …]}`` of every visible option of the
     Typer app (the top-level ``consequence`` options under ``""``), read from the click
@@ -270,13 +303,17 @@ def cli_options() -> dict[str, list[tuple[str, list[str]]]]:
 
     group = typer.main.get_command(app)
     commands = {"": group, **group.commands}
-    return {name: [(p.name, [*p.opts, *p.secondary_opts]) for p in cmd.params
-                   if p.param_type_name == "option" and not p.hidden]
-            for name, cmd in commands.items()}
+    return {
+        name: [
+            (p.name, [*p.opts, *p.secondary_opts]) for p in cmd.params if p.param_type_name == "option" and not p.hidden
+        ]
+        for name, cmd in commands.items()
+    }
 
 
-def undocumented_options(options: dict[str, list[tuple[str, list[str]]]], text: str,
-                         yaml_commands: tuple[str, ...] = ("train",)) -> list[str]:
+def undocumented_options(
+    options: dict[str, list[tuple[str, list[str]]]], text: str, yaml_commands: tuple[str, ...] = ("train",)
+) -> list[str]:
     """``command: --option`` for every option that ``text`` never mentions.
 
     An option counts as documented when one of its option strings appears whole (``--seed``
@@ -298,34 +335,62 @@ def undocumented_options(options: dict[str, list[tuple[str, list[str]]]], text: 
 def test_every_cli_option_is_documented():
     options = cli_options()
     # the commands the docs describe are all there, and the walk finds their options
-    assert {"train", "eval", "compare", "serve", "sft", "shrink", "merge", "view", "reproduce", "lab",
-            "warmstart", "explain", "envs"} <= set(options)
+    assert {
+        "train",
+        "eval",
+        "compare",
+        "serve",
+        "sft",
+        "shrink",
+        "merge",
+        "view",
+        "reproduce",
+        "lab",
+        "warmstart",
+        "explain",
+        "envs",
+    } <= set(options)
     from consequence.config import TrainConfig  # train: one option per config field, plus --config and --resume
 
     assert len(options["train"]) == len(TrainConfig.model_fields) + 2
     assert ("seed", ["--seed"]) in options["lab"] and ("show_version", ["--version"]) in options[""]
     text = "\n".join(_read(f) for f in _user_docs())
     bad = undocumented_options(options, text)
-    assert not bad, ("options no page of README.md, CONTRIBUTING.md or docs/ mentions; document each where "
-                     "its feature is described:\n" + "\n".join(bad))
+    assert not bad, (
+        "options no page of README.md, CONTRIBUTING.md or docs/ mentions; document each where "
+        "its feature is described:\n" + "\n".join(bad)
+    )
 
 
 def test_undocumented_option_checker_reports_them():
-    options = {"": [("show_version", ["--version"])],
-               "train": [("split_seed", ["--split-seed"]), ("gae_lambda", ["--gae-lambda"]),
-                         ("skip_checks", ["--skip-checks", "--no-skip-checks"]), ("seed", ["--seed"])],
-               "eval": [("k", ["-k"]), ("out", ["--out"])]}
-    text = ("Use `--split-seed 3` and --no-skip-checks.\n```yaml\ngae_lambda: 0.9\n```\n"
-            "consequence eval -k 1,4 --version\n")
+    options = {
+        "": [("show_version", ["--version"])],
+        "train": [
+            ("split_seed", ["--split-seed"]),
+            ("gae_lambda", ["--gae-lambda"]),
+            ("skip_checks", ["--skip-checks", "--no-skip-checks"]),
+            ("seed", ["--seed"]),
+        ],
+        "eval": [("k", ["-k"]), ("out", ["--out"])],
+    }
+    text = (
+        "Use `--split-seed 3` and --no-skip-checks.\n```yaml\ngae_lambda: 0.9\n```\nconsequence eval -k 1,4 --version\n"
+    )
     # --seed occurs only inside --split-seed; --out not at all
     assert undocumented_options(options, text) == ["train: --seed", "eval: --out"]
     # the YAML form counts only for train's config keys, and only as a key
     assert undocumented_options({"eval": [("gae_lambda", ["--gae-lambda"])]}, text) == ["eval: --gae-lambda"]
     assert undocumented_options({"train": [("seed", ["--seed"])]}, "the seed: 3") == ["train: --seed"]
     assert undocumented_options({"train": [("top_k", ["--top-k"]), ("k", ["-k"])]}, "--top-k 5") == ["train: -k"]
-    assert undocumented_options(options, "") == ["consequence: --version", "train: --split-seed",
-                                                  "train: --gae-lambda", "train: --skip-checks", "train: --seed",
-                                                  "eval: -k", "eval: --out"]
+    assert undocumented_options(options, "") == [
+        "consequence: --version",
+        "train: --split-seed",
+        "train: --gae-lambda",
+        "train: --skip-checks",
+        "train: --seed",
+        "eval: -k",
+        "eval: --out",
+    ]
 
 
 # ---- no page calls a built feature planned ---------------------------------------------------
@@ -337,9 +402,12 @@ BUILT_FEATURES = {
     "Ray rollout workers": r"\bRay\b|--rollout-workers",
     "vLLM rollout engine": r"\bvLLM\b",
 }
-_NOT_BUILT = re.compile(r"\bplanned\b|\bnot\s+(?:yet\s+)?built\b|\bnot\s+built\s+yet\b|\bnot\s+yet\s+"
-                        r"(?:implemented|supported|available)\b|\bfuture\s+work\b|\bwill\s+be\s+(?:added|built|"
-                        r"implemented|supported)\b|\bcoming\s+soon\b|\bTODO\b", re.I)
+_NOT_BUILT = re.compile(
+    r"\bplanned\b|\bnot\s+(?:yet\s+)?built\b|\bnot\s+built\s+yet\b|\bnot\s+yet\s+"
+    r"(?:implemented|supported|available)\b|\bfuture\s+work\b|\bwill\s+be\s+(?:added|built|"
+    r"implemented|supported)\b|\bcoming\s+soon\b|\bTODO\b",
+    re.I,
+)
 # a sentence ends at . ! ? ; or a blank line; a list item, table row or heading starts a new one
 _SENTENCE_BREAK = re.compile(r"(?<=[.!?;])\s+|\n\s*\n|\n(?=\s*(?:[-*|#>]|\d+\.)\s)")
 
@@ -367,15 +435,23 @@ def test_no_page_calls_a_built_feature_planned():
 
 
 def test_planned_checker_reports_built_features_called_planned():
-    text = ("Training runs in one process; splitting over data-parallel ranks is **planned**.\n\n"
-            "- **Planned**, not dependencies today: Ray (rollout workers), vLLM (inference engine).\n"
-            "- Also planned: on-policy distillation from a teacher.\n"
-            "The same holds across data-parallel ranks (not\n  built: training runs in one process).\n")
+    text = (
+        "Training runs in one process; splitting over data-parallel ranks is **planned**.\n\n"
+        "- **Planned**, not dependencies today: Ray (rollout workers), vLLM (inference engine).\n"
+        "- Also planned: on-policy distillation from a teacher.\n"
+        "The same holds across data-parallel ranks (not\n  built: training runs in one process).\n"
+    )
     assert [b.split(":")[0] for b in called_not_built(text)] == [
-        "data-parallel updates", "Ray rollout workers", "vLLM rollout engine", "distillation",
-        "data-parallel updates"]
-    fine = ("`--update-ranks N` splits each step over data-parallel ranks. Ray actors run the rollouts.\n"
-            "Rollout workers with `--agent` or `--distill-lambda` < 1 are refused with a message, not built.\n"
-            "## Not built yet\n\n- More seeds per method.\n"
-            "A planned call of the scripted teacher is rendered as text.\n")
+        "data-parallel updates",
+        "Ray rollout workers",
+        "vLLM rollout engine",
+        "distillation",
+        "data-parallel updates",
+    ]
+    fine = (
+        "`--update-ranks N` splits each step over data-parallel ranks. Ray actors run the rollouts.\n"
+        "Rollout workers with `--agent` or `--distill-lambda` < 1 are refused with a message, not built.\n"
+        "## Not built yet\n\n- More seeds per method.\n"
+        "A planned call of the scripted teacher is rendered as text.\n"
+    )
     assert called_not_built(fine) == []

@@ -18,11 +18,17 @@ from consequence.rollout.episodes import Budgets, EpisodeSpec, run_episodes
 def test_builtins_resolve_with_their_splits():
     assert {"repair", "humaneval-repair", "jsonl", "humaneval", "reasoning-gym", "calculator"} <= set(BUILTINS)
     env = load_environment("repair")
-    assert (env.name, {k: len(v) for k, v in env.split.items()}) == ("repair", {"train": 625, "validation": 78, "test": 78})
+    assert (env.name, {k: len(v) for k, v in env.split.items()}) == (
+        "repair",
+        {"train": 625, "validation": 78, "test": 78},
+    )
     assert env.reward_components == ("hidden_tests",) and env.answer_ends_episode is False
     d = env.describe()
-    assert d["name"] == "repair" and len(d["source_sha256"]) == 64 and d["tools"] == ["run_tests", "read_code",
-                                                                                      "replace_line", "finish"]
+    assert (
+        d["name"] == "repair"
+        and len(d["source_sha256"]) == 64
+        and d["tools"] == ["run_tests", "read_code", "replace_line", "finish"]
+    )
 
 
 def test_unknown_names_and_options_are_refused_with_what_is_valid():
@@ -48,8 +54,12 @@ def test_module_attr_with_options_is_applied_and_recorded():
     env = load_environment("env_fixtures:ReverseEnvironment", 3, {"words": ["ab", "cd", "ef", "gh"]})
     assert [t.word for t in env.split["train"]] == ["ab", "cd"] and env.split_seed == 3
     d = env.describe()
-    assert (d["name"], d["version"], d["options"], d["class"]) == ("reverse", "3", {"words": ["ab", "cd", "ef", "gh"]},
-                                                                   "env_fixtures:ReverseEnvironment")
+    assert (d["name"], d["version"], d["options"], d["class"]) == (
+        "reverse",
+        "3",
+        {"words": ["ab", "cd", "ef", "gh"]},
+        "env_fixtures:ReverseEnvironment",
+    )
     assert "reverse" not in available()  # a module:attr environment needs no registration
     assert len(env.sample("train", 5, seed=1)) == 5
 
@@ -61,15 +71,20 @@ def _scripted(renderer, turns):
     def generate(prompts, max_new_tokens, idx):
         ids = next(outputs)
         return [SimpleNamespace(output_ids=ids, logprobs=[-0.25] * len(ids), stop_reason="stop")]
+
     return generate
 
 
 def _run(env, turns, tokenizer):
     renderer = Renderer(tokenizer, env.tools)
     task = env.split["train"][0]
-    [t] = run_episodes(_scripted(renderer, turns), renderer, [EpisodeSpec(env.make_episode(task), task.task_id,
-                                                                         "g", 0, 0)],
-                       Budgets(max_turns=4, max_new_tokens=64, max_total_tokens=4000), env.system_prompt)
+    [t] = run_episodes(
+        _scripted(renderer, turns),
+        renderer,
+        [EpisodeSpec(env.make_episode(task), task.task_id, "g", 0, 0)],
+        Budgets(max_turns=4, max_new_tokens=64, max_total_tokens=4000),
+        env.system_prompt,
+    )
     score_trajectories([t], components=env.reward_components, reward_range=env.reward_range)
     return t, renderer
 
@@ -112,9 +127,13 @@ def test_a_reward_outside_the_declared_range_is_an_env_error(tiny_tokenizer):
     hint = '<tool_call>\n{"name": "hint", "arguments": {}}\n</tool_call>'
     renderer = Renderer(tiny_tokenizer, env.tools)
     task = env.split["train"][0]
-    [t] = run_episodes(_scripted(renderer, [hint] * 3 + ["ba"]), renderer,
-                       [EpisodeSpec(env.make_episode(task), task.task_id, "g", 0, 0)],
-                       Budgets(max_turns=4, max_new_tokens=64, max_total_tokens=4000), env.system_prompt)
+    [t] = run_episodes(
+        _scripted(renderer, [hint] * 3 + ["ba"]),
+        renderer,
+        [EpisodeSpec(env.make_episode(task), task.task_id, "g", 0, 0)],
+        Budgets(max_turns=4, max_new_tokens=64, max_total_tokens=4000),
+        env.system_prompt,
+    )
     score_trajectories([t], components=env.reward_components, reward_range=(0.0, 0.5))  # total 0.7
     assert (t.outcome, t.reward) == ("env_error", None) and "outside the declared range [0.0, 0.5]" in t.error
 
@@ -127,8 +146,11 @@ def test_collect_builds_groups_with_the_group_builder_and_calls_score_group(monk
     made = []
     real = env.make_group
     monkeypatch.setattr(env, "make_group", lambda task, size: made.append((task.word, size)) or real(task, size))
-    monkeypatch.setattr(it, "run_episodes", lambda gen, r, specs, *a, **k: [
-        Trajectory(s.task_id, s.group_id, s.sample_id, s.seed, 0) for s in specs])
+    monkeypatch.setattr(
+        it,
+        "run_episodes",
+        lambda gen, r, specs, *a, **k: [Trajectory(s.task_id, s.group_id, s.sample_id, s.seed, 0) for s in specs],
+    )
     monkeypatch.setattr(it, "policy_generate_fn", lambda *a, **k: None)
     cfg = TrainConfig(tasks_per_iteration=2, group_size=3)
     groups = it._roll_out_round(0, 0, cfg, None, SimpleNamespace(stop_ids=set()), env, Budgets(), None)
@@ -206,12 +228,16 @@ def test_broken_declarations_and_modules_are_messages_not_tracebacks(tmp_path, m
         "class NoRange(ReverseEnvironment):\n    reward_range = None\n"
         "class NoSplits(ReverseEnvironment):\n    def load_splits(self, s):\n        return None\n"
         "class BadTool(ReverseEnvironment):\n    tools = [{'type': 'function'}]\n"
-        "class ResetRaises(ReverseEnvironment):\n    def make_episode(self, task):\n        raise KeyError('nope')\n")
+        "class ResetRaises(ReverseEnvironment):\n    def make_episode(self, task):\n        raise KeyError('nope')\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
-    for name, needle in [("brokenmod:X", "importing module 'brokenmod' raised RuntimeError: half-written module"),
-                         (":X", "give module:attr"), ("decl:NoRange", "reward_range must be (low, high) numbers"),
-                         ("decl:NoSplits", "load_splits() returned a NoneType"),
-                         ("decl:BadTool", "tools[0] must look like")]:
+    for name, needle in [
+        ("brokenmod:X", "importing module 'brokenmod' raised RuntimeError: half-written module"),
+        (":X", "give module:attr"),
+        ("decl:NoRange", "reward_range must be (low, high) numbers"),
+        ("decl:NoSplits", "load_splits() returned a NoneType"),
+        ("decl:BadTool", "tools[0] must look like"),
+    ]:
         with pytest.raises(ValueError, match=re.escape(needle)):
             load_environment(name)
     env = load_environment("decl:ResetRaises")
@@ -237,17 +263,53 @@ def test_a_first_batch_of_env_errors_stops_the_run_with_the_environments_message
 
     monkeypatch.setenv("CONSEQUENCE_LEDGER", str(tmp_path / "ledger.jsonl"))
     run = tmp_path / "run"
-    res = CliRunner().invoke(app, ["train", "--env", "env_fixtures:ReverseEnvironment", "--env-option", "boom=rollout-reset",
-                                   "--iterations", "1", "--tasks-per-iteration", "2", "--group-size", "2",
-                                   "--eval-every", "0", "--final-eval-episodes", "0", "--max-turns", "1",
-                                   "--max-new-tokens", "8", "--run-dir", str(run)])
+    res = CliRunner().invoke(
+        app,
+        [
+            "train",
+            "--env",
+            "env_fixtures:ReverseEnvironment",
+            "--env-option",
+            "boom=rollout-reset",
+            "--iterations",
+            "1",
+            "--tasks-per-iteration",
+            "2",
+            "--group-size",
+            "2",
+            "--eval-every",
+            "0",
+            "--final-eval-episodes",
+            "0",
+            "--max-turns",
+            "1",
+            "--max-new-tokens",
+            "8",
+            "--run-dir",
+            str(run),
+        ],
+    )
     assert res.exit_code == 1, res.output
     text = " ".join(res.output.split())
     assert "every episode of the first batch is an env_error (4 of 4)" in text
     assert "environment reset raised RuntimeError: reset broke" in text
     assert json.loads((run / "manifest.json").read_text())["status"] == "stopped"
-    early = CliRunner().invoke(app, ["train", "--env", "env_fixtures:ReverseEnvironment", "--env-option", "boom=reset",
-                                     "--final-eval-episodes", "0", "--eval-every", "0", "--run-dir", str(tmp_path / "early")])
+    early = CliRunner().invoke(
+        app,
+        [
+            "train",
+            "--env",
+            "env_fixtures:ReverseEnvironment",
+            "--env-option",
+            "boom=reset",
+            "--final-eval-episodes",
+            "0",
+            "--eval-every",
+            "0",
+            "--run-dir",
+            str(tmp_path / "early"),
+        ],
+    )
     assert early.exit_code == 2 and "raised RuntimeError: reset broke" in " ".join(early.output.split())
     assert not (tmp_path / "early").exists()  # refused before any work
 

@@ -54,33 +54,38 @@ def test_calculator_evaluates_in_the_sandbox(sandbox_runs):
     assert sandbox_runs == ["_r = repr(12*(3+4))\n"]  # a fresh interpreter ran it, not this process
     assert calculate("7 / 2")[0] == "3.5"
     assert calculate("-(17 // 5) + 17 % 5")[0] == "-1"  # -3 + 2
-    assert calculate("2 ** 300")[0] == "2037035976334486086268445688409378161051468393665936250636140449" \
-                                       "354381299763336706183397376"  # 91 digits: read back in two chunks
+    assert (
+        calculate("2 ** 300")[0] == "2037035976334486086268445688409378161051468393665936250636140449"
+        "354381299763336706183397376"
+    )  # 91 digits: read back in two chunks
     assert calculate("1 / 0")[0] == "error: ZeroDivisionError: division by zero"
     assert len(sandbox_runs) == 5
 
 
-@pytest.mark.parametrize("expr, why", [
-    ("__import__('os')", "not function calls"),
-    ("__import__('os').system('touch /tmp/pwned')", "not "),
-    ("x + 1", "not names"),
-    ("abs(-3)", "not function calls"),
-    ("(1).__class__", "not attributes"),
-    ("[1, 2][0]", "not subscripts"),
-    ("'a' * 3", "only numbers are allowed, not 'a'"),
-    ("True + 1", "only numbers are allowed, not True"),
-    ("2j * 3", "only numbers are allowed, not 2j"),
-    ("1 if 2 else 3", "not IfExp"),
-    ("1 << 4", "operator LShift is not allowed"),
-    ("~5", "operator Invert is not allowed"),
-    ("9**9**9", "an exponent must be a number literal"),
-    ("2 ** 5000", "exponent 5000 is too large"),
-    ("(10**50)**3", "could exceed 10**100"),
-    ("10**100 + 1", "could exceed 10**100"),
-    ("1 +", "not an arithmetic expression"),
-    ("", "empty expression"),
-    ("1+" * 100 + "1", "expression too long (201 characters"),
-])
+@pytest.mark.parametrize(
+    "expr, why",
+    [
+        ("__import__('os')", "not function calls"),
+        ("__import__('os').system('touch /tmp/pwned')", "not "),
+        ("x + 1", "not names"),
+        ("abs(-3)", "not function calls"),
+        ("(1).__class__", "not attributes"),
+        ("[1, 2][0]", "not subscripts"),
+        ("'a' * 3", "only numbers are allowed, not 'a'"),
+        ("True + 1", "only numbers are allowed, not True"),
+        ("2j * 3", "only numbers are allowed, not 2j"),
+        ("1 if 2 else 3", "not IfExp"),
+        ("1 << 4", "operator LShift is not allowed"),
+        ("~5", "operator Invert is not allowed"),
+        ("9**9**9", "an exponent must be a number literal"),
+        ("2 ** 5000", "exponent 5000 is too large"),
+        ("(10**50)**3", "could exceed 10**100"),
+        ("10**100 + 1", "could exceed 10**100"),
+        ("1 +", "not an arithmetic expression"),
+        ("", "empty expression"),
+        ("1+" * 100 + "1", "expression too long (201 characters"),
+    ],
+)
 def test_refused_expressions_are_error_observations_and_run_nothing(sandbox_runs, expr, why):
     refused = check_expression(expr)
     assert refused is not None and why in refused
@@ -98,20 +103,23 @@ def test_the_bounds_let_large_but_safe_values_through():
 
 
 # ---- the answer ---------------------------------------------------------------------
-@pytest.mark.parametrize("reply, answer", [
-    ("4837 * 29 = 140273, and 140273 - 1204 = 139069.", "139069"),
-    ("The result is -536", "-536"),
-    ("x=-5", "-5"),
-    ("3-4", "4"),  # a minus between digits is subtraction, not a sign
-    ("about 1,234 items", "1234"),
-    ("1,2345", "2345"),  # not a thousands separator
-    ("84.0 is it", "84.0"),
-    ("<answer>139069</answer> (not 7)", "139069"),  # the tag wins over the last number
-    ("<answer>1</answer> no, <answer> +2,000 </answer>", "2000"),  # the last tag
-    ("<answer>about 5</answer> 7", None),  # a tag that is not one number: no answer
-    ("I do not know", None),
-    ("", None),
-])
+@pytest.mark.parametrize(
+    "reply, answer",
+    [
+        ("4837 * 29 = 140273, and 140273 - 1204 = 139069.", "139069"),
+        ("The result is -536", "-536"),
+        ("x=-5", "-5"),
+        ("3-4", "4"),  # a minus between digits is subtraction, not a sign
+        ("about 1,234 items", "1234"),
+        ("1,2345", "2345"),  # not a thousands separator
+        ("84.0 is it", "84.0"),
+        ("<answer>139069</answer> (not 7)", "139069"),  # the tag wins over the last number
+        ("<answer>1</answer> no, <answer> +2,000 </answer>", "2000"),  # the last tag
+        ("<answer>about 5</answer> 7", None),  # a tag that is not one number: no answer
+        ("I do not know", None),
+        ("", None),
+    ],
+)
 def test_answer_extraction_rule(reply, answer):
     assert extract_answer(reply) == answer
 
@@ -129,8 +137,10 @@ def _call(expr: str) -> dict:
 
 def test_accuracy_and_tool_cost_at_their_steps(sandbox_runs):
     ep = CalculatorEpisode(TASK, tool_cost=COST, max_calls=2)
-    assert ep.reset() == ("What is 4837 * 29 - 1204?",
-                          {"task_id": "hand-1", "problem_id": "hand-1", "calculator_calls": 0})
+    assert ep.reset() == (
+        "What is 4837 * 29 - 1204?",
+        {"task_id": "hand-1", "problem_id": "hand-1", "calculator_calls": 0},
+    )
     obs, r, term, trunc, info = ep.step(_call("4837 * 29"))
     assert (obs, r, term, trunc, info["reward_components"]) == ("140273", -COST, False, False, {"tool_cost": -COST})
     obs, r, term, _, info = ep.step(_call("abs(1)"))  # refused, but a call: charged
@@ -172,6 +182,7 @@ def _script(renderer: Renderer, turns_by_episode: list[list[str]]):
     def generate(prompts, max_new_tokens, idx):
         outs = [queues[i].pop(0) for i in idx]
         return [SimpleNamespace(output_ids=o, logprobs=[-0.5] * len(o), stop_reason="stop") for o in outs]
+
     return generate
 
 
@@ -179,11 +190,17 @@ def test_two_calls_then_a_correct_answer_through_the_runner(tiny_tokenizer):
     env = _env(tool_cost=COST)
     renderer = Renderer(tiny_tokenizer, env.tools)
     call = renderer.format_call
-    script = _script(renderer, [
-        [call("calculator", {"expression": "4837 * 29"}), call("calculator", {"expression": "140273 - 1204"}),
-         "The answer is <answer>139069</answer>."],
-        ["It is 139070"],  # one wrong answer, no call
-    ])
+    script = _script(
+        renderer,
+        [
+            [
+                call("calculator", {"expression": "4837 * 29"}),
+                call("calculator", {"expression": "140273 - 1204"}),
+                "The answer is <answer>139069</answer>.",
+            ],
+            ["It is 139070"],  # one wrong answer, no call
+        ],
+    )
     specs = [EpisodeSpec(env.make_episode(TASK), "hand-1", "g", j, j) for j in range(2)]
     trajs = run_episodes(script, renderer, specs, Budgets(max_turns=4), env.system_prompt)
     t, wrong = trajs
@@ -195,8 +212,11 @@ def test_two_calls_then_a_correct_answer_through_the_runner(tiny_tokenizer):
     score_trajectories(trajs, components=env.reward_components, reward_range=env.reward_range)
     assert (t.reward, t.verifier_score, t.outcome) == (1 - 2 * COST, 1.0, "finished")
     assert t.reward_components == {"accuracy": 1.0, "tool_cost": -2 * COST}
-    assert (wrong.reward, wrong.reward_components, wrong.final_code) == (0.0, {"accuracy": 0.0, "tool_cost": 0.0},
-                                                                         "139070")
+    assert (wrong.reward, wrong.reward_components, wrong.final_code) == (
+        0.0,
+        {"accuracy": 0.0, "tool_cost": 0.0},
+        "139070",
+    )
 
 
 class _Raising(CalculatorEpisode):
@@ -209,8 +229,11 @@ def test_a_raising_step_and_a_dead_sandbox_are_env_errors(tiny_tokenizer, monkey
     renderer = Renderer(tiny_tokenizer, env.tools)
     turn = renderer.format_call("calculator", {"expression": "1 + 2"})
     sandbox.clear_cache()
-    monkeypatch.setattr(sandbox, "_run", lambda code, tests, lim: TestReport("sandbox_error", 0, len(tests), [],
-                                                                            "cannot spawn: injected"))
+    monkeypatch.setattr(
+        sandbox,
+        "_run",
+        lambda code, tests, lim: TestReport("sandbox_error", 0, len(tests), [], "cannot spawn: injected"),
+    )
     specs = [EpisodeSpec(_Raising(TASK), "hand-1", "g", 0, 0), EpisodeSpec(env.make_episode(TASK), "hand-1", "g", 1, 1)]
     trajs = run_episodes(_script(renderer, [[turn], [turn]]), renderer, specs, Budgets(max_turns=2), env.system_prompt)
     score_trajectories(trajs, components=env.reward_components, reward_range=env.reward_range)
@@ -222,11 +245,23 @@ def test_a_raising_step_and_a_dead_sandbox_are_env_errors(tiny_tokenizer, monkey
 
 
 # ---- options, tasks and splits -----------------------------------------------------
-@pytest.mark.parametrize("option, value", [
-    ("digits", 0), ("digits", 13), ("digits", "3"), ("terms", 1), ("terms", 9), ("n_problems", 9),
-    ("max_calls", -1), ("max_calls", True), ("max_calls", 2.0), ("tool_cost", -0.1), ("tool_cost", float("nan")),
-    ("tool_cost", "0.1"),
-])
+@pytest.mark.parametrize(
+    "option, value",
+    [
+        ("digits", 0),
+        ("digits", 13),
+        ("digits", "3"),
+        ("terms", 1),
+        ("terms", 9),
+        ("n_problems", 9),
+        ("max_calls", -1),
+        ("max_calls", True),
+        ("max_calls", 2.0),
+        ("tool_cost", -0.1),
+        ("tool_cost", float("nan")),
+        ("tool_cost", "0.1"),
+    ],
+)
 def test_bad_options_are_refused_before_any_work(monkeypatch, option, value):
     monkeypatch.setattr(calc, "make_problems", lambda *a: pytest.fail("problems made before the options were checked"))
     with pytest.raises(ValueError, match=rf"option {option}=.* must be .*--env-option {option}="):
@@ -234,14 +269,22 @@ def test_bad_options_are_refused_before_any_work(monkeypatch, option, value):
 
 
 def test_unknown_option_lists_the_ones_it_takes():
-    with pytest.raises(ValueError, match="unknown option 'cost'; it takes n_problems, digits, terms, tool_cost, "
-                                         "max_calls"):
+    with pytest.raises(
+        ValueError, match="unknown option 'cost'; it takes n_problems, digits, terms, tool_cost, max_calls"
+    ):
         _env(cost=0.1)
 
 
-_WORD_OPS = [(r"starts the week with (\d+)", None), (r"brings (\d+) more", "+"), (r"receives (\d+)", "+"),
-             (r"(\d+) \w+ are returned", "+"), (r"sends away (\d+)", "-"), (r"(\d+) \w+ are (?:sold|given away)", "-"),
-             (r"multiplied by (\d+)", "*"), (r"with (\d+) times as many", "*")]
+_WORD_OPS = [
+    (r"starts the week with (\d+)", None),
+    (r"brings (\d+) more", "+"),
+    (r"receives (\d+)", "+"),
+    (r"(\d+) \w+ are returned", "+"),
+    (r"sends away (\d+)", "-"),
+    (r"(\d+) \w+ are (?:sold|given away)", "-"),
+    (r"multiplied by (\d+)", "*"),
+    (r"with (\d+) times as many", "*"),
+]
 
 
 def _solve_word(question: str) -> int:
@@ -268,7 +311,7 @@ def test_generated_tasks_answers_and_split():
     assert 150 < len(kinds["word"]) < 250
     for t in kinds["expression"]:  # "What is A op B op C?" with 3-digit operands
         assert re.fullmatch(r"What is \(?\d{3} [-+*] \(?\d{3}\)? [-+*] \d{3}\)?\?", t.question), t.question
-        assert t.answer == eval(t.question[len("What is "):-1])
+        assert t.answer == eval(t.question[len("What is ") : -1])
     for t in kinds["word"]:
         assert t.answer == _solve_word(t.question) >= 0, t.question
     again = _env()
@@ -302,10 +345,33 @@ def test_cli_train_then_eval(tmp_path):
     from consequence.records import read_trajectories
 
     run, out = tmp_path / "run", tmp_path / "eval"
-    res = CliRunner().invoke(app, [
-        "train", "--env", "calculator", "--iterations", "1", "--tasks-per-iteration", "2", "--group-size", "2",
-        "--eval-every", "0", "--final-eval-episodes", "2", "--final-eval-decoding", "greedy", "--max-turns", "3",
-        "--max-new-tokens", "24", "--run-dir", str(run)], env={"COLUMNS": "250"})
+    res = CliRunner().invoke(
+        app,
+        [
+            "train",
+            "--env",
+            "calculator",
+            "--iterations",
+            "1",
+            "--tasks-per-iteration",
+            "2",
+            "--group-size",
+            "2",
+            "--eval-every",
+            "0",
+            "--final-eval-episodes",
+            "2",
+            "--final-eval-decoding",
+            "greedy",
+            "--max-turns",
+            "3",
+            "--max-new-tokens",
+            "24",
+            "--run-dir",
+            str(run),
+        ],
+        env={"COLUMNS": "250"},
+    )
     assert res.exit_code == 0, res.output
     manifest = json.loads((run / "manifest.json").read_text())
     assert manifest["environment"]["name"] == "calculator"
@@ -314,8 +380,11 @@ def test_cli_train_then_eval(tmp_path):
     assert len(trajs) == 4 and all(t.task_id.startswith("calc-d3t3-") for t in trajs)
     assert all("accuracy" in t.reward_components for t in trajs if t.outcome != "env_error")
     assert any(t.outcome != "env_error" for t in trajs)
-    res = CliRunner().invoke(app, ["eval", "--model", str(run), "-n", "1", "-k", "1", "--problems", "2",
-                                   "--out", str(out)], env={"COLUMNS": "250"})
+    res = CliRunner().invoke(
+        app,
+        ["eval", "--model", str(run), "-n", "1", "-k", "1", "--problems", "2", "--out", str(out)],
+        env={"COLUMNS": "250"},
+    )
     assert res.exit_code == 0, res.output
 
     def no_nan(name):

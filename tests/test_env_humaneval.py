@@ -26,8 +26,13 @@ def _answer(env, task, text, tokenizer):
     renderer = Renderer(tokenizer, env.tools)
     ids = renderer.encode(text) + [renderer.eot_id]
     gen = lambda prompts, n, idx: [SimpleNamespace(output_ids=ids, logprobs=[-1.0] * len(ids), stop_reason="stop")]  # noqa: E731
-    [t] = run_episodes(gen, renderer, [EpisodeSpec(env.make_episode(task), task.task_id, "g", 0, 0)],
-                       Budgets(max_turns=3, max_new_tokens=4000, max_total_tokens=10**6), env.system_prompt)
+    [t] = run_episodes(
+        gen,
+        renderer,
+        [EpisodeSpec(env.make_episode(task), task.task_id, "g", 0, 0)],
+        Budgets(max_turns=3, max_new_tokens=4000, max_total_tokens=10**6),
+        env.system_prompt,
+    )
     score_trajectories([t], components=env.reward_components, reward_range=env.reward_range)
     return t
 
@@ -53,10 +58,34 @@ def _train_one_iteration(tmp_path, monkeypatch, env: str, turns: int, total: int
     """``consequence train --env ENV`` for one tiny iteration into ``tmp_path/run``; returns the run folder."""
     monkeypatch.setenv("CONSEQUENCE_LEDGER", str(tmp_path / "ledger.jsonl"))
     run = tmp_path / "run"
-    res = CliRunner().invoke(app, ["train", "--env", env, "--max-turns", str(turns), "--max-new-tokens", "16",
-                                   "--max-total-tokens", str(total), "--iterations", "1", "--tasks-per-iteration", "2",
-                                   "--group-size", "2", "--eval-every", "0", "--final-eval-episodes", "2",
-                                   "--final-eval-decoding", "greedy", "--run-dir", str(run)])
+    res = CliRunner().invoke(
+        app,
+        [
+            "train",
+            "--env",
+            env,
+            "--max-turns",
+            str(turns),
+            "--max-new-tokens",
+            "16",
+            "--max-total-tokens",
+            str(total),
+            "--iterations",
+            "1",
+            "--tasks-per-iteration",
+            "2",
+            "--group-size",
+            "2",
+            "--eval-every",
+            "0",
+            "--final-eval-episodes",
+            "2",
+            "--final-eval-decoding",
+            "greedy",
+            "--run-dir",
+            str(run),
+        ],
+    )
     assert res.exit_code == 0, res.output
     return run
 
@@ -68,8 +97,22 @@ def test_train_one_iteration_then_evaluate(tmp_path, monkeypatch):
     trajs = read_trajectories(run / "trajectories" / "iter_0000.parquet")
     assert len(trajs) == 4 and all(len(t.calls) == 1 for t in trajs)  # single-turn: one model call
     assert all(set(t.reward_components) == {"hidden_tests"} for t in trajs if t.reward is not None)
-    ev = CliRunner().invoke(app, ["eval", "--model", str(run), "--problems", "2", "-n", "1", "--max-new-tokens", "8",
-                                  "--out", str(tmp_path / "e")])
+    ev = CliRunner().invoke(
+        app,
+        [
+            "eval",
+            "--model",
+            str(run),
+            "--problems",
+            "2",
+            "-n",
+            "1",
+            "--max-new-tokens",
+            "8",
+            "--out",
+            str(tmp_path / "e"),
+        ],
+    )
     assert ev.exit_code == 0, ev.output
     out = json.loads((tmp_path / "e" / "eval.json").read_text())
     assert out["settings"]["tasks"] == "humaneval" and out["tasks"] == 2  # the pass@k completion protocol
@@ -85,8 +128,9 @@ def test_humaneval_repair_trains_one_iteration_and_evaluates(tmp_path, monkeypat
     trajs = read_trajectories(run / "trajectories" / "iter_0000.parquet")
     train_ids = {t.task_id for t in env.split["train"]}  # instances are train tasks under new ids
     assert len(trajs) == 4 and {t.task_id.split("#")[0] for t in trajs} <= train_ids
-    ev = CliRunner().invoke(app, ["eval", "--model", str(run), "--problems", "2", "-n", "1", "--no-recovery",
-                                  "--out", str(tmp_path / "e")])
+    ev = CliRunner().invoke(
+        app, ["eval", "--model", str(run), "--problems", "2", "-n", "1", "--no-recovery", "--out", str(tmp_path / "e")]
+    )
     assert ev.exit_code == 0, ev.output
     out = json.loads((tmp_path / "e" / "eval.json").read_text())
     assert out["settings"]["environment"]["name"] == "humaneval-repair" and len(out["per_task"]) == 2

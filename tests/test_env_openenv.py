@@ -20,11 +20,14 @@ from types import SimpleNamespace
 
 import pytest
 
-pytest.importorskip("websockets", reason="the openenv adapter's client needs websockets: pip install "
-                                         "'consequence[openenv]'")
+pytest.importorskip(
+    "websockets", reason="the openenv adapter's client needs websockets: pip install 'consequence[openenv]'"
+)
 pytest.importorskip("uvicorn", reason="serving an OpenEnv environment needs uvicorn (with openenv-core)")
-pytest.importorskip("openenv.core.env_server", reason="openenv-core is not installed (make install installs it; "
-                                                      "by hand: pip install openenv-core==0.3.0)")
+pytest.importorskip(
+    "openenv.core.env_server",
+    reason="openenv-core is not installed (make install installs it; by hand: pip install openenv-core==0.3.0)",
+)
 
 import uvicorn  # noqa: E402
 from openenv.core.env_server import Action, Observation, State, create_app  # noqa: E402
@@ -82,8 +85,9 @@ class WordEnv(OpenEnvBase):
         reward = (1.0 if self._state.step_count == 1 else 0.5) if right else 0.0
         done = right or self._state.step_count >= 2
         WordEnv.log.append((id(self), self.seed, action.word, reward, done))
-        return WordObservation(prompt="correct" if right else f"no, not {action.word.strip()}", reward=reward,
-                               done=done)
+        return WordObservation(
+            prompt="correct" if right else f"no, not {action.word.strip()}", reward=reward, done=done
+        )
 
     @property
     def state(self):
@@ -166,10 +170,12 @@ class Served:
 
 @pytest.fixture(scope="module")
 def servers():
-    apps = {"word": create_app(WordEnv, WordAction, WordObservation, max_concurrent_envs=16),
-            "guess": create_app(GuessEnv, GuessAction, GuessObservation, max_concurrent_envs=16),
-            "broken": create_app(BrokenEnv, WordAction, WordObservation, max_concurrent_envs=16),
-            "single": create_app(WordEnv, WordAction, WordObservation)}  # OpenEnv's default: one session
+    apps = {
+        "word": create_app(WordEnv, WordAction, WordObservation, max_concurrent_envs=16),
+        "guess": create_app(GuessEnv, GuessAction, GuessObservation, max_concurrent_envs=16),
+        "broken": create_app(BrokenEnv, WordAction, WordObservation, max_concurrent_envs=16),
+        "single": create_app(WordEnv, WordAction, WordObservation),
+    }  # OpenEnv's default: one session
     served = {k: Served(a) for k, a in apps.items()}
     yield {k: s.url for k, s in served.items()}
     for s in served.values():
@@ -187,6 +193,7 @@ def _script(renderer, turns_per_episode):
     def generate(prompts, max_new_tokens, idx):
         outs = [queues[i].pop(0) for i in idx]
         return [SimpleNamespace(output_ids=o, logprobs=[-0.5] * len(o), stop_reason="stop") for o in outs]
+
     return generate
 
 
@@ -213,9 +220,20 @@ def test_answer_mode_reset_step_and_rewards(servers):
     assert obs == "Guess my 5-letter word; it starts with s. 2 tries."  # secret_word(10) == "stone"
     assert (info["openenv_seed"], info["observation"]) == (10, {"prompt": obs})
     n = len(WordEnv.log)
-    assert ep.step({"answer": "river"}) == ("no, not river", 0.0, False, False, {
-        "task_id": "seed-10", "problem_id": "seed-10", "openenv_seed": 10, "reward_components": {"reward": 0.0},
-        "observation": {"prompt": "no, not river"}, "openenv_reward": 0.0})
+    assert ep.step({"answer": "river"}) == (
+        "no, not river",
+        0.0,
+        False,
+        False,
+        {
+            "task_id": "seed-10",
+            "problem_id": "seed-10",
+            "openenv_seed": 10,
+            "reward_components": {"reward": 0.0},
+            "observation": {"prompt": "no, not river"},
+            "openenv_reward": 0.0,
+        },
+    )
     obs, r, term, trunc, info = ep.step({"answer": " Stone\n"})
     assert (obs, r, term, trunc, info["reward_components"]) == ("correct", 0.5, True, False, {"reward": 0.5})
     assert [e[2:] for e in WordEnv.log[n:]] == [("river", 0.0, False), (" Stone\n", 0.5, True)]
@@ -227,8 +245,9 @@ def test_answer_mode_reset_step_and_rewards(servers):
 
 
 def test_tool_mode_observation_json_and_refused_action(servers):
-    env = _env(servers["guess"], action="tool", reward_range=[-1, 1], n_problems=20,
-               reset_kwargs={"difficulty": "hard"})
+    env = _env(
+        servers["guess"], action="tool", reward_range=[-1, 1], n_problems=20, reset_kwargs={"difficulty": "hard"}
+    )
     assert tool_name_of({"title": "GuessAction"}) == "guess" and tool_name_of({"title": "MyCodeAction"}) == "my_code"
     [tool] = env.tools
     assert tool["function"]["name"] == "guess" and tool["function"]["description"] == "Guess the secret number."
@@ -244,8 +263,12 @@ def test_tool_mode_observation_json_and_refused_action(servers):
     assert obs == '{"guesses_left": 3, "message": "Guess a number from 1 to 20 (hard)."}'  # sorted JSON
     wrong = 20 if secret < 20 else 19
     obs, r, term, _, info = ep.step({"name": "guess", "arguments": {"guess": wrong}})
-    assert (json.loads(obs), r, term, info["reward_components"]) == ({"message": "lower", "guesses_left": 2},
-                                                                      -0.25, False, {"reward": -0.25})
+    assert (json.loads(obs), r, term, info["reward_components"]) == (
+        {"message": "lower", "guesses_left": 2},
+        -0.25,
+        False,
+        {"reward": -0.25},
+    )
     # an action the server's action model refuses is the policy's error, not the environment's
     obs, r, term, _, info = ep.step({"name": "guess", "arguments": {"guess": 0}})
     assert (r, term, "env_error" in info) == (0.0, False, False)
@@ -283,21 +306,28 @@ def test_episodes_through_the_runner_score_what_the_server_returned(servers, tin
     task = env.split["train"][2]
     secret = secret_number(task.seed)
     low, high = (secret - 1, secret + 1) if 1 < secret < 20 else ((2, 3) if secret == 1 else (18, 19))
-    script = _script(renderer, [
-        [call("guess", {"guess": low}), call("guess", {"guess": secret})],  # -0.25 then 1.0
-        [call("guess", {"guess": low}), call("guess", {"guess": high}), call("guess", {"guess": low})],  # 3 wrong
-        ["I think it is 7.", call("guess", {"guess": secret})],  # a turn without a call, then right
-    ])
+    script = _script(
+        renderer,
+        [
+            [call("guess", {"guess": low}), call("guess", {"guess": secret})],  # -0.25 then 1.0
+            [call("guess", {"guess": low}), call("guess", {"guess": high}), call("guess", {"guess": low})],  # 3 wrong
+            ["I think it is 7.", call("guess", {"guess": secret})],  # a turn without a call, then right
+        ],
+    )
     n = len(GuessEnv.log)
-    specs = [EpisodeSpec(e, task.task_id, "g", j, 100 + j, answer_ends_episode=env.answer_ends_episode)
-             for j, e in enumerate(env.make_group(task, 3))]
+    specs = [
+        EpisodeSpec(e, task.task_id, "g", j, 100 + j, answer_ends_episode=env.answer_ends_episode)
+        for j, e in enumerate(env.make_group(task, 3))
+    ]
     trajs = run_episodes(script, renderer, specs, Budgets(max_turns=4), env.system_prompt)
     right, wrong, chatty = trajs
     assert [c.reward for c in right.calls] == [-0.25, 1.0] and right.env_rewards == {"reward": 0.75}
     assert [c.reward for c in wrong.calls] == [-0.25, -0.25, -0.25]
     assert [c.reward for c in chatty.calls] == [0.0, 1.0] and chatty.n_tool_calls == 1
     assert [m["content"] for m in right.messages if m["role"] == "tool"] == [
-        "higher" if low < secret else "lower", "right"]
+        "higher" if low < secret else "lower",
+        "right",
+    ]
     assert [t.outcome for t in trajs] == ["finished"] * 3
     score_trajectories(trajs, components=env.reward_components, reward_range=env.reward_range)
     assert [t.reward for t in trajs] == [0.75, -0.75, 1.0]
@@ -318,8 +348,10 @@ def test_answers_through_the_runner(servers, tiny_tokenizer):
     specs = [EpisodeSpec(env.make_episode(task), task.task_id, "g", j, j) for j in range(3)]
     trajs = run_episodes(script, renderer, specs, Budgets(max_turns=2), env.system_prompt)
     assert [t.outcome for t in trajs] == ["finished"] * 3
-    assert trajs[1].messages[-2:] == [{"role": "assistant", "content": word.upper()},
-                                      {"role": "user", "content": "correct"}]
+    assert trajs[1].messages[-2:] == [
+        {"role": "assistant", "content": word.upper()},
+        {"role": "user", "content": "correct"},
+    ]
     score_trajectories(trajs, components=env.reward_components, reward_range=env.reward_range)
     assert [t.reward for t in trajs] == [1.0, 0.5, 0.0]
     assert sorted(_sessions(WordEnv.log, n)) == [[0.0, 0.0], [0.0, 0.5], [1.0]]
@@ -374,11 +406,17 @@ def test_a_reply_outside_the_protocol_is_an_error(monkeypatch, servers):
     env = _env(servers["word"], n_problems=8)
     ep = env.make_episode(env.split["train"][0])
     ep.reset()
-    monkeypatch.setattr(ep._session.conn, "recv", lambda timeout=None: '{"type": "observation", "data": {"reward": '
-                                                                      'NaN, "done": false, "observation": {}}}')
+    monkeypatch.setattr(
+        ep._session.conn,
+        "recv",
+        lambda timeout=None: '{"type": "observation", "data": {"reward": NaN, "done": false, "observation": {}}}',
+    )
     _, r, term, _, info = ep.step({"answer": "x"})
-    assert (r, term, info["env_error"]) == (0.0, True, "OpenEnv server: step returned a reward that is not a finite "
-                                                       "number: nan")
+    assert (r, term, info["env_error"]) == (
+        0.0,
+        True,
+        "OpenEnv server: step returned a reward that is not a finite number: nan",
+    )
     ep.reset()
     monkeypatch.setattr(ep._session.conn, "recv", lambda timeout=None: "<html>")
     with pytest.raises(RuntimeError, match="the reply is not JSON"):
@@ -386,20 +424,23 @@ def test_a_reply_outside_the_protocol_is_an_error(monkeypatch, servers):
 
 
 # ---- options -------------------------------------------------------------------------
-@pytest.mark.parametrize("options, match", [
-    ({"base_url": None}, "base_url=None must be the server's URL"),
-    ({"base_url": "127.0.0.1:8000"}, "base_url='127.0.0.1:8000' must be the server's URL"),
-    ({"n_problems": 0}, "n_problems=0 must be an integer from 1"),
-    ({"action": "mcp"}, "action='mcp' must be one of answer, tool"),
-    ({"reward_range": [1, 0]}, r"reward_range=\[1, 0\] must be \[low, high\]"),
-    ({"reward_range": "01"}, "reward_range='01' must be"),
-    ({"reset_kwargs": [1]}, "reset_kwargs=.* must be a JSON mapping"),
-    ({"timeout_s": 0}, "timeout_s=0 must be"),
-    ({"answer_field": "text"}, "answer_field='text' is not a field of the action; it has 'word'"),
-    ({"action": "tool", "answer_field": "word"}, "answer_field is for action=answer"),
-    ({"tool_name": "guess"}, "tool_name is for action=tool"),
-    ({"colour": "red"}, "unknown option 'colour'; it takes base_url, n_problems, action"),
-])
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        ({"base_url": None}, "base_url=None must be the server's URL"),
+        ({"base_url": "127.0.0.1:8000"}, "base_url='127.0.0.1:8000' must be the server's URL"),
+        ({"n_problems": 0}, "n_problems=0 must be an integer from 1"),
+        ({"action": "mcp"}, "action='mcp' must be one of answer, tool"),
+        ({"reward_range": [1, 0]}, r"reward_range=\[1, 0\] must be \[low, high\]"),
+        ({"reward_range": "01"}, "reward_range='01' must be"),
+        ({"reset_kwargs": [1]}, "reset_kwargs=.* must be a JSON mapping"),
+        ({"timeout_s": 0}, "timeout_s=0 must be"),
+        ({"answer_field": "text"}, "answer_field='text' is not a field of the action; it has 'word'"),
+        ({"action": "tool", "answer_field": "word"}, "answer_field is for action=answer"),
+        ({"tool_name": "guess"}, "tool_name is for action=tool"),
+        ({"colour": "red"}, "unknown option 'colour'; it takes base_url, n_problems, action"),
+    ],
+)
 def test_bad_options_are_refused(servers, options, match):
     options = {"base_url": servers["word"], **options}
     if options["base_url"] is None:
@@ -412,16 +453,21 @@ def test_no_server_and_missing_package_name_the_fix(monkeypatch):
     with socket.socket() as s:  # a port with nothing listening
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    with pytest.raises(ValueError, match=rf"cannot read http://127.0.0.1:{port}/schema .*is an OpenEnv server "
-                                         "running there"):
+    with pytest.raises(
+        ValueError,
+        match=rf"cannot read http://127.0.0.1:{port}/schema .*is an OpenEnv server "
+        "running there",
+    ):
         _env(f"http://127.0.0.1:{port}")
     import builtins
+
     real = builtins.__import__
 
     def no_websockets(name, *a, **k):
         if name.startswith("websockets"):
             raise ImportError("No module named 'websockets'")
         return real(name, *a, **k)
+
     monkeypatch.setattr(builtins, "__import__", no_websockets)
     with pytest.raises(ValueError, match=r"needs the websockets package .*pip install 'consequence\[openenv\]'"):
         OpenEnvEnvironment(base_url="http://127.0.0.1:1")
@@ -451,11 +497,35 @@ def test_cli_train(servers, tmp_path):
 
     run = tmp_path / "run"
     k = len(WordEnv.resets)
-    res = CliRunner().invoke(app, [
-        "train", "--env", TARGET, "--env-option", f"base_url={servers['word']}", "--iterations", "1",
-        "--tasks-per-iteration", "2", "--group-size", "2", "--eval-every", "0", "--final-eval-episodes", "2",
-        "--final-eval-decoding", "greedy", "--max-turns", "2", "--max-new-tokens", "16", "--run-dir", str(run)],
-        env={"COLUMNS": "250"})
+    res = CliRunner().invoke(
+        app,
+        [
+            "train",
+            "--env",
+            TARGET,
+            "--env-option",
+            f"base_url={servers['word']}",
+            "--iterations",
+            "1",
+            "--tasks-per-iteration",
+            "2",
+            "--group-size",
+            "2",
+            "--eval-every",
+            "0",
+            "--final-eval-episodes",
+            "2",
+            "--final-eval-decoding",
+            "greedy",
+            "--max-turns",
+            "2",
+            "--max-new-tokens",
+            "16",
+            "--run-dir",
+            str(run),
+        ],
+        env={"COLUMNS": "250"},
+    )
     assert res.exit_code == 0, res.output
     manifest = json.loads((run / "manifest.json").read_text())
     assert manifest["environment"]["name"] == "openenv"
@@ -467,8 +537,24 @@ def test_cli_train(servers, tmp_path):
     seeds = [int(t.task_id.split("#")[0].removeprefix("seed-")) for t in trajs]
     assert set(seeds) <= set(WordEnv.resets[k:])  # every rollout reset its problem on the server
     assert len(WordEnv.resets) - k >= 80 + 4 + 2  # the prompt-length check (80 train problems), 4 rollouts, 2 evals
-    res = CliRunner().invoke(app, ["eval", "--model", str(run), "-n", "1", "-k", "1", "--problems", "2",
-                                   "--no-recovery", "--out", str(tmp_path / "eval")], env={"COLUMNS": "250"})
+    res = CliRunner().invoke(
+        app,
+        [
+            "eval",
+            "--model",
+            str(run),
+            "-n",
+            "1",
+            "-k",
+            "1",
+            "--problems",
+            "2",
+            "--no-recovery",
+            "--out",
+            str(tmp_path / "eval"),
+        ],
+        env={"COLUMNS": "250"},
+    )
     assert res.exit_code == 0, res.output
     result = json.loads((tmp_path / "eval" / "eval.json").read_text())
     assert result["settings"]["environment"]["name"] == "openenv"

@@ -57,18 +57,26 @@ def test_declarations_follow_format_weight(weighted):
     assert (weighted.tools, weighted.answer_ends_episode, weighted.system_prompt) == ([], True, SYSTEM_PROMPT)
     assert "<think>" in SYSTEM_PROMPT and "<answer>" in SYSTEM_PROMPT
     assert plain.label == "reasoning-gym:basic_arithmetic{} size=10 reasoning_gym==0.1.25"
-    assert _env(size=10, config={"max_terms": 3, "min_terms": 2}).label == \
-        'reasoning-gym:basic_arithmetic{"max_terms":3,"min_terms":2} size=10 reasoning_gym==0.1.25'
+    assert (
+        _env(size=10, config={"max_terms": 3, "min_terms": 2}).label
+        == 'reasoning-gym:basic_arithmetic{"max_terms":3,"min_terms":2} size=10 reasoning_gym==0.1.25'
+    )
 
 
 def test_rewards_by_hand(weighted):
     task = weighted.split["train"][0]
     ref = task.answer
     assert ref == task.entry["answer"] and re.fullmatch(r"-?\d+(\.\d+)?", ref)
-    assert _step(weighted, task, f"<think>work</think>\n<answer>{ref}</answer>") == \
-        (1.5, {"accuracy": 1.0, "format": 0.5}, ref)
-    assert _step(weighted, task, "<think>work</think><answer>no idea</answer>") == \
-        (0.5, {"accuracy": 0.0, "format": 0.5}, "no idea")
+    assert _step(weighted, task, f"<think>work</think>\n<answer>{ref}</answer>") == (
+        1.5,
+        {"accuracy": 1.0, "format": 0.5},
+        ref,
+    )
+    assert _step(weighted, task, "<think>work</think><answer>no idea</answer>") == (
+        0.5,
+        {"accuracy": 0.0, "format": 0.5},
+        "no idea",
+    )
     # the base scorer's partial credit, passed through: len(ref) / len(answer)
     r, parts, _ = _step(weighted, task, f"<think>w</think><answer>{ref} apples</answer>")
     assert parts == {"accuracy": pytest.approx(len(ref) / (len(ref) + 7)), "format": 0.5}
@@ -76,10 +84,16 @@ def test_rewards_by_hand(weighted):
     assert _step(weighted, task, ref) == (0.0, {"accuracy": 0.0, "format": 0.0}, None)
     assert _step(weighted, task, f"<think>{ref}</think>") == (0.0, {"accuracy": 0.0, "format": 0.0}, None)
     # the last <answer> wins (two answers: not the format)
-    assert _step(weighted, task, f"<answer>no</answer><answer>{ref}</answer>") == \
-        (1.0, {"accuracy": 1.0, "format": 0.0}, ref)
-    assert _step(weighted, task, f"<answer>{ref}</answer><answer>no</answer>") == \
-        (0.0, {"accuracy": 0.0, "format": 0.0}, "no")
+    assert _step(weighted, task, f"<answer>no</answer><answer>{ref}</answer>") == (
+        1.0,
+        {"accuracy": 1.0, "format": 0.0},
+        ref,
+    )
+    assert _step(weighted, task, f"<answer>{ref}</answer><answer>no</answer>") == (
+        0.0,
+        {"accuracy": 0.0, "format": 0.0},
+        "no",
+    )
     with pytest.raises(ValueError, match="not a tool call"):
         weighted.make_episode(task).step({"name": "finish", "arguments": {}})
 
@@ -99,8 +113,11 @@ def test_split_by_problem_and_seed():
     sizes = {k: len(v) for k, v in env.split.items()}
     assert sizes == {"train": 400, "validation": 50, "test": 50}  # 500 distinct questions, 80 / 10 / 10
     ids = env.problem_ids()
-    assert not set(ids["train"]) & set(ids["validation"]) and not set(ids["train"]) & set(ids["test"]) \
+    assert (
+        not set(ids["train"]) & set(ids["validation"])
+        and not set(ids["train"]) & set(ids["test"])
         and not set(ids["validation"]) & set(ids["test"])
+    )
     again, other = _env(), _env(split_seed=1)
     assert again.problem_ids() == ids
     assert other.problem_ids() != ids
@@ -142,25 +159,31 @@ def test_problems_whose_answer_is_in_the_question_can_be_left_out():
     assert "drop_answer_in_question" in kept.label and "drop_answer_in_question" not in plain.label
 
 
-@pytest.mark.parametrize("options, option, fix", [
-    ({"dataset": "basic_arithmetc"}, "dataset 'basic_arithmetc'", "valid: ab, acre"),
-    ({"config": {"max_term": 3}}, "no setting 'max_term'", "its settings are min_terms, max_terms"),
-    ({"config": {"min_terms": 5, "max_terms": 2}}, "option config", "max_terms must be >= min_terms"),
-    ({"config": {"size": 10}}, "key 'size'", "size=N"),
-    ({"config": {"seed": 1}}, "key 'seed'", "fixed"),
-    ({"config": [1, 2]}, "option config must be a mapping", "config={"),
-    ({"format_weight": -0.5}, "option format_weight", ">= 0"),
-    ({"format_weight": float("nan")}, "option format_weight", ">= 0"),
-    ({"size": 0}, "option size", "positive integer"),
-    ({"size": 2.5}, "option size", "positive integer"),
-    ({"shots": -1}, "option shots", "integer >= 0"),
-    ({"shots": True}, "option shots", "integer >= 0"),
-    ({"difficulty": 3}, "unknown option 'difficulty'", "dataset, config, size, format_weight"),
-    ({"drop_answer_in_question": "yes"}, "option drop_answer_in_question", "true or false"),
-])
+@pytest.mark.parametrize(
+    "options, option, fix",
+    [
+        ({"dataset": "basic_arithmetc"}, "dataset 'basic_arithmetc'", "valid: ab, acre"),
+        ({"config": {"max_term": 3}}, "no setting 'max_term'", "its settings are min_terms, max_terms"),
+        ({"config": {"min_terms": 5, "max_terms": 2}}, "option config", "max_terms must be >= min_terms"),
+        ({"config": {"size": 10}}, "key 'size'", "size=N"),
+        ({"config": {"seed": 1}}, "key 'seed'", "fixed"),
+        ({"config": [1, 2]}, "option config must be a mapping", "config={"),
+        ({"format_weight": -0.5}, "option format_weight", ">= 0"),
+        ({"format_weight": float("nan")}, "option format_weight", ">= 0"),
+        ({"size": 0}, "option size", "positive integer"),
+        ({"size": 2.5}, "option size", "positive integer"),
+        ({"shots": -1}, "option shots", "integer >= 0"),
+        ({"shots": True}, "option shots", "integer >= 0"),
+        ({"difficulty": 3}, "unknown option 'difficulty'", "dataset, config, size, format_weight"),
+        ({"drop_answer_in_question": "yes"}, "option drop_answer_in_question", "true or false"),
+    ],
+)
 def test_bad_options_are_refused_before_any_work(options, option, fix, monkeypatch):
-    monkeypatch.setattr(ReasoningGymEnvironment, "load_splits",
-                        lambda self, seed: pytest.fail("generated problems before checking the options"))
+    monkeypatch.setattr(
+        ReasoningGymEnvironment,
+        "load_splits",
+        lambda self, seed: pytest.fail("generated problems before checking the options"),
+    )
     with pytest.raises(ValueError) as err:
         load_environment("reasoning-gym", 0, options)
     assert option in str(err.value) and fix in str(err.value)
@@ -174,10 +197,12 @@ def test_episodes_through_the_runner_and_reward_box(tiny_tokenizer):
     env = load_environment("reasoning-gym", 0, {"size": 40, "format_weight": 0.25})  # the base scorer
     renderer = Renderer(tiny_tokenizer, env.tools)
     tasks = env.sample("test", 4, seed=0)
-    replies = [f"<think>add</think>\n<answer>{tasks[0].answer}</answer>",     # right, formatted
-               "<answer>none</answer>",                                       # wrong, no thought
-               f"{tasks[2].answer}",                                          # no tag
-               f"<think>a</think><answer>x {tasks[3].answer}</answer>"]       # partial credit
+    replies = [
+        f"<think>add</think>\n<answer>{tasks[0].answer}</answer>",  # right, formatted
+        "<answer>none</answer>",  # wrong, no thought
+        f"{tasks[2].answer}",  # no tag
+        f"<think>a</think><answer>x {tasks[3].answer}</answer>",
+    ]  # partial credit
     ids = [renderer.encode(r) + [renderer.eot_id] for r in replies]
     seen = []
 
@@ -212,8 +237,10 @@ def test_worked_examples_are_train_problems_shown_as_earlier_turns(tiny_tokenize
 
     plain, shot = _env(size=40), _env(size=40, shots=2)
     first = plain.split["train"][:2]
-    assert shot.examples == tuple((t.question, f"<think>I work it out, then give only the final answer.</think> "
-                                               f"<answer>{t.answer}</answer>") for t in first)
+    assert shot.examples == tuple(
+        (t.question, f"<think>I work it out, then give only the final answer.</think> <answer>{t.answer}</answer>")
+        for t in first
+    )
     assert [t.problem_id for t in shot.split["train"]] == [t.problem_id for t in plain.split["train"][2:]]
     assert shot.problem_ids()["test"] == plain.problem_ids()["test"]
     assert shot.problem_ids()["validation"] == plain.problem_ids()["validation"]
@@ -226,11 +253,17 @@ def test_worked_examples_are_train_problems_shown_as_earlier_turns(tiny_tokenize
         return [SimpleNamespace(output_ids=reply, logprobs=[-0.5] * len(reply), stop_reason="stop") for _ in idx]
 
     spec = EpisodeSpec(shot.make_episode(task), task.task_id, "g", 0, 0)
-    traj, = run_episodes(generate, renderer, [spec], Budgets(max_turns=1, max_new_tokens=64), shot.system_prompt,
-                         examples=shot.examples)
+    (traj,) = run_episodes(
+        generate, renderer, [spec], Budgets(max_turns=1, max_new_tokens=64), shot.system_prompt, examples=shot.examples
+    )
     assert [(m["role"], m["content"]) for m in traj.messages[:6]] == [
-        ("system", SYSTEM_PROMPT), ("user", first[0].question), ("assistant", shot.examples[0][1]),
-        ("user", first[1].question), ("assistant", shot.examples[1][1]), ("user", task.question)]
+        ("system", SYSTEM_PROMPT),
+        ("user", first[0].question),
+        ("assistant", shot.examples[0][1]),
+        ("user", first[1].question),
+        ("assistant", shot.examples[1][1]),
+        ("user", task.question),
+    ]
     call = traj.calls[0]
     assert call.context_ids == renderer.prompt_ids(traj.messages[:6]) and call.output_ids == reply
     with pytest.raises(ValueError, match="shots=3 would take every one of the 3 train problems"):
@@ -245,11 +278,35 @@ def test_train_and_eval_cli(tmp_path):
     from consequence.records import read_trajectories
 
     run, out = tmp_path / "run", tmp_path / "eval"
-    res = CliRunner().invoke(app, [
-        "train", "--env", "reasoning-gym", "--env-option", "dataset=basic_arithmetic", "--iterations", "1",
-        "--tasks-per-iteration", "2", "--group-size", "2", "--eval-every", "0", "--final-eval-episodes", "2",
-        "--final-eval-decoding", "greedy", "--max-turns", "1", "--max-new-tokens", "16", "--run-dir", str(run)],
-        env={"COLUMNS": "250"})
+    res = CliRunner().invoke(
+        app,
+        [
+            "train",
+            "--env",
+            "reasoning-gym",
+            "--env-option",
+            "dataset=basic_arithmetic",
+            "--iterations",
+            "1",
+            "--tasks-per-iteration",
+            "2",
+            "--group-size",
+            "2",
+            "--eval-every",
+            "0",
+            "--final-eval-episodes",
+            "2",
+            "--final-eval-decoding",
+            "greedy",
+            "--max-turns",
+            "1",
+            "--max-new-tokens",
+            "16",
+            "--run-dir",
+            str(run),
+        ],
+        env={"COLUMNS": "250"},
+    )
     assert res.exit_code == 0, res.output + repr(res.exception)
     env = json.loads((run / "manifest.json").read_text())["environment"]
     assert (env["name"], env["version"], env["options"]) == ("reasoning-gym", "1", {"dataset": "basic_arithmetic"})
@@ -258,8 +315,11 @@ def test_train_and_eval_cli(tmp_path):
     trajs = read_trajectories(run / "trajectories" / "iter_0000.parquet")
     assert len(trajs) == 4 and all(set(t.reward_components) == {"accuracy"} for t in trajs)
     assert all(t.task_id.startswith("basic_arithmetic/") for t in trajs)
-    res = CliRunner().invoke(app, ["eval", "--model", str(run), "-n", "1", "-k", "1", "--problems", "2",
-                                   "--no-recovery", "--out", str(out)], env={"COLUMNS": "250"})
+    res = CliRunner().invoke(
+        app,
+        ["eval", "--model", str(run), "-n", "1", "-k", "1", "--problems", "2", "--no-recovery", "--out", str(out)],
+        env={"COLUMNS": "250"},
+    )
     assert res.exit_code == 0, res.output + repr(res.exception)
     settings = json.loads((out / "eval.json").read_text())["settings"]
     assert settings["environment"]["name"] == "reasoning-gym"

@@ -21,8 +21,9 @@ from consequence.tasks.repair import build_problems, make_instance
 
 @pytest.fixture(scope="module")
 def task():
-    ps = [p for p in build_problems(0) if p.family == "find_max" and p.bug_kind == "init"
-          and p.bug_text.endswith("= 0")]
+    ps = [
+        p for p in build_problems(0) if p.family == "find_max" and p.bug_kind == "init" and p.bug_text.endswith("= 0")
+    ]
     return make_instance(ps[0], "retry")
 
 
@@ -36,8 +37,9 @@ def _fail_first(monkeypatch, module, m: int) -> list[int]:
     def flaky(code, tests, *rest):
         calls.append(1)
         if len(calls) <= m:
-            return TestReport("sandbox_error", 0, len(tests) if isinstance(tests, list) else 1,
-                              [], "cannot spawn: injected")
+            return TestReport(
+                "sandbox_error", 0, len(tests) if isinstance(tests, list) else 1, [], "cannot spawn: injected"
+            )
         return real(code, tests, *rest)
 
     monkeypatch.setattr(module, "_run", flaky)
@@ -113,8 +115,7 @@ def _episode(renderer, task, monkeypatch, fail_visible: int, fail_reward: int):
         ids = next(outputs)
         return [SimpleNamespace(output_ids=ids, logprobs=[-0.5] * len(ids), stop_reason="stop")]
 
-    [t] = run_episodes(generate, renderer,
-                       [EpisodeSpec(env, task.task_id, "g", 0, 0)], Budgets(), "sys")
+    [t] = run_episodes(generate, renderer, [EpisodeSpec(env, task.task_id, "g", 0, 0)], Budgets(), "sys")
     score_trajectories([t])
     return t, len(v), len(j)
 

@@ -11,8 +11,16 @@ from consequence.records import ModelCall, Trajectory
 
 def _episode(task, j, ok, outcome="finished", tools=2, tokens=10):
     call = ModelCall([1], list(range(tokens)), [0.0] * tokens, "stop")
-    t = Trajectory(task_id=task, group_id=task, sample_id=j, seed=j, policy_version=0, calls=[call],
-                   outcome=outcome, verifier_score=1.0 if ok else 0.0)
+    t = Trajectory(
+        task_id=task,
+        group_id=task,
+        sample_id=j,
+        seed=j,
+        policy_version=0,
+        calls=[call],
+        outcome=outcome,
+        verifier_score=1.0 if ok else 0.0,
+    )
     t.n_tool_calls = tools
     return t
 
@@ -29,8 +37,12 @@ def test_pass_at_k_reference_and_naive_value():
 
 
 def test_env_errors_leave_n_and_tasks_short_of_k_are_excluded():
-    trajs = [_episode("p#0", 0, True), _episode("p#0", 1, False, outcome="env_error"),
-             _episode("q#0", 0, True), _episode("q#0", 1, False)]
+    trajs = [
+        _episode("p#0", 0, True),
+        _episode("p#0", 1, False, outcome="env_error"),
+        _episode("q#0", 0, True),
+        _episode("q#0", 1, False),
+    ]
     counts = per_task_counts(trajs)
     assert [(d["n"], d["c"], d["env_errors"]) for d in counts] == [(1, 1, 1), (2, 1, 0)]
     res = summarize_pass_at_k(counts, [2])
@@ -38,8 +50,11 @@ def test_env_errors_leave_n_and_tasks_short_of_k_are_excluded():
 
 
 def test_costs_and_caps():
-    trajs = [_episode("p#0", 0, True, tools=1, tokens=20), _episode("p#0", 1, True, tools=5, tokens=40),
-             _episode("p#0", 2, False, tools=2, tokens=30)]
+    trajs = [
+        _episode("p#0", 0, True, tools=1, tokens=20),
+        _episode("p#0", 1, True, tools=5, tokens=40),
+        _episode("p#0", 2, False, tools=2, tokens=30),
+    ]
     c = cost_summary(trajs)
     assert c["success"] == pytest.approx(2 / 3) and c["gen_tokens_per_success"] == 45.0
     assert success_under_caps(trajs, "n_tool_calls", [1, 4, 5]) == pytest.approx([1 / 3, 1 / 3, 2 / 3])

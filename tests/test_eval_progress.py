@@ -64,8 +64,9 @@ def test_sample_episodes_reports_episodes_finished(renderer):
     env = load_environment("repair")
     tasks = env.sample("validation", 2, seed=0)
     seen: list[int] = []
-    trajs = sample_episodes(model, Renderer(tok, env.tools), env, tasks, 2, Budgets(max_turns=2, max_new_tokens=16), 0,
-                            progress=seen.append)
+    trajs = sample_episodes(
+        model, Renderer(tok, env.tools), env, tasks, 2, Budgets(max_turns=2, max_new_tokens=16), 0, progress=seen.append
+    )
     quiet = sample_episodes(model, Renderer(tok, env.tools), env, tasks, 2, Budgets(max_turns=2, max_new_tokens=16), 0)
     assert seen[-1] == 4 == len(trajs) and seen == sorted(seen) and len(seen) >= 2
     assert [t.calls[-1].output_ids for t in trajs] == [t.calls[-1].output_ids for t in quiet]  # same episodes
@@ -79,6 +80,7 @@ def test_eval_prints_each_phase_with_counts(tmp_path):
     assert res.exit_code == 0, res.output
     for name, total, unit in (("episodes", 2, "episodes"), ("recovery episodes", 2, "episodes")):
         assert f"{name}: start, {total} {unit}" in res.output
-        assert re.search(rf"^{name}: done, {total}/{total} {unit} in \d+\.\d s \(\d+\.\d\d {unit}/s\)$",
-                         res.output, re.M), res.output
+        assert re.search(
+            rf"^{name}: done, {total}/{total} {unit} in \d+\.\d s \(\d+\.\d\d {unit}/s\)$", res.output, re.M
+        ), res.output
     assert re.search(r"^visible tests \(selection\): done, (\d+)/\1 programs", res.output, re.M)

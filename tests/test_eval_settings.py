@@ -26,15 +26,23 @@ def _links_exist(md: Path) -> list[str]:
 
 def test_settings_come_from_the_run_and_options_override():
     st = resolve_settings([("", None)], {"split_seed": None})
-    assert st.values == {"env": "repair", "tasks_file": None, "env_options": {}, "split_seed": 0, "max_turns": 8,
-                         "max_new_tokens": 48, "max_total_tokens": 768} and set(st.origin.values()) == {"default"}
+    assert st.values == {
+        "env": "repair",
+        "tasks_file": None,
+        "env_options": {},
+        "split_seed": 0,
+        "max_turns": 8,
+        "max_new_tokens": 48,
+        "max_total_tokens": 768,
+    } and set(st.origin.values()) == {"default"}
 
 
 @pytest.mark.slow
 def test_eval_of_a_run_uses_its_split_seed_and_budgets(tmp_path):
     run = fake_run(tmp_path / "run", **RUN_CFG)
-    res = CliRunner().invoke(app, ["eval", "--model", str(run), *FAST, "--selection", "first",
-                                   "--out", str(tmp_path / "e")])
+    res = CliRunner().invoke(
+        app, ["eval", "--model", str(run), *FAST, "--selection", "first", "--out", str(tmp_path / "e")]
+    )
     assert res.exit_code == 0, res.output
     out = json.loads((tmp_path / "e" / "eval.json").read_text())
     s = out["settings"]
@@ -42,7 +50,11 @@ def test_eval_of_a_run_uses_its_split_seed_and_budgets(tmp_path):
     assert s["budgets"] == {"max_turns": 2, "max_new_tokens": 16, "max_total_tokens": 1024, "max_tool_calls": 10}
     # the run's config.yaml is of the older format (tasks: repair): read as env: repair
     assert {k: v["from"] for k, v in s["provenance"]["keys"].items()} == {
-        "env": "run", "tasks_file": "default", "env_options": "default", **dict.fromkeys(list(RUN_CFG)[1:], "run")}
+        "env": "run",
+        "tasks_file": "default",
+        "env_options": "default",
+        **dict.fromkeys(list(RUN_CFG)[1:], "run"),
+    }
     # the problems are validation problems of the run's split (seed 1), not of seed 0
     ids = {t["problem_id"] for t in out["per_task"]}
     assert ids <= {p.problem_id for p in load_split(1)["validation"]}
@@ -54,16 +66,33 @@ def test_eval_of_a_run_uses_its_split_seed_and_budgets(tmp_path):
 
 def test_an_option_overrides_the_run_and_the_report_says_so(tmp_path):
     run = fake_run(tmp_path / "run", **RUN_CFG)
-    res = CliRunner().invoke(app, ["eval", "--model", str(run), *FAST, "--selection", "first",
-                                   "--max-total-tokens", "512", "--split-seed", "0", "--out", str(tmp_path / "e")])
+    res = CliRunner().invoke(
+        app,
+        [
+            "eval",
+            "--model",
+            str(run),
+            *FAST,
+            "--selection",
+            "first",
+            "--max-total-tokens",
+            "512",
+            "--split-seed",
+            "0",
+            "--out",
+            str(tmp_path / "e"),
+        ],
+    )
     assert res.exit_code == 0, res.output
     s = json.loads((tmp_path / "e" / "eval.json").read_text())["settings"]
     assert s["budgets"]["max_total_tokens"] == 512 and s["split_seed"] == 0 and s["budgets"]["max_turns"] == 2
     keys = s["provenance"]["keys"]
     assert keys["max_total_tokens"] == {"value": 512, "from": "option", "runs": {"": 1024}}
     assert keys["max_turns"]["from"] == "run"
-    assert ("overridden on the command line: split seed 0 (--split-seed; run: 1), max_total_tokens 512 "
-            "(--max-total-tokens; run: 1024)") in (tmp_path / "e" / "report.md").read_text()
+    assert (
+        "overridden on the command line: split seed 0 (--split-seed; run: 1), max_total_tokens 512 "
+        "(--max-total-tokens; run: 1024)"
+    ) in (tmp_path / "e" / "report.md").read_text()
 
 
 @pytest.mark.slow
@@ -71,8 +100,24 @@ def test_humaneval_completion_takes_the_runs_split_seed(tmp_path):
     from consequence.envs.code_tasks import humaneval_split
 
     run = fake_run(tmp_path / "run", **{**RUN_CFG, "tasks": "humaneval-repair"})
-    res = CliRunner().invoke(app, ["eval", "--model", str(run), "--tasks", "humaneval", "--problems", "2", "-n", "1",
-                                   "--max-new-tokens", "4", "--out", str(tmp_path / "h")])
+    res = CliRunner().invoke(
+        app,
+        [
+            "eval",
+            "--model",
+            str(run),
+            "--tasks",
+            "humaneval",
+            "--problems",
+            "2",
+            "-n",
+            "1",
+            "--max-new-tokens",
+            "4",
+            "--out",
+            str(tmp_path / "h"),
+        ],
+    )
     assert res.exit_code == 0, res.output
     out = json.loads((tmp_path / "h" / "eval.json").read_text())
     assert out["settings"]["split_seed"] == 1 and out["settings"]["max_new_tokens"] == 4
@@ -82,8 +127,9 @@ def test_humaneval_completion_takes_the_runs_split_seed(tmp_path):
     assert bad.exit_code == 2 and "error: --max-turns" in bad.output
 
 
-@pytest.mark.parametrize("key, a, b, option", [("split_seed", 0, 1, "--split-seed"),
-                                               ("max_total_tokens", 768, 1024, "--max-total-tokens")])
+@pytest.mark.parametrize(
+    "key, a, b, option", [("split_seed", 0, 1, "--split-seed"), ("max_total_tokens", 768, 1024, "--max-total-tokens")]
+)
 def test_compare_refuses_runs_that_disagree_unless_overridden(tmp_path, key, a, b, option):
     ra = fake_run(tmp_path / "ra", 1e-6, **{**RUN_CFG, key: a})
     rb = fake_run(tmp_path / "rb", 2e-6, **{**RUN_CFG, key: b})
@@ -97,7 +143,9 @@ def test_compare_refuses_runs_that_disagree_unless_overridden(tmp_path, key, a, 
 def test_compare_of_two_runs_shares_their_settings_and_links_only_written_files(tmp_path):
     ra = fake_run(tmp_path / "ra", 1e-6, **RUN_CFG)
     rb = fake_run(tmp_path / "rb", 2e-6, **{**RUN_CFG, "max_turns": 3})
-    res = CliRunner().invoke(app, ["compare", str(ra), str(rb), *FAST, "--max-turns", "2", "--out", str(tmp_path / "c")])
+    res = CliRunner().invoke(
+        app, ["compare", str(ra), str(rb), *FAST, "--max-turns", "2", "--out", str(tmp_path / "c")]
+    )
     assert res.exit_code == 0, res.output
     out = json.loads((tmp_path / "c" / "compare.json").read_text())
     for arm in ("a", "b"):
@@ -128,9 +176,11 @@ def test_compare_refuses_the_same_policy_twice(tmp_path):
 
 def test_describe_without_a_run_names_options_and_defaults():
     st = resolve_settings([("", None)], {"split_seed": 3})
-    assert describe(st.record()) == ("Settings not a run folder, so nothing is taken from a run; given on the command "
-                                     "line: split seed 3; defaults: environment repair, max_turns 8, max_new_tokens 48, "
-                                     "max_total_tokens 768.")
+    assert describe(st.record()) == (
+        "Settings not a run folder, so nothing is taken from a run; given on the command "
+        "line: split seed 3; defaults: environment repair, max_turns 8, max_new_tokens 48, "
+        "max_total_tokens 768."
+    )
 
 
 def test_a_missing_task_file_from_a_run_is_an_error_before_any_work(tmp_path):

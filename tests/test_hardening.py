@@ -14,14 +14,30 @@ NS: dict = {"json": json, "os": None}
 exec(CODEC, NS)
 enc, dec = NS["_enc"], NS["_dec"]
 
-scalars = (st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False)
-           | st.text(max_size=8) | st.binary(max_size=8)
-           | st.complex_numbers(allow_nan=False, allow_infinity=False))
-hashables = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=4),
-                         lambda c: st.tuples(c, c) | st.frozensets(c, max_size=3), max_leaves=6)
-plain = st.recursive(scalars, lambda c: st.lists(c, max_size=3) | st.tuples(c, c)
-                     | st.dictionaries(hashables, c, max_size=3) | st.sets(hashables, max_size=3),
-                     max_leaves=12)
+scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False)
+    | st.text(max_size=8)
+    | st.binary(max_size=8)
+    | st.complex_numbers(allow_nan=False, allow_infinity=False)
+)
+hashables = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=4),
+    lambda c: st.tuples(c, c) | st.frozensets(c, max_size=3),
+    max_leaves=6,
+)
+plain = st.recursive(
+    scalars,
+    lambda c: (
+        st.lists(c, max_size=3)
+        | st.tuples(c, c)
+        | st.dictionaries(hashables, c, max_size=3)
+        | st.sets(hashables, max_size=3)
+    ),
+    max_leaves=12,
+)
 
 
 def _shape(v) -> str:

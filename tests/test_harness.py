@@ -37,12 +37,15 @@ def test_argument_validation_against_schema():
     assert "Additional" in validate_call({"name": "run_tests", "arguments": {"x": 1}}, specs)
 
 
-@pytest.mark.parametrize("params,needle", [
-    ({"type": "objekt"}, "'replace_line': parameters are not a valid JSON schema: 'objekt' is not valid"),
-    ({"type": "object", "properties": {"line": {"type": 5}}}, "are not a valid JSON schema: 5 is not valid"),
-    ({"type": "object", "required": "line"}, "are not a valid JSON schema: 'line' is not of type 'array'"),
-    ({"type": "string"}, "parameters must be a JSON schema of type 'object', got type 'string'"),
-])
+@pytest.mark.parametrize(
+    "params,needle",
+    [
+        ({"type": "objekt"}, "'replace_line': parameters are not a valid JSON schema: 'objekt' is not valid"),
+        ({"type": "object", "properties": {"line": {"type": 5}}}, "are not a valid JSON schema: 5 is not valid"),
+        ({"type": "object", "required": "line"}, "are not a valid JSON schema: 'line' is not of type 'array'"),
+        ({"type": "string"}, "parameters must be a JSON schema of type 'object', got type 'string'"),
+    ],
+)
 def test_invalid_tool_schema_is_rejected_with_the_tool_name(params, needle):
     bad = [TOOLS[0], {"type": "function", "function": {"name": "replace_line", "parameters": params}}]
     with pytest.raises(ValueError) as e:
@@ -60,7 +63,10 @@ def test_episode_stream_equals_chat_template_and_mask_covers_only_sampled(render
         {"role": "tool", "name": "finish", "content": "done"},
         {"role": "assistant", "content": "", "tool_calls": [_call("run_tests")]},
     ]
-    calls = [ModelCall(c, o, [0.0] * len(o), "stop", observation_ids=obs) for c, o, obs in replay_conversation(renderer, msgs)]
+    calls = [
+        ModelCall(c, o, [0.0] * len(o), "stop", observation_ids=obs)
+        for c, o, obs in replay_conversation(renderer, msgs)
+    ]
     rows = trajectory_to_rows(Trajectory("t", "g", 0, 0, 0, calls=calls))
     assert len(rows) == 1
     ids, mask = rows[0].input_ids, rows[0].loss_mask
@@ -109,7 +115,7 @@ class _Scripted:
 def test_truncation_in_last_of_several_calls_is_recorded(renderer):
     # case 05: the third call hits max_new_tokens without end-of-turn
     ok = renderer.encode(renderer.format_call("run_tests", {})) + [renderer.eot_id]
-    cut = renderer.encode("<tool_call>\n{\"name\": \"fin")
+    cut = renderer.encode('<tool_call>\n{"name": "fin')
     gen = _Scripted(renderer, [(ok, "stop"), (ok, "stop"), (cut, "length")])
     [t] = run_episodes(gen, renderer, [EpisodeSpec(_Env(), "t", "g", 0, 0)], Budgets(), "sys")
     assert t.outcome == "truncated" and t.truncation_reason == "max_new_tokens"

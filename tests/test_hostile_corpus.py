@@ -33,11 +33,31 @@ def guards():
 
 def test_corpus_covers_the_issue_list():
     assert len(CASES) == 27 and len(BY_NAME) == len(CASES) + len(CONTROLS)
-    for must in ("infinite_loop", "fork_bomb", "unbounded_allocation", "gigabytes_of_output", "fill_the_disk",
-                 "write_outside", "read_hidden_tests", "read_verifier", "read_answer", "open_socket", "unix_socket",
-                 "os_exit_before_tests", "sys_exit_before_tests", "replace_assert", "replace_builtins",
-                 "replace_test_runner", "fake_success_line", "erase_own_output", "always_equal_object",
-                 "walk_stack_frames", "delete_files", "ignore_signals", "daemon_fork"):
+    for must in (
+        "infinite_loop",
+        "fork_bomb",
+        "unbounded_allocation",
+        "gigabytes_of_output",
+        "fill_the_disk",
+        "write_outside",
+        "read_hidden_tests",
+        "read_verifier",
+        "read_answer",
+        "open_socket",
+        "unix_socket",
+        "os_exit_before_tests",
+        "sys_exit_before_tests",
+        "replace_assert",
+        "replace_builtins",
+        "replace_test_runner",
+        "fake_success_line",
+        "erase_own_output",
+        "always_equal_object",
+        "walk_stack_frames",
+        "delete_files",
+        "ignore_signals",
+        "daemon_fork",
+    ):
         assert must in BY_NAME, must
 
 
@@ -61,6 +81,7 @@ def test_case_is_contained(name, tmp_path, guards):
 
 # ---- negative controls of the harness's own checkers -------------------------------------
 
+
 def test_process_checker_finds_an_orphan_and_kills_it():
     before = set(hostile._children())
     hostile._set_subreaper(True)
@@ -81,11 +102,21 @@ def test_file_checker_sees_a_changed_or_deleted_file(tmp_path):
     (out / "sentinel.txt").write_text("pwned")
     (out / "answer.py").unlink()
     assert hostile._changed(before, hostile._snapshot(out, "consequence-hostile-checker")) == [
-        str(out / "answer.py"), str(out / "sentinel.txt")]
+        str(out / "answer.py"),
+        str(out / "sentinel.txt"),
+    ]
 
 
-UNCONFINED = ("write_outside", "read_hidden_tests", "read_answer", "read_verifier",
-              "read_trainer_memory", "open_socket", "unix_socket", "delete_files")
+UNCONFINED = (
+    "write_outside",
+    "read_hidden_tests",
+    "read_answer",
+    "read_verifier",
+    "read_trainer_memory",
+    "open_socket",
+    "unix_socket",
+    "delete_files",
+)
 
 
 @pytest.mark.parametrize("name", UNCONFINED)
@@ -103,8 +134,13 @@ def test_attack_scores_without_the_sandbox(name, tmp_path):
     code = render(BY_NAME[name].code, out, srv.getsockname()[1], marker)
     calls = "[" + ", ".join(t.call for t in HIDDEN) + "]"
     try:
-        got = subprocess.run([sys.executable, "-I", "-c", code + f"\nprint(repr({calls}))"], cwd=cwd,
-                             capture_output=True, text=True, timeout=30)
+        got = subprocess.run(
+            [sys.executable, "-I", "-c", code + f"\nprint(repr({calls}))"],
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
     finally:
         srv.close()
         usrv.close()
@@ -117,8 +153,13 @@ def test_heap_walk_finds_tests_that_share_its_process():
     """walk_stack_frames scores 0 in the judge because the tests are not in its process;
     put them in the same process and the same walk answers correctly."""
     code = render(BY_NAME["walk_stack_frames"].code, Path("/nonexistent"), 0, "x")
-    prog = ("tests = [[c, e] for c, e in " + repr([(t.call, t.expected) for t in HIDDEN]) + "]\n"
-            + code + "\nprint(add(2, 3))")
+    prog = (
+        "tests = [[c, e] for c, e in "
+        + repr([(t.call, t.expected) for t in HIDDEN])
+        + "]\n"
+        + code
+        + "\nprint(add(2, 3))"
+    )
     got = subprocess.run([sys.executable, "-I", "-c", prog], capture_output=True, text=True, timeout=30)
     assert got.stdout.strip() == "5", got.stderr
 
@@ -126,8 +167,7 @@ def test_heap_walk_finds_tests_that_share_its_process():
 @pytest.mark.slow
 def test_ignored_sigterm_still_dies_with_the_group(tmp_path):
     """The sandbox kills with SIGKILL to the whole group: SIG_IGN on SIGTERM does not help."""
-    r = run_case(BY_NAME["ignore_signals"], tmp_path / "o", SandboxLimits(wall_s=1.0, cpu_s=1),
-                 guards={})
+    r = run_case(BY_NAME["ignore_signals"], tmp_path / "o", SandboxLimits(wall_s=1.0, cpu_s=1), guards={})
     assert r.reward == 0.0 and r.reward_status == "timeout" and r.survivors == []
     assert signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN  # ours untouched
 

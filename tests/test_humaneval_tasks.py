@@ -20,14 +20,21 @@ from consequence.tasks.jsonl import (
 )
 from consequence.tasks.repair import TestCase, TestProgram
 
-GOOD = {"task_id": "t1", "kind": "repair", "prompt": "Return the largest element.",
-        "starting_code": "def f(xs):\n    return min(xs)", "entry_point": "f",
-        "visible_tests": [{"call": "f([1, 2])", "expected": "2"}],
-        "hidden_tests": [{"call": "f([3, 1, 2])", "expected": "3"}],
-        "reference_code": "def f(xs):\n    return max(xs)", "patch": [2, "    return max(xs)"]}
+GOOD = {
+    "task_id": "t1",
+    "kind": "repair",
+    "prompt": "Return the largest element.",
+    "starting_code": "def f(xs):\n    return min(xs)",
+    "entry_point": "f",
+    "visible_tests": [{"call": "f([1, 2])", "expected": "2"}],
+    "hidden_tests": [{"call": "f([3, 1, 2])", "expected": "3"}],
+    "reference_code": "def f(xs):\n    return max(xs)",
+    "patch": [2, "    return max(xs)"],
+}
 
 
 # ---- JSONL format -----------------------------------------------------------------------
+
 
 def test_record_round_trip_and_defaults(tmp_path):
     t = parse_record(GOOD, "x")
@@ -41,16 +48,19 @@ def test_record_round_trip_and_defaults(tmp_path):
     assert not list(path.parent.glob(".*.tmp"))  # atomic write left nothing behind
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"prompt": None}, "missing field 'prompt'"),
-    ({"hidden_test": []}, "unknown field(s) ['hidden_test']"),
-    ({"kind": "chat"}, "field 'kind' must be one of ('completion', 'repair'), got 'chat'"),
-    ({"entry_point": "f x"}, "field 'entry_point' must be a Python name"),
-    ({"visible_tests": [{"call": "f()"}]}, 'visible_tests[0] must be {"call": str, "expected": str}'),
-    ({"hidden_tests": []}, "field 'hidden_tests' is empty"),
-    ({"hidden_tests": {"check": "assert 1"}}, "hidden_tests.check must define check(candidate)"),
-    ({"patch": [0, "x"]}, "field 'patch' must be [line >= 1, code], got [0, 'x']"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"prompt": None}, "missing field 'prompt'"),
+        ({"hidden_test": []}, "unknown field(s) ['hidden_test']"),
+        ({"kind": "chat"}, "field 'kind' must be one of ('completion', 'repair'), got 'chat'"),
+        ({"entry_point": "f x"}, "field 'entry_point' must be a Python name"),
+        ({"visible_tests": [{"call": "f()"}]}, 'visible_tests[0] must be {"call": str, "expected": str}'),
+        ({"hidden_tests": []}, "field 'hidden_tests' is empty"),
+        ({"hidden_tests": {"check": "assert 1"}}, "hidden_tests.check must define check(candidate)"),
+        ({"patch": [0, "x"]}, "field 'patch' must be [line >= 1, code], got [0, 'x']"),
+    ],
+)
 def test_errors_name_the_line_and_field(tmp_path, change, message):
     bad = {k: v for k, v in {**GOOD, **change}.items() if v is not None}
     path = tmp_path / "t.jsonl"
@@ -84,6 +94,7 @@ def test_user_repair_task_runs_in_repair_env():
 
 # ---- HumanEval completion tasks ----------------------------------------------------------
 
+
 def test_humaneval_completion_tasks():
     tasks = he.completion_tasks()
     assert len(tasks) == 164 and len({t.task_id for t in tasks}) == 164
@@ -91,15 +102,19 @@ def test_humaneval_completion_tasks():
     assert (t0.task_id, t0.entry_point, t0.kind) == ("HumanEval/0", "has_close_elements", "completion")
     assert t0.prompt == t0.starting_code and t0.prompt.startswith("from typing import List")
     assert t0.hidden_tests.setup == t0.prompt and "def check(candidate)" in t0.hidden_tests.check
-    assert t0.visible_tests == (TestCase("has_close_elements([1.0, 2.0, 3.0], 0.5)", "False"),
-                                TestCase("has_close_elements([1.0, 2.8, 3.0, 4.0, 5.0, 2.0], 0.3)", "True"))
+    assert t0.visible_tests == (
+        TestCase("has_close_elements([1.0, 2.0, 3.0], 0.5)", "False"),
+        TestCase("has_close_elements([1.0, 2.8, 3.0, 4.0, 5.0, 2.0], 0.3)", "True"),
+    )
     assert sum(1 for t in tasks if t.visible_tests) == 128  # docstrings with parseable examples
     assert sum(len(t.visible_tests) for t in tasks) == 359
 
 
 def test_docstring_examples_that_disagree_with_the_solution_are_dropped():
-    prompt = ('def f(x):\n    """Double.\n    >>> f(2)\n    4\n    >>> f(3)\n    7\n'
-              '    f(5) ==> 10\n    f(1) -> 2 - 0 = 2\n    >>> f(\n    """\n')
+    prompt = (
+        'def f(x):\n    """Double.\n    >>> f(2)\n    4\n    >>> f(3)\n    7\n'
+        '    f(5) ==> 10\n    f(1) -> 2 - 0 = 2\n    >>> f(\n    """\n'
+    )
     tests = he.docstring_tests(prompt, "f", prompt + "    return 2 * x\n")
     assert tests == (TestCase("f(2)", "4"), TestCase("f(5)", "10"), TestCase("f(1)", "2"))
 
@@ -117,6 +132,7 @@ def test_split_by_humaneval_task_id_is_disjoint_and_seeded():
 
 
 # ---- HumanEval repair --------------------------------------------------------------------
+
 
 @pytest.mark.slow
 def test_repair_candidates_change_exactly_one_solution_line():
@@ -147,14 +163,19 @@ def test_build_keeps_only_bugs_the_official_tests_catch():
 
 @pytest.mark.slow
 def test_humaneval_repair_episode_with_the_teacher_patch():
-    t = next(c for c in he.repair_candidates(0)["HumanEval/0"]
-             if not code_tasks.run_hidden(c.starting_code, c.hidden_tests).all_passed)
+    t = next(
+        c
+        for c in he.repair_candidates(0)["HumanEval/0"]
+        if not code_tasks.run_hidden(c.starting_code, c.hidden_tests).all_passed
+    )
     task = as_repair_task(t)
     assert task.func_name == "has_close_elements" and task.patch == t.patch
     env = RepairEnv(task)
     obs, info = env.reset()
-    assert obs.startswith("Fix has_close_elements in solution.py so all tests pass.\n"
-                          "has_close_elements: Check if in given list of numbers")
+    assert obs.startswith(
+        "Fix has_close_elements in solution.py so all tests pass.\n"
+        "has_close_elements: Check if in given list of numbers"
+    )
     assert info["problem_id"] == "HumanEval/0"
     assert env.step({"name": "finish", "arguments": {}})[1] == 0.0
     env.reset()
@@ -182,7 +203,16 @@ def test_disk_cache_round_trip(tmp_path, monkeypatch):
 
     def fake_build(seed, bugs, tries):
         calls.append(seed)
-        t = CodeTask("HumanEval/0/x", "HumanEval/0", "repair", "p", "code", "f", (), TestProgram("def check(candidate):\n    pass", "f"))
+        t = CodeTask(
+            "HumanEval/0/x",
+            "HumanEval/0",
+            "repair",
+            "p",
+            "code",
+            "f",
+            (),
+            TestProgram("def check(candidate):\n    pass", "f"),
+        )
         return [t], {"tasks": 1}
 
     monkeypatch.setattr(code_tasks, "build_humaneval_repair", fake_build)

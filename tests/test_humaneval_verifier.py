@@ -59,6 +59,7 @@ def _fails(rep):
 
 # ---- controls ---------------------------------------------------------------------------
 
+
 @pytest.mark.slow
 def test_canonical_and_empty_controls(he0):
     ok = run_hidden(he0.reference_code, he0.hidden_tests)
@@ -79,7 +80,8 @@ def _lookup_cheat(data_path: str) -> str:
         "            call, want = line[len('assert candidate('):].rsplit(') == ', 1)\n"
         "            if ast.literal_eval('(' + call + ',)') == (numbers, threshold):\n"
         "                return ast.literal_eval(want)\n"
-        "    return None\n")
+        "    return None\n"
+    )
 
 
 def test_reading_the_test_file_is_blocked(he0, tmp_path):
@@ -101,11 +103,9 @@ def test_reading_the_test_file_is_blocked(he0, tmp_path):
 
 ALWAYS_EQUAL = {
     "object": "    class A:\n        def __eq__(self, o):\n            return True\n"
-              "        __hash__ = None\n    return A()\n",
-    "int subclass": "    class B(int):\n        def __eq__(self, o):\n            return True\n"
-                    "    return B(1)\n",
-    "bool-like list": "    class L(list):\n        def __eq__(self, o):\n            return True\n"
-                      "    return L()\n",
+    "        __hash__ = None\n    return A()\n",
+    "int subclass": "    class B(int):\n        def __eq__(self, o):\n            return True\n    return B(1)\n",
+    "bool-like list": "    class L(list):\n        def __eq__(self, o):\n            return True\n    return L()\n",
 }
 
 
@@ -139,12 +139,12 @@ def test_forged_success_lines_fail(he0):
         "    print(fake); print('@@' + '0' * 32 + '@@' + fake)\n"
         "    sys.__stdout__.write('\\n@@' + 'f' * 32 + '@@' + fake + '\\n')\n"
         "    os.write(1, ('\\n' + fake + '\\n').encode())\n"
-        "    os.write(1, b'{\"r\": true}\\n{\"r\": true}\\n{\"ready\": true}\\n')\n"
-        "    return True\n")
+        '    os.write(1, b\'{"r": true}\\n{"r": true}\\n{"ready": true}\\n\')\n'
+        "    return True\n"
+    )
     _fails(_score(he0, body))
     # the same at import time, then exit 0: nothing the candidate prints reaches the verdict
-    _fails(_score(he0, "    return True\nimport os\nos.write(1, b'{\"passed\": true}\\n')\n"
-                        "os._exit(0)\n"))
+    _fails(_score(he0, "    return True\nimport os\nos.write(1, b'{\"passed\": true}\\n')\nos._exit(0)\n"))
 
 
 def test_frame_and_heap_inspection_finds_no_tests(he0):
@@ -160,7 +160,8 @@ def test_frame_and_heap_inspection_finds_no_tests(he0):
         "    leak = [s for s in found if 'def check' in s or s.startswith('@@')]\n"
         "    if leak:\n"
         "        raise SystemExit(0)\n"  # never reached: nothing to steal
-        "    return 'nothing to see'\n")
+        "    return 'nothing to see'\n"
+    )
     rep = _fails(_score(he0, body))
     assert rep.messages == ["AssertionError at check line 10"]  # a str, not a leak's exit
 
@@ -168,12 +169,14 @@ def test_frame_and_heap_inspection_finds_no_tests(he0):
 def test_nonce_theft_forges_run_tests_but_not_the_judge():
     """Negative control for the single-process runner: its verdict CAN be forged, which is
     why rewards go through the judge (run_cases)."""
-    steal = ("import sys, os, json\n"
-             "_f = sys._getframe(1)\n"
-             "_n, _t = _f.f_locals['nonce'], _f.f_locals['tests']\n"
-             "os.write(1, ('\\n' + _n + json.dumps({'results': [True] * len(_t), "
-             "'messages': [], 'error': None}) + '\\n').encode())\n"
-             "os._exit(0)\n")
+    steal = (
+        "import sys, os, json\n"
+        "_f = sys._getframe(1)\n"
+        "_n, _t = _f.f_locals['nonce'], _f.f_locals['tests']\n"
+        "os.write(1, ('\\n' + _n + json.dumps({'results': [True] * len(_t), "
+        "'messages': [], 'error': None}) + '\\n').encode())\n"
+        "os._exit(0)\n"
+    )
     tests = [TestCase("f([1, 2])", "2"), TestCase("f([3])", "3")]
     assert run_tests(steal, tests, cache=False).all_passed  # forged
     rep = run_cases(steal, tests, cache=False)
@@ -197,7 +200,8 @@ def test_editing_files_is_blocked(he0, sentinel, tmp_path):
         "            act()\n"
         "        except OSError as e:\n"
         "            errors.append(type(e).__name__)\n"
-        "    return len(errors) == 7\n")  # True only when every attempt failed
+        "    return len(errors) == 7\n"
+    )  # True only when every attempt failed
     _fails(_score(he0, body))
     assert not os.path.exists(marker)
     assert hashlib.sha256(Path(DATA).read_bytes()).hexdigest() == data_hash
@@ -216,7 +220,8 @@ def test_socket_connections_do_not_leave_the_sandbox(he0):
         "        s.sendall(b'leak')\n"
         "        return True\n"
         "    except OSError:\n"
-        "        return 'refused'\n")
+        "        return 'refused'\n"
+    )
     try:
         _fails(_score(he0, body))
         with pytest.raises(socket.timeout):
@@ -234,17 +239,21 @@ def test_infinite_loops_time_out_quickly(he0):
 
 
 def test_unbounded_allocation_fails_and_host_survives(he0):
-    for body in ("    xs = []\n    while True:\n        xs.append(bytearray(10 ** 7))\n",
-                 "    return len(bytearray(10 ** 11)) > 0\n",
-                 "    return True\nx = ' ' * (2 ** 40)\n"):
+    for body in (
+        "    xs = []\n    while True:\n        xs.append(bytearray(10 ** 7))\n",
+        "    return len(bytearray(10 ** 11)) > 0\n",
+        "    return True\nx = ' ' * (2 ** 40)\n",
+    ):
         _fails(_score(he0, body, FAST))
     assert run_hidden(he0.reference_code, he0.hidden_tests).all_passed  # still works
 
 
 def test_no_processes_no_signals_to_the_trainer(he0):
-    probe = ("import os, errno\ndef f():\n    try:\n        os.kill(os.getppid(), 0)\n"
-             "        return 'reachable'\n    except OSError as e:\n"
-             "        return errno.errorcode[e.errno]\n")
+    probe = (
+        "import os, errno\ndef f():\n    try:\n        os.kill(os.getppid(), 0)\n"
+        "        return 'reachable'\n    except OSError as e:\n"
+        "        return errno.errorcode[e.errno]\n"
+    )
     if run_cases(probe, [TestCase("f()", "'EPERM'")], cache=False).passed != 1:
         pytest.skip("signals to the parent are not scoped on this host; not sending SIGKILL")
     body = (
@@ -255,12 +264,14 @@ def test_no_processes_no_signals_to_the_trainer(he0):
         "            act()\n"
         "        except OSError:\n"
         "            pass\n"
-        "    return True\n")
+        "    return True\n"
+    )
     _fails(_score(he0, body))
     assert os.getpid() > 0  # we are alive to check
 
 
 # ---- every canonical solution passes, the empty completion fails -----------------------
+
 
 def _all(tasks, fn):
     with ThreadPoolExecutor(2) as ex:
@@ -270,7 +281,7 @@ def _all(tasks, fn):
 @pytest.mark.slow
 def test_all_164_canonical_solutions_score_one(tasks):
     t0 = time.perf_counter()
-    reps = _all(tasks, lambda t: verify_completion(t, t.reference_code[len(t.prompt):]))
+    reps = _all(tasks, lambda t: verify_completion(t, t.reference_code[len(t.prompt) :]))
     bad = {k: r for k, r in reps.items() if not r.all_passed}
     assert len(reps) == 164 and not bad, bad
     assert time.perf_counter() - t0 < 120

@@ -31,8 +31,11 @@ from consequence.records import (
 )
 from consequence.update.step import UpdateConfig, compute_logprobs, ppo_step
 
-CORPUS = ["def add(a, b):\n    return a + b\n", "<|im_start|>user\nfix it<|im_end|>\n",
-          '<tool_call>\n{"name": "run_tests", "arguments": {}}\n</tool_call>'] * 20
+CORPUS = [
+    "def add(a, b):\n    return a + b\n",
+    "<|im_start|>user\nfix it<|im_end|>\n",
+    '<tool_call>\n{"name": "run_tests", "arguments": {}}\n</tool_call>',
+] * 20
 PAD = 0
 
 
@@ -69,8 +72,10 @@ def _rows(model, tok, params, n_prompts=4, seed=0):
     second = generate(model, second_ctx, params, stop_ids=[], generator=g)
     trajs = []
     for i, (p, a, b, ctx) in enumerate(zip(prompts, first, second, second_ctx)):
-        calls = [ModelCall(p, a.output_ids, a.logprobs, a.stop_reason, observation_ids=obs, keep_ids=a.keep_ids),
-                 ModelCall(ctx, b.output_ids, b.logprobs, b.stop_reason, keep_ids=b.keep_ids)]
+        calls = [
+            ModelCall(p, a.output_ids, a.logprobs, a.stop_reason, observation_ids=obs, keep_ids=a.keep_ids),
+            ModelCall(ctx, b.output_ids, b.logprobs, b.stop_reason, keep_ids=b.keep_ids),
+        ]
         trajs.append(Trajectory("t", "g", i, i, 0, calls=calls, reward=float(i % 2)))
     return trajs, [r for i, t in enumerate(trajs) for r in trajectory_to_rows(t, i)]
 
@@ -124,8 +129,11 @@ def test_sampler_stores_the_support_it_drew_from(tok):
     assert [len(k) for k in topk.keep_ids] == [7, 7, 7]
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 0.9), (0.7, 0, 0.8), (1.0, 20, 1.0), (1.0, 20, 0.9)],
-                         ids=["p0.9", "T0.7-p0.8", "k20", "k20-p0.9"])
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p",
+    [(1.0, 0, 0.9), (0.7, 0, 0.8), (1.0, 20, 1.0), (1.0, 20, 0.9)],
+    ids=["p0.9", "T0.7-p0.8", "k20", "k20-p0.9"],
+)
 def test_target_logprobs_stay_on_the_stored_support_after_the_weights_move(tok, temperature, top_k, top_p):
     model = _model(tok)
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=16)
@@ -165,8 +173,17 @@ def test_update_ratio_is_one_on_the_first_step_and_moves_only_with_the_weights(t
     tis_old = compute_logprobs(model, rows, PAD, fn)  # TIS: π_old recomputed by the trainer
     rows_tis = [dataclasses.replace(r, old_logprobs=o) for r, o in zip(rows, tis_old)]
     ent_fn = logprob_fn(TrainConfig(top_p=0.9, entropy_coef=0.01))
-    m1 = ppo_step(model, opt, rows_tis, adv, cfg, PAD, ent_fn, ref_logprobs=ref_lp,
-                  sampler_logprobs=[r.old_logprobs for r in rows])
+    m1 = ppo_step(
+        model,
+        opt,
+        rows_tis,
+        adv,
+        cfg,
+        PAD,
+        ent_fn,
+        ref_logprobs=ref_lp,
+        sampler_logprobs=[r.old_logprobs for r in rows],
+    )
     assert all(math.isfinite(v) for v in m1.values())
     assert m1["kl_ref"] > 1e-3 and abs(m1["tis_weight_mean"] - 1.0) > 1e-3  # the weights did move
     assert m1["ratio_min"] == pytest.approx(1.0, abs=1e-4)  # against the recomputed π_old
@@ -187,8 +204,10 @@ def test_check_ratio_on_stored_supports_with_negative_controls(tok):
     assert good.passed and "stored supports" in good.detail
     # a trainer that scores on the full vocabulary (support ignored) is caught
     full = functools.partial(token_logprobs, top_p=1.0)
+
     def no_support(m, ids, am, temperature=1.0, keep_index=None, keep_rows=None):
         return full(m, ids, am, temperature)
+
     assert check_ratio(model, rows, PAD, no_support, 1.0).passed is False
     # the config's top-p is not the sampler's: the recomputed supports disagree
     assert check_ratio(model, rows, PAD, logprob_fn(TrainConfig(top_p=0.5)), 1.0).passed is False

@@ -165,8 +165,11 @@ def test_reduction(tmp_path):
     assert out["loss token_mean"] == pytest.approx(1 / (2 * s3), abs=1e-5)
     assert out["loss seq_mean_token_mean"] == pytest.approx(0.0, abs=1e-9)
     assert out["loss seq_mean_token_sum_norm"] == pytest.approx(1 / (3 * s3), abs=1e-5)
-    expected = {"token_mean": [1 / 16] * 4, "seq_mean_token_mean": [1 / 8, 1 / 16, 1 / 16, 1 / 24],
-                "seq_mean_token_sum_norm": [1 / 24] * 4}
+    expected = {
+        "token_mean": [1 / 16] * 4,
+        "seq_mean_token_mean": [1 / 8, 1 / 16, 1 / 16, 1 / 24],
+        "seq_mean_token_sum_norm": [1 / 24] * 4,
+    }
     for red, ws in expected.items():
         for i, w in enumerate(ws):
             assert out[f"token weight {red} seq {i + 1}"] == pytest.approx(w)
@@ -202,13 +205,22 @@ def test_passk(tmp_path):
 def test_shaping(tmp_path):
     out = shaping.run(tmp_path)
     g = 0.95
-    true = {"patch blind, finish": 0.3 * g, "patch blind x2, finish": (1 - 0.7**2) * g**2,
-            "test, patch, finish": 0.8 * g**2,
-            "test, patch, retest, repatch if failing, finish": 0.8 * g**3 + 0.2 * 0.8 * g**4,
-            "stall: test x8, patch, finish": 0.8 * g**9, "spam tests until budget": 0.0}
-    tests_run = {"patch blind, finish": [], "patch blind x2, finish": [], "test, patch, finish": [0],
-                 "test, patch, retest, repatch if failing, finish": [0, 2], "stall: test x8, patch, finish":
-                 list(range(8)), "spam tests until budget": list(range(10))}
+    true = {
+        "patch blind, finish": 0.3 * g,
+        "patch blind x2, finish": (1 - 0.7**2) * g**2,
+        "test, patch, finish": 0.8 * g**2,
+        "test, patch, retest, repatch if failing, finish": 0.8 * g**3 + 0.2 * 0.8 * g**4,
+        "stall: test x8, patch, finish": 0.8 * g**9,
+        "spam tests until budget": 0.0,
+    }
+    tests_run = {
+        "patch blind, finish": [],
+        "patch blind x2, finish": [],
+        "test, patch, finish": [0],
+        "test, patch, retest, repatch if failing, finish": [0, 2],
+        "stall: test x8, patch, finish": list(range(8)),
+        "spam tests until budget": list(range(10)),
+    }
     assert list(true) == list(shaping.POLICIES)
     for n, v in true.items():
         assert out[f"true: {n}"] == pytest.approx(v)
@@ -250,8 +262,7 @@ def test_lag(tmp_path):
     for name, f in zip(names, exact_kept):
         assert out[f"k={name} exact kept fraction"] == pytest.approx(f)
         assert abs(out[f"k={name} kept fraction"] - f) <= 4 * math.sqrt(f * (1 - f) / n)
-        assert _within(out[f"k={name} bias"], out[f"k={name} exact bias"],
-                       out[f"k={name} bias std error"], 1)
+        assert _within(out[f"k={name} bias"], out[f"k={name} exact bias"], out[f"k={name} bias std error"], 1)
         assert out[f"k={name} final p(A)"] > 0.9
     kept = [out[f"k={s} kept fraction"] for s in names]
     assert kept == sorted(kept) and len(set(kept)) == len(kept)

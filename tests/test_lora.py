@@ -68,8 +68,9 @@ def test_the_sampler_generates_with_the_adapter_not_the_base_weights():
     not (what an adapter that never reached the inference side would give)."""
     peft, tok = _lora_tiny(rank=4, alpha=8.0, perturb=0.05)
     prompts = _ids(tok, ["def add(a, b):", "import math\nx ="])
-    samples = generate(peft, prompts, SamplingParams(1.0, 0, 1.0, 12), stop_ids=set(),
-                       generator=torch.Generator().manual_seed(3))
+    samples = generate(
+        peft, prompts, SamplingParams(1.0, 0, 1.0, 12), stop_ids=set(), generator=torch.Generator().manual_seed(3)
+    )
     for prompt, s in zip(prompts, samples):
         ids = torch.tensor([prompt + s.output_ids])
         am = torch.ones_like(ids)
@@ -78,15 +79,27 @@ def test_the_sampler_generates_with_the_adapter_not_the_base_weights():
             with peft.disable_adapter():
                 lp_base, _ = token_logprobs(peft, ids, am)
         mu = torch.tensor(s.logprobs)
-        got, base = lp[0, len(prompt) - 1:], lp_base[0, len(prompt) - 1:]
+        got, base = lp[0, len(prompt) - 1 :], lp_base[0, len(prompt) - 1 :]
         torch.testing.assert_close(got, mu, atol=1e-4, rtol=0)
         assert float((base - mu).abs().max()) > 0.05
 
 
 def _cfg(run: Path, **kw) -> TrainConfig:
-    return TrainConfig(run_dir=str(run), model=str(BUNDLED), iterations=2, tasks_per_iteration=2, group_size=4,
-                       eval_every=0, final_eval_episodes=0, max_turns=3, max_new_tokens=24, lora_rank=8,
-                       lora_alpha=16.0, learning_rate=2e-2, **kw)
+    return TrainConfig(
+        run_dir=str(run),
+        model=str(BUNDLED),
+        iterations=2,
+        tasks_per_iteration=2,
+        group_size=4,
+        eval_every=0,
+        final_eval_episodes=0,
+        max_turns=3,
+        max_new_tokens=24,
+        lora_rank=8,
+        lora_alpha=16.0,
+        learning_rate=2e-2,
+        **kw,
+    )
 
 
 def _metrics(run: Path) -> list[dict]:
@@ -98,7 +111,6 @@ def lora_run(tmp_path_factory, request):
     """Two LoRA iterations (odd samples win, so the adapter moves), pre-step checks on."""
     import consequence.iteration as iteration_module
     from consequence.train import train
-
     from reward_signal import odd_samples_win
 
     mp = pytest.MonkeyPatch()
@@ -124,7 +136,7 @@ def test_two_lora_iterations_keep_the_ratio_at_one_while_the_policy_moves(lora_r
             ids = torch.tensor([call.context_ids + call.output_ids])
             with torch.no_grad():
                 lp, _ = token_logprobs(base, ids, torch.ones_like(ids))
-            got = lp[0, len(call.context_ids) - 1:]
+            got = lp[0, len(call.context_ids) - 1 :]
             worst = max(worst, float((got - torch.tensor(call.sample_logprobs)).abs().max()))
     assert worst > 1e-2, worst
     final = run / "checkpoints" / "final"
@@ -199,10 +211,13 @@ def test_bad_lora_settings_are_refused_before_anything_is_written(lora_run, tmp_
         train(_cfg(tmp_path / "t", lora_targets="q_proj,nope"), Console(quiet=True))
     assert not (tmp_path / "t").exists()
     with pytest.raises(ValueError, match="is a LoRA adapter checkpoint: fold it"):
-        train(_cfg(tmp_path / "u").model_copy(update={"model": str(run / "checkpoints" / "final")}),
-              Console(quiet=True))
+        train(
+            _cfg(tmp_path / "u").model_copy(update={"model": str(run / "checkpoints" / "final")}), Console(quiet=True)
+        )
     assert not (tmp_path / "u").exists()
-    with pytest.raises(ValueError, match="--advantage gae .a learned value head, as the ppo recipe uses. is not supported"):
+    with pytest.raises(
+        ValueError, match="--advantage gae .a learned value head, as the ppo recipe uses. is not supported"
+    ):
         _cfg(tmp_path / "v", advantage="gae")
     assert TrainConfig(lora_rank=4, lora_targets="q_proj, v_proj,q_proj").lora_targets == ["q_proj", "v_proj"]
 
@@ -218,8 +233,13 @@ def test_merge_refuses_every_out_that_would_destroy_something(lora_run, tmp_path
     notes.mkdir()
     (notes / "mine.txt").write_text("keep me")
     (tmp_path / "afile").write_text("x")
-    cases = {str(run): "inside it or above it", str(final / "sub"): "inside it or above it",
-             str(BUNDLED): "base model", str(notes): "holds other files", str(tmp_path / "afile"): "existing file"}
+    cases = {
+        str(run): "inside it or above it",
+        str(final / "sub"): "inside it or above it",
+        str(BUNDLED): "base model",
+        str(notes): "holds other files",
+        str(tmp_path / "afile"): "existing file",
+    }
     before = sorted(p.name for p in run.rglob("*"))
     for out, why in cases.items():
         res = CliRunner().invoke(app, ["merge", str(final), "--out", out])
@@ -231,7 +251,9 @@ def test_merge_refuses_every_out_that_would_destroy_something(lora_run, tmp_path
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
     out = tmp_path / "merged"
     assert CliRunner().invoke(app, ["merge", str(final), "--out", str(out)]).exit_code == 0
-    assert CliRunner().invoke(app, ["merge", str(final), "--out", str(out)]).exit_code == 0  # an earlier merge: replaced
+    assert (
+        CliRunner().invoke(app, ["merge", str(final), "--out", str(out)]).exit_code == 0
+    )  # an earlier merge: replaced
 
 
 def test_evaluation_and_the_viewer_find_an_adapter_checkpoint(lora_run):

@@ -109,7 +109,9 @@ def test_case01_token_mean_microbatch():
         b, torch.ones_like(b), "token_mean", total_tokens=1000
     )
     assert total.item() == pytest.approx(0.32)
-    wrong = (reduce_tokens(a, torch.ones_like(a), "token_mean") + reduce_tokens(b, torch.ones_like(b), "token_mean")) / 2
+    wrong = (
+        reduce_tokens(a, torch.ones_like(a), "token_mean") + reduce_tokens(b, torch.ones_like(b), "token_mean")
+    ) / 2
     assert wrong.item() == pytest.approx(0.4)  # what splitting without global totals gives
     # a micro-batch whose only row has no targets adds nothing
     empty = reduce_tokens(torch.full((1, 5), 7.0), torch.zeros(1, 5), "token_mean", total_tokens=1000)

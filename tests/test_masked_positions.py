@@ -53,7 +53,7 @@ from test_update_step import PAD, TinyLM, make_rows, ref_logprobs
 
 INF, NAN = float("inf"), float("nan")
 EXTREMES = (1e4, -1e4, 1e30, -1e30, INF, -INF, NAN, 3e38)
-U = 2.0 ** -24  # float32 unit roundoff
+U = 2.0**-24  # float32 unit roundoff
 ELEMENTWISE = 16 * U  # module doc: ≤ 4 kernels per element, each ≤ 2u, on two sides
 PROPERTY = settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -120,8 +120,9 @@ def batches(draw, extreme_targets_in_sampler: bool = False) -> Batch:
     sampler_delta = _grid(-4, 4, 1 / 8) | (extreme if extreme_targets_in_sampler else _grid(0, 0, 1))
     sampler = torch.where(m, old - field(sampler_delta), field(_grid(0, 0, 1)))
     adv = field(_grid(-8, 8, 1 / 4))
-    adv_seq = torch.tensor([draw(_grid(-8, 8, 1 / 4)) if m[i].any() else draw(extreme) for i in range(n)],
-                           dtype=torch.float32)
+    adv_seq = torch.tensor(
+        [draw(_grid(-8, 8, 1 / 4)) if m[i].any() else draw(extreme) for i in range(n)], dtype=torch.float32
+    )
     ent = field(_grid(0, 24, 1 / 8))
     return Batch(mask, lp, old, ref, sampler, adv, adv_seq, ent)
 
@@ -175,6 +176,7 @@ def _dispatched(name: str):
     def objective(b, lp, ent, m):
         adv = b.adv_seq if name == "gspo" else b.adv
         return surrogate_objective(name, lp, b.old, adv, m, eps_low=0.2, eps_high=0.28, dual_clip_c=3.0)[0]
+
     return objective
 
 
@@ -194,6 +196,7 @@ def _tis(cap):
     def objective(b, lp, ent, m):
         obj, _, _ = clipped_surrogate(lp, b.old, b.adv, 0.2, 0.28, mask=m)
         return obj * tis_weights(b.old, b.sampler, cap, mask=m)
+
     return objective
 
 
@@ -221,19 +224,22 @@ def test_regularizers_ignore_extremes_on_masked_positions(b, cap, reduction):
 
 
 @PROPERTY
-@given(b=batches(extreme_targets_in_sampler=True), level=st.sampled_from(["token", "sequence"]),
-       reduction=st.sampled_from(REDUCTIONS))
+@given(
+    b=batches(extreme_targets_in_sampler=True),
+    level=st.sampled_from(["token", "sequence"]),
+    reduction=st.sampled_from(REDUCTIONS),
+)
 def test_masked_is_turns_rejected_tokens_into_inert_positions(b, level, reduction):
     """Masked IS (Liu et al. 2025, §4): the tokens it rejects (r = π_old/μ outside [0.8, 1.25],
     here also r = inf or NaN from an extreme sampler log-prob ON a target) leave the loss;
     with TIS on the kept ones the result equals the batch with the rejected tokens removed."""
     m = b.mask > 0
-    keep = torch.stack([is_mask_keep(b.old[i], b.sampler[i], b.mask[i], 0.8, 1.25, level)
-                        for i in range(m.shape[0])])
+    keep = torch.stack([is_mask_keep(b.old[i], b.sampler[i], b.mask[i], 0.8, 1.25, level) for i in range(m.shape[0])])
     assert not (keep & ~m).any()  # never a masked position
     c = b.compact()
-    c_keep = torch.stack([is_mask_keep(c.old[i], c.sampler[i], c.mask[i], 0.8, 1.25, level)
-                          for i in range(c.mask.shape[0])])
+    c_keep = torch.stack(
+        [is_mask_keep(c.old[i], c.sampler[i], c.mask[i], 0.8, 1.25, level) for i in range(c.mask.shape[0])]
+    )
     assert torch.equal(keep[m], c_keep[c.mask > 0])  # extremes off target change no decision
     got = sampler_gap_metrics(b.old.tolist(), b.sampler.tolist(), b.mask.tolist(), 0.8, 1.25)
     want = sampler_gap_metrics(c.old.tolist(), c.sampler.tolist(), c.mask.tolist(), 0.8, 1.25)
@@ -344,8 +350,9 @@ def _with_extremes(rows, values, x):
     return out
 
 
-@pytest.mark.parametrize("surrogate,estimator,reduction",
-                         [(s, KL_ESTIMATORS[i % 3], REDUCTIONS[i % 3]) for i, s in enumerate(SURROGATES)])
+@pytest.mark.parametrize(
+    "surrogate,estimator,reduction", [(s, KL_ESTIMATORS[i % 3], REDUCTIONS[i % 3]) for i, s in enumerate(SURROGATES)]
+)
 @pytest.mark.parametrize("x", [-1e4, INF, NAN])
 def test_step_gradient_ignores_extremes_on_non_target_positions(surrogate, estimator, reduction, x):
     """accumulate_gradients with TIS, KL, entropy bonus and off-policy masking on: extremes
@@ -356,15 +363,26 @@ def test_step_gradient_ignores_extremes_on_non_target_positions(surrogate, estim
     sampler = [[o + 0.05 * (k % 3) for k, o in enumerate(r.old_logprobs)] for r in rows]
     ref = [[o - 0.03 * (k % 2) for k, o in enumerate(r.old_logprobs)] for r in rows]
     per_token = surrogate != "gspo"  # GSPO takes one advantage per sequence
-    adv = [[0.7, 0.0] + [0.7 - 0.4 * i] * (len(r.input_ids) - 2) for i, r in enumerate(rows)] if per_token \
+    adv = (
+        [[0.7, 0.0] + [0.7 - 0.4 * i] * (len(r.input_ids) - 2) for i, r in enumerate(rows)]
+        if per_token
         else [0.7 - 0.4 * i for i in range(len(rows))]
-    cfg = UpdateConfig(surrogate=surrogate, reduction=reduction, tis_cap=2.0, kl_coef=0.1, kl_estimator=estimator,
-                       entropy_coef=0.01, offpolicy_delta=0.05, clip_eps_low=0.2, clip_eps_high=0.28)
+    )
+    cfg = UpdateConfig(
+        surrogate=surrogate,
+        reduction=reduction,
+        tis_cap=2.0,
+        kl_coef=0.1,
+        kl_estimator=estimator,
+        entropy_coef=0.01,
+        offpolicy_delta=0.05,
+        clip_eps_low=0.2,
+        clip_eps_high=0.28,
+    )
 
     def grads(rows, adv, sampler, ref):
         model.zero_grad(set_to_none=True)
-        met = accumulate_gradients(model, rows, adv, cfg, PAD, ref_logprobs, ref_logprobs=ref,
-                                   sampler_logprobs=sampler)
+        met = accumulate_gradients(model, rows, adv, cfg, PAD, ref_logprobs, ref_logprobs=ref, sampler_logprobs=sampler)
         return {n: p.grad.clone() for n, p in model.named_parameters()}, met
 
     clean, met = grads(rows, adv, sampler, ref)

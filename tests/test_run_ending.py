@@ -20,9 +20,25 @@ from env_fixtures import ReverseEnvironment
 # no sandbox, short episodes; the bundled repair model calls its repair tools (run_tests, read_code),
 # unknown here, so every episode gets an error observation after its first call: a turn boundary
 # where the chat template renders the conversation again
-TINY = ["--env", "env_fixtures:ReverseEnvironment", "--iterations", "1", "--tasks-per-iteration", "1",
-        "--group-size", "2", "--eval-every", "0", "--final-eval-episodes", "0", "--max-turns", "2",
-        "--max-new-tokens", "24", "--skip-checks"]
+TINY = [
+    "--env",
+    "env_fixtures:ReverseEnvironment",
+    "--iterations",
+    "1",
+    "--tasks-per-iteration",
+    "1",
+    "--group-size",
+    "2",
+    "--eval-every",
+    "0",
+    "--final-eval-episodes",
+    "0",
+    "--max-turns",
+    "2",
+    "--max-new-tokens",
+    "24",
+    "--skip-checks",
+]
 
 
 class MetricsCrashEnvironment(ReverseEnvironment):
@@ -51,8 +67,9 @@ def test_a_run_refused_after_it_started_records_refused_and_can_be_resumed_once_
     template = (model / "chat_template.jinja").read_text()
     # the number of messages first: every new turn changes the text before it (docs/cases.md, case 08)
     (model / "chat_template.jinja").write_text("{{ messages|length }}" + template)
-    res = CliRunner().invoke(app, ["train", *TINY, "--model", str(model), "--run-dir", str(run)],
-                             env={"COLUMNS": "2000"})
+    res = CliRunner().invoke(
+        app, ["train", *TINY, "--model", str(model), "--run-dir", str(run)], env={"COLUMNS": "2000"}
+    )
     reason = "chat template re-renders earlier turns differently: the next prompt does not extend the previous one"
     assert res.exit_code == 2, res.output
     assert [line for line in res.output.splitlines() if line.startswith("error:")] == [f"error: {reason}"]
@@ -75,9 +92,19 @@ def test_a_crash_records_failed_with_the_exception_and_a_resume_keeps_how_it_end
     from consequence.train import train
 
     run = tmp_path / "run"
-    cfg = TrainConfig(run_dir=str(run), model=str(BUNDLED), env=f"{__name__}:MetricsCrashEnvironment",
-                      iterations=2, tasks_per_iteration=1, group_size=2, eval_every=0, final_eval_episodes=0,
-                      max_turns=2, max_new_tokens=24, skip_checks=True)
+    cfg = TrainConfig(
+        run_dir=str(run),
+        model=str(BUNDLED),
+        env=f"{__name__}:MetricsCrashEnvironment",
+        iterations=2,
+        tasks_per_iteration=1,
+        group_size=2,
+        eval_every=0,
+        final_eval_episodes=0,
+        max_turns=2,
+        max_new_tokens=24,
+        skip_checks=True,
+    )
     with pytest.raises(RuntimeError, match="metrics broke"):  # a crash is not turned into a user error
         train(cfg, Console(quiet=True))
     m = _manifest(run)
@@ -87,20 +114,24 @@ def test_a_crash_records_failed_with_the_exception_and_a_resume_keeps_how_it_end
     report = train(cfg, Console(quiet=True), resume=True)
     m = _manifest(run)
     assert m["status"] == "finished" and "stop_reason" not in m and report["run_label"]
-    assert m["resumed"] == [{"from_iteration": 1, "state": "state-0001", "after": "failed",
-                             "stop_reason": "RuntimeError: metrics broke"}]
+    assert m["resumed"] == [
+        {"from_iteration": 1, "state": "state-0001", "after": "failed", "stop_reason": "RuntimeError: metrics broke"}
+    ]
     assert [json.loads(line)["iteration"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [0, 1]
 
 
-@pytest.mark.parametrize("error,status,reason", [
-    (None, "finished", None),
-    (KeyboardInterrupt(), "interrupted", "interrupted (Ctrl-C / SIGINT)"),
-    (FloatingPointError("non-finite loss"), "stopped", "non-finite loss"),
-    (OSError(28, "No space left on device"), "stopped", "[Errno 28] No space left on device"),
-    (ValueError("bad template"), "refused", "bad template"),
-    (OSError(2, "No such file or directory"), "failed", "FileNotFoundError: [Errno 2] No such file or directory"),
-    (KeyError("x"), "failed", "KeyError: 'x'"),
-])
+@pytest.mark.parametrize(
+    "error,status,reason",
+    [
+        (None, "finished", None),
+        (KeyboardInterrupt(), "interrupted", "interrupted (Ctrl-C / SIGINT)"),
+        (FloatingPointError("non-finite loss"), "stopped", "non-finite loss"),
+        (OSError(28, "No space left on device"), "stopped", "[Errno 28] No space left on device"),
+        (ValueError("bad template"), "refused", "bad template"),
+        (OSError(2, "No such file or directory"), "failed", "FileNotFoundError: [Errno 2] No such file or directory"),
+        (KeyError("x"), "failed", "KeyError: 'x'"),
+    ],
+)
 def test_run_ending_maps_each_exit_to_its_status(error, status, reason):
     from consequence.checks import PreStepCheckError
     from consequence.resume import STATUSES

@@ -35,7 +35,7 @@ def test_draw_is_the_inverse_cdf_of_each_rows_own_uniform():
 def test_a_rows_token_does_not_depend_on_the_other_rows():
     g = torch.Generator().manual_seed(0)
     probs = torch.softmax(torch.randn(6, 50, generator=g), -1)
-    alone = [draw(probs[i:i + 1], _streams(100 + i)).item() for i in range(6)]
+    alone = [draw(probs[i : i + 1], _streams(100 + i)).item() for i in range(6)]
     batch = draw(probs, _streams(*(100 + i for i in range(6)))).tolist()
     order = [4, 0, 5]
     subset = draw(probs[order], _streams(*(100 + i for i in order))).tolist()
@@ -156,5 +156,7 @@ def test_the_hf_path_also_draws_nothing_for_finished_rows(monkeypatch):
         fresh = _streams(seed_of(2, "hf", i))[0]
         for _ in batch[i].output_ids:
             torch.rand(1, generator=fresh, dtype=torch.float64)
-        assert torch.rand(1, generator=s, dtype=torch.float64).item() == \
-            torch.rand(1, generator=fresh, dtype=torch.float64).item()
+        assert (
+            torch.rand(1, generator=s, dtype=torch.float64).item()
+            == torch.rand(1, generator=fresh, dtype=torch.float64).item()
+        )

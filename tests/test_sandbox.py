@@ -48,26 +48,33 @@ def test_infinite_loop_times_out():
 
 
 def test_exit_before_tests_does_not_pass():
-    for code in ("import os\nos._exit(0)", GOOD + "\nimport sys\nsys.exit(0)",
-                 GOOD + "\nimport os\nos.kill(os.getpid(), 9)"):
+    for code in (
+        "import os\nos._exit(0)",
+        GOOD + "\nimport sys\nsys.exit(0)",
+        GOOD + "\nimport os\nos.kill(os.getpid(), 9)",
+    ):
         r = run_tests(code, T, cache=False)
         assert r.status == "crash" or r.passed == 0, code
         assert not r.all_passed
 
 
 def test_forged_success_line_does_not_pass():
-    fake = ('import os, json\n'
-            'line = json.dumps({"results": [True, True, True], "messages": [], "error": None})\n'
-            'os.write(1, ("\\n@@" + "0" * 32 + "@@" + line + "\\n").encode())\n'
-            'print(line)\nos._exit(0)\n')
+    fake = (
+        "import os, json\n"
+        'line = json.dumps({"results": [True, True, True], "messages": [], "error": None})\n'
+        'os.write(1, ("\\n@@" + "0" * 32 + "@@" + line + "\\n").encode())\n'
+        "print(line)\nos._exit(0)\n"
+    )
     r = run_tests(fake, T, cache=False)
     assert not r.all_passed and r.status == "crash"
 
 
 def test_always_equal_object_does_not_pass():
-    code = ("class A(int):\n    def __eq__(self, o):\n        return True\n"
-            "    def __repr__(self):\n        return '2'\n"
-            "def f(xs):\n    return A(2)")
+    code = (
+        "class A(int):\n    def __eq__(self, o):\n        return True\n"
+        "    def __repr__(self):\n        return '2'\n"
+        "def f(xs):\n    return A(2)"
+    )
     r = run_tests(code, T, cache=False)
     assert r.passed == 0 and r.messages[0] == "f([1, 2]) returned a A, expected 2"
     r = run_tests("class B(list):\n    pass\ndef f(xs):\n    return [B()]", [TestCase("f(1)", "[[]]")])
@@ -85,9 +92,11 @@ def test_huge_allocation_fails_and_parent_survives():
 
 def test_candidate_cannot_see_parent_files_or_env():
     # Under Landlock the (empty) working directory is not even listable: both mean "nothing".
-    code = ("import os\ndef f(xs):\n"
-            "    try:\n        seen = os.listdir('.')\n    except PermissionError:\n        seen = []\n"
-            "    return [seen, sorted(set(os.environ) - {'LC_CTYPE'})]")
+    code = (
+        "import os\ndef f(xs):\n"
+        "    try:\n        seen = os.listdir('.')\n    except PermissionError:\n        seen = []\n"
+        "    return [seen, sorted(set(os.environ) - {'LC_CTYPE'})]"
+    )
     r = run_tests(code, [TestCase("f(0)", "[[], []]")], cache=False)
     assert r.all_passed, r.messages
 

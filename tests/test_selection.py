@@ -12,17 +12,29 @@ from consequence.records import ModelCall, Trajectory
 
 
 def _ep(task, j, outcome="finished", ok=False, code="A", reason=None, calls=1):
-    t = Trajectory(task_id=task, group_id=task, sample_id=j, seed=j, policy_version=0,
-                   calls=[ModelCall([1], [2], [0.0], "stop")] * calls, outcome=outcome,
-                   truncation_reason=reason, verifier_score=(1.0 if ok else 0.0) if outcome == "finished" else None,
-                   final_code=code)
+    t = Trajectory(
+        task_id=task,
+        group_id=task,
+        sample_id=j,
+        seed=j,
+        policy_version=0,
+        calls=[ModelCall([1], [2], [0.0], "stop")] * calls,
+        outcome=outcome,
+        truncation_reason=reason,
+        verifier_score=(1.0 if ok else 0.0) if outcome == "finished" else None,
+        final_code=code,
+    )
     return t
 
 
 # One task, n = 4, in sample order: a wrong submission "A", a correct "B", an episode that
 # never submitted (its code "B" must not count), a second correct "B".
-EPISODES = [_ep("p#0", 0, code="A"), _ep("p#0", 1, ok=True, code="B"),
-            _ep("p#0", 2, outcome="truncated", reason="max_turns", code="B"), _ep("p#0", 3, ok=True, code="B  ")]
+EPISODES = [
+    _ep("p#0", 0, code="A"),
+    _ep("p#0", 1, ok=True, code="B"),
+    _ep("p#0", 2, outcome="truncated", reason="max_turns", code="B"),
+    _ep("p#0", 3, ok=True, code="B  "),
+]
 VISIBLE = {"A": 1, "B": 2}  # visible tests passed by each program
 
 
@@ -30,17 +42,28 @@ def _visible(t):
     return VISIBLE[t.final_code.strip()]
 
 
-@pytest.mark.parametrize("k, rule, expected", [
-    # k = 1: blocks [0] [1] [2] [3] -> 0, 1, 0 (no submission), 1 -> 1/2 for every rule (= c/n)
-    (1, "first", 0.5), (1, "majority", 0.5), (1, "visible", 0.5),
-    # k = 2: blocks [0,1] [2,3]; first picks 0 then 3; majority ties A/B in block 1 -> earliest (0);
-    # visible picks 1 (2 visible tests beat 1) then 3
-    (2, "first", 0.5), (2, "majority", 0.5), (2, "visible", 1.0),
-    # k = 3: one block [0,1,2] (episode 3 left over): first 0; majority tie -> 0; visible -> 1
-    (3, "first", 0.0), (3, "majority", 0.0), (3, "visible", 1.0),
-    # k = 4: one block; majority: "B" twice (trailing spaces stripped) beats "A" once -> episode 1
-    (4, "first", 0.0), (4, "majority", 1.0), (4, "visible", 1.0),
-])
+@pytest.mark.parametrize(
+    "k, rule, expected",
+    [
+        # k = 1: blocks [0] [1] [2] [3] -> 0, 1, 0 (no submission), 1 -> 1/2 for every rule (= c/n)
+        (1, "first", 0.5),
+        (1, "majority", 0.5),
+        (1, "visible", 0.5),
+        # k = 2: blocks [0,1] [2,3]; first picks 0 then 3; majority ties A/B in block 1 -> earliest (0);
+        # visible picks 1 (2 visible tests beat 1) then 3
+        (2, "first", 0.5),
+        (2, "majority", 0.5),
+        (2, "visible", 1.0),
+        # k = 3: one block [0,1,2] (episode 3 left over): first 0; majority tie -> 0; visible -> 1
+        (3, "first", 0.0),
+        (3, "majority", 0.0),
+        (3, "visible", 1.0),
+        # k = 4: one block; majority: "B" twice (trailing spaces stripped) beats "A" once -> episode 1
+        (4, "first", 0.0),
+        (4, "majority", 1.0),
+        (4, "visible", 1.0),
+    ],
+)
 def test_selection_by_hand(k, rule, expected):
     assert task_selection_success(EPISODES, k, rule, _visible) == expected
 
@@ -97,8 +120,13 @@ def test_a_real_prompt_that_does_not_fit_is_truncated_before_any_call(renderer):
     def never(*_):
         raise AssertionError("the policy must not be called")
 
-    [t] = run_episodes(never, renderer, [EpisodeSpec(RepairEnv(task), task.task_id, task.task_id, 0, 0)],
-                       Budgets(max_total_tokens=40), "You fix Python functions.")
+    [t] = run_episodes(
+        never,
+        renderer,
+        [EpisodeSpec(RepairEnv(task), task.task_id, task.task_id, 0, 0)],
+        Budgets(max_total_tokens=40),
+        "You fix Python functions.",
+    )
     assert prompt_too_long(t) and t.outcome == "truncated" and t.calls == []
 
 
@@ -132,8 +160,20 @@ def test_eval_cli_records_the_touch_and_warns_on_test_reuse(tmp_path):
     from policy_copies import other_policy
 
     runner = CliRunner()
-    args = ["eval", "--split", "test", "--problems", "1", "-n", "2", "-k", "1,2", "--no-recovery",
-            "--selection", "first,majority"]
+    args = [
+        "eval",
+        "--split",
+        "test",
+        "--problems",
+        "1",
+        "-n",
+        "2",
+        "-k",
+        "1,2",
+        "--no-recovery",
+        "--selection",
+        "first,majority",
+    ]
     first = runner.invoke(app, args + ["--out", str(tmp_path / "e1")])
     assert first.exit_code == 0, first.output
     other = other_policy(tmp_path / "other-policy")  # made after the bundled model's test result existed
@@ -156,8 +196,9 @@ def test_compare_cli_pairs_success_and_recovery(tmp_path):
     from policy_copies import other_policy
 
     same = other_policy(tmp_path / "pad-row-moved")  # other weights, the same behaviour
-    res = CliRunner().invoke(app, ["compare", str(BUNDLED), str(same), "--problems", "2", "-n", "2",
-                                   "--out", str(tmp_path / "c")])
+    res = CliRunner().invoke(
+        app, ["compare", str(BUNDLED), str(same), "--problems", "2", "-n", "2", "--out", str(tmp_path / "c")]
+    )
     assert res.exit_code == 0, res.output
     out = json.loads((tmp_path / "c" / "compare.json").read_text())
     # the same behaviour, identical seeds: every episode pair is identical
@@ -205,13 +246,25 @@ def test_bad_eval_and_compare_requests_fail_before_any_touch(tmp_path):
     (half / "config.json").write_text("{}")
     blocker = tmp_path / "afile"
     blocker.write_text("")
-    cases = [(["eval", "-k", "", "--out", str(tmp_path / "e")], "-k ''"),
-             (["eval", "--selection", "", "--out", str(tmp_path / "e")], "--selection ''"),
-             (["eval", "--model", str(half), "--out", str(tmp_path / "e")], "missing tokenizer.json"),
-             (["eval", "--out", str(blocker)], "--out"),
-             (["compare", str(half), str(half), "--out", str(tmp_path / "c")], "A "),
-             (["compare", "consequence/assets/tiny-repair", "consequence/assets/tiny-repair", "--problems", "1",
-               "--out", str(tmp_path / "c")], "at least 2 problems")]
+    cases = [
+        (["eval", "-k", "", "--out", str(tmp_path / "e")], "-k ''"),
+        (["eval", "--selection", "", "--out", str(tmp_path / "e")], "--selection ''"),
+        (["eval", "--model", str(half), "--out", str(tmp_path / "e")], "missing tokenizer.json"),
+        (["eval", "--out", str(blocker)], "--out"),
+        (["compare", str(half), str(half), "--out", str(tmp_path / "c")], "A "),
+        (
+            [
+                "compare",
+                "consequence/assets/tiny-repair",
+                "consequence/assets/tiny-repair",
+                "--problems",
+                "1",
+                "--out",
+                str(tmp_path / "c"),
+            ],
+            "at least 2 problems",
+        ),
+    ]
     for args, needle in cases:
         res = runner.invoke(app, args)
         assert res.exit_code == 2 and needle in res.output, (args, res.output)
@@ -226,8 +279,23 @@ def test_a_first_comparison_on_test_does_not_warn_about_its_own_arms(tmp_path):
 
     other = other_policy(tmp_path / "b")
     for out in ("c", "c-again"):  # the same comparison again: still only its own two arms
-        res = CliRunner().invoke(app, ["compare", str(BUNDLED), str(other), "--split", "test", "--problems", "2",
-                                       "-n", "1", "--no-recovery", "--out", str(tmp_path / out)])
+        res = CliRunner().invoke(
+            app,
+            [
+                "compare",
+                str(BUNDLED),
+                str(other),
+                "--split",
+                "test",
+                "--problems",
+                "2",
+                "-n",
+                "1",
+                "--no-recovery",
+                "--out",
+                str(tmp_path / out),
+            ],
+        )
         assert res.exit_code == 0, res.output
         result = json.loads((tmp_path / out / "compare.json").read_text())
         assert result["a"]["warnings"] == [] and result["b"]["warnings"] == [] and "warning" not in res.output

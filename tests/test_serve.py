@@ -49,8 +49,11 @@ def policy():
 @pytest.fixture(scope="module")
 def server(policy):
     model, renderer, _env = policy
-    app = create_app(model, Renderer(renderer.tokenizer, []),
-                     ServeSettings("tiny", model_context_length(model), temperature=0.0, max_tokens=32))
+    app = create_app(
+        model,
+        Renderer(renderer.tokenizer, []),
+        ServeSettings("tiny", model_context_length(model), temperature=0.0, max_tokens=32),
+    )
     with BackgroundServer(app) as s:
         yield s
 
@@ -85,8 +88,12 @@ async def harness_like_agent(client, task):
 
 def _specs(env, n=5):
     tasks = env.sample("validation", n, seed=3)
-    return [EpisodeSpec(env.make_episode(t), t.task_id, f"g/{t.task_id}", 0, 100 + i,
-                        answer_ends_episode=env.answer_ends_episode) for i, t in enumerate(tasks)]
+    return [
+        EpisodeSpec(
+            env.make_episode(t), t.task_id, f"g/{t.task_id}", 0, 100 + i, answer_ends_episode=env.answer_ends_episode
+        )
+        for i, t in enumerate(tasks)
+    ]
 
 
 # ---- 1. the agent-runner path records what the in-process harness records ------------------------
@@ -95,14 +102,28 @@ def test_agent_runner_and_harness_record_identical_ids_masks_and_logprobs(policy
     model, renderer, env = policy
     gen = policy_generate_fn(model, GREEDY, renderer.stop_ids, seed=0)
     ref = run_episodes(gen, renderer, _specs(env), BUDGETS, env.system_prompt, examples=env.examples)
-    got, stats = run_agent_episodes(harness_like_agent, model, renderer, _specs(env), BUDGETS, GREEDY,
-                                    env.system_prompt, seed=0, examples=env.examples)
+    got, stats = run_agent_episodes(
+        harness_like_agent,
+        model,
+        renderer,
+        _specs(env),
+        BUDGETS,
+        GREEDY,
+        env.system_prompt,
+        seed=0,
+        examples=env.examples,
+    )
     assert sum(len(t.calls) for t in ref) > len(ref) >= 5  # multi-turn episodes
     assert {t.outcome for t in ref} >= {"finished", "truncated"}  # both ends are exercised
     assert stats["agent_prefix_breaks"] == 0 and stats["agent_calls"] == sum(len(t.calls) for t in ref)
     for a, b in zip(ref, got):
-        assert (a.outcome, a.truncation_reason, a.env_rewards, a.verifier_score, a.n_tool_calls) == \
-               (b.outcome, b.truncation_reason, b.env_rewards, b.verifier_score, b.n_tool_calls)
+        assert (a.outcome, a.truncation_reason, a.env_rewards, a.verifier_score, a.n_tool_calls) == (
+            b.outcome,
+            b.truncation_reason,
+            b.env_rewards,
+            b.verifier_score,
+            b.n_tool_calls,
+        )
         assert [c.context_ids for c in a.calls] == [c.context_ids for c in b.calls]
         assert [c.output_ids for c in a.calls] == [c.output_ids for c in b.calls]
         assert [c.observation_ids for c in a.calls[:-1]] == [c.observation_ids for c in b.calls[:-1]]
@@ -117,8 +138,17 @@ def test_agent_runner_and_harness_record_identical_ids_masks_and_logprobs(policy
 @pytest.mark.slow
 def test_recorded_logprobs_equal_a_teacher_forced_recompute(policy):
     model, renderer, env = policy
-    got, _ = run_agent_episodes(harness_like_agent, model, renderer, _specs(env, 3), BUDGETS, GREEDY,
-                                env.system_prompt, seed=0, examples=env.examples)
+    got, _ = run_agent_episodes(
+        harness_like_agent,
+        model,
+        renderer,
+        _specs(env, 3),
+        BUDGETS,
+        GREEDY,
+        env.system_prompt,
+        seed=0,
+        examples=env.examples,
+    )
     rows = [r for t in got for r in trajectory_to_rows(t)]
     fresh = compute_logprobs(model, rows, renderer.tokenizer.pad_token_id, token_logprobs)  # greedy: μ at T = 1
     for row, lp in zip(rows, fresh):
@@ -148,8 +178,9 @@ async def rewriting_agent(client, task):
 def test_a_rewritten_assistant_turn_is_a_counted_prefix_break_with_a_new_row(policy):
     model, renderer, env = policy
     specs = _specs(env, 6)
-    got, stats = run_agent_episodes(rewriting_agent, model, renderer, specs, BUDGETS, GREEDY, env.system_prompt,
-                                    seed=0, examples=env.examples)
+    got, stats = run_agent_episodes(
+        rewriting_agent, model, renderer, specs, BUDGETS, GREEDY, env.system_prompt, seed=0, examples=env.examples
+    )
     three = [t for t in got if len(t.calls) == 3]
     assert three, "some episodes must reach the third call"
     assert stats["agent_prefix_breaks"] == len(three)
@@ -160,7 +191,7 @@ def test_a_rewritten_assistant_turn_is_a_counted_prefix_break_with_a_new_row(pol
         assert targets == [t.calls[0].output_ids + t.calls[1].output_ids, t.calls[2].output_ids]
         edited = renderer.encode("I will look at the code first.")
         ctx = t.calls[2].context_ids
-        assert any(ctx[k:k + len(edited)] == edited for k in range(len(ctx)))  # the edit is context only
+        assert any(ctx[k : k + len(edited)] == edited for k in range(len(ctx)))  # the edit is context only
         assert rows[1].input_ids == ctx + t.calls[2].output_ids
 
 
@@ -168,21 +199,34 @@ def test_a_rewritten_assistant_turn_is_a_counted_prefix_break_with_a_new_row(pol
 def test_reserialised_arguments_do_not_break_the_row(server):
     """The same call with its arguments re-serialised (spacing, key order) continues the sampled ids."""
     c = _client(server, "reserialise")
-    tools = [{"type": "function", "function": {"name": "replace_line", "parameters": {
-        "type": "object", "properties": {"line": {"type": "integer"}, "code": {"type": "string"}}}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "replace_line",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"line": {"type": "integer"}, "code": {"type": "string"}},
+                },
+            },
+        }
+    ]
     first = [{"role": "user", "content": "fix add"}]
     r1 = c.chat.completions.create(model="tiny", messages=first, tools=tools)
     msg = r1.choices[0].message.model_dump(exclude_none=True)
     for call in msg.get("tool_calls", []):
         call["function"]["arguments"] = json.dumps(json.loads(call["function"]["arguments"]), indent=2)
-    history = first + [msg] + [{"role": "tool", "tool_call_id": tc["id"], "content": "ok"}
-                               for tc in msg.get("tool_calls", [])] + ([] if msg.get("tool_calls") else
-                                                                        [{"role": "user", "content": "go on"}])
+    history = (
+        first
+        + [msg]
+        + [{"role": "tool", "tool_call_id": tc["id"], "content": "ok"} for tc in msg.get("tool_calls", [])]
+        + ([] if msg.get("tool_calls") else [{"role": "user", "content": "go on"}])
+    )
     r2 = c.chat.completions.create(model="tiny", messages=history, tools=tools)
     record = _get(server, "/s/reserialise/record")
     assert record["prefix_breaks"] == 0
     c1, c2 = record["calls"]
-    assert c2["context_ids"][:len(c1["context_ids"]) + len(c1["output_ids"])] == c1["context_ids"] + c1["output_ids"]
+    assert c2["context_ids"][: len(c1["context_ids"]) + len(c1["output_ids"])] == c1["context_ids"] + c1["output_ids"]
     assert r2.model_extra["prompt_token_ids"] == c2["context_ids"]
 
 
@@ -204,8 +248,9 @@ def test_32_simultaneous_sessions_are_batched_and_each_recorded(server):
     async def one(k: int):
         c = openai.AsyncOpenAI(base_url=f"{server.url}/s/many-{k}/v1", api_key="x", max_retries=0)
         try:
-            r = await c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": f"task {k}"}],
-                                                max_tokens=8)
+            r = await c.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": f"task {k}"}], max_tokens=8
+            )
             return r.choices[0].model_extra["token_ids"]
         finally:
             await c.close()
@@ -225,41 +270,77 @@ def test_32_simultaneous_sessions_are_batched_and_each_recorded(server):
 @pytest.mark.slow
 def test_n_choices_stop_strings_logprobs_and_streaming(server):
     c = _client(server)
-    r = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "fix add"}], n=3,
-                                  temperature=1.0, seed=5, logprobs=True, max_tokens=12)
+    r = c.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "fix add"}],
+        n=3,
+        temperature=1.0,
+        seed=5,
+        logprobs=True,
+        max_tokens=12,
+    )
     assert len(r.choices) == 3
     for ch in r.choices:
         assert [t.logprob for t in ch.logprobs.content] == ch.model_extra["token_logprobs"]
         assert len(ch.model_extra["token_ids"]) == len(ch.logprobs.content) <= 12
-    again = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "fix add"}], n=3,
-                                      temperature=1.0, seed=5, logprobs=True, max_tokens=12)
+    again = c.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "fix add"}],
+        n=3,
+        temperature=1.0,
+        seed=5,
+        logprobs=True,
+        max_tokens=12,
+    )
     assert [ch.model_extra["token_ids"] for ch in again.choices] == [ch.model_extra["token_ids"] for ch in r.choices]
     full = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "fix add"}], max_tokens=20)
     text = full.choices[0].message.content or ""
     stop = text[2:5] if len(text) > 5 else None
     if stop:
-        cut = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "fix add"}],
-                                        max_tokens=20, stop=[stop])
+        cut = c.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "fix add"}], max_tokens=20, stop=[stop]
+        )
         assert cut.choices[0].finish_reason == "stop" and stop not in (cut.choices[0].message.content or "")[:2]
         assert len(cut.choices[0].model_extra["token_ids"]) < len(full.choices[0].model_extra["token_ids"])
-    chunks = list(c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "fix add"}],
-                                            max_tokens=20, stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        c.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "fix add"}],
+            max_tokens=20,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     streamed = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
     assert streamed == (full.choices[0].message.content or "")  # greedy: the same reply
     assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
 
 
 # ---- 4. bad requests, disconnects, SIGTERM --------------------------------------------------------
-@pytest.mark.parametrize("change,status,code", [
-    ({"model": "gpt-4o"}, 404, "model_not_found"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]}, 400, "invalid_tools"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": 3}}}]},
-     400, "invalid_tools"),
-    ({"max_tokens": -1}, 400, "invalid_value"),
-    ({"max_tokens": 8, "messages": [{"role": "user", "content": "a " * 1100}]}, 400, "context_length_exceeded"),
-    ({"tool_choice": "required"}, 400, "unsupported_parameter"),
-    ({"frequency_penalty": 0.5}, 400, "unsupported_parameter"),
-])
+@pytest.mark.parametrize(
+    "change,status,code",
+    [
+        ({"model": "gpt-4o"}, 404, "model_not_found"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+            400,
+            "invalid_tools",
+        ),
+        (
+            {
+                "tools": [
+                    {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": 3}}}
+                ]
+            },
+            400,
+            "invalid_tools",
+        ),
+        ({"max_tokens": -1}, 400, "invalid_value"),
+        ({"max_tokens": 8, "messages": [{"role": "user", "content": "a " * 1100}]}, 400, "context_length_exceeded"),
+        ({"tool_choice": "required"}, 400, "unsupported_parameter"),
+        ({"frequency_penalty": 0.5}, 400, "unsupported_parameter"),
+    ],
+)
 def test_bad_requests_get_openai_style_errors(server, change, status, code):
     kwargs = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]} | change
     with pytest.raises(openai.APIStatusError) as e:
@@ -272,8 +353,9 @@ def test_bad_requests_get_openai_style_errors(server, change, status, code):
 @pytest.mark.slow
 def test_a_client_that_disconnects_mid_generation_leaves_no_stuck_batch(server):
     before = _get(server, "/health")
-    body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x " * 50}], "max_tokens": 900,
-                       "temperature": 1.0})
+    body = json.dumps(
+        {"model": "tiny", "messages": [{"role": "user", "content": "x " * 50}], "max_tokens": 900, "temperature": 1.0}
+    )
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
     conn.request("POST", "/s/gone/v1/chat/completions", body, {"Content-Type": "application/json"})
     time.sleep(0.05)
@@ -315,8 +397,9 @@ def test_a_reply_the_client_timed_out_on_is_recorded_and_the_next_call_is_a_coun
     # the HTTP round trip and the prefill, so it may overstate decoding (measured on the loaded
     # 2-core machine: 0.65-1.25x the slow reply's own time per token), leaving several timeouts
     # of margin. 48 to 600 tokens (the context is 1024).
-    history = first + [msg] + [{"role": "tool", "tool_call_id": tc["id"], "content": "a" * 200}
-                               for tc in msg["tool_calls"]]
+    history = (
+        first + [msg] + [{"role": "tool", "tool_call_id": tc["id"], "content": "a" * 200} for tc in msg["tool_calls"]]
+    )
     n_slow = min(600, max(48, int(10 * CLIENT_TIMEOUT_S / per_token)))
     before = _get(server, "/health")
     slow = openai.OpenAI(base_url=f"{server.url}/s/{sid}/v1", api_key="x", max_retries=0, timeout=CLIENT_TIMEOUT_S)
@@ -325,8 +408,9 @@ def test_a_reply_the_client_timed_out_on_is_recorded_and_the_next_call_is_a_coun
     slow.close()
     # The next request lacks the reply it never got (it waits for the session's lock, so the
     # abandoned call is recorded first); then the timed-out request is retried.
-    r3 = c.chat.completions.create(model="tiny", messages=history + [{"role": "user", "content": "you timed out"}],
-                                   tools=tools, max_tokens=8)
+    r3 = c.chat.completions.create(
+        model="tiny", messages=history + [{"role": "user", "content": "you timed out"}], tools=tools, max_tokens=8
+    )
     r4 = c.chat.completions.create(model="tiny", messages=history, tools=tools, max_tokens=4)
 
     session = server.app.state.serve.sessions.get(sid, create=False)
@@ -337,7 +421,8 @@ def test_a_reply_the_client_timed_out_on_is_recorded_and_the_next_call_is_a_coun
     unused = "the client did not use the reply of calls[1] (timed out or abandoned)"
     assert record["breaks"] == [
         {"call": 2, "reason": f"calls[2] continues calls[0], not the last call: {unused}"},
-        {"call": 3, "reason": f"calls[3] repeats the messages of calls[1] (a retry): {unused}"}]
+        {"call": 3, "reason": f"calls[3] repeats the messages of calls[1] (a retry): {unused}"},
+    ]
     c0, c1, c2, c3 = session.trajectory.calls
     assert len(rows) == 3 and record["prefix_breaks"] == 2
     # The abandoned reply: sampled after the tool result to its end (the batch finished), nothing after it.
@@ -355,10 +440,16 @@ def test_a_reply_the_client_timed_out_on_is_recorded_and_the_next_call_is_a_coun
     assert c3.context_ids == c1.context_ids
     assert c3.output_ids == c1.output_ids[:4] == r4.choices[0].model_extra["token_ids"]
     targets = [[(i, lp) for i, lp, m in zip(r.input_ids, r.old_logprobs, r.loss_mask) if m] for r in rows]
-    assert targets == [list(zip(c0.output_ids + c1.output_ids, c0.sample_logprobs + c1.sample_logprobs)),
-                       list(zip(c2.output_ids, c2.sample_logprobs)), list(zip(c3.output_ids, c3.sample_logprobs))]
-    assert [r.input_ids for r in rows] == [c1.context_ids + c1.output_ids, c2.context_ids + c2.output_ids,
-                                           c3.context_ids + c3.output_ids]
+    assert targets == [
+        list(zip(c0.output_ids + c1.output_ids, c0.sample_logprobs + c1.sample_logprobs)),
+        list(zip(c2.output_ids, c2.sample_logprobs)),
+        list(zip(c3.output_ids, c3.sample_logprobs)),
+    ]
+    assert [r.input_ids for r in rows] == [
+        c1.context_ids + c1.output_ids,
+        c2.context_ids + c2.output_ids,
+        c3.context_ids + c3.output_ids,
+    ]
     # ratio = 1: the stored log-probs are the model's log-probs of the stored ids (greedy: μ at T = 1),
     # recomputed teacher-forced; 1e-4 as in the harness identity test (float32, batch shapes differ).
     fresh = compute_logprobs(model, rows, renderer.tokenizer.pad_token_id, token_logprobs)
@@ -372,8 +463,13 @@ def test_sigterm_stops_the_server_cleanly(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     exe = os.path.join(os.path.dirname(sys.executable), "consequence")
-    proc = subprocess.Popen([exe, "serve", "--port", str(port), "--name", "tiny"], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=os.environ | {"COLUMNS": "250"})
+    proc = subprocess.Popen(
+        [exe, "serve", "--port", str(port), "--name", "tiny"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=os.environ | {"COLUMNS": "250"},
+    )
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -420,8 +516,9 @@ def test_an_episode_refuses_other_sampling_settings_and_ends_on_its_budget(polic
         return await harness_like_agent(client, task)
 
     budgets = Budgets(max_turns=2, max_new_tokens=32, max_total_tokens=768)
-    got, _ = run_agent_episodes(greedy_asker, model, renderer, _specs(env, 2), budgets, GREEDY, env.system_prompt,
-                                seed=0, examples=env.examples)
+    got, _ = run_agent_episodes(
+        greedy_asker, model, renderer, _specs(env, 2), budgets, GREEDY, env.system_prompt, seed=0, examples=env.examples
+    )
     assert all(len(t.calls) <= 2 for t in got)
     assert all(t.outcome != "env_error" for t in got), [t.error for t in got]
     assert any(t.truncation_reason == "max_turns" for t in got)
@@ -436,8 +533,7 @@ def test_train_refuses_an_agent_that_cannot_run_before_any_work(tmp_path):
     f = tmp_path / "sync_agent.py"
     f.write_text("def agent(client, task):\n    return None\n")
     run_dir = tmp_path / "run"
-    res = CliRunner().invoke(app, ["train", "--agent", f"{f}:agent", "--run-dir", str(run_dir)],
-                             env={"COLUMNS": "250"})
+    res = CliRunner().invoke(app, ["train", "--agent", f"{f}:agent", "--run-dir", str(run_dir)], env={"COLUMNS": "250"})
     assert res.exit_code == 2
     assert "must be an async function" in " ".join(res.output.split())
     assert not run_dir.exists()
@@ -454,10 +550,31 @@ def test_train_with_the_example_agent_end_to_end(tmp_path, monkeypatch):
 
     monkeypatch.setenv("CONSEQUENCE_LEDGER", str(tmp_path / "ledger.jsonl"))
     run = tmp_path / "run"
-    res = CliRunner().invoke(app, ["train", "--agent", "examples/openai_agent/agent.py:agent", "--iterations", "1",
-                                   "--tasks-per-iteration", "2", "--group-size", "2", "--eval-every", "0",
-                                   "--final-eval-episodes", "0", "--max-turns", "3", "--max-new-tokens", "32",
-                                   "--run-dir", str(run)], env={"COLUMNS": "250"})
+    res = CliRunner().invoke(
+        app,
+        [
+            "train",
+            "--agent",
+            "examples/openai_agent/agent.py:agent",
+            "--iterations",
+            "1",
+            "--tasks-per-iteration",
+            "2",
+            "--group-size",
+            "2",
+            "--eval-every",
+            "0",
+            "--final-eval-episodes",
+            "0",
+            "--max-turns",
+            "3",
+            "--max-new-tokens",
+            "32",
+            "--run-dir",
+            str(run),
+        ],
+        env={"COLUMNS": "250"},
+    )
     assert res.exit_code == 0, res.output
     m = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
     trajs = read_trajectories(run / "trajectories" / "iter_0000.parquet")
@@ -471,17 +588,41 @@ def test_train_with_the_example_agent_end_to_end(tmp_path, monkeypatch):
 
 
 # ---- wrong types never reach a 500 ------------------------------------------------------------------
-_TOOL = {"type": "function", "function": {"name": "run", "description": "run it", "strict": False,
-                                          "parameters": {"type": "object", "properties": {"x": {"type": "string"}}}}}
+_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "run",
+        "description": "run it",
+        "strict": False,
+        "parameters": {"type": "object", "properties": {"x": {"type": "string"}}},
+    },
+}
 _FULL_BODY = {
-    "model": "tiny", "max_tokens": 2, "temperature": 1.0, "top_p": 1.0, "n": 1, "stop": ["zz"], "seed": 1,
-    "logprobs": False, "stream": False, "stream_options": {"include_usage": False}, "user": "u", "metadata": {},
-    "store": False, "parallel_tool_calls": True, "service_tier": "auto", "tool_choice": "auto", "tools": [_TOOL],
+    "model": "tiny",
+    "max_tokens": 2,
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "n": 1,
+    "stop": ["zz"],
+    "seed": 1,
+    "logprobs": False,
+    "stream": False,
+    "stream_options": {"include_usage": False},
+    "user": "u",
+    "metadata": {},
+    "store": False,
+    "parallel_tool_calls": True,
+    "service_tier": "auto",
+    "tool_choice": "auto",
+    "tools": [_TOOL],
     "messages": [
         {"role": "system", "content": "be brief"},
         {"role": "user", "content": [{"type": "text", "text": "fix add"}], "name": "me"},
-        {"role": "assistant", "content": None,
-         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "run", "arguments": "{\"x\": \"1\"}"}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "run", "arguments": '{"x": "1"}'}}],
+        },
         {"role": "tool", "tool_call_id": "c1", "content": "ok"},
     ],
 }
@@ -497,8 +638,9 @@ def _paths(obj, path=()):
 
 
 def _post(server, body) -> tuple[int, dict]:
-    req = urllib.request.Request(server.url + "/v1/chat/completions", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        server.url + "/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(req, timeout=30) as r:
             text = r.read().decode()
@@ -529,23 +671,46 @@ def test_a_wrong_type_anywhere_in_a_request_is_a_400_naming_the_field(server):
                 assert "object has no attribute" not in err["message"] and "unhashable" not in err["message"]
 
 
-@pytest.mark.parametrize("change,param,code,message", [
-    ({"stream_options": 5}, "stream_options", "invalid_type", "stream_options must be an object, got integer 5"),
-    ({"stream": "yes"}, "stream", "invalid_type", "stream must be a boolean, got string"),
-    ({"logprobs": "yes"}, "logprobs", "invalid_type", "logprobs must be a boolean, got string"),
-    ({"tools": ["abc"]}, "tools[0]", "invalid_type", "tools[0] must be a JSON object, got string"),
-    ({"tools": [{"type": "function", "function": {"name": 5}}]}, "tools[0].function.name", "invalid_type",
-     "tools[0].function.name must be a string, got integer 5"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "description": [1]}}]},
-     "tools[0].function.description", "invalid_type", "must be a string, got array [1]"),
-    ({"messages": [{"role": "user", "content": None}]}, "messages[0].content", "invalid_value",
-     "a user message needs content"),
-    ({"messages": [{"role": "assistant", "tool_calls": True}]}, "messages[0].tool_calls", "invalid_type",
-     "must be an array, got boolean true"),
-    ({"messages": [{"role": "tool", "tool_call_id": [1], "content": "x"}]}, "messages[0].tool_call_id",
-     "invalid_type", "must be a string, got array [1]"),
-    ({"model": None}, "model", "missing_required_parameter", "missing required parameter: 'model'"),
-])
+@pytest.mark.parametrize(
+    "change,param,code,message",
+    [
+        ({"stream_options": 5}, "stream_options", "invalid_type", "stream_options must be an object, got integer 5"),
+        ({"stream": "yes"}, "stream", "invalid_type", "stream must be a boolean, got string"),
+        ({"logprobs": "yes"}, "logprobs", "invalid_type", "logprobs must be a boolean, got string"),
+        ({"tools": ["abc"]}, "tools[0]", "invalid_type", "tools[0] must be a JSON object, got string"),
+        (
+            {"tools": [{"type": "function", "function": {"name": 5}}]},
+            "tools[0].function.name",
+            "invalid_type",
+            "tools[0].function.name must be a string, got integer 5",
+        ),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "description": [1]}}]},
+            "tools[0].function.description",
+            "invalid_type",
+            "must be a string, got array [1]",
+        ),
+        (
+            {"messages": [{"role": "user", "content": None}]},
+            "messages[0].content",
+            "invalid_value",
+            "a user message needs content",
+        ),
+        (
+            {"messages": [{"role": "assistant", "tool_calls": True}]},
+            "messages[0].tool_calls",
+            "invalid_type",
+            "must be an array, got boolean true",
+        ),
+        (
+            {"messages": [{"role": "tool", "tool_call_id": [1], "content": "x"}]},
+            "messages[0].tool_call_id",
+            "invalid_type",
+            "must be a string, got array [1]",
+        ),
+        ({"model": None}, "model", "missing_required_parameter", "missing required parameter: 'model'"),
+    ],
+)
 def test_the_tester_s_bad_requests_name_their_field(server, change, param, code, message):
     status, out = _post(server, {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]} | change)
     assert status == 400 and out["error"]["param"] == param and out["error"]["code"] == code
@@ -555,23 +720,34 @@ def test_the_tester_s_bad_requests_name_their_field(server, change, param, code,
 def test_the_unknown_field_error_lists_every_accepted_field(server):
     status, out = _post(server, {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "foo": 1})
     assert status == 400 and out["error"]["param"] == "foo"
-    for accepted in ("user", "metadata", "store", "parallel_tool_calls", "service_tier", "stream_options",
-                     "frequency_penalty", "model", "messages"):
+    for accepted in (
+        "user",
+        "metadata",
+        "store",
+        "parallel_tool_calls",
+        "service_tier",
+        "stream_options",
+        "frequency_penalty",
+        "model",
+        "messages",
+    ):
         assert accepted in out["error"]["message"]
 
 
 @pytest.mark.slow
 def test_n_seeded_choices_differ_and_repeat_as_a_set(server):
     def ids():
-        r = _client(server).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "fix add"}],
-                                                    n=4, seed=5, temperature=2.0, max_tokens=12)
+        r = _client(server).chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "fix add"}], n=4, seed=5, temperature=2.0, max_tokens=12
+        )
         return [tuple(ch.model_extra["token_ids"]) for ch in r.choices]
 
     first = ids()
     assert len(set(first)) == 4
     assert ids() == first
-    one = _client(server).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "fix add"}],
-                                                  seed=5, temperature=2.0, max_tokens=12)
+    one = _client(server).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "fix add"}], seed=5, temperature=2.0, max_tokens=12
+    )
     assert tuple(one.choices[0].model_extra["token_ids"]) == first[0]  # n = 1 keeps the seed's own sample
 
 
@@ -608,9 +784,11 @@ def test_a_safe_session_id_in_the_header_is_recorded(server):
 
 
 def _post_session(server, sid: str) -> tuple[int, dict]:
-    req = urllib.request.Request(server.url + "/v1/chat/completions", json.dumps(
-        {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode(),
-        {"Content-Type": "application/json", "X-Session-Id": sid})
+    req = urllib.request.Request(
+        server.url + "/v1/chat/completions",
+        json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode(),
+        {"Content-Type": "application/json", "X-Session-Id": sid},
+    )
     try:
         with urllib.request.urlopen(req, timeout=30) as r:
             return r.status, json.loads(r.read())
@@ -630,12 +808,23 @@ def test_an_agent_that_never_returns_is_cancelled_at_its_time_limit(policy):
         await asyncio.sleep(10**6)
 
     t0 = time.monotonic()
-    got, stats = run_agent_episodes(hang, model, renderer, _specs(env, 2), BUDGETS, GREEDY, env.system_prompt,
-                                    seed=0, examples=env.examples, agent_timeout=0.5)
+    got, stats = run_agent_episodes(
+        hang,
+        model,
+        renderer,
+        _specs(env, 2),
+        BUDGETS,
+        GREEDY,
+        env.system_prompt,
+        seed=0,
+        examples=env.examples,
+        agent_timeout=0.5,
+    )
     assert time.monotonic() - t0 < 30
     assert [t.outcome for t in got] == ["env_error", "env_error"] and stats["agent_calls"] == 0
-    assert got[0].error == ("the agent did not return within 0.5 s (--agent-timeout; the default is 120 s × "
-                            "--max-turns) and was cancelled")
+    assert got[0].error == (
+        "the agent did not return within 0.5 s (--agent-timeout; the default is 120 s × --max-turns) and was cancelled"
+    )
     assert episode_time_limit(BUDGETS) == SECONDS_PER_TURN * BUDGETS.max_turns == 720
     assert episode_time_limit(BUDGETS, 30) == 30
 
@@ -672,18 +861,40 @@ def _train_with_agent(tmp_path, body: str):
 
     f = tmp_path / "bad_agent.py"
     f.write_text(body)
-    res = CliRunner().invoke(app, ["train", "--agent", f"{f}:agent", "--iterations", "1", "--tasks-per-iteration", "1",
-                                   "--group-size", "2", "--eval-every", "0", "--final-eval-episodes", "0",
-                                   "--run-dir", str(tmp_path / "run")], env={"COLUMNS": "250"})
+    res = CliRunner().invoke(
+        app,
+        [
+            "train",
+            "--agent",
+            f"{f}:agent",
+            "--iterations",
+            "1",
+            "--tasks-per-iteration",
+            "1",
+            "--group-size",
+            "2",
+            "--eval-every",
+            "0",
+            "--final-eval-episodes",
+            "0",
+            "--run-dir",
+            str(tmp_path / "run"),
+        ],
+        env={"COLUMNS": "250"},
+    )
     return res.exit_code, " ".join(res.output.split())
 
 
-@pytest.mark.parametrize("body,says", [
-    ("async def agent(client, task):\n    raise RuntimeError('boom from agent')\n",
-     "the agent raised RuntimeError: boom from agent. Fix the agent"),
-    ("async def agent(client, task):\n    return 'done'\n",
-     "the agent made 0 model calls in 2 episodes"),
-])
+@pytest.mark.parametrize(
+    "body,says",
+    [
+        (
+            "async def agent(client, task):\n    raise RuntimeError('boom from agent')\n",
+            "the agent raised RuntimeError: boom from agent. Fix the agent",
+        ),
+        ("async def agent(client, task):\n    return 'done'\n", "the agent made 0 model calls in 2 episodes"),
+    ],
+)
 def test_train_names_the_agent_when_the_agent_fails(tmp_path, monkeypatch, body, says):
     monkeypatch.setenv("CONSEQUENCE_LEDGER", str(tmp_path / "ledger.jsonl"))
     code, out = _train_with_agent(tmp_path, body)

@@ -54,8 +54,9 @@ def _call(session, renderer, messages, *replies, sent=None):
 
 
 def _targets(row):
-    return [i for i, m in zip(row.input_ids, row.loss_mask) if m], [lp for lp, m in zip(row.old_logprobs,
-                                                                                         row.loss_mask) if m]
+    return [i for i, m in zip(row.input_ids, row.loss_mask) if m], [
+        lp for lp, m in zip(row.old_logprobs, row.loss_mask) if m
+    ]
 
 
 # ---- each history: its rows, its breaks (with reasons), its targets -----------------------------
@@ -94,14 +95,32 @@ UNUSED = "the client did not use the reply of calls[{}] (timed out or abandoned)
 CASES = {
     # name: (history, [(call, reason)], calls whose outputs are the targets of each row)
     "clean": (_clean, [], [[0, 1, 2]]),
-    "abandoned_then_continued": (_abandoned_then_continued, [
-        (2, "calls[2] continues calls[0], not the last call: " + UNUSED.format(1))], [[0, 1], [2]]),
-    "retry": (_retry, [(2, "calls[2] repeats the messages of calls[1] (a retry): " + UNUSED.format(1))],
-              [[0, 1], [2, 3]]),
-    "n_choices": (_n_choices, [(1, "calls[1] is choice 1 of the request of calls[0] (n > 1): each further choice "
-                                   "starts its own row")], [[0], [1, 2]]),
-    "edited": (_edited, [(1, "calls[1]: the messages continue no earlier reply of the session (an earlier turn was "
-                             "edited, dropped or reordered, or a reply's content or tool calls changed)")], [[0], [1]]),
+    "abandoned_then_continued": (
+        _abandoned_then_continued,
+        [(2, "calls[2] continues calls[0], not the last call: " + UNUSED.format(1))],
+        [[0, 1], [2]],
+    ),
+    "retry": (
+        _retry,
+        [(2, "calls[2] repeats the messages of calls[1] (a retry): " + UNUSED.format(1))],
+        [[0, 1], [2, 3]],
+    ),
+    "n_choices": (
+        _n_choices,
+        [(1, "calls[1] is choice 1 of the request of calls[0] (n > 1): each further choice starts its own row")],
+        [[0], [1, 2]],
+    ),
+    "edited": (
+        _edited,
+        [
+            (
+                1,
+                "calls[1]: the messages continue no earlier reply of the session (an earlier turn was "
+                "edited, dropped or reordered, or a reply's content or tool calls changed)",
+            )
+        ],
+        [[0], [1]],
+    ),
 }
 
 
@@ -115,8 +134,10 @@ def test_rows_are_one_plus_the_counted_breaks_each_with_its_reason(renderer, nam
     assert len(rows) == 1 + s.prefix_breaks
     assert [(b["call"], b["reason"]) for b in s.record_dict()["breaks"]] == breaks
     # Each row's targets are exactly its calls' sampled ids with the sampler's log-probs (ratio = 1).
-    assert [_targets(r) for r in rows] == [([i for k in ks for i in calls[k].output_ids],
-                                            [lp for k in ks for lp in calls[k].sample_logprobs]) for ks in row_calls]
+    assert [_targets(r) for r in rows] == [
+        ([i for k in ks for i in calls[k].output_ids], [lp for k in ks for lp in calls[k].sample_logprobs])
+        for ks in row_calls
+    ]
     # The last call of a row that a break ends got no observation: nothing was glued onto it.
     for b in breaks:
         assert calls[b[0] - 1].observation_ids == []
@@ -155,8 +176,8 @@ def test_a_history_that_renders_to_exactly_the_sampled_ids_continues_the_row(ren
     _call(s, renderer, [U("fix add")], "I read the code.", sent="I read")  # recorded cut at the stop " the"
     _call(s, renderer, [U("fix add"), A("I read the code."), U("and now?")], "Now I test it.")
     c0, c1 = s.trajectory.calls
-    assert c1.context_ids[:len(c0.context_ids) + len(c0.output_ids)] == c0.context_ids + c0.output_ids
-    assert c0.observation_ids == c1.context_ids[len(c0.context_ids) + len(c0.output_ids):]
+    assert c1.context_ids[: len(c0.context_ids) + len(c0.output_ids)] == c0.context_ids + c0.output_ids
+    assert c0.observation_ids == c1.context_ids[len(c0.context_ids) + len(c0.output_ids) :]
     assert s.prefix_breaks == 0 and len(trajectory_to_rows(s.trajectory)) == 1
 
 
@@ -174,8 +195,11 @@ def test_a_recorder_that_does_not_count_a_break_is_caught(renderer, history):
 
     s = _session()
     s.breaks = _Forgetful()
-    with pytest.raises(RecorderError, match=r"calls make 2 training rows \(new rows at calls \[0, \d\]\) but 0 "
-                                            r"prefix breaks are counted \(at calls \[\]\)"):
+    with pytest.raises(
+        RecorderError,
+        match=r"calls make 2 training rows \(new rows at calls \[0, \d\]\) but 0 "
+        r"prefix breaks are counted \(at calls \[\]\)",
+    ):
         history(s, renderer)
 
 
@@ -193,8 +217,11 @@ def test_check_rows_on_hand_made_records():
     with pytest.raises(RecorderError, match=r"make 1 training rows .* but 1 prefix breaks"):
         check_rows(t, [{"call": 1, "reason": "counted, but the row goes on"}])
     t.calls[0].observation_ids = [9]  # the old recorder's fault: an observation no later call saw
-    with pytest.raises(RecorderError, match=r"session 'x': its 2 calls make 2 training rows \(new rows at calls "
-                                            r"\[0, 1\]\) but 0 prefix breaks"):
+    with pytest.raises(
+        RecorderError,
+        match=r"session 'x': its 2 calls make 2 training rows \(new rows at calls "
+        r"\[0, 1\]\) but 0 prefix breaks",
+    ):
         check_rows(t, [], "x")
     check_rows(t, [{"call": 1, "reason": "a break"}])
     with pytest.raises(RecorderError, match=r"at calls \[0\]"):  # the right number of breaks at the wrong call

@@ -21,8 +21,16 @@ LENGTHS = (200, 180, 160, 190, 151)  # the shortest row keeps one token after th
 def _llama(seed=0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0)
+    cfg = LlamaConfig(
+        vocab_size=V,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        pad_token_id=0,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return LlamaForCausalLM(cfg).float()
@@ -116,8 +124,9 @@ def test_token_logprobs_with_a_shared_prefix_equal_the_direct_computation(lora):
     torch.testing.assert_close(got_lp, want_lp, atol=1e-5, rtol=0)
     torch.testing.assert_close(got_ent, want_ent, atol=1e-5, rtol=0)
     w = torch.randn(want_lp.shape, generator=torch.Generator().manual_seed(3))
-    _assert_grads_close(_grads(model, (got_lp * w).sum() + got_ent.sum()),
-                        _grads(model, (want_lp * w).sum() + want_ent.sum()))
+    _assert_grads_close(
+        _grads(model, (got_lp * w).sum() + got_ent.sum()), _grads(model, (want_lp * w).sum() + want_ent.sum())
+    )
 
 
 def test_activation_checkpointing_falls_back_to_the_plain_forward():

@@ -32,8 +32,7 @@ def test_kept_layers_compute_what_the_teacher_s_layers_compute():
         pos = torch.arange(ids.shape[1]).unsqueeze(0)
         rope = teacher.model.rotary_emb(h, pos)
         for k in keep:
-            h = teacher.model.layers[k](h, position_embeddings=rope, position_ids=pos,
-                                         attention_mask=None)
+            h = teacher.model.layers[k](h, position_embeddings=rope, position_ids=pos, attention_mask=None)
             h = h[0] if isinstance(h, tuple) else h
         direct = teacher.lm_head(teacher.model.norm(h))
         got = student(input_ids=ids).logits
@@ -69,9 +68,13 @@ def test_shrink_never_writes_over_the_teacher_or_other_files(tmp_path):
     victim = tmp_path / "victim"
     victim.mkdir()
     (victim / "notes.txt").write_text("precious")
-    cases = {str(teacher): "is the teacher", str(teacher / "student"): "is the teacher",
-             str(tmp_path / "parent"): "is the teacher", str(victim): "holds other files, not a model",
-             str(victim / "notes.txt"): "is an existing file"}
+    cases = {
+        str(teacher): "is the teacher",
+        str(teacher / "student"): "is the teacher",
+        str(tmp_path / "parent"): "is the teacher",
+        str(victim): "holds other files, not a model",
+        str(victim / "notes.txt"): "is an existing file",
+    }
     for out, needle in cases.items():
         res = CliRunner().invoke(app, ["shrink", str(teacher), "--layers", "2", "--out", out])
         assert res.exit_code == 2 and needle in res.output, (out, res.output)

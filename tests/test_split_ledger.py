@@ -49,8 +49,14 @@ def test_a_result_recorded_before_the_weights_were_written_counts(tmp_path):
 def test_a_repeat_of_a_runs_settings_does_not_warn_and_a_change_does(tmp_path):
     path = tmp_path / "ledger.jsonl"
     first = fake_run(tmp_path / "first", 1e-6, **CFG)
-    record_touch("repair", 0, "test", "final evaluation of consequence train",
-                 [str(BUNDLED), str(first / "checkpoints" / "final")], path)
+    record_touch(
+        "repair",
+        0,
+        "test",
+        "final evaluation of consequence train",
+        [str(BUNDLED), str(first / "checkpoints" / "final")],
+        path,
+    )
     time.sleep(0.02)
     # `consequence reproduce` (same config, new folder) and another seed: other weights, same settings
     again = fake_run(tmp_path / "first-reproduce", 2e-6, **CFG)
@@ -59,7 +65,8 @@ def test_a_repeat_of_a_runs_settings_does_not_warn_and_a_change_does(tmp_path):
         assert reuse_warning("repair", 0, [str(BUNDLED), str(run / "checkpoints" / "final")], path) is None
     tuned = fake_run(tmp_path / "tuned", 4e-6, **{**CFG, "learning_rate": 1e-3})
     assert earlier_choosers("repair", 0, [str(BUNDLED), str(tuned / "checkpoints" / "final")], path) == [
-        str((first / "checkpoints" / "final").resolve())]
+        str((first / "checkpoints" / "final").resolve())
+    ]
     cfg = yaml.safe_load((again / "config.yaml").read_text())
     assert cfg["run_dir"] != str(first)  # the repeat differs in its folder only
 
@@ -76,8 +83,19 @@ def test_reproducing_the_same_run_bit_for_bit_is_the_same_policy(tmp_path):
 
 def test_old_ledger_lines_without_hashes_still_count_by_path(tmp_path):
     path = tmp_path / "ledger.jsonl"
-    path.write_text(json.dumps({"time": "2020-01-01T00:00:00", "tasks": "repair", "split_seed": 0, "split": "test",
-                                "policies": ["/nowhere/old"], "fingerprints": ["/nowhere/old|"]}) + "\n")
+    path.write_text(
+        json.dumps(
+            {
+                "time": "2020-01-01T00:00:00",
+                "tasks": "repair",
+                "split_seed": 0,
+                "split": "test",
+                "policies": ["/nowhere/old"],
+                "fingerprints": ["/nowhere/old|"],
+            }
+        )
+        + "\n"
+    )
     new = other_policy(tmp_path / "new")
     assert earlier_choosers("repair", 0, [str(new)], path) == ["/nowhere/old"]
     assert earlier_choosers("repair", 0, ["/nowhere/old"], path) == []

@@ -32,8 +32,9 @@ def test_gspo_ratio_is_exponentiated_mean_log_ratio():
 
 def test_gspo_clips_the_sequence_ratio():
     lp, old = _lp([0.0, 0.0]), torch.tensor([[-0.1, -0.1]], dtype=torch.float64)
-    obj, ratio, clipped = surrogate_objective("gspo", lp, old, torch.tensor([1.0]), torch.ones(1, 2),
-                                              eps_low=3e-4, eps_high=4e-4)
+    obj, ratio, clipped = surrogate_objective(
+        "gspo", lp, old, torch.tensor([1.0]), torch.ones(1, 2), eps_low=3e-4, eps_high=4e-4
+    )
     assert ratio[0, 0].item() == pytest.approx(math.exp(0.1))
     assert clipped.all() and obj[0].tolist() == pytest.approx([1.0004, 1.0004])
 
@@ -57,8 +58,9 @@ def test_gspo_token_equals_gspo_in_value_and_gradient():
 def test_cispo_gradient_flows_only_through_logprob():
     # ρ = e^0.5 ≈ 1.65 > 1.28: the weight is clipped to 1.28, yet the token keeps a gradient
     lp, old = _lp([-1.0]), torch.tensor([[-1.5]], dtype=torch.float64)
-    obj, ratio, clipped = surrogate_objective("cispo", lp, old, torch.tensor([2.0]), torch.ones(1, 1),
-                                              eps_low=1.0, eps_high=0.28)
+    obj, ratio, clipped = surrogate_objective(
+        "cispo", lp, old, torch.tensor([2.0]), torch.ones(1, 1), eps_low=1.0, eps_high=0.28
+    )
     assert clipped.item() and obj.item() == pytest.approx(1.28 * 2.0 * -1.0)
     obj.sum().backward()
     assert lp.grad.item() == pytest.approx(1.28 * 2.0)  # w·A, with w detached

@@ -105,8 +105,7 @@ def test_instances_rename_but_keep_structure(problems):
 
 def test_seed_example_find_max_init(problems):
     """The seed's example: find_max, bug 'init' (best = 0), fails on an all-negative list."""
-    cands = [p for p in problems if p.family == "find_max" and p.bug_kind == "init"
-             and p.bug_text.endswith("= 0")]
+    cands = [p for p in problems if p.family == "find_max" and p.bug_kind == "init" and p.bug_text.endswith("= 0")]
     assert cands
     t = make_instance(cands[0], "demo")
     assert isinstance(t, RepairTask) and t.func_name == "find_max"
@@ -116,6 +115,5 @@ def test_seed_example_find_max_init(problems):
     exec(t.reference_code, ns)
     assert ns["find_max"]([-2, -5, -8]) == -2
     test = TestCase("find_max([-2, -5, -8])", "-2")
-    assert run_tests(t.buggy_code, [test]).messages == [
-        "find_max([-2, -5, -8]) returned 0, expected -2"]
+    assert run_tests(t.buggy_code, [test]).messages == ["find_max([-2, -5, -8]) returned 0, expected -2"]
     assert t.docstring == "Return the largest element of a non-empty list."

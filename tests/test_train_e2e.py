@@ -17,15 +17,23 @@ def run_dir(tmp_path_factory):
 
     import consequence.iteration as iteration_module
     from consequence.train import train
-
     from reward_signal import odd_samples_win
 
     mp = pytest.MonkeyPatch()
     mp.setattr(iteration_module, "score_trajectories", odd_samples_win(iteration_module.score_trajectories))
 
     run = tmp_path_factory.mktemp("run")
-    cfg = TrainConfig(run_dir=str(run), model=str(BUNDLED), iterations=2, tasks_per_iteration=2, group_size=4, eval_every=1,
-                      val_episodes=4, final_eval_episodes=6, learning_rate=1e-3)
+    cfg = TrainConfig(
+        run_dir=str(run),
+        model=str(BUNDLED),
+        iterations=2,
+        tasks_per_iteration=2,
+        group_size=4,
+        eval_every=1,
+        val_episodes=4,
+        final_eval_episodes=6,
+        learning_rate=1e-3,
+    )
     try:
         train(cfg, Console(quiet=True))
     finally:
@@ -34,8 +42,17 @@ def run_dir(tmp_path_factory):
 
 
 def test_run_writes_every_artifact(run_dir):
-    for name in ["config.yaml", "split.json", "metrics.jsonl", "curves.png", "report.md", "report.json",
-                 "trajectories/iter_0000.parquet", "trajectories/iter_0001.parquet", "checkpoints/final/model.safetensors"]:
+    for name in [
+        "config.yaml",
+        "split.json",
+        "metrics.jsonl",
+        "curves.png",
+        "report.md",
+        "report.json",
+        "trajectories/iter_0000.parquet",
+        "trajectories/iter_0001.parquet",
+        "checkpoints/final/model.safetensors",
+    ]:
         assert (run_dir / name).exists(), name
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["iteration"] for m in metrics] == [0, 1]
@@ -43,7 +60,11 @@ def test_run_writes_every_artifact(run_dir):
     assert all(type(m["env_retries"]) is int and m["env_retries"] >= 0 for m in metrics)
     report = json.loads((run_dir / "report.json").read_text())
     assert {(r["split"][:4], r["decoding"]) for r in report["results"]} == {
-        ("test", "greedy"), ("test", "sampled"), ("trai", "greedy"), ("trai", "sampled")}
+        ("test", "greedy"),
+        ("test", "sampled"),
+        ("trai", "greedy"),
+        ("trai", "sampled"),
+    }
     for r in report["results"]:
         c = r["comparison"]
         assert c["low"] <= c["diff"] <= c["high"] and c["episodes"] == 6

@@ -41,15 +41,23 @@ def captured(monkeypatch):
         seen.clear()
         res = CliRunner().invoke(app, ["train", *args], env=ENV)
         return res, seen.get("cfg")
+
     return invoke
 
 
 def _repair_record(i: int, **extra) -> dict:
-    return {"task_id": f"max-{i}", "problem_id": f"p{i}", "kind": "repair", "prompt": "Return the largest element.",
-            "starting_code": "def f(xs):\n    return min(xs)", "entry_point": "f",
-            "visible_tests": [{"call": "f([1, 2])", "expected": "2"}],
-            "hidden_tests": [{"call": f"f([{i}, {i + 5}, 1])", "expected": str(i + 5)}],
-            "patch": [2, "    return max(xs)"], **extra}
+    return {
+        "task_id": f"max-{i}",
+        "problem_id": f"p{i}",
+        "kind": "repair",
+        "prompt": "Return the largest element.",
+        "starting_code": "def f(xs):\n    return min(xs)",
+        "entry_point": "f",
+        "visible_tests": [{"call": "f([1, 2])", "expected": "2"}],
+        "hidden_tests": [{"call": f"f([{i}, {i + 5}, 1])", "expected": str(i + 5)}],
+        "patch": [2, "    return max(xs)"],
+        **extra,
+    }
 
 
 def write_tasks(path, n: int = 12, bad_line: dict | None = None) -> None:
@@ -79,7 +87,11 @@ def test_recipe_in_yaml_is_applied_as_with_the_recipe_option(tmp_path, captured)
     assert (cfg.recipe, cfg.advantage, cfg.dynamic_sampling, cfg.clip_eps_high) == ("ppo", "gae", False, 0.3)
     (tmp_path / "typo.yaml").write_text("recipe: dapoo\n")
     res, cfg = captured("--config", str(tmp_path / "typo.yaml"))
-    assert res.exit_code == 2 and cfg is None and f"recipe: in {tmp_path / 'typo.yaml'}: unknown recipe 'dapoo'" in _text(res)
+    assert (
+        res.exit_code == 2
+        and cfg is None
+        and f"recipe: in {tmp_path / 'typo.yaml'}: unknown recipe 'dapoo'" in _text(res)
+    )
     with pytest.raises(ValueError, match="resolve_config"):  # the library never labels a run with an unapplied recipe
         TrainConfig.from_yaml(tmp_path / "dapo.yaml")
 
@@ -114,7 +126,8 @@ def test_path_options_are_stored_absolute(tmp_path, monkeypatch, captured):
     res, cfg = captured("--model", "model", "--tasks", "tasks.jsonl", "--run-dir", "out/run", "--recipe", "rec.yaml")
     assert res.exit_code == 0, res.output
     assert (cfg.model, cfg.tasks_file, cfg.run_dir, cfg.recipe) == tuple(
-        str(tmp_path / n) for n in ("model", "tasks.jsonl", "out/run", "rec.yaml"))
+        str(tmp_path / n) for n in ("model", "tasks.jsonl", "out/run", "rec.yaml")
+    )
     assert cfg.env == "jsonl"  # --tasks FILE.jsonl (its older name) = --env jsonl --tasks-file FILE
     assert not (tmp_path / "out").exists()  # the write check leaves nothing behind
 
@@ -151,7 +164,11 @@ def test_list_options_are_comma_separated_or_repeated_without_duplicates(tmp_pat
     res, _ = captured("--final-eval-splits", "validation")
     assert res.exit_code == 2 and "Input should be 'test' or 'train'" in _text(res)
     res, cfg = captured("--final-eval-decoding", ",")
-    assert res.exit_code == 2 and "--final-eval-decoding): empty list" in _text(res) and "--final-eval-episodes 0" in _text(res)
+    assert (
+        res.exit_code == 2
+        and "--final-eval-decoding): empty list" in _text(res)
+        and "--final-eval-episodes 0" in _text(res)
+    )
     res, _ = captured("--final-eval-decoding", "greedy,beam")
     assert res.exit_code == 2 and "Input should be 'greedy' or 'sampled' (got 'beam')" in _text(res)
     from consequence.cli.common import parse_ks
@@ -164,7 +181,9 @@ def test_list_options_are_comma_separated_or_repeated_without_duplicates(tmp_pat
 def test_a_run_is_named_by_what_it_is_and_a_recipe_has_its_own_folder(captured):
     _, default = captured()
     _, grpo = captured("--recipe", "grpo")
-    assert default.run_dir == os.path.abspath("runs/repair-default") != grpo.run_dir == os.path.abspath("runs/repair-grpo")
+    assert (
+        default.run_dir == os.path.abspath("runs/repair-default") != grpo.run_dir == os.path.abspath("runs/repair-grpo")
+    )
     assert run_label(default) == "grpo advantages, ppo_clip, token_mean" and run_label(grpo) == "grpo"
     _, gae = captured("--advantage", "gae")
     assert run_label(gae) == "gae advantages, ppo_clip, token_mean"
@@ -179,8 +198,10 @@ def test_a_run_is_named_by_what_it_is_and_a_recipe_has_its_own_folder(captured):
 def test_mini_batches_larger_than_the_batch_are_refused(captured):
     res, cfg = captured("--mini-batches", "5", "--tasks-per-iteration", "2", "--group-size", "2")
     assert res.exit_code == 2 and cfg is None
-    assert ("--mini-batches 5 is more than the 4 trajectories of a batch (--tasks-per-iteration 2 × --group-size 2)"
-            in _text(res))
+    assert (
+        "--mini-batches 5 is more than the 4 trajectories of a batch (--tasks-per-iteration 2 × --group-size 2)"
+        in _text(res)
+    )
     _, cfg = captured("--mini-batches", "4", "--tasks-per-iteration", "2", "--group-size", "2")
     assert cfg.mini_batches == 4
 
@@ -191,33 +212,45 @@ def test_a_jsonl_task_file_is_accepted_and_checked_before_work(tmp_path, capture
     from consequence.envs.registry import env_of
 
     write_tasks(tmp_path / "tasks.jsonl")
-    for args in (["--tasks", str(tmp_path / "tasks.jsonl")], ["--env", "jsonl", "--tasks-file", str(tmp_path / "tasks.jsonl")]):
+    for args in (
+        ["--tasks", str(tmp_path / "tasks.jsonl")],
+        ["--env", "jsonl", "--tasks-file", str(tmp_path / "tasks.jsonl")],
+    ):
         res, cfg = captured(*args, "--run-dir", str(tmp_path / "run"))
         assert res.exit_code == 0 and (cfg.env, cfg.tasks_file) == ("jsonl", str(tmp_path / "tasks.jsonl"))
     src = env_of(cfg)
     assert sum(len(v) for v in src.split.values()) == 12 and len(src.split["train"]) >= 8
     assert src.sample("train", 3, seed=1)[0].func_name == "f" and src.label == str(tmp_path / "tasks.jsonl")
-    cases = [(_repair_record(2, hidden_test=[]), ":3: unknown field(s) ['hidden_test']"),
-             (_repair_record(2, kind="completion"), ":3: task 'max-2' has kind 'completion'")]
+    cases = [
+        (_repair_record(2, hidden_test=[]), ":3: unknown field(s) ['hidden_test']"),
+        (_repair_record(2, kind="completion"), ":3: task 'max-2' has kind 'completion'"),
+    ]
     for bad, needle in cases:
         write_tasks(tmp_path / "bad.jsonl", bad_line=bad)
         res, cfg = captured("--tasks", str(tmp_path / "bad.jsonl"), "--run-dir", str(tmp_path / "run"))
-        assert res.exit_code == 2 and cfg is None and f"--tasks-file {tmp_path / 'bad.jsonl'}{needle}" in _text(res), res.output
+        assert res.exit_code == 2 and cfg is None and f"--tasks-file {tmp_path / 'bad.jsonl'}{needle}" in _text(res), (
+            res.output
+        )
     res, _ = captured("--tasks", str(tmp_path / "none.jsonl"))
     assert res.exit_code == 2 and "none.jsonl: no such file" in _text(res)
     res, _ = captured("--env", "jsonl")
     assert res.exit_code == 2 and "--env jsonl needs a task file: --tasks-file FILE.jsonl" in _text(res)
     res, _ = captured("--tasks", "mbpp")
-    assert res.exit_code == 2 and "--env 'mbpp': unknown environment; valid: repair, humaneval-repair, jsonl" in _text(res)
+    assert res.exit_code == 2 and "--env 'mbpp': unknown environment; valid: repair, humaneval-repair, jsonl" in _text(
+        res
+    )
     assert not (tmp_path / "run").exists()
 
 
 # ---- 4. model folders --------------------------------------------------------------------------------
-@pytest.mark.parametrize("damage,needle", [
-    ("weights", "no weights (model.safetensors, pytorch_model.bin, model.safetensors.index.json"),
-    ("json", "config.json is not valid JSON"),
-    ("model_type", "config.json has no model_type"),
-])
+@pytest.mark.parametrize(
+    "damage,needle",
+    [
+        ("weights", "no weights (model.safetensors, pytorch_model.bin, model.safetensors.index.json"),
+        ("json", "config.json is not valid JSON"),
+        ("model_type", "config.json has no model_type"),
+    ],
+)
 def test_a_broken_model_folder_is_refused_before_work(tmp_path, damage, needle):
     model = tmp_path / "model"
     shutil.copytree(BUNDLED, model)
@@ -270,12 +303,16 @@ def test_reproduce_checks_everything_before_making_its_folder(tmp_path, monkeypa
     (run / "manifest.json").write_text(json.dumps(manifest))
     monkeypatch.chdir(tmp_path)
     res = CliRunner().invoke(app, ["reproduce", str(run), "--run-dir", str(tmp_path / "new")], env=ENV)
-    assert res.exit_code == 2 and "the run's model folder relative/model (--model) does not exist from here" in _text(res)
+    assert res.exit_code == 2 and "the run's model folder relative/model (--model) does not exist from here" in _text(
+        res
+    )
     manifest["config"]["model"] = str(tmp_path / "gone")
     (run / "manifest.json").write_text(json.dumps(manifest))
     res = CliRunner().invoke(app, ["reproduce", str(run), "--run-dir", str(tmp_path / "new")], env=ENV)
     assert res.exit_code == 2 and "does not exist; nothing was started" in _text(res)
-    res = CliRunner().invoke(app, ["reproduce", str(run), "--run-dir", str(tmp_path / "new"), "--iterations", "0"], env=ENV)
+    res = CliRunner().invoke(
+        app, ["reproduce", str(run), "--run-dir", str(tmp_path / "new"), "--iterations", "0"], env=ENV
+    )
     assert res.exit_code == 2 and "--iterations" in _text(res)
     assert not (tmp_path / "new").exists()
 

@@ -20,8 +20,22 @@ from typer.testing import CliRunner
 from consequence.cli import app
 from consequence.warmstart import BUNDLED
 
-TINY = ["--iterations", "1", "--tasks-per-iteration", "2", "--group-size", "2", "--final-eval-episodes", "0",
-        "--eval-every", "0", "--max-turns", "2", "--max-new-tokens", "24"]
+TINY = [
+    "--iterations",
+    "1",
+    "--tasks-per-iteration",
+    "2",
+    "--group-size",
+    "2",
+    "--final-eval-episodes",
+    "0",
+    "--eval-every",
+    "0",
+    "--max-turns",
+    "2",
+    "--max-new-tokens",
+    "24",
+]
 ENV = {"COLUMNS": "250"}
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,16 +52,27 @@ def _text(res) -> str:
 def rerun(tmp_path_factory):
     """A folder holding an earlier run's outputs and the user's own files, then a fresh run into it."""
     run = tmp_path_factory.mktemp("rerun")
-    stale = ["eval/test-greedy-rl.parquet", "eval/train-sampled-warmstart.parquet", "trajectories/iter_0007.parquet",
-             "checkpoints/iter_0005/model.safetensors", "checkpoints/final/model.safetensors",
-             "checkpoints/state-0009/state.json", "report.md", "report.json", "curves.png", "viewer.html",
-             "metrics.jsonl", "split.json"]
+    stale = [
+        "eval/test-greedy-rl.parquet",
+        "eval/train-sampled-warmstart.parquet",
+        "trajectories/iter_0007.parquet",
+        "checkpoints/iter_0005/model.safetensors",
+        "checkpoints/final/model.safetensors",
+        "checkpoints/state-0009/state.json",
+        "report.md",
+        "report.json",
+        "curves.png",
+        "viewer.html",
+        "metrics.jsonl",
+        "split.json",
+    ]
     mine = ["notes.txt", "eval/my-analysis.csv", "checkpoints/keep-me/weights.bin", "trajectories/README"]
     for name in stale + mine:
         (run / name).parent.mkdir(parents=True, exist_ok=True)
         (run / name).write_text("old")
-    (run / "manifest.json").write_text(json.dumps({"format": 1, "config": {"run_dir": str(run)}, "status": "finished",
-                                                   "evaluation_files": stale[:2]}))
+    (run / "manifest.json").write_text(
+        json.dumps({"format": 1, "config": {"run_dir": str(run)}, "status": "finished", "evaluation_files": stale[:2]})
+    )
     res = _train(*TINY, "--model", str(BUNDLED), "--run-dir", str(run), "--advantage", "gae", "--skip-checks")
     assert res.exit_code == 0, res.output
     return run, res, stale, mine
@@ -95,7 +120,10 @@ def test_console_names_the_run_numbers_from_0_and_says_the_final_evaluation_was_
     assert "final evaluation skipped (--final-eval-episodes 0)" in out
     report = (run / "report.md").read_text()
     assert report.startswith("# Final report") and "**Final evaluation skipped (--final-eval-episodes 0)**" in report
-    assert json.loads((run / "report.json").read_text())["final_evaluation"] == "final evaluation skipped (--final-eval-episodes 0)"
+    assert (
+        json.loads((run / "report.json").read_text())["final_evaluation"]
+        == "final evaluation skipped (--final-eval-episodes 0)"
+    )
     assert json.loads((run / "manifest.json").read_text())["run_label"] == "gae advantages, ppo_clip, token_mean"
 
 
@@ -106,7 +134,10 @@ def test_viewer_progress_says_what_it_recomputes_and_out_is_checked_first(rerun)
     lines: list[str] = []
     _, summary = build_page(run, with_current_logprobs=True, log=lines.append)
     n = summary["n_shown"]
-    assert lines == ["recomputing current log-probs: trajectory 1 of 4", f"recomputing current log-probs: trajectory {n} of {n}"]
+    assert lines == [
+        "recomputing current log-probs: trajectory 1 of 4",
+        f"recomputing current log-probs: trajectory {n} of {n}",
+    ]
     res = CliRunner().invoke(app, ["view", str(run), "--out", "/proc/x/v.html"], env=ENV)
     assert res.exit_code == 2 and "--out /proc/x/v.html: cannot write there" in _text(res)
     res = CliRunner().invoke(app, ["view", str(run), "--out", str(run)], env=ENV)
@@ -120,16 +151,29 @@ def test_max_total_tokens_below_the_prompt_is_refused_before_any_rollout(tmp_pat
 
     monkeypatch.setattr(iteration_module, "run_episodes", lambda *a, **k: pytest.fail("rolled out"))
     run = tmp_path / "run"
-    res = _train(*TINY, "--model", str(BUNDLED), "--run-dir", str(run), "--max-total-tokens", "100",
-                 *(["--skip-checks"] if skip else []))
+    res = _train(
+        *TINY,
+        "--model",
+        str(BUNDLED),
+        "--run-dir",
+        str(run),
+        "--max-total-tokens",
+        "100",
+        *(["--skip-checks"] if skip else []),
+    )
     out = _text(res)
-    assert res.exit_code == 2 and out.startswith("error: --max-total-tokens 100 is too small: the longest prompt of "
-                                                 "the train tasks is "), out
+    assert res.exit_code == 2 and out.startswith(
+        "error: --max-total-tokens 100 is too small: the longest prompt of the train tasks is "
+    ), out
     longest = int(out.split("train tasks is ")[1].split(" ")[0])
     assert 100 < longest < 200 and f"raise --max-total-tokens to at least {longest + 24}" in out
     assert not run.exists()  # nothing half-written
     res = _train(*TINY, "--model", str(BUNDLED), "--run-dir", str(run), "--top-k", "769")
-    assert res.exit_code == 2 and "--top-k 769 is larger than the vocabulary" in _text(res) and "(768 tokens)" in _text(res)
+    assert (
+        res.exit_code == 2
+        and "--top-k 769 is larger than the vocabulary" in _text(res)
+        and "(768 tokens)" in _text(res)
+    )
     assert not run.exists()
 
 
@@ -139,8 +183,9 @@ def test_a_run_on_a_jsonl_task_file(tmp_path):
 
     write_tasks(tmp_path / "tasks.jsonl")
     run = tmp_path / "run"
-    res = _train(*TINY, "--model", str(BUNDLED), "--run-dir", str(run), "--tasks", str(tmp_path / "tasks.jsonl"),
-                 "--skip-checks")
+    res = _train(
+        *TINY, "--model", str(BUNDLED), "--run-dir", str(run), "--tasks", str(tmp_path / "tasks.jsonl"), "--skip-checks"
+    )
     assert res.exit_code == 0, res.output
     manifest = json.loads((run / "manifest.json").read_text())
     assert manifest["tasks"]["source"] == str(tmp_path / "tasks.jsonl") and len(manifest["tasks"]["file_sha256"]) == 64
@@ -149,8 +194,17 @@ def test_a_run_on_a_jsonl_task_file(tmp_path):
     trajs = read_trajectories(run / "trajectories" / "iter_0000.parquet")
     assert len(trajs) == 4 and all(t.task_id.startswith("max-") for t in trajs)
     write_tasks(tmp_path / "three.jsonl", n=3)  # too few problems for a validation split
-    res = _train(*TINY, "--model", str(BUNDLED), "--run-dir", str(tmp_path / "r3"), "--tasks",
-                 str(tmp_path / "three.jsonl"), "--eval-every", "2")
+    res = _train(
+        *TINY,
+        "--model",
+        str(BUNDLED),
+        "--run-dir",
+        str(tmp_path / "r3"),
+        "--tasks",
+        str(tmp_path / "three.jsonl"),
+        "--eval-every",
+        "2",
+    )
     assert res.exit_code == 2 and "the validation split is empty" in _text(res) and "set --eval-every 0" in _text(res)
     assert not (tmp_path / "r3").exists()
 
@@ -162,8 +216,13 @@ def test_ctrl_c_says_where_the_run_stopped_and_how_to_resume(tmp_path):
     run, marker = tmp_path / "run", tmp_path / "paused"
     args = [*TINY, "--iterations", "3", "--model", str(BUNDLED), "--run-dir", str(run), "--skip-checks"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "COLUMNS": "400"}
-    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "resume_child.py"), f"update:2:{marker}", "--", *args],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "tests" / "resume_child.py"), f"update:2:{marker}", "--", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     t0 = time.monotonic()
     while not marker.exists():  # paused in iteration 1, after iteration 0 and its resume state
         assert proc.poll() is None, proc.communicate()[0][-3000:]
@@ -202,7 +261,10 @@ def test_reproduce_from_another_folder_shortened_without_warning_against_itself(
     res = CliRunner().invoke(app, ["reproduce", str(original), "--run-dir", "again", "--iterations", "1"], env=ENV)
     out = _text(res)
     assert res.exit_code == 0, res.output
-    assert "compared iterations 0–0: the reproduction ran 1 of the original's 2 iterations (shortened with --iterations)" in out
+    assert (
+        "compared iterations 0–0: the reproduction ran 1 of the original's 2 iterations (shortened with --iterations)"
+        in out
+    )
     report = json.loads((other / "again" / "report.json").read_text())
     assert report["warnings"] == [] and "evaluated before" not in out
     assert json.loads((other / "again" / "manifest.json").read_text())["reproduces"] == str(original)
@@ -228,9 +290,22 @@ def test_the_final_sampled_comparison_samples_at_the_training_temperature(tmp_pa
     from consequence.train import train
 
     run = tmp_path / "run"
-    train(TrainConfig(run_dir=str(run), iterations=1, tasks_per_iteration=2, group_size=2, eval_every=0,
-                      max_turns=2, max_new_tokens=16, temperature=0.7, final_eval_episodes=4,
-                      final_eval_splits=["test"], final_eval_decoding=["sampled"]), Console(quiet=True))
+    train(
+        TrainConfig(
+            run_dir=str(run),
+            iterations=1,
+            tasks_per_iteration=2,
+            group_size=2,
+            eval_every=0,
+            max_turns=2,
+            max_new_tokens=16,
+            temperature=0.7,
+            final_eval_episodes=4,
+            final_eval_splits=["test"],
+            final_eval_decoding=["sampled"],
+        ),
+        Console(quiet=True),
+    )
     model, _ = load_policy(BUNDLED)
     gaps = {}
     for T in (0.7, 1.0):

@@ -45,8 +45,13 @@ def test_mini_batches_give_exactly_n_steps_of_near_equal_size(monkeypatch, n, wa
     model = TinyLM()
     rows = make_rows(model, [2 + i % 3 for i in range(16)])
     sizes.append([])
-    m = update(_batch(rows, [1.0 - 2 * (i % 2) for i in range(16)]), TrainConfig(mini_batches=n, epochs_per_batch=2),
-               _learner(model), PAD, seed=0)
+    m = update(
+        _batch(rows, [1.0 - 2 * (i % 2) for i in range(16)]),
+        TrainConfig(mini_batches=n, epochs_per_batch=2),
+        _learner(model),
+        PAD,
+        seed=0,
+    )
     assert sizes[-1] == want * 2 and m["n_updates"] == 2 * n == m["optimizer_steps_taken"]
 
 
@@ -68,17 +73,26 @@ def test_fewer_rows_than_mini_batches_is_refused_before_any_step():
 
 def _step(n_tokens, **kw):
     trained = n_tokens > 0
-    return {"loss": kw.pop("loss", 0.0), "n_tokens": float(n_tokens), "n_rows": 4.0,
-            "n_rows_trained": 4.0 if trained else 0.0, "rows_skipped_zero_advantage": 0.0 if trained else 4.0,
-            "offpolicy_masked_rows": 0.0, "optimizer_stepped": float(trained), **kw}
+    return {
+        "loss": kw.pop("loss", 0.0),
+        "n_tokens": float(n_tokens),
+        "n_rows": 4.0,
+        "n_rows_trained": 4.0 if trained else 0.0,
+        "rows_skipped_zero_advantage": 0.0 if trained else 4.0,
+        "offpolicy_masked_rows": 0.0,
+        "optimizer_stepped": float(trained),
+        **kw,
+    }
 
 
 def test_merge_steps_by_hand_skipped_steps_add_only_counts():
-    a = _step(10, ratio_mean=1.0, ratio_min=0.9, ratio_max=1.1, entropy=2.0, clip_frac_high=0.1, loss=0.5,
-              grad_norm=1.0)
+    a = _step(
+        10, ratio_mean=1.0, ratio_min=0.9, ratio_max=1.1, entropy=2.0, clip_frac_high=0.1, loss=0.5, grad_norm=1.0
+    )
     skipped = _step(0)
-    b = _step(30, ratio_mean=1.2, ratio_min=0.8, ratio_max=1.05, entropy=1.0, clip_frac_high=0.5, loss=0.1,
-              grad_norm=3.0)
+    b = _step(
+        30, ratio_mean=1.2, ratio_min=0.8, ratio_max=1.05, entropy=1.0, clip_frac_high=0.5, loss=0.1, grad_norm=3.0
+    )
     m = merge_steps([skipped, a, b])
     assert m["ratio_mean"] == pytest.approx((10 * 1.0 + 30 * 1.2) / 40)  # token-weighted: 1.15
     assert m["entropy"] == pytest.approx(1.25) and m["clip_frac_high"] == pytest.approx(0.4)
@@ -105,8 +119,9 @@ def test_update_with_skipped_steps_reports_true_token_means_and_strict_json():
     assert (m["n_updates"], m["optimizer_steps_taken"], m["optimizer_steps_skipped"]) == (8.0, 4.0, 4.0)
     live = [rows[i] for i in (0, 1, 6, 7)]
     ids = torch.nn.utils.rnn.pad_sequence([torch.tensor(r.input_ids) for r in live], batch_first=True)
-    am = torch.nn.utils.rnn.pad_sequence([torch.ones(len(r.input_ids), dtype=torch.long) for r in live],
-                                         batch_first=True)
+    am = torch.nn.utils.rnn.pad_sequence(
+        [torch.ones(len(r.input_ids), dtype=torch.long) for r in live], batch_first=True
+    )
     mask = torch.nn.utils.rnn.pad_sequence([torch.tensor(r.loss_mask[1:]) for r in live], batch_first=True) > 0
     with torch.no_grad():
         lp, ent = token_logprobs(model, ids, am, with_entropy=True)
@@ -128,8 +143,13 @@ def test_value_explained_variance_is_over_the_whole_batch(tiny_tokenizer):
     assert explained_variance(rows, returns, values) == pytest.approx(0.75)
     assert explained_variance(rows[:1], returns[:1], values[:1]) is None  # Var(R) = 0: undefined
     critic = ValueModel(model)
-    learner = Learner(model, torch.optim.SGD(model.parameters(), lr=0.0), UpdateConfig(), critic=critic,
-                      critic_optimizer=torch.optim.SGD(critic.parameters(), lr=0.0))
+    learner = Learner(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        UpdateConfig(),
+        critic=critic,
+        critic_optimizer=torch.optim.SGD(critic.parameters(), lr=0.0),
+    )
     batch = Batch(rows, [1.0, -1.0], [list(r.old_logprobs) for r in rows], returns=returns, old_values=values)
     m = update(batch, TrainConfig(mini_batches=2), learner, PAD, seed=0)
     assert m["value_explained_var"] == pytest.approx(0.75) and m["value_n_tokens"] == 5.0

@@ -166,7 +166,9 @@ def test_reference_losses_through_ppo_step():
         rows = make_rows(model, [2, 4, 4, 6])
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         before = [p.detach().clone() for p in model.parameters()]
-        m = ppo_step(model, opt, rows, adv, UpdateConfig(reduction=red, micro_batch_size=3, norm_const=6), PAD, ref_logprobs)
+        m = ppo_step(
+            model, opt, rows, adv, UpdateConfig(reduction=red, micro_batch_size=3, norm_const=6), PAD, ref_logprobs
+        )
         assert m["loss"] == pytest.approx(want, abs=1e-5), red
         assert m["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
         assert m["ratio_min"] == pytest.approx(1.0, abs=1e-5) and m["ratio_max"] == pytest.approx(1.0, abs=1e-5)

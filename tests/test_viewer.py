@@ -22,8 +22,10 @@ from consequence.records import pad_rows, read_trajectories, trajectory_to_rows,
 from consequence.warmstart import BUNDLED
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="headless Chromium is not installed "
-                                    "(Debian: apt-get install chromium; .ci/run installs it)")
+needs_chromium = pytest.mark.skipif(
+    CHROMIUM is None,
+    reason="headless Chromium is not installed (Debian: apt-get install chromium; .ci/run installs it)",
+)
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +43,18 @@ def run_dir(tmp_path_factory):
     from consequence.train import train
 
     run = tmp_path_factory.mktemp("viewrun")
-    train(TrainConfig(run_dir=str(run), model=str(BUNDLED), iterations=1, tasks_per_iteration=2, group_size=2,
-                      eval_every=0, final_eval_episodes=0), Console(quiet=True))
+    train(
+        TrainConfig(
+            run_dir=str(run),
+            model=str(BUNDLED),
+            iterations=1,
+            tasks_per_iteration=2,
+            group_size=2,
+            eval_every=0,
+            final_eval_episodes=0,
+        ),
+        Console(quiet=True),
+    )
     real = read_trajectories(run / "trajectories" / "iter_0000.parquet")
     base = next(t for t in real if len(t.calls) >= 2)
     calls = list(base.calls)
@@ -92,9 +104,21 @@ class _Tokens(HTMLParser):
 
 
 def _chromium(tmp_path, *args) -> subprocess.CompletedProcess:
-    return subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-                           f"--user-data-dir={tmp_path / 'chromium-profile'}", *args],
-                          capture_output=True, text=True, timeout=180, check=True)
+    return subprocess.run(
+        [
+            CHROMIUM,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--hide-scrollbars",
+            f"--user-data-dir={tmp_path / 'chromium-profile'}",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=True,
+    )
 
 
 def _dom(tmp_path, url) -> _Tokens:
@@ -125,15 +149,16 @@ def test_coloured_tokens_match_the_loss_mask(page, tmp_path):
         assert roles.count("prompt") > 0 and roles.count("boundary") > 0
         if len(rows) == 1:  # observations sit between calls; the last one is not in a row
             assert (roles.count("obs") > 0) == (len(t.calls) > 1)
-        for (role, text) in dom.tokens:
+        for role, text in dom.tokens:
             if text in ("<|im_start|>", "<|im_end|>"):
                 assert role in ("boundary", "target"), (role, text)
         mask = [int(m) for row in batch["loss_mask"].tolist() for m in row]
         assert [r == "target" for r in roles] == [m == 1 for m in mask]
         saw_padding |= roles.count("pad") > 0
         # the end-of-turn token that closed each call is a target
-        assert sum(1 for r, x in dom.tokens if r == "target" and x == "<|im_end|>") == \
-            sum(1 for c in t.calls if c.output_ids and c.stop_reason == "stop")
+        assert sum(1 for r, x in dom.tokens if r == "target" and x == "<|im_end|>") == sum(
+            1 for c in t.calls if c.output_ids and c.stop_reason == "stop"
+        )
     assert saw_padding, "the two-row trajectory should show padding"
 
 
@@ -193,9 +218,11 @@ def test_cli_writes_the_page_and_rejects_bad_input(run_dir, tmp_path):
     assert r.exit_code == 0, r.output
     assert out.read_text().startswith("<!DOCTYPE html>")
     assert [p.name for p in tmp_path.iterdir()] == ["v.html"]  # atomic: no temporary file left
-    for args, message in [([str(tmp_path / "missing")], "no such directory"),
-                          ([str(tmp_path)], "no trajectories"),
-                          ([str(run_dir), "--iteration", "7"], "iterations present: 0, 1")]:
+    for args, message in [
+        ([str(tmp_path / "missing")], "no such directory"),
+        ([str(tmp_path)], "no trajectories"),
+        ([str(run_dir), "--iteration", "7"], "iterations present: 0, 1"),
+    ]:
         r = runner.invoke(app, ["view", *args])
         assert r.exit_code == 2 and message in r.output, r.output
     empty = tmp_path / "empty-run"

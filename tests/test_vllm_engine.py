@@ -19,8 +19,10 @@ from consequence.policy.sampler import SamplingParams, generate
 from consequence.policy.vllm_engine import BUILD_HINT, VllmEngine, _support_request, vllm_available
 
 HAVE_VLLM = vllm_available()
-needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed here; it runs in .venv-vllm "
-                                "(make vllm-env; .ci/run runs this file there)")
+needs_vllm = pytest.mark.skipif(
+    not HAVE_VLLM,
+    reason="vLLM is not installed here; it runs in .venv-vllm (make vllm-env; .ci/run runs this file there)",
+)
 
 # Measured on the tiny policy in float32 (docs/vllm.md): max |log μ_vLLM − log π_trainer|
 # over the sampled tokens of these tests was 9.5e-7 (sampled, T = 1), 2.6e-6 (top-k 20 +
@@ -89,14 +91,16 @@ def trainer_logprobs(model, prompts, samples, params: SamplingParams) -> list[li
     am = torch.zeros(len(rows), S, dtype=torch.long)
     keep = []
     for i, (r, p, s) in enumerate(zip(rows, prompts, samples)):
-        ids[i, :len(r)] = torch.tensor(r)
-        am[i, :len(r)] = 1
+        ids[i, : len(r)] = torch.tensor(r)
+        am[i, : len(r)] = 1
         for k, sup in enumerate(s.keep_ids or []):
             keep += [(i, len(p) + k, t) for t in sup]
     keep_index = torch.tensor(keep, dtype=torch.long).view(-1, 3) if keep else None
     with torch.no_grad():
         lp, _ = token_logprobs(model, ids, am, params.temperature, params.top_k, params.top_p, keep_index=keep_index)
-    return [lp[i, len(p) - 1:len(p) - 1 + len(s.output_ids)].tolist() for i, (p, s) in enumerate(zip(prompts, samples))]
+    return [
+        lp[i, len(p) - 1 : len(p) - 1 + len(s.output_ids)].tolist() for i, (p, s) in enumerate(zip(prompts, samples))
+    ]
 
 
 def max_gap(a: list[list[float]], b: list[list[float]]) -> float:
@@ -124,7 +128,9 @@ def test_sampled_tokens_and_logprobs_match_the_trainer(engine, tiny):
     assert all(s.keep_ids is None for s in samples)
     assert fn.version == engine.version == 0
     gap = max_gap([s.logprobs for s in samples], trainer_logprobs(model, prompts, samples, params))
-    print(f"sampled T=1: max |log mu_vllm - log pi_trainer| = {gap:.2e} over {sum(len(s.output_ids) for s in samples)} tokens")
+    print(
+        f"sampled T=1: max |log mu_vllm - log pi_trainer| = {gap:.2e} over {sum(len(s.output_ids) for s in samples)} tokens"
+    )
     assert gap < LOGPROB_TOL
     # the same seed on the same weights draws the same tokens; another seed draws others
     again = engine.generate_fn(params, stop_ids, seed=7)(prompts, 24, list(range(len(prompts))))
@@ -146,7 +152,7 @@ def test_top_k_top_p_report_the_support_the_trainer_scores_on(engine, tiny):
         assert s.keep_ids is not None and len(s.keep_ids) == len(s.output_ids)
         # on unchanged weights the stored support is the one logprobs.keep_mask computes
         with torch.no_grad():
-            logits = model(torch.tensor([p + s.output_ids])).logits[0, len(p) - 1:len(p) - 1 + len(s.output_ids)]
+            logits = model(torch.tensor([p + s.output_ids])).logits[0, len(p) - 1 : len(p) - 1 + len(s.output_ids)]
         ours = keep_mask(logits.float() / params.temperature, params.top_k, params.top_p)
         for k, (t, sup) in enumerate(zip(s.output_ids, s.keep_ids)):
             assert sup == sorted(sup) and t in sup and 1 <= len(sup) <= params.top_k
@@ -164,8 +170,10 @@ def test_weight_update_by_version(engine, tiny):
     before = engine.generate_fn(params, stop_ids, seed=0)(prompts, 16, list(range(len(prompts))))
 
     g = torch.Generator().manual_seed(0)
-    perturbed = {k: v + 0.5 * v.std() * torch.randn(v.shape, generator=g) if v.ndim == 2 else v.clone()
-                 for k, v in model.state_dict().items()}
+    perturbed = {
+        k: v + 0.5 * v.std() * torch.randn(v.shape, generator=g) if v.ndim == 2 else v.clone()
+        for k, v in model.state_dict().items()
+    }
     new = type(model)(model.config).eval()
     new.load_state_dict(perturbed)
     if new.config.tie_word_embeddings:

@@ -19,18 +19,34 @@ from consequence.records import read_trajectories, trajectory_to_rows
 from consequence.train import train
 from consequence.warmstart import BUNDLED
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None or importlib.util.find_spec("ray") is None,
-                                reason="needs vllm and ray: build .venv-vllm with `make vllm-env` (docs/vllm.md)")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None or importlib.util.find_spec("ray") is None,
+    reason="needs vllm and ray: build .venv-vllm with `make vllm-env` (docs/vllm.md)",
+)
 
 
 def test_a_vllm_rollout_worker_trains_like_our_sampler(tmp_path):
     """k = 0, one worker: batch 1 is sampled after version 1 was loaded into the engine, so
     the trainer's recomputation checks both the engine's log-probs and its weight update."""
     run = tmp_path / "run"
-    train(TrainConfig(model=str(BUNDLED), run_dir=str(run), iterations=2, tasks_per_iteration=2, group_size=2,
-                      eval_every=0, max_turns=2, max_new_tokens=16, final_eval_episodes=0, learning_rate=1e-2,
-                      entropy_coef=0.05,  # a gradient whatever the rewards: version 1 differs from version 0
-                      rollout_workers=1, rollout_engine="vllm"), Console(quiet=True))
+    train(
+        TrainConfig(
+            model=str(BUNDLED),
+            run_dir=str(run),
+            iterations=2,
+            tasks_per_iteration=2,
+            group_size=2,
+            eval_every=0,
+            max_turns=2,
+            max_new_tokens=16,
+            final_eval_episodes=0,
+            learning_rate=1e-2,
+            entropy_coef=0.05,  # a gradient whatever the rewards: version 1 differs from version 0
+            rollout_workers=1,
+            rollout_engine="vllm",
+        ),
+        Console(quiet=True),
+    )
     manifest = json.loads((run / "manifest.json").read_text())
     checks = {c["name"]: c for c in manifest["checks"]["results"]}
     assert checks["ratio"]["passed"] is True  # vLLM's log-probs, recomputed by the trainer, within 1e-3

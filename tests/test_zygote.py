@@ -11,7 +11,7 @@ ADD = "def add(a, b):\n    return a + b\n"
 TESTS = [TestCase("add(1, 2)", "3"), TestCase("add(2, 2)", "4")]
 
 # Each probe returns a short text of what the child could do; both start modes must agree.
-PROBES = r'''
+PROBES = r"""
 import os, resource
 def probe(kind):
     try:
@@ -41,7 +41,7 @@ def _open(fd):
         return True
     except OSError:
         return False
-'''
+"""
 KINDS = ["fds", "cpu_clock", "session", "fork", "read_outside", "write_cwd", "env", "limits"]
 
 
@@ -65,8 +65,9 @@ def test_children_are_confined_like_fresh_interpreters(monkeypatch):
     assert forked["cpu_clock"].startswith("'fresh'") and forked["session"].startswith("'leader'")
     assert forked["env"].startswith("[]")
     # reading limits is prlimit64, which seccomp denies; without seccomp they are the prelude's
-    assert forked["limits"].startswith("'denied PermissionError'" if available_layers()["seccomp"]
-                                       else "[(16, 16), (0, 0), (65536, 65536)]")
+    assert forked["limits"].startswith(
+        "'denied PermissionError'" if available_layers()["seccomp"] else "[(16, 16), (0, 0), (65536, 65536)]"
+    )
     layers = available_layers()
     if layers["seccomp"]:
         assert forked["fork"].startswith("'denied PermissionError'")
@@ -83,11 +84,14 @@ def test_both_modes_score_the_reward_path_alike(monkeypatch):
         monkeypatch.setenv("CONSEQUENCE_SANDBOX_START", mode)
         got[mode] = [
             (r.status, r.passed, r.total, r.messages)
-            for r in (judge.run_cases(ADD, TESTS, cache=False),
-                      judge.run_cases(ADD.replace("a + b", "a - b"), TESTS, cache=False),
-                      judge.run_cases("while True:\n    pass\n", TESTS, cache=False),
-                      judge.run_program(ADD, prog, cache=False),
-                      sandbox.run_tests("def add(a, b):\n    return a +", TESTS, cache=False))]
+            for r in (
+                judge.run_cases(ADD, TESTS, cache=False),
+                judge.run_cases(ADD.replace("a + b", "a - b"), TESTS, cache=False),
+                judge.run_cases("while True:\n    pass\n", TESTS, cache=False),
+                judge.run_program(ADD, prog, cache=False),
+                sandbox.run_tests("def add(a, b):\n    return a +", TESTS, cache=False),
+            )
+        ]
     assert got["fork-server"] == got["fresh"]
     assert got["fork-server"][0] == ("ok", 2, 2, [])
     assert got["fork-server"][1][:3] == ("ok", 0, 2)
@@ -110,8 +114,9 @@ def test_a_dead_fork_server_is_restarted(monkeypatch):
 def test_timeout_kills_the_child(monkeypatch):
     monkeypatch.setenv("CONSEQUENCE_SANDBOX_START", "fork-server")
     server = sandbox._fork_server()
-    r = sandbox.run_tests("import time\ndef add(a, b):\n    time.sleep(30)\n", TESTS,
-                          sandbox.SandboxLimits(wall_s=0.5), cache=False)
+    r = sandbox.run_tests(
+        "import time\ndef add(a, b):\n    time.sleep(30)\n", TESTS, sandbox.SandboxLimits(wall_s=0.5), cache=False
+    )
     assert r.status == "timeout"
     assert not server._children  # every child was reaped and reported
 
@@ -129,13 +134,20 @@ def test_works_under_a_low_descriptor_limit():
     import subprocess
     import sys
 
-    code = ("from consequence.envs.sandbox import run_tests\nfrom consequence.envs.judge import run_cases\n"
-            "from consequence.tasks.repair import TestCase\nT = [TestCase('f()', '1')]\n"
-            "print(run_tests('def f(): return 1', T, cache=False).status, run_cases('def f(): return 1', T, cache=False).status)")
+    code = (
+        "from consequence.envs.sandbox import run_tests\nfrom consequence.envs.judge import run_cases\n"
+        "from consequence.tasks.repair import TestCase\nT = [TestCase('f()', '1')]\n"
+        "print(run_tests('def f(): return 1', T, cache=False).status, run_cases('def f(): return 1', T, cache=False).status)"
+    )
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env={**__import__("os").environ, "CONSEQUENCE_SANDBOX_START": "fork-server"},
-                         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard)))
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**__import__("os").environ, "CONSEQUENCE_SANDBOX_START": "fork-server"},
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard)),
+    )
     assert out.stdout.split() == ["ok", "ok"], out.stderr[-2000:]
 
 
@@ -149,8 +161,10 @@ def test_a_fork_server_dying_mid_run_is_a_sandbox_error_not_a_score(monkeypatch)
     lim = sandbox.SandboxLimits(wall_s=6.0, cpu_s=4)
     assert sandbox.run_tests(ADD, TESTS, cache=False).all_passed  # the server is up
     got = {}
-    threads = [threading.Thread(target=lambda k=k, f=f: got.__setitem__(k, f(slow, TESTS, lim, cache=False)))
-               for k, f in (("run_tests", sandbox.run_tests), ("run_cases", judge.run_cases))]
+    threads = [
+        threading.Thread(target=lambda k=k, f=f: got.__setitem__(k, f(slow, TESTS, lim, cache=False)))
+        for k, f in (("run_tests", sandbox.run_tests), ("run_cases", judge.run_cases))
+    ]
     for t in threads:
         t.start()
     time.sleep(1.0)
@@ -177,19 +191,26 @@ def test_no_sandbox_process_outlives_the_parent():
     import sys
     import time
 
-    code = ("import os, threading, time\nfrom consequence.envs import sandbox, judge\n"
-            "from consequence.tasks.repair import TestCase\n"
-            "c = 'import time\\ndef f():\\n    time.sleep(10 ** 6)\\n'\n"
-            "lim = sandbox.SandboxLimits(wall_s=60, cpu_s=30)\n"
-            "for fn in (sandbox.run_tests, judge.run_cases):\n"
-            "    threading.Thread(target=fn, args=(c, [TestCase('f()', '1')], lim), kwargs={'cache': False},"
-            " daemon=True).start()\n"
-            # poll, not a fixed sleep: under load the fork server and its three children come up late
-            "s = sandbox._fork_server()\nt0 = time.monotonic()\n"
-            "while len(s._children) < 3 and time.monotonic() - t0 < 45:\n    time.sleep(0.05)\n"
-            "print(s._proc.pid, *s._children, flush=True)\nos._exit(0)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                         env={**__import__("os").environ, "CONSEQUENCE_SANDBOX_START": "fork-server"})
+    code = (
+        "import os, threading, time\nfrom consequence.envs import sandbox, judge\n"
+        "from consequence.tasks.repair import TestCase\n"
+        "c = 'import time\\ndef f():\\n    time.sleep(10 ** 6)\\n'\n"
+        "lim = sandbox.SandboxLimits(wall_s=60, cpu_s=30)\n"
+        "for fn in (sandbox.run_tests, judge.run_cases):\n"
+        "    threading.Thread(target=fn, args=(c, [TestCase('f()', '1')], lim), kwargs={'cache': False},"
+        " daemon=True).start()\n"
+        # poll, not a fixed sleep: under load the fork server and its three children come up late
+        "s = sandbox._fork_server()\nt0 = time.monotonic()\n"
+        "while len(s._children) < 3 and time.monotonic() - t0 < 45:\n    time.sleep(0.05)\n"
+        "print(s._proc.pid, *s._children, flush=True)\nos._exit(0)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**__import__("os").environ, "CONSEQUENCE_SANDBOX_START": "fork-server"},
+    )
     pids = [int(p) for p in out.stdout.split()]
     assert len(pids) == 4, out.stderr[-2000:]  # the zygote, the runner, the candidate and the judge
     deadline = time.monotonic() + 10
@@ -206,6 +227,8 @@ def test_an_unknown_start_mode_stops_a_run_before_its_folder_is_made(monkeypatch
 
     monkeypatch.setenv("CONSEQUENCE_SANDBOX_START", "bogus")
     with pytest.raises(ValueError, match="CONSEQUENCE_SANDBOX_START='bogus'"):
-        train(TrainConfig(run_dir=str(tmp_path / "run"), iterations=1, final_eval_episodes=0, eval_every=0),
-              Console(quiet=True))
+        train(
+            TrainConfig(run_dir=str(tmp_path / "run"), iterations=1, final_eval_episodes=0, eval_every=0),
+            Console(quiet=True),
+        )
     assert not (tmp_path / "run").exists()

@@ -3,8 +3,8 @@
 One module per group of commands; importing them registers each on ``app``.
 """
 
+from consequence.cli import evaluate, serve, tools, train  # noqa: F401  (registers the commands)
 from consequence.cli.app import app
-from consequence.cli import train, evaluate, tools, serve  # noqa: F401  (registers the commands)
 from consequence.cli.common import check_model_dir as _check_model_dir  # noqa: F401  (tests)
 
 __all__ = ["app"]

@@ -6,8 +6,9 @@ import typer
 
 from consequence.cli.common import console
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
-                  help="consequence: reinforcement learning of language-model agents.")
+app = typer.Typer(
+    add_completion=False, no_args_is_help=True, help="consequence: reinforcement learning of language-model agents."
+)
 
 
 def _version(value: bool) -> None:
@@ -19,6 +20,9 @@ def _version(value: bool) -> None:
 
 
 @app.callback()
-def main(show_version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
-                                           help="Print the version and exit.")) -> None:
+def main(
+    show_version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Print the version and exit."
+    ),
+) -> None:
     """consequence: reinforcement learning of language-model agents."""

@@ -40,15 +40,19 @@ def check_model_dir(model: str | None, option: str = "--model", chat_template: b
     if not any((p / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json")):
         missing.append("tokenizer.json or tokenizer_config.json")
     if missing:
-        raise ValueError(f"{option} {p}: not a Hugging Face checkpoint, missing {', '.join(missing)} "
-                         "(save both the model and its tokenizer with save_pretrained)")
+        raise ValueError(
+            f"{option} {p}: not a Hugging Face checkpoint, missing {', '.join(missing)} "
+            "(save both the model and its tokenizer with save_pretrained)"
+        )
     from consequence.policy.tiny import check_model_folder
 
     check_model_folder(p, option)
     if chat_template and not has_chat_template(p):
-        raise ValueError(f"{option} {p}: the tokenizer has no chat template, which the harness needs to render "
-                         "conversations and tool calls; set tokenizer.chat_template (e.g. "
-                         "consequence.policy.tiny.chat_template(), Qwen2.5 layout) and save_pretrained it again")
+        raise ValueError(
+            f"{option} {p}: the tokenizer has no chat template, which the harness needs to render "
+            "conversations and tool calls; set tokenizer.chat_template (e.g. "
+            "consequence.policy.tiny.chat_template(), Qwen2.5 layout) and save_pretrained it again"
+        )
 
 
 def has_chat_template(p: Path) -> bool:
@@ -112,8 +116,10 @@ def check_out_file(path: Path, option: str = "--out") -> None:
         check_run_dir(path.parent, option, keep=False)
     except ValueError as e:
         why = str(e).split("cannot write there", 1)[-1].split(";")[0].strip()
-        raise ValueError(f"{option} {path}: cannot write there: its folder {path.parent} is not writable {why}; "
-                         "give a file in a writable folder") from None
+        raise ValueError(
+            f"{option} {path}: cannot write there: its folder {path.parent} is not writable {why}; "
+            "give a file in a writable folder"
+        ) from None
 
 
 def parse_list(text: str | list[str], option: str, example: str) -> list[str]:

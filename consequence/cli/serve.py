@@ -5,7 +5,6 @@ from __future__ import annotations
 import ipaddress
 import signal
 import socket
-from typing import Optional
 
 import typer
 from rich.markup import escape
@@ -17,18 +16,31 @@ LOOPBACK = "127.0.0.1"
 
 
 @app.command("serve")
-def serve_cmd(model: Optional[str] = typer.Option(None, help="Checkpoint folder, a run folder (its checkpoints/final) or a registered model name; default: the bundled tiny model."),
-              host: str = typer.Option(LOOPBACK, help="Address to listen on; loopback by default (the endpoint has no authentication: anything that can reach it can use the model)."),
-              port: int = typer.Option(8000, min=0, max=65535, help="Port (0 = any free port; the one bound is printed)."),
-              name: Optional[str] = typer.Option(None, help="Model name that /v1/models lists and requests must give (default: the checkpoint folder's name)."),
-              temperature: float = typer.Option(1.0, min=0.0, max=2.0, help="Temperature of a request that gives none (0 = greedy)."),
-              top_p: float = typer.Option(1.0, min=0.01, max=1.0, help="Top-p of a request that gives none (1 = off)."),
-              top_k: int = typer.Option(0, min=0, help="Top-k of every sampled request (0 = off; not an OpenAI field)."),
-              max_tokens: int = typer.Option(256, min=1, help="Tokens per reply of a request that gives no max_tokens (capped by the context left)."),
-              seed: int = typer.Option(0, help="Seed of the sampling generator shared by requests without a seed."),
-              max_batch: int = typer.Option(64, min=1, help="The most requests sampled together in one generate call."),
-              batch_wait_ms: float = typer.Option(5.0, min=0.0, help="How long a batch waits for more requests after its first."),
-              ) -> None:
+def serve_cmd(
+    model: str | None = typer.Option(
+        None,
+        help="Checkpoint folder, a run folder (its checkpoints/final) or a registered model name; default: the bundled tiny model.",
+    ),
+    host: str = typer.Option(
+        LOOPBACK,
+        help="Address to listen on; loopback by default (the endpoint has no authentication: anything that can reach it can use the model).",
+    ),
+    port: int = typer.Option(8000, min=0, max=65535, help="Port (0 = any free port; the one bound is printed)."),
+    name: str | None = typer.Option(
+        None, help="Model name that /v1/models lists and requests must give (default: the checkpoint folder's name)."
+    ),
+    temperature: float = typer.Option(
+        1.0, min=0.0, max=2.0, help="Temperature of a request that gives none (0 = greedy)."
+    ),
+    top_p: float = typer.Option(1.0, min=0.01, max=1.0, help="Top-p of a request that gives none (1 = off)."),
+    top_k: int = typer.Option(0, min=0, help="Top-k of every sampled request (0 = off; not an OpenAI field)."),
+    max_tokens: int = typer.Option(
+        256, min=1, help="Tokens per reply of a request that gives no max_tokens (capped by the context left)."
+    ),
+    seed: int = typer.Option(0, help="Seed of the sampling generator shared by requests without a seed."),
+    max_batch: int = typer.Option(64, min=1, help="The most requests sampled together in one generate call."),
+    batch_wait_ms: float = typer.Option(5.0, min=0.0, help="How long a batch waits for more requests after its first."),
+) -> None:
     """Serve a policy through an OpenAI-compatible API (/v1/models, /v1/chat/completions).
 
     Calls under /s/SESSION/v1 (or with an X-Session-Id header) are recorded token-exactly,
@@ -52,19 +64,34 @@ def serve_cmd(model: Optional[str] = typer.Option(None, help="Checkpoint folder,
         raise typer.Exit(2)
     if not _is_loopback(host):
         console.print(f"[yellow]warning:[/] listening on {escape(host)}: the endpoint has no authentication")
-    settings = ServeSettings(name or path.name, model_context_length(policy), temperature, top_p, top_k, max_tokens,
-                             seed, max_batch, batch_wait_ms / 1000)
+    settings = ServeSettings(
+        name or path.name,
+        model_context_length(policy),
+        temperature,
+        top_p,
+        top_k,
+        max_tokens,
+        seed,
+        max_batch,
+        batch_wait_ms / 1000,
+    )
     try:
         sock = _bind(host, port)
     except OSError as e:
-        console.print(f"[red]error:[/] cannot listen on {escape(host)}:{port} ({escape(str(e))}); pick another "
-                      "--port (0 = any free one)")
+        console.print(
+            f"[red]error:[/] cannot listen on {escape(host)}:{port} ({escape(str(e))}); pick another "
+            "--port (0 = any free one)"
+        )
         raise typer.Exit(2)
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(policy, renderer, settings), host=host, port=port,
-                                           log_level="warning", lifespan="on"))
-    console.print(f"serving {escape(settings.model_name)} ({escape(str(path))}) at http://{host}:{port}/v1 "
-                  f"(sessions: http://{host}:{port}/s/SESSION/v1); SIGTERM or Ctrl-C stops", soft_wrap=True)
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(policy, renderer, settings), host=host, port=port, log_level="warning", lifespan="on")
+    )
+    console.print(
+        f"serving {escape(settings.model_name)} ({escape(str(path))}) at http://{host}:{port}/v1 "
+        f"(sessions: http://{host}:{port}/s/SESSION/v1); SIGTERM or Ctrl-C stops",
+        soft_wrap=True,
+    )
     # uvicorn handles SIGTERM / SIGINT (stop accepting, finish the requests in flight, stop the
     # batcher), then re-raises the signal to the handler it found: make that one a no-op, so a
     # requested stop exits 0 after the shutdown instead of dying by the signal.

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.markup import escape
@@ -13,10 +12,15 @@ from consequence.cli.common import check_out_file, check_run_dir, console, quiet
 
 
 @app.command("explain")
-def explain(recipes: list[str] = typer.Argument(..., help="One recipe (its boxes) or two (their difference): "
-                                                          "reinforce, rloo, ppo, grpo, dr_grpo, dapo, gspo, cispo, the path "
-                                                          "of a recipe YAML, or of a train config (`train --config` file; "
-                                                          "shown with its recipe applied, as train runs it).")) -> None:
+def explain(
+    recipes: list[str] = typer.Argument(
+        ...,
+        help="One recipe (its boxes) or two (their difference): "
+        "reinforce, rloo, ppo, grpo, dr_grpo, dapo, gspo, cispo, the path "
+        "of a recipe YAML, or of a train config (`train --config` file; "
+        "shown with its recipe applied, as train runs it).",
+    ),
+) -> None:
     """Show a recipe as the seven boxes of the loop, or the difference between two recipes."""
     from consequence.recipes import load_for_explain
     from consequence.report.explain import render_difference, render_recipe
@@ -50,15 +54,21 @@ def envs_cmd() -> None:
         try:
             cls = resolve(name)
             doc = (cls.__doc__ or "").strip().splitlines()
-            row = [str(getattr(cls, "version", "?")), ", ".join(t["function"]["name"] for t in getattr(cls, "tools", []))
-                   or "none (answer in text)", ", ".join(getattr(cls, "reward_components", ())), _options_of(cls),
-                   doc[0] if doc else ""]
+            row = [
+                str(getattr(cls, "version", "?")),
+                ", ".join(t["function"]["name"] for t in getattr(cls, "tools", [])) or "none (answer in text)",
+                ", ".join(getattr(cls, "reward_components", ())),
+                _options_of(cls),
+                doc[0] if doc else "",
+            ]
         except ValueError as e:
             row = ["?", "?", "?", "?", f"[red]cannot load: {escape(str(e))}[/]"]
         table.add_row(name, "built-in" if name in BUILTINS else f"plug-in {escape(target)}", *row)
     console.print(table)
-    console.print("Also: --env module:attr (an Environment subclass importable from the Python path), or a .jsonl "
-                  "task file. Options: --env-option key=value, or env_options: in a --config YAML.")
+    console.print(
+        "Also: --env module:attr (an Environment subclass importable from the Python path), or a .jsonl "
+        "task file. Options: --env-option key=value, or env_options: in a --config YAML."
+    )
 
 
 def _options_of(cls) -> str:
@@ -69,19 +79,27 @@ def _options_of(cls) -> str:
         params = inspect.signature(cls).parameters.values()
     except (TypeError, ValueError):
         return "?"
-    shown = [p.name if p.default is inspect.Parameter.empty else f"{p.name}={p.default!r}" for p in params
-             if p.name != "split_seed" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+    shown = [
+        p.name if p.default is inspect.Parameter.empty else f"{p.name}={p.default!r}"
+        for p in params
+        if p.name != "split_seed" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+    ]
     return escape(", ".join(shown)) or "none"
 
 
 @app.command("warmstart")
-def warmstart(seed: int = typer.Option(0, help="Seed of the problem split (train split) and the teacher."),
-              demos: int = typer.Option(4000, min=10, help="Teacher demonstrations to generate."),
-              epochs: float = typer.Option(8.0, min=0.01, help="SFT epochs."),
-              force: bool = typer.Option(False, help="Rebuild even if the cached checkpoint exists."),
-              bundle: bool = typer.Option(False, help="Write into the package's bundled checkpoint (maintainers)."),
-              env: str = typer.Option("repair", help="Environment whose train split the scripted teacher solves: a "
-                                                     "repair-type one (repair, humaneval-repair, or jsonl via a .jsonl path).")) -> None:
+def warmstart(
+    seed: int = typer.Option(0, help="Seed of the problem split (train split) and the teacher."),
+    demos: int = typer.Option(4000, min=10, help="Teacher demonstrations to generate."),
+    epochs: float = typer.Option(8.0, min=0.01, help="SFT epochs."),
+    force: bool = typer.Option(False, help="Rebuild even if the cached checkpoint exists."),
+    bundle: bool = typer.Option(False, help="Write into the package's bundled checkpoint (maintainers)."),
+    env: str = typer.Option(
+        "repair",
+        help="Environment whose train split the scripted teacher solves: a "
+        "repair-type one (repair, humaneval-repair, or jsonl via a .jsonl path).",
+    ),
+) -> None:
     """Build (or show) the tiny warm-start checkpoint: scripted teacher demos, then SFT.
 
     Settings other than the defaults are built once (about 30 min on 2 cores) and cached
@@ -113,16 +131,27 @@ def _check_teacher_env(env: str, seed: int, options: dict | None = None) -> None
 
     sample = load_environment(env, seed, dict(options or {})).sample("train", 1, seed=0)
     if sample and not hasattr(sample[0], "buggy_code"):
-        raise ValueError(f"--env {env}: the scripted teacher solves repair tasks only (repair, humaneval-repair, "
-                         "jsonl); train in this environment from a model of your own (--model PATH)")
+        raise ValueError(
+            f"--env {env}: the scripted teacher solves repair tasks only (repair, humaneval-repair, "
+            "jsonl); train in this environment from a model of your own (--model PATH)"
+        )
 
 
 @app.command("merge")
-def merge_cmd(adapter: Path = typer.Argument(..., help="A LoRA checkpoint folder (adapter_config.json + "
-                                                       "adapter_model.safetensors), e.g. RUN/checkpoints/final of "
-                                                       "a run trained with --lora-rank."),
-              out: Path = typer.Option(..., "--out", help="Folder to write the merged model into (a plain Hugging "
-                                                          "Face checkpoint; replaced atomically if it exists).")) -> None:
+def merge_cmd(
+    adapter: Path = typer.Argument(
+        ...,
+        help="A LoRA checkpoint folder (adapter_config.json + "
+        "adapter_model.safetensors), e.g. RUN/checkpoints/final of "
+        "a run trained with --lora-rank.",
+    ),
+    out: Path = typer.Option(
+        ...,
+        "--out",
+        help="Folder to write the merged model into (a plain Hugging "
+        "Face checkpoint; replaced atomically if it exists).",
+    ),
+) -> None:
     """Fold a LoRA adapter into its base model: W0 + (alpha / r) B A, saved as a plain model folder
     that --model, eval and other tools load without PEFT."""
     from consequence.policy.lora import merge_adapter
@@ -136,19 +165,22 @@ def merge_cmd(adapter: Path = typer.Argument(..., help="A LoRA checkpoint folder
         console.print(f"[red]error:[/] {escape(str(e))}")
         raise typer.Exit(2)
     except OSError as e:  # a folder that cannot be written (permissions, a full disk, /proc)
-        console.print(f"[red]error:[/] cannot write --out {escape(str(out))}: {escape(e.strerror or str(e))}; "
-                      "nothing was written there")
+        console.print(
+            f"[red]error:[/] cannot write --out {escape(str(out))}: {escape(e.strerror or str(e))}; "
+            "nothing was written there"
+        )
         raise typer.Exit(2)
     console.print(f"merged {escape(str(adapter))} into its base model: {escape(str(path))}")
 
 
 @app.command("shrink")
-def shrink_cmd(model: str = typer.Argument(..., help="The teacher: a model folder or a registered name "
-                                                     "(smollm2-135m-instruct)."),
-               layers: int = typer.Option(..., "--layers", help="Decoder layers to keep, evenly spaced, the first "
-                                                                 "and the last included."),
-               out: Path = typer.Option(..., "--out", help="Folder to write the student into (replaced atomically "
-                                                           "if it exists).")) -> None:
+def shrink_cmd(
+    model: str = typer.Argument(..., help="The teacher: a model folder or a registered name (smollm2-135m-instruct)."),
+    layers: int = typer.Option(
+        ..., "--layers", help="Decoder layers to keep, evenly spaced, the first and the last included."
+    ),
+    out: Path = typer.Option(..., "--out", help="Folder to write the student into (replaced atomically if it exists)."),
+) -> None:
     """Build a smaller student from a teacher: the same tokenizer and width, fewer decoder layers
     (the kept layers' weights copied), for distillation (docs/distillation.md)."""
     from consequence.policy.shrink import shrink_model
@@ -160,16 +192,20 @@ def shrink_cmd(model: str = typer.Argument(..., help="The teacher: a model folde
         console.print(f"[red]error:[/] {escape(str(e))}")
         raise typer.Exit(2)
     except OSError as e:
-        console.print(f"[red]error:[/] cannot write --out {escape(str(out))}: {escape(e.strerror or str(e))}; "
-                      "nothing was written there")
+        console.print(
+            f"[red]error:[/] cannot write --out {escape(str(out))}: {escape(e.strerror or str(e))}; "
+            "nothing was written there"
+        )
         raise typer.Exit(2)
     console.print(f"student written to {escape(str(path))}: kept layers {keep} of {escape(model)}")
 
 
 @app.command("lab")
-def lab(name: Optional[str] = typer.Argument(None, help="Lab to run (see docs/labs.md); without a name, list the labs."),
-        out: Path = typer.Option(Path("runs/labs"), help="Folder for the lab's PNG."),
-        seed: int = typer.Option(0, help="Random seed of the lab (a non-negative integer).")) -> None:
+def lab(
+    name: str | None = typer.Argument(None, help="Lab to run (see docs/labs.md); without a name, list the labs."),
+    out: Path = typer.Option(Path("runs/labs"), help="Folder for the lab's PNG."),
+    seed: int = typer.Option(0, help="Random seed of the lab (a non-negative integer)."),
+) -> None:
     """Run one lab: print its numbers and write its figure (docs/labs.md); without a name, list the labs."""
     from rich.table import Table
 
@@ -204,19 +240,28 @@ def lab(name: Optional[str] = typer.Argument(None, help="Lab to run (see docs/la
 
 
 @app.command("view")
-def view(run_dir: Path = typer.Argument(..., help="Run directory of `consequence train`."),
-         out: Optional[Path] = typer.Option(None, help="HTML file to write [default: RUN_DIR/viewer.html]."),
-         iteration: Optional[int] = typer.Option(None, help="Show only this iteration (numbered from 0, as in trajectories/iter_NNNN.parquet and the console)."),
-         with_current_logprobs: bool = typer.Option(False, help="Recompute each token's log-prob with the checkpoint saved "
-                                                    "after its iteration (else final): one forward pass per trajectory."),
-         limit: int = typer.Option(200, min=1, help="Most trajectories on the page (whole groups, spread over iterations).")) -> None:
+def view(
+    run_dir: Path = typer.Argument(..., help="Run directory of `consequence train`."),
+    out: Path | None = typer.Option(None, help="HTML file to write [default: RUN_DIR/viewer.html]."),
+    iteration: int | None = typer.Option(
+        None, help="Show only this iteration (numbered from 0, as in trajectories/iter_NNNN.parquet and the console)."
+    ),
+    with_current_logprobs: bool = typer.Option(
+        False,
+        help="Recompute each token's log-prob with the checkpoint saved "
+        "after its iteration (else final): one forward pass per trajectory.",
+    ),
+    limit: int = typer.Option(200, min=1, help="Most trajectories on the page (whole groups, spread over iterations)."),
+) -> None:
     """Write one static HTML page of a run's trajectories, tokens coloured by loss-mask role (docs/viewer.md)."""
     from consequence.report.viewer import ViewerError, build_page, find_run_files, write_page
 
     path = out or run_dir / "viewer.html"
     try:
         if iteration is not None and iteration < 0:
-            raise ValueError(f"--iteration {iteration}: iterations are numbered from 0 (trajectories/iter_0000.parquet)")
+            raise ValueError(
+                f"--iteration {iteration}: iterations are numbered from 0 (trajectories/iter_0000.parquet)"
+            )
         find_run_files(run_dir)
         check_out_file(path, "--out" if out else "RUN_DIR")
         html, summary = build_page(run_dir, iteration, with_current_logprobs, limit, log=console.print)
@@ -229,26 +274,38 @@ def view(run_dir: Path = typer.Argument(..., help="Run directory of `consequence
 
 
 @app.command("sft")
-def sft_cmd(model: str = typer.Option(..., help="The student: a registered name (smollm2-135m-instruct) or a local "
-                                                "Hugging Face folder."),
-            out: Path = typer.Option(..., "--out", help="Folder to write the fine-tuned model into (a plain model "
-                                                        "folder with sft.json; replaced atomically)."),
-            env: str = typer.Option("repair", help="A repair-type environment whose train split the scripted "
-                                                   "teacher solves (repair, humaneval-repair, or a .jsonl path)."),
-            env_option: list[str] = typer.Option([], "--env-option", help="Environment option KEY=VALUE (repeatable)."),
-            demos: int = typer.Option(300, min=1, help="Teacher episodes to run; the verified ones are kept."),
-            seed: int = typer.Option(0, min=0, help="Split seed of the environment, the teacher's and SFT's seed."),
-            epochs: float = typer.Option(2.0, min=0.01, help="SFT epochs over the demonstrations."),
-            learning_rate: float = typer.Option(2e-4, min=1e-12, help="Peak AdamW learning rate."),
-            rows_per_step: int = typer.Option(16, min=1, help="Demonstrations per optimizer step."),
-            micro_batch_size: int = typer.Option(4, min=1, help="Rows per forward/backward (the step's loss is "
-                                                                "the token mean over all its rows)."),
-            lora_rank: int = typer.Option(16, min=0, help="LoRA rank (0 = full fine-tuning); the adapter is merged "
-                                                          "into the weights at the end."),
-            lora_alpha: float = typer.Option(32.0, min=1e-12, help="LoRA alpha (scale alpha / rank)."),
-            lora_targets: str = typer.Option(",".join(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                                       "down_proj")), help="Modules that get an adapter, comma-separated.")
-            ) -> None:
+def sft_cmd(
+    model: str = typer.Option(
+        ..., help="The student: a registered name (smollm2-135m-instruct) or a local Hugging Face folder."
+    ),
+    out: Path = typer.Option(
+        ...,
+        "--out",
+        help="Folder to write the fine-tuned model into (a plain model folder with sft.json; replaced atomically).",
+    ),
+    env: str = typer.Option(
+        "repair",
+        help="A repair-type environment whose train split the scripted "
+        "teacher solves (repair, humaneval-repair, or a .jsonl path).",
+    ),
+    env_option: list[str] = typer.Option([], "--env-option", help="Environment option KEY=VALUE (repeatable)."),
+    demos: int = typer.Option(300, min=1, help="Teacher episodes to run; the verified ones are kept."),
+    seed: int = typer.Option(0, min=0, help="Split seed of the environment, the teacher's and SFT's seed."),
+    epochs: float = typer.Option(2.0, min=0.01, help="SFT epochs over the demonstrations."),
+    learning_rate: float = typer.Option(2e-4, min=1e-12, help="Peak AdamW learning rate."),
+    rows_per_step: int = typer.Option(16, min=1, help="Demonstrations per optimizer step."),
+    micro_batch_size: int = typer.Option(
+        4, min=1, help="Rows per forward/backward (the step's loss is the token mean over all its rows)."
+    ),
+    lora_rank: int = typer.Option(
+        16, min=0, help="LoRA rank (0 = full fine-tuning); the adapter is merged into the weights at the end."
+    ),
+    lora_alpha: float = typer.Option(32.0, min=1e-12, help="LoRA alpha (scale alpha / rank)."),
+    lora_targets: str = typer.Option(
+        ",".join(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
+        help="Modules that get an adapter, comma-separated.",
+    ),
+) -> None:
     """Cold start: the scripted teacher's verified demonstrations, rendered in the student's own
     chat format (Hermes tool calls where its template drops tools), then SFT with the loss on
     the assistant turns only. Train RL from the result with --model OUT."""
@@ -269,18 +326,38 @@ def sft_cmd(model: str = typer.Option(..., help="The student: a registered name 
             raise ValueError(f"--out {out}: exists and is not an earlier `consequence sft` output; name a new folder")
         path = model_folder(model, log=console.print)
         check_model_folder(path)
-        cfg = ColdStartConfig(env=env, env_options=options, demos=demos, seed=seed, lora_rank=lora_rank,
-                              lora_alpha=lora_alpha, lora_targets=targets,
-                              sft=SFTConfig(learning_rate=learning_rate, epochs=epochs, rows_per_step=rows_per_step,
-                                            micro_batch_size=micro_batch_size, seed=seed))
+        cfg = ColdStartConfig(
+            env=env,
+            env_options=options,
+            demos=demos,
+            seed=seed,
+            lora_rank=lora_rank,
+            lora_alpha=lora_alpha,
+            lora_targets=targets,
+            sft=SFTConfig(
+                learning_rate=learning_rate,
+                epochs=epochs,
+                rows_per_step=rows_per_step,
+                micro_batch_size=micro_batch_size,
+                seed=seed,
+            ),
+        )
         with Phases(console) as phases:
-            record = cold_start(path, out, cfg, log=console.print, phases=phases,
-                                source=source_record(model) if is_named(model) else None)
+            record = cold_start(
+                path,
+                out,
+                cfg,
+                log=console.print,
+                phases=phases,
+                source=source_record(model) if is_named(model) else None,
+            )
     except ValueError as e:
         console.print(f"[red]error:[/] {escape(str(e))}")
         raise typer.Exit(2)
     except OSError as e:
         console.print(f"[red]error:[/] cannot write --out {escape(str(out))}: {escape(e.strerror or str(e))}")
         raise typer.Exit(2)
-    console.print(f"cold-start model: {out}  ({record['teacher']['verified']}/{record['teacher']['episodes']} "
-                  f"verified demonstrations, {record['rows']} rows, SFT {record['seconds']['sft']:.0f} s)")
+    console.print(
+        f"cold-start model: {out}  ({record['teacher']['verified']}/{record['teacher']['episodes']} "
+        f"verified demonstrations, {record['rows']} rows, SFT {record['seconds']['sft']:.0f} s)"
+    )

@@ -15,7 +15,7 @@ from consequence.cli.common import check_model_dir, check_run_dir, console, pars
 from consequence.config import TrainConfig
 
 
-def _train(config: Optional[Path] = None, resume: Optional[Path] = None, **options) -> None:
+def _train(config: Path | None = None, resume: Path | None = None, **options) -> None:
     given = {k: v for k, v in options.items() if v is not None and v != [] and v != ()}
     try:
         if "env_options" in given:
@@ -80,35 +80,75 @@ def _run_train(cfg: TrainConfig, resume: bool, reproduces: Path | None = None) -
 def _train_signature() -> inspect.Signature:
     """One CLI option per TrainConfig field, with the field's description as help text;
     a boolean has ``--name/--no-name``, and every option left out is None (not given)."""
-    params = [inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[Path],
-                                default=typer.Option(None, "--config", help=(
-                                    "YAML file with the same options (a `recipe:` key applies that recipe as the "
-                                    "base); command-line options override it."))),
-              inspect.Parameter("resume", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[Path],
-                                default=typer.Option(None, "--resume", metavar="RUN_DIR", help=(
-                                    "Continue the run in RUN_DIR from its last resume state (checkpoints/state-NNNN), "
-                                    "with the config saved in RUN_DIR/config.yaml; other options must match it, except "
-                                    "--skip-checks and where rollouts run (--rollout-workers, --ray-address, "
-                                    "--rollout-timeout).")))]
-    params.append(inspect.Parameter("tasks", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[str],
-                                    default=typer.Option(None, "--tasks", hidden=True)))  # older name of --env
+    params = [
+        inspect.Parameter(
+            "config",
+            inspect.Parameter.KEYWORD_ONLY,
+            annotation=Optional[Path],
+            default=typer.Option(
+                None,
+                "--config",
+                help=(
+                    "YAML file with the same options (a `recipe:` key applies that recipe as the "
+                    "base); command-line options override it."
+                ),
+            ),
+        ),
+        inspect.Parameter(
+            "resume",
+            inspect.Parameter.KEYWORD_ONLY,
+            annotation=Optional[Path],
+            default=typer.Option(
+                None,
+                "--resume",
+                metavar="RUN_DIR",
+                help=(
+                    "Continue the run in RUN_DIR from its last resume state (checkpoints/state-NNNN), "
+                    "with the config saved in RUN_DIR/config.yaml; other options must match it, except "
+                    "--skip-checks and where rollouts run (--rollout-workers, --ray-address, "
+                    "--rollout-timeout)."
+                ),
+            ),
+        ),
+    ]
+    params.append(
+        inspect.Parameter(
+            "tasks",
+            inspect.Parameter.KEYWORD_ONLY,
+            annotation=Optional[str],
+            default=typer.Option(None, "--tasks", hidden=True),
+        )
+    )  # older name of --env
     for name, field in TrainConfig.model_fields.items():
         if name == "env_options":
-            params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=Optional[list[str]],
-                                            default=typer.Option(None, "--env-option", metavar="KEY=VALUE",
-                                                                 help=escape(field.description))))
+            params.append(
+                inspect.Parameter(
+                    name,
+                    inspect.Parameter.KEYWORD_ONLY,
+                    annotation=Optional[list[str]],
+                    default=typer.Option(None, "--env-option", metavar="KEY=VALUE", help=escape(field.description)),
+                )
+            )
             continue
         ann, choices = _option_type(field.annotation)
-        default_text = {"model": "bundled tiny warm start"}.get(name, "none") if field.default is None else str(field.default)
+        default_text = (
+            {"model": "bundled tiny warm start"}.get(name, "none") if field.default is None else str(field.default)
+        )
         if isinstance(field.default, list):
             default_text = ",".join(map(str, field.default))
         help_text = field.description + (f" One of: {', '.join(choices)}." if choices else "")
         flag = "--" + name.replace("_", "-")
         decls = [f"{flag}/--no-{flag[2:]}"] if ann is bool else [flag]
-        params.append(inspect.Parameter(
-            name, inspect.Parameter.KEYWORD_ONLY, annotation=Optional[ann],
-            default=typer.Option(None, *decls, help=f"{escape(help_text)} \\[default: {escape(default_text)}]",
-                                 show_default=False)))
+        params.append(
+            inspect.Parameter(
+                name,
+                inspect.Parameter.KEYWORD_ONLY,
+                annotation=Optional[ann],
+                default=typer.Option(
+                    None, *decls, help=f"{escape(help_text)} \\[default: {escape(default_text)}]", show_default=False
+                ),
+            )
+        )
     return inspect.Signature(params)
 
 
@@ -127,23 +167,37 @@ def _option_type(annotation) -> tuple[type, list[str]]:
 _train.__signature__ = _train_signature()
 
 
-app.command("train", help="Train the policy in an environment (--env; default: the code-repair task, with GRPO advantages with token-mean and no KL, "
-                          "as in DAPO / Dr.GRPO, into runs/repair-default; --recipe picks another algorithm, e.g. grpo "
-                          "for the paper's settings, into runs/repair-<recipe>). Runs end to end on CPU. Ctrl-C stops "
-                          "after saying how to continue (`--resume`), exit code 130.")(_train)
+app.command(
+    "train",
+    help="Train the policy in an environment (--env; default: the code-repair task, with GRPO advantages with token-mean and no KL, "
+    "as in DAPO / Dr.GRPO, into runs/repair-default; --recipe picks another algorithm, e.g. grpo "
+    "for the paper's settings, into runs/repair-<recipe>). Runs end to end on CPU. Ctrl-C stops "
+    "after saying how to continue (`--resume`), exit code 130.",
+)(_train)
 
 
 @app.command("reproduce")
-def reproduce_cmd(run: Path = typer.Argument(..., help="Run folder with a manifest.json."),
-                  run_dir: Optional[Path] = typer.Option(None, help="Folder of the new run (default: RUN-reproduce)."),
-                  iterations: Optional[int] = typer.Option(None, min=1, help=(
-                      TrainConfig.model_fields["iterations"].description
-                      + " Default: the original's; a smaller N runs only the first N iterations (same seeds, so "
-                        "they are comparable) and only those are compared.")),
-                  final_eval_episodes: Optional[int] = typer.Option(None, min=0, help=(
-                      TrainConfig.model_fields["final_eval_episodes"].description
-                      + " Default: the original's; 0 skips the final evaluation.")),
-                  ) -> None:
+def reproduce_cmd(
+    run: Path = typer.Argument(..., help="Run folder with a manifest.json."),
+    run_dir: Path | None = typer.Option(None, help="Folder of the new run (default: RUN-reproduce)."),
+    iterations: int | None = typer.Option(
+        None,
+        min=1,
+        help=(
+            TrainConfig.model_fields["iterations"].description
+            + " Default: the original's; a smaller N runs only the first N iterations (same seeds, so "
+            "they are comparable) and only those are compared."
+        ),
+    ),
+    final_eval_episodes: int | None = typer.Option(
+        None,
+        min=0,
+        help=(
+            TrainConfig.model_fields["final_eval_episodes"].description
+            + " Default: the original's; 0 skips the final evaluation."
+        ),
+    ),
+) -> None:
     """Run a training job again from its manifest and compare the metrics of the two runs.
 
     It takes about as long as the original run (the default run: ~12 min on 2 cores). To
@@ -156,8 +210,9 @@ def reproduce_cmd(run: Path = typer.Argument(..., help="Run folder with a manife
     from consequence.reproduce import compare_metrics, drift, reproduce_config
 
     try:
-        overrides = {k: v for k, v in (("iterations", iterations), ("final_eval_episodes", final_eval_episodes))
-                     if v is not None}
+        overrides = {
+            k: v for k, v in (("iterations", iterations), ("final_eval_episodes", final_eval_episodes)) if v is not None
+        }
         cfg = reproduce_config(run, run_dir, overrides)
         check_before_work(cfg)
         manifest = read_manifest(run)
@@ -172,10 +227,14 @@ def reproduce_cmd(run: Path = typer.Argument(..., help="Run folder with a manife
     for col in ("iteration", "reward then", "reward now", "max |Δ| of compared metrics"):
         table.add_column(col, justify="right")
     for r in rows:
-        table.add_row(str(r["iteration"]), f"{r['reward_then']:.4f}", f"{r['reward_now']:.4f}", f"{r['max_abs_diff']:.2e}")
+        table.add_row(
+            str(r["iteration"]), f"{r['reward_then']:.4f}", f"{r['reward_now']:.4f}", f"{r['max_abs_diff']:.2e}"
+        )
     console.print(table)
     original = manifest.get("config", {}).get("iterations")
-    console.print((f"compared iterations 0–{len(rows) - 1}" if rows else "no iteration to compare")
-                  + f": the reproduction ran {cfg.iterations} of the original's "
-                  f"{original} iterations" + (" (shortened with --iterations)" if iterations and original
-                                              and iterations < original else ""))
+    console.print(
+        (f"compared iterations 0–{len(rows) - 1}" if rows else "no iteration to compare")
+        + f": the reproduction ran {cfg.iterations} of the original's "
+        f"{original} iterations"
+        + (" (shortened with --iterations)" if iterations and original and iterations < original else "")
+    )

@@ -22,8 +22,7 @@ ESTIMATORS: tuple[str, ...] = ("reinforce", "batch_mean", "reinforce_pp", "rloo"
 def _check_inputs(rewards: Sequence[float | None], group_ids: Sequence[str]) -> None:
     if len(rewards) != len(group_ids):
         raise ValueError(
-            f"got {len(rewards)} rewards but {len(group_ids)} group ids; "
-            "each trajectory needs exactly one group id"
+            f"got {len(rewards)} rewards but {len(group_ids)} group ids; each trajectory needs exactly one group id"
         )
     for i, r in enumerate(rewards):
         if r is None:
@@ -145,8 +144,7 @@ def group_advantages(
                     "Sample G >= 2 per task or use another estimator."
                 )
             warnings.warn(
-                f"group {g!r} has a single valid rollout: G = 1 gives no comparison, "
-                f"so its {estimator} advantage is 0",
+                f"group {g!r} has a single valid rollout: G = 1 gives no comparison, so its {estimator} advantage is 0",
                 UserWarning,
                 stacklevel=2,
             )

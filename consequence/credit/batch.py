@@ -30,7 +30,15 @@ from consequence.credit.returns import gae
 from consequence.credit.value import ValueModel, row_values
 from consequence.records import TrainingRow, Trajectory, trajectory_to_rows
 
-__all__ = ["Batch", "credited", "credit_rewards", "no_target_count", "training_rows", "assign_credit", "kl_reward_penalty"]
+__all__ = [
+    "Batch",
+    "credited",
+    "credit_rewards",
+    "no_target_count",
+    "training_rows",
+    "assign_credit",
+    "kl_reward_penalty",
+]
 
 
 @dataclass
@@ -52,21 +60,30 @@ class Batch:
         for j in rows:
             i = self.rows[j].traj_index
             t = self.trajectories[i] if self.trajectories and i < len(self.trajectories) else None
-            out.append(f"task {t.task_id} group {t.group_id} sample {t.sample_id} (trajectory {i})" if t
-                       else f"trajectory {i}")
+            out.append(
+                f"task {t.task_id} group {t.group_id} sample {t.sample_id} (trajectory {i})" if t else f"trajectory {i}"
+            )
         return "; ".join(dict.fromkeys(out))  # a trajectory split into several rows is named once
 
     def select(self, keep: list[int]) -> Batch:
         """The batch restricted to rows ``keep`` (indices into ``self.rows``)."""
+
         def take(xs: list) -> list:
             return [xs[j] for j in keep]
 
         def pick(xs: list | None) -> list | None:  # an absent side input stays absent
             return None if xs is None else take(xs)
 
-        return Batch(take(self.rows), take(self.advantages), take(self.sampler_logprobs),
-                     pick(self.ref_logprobs), pick(self.returns), pick(self.old_values), self.trajectories,
-                     dict(self.metrics))
+        return Batch(
+            take(self.rows),
+            take(self.advantages),
+            take(self.sampler_logprobs),
+            pick(self.ref_logprobs),
+            pick(self.returns),
+            pick(self.old_values),
+            self.trajectories,
+            dict(self.metrics),
+        )
 
 
 def credited(t: Trajectory) -> bool:
@@ -104,9 +121,17 @@ def training_rows(trajs: list[Trajectory]) -> tuple[list[TrainingRow], list[int]
     return rows, owner
 
 
-def assign_credit(trajs: list[Trajectory], rows: list[TrainingRow], owner: list[int], cfg: TrainConfig, *,
-                  ref_logprobs: list[list[float]] | None = None, critic: ValueModel | None = None,
-                  pad_id: int = 0, teacher_logprobs: list[list[float]] | None = None) -> Batch:
+def assign_credit(
+    trajs: list[Trajectory],
+    rows: list[TrainingRow],
+    owner: list[int],
+    cfg: TrainConfig,
+    *,
+    ref_logprobs: list[list[float]] | None = None,
+    critic: ValueModel | None = None,
+    pad_id: int = 0,
+    teacher_logprobs: list[list[float]] | None = None,
+) -> Batch:
     """Advantages of ``rows`` (from :func:`training_rows`) by the recipe's estimator.
 
     Sets ``t.advantage`` (the trajectory's scalar advantage; for GAE the mean over its
@@ -169,9 +194,13 @@ def _rejection_batch(trajs: list[Trajectory], batch: Batch, owner: list[int]) ->
     batch.advantages = [trajs[i].advantage for i in owner]
     batch = batch.select([j for j, i in enumerate(owner) if id(trajs[i]) in ids])
     d = stats.as_dict()
-    batch.metrics = {"rejection_attempts": float(d["attempts"]), "rejection_accepted": float(d["accepted"]),
-                     "rejection_duplicates": float(d["duplicates"]), "acceptance_rate": d["acceptance_rate"],
-                     "attempts_per_accepted": d["attempts_per_accepted"]}
+    batch.metrics = {
+        "rejection_attempts": float(d["attempts"]),
+        "rejection_accepted": float(d["accepted"]),
+        "rejection_duplicates": float(d["duplicates"]),
+        "acceptance_rate": d["acceptance_rate"],
+        "attempts_per_accepted": d["attempts_per_accepted"],
+    }
     return batch
 
 
@@ -181,8 +210,9 @@ def _scalar_advantages(trajs, owner, cfg, penalty, estimator: str) -> list:
     if penalty is not None:
         for j, i in enumerate(owner):
             rewards[i] -= sum(penalty[j])
-    return group_advantages(rewards, [t.group_id for t in trajs], estimator=estimator,
-                            std_correction=1 if cfg.grpo_std == "sample" else 0)
+    return group_advantages(
+        rewards, [t.group_id for t in trajs], estimator=estimator, std_correction=1 if cfg.grpo_std == "sample" else 0
+    )
 
 
 def _teacher_advantages(trajs, batch: Batch, owner, cfg, teacher_logprobs, penalty) -> None:
@@ -206,13 +236,20 @@ def _teacher_advantages(trajs, batch: Batch, owner, cfg, teacher_logprobs, penal
     for i, t in enumerate(trajs):
         t.advantage = sums[i] / counts[i] if counts[i] else None  # no target: no advantage
     n = sum(counts)
-    batch.metrics = {"teacher_reverse_kl": k1 / n if n else None,  # mean k1 = log μ − log π_T, nats per target token
-                     "teacher_forward_tokens": float(sum(len(r.input_ids) for r in batch.rows)),
-                     "distill_targets": float(n)}
+    batch.metrics = {
+        "teacher_reverse_kl": k1 / n if n else None,  # mean k1 = log μ − log π_T, nats per target token
+        "teacher_forward_tokens": float(sum(len(r.input_ids) for r in batch.rows)),
+        "distill_targets": float(n),
+    }
 
 
-def kl_reward_penalty(rows: list[TrainingRow], sampler_logprobs: list[list[float]],
-                      ref_logprobs: list[list[float]], coef: float, estimator: str) -> list[list[float]]:
+def kl_reward_penalty(
+    rows: list[TrainingRow],
+    sampler_logprobs: list[list[float]],
+    ref_logprobs: list[list[float]],
+    coef: float,
+    estimator: str,
+) -> list[list[float]]:
     """β·k(logμ, logπ_ref) per position of each row, 0 off target: KL as a reward penalty
     (Ouyang et al. 2022, eq. 2; estimator k1 / k2 / k3 of :func:`consequence.credit.kl.kl_estimate`)."""
     out = []
@@ -249,8 +286,9 @@ def _gae_advantages(trajs, batch: Batch, owner, cfg, critic: ValueModel, pad_id,
         rets.append(ret)
     flat = torch.tensor([a for r, adv in zip(batch.rows, advs) for a, m in zip(adv, r.loss_mask) if m])
     mean, std = (flat.mean().item(), flat.std(unbiased=False).item()) if flat.numel() else (0.0, 1.0)
-    batch.advantages = [[(a - mean) / (std + 1e-6) if m else 0.0 for a, m in zip(adv, r.loss_mask)]
-                        for r, adv in zip(batch.rows, advs)]
+    batch.advantages = [
+        [(a - mean) / (std + 1e-6) if m else 0.0 for a, m in zip(adv, r.loss_mask)] for r, adv in zip(batch.rows, advs)
+    ]
     batch.returns, batch.old_values = rets, values
     sums: dict[int, list[float]] = {}  # trajectory → [Σ advantage, n targets] over its rows
     for i, r, adv in zip(owner, batch.rows, batch.advantages):

@@ -14,8 +14,7 @@ from torch import Tensor
 KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
 
 
-def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k3", *,
-                mask: Tensor | None = None) -> Tensor:
+def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k3", *, mask: Tensor | None = None) -> Tensor:
     """Per-token estimate of KL(π_θ ‖ π_ref) from tokens sampled from π_θ.
 
     With log r = logπ_θ − logπ_ref (Schulman 2020, "Approximating KL Divergence"):
@@ -58,8 +57,9 @@ def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k3", *
     raise ValueError(f"unknown KL estimator {estimator!r}; valid: {', '.join(KL_ESTIMATORS)}")
 
 
-def reverse_kl_advantages(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor,
-                          loss_mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+def reverse_kl_advantages(
+    student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, loss_mask: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Dense per-token advantages of on-policy distillation: ``A_t = log p_T(y_t) − log q(y_t)``.
 
     The negative of the sampled-token reverse-KL estimate ``k1_t = log q(y_t) − log p_T(y_t)``
@@ -82,8 +82,10 @@ def reverse_kl_advantages(student_logprobs: torch.Tensor, teacher_logprobs: torc
         ValueError: shapes differ, or the mask has no target.
     """
     if not (student_logprobs.shape == teacher_logprobs.shape == loss_mask.shape):
-        raise ValueError(f"shapes differ: student {tuple(student_logprobs.shape)}, teacher "
-                         f"{tuple(teacher_logprobs.shape)}, mask {tuple(loss_mask.shape)}")
+        raise ValueError(
+            f"shapes differ: student {tuple(student_logprobs.shape)}, teacher "
+            f"{tuple(teacher_logprobs.shape)}, mask {tuple(loss_mask.shape)}"
+        )
     on = loss_mask > 0
     n = float(on.sum())
     if n == 0:

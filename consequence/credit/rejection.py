@@ -92,8 +92,10 @@ def accept(trajectories: Sequence[Trajectory], unique: bool = True) -> tuple[lis
             errors += 1
             continue
         if t.reward is None:
-            raise ValueError(f"rejection sampling: episode {t.task_id} #{t.sample_id} was never scored; "
-                             "score the trajectories (reward box) before accepting them")
+            raise ValueError(
+                f"rejection sampling: episode {t.task_id} #{t.sample_id} was never scored; "
+                "score the trajectories (reward box) before accepting them"
+            )
         attempts += 1
         if not _verified(t):
             continue

@@ -30,11 +30,11 @@ class ValueModel(nn.Module):
     def __init__(self, policy: nn.Module):
         super().__init__()
         trunk = getattr(policy, "base_model", None)
-        hidden = getattr(getattr(policy, "config", None), "hidden_size", None) or \
-            getattr(getattr(policy, "config", None), "n_embd", None)
+        hidden = getattr(getattr(policy, "config", None), "hidden_size", None) or getattr(
+            getattr(policy, "config", None), "n_embd", None
+        )
         if trunk is None or trunk is policy or hidden is None:
-            raise ValueError("ValueModel needs a Hugging Face causal LM with a base_model trunk "
-                             "and config.hidden_size")
+            raise ValueError("ValueModel needs a Hugging Face causal LM with a base_model trunk and config.hidden_size")
         self.trunk = copy.deepcopy(trunk)
         self.head = nn.Linear(int(hidden), 1)
         nn.init.zeros_(self.head.weight)
@@ -48,8 +48,9 @@ class ValueModel(nn.Module):
 
 
 @torch.no_grad()
-def row_values(critic: ValueModel, rows: Sequence[TrainingRow], pad_id: int,
-               micro_batch_size: int = 32) -> tuple[list[list[float]], list[float]]:
+def row_values(
+    critic: ValueModel, rows: Sequence[TrainingRow], pad_id: int, micro_batch_size: int = 32
+) -> tuple[list[list[float]], list[float]]:
     """Values of every row under ``critic``, aligned with the row's targets.
 
     Returns:
@@ -72,8 +73,9 @@ def row_values(critic: ValueModel, rows: Sequence[TrainingRow], pad_id: int,
     return values, final
 
 
-def explained_variance(rows: Sequence[TrainingRow], returns: Sequence[Sequence[float]],
-                       values: Sequence[Sequence[float]]) -> float | None:
+def explained_variance(
+    rows: Sequence[TrainingRow], returns: Sequence[Sequence[float]], values: Sequence[Sequence[float]]
+) -> float | None:
     """1 − Var(R − V) / Var(R) over every target token of ``rows`` (population variances).
 
     The standard diagnostic of a critic (e.g. OpenAI Baselines' ``explained_variance``):

@@ -76,8 +76,10 @@ def load_fixed_data(path: str | Path, splits: dict[str, Sequence[Any]]) -> list[
         hint = f"; did you mean {p / 'episodes.parquet'}?" if (p / "episodes.parquet").is_file() else ""
         raise ValueError(f"--distill-data {p} is a folder: give a trajectories parquet file{hint}")
     if not p.is_file():
-        raise ValueError(f"--distill-data {p}: no such file; write one with `consequence eval --model TEACHER "
-                         "--split train --out DIR` (DIR/episodes.parquet)")
+        raise ValueError(
+            f"--distill-data {p}: no such file; write one with `consequence eval --model TEACHER "
+            "--split train --out DIR` (DIR/episodes.parquet)"
+        )
     try:
         trajs = read_trajectories(p)
     except Exception as e:  # pyarrow's own message says what is wrong with the file
@@ -89,9 +91,15 @@ def load_fixed_data(path: str | Path, splits: dict[str, Sequence[Any]]) -> list[
     for t in usable:
         split = where.get(_problem_of(t.task_id))
         if split != "train":
-            why = f"is a {split}-split problem" if split else "is in no split of this environment (another env or --split-seed?)"
-            raise ValueError(f"--distill-data {p}: task {t.task_id!r} {why}; fixed data may hold train-split "
-                             "problems only (write it with --split train and the run's --split-seed)")
+            why = (
+                f"is a {split}-split problem"
+                if split
+                else "is in no split of this environment (another env or --split-seed?)"
+            )
+            raise ValueError(
+                f"--distill-data {p}: task {t.task_id!r} {why}; fixed data may hold train-split "
+                "problems only (write it with --split train and the run's --split-seed)"
+            )
     return usable
 
 
@@ -104,8 +112,10 @@ def check_token_ids(trajs: Sequence[Trajectory], vocab_size: int, option: str) -
     for t in trajs:
         top = max((max(c.context_ids + c.output_ids, default=0) for c in t.calls), default=0)
         if top >= vocab_size:
-            raise ValueError(f"{option}: task {t.task_id!r} holds token id {top}, outside the student's vocabulary "
-                             f"of {vocab_size}; the data must be tokenised with the student's tokenizer")
+            raise ValueError(
+                f"{option}: task {t.task_id!r} holds token id {top}, outside the student's vocabulary "
+                f"of {vocab_size}; the data must be tokenised with the student's tokenizer"
+            )
 
 
 def draw_fixed_batch(pool: Sequence[Trajectory], n: int, seed: int, it: int) -> list[Trajectory]:

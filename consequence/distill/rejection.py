@@ -32,8 +32,18 @@ def accepted_rows(accepted: Sequence[Trajectory]) -> list[TrainingRow]:
     return [row for i, t in enumerate(accepted) for row in trajectory_to_rows(t, i)]
 
 
-def rejection_sample(model, renderer, env, tasks: Sequence, n: int, budgets, seed: int, temperature: float = 1.0,
-                     unique: bool = True, progress=None) -> tuple[list[Trajectory], list[Trajectory], RejectionStats]:
+def rejection_sample(
+    model,
+    renderer,
+    env,
+    tasks: Sequence,
+    n: int,
+    budgets,
+    seed: int,
+    temperature: float = 1.0,
+    unique: bool = True,
+    progress=None,
+) -> tuple[list[Trajectory], list[Trajectory], RejectionStats]:
     """One round: ``n`` episodes of the student per task, scored, then :func:`accept`.
 
     Args:
@@ -51,8 +61,10 @@ def rejection_sample(model, renderer, env, tasks: Sequence, n: int, budgets, see
         ValueError: ``temperature <= 0`` or ``n < 1``.
     """
     if temperature <= 0:
-        raise ValueError(f"rejection sampling needs temperature > 0 (got {temperature}): greedy attempts of a "
-                         "task are one episode repeated")
+        raise ValueError(
+            f"rejection sampling needs temperature > 0 (got {temperature}): greedy attempts of a "
+            "task are one episode repeated"
+        )
     trajs = sample_episodes(model, renderer, env, tasks, n, budgets, seed, temperature, progress=progress)
     kept, stats = accept(trajs, unique)
     return trajs, kept, stats

@@ -55,8 +55,9 @@ class SFTConfig:
 
     def __post_init__(self) -> None:
         if self.rows_per_step < 1 or self.micro_batch_size < 1:
-            raise ValueError(f"rows_per_step and micro_batch_size must be >= 1, got {self.rows_per_step}, "
-                             f"{self.micro_batch_size}")
+            raise ValueError(
+                f"rows_per_step and micro_batch_size must be >= 1, got {self.rows_per_step}, {self.micro_batch_size}"
+            )
         if not (self.learning_rate > 0 and self.epochs > 0):
             raise ValueError(f"learning_rate and epochs must be > 0, got {self.learning_rate}, {self.epochs}")
 
@@ -64,8 +65,13 @@ class SFTConfig:
         return asdict(self)
 
 
-def sft_step_gradients(model: torch.nn.Module, rows: Sequence[TrainingRow], pad_id: int, micro_batch_size: int,
-                       logprob_fn: Callable = token_logprobs) -> dict[str, float]:
+def sft_step_gradients(
+    model: torch.nn.Module,
+    rows: Sequence[TrainingRow],
+    pad_id: int,
+    micro_batch_size: int,
+    logprob_fn: Callable = token_logprobs,
+) -> dict[str, float]:
     """Add ∇L of one step (the module doc's token mean over all ``rows``) to ``.grad``.
 
     Args:
@@ -88,7 +94,7 @@ def sft_step_gradients(model: torch.nn.Module, rows: Sequence[TrainingRow], pad_
     loss_sum = 0.0
     device = next(model.parameters()).device
     for a in range(0, len(rows), micro_batch_size):
-        batch = pad_rows(rows[a:a + micro_batch_size], pad_id)
+        batch = pad_rows(rows[a : a + micro_batch_size], pad_id)
         lp, _ = logprob_fn(model, batch["input_ids"].to(device), batch["attention_mask"].to(device))
         mask = batch["loss_mask"][:, 1:].to(device)
         loss = -(lp * mask).sum() / total
@@ -97,9 +103,15 @@ def sft_step_gradients(model: torch.nn.Module, rows: Sequence[TrainingRow], pad_
     return {"loss": loss_sum, "n_targets": float(total), "n_rows": float(len(rows))}
 
 
-def train_sft(model: torch.nn.Module, rows: Sequence[TrainingRow], pad_id: int, cfg: SFTConfig = SFTConfig(),
-              log: Callable[[str], None] = print, progress: Callable[[int, int, float], None] | None = None,
-              logprob_fn: Callable = token_logprobs) -> list[float]:
+def train_sft(
+    model: torch.nn.Module,
+    rows: Sequence[TrainingRow],
+    pad_id: int,
+    cfg: SFTConfig = SFTConfig(),
+    log: Callable[[str], None] = print,
+    progress: Callable[[int, int, float], None] | None = None,
+    logprob_fn: Callable = token_logprobs,
+) -> list[float]:
     """Fine-tune ``model`` on ``rows`` (module doc's loss); returns the loss of every step.
 
     Args:
@@ -126,7 +138,8 @@ def train_sft(model: torch.nn.Module, rows: Sequence[TrainingRow], pad_id: int, 
     steps = sft_steps(cfg, len(rows))
     warmup = max(1, math.floor(steps * cfg.warmup_fraction + 1e-9))  # + 1e-9: 0.05 · 20k is 1.0 − ε in floats
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps))))
+        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps)))
+    )
     g = torch.Generator().manual_seed(cfg.seed)
     batches: list[list[int]] = []
     losses: list[float] = []
@@ -161,7 +174,7 @@ def bucketed_batches(lengths: list[int], batch_size: int, g: torch.Generator) ->
     batches = []
     span = batch_size * 16
     for start in range(0, len(order), span):
-        chunk = sorted(order[start: start + span], key=lambda i: lengths[i])
-        batches += [chunk[k: k + batch_size] for k in range(0, len(chunk), batch_size)]
+        chunk = sorted(order[start : start + span], key=lambda i: lengths[i])
+        batches += [chunk[k : k + batch_size] for k in range(0, len(chunk), batch_size)]
     perm = torch.randperm(len(batches), generator=g).tolist()
     return [batches[i] for i in perm]

@@ -32,8 +32,7 @@ class TeacherHabits:
     p_verify_before_finish: float = 0.5
 
 
-def plan_episode(task: Any, rng: random.Random, habits: TeacherHabits = TeacherHabits()
-                 ) -> list[tuple[str, dict]]:
+def plan_episode(task: Any, rng: random.Random, habits: TeacherHabits = TeacherHabits()) -> list[tuple[str, dict]]:
     """The list of tool calls the teacher will make on ``task`` (a RepairTask).
 
     Deterministic given the rng state. Every plan ends with the right patch and ``finish``,
@@ -74,8 +73,7 @@ class ScriptedTeacher:
         self.plans = plans
         self.step = [0] * len(plans)
 
-    def __call__(self, prompts: list[list[int]], max_new_tokens: int,
-                 episode_indices: list[int]) -> list[Sample]:
+    def __call__(self, prompts: list[list[int]], max_new_tokens: int, episode_indices: list[int]) -> list[Sample]:
         out = []
         for i in episode_indices:
             name, args = self.plans[i][min(self.step[i], len(self.plans[i]) - 1)]

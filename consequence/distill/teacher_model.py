@@ -27,12 +27,18 @@ SPECIAL_ROLES = ("eos", "pad", "bos", "unk")
 # Components of the `tokenizers` JSON that decide which ids a text becomes (or what an id
 # means), in the order they are compared; ``truncation`` and ``padding`` are call settings
 # of the backend, not part of the mapping, and are left out.
-PIPELINE = (("normalizer", "normalizer"), ("pre_tokenizer", "pre-tokenizer"),
-            ("post_processor", "post-processor"), ("decoder", "decoder"))
+PIPELINE = (
+    ("normalizer", "normalizer"),
+    ("pre_tokenizer", "pre-tokenizer"),
+    ("post_processor", "post-processor"),
+    ("decoder", "decoder"),
+)
 # A text with nested code (whitespace runs), digits, accents, CJK and emoji: compared encodings of
 # tokenizers without a `tokenizers` backend (slow tokenizers), where no JSON can be compared.
-PROBE = ("def f(xs):\n    for x in xs:\n        if x > 0:\n            return x  # done\n\n\tTabs, 12345 + 0.5e-3, "
-         "café naïve, 日本語, 😀 ' \"q\" <b>&amp;</b>  trailing  ")
+PROBE = (
+    "def f(xs):\n    for x in xs:\n        if x > 0:\n            return x  # done\n\n\tTabs, 12345 + 0.5e-3, "
+    'café naïve, 日本語, 😀 \' "q" <b>&amp;</b>  trailing  '
+)
 
 
 def tokenizer_difference(student_tok, teacher_tok) -> str | None:
@@ -65,11 +71,16 @@ def tokenizer_difference(student_tok, teacher_tok) -> str | None:
     t = {i: tok for tok, i in teacher_tok.get_vocab().items()}
     if s != t:
         first = min(i for i in set(s) | set(t) if s.get(i) != t.get(i))
-        return (f"its vocabulary: id {first} is {s.get(first, '(none)')!r} for the student and "
-                f"{t.get(first, '(none)')!r} for the teacher ({len(s)} vs {len(t)} tokens)")
+        return (
+            f"its vocabulary: id {first} is {s.get(first, '(none)')!r} for the student and "
+            f"{t.get(first, '(none)')!r} for the teacher ({len(s)} vs {len(t)} tokens)"
+        )
     js, jt = _backend_json(student_tok), _backend_json(teacher_tok)
-    if js is not None and jt is not None and (
-            found := _added_tokens_difference(js.get("added_tokens") or [], jt.get("added_tokens") or [])):
+    if (
+        js is not None
+        and jt is not None
+        and (found := _added_tokens_difference(js.get("added_tokens") or [], jt.get("added_tokens") or []))
+    ):
         return found
     if found := _roles_difference(student_tok, teacher_tok):
         return found
@@ -77,8 +88,10 @@ def tokenizer_difference(student_tok, teacher_tok) -> str | None:
         a, b = (tok.encode(PROBE, add_special_tokens=False) for tok in (student_tok, teacher_tok))
         if a != b:
             k = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-            return (f"how it splits text: a probe text encodes to {len(a)} ids for the student and {len(b)} for the "
-                    f"teacher, first different at position {k} ({_at(a, k)} vs {_at(b, k)})")
+            return (
+                f"how it splits text: a probe text encodes to {len(a)} ids for the student and {len(b)} for the "
+                f"teacher, first different at position {k} ({_at(a, k)} vs {_at(b, k)})"
+            )
         return None
     if found := _model_difference(js.get("model") or {}, jt.get("model") or {}):
         return found
@@ -102,9 +115,11 @@ def check_same_tokenizer(student_tok, teacher_tok, teacher_name: str = "the teac
     found = tokenizer_difference(student_tok, teacher_tok)
     if found is None:
         return
-    raise ValueError(f"{teacher_name}: its tokenizer differs from the student's in {found}; distillation compares "
-                     "the log-probs both models give to the same token ids, so the teacher must tokenise text exactly "
-                     "as the student does: give a teacher built on the student's tokenizer")
+    raise ValueError(
+        f"{teacher_name}: its tokenizer differs from the student's in {found}; distillation compares "
+        "the log-probs both models give to the same token ids, so the teacher must tokenise text exactly "
+        "as the student does: give a teacher built on the student's tokenizer"
+    )
 
 
 # ---- the parts compared ------------------------------------------------------------------
@@ -125,11 +140,15 @@ def _added_tokens_difference(a: list[dict], b: list[dict]) -> str | None:
         if x is None or y is None:
             one = x if x is not None else y
             assert one is not None  # id i is in by_a or by_b
-            return (f"its added tokens: {one['content']!r} (id {i}) is an added token of the "
-                    f"{'student' if y is None else 'teacher'} only")
+            return (
+                f"its added tokens: {one['content']!r} (id {i}) is an added token of the "
+                f"{'student' if y is None else 'teacher'} only"
+            )
         key = next(k for k in sorted(set(x) | set(y)) if x.get(k) != y.get(k))
-        return (f"its added tokens: the token with id {i} ({x['content']!r}) has {key}={_show(x.get(key))} for the "
-                f"student and {key}={_show(y.get(key))} for the teacher")
+        return (
+            f"its added tokens: the token with id {i} ({x['content']!r}) has {key}={_show(x.get(key))} for the "
+            f"student and {key}={_show(y.get(key))} for the teacher"
+        )
     return None
 
 
@@ -139,8 +158,10 @@ def _roles_difference(student_tok, teacher_tok) -> str | None:
         a, b = (getattr(tok, f"{role}_token", None) for tok in (student_tok, teacher_tok))
         a, b = (None if x is None else str(x) for x in (a, b))
         if a != b:
-            return (f"its special tokens: the {role} token is {_show_token(a)} for the student and "
-                    f"{_show_token(b)} for the teacher")
+            return (
+                f"its special tokens: the {role} token is {_show_token(a)} for the student and "
+                f"{_show_token(b)} for the teacher"
+            )
     return None
 
 
@@ -153,9 +174,11 @@ def _model_difference(a: dict, b: dict) -> str | None:
     if ma != mb:
         ma, mb = ma or [], mb or []
         k = next((k for k, (x, y) in enumerate(zip(ma, mb)) if x != y), min(len(ma), len(mb)))
-        return (f"its BPE merges: merge #{k} (counting from 0, in rank order) is {_merge(ma, k)} for the student and "
-                f"{_merge(mb, k)} for the teacher ("
-                + (f"both have {len(ma)} merges)" if len(ma) == len(mb) else f"{len(ma)} vs {len(mb)} merges)"))
+        return (
+            f"its BPE merges: merge #{k} (counting from 0, in rank order) is {_merge(ma, k)} for the student and "
+            f"{_merge(mb, k)} for the teacher ("
+            + (f"both have {len(ma)} merges)" if len(ma) == len(mb) else f"{len(ma)} vs {len(mb)} merges)")
+        )
     rest_a, rest_b = ({k: v for k, v in m.items() if k != "merges"} for m in (a, b))
     if found := _first_leaf_difference(rest_a, rest_b, "model"):
         path, x, y = found
@@ -222,8 +245,9 @@ def _teacher_tokenizer(folder: Path):
         return None
 
 
-def load_teacher(path: str | Path, student_tok, log: Callable[[str], None] = print,
-                 student: PreTrainedModel | None = None) -> PreTrainedModel:
+def load_teacher(
+    path: str | Path, student_tok, log: Callable[[str], None] = print, student: PreTrainedModel | None = None
+) -> PreTrainedModel:
     """Load the teacher at ``path`` (a local model folder or a registered name), frozen.
 
     Args:
@@ -251,7 +275,9 @@ def load_teacher(path: str | Path, student_tok, log: Callable[[str], None] = pri
     model, tok = load_policy(folder)
     check_same_tokenizer(student_tok, tok, f"--teacher {path}")
     if student is not None and _out_rows(model) != _out_rows(student):
-        raise ValueError(f"--teacher {path} predicts over {_out_rows(model)} token ids, the student over "
-                         f"{_out_rows(student)}: distillation compares their distributions id for id, so teacher and "
-                         "student need the same vocabulary (the same tokenizer and output layer size)")
+        raise ValueError(
+            f"--teacher {path} predicts over {_out_rows(model)} token ids, the student over "
+            f"{_out_rows(student)}: distillation compares their distributions id for id, so teacher and "
+            "student need the same vocabulary (the same tokenizer and output layer size)"
+        )
     return model.eval().requires_grad_(False)

@@ -49,8 +49,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
-__all__ = ["Episode", "Environment", "SPLITS", "ANSWER_KEY", "source_sha256", "answer_in_text",
-           "SingleTurnEnvironment", "SingleTurnEpisode", "SingleTurnTask", "check_reward_fn_value"]
+__all__ = [
+    "Episode",
+    "Environment",
+    "SPLITS",
+    "ANSWER_KEY",
+    "source_sha256",
+    "answer_in_text",
+    "SingleTurnEnvironment",
+    "SingleTurnEpisode",
+    "SingleTurnTask",
+    "check_reward_fn_value",
+]
 
 SPLITS: tuple[str, ...] = ("train", "validation", "test")
 ANSWER_KEY = "answer"  # the action of a reply without a tool call: {"answer": text}
@@ -119,8 +129,9 @@ class Environment:
 
     def __init__(self, split_seed: int = 0, **options: Any):
         if options:
-            raise ValueError(f"environment {self.name!r} takes no option "
-                             + ", ".join(sorted(options)) + " (it declares none)")
+            raise ValueError(
+                f"environment {self.name!r} takes no option " + ", ".join(sorted(options)) + " (it declares none)"
+            )
         self.split_seed = split_seed
         self.split: dict[str, list] = self.load_splits(split_seed)
 
@@ -196,11 +207,15 @@ class Environment:
         try:
             obs = self.make_episode(task).reset(seed=0)[0]
         except Exception as e:  # the environment's code failed before any work: say where
-            raise ValueError(f"--env {self.label}: making or resetting an episode of task "
-                             f"{getattr(task, 'task_id', task)!r} raised {type(e).__name__}: {e}") from None
+            raise ValueError(
+                f"--env {self.label}: making or resetting an episode of task "
+                f"{getattr(task, 'task_id', task)!r} raised {type(e).__name__}: {e}"
+            ) from None
         if not isinstance(obs, str):
-            raise ValueError(f"--env {self.label}: reset() must return (observation: str, info: dict); the "
-                             f"observation is a {type(obs).__name__}")
+            raise ValueError(
+                f"--env {self.label}: reset() must return (observation: str, info: dict); the "
+                f"observation is a {type(obs).__name__}"
+            )
         return obs
 
     def check_splits(self, needed: dict[str, str | None]) -> None:
@@ -215,10 +230,16 @@ class Environment:
         sizes = {k: len(v) for k, v in self.split.items()}
         for split, why in needed.items():
             if why and not sizes.get(split):
-                raise ValueError(f"--env {self.label}: the {split} split is empty (split by problem: "
-                                 + ", ".join(f"{k} {n}" for k, n in sizes.items()) + f"), and {why} needs it; "
-                                 + ("add problems (about 10 % of them land in validation and 10 % in test) or set "
-                                    f"{why} 0" if why.startswith("--") else "add problems to the task source"))
+                raise ValueError(
+                    f"--env {self.label}: the {split} split is empty (split by problem: "
+                    + ", ".join(f"{k} {n}" for k, n in sizes.items())
+                    + f"), and {why} needs it; "
+                    + (
+                        f"add problems (about 10 % of them land in validation and 10 % in test) or set {why} 0"
+                        if why.startswith("--")
+                        else "add problems to the task source"
+                    )
+                )
 
     def longest_prompt(self, n_tokens, n: int = 256, seed: int = 0) -> int:
         """Longest ``n_tokens(request)`` among ``n`` train instances (all problems when fewer)."""
@@ -242,13 +263,22 @@ class Environment:
     def describe(self) -> dict[str, Any]:
         """Name, version, class, source hash, options, tools, prompt and reward rule (the manifest's record)."""
         cls = type(self)
-        return {"name": self.name, "version": self.version, "class": f"{cls.__module__}:{cls.__qualname__}",
-                "source_sha256": source_sha256(cls), "options": self.options, "label": self.label,
-                "split_seed": self.split_seed, "tools": [t["function"]["name"] for t in self.tools],
-                "system_prompt": self.system_prompt, "examples": [list(x) for x in self.examples],
-                "reward_components": list(self.reward_components),
-                "reward_rule": self.reward_rule, "reward_range": list(self.reward_range),
-                "answer_ends_episode": self.answer_ends_episode}
+        return {
+            "name": self.name,
+            "version": self.version,
+            "class": f"{cls.__module__}:{cls.__qualname__}",
+            "source_sha256": source_sha256(cls),
+            "options": self.options,
+            "label": self.label,
+            "split_seed": self.split_seed,
+            "tools": [t["function"]["name"] for t in self.tools],
+            "system_prompt": self.system_prompt,
+            "examples": [list(x) for x in self.examples],
+            "reward_components": list(self.reward_components),
+            "reward_rule": self.reward_rule,
+            "reward_range": list(self.reward_range),
+            "answer_ends_episode": self.answer_ends_episode,
+        }
 
 
 def source_sha256(cls: type) -> str | None:
@@ -294,19 +324,26 @@ def check_environment(env: Environment) -> None:
     who = f"environment {type(env).__module__}:{type(env).__qualname__}"
     if not isinstance(env.split, dict):
         raise ValueError(f"{who}: load_splits() returned a {type(env.split).__name__}, not a dict of split → tasks")
-    if not (isinstance(env.reward_range, (tuple, list)) and len(env.reward_range) == 2
-            and all(isinstance(x, (int, float)) for x in env.reward_range)):
+    if not (
+        isinstance(env.reward_range, (tuple, list))
+        and len(env.reward_range) == 2
+        and all(isinstance(x, (int, float)) for x in env.reward_range)
+    ):
         raise ValueError(f"{who}: reward_range must be (low, high) numbers, got {env.reward_range!r}")
     for i, spec in enumerate(env.tools if isinstance(env.tools, list) else [None]):
         fn = spec.get("function") if isinstance(spec, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise ValueError(f"{who}: tools[{i}] must look like {{\"type\": \"function\", \"function\": "
-                             f"{{\"name\": ..., \"parameters\": {{...}}}}}} (OpenAI function specs), got {spec!r:.80}")
+            raise ValueError(
+                f'{who}: tools[{i}] must look like {{"type": "function", "function": '
+                f'{{"name": ..., "parameters": {{...}}}}}} (OpenAI function specs), got {spec!r:.80}'
+            )
     if not env.name:
         raise ValueError(f"{who} has no `name`; set the class attribute name = '...'")
     missing = [s for s in SPLITS if s not in env.split]
     if missing:
-        raise ValueError(f"{who}: load_splits() must return the splits {', '.join(SPLITS)}; missing {', '.join(missing)}")
+        raise ValueError(
+            f"{who}: load_splits() must return the splits {', '.join(SPLITS)}; missing {', '.join(missing)}"
+        )
     seen: dict[str, str] = {}
     for split in SPLITS:
         for task in env.split[split]:
@@ -314,8 +351,10 @@ def check_environment(env: Environment) -> None:
                 raise ValueError(f"{who}: an entry of the {split} split has no string `problem_id` ({task!r:.80})")
             other = seen.setdefault(task.problem_id, split)
             if other != split:
-                raise ValueError(f"{who}: problem {task.problem_id!r} is in both the {other} and the {split} split; "
-                                 "split by problem so that no test problem is trained on")
+                raise ValueError(
+                    f"{who}: problem {task.problem_id!r} is in both the {other} and the {split} split; "
+                    "split by problem so that no test problem is trained on"
+                )
     if env.reward_rule != "sum":
         raise ValueError(f"{who}: reward_rule {env.reward_rule!r} is not supported (only 'sum')")
     low, high = env.reward_range
@@ -349,8 +388,9 @@ def _finite(x: Any) -> float | None:
     return v if math.isfinite(v) else None
 
 
-def check_reward_fn_value(raw: Any, components: Sequence[str], low: float, high: float
-                          ) -> tuple[dict[str, float] | None, str | None]:
+def check_reward_fn_value(
+    raw: Any, components: Sequence[str], low: float, high: float
+) -> tuple[dict[str, float] | None, str | None]:
     """What a ``reward_fn`` returned, as named components, with the checks of any verifier
     (docs/design.md §3, docs/cases.md, case 03): every value a finite number, the total
     inside ``[low, high]``.
@@ -369,8 +409,10 @@ def check_reward_fn_value(raw: Any, components: Sequence[str], low: float, high:
             return None, "returned an empty dict of components"
         unknown = [k for k in raw if k not in components]
         if unknown:
-            return None, (f"returned components {', '.join(map(repr, unknown))}, which the environment does not "
-                          f"declare (reward_components={tuple(components)!r}; declare them)")
+            return None, (
+                f"returned components {', '.join(map(repr, unknown))}, which the environment does not "
+                f"declare (reward_components={tuple(components)!r}; declare them)"
+            )
         parts = {str(k): _finite(v) for k, v in raw.items()}
         bad = {k: raw[k] for k, v in parts.items() if v is None}
         if bad:
@@ -382,8 +424,10 @@ def check_reward_fn_value(raw: Any, components: Sequence[str], low: float, high:
         parts = {components[0]: v}
     total = math.fsum(parts.values())  # type: ignore[arg-type]
     if not low <= total <= high:
-        return None, (f"returned a total of {total!r}, outside the declared reward_range [{low}, {high}] "
-                      "(declare reward_range=(low, high))")
+        return None, (
+            f"returned a total of {total!r}, outside the declared reward_range [{low}, {high}] "
+            "(declare reward_range=(low, high))"
+        )
     return parts, None  # type: ignore[return-value]
 
 
@@ -416,8 +460,16 @@ class SingleTurnEpisode:
 
     answer_ends_episode = True
 
-    def __init__(self, task: Any, prompt: str, info: dict, reward_fn: Any, components: Sequence[str],
-                 reward_range: tuple[float, float], opening: Any = None):
+    def __init__(
+        self,
+        task: Any,
+        prompt: str,
+        info: dict,
+        reward_fn: Any,
+        components: Sequence[str],
+        reward_range: tuple[float, float],
+        opening: Any = None,
+    ):
         self.task, self.prompt, self.info, self.reward_fn = task, prompt, info, reward_fn
         self.components, self.reward_range = tuple(components), reward_range
         self.opening = opening  # the wrapped environment's episode (its reset makes the prompt)
@@ -490,15 +542,28 @@ class SingleTurnEnvironment(Environment):
     answer_ends_episode = True
     reward_fn_wrapper = True  # `consequence.train(reward_fn=...)` knows it scores by a Python function
 
-    def __init__(self, dataset: Iterable[Mapping[str, Any]], reward_fn: Any, system_prompt: str = "",
-                 split_seed: int = 0, *, name: str = "single-turn", reward_range: tuple[float, float] = (0.0, 1.0),
-                 reward_components: Sequence[str] = ("reward",), examples: Sequence[tuple[str, str]] = ()):
+    def __init__(
+        self,
+        dataset: Iterable[Mapping[str, Any]],
+        reward_fn: Any,
+        system_prompt: str = "",
+        split_seed: int = 0,
+        *,
+        name: str = "single-turn",
+        reward_range: tuple[float, float] = (0.0, 1.0),
+        reward_components: Sequence[str] = ("reward",),
+        examples: Sequence[tuple[str, str]] = (),
+    ):
         who = "SingleTurnEnvironment"
         if not callable(reward_fn):
-            raise ValueError(f"{who}: reward_fn must be a function reward_fn(prompt, completion, **info) -> float "
-                             f"| dict, got {type(reward_fn).__name__}")
+            raise ValueError(
+                f"{who}: reward_fn must be a function reward_fn(prompt, completion, **info) -> float "
+                f"| dict, got {type(reward_fn).__name__}"
+            )
         if isinstance(dataset, (str, bytes, Mapping)) or not isinstance(dataset, Iterable):
-            raise ValueError(f"{who}: dataset must be a sequence of dicts with a 'prompt', got {type(dataset).__name__}")
+            raise ValueError(
+                f"{who}: dataset must be a sequence of dicts with a 'prompt', got {type(dataset).__name__}"
+            )
         records = list(dataset)
         if not records:
             raise ValueError(f"{who}: the dataset is empty; give a sequence of dicts with a 'prompt'")
@@ -506,12 +571,16 @@ class SingleTurnEnvironment(Environment):
             if not isinstance(r, Mapping):
                 raise ValueError(f"{who}: dataset[{i}] is a {type(r).__name__}, not a dict with a 'prompt'")
             if not isinstance(r.get("prompt"), str) or not r["prompt"].strip():
-                raise ValueError(f"{who}: dataset[{i}] has no 'prompt' (a non-empty str); its keys: "
-                                 f"{', '.join(map(str, r)) or 'none'}")
+                raise ValueError(
+                    f"{who}: dataset[{i}] has no 'prompt' (a non-empty str); its keys: "
+                    f"{', '.join(map(str, r)) or 'none'}"
+                )
             if "problem_id" in r and not isinstance(r["problem_id"], str):
                 raise ValueError(f"{who}: dataset[{i}]['problem_id'] must be a str, got {r['problem_id']!r}")
         if isinstance(reward_components, str) or not reward_components:
-            raise ValueError(f"{who}: reward_components must be a non-empty sequence of names, got {reward_components!r}")
+            raise ValueError(
+                f"{who}: reward_components must be a non-empty sequence of names, got {reward_components!r}"
+            )
         self.records = [dict(r) for r in records]
         self.reward_fn = reward_fn
         self.base: Environment | None = None
@@ -535,18 +604,27 @@ class SingleTurnEnvironment(Environment):
         """
         where = f"reward_fn {callable_name(reward_fn)}"
         if not callable(reward_fn):
-            raise ValueError(f"reward_fn must be a function reward_fn(prompt, completion, **info) -> float | dict, "
-                             f"got {type(reward_fn).__name__}")
+            raise ValueError(
+                f"reward_fn must be a function reward_fn(prompt, completion, **info) -> float | dict, "
+                f"got {type(reward_fn).__name__}"
+            )
         if getattr(env, "reward_fn_wrapper", False):
-            raise ValueError(f"{where}: environment {env.label!r} is already scored by reward_fn "
-                             f"{callable_name(env.reward_fn)}; give the reward function once")  # type: ignore[attr-defined]
+            raise ValueError(
+                f"{where}: environment {env.label!r} is already scored by reward_fn "
+                f"{callable_name(env.reward_fn)}; give the reward function once"
+            )  # type: ignore[attr-defined]
         if env.tools or not env.answer_ends_episode:
-            why = (f"it has tools ({', '.join(t['function']['name'] for t in env.tools)})" if env.tools
-                   else "a reply without a tool call does not end its episodes")
-            raise ValueError(f"{where}: a reward_fn scores a single-turn task (one prompt, one reply), and environment "
-                             f"{env.label!r} is multi-turn: {why}. Score a multi-turn environment in its "
-                             "Episode.step (docs/api.md), or give a single-turn one (a dataset of prompts, "
-                             "reasoning-gym, humaneval)")
+            why = (
+                f"it has tools ({', '.join(t['function']['name'] for t in env.tools)})"
+                if env.tools
+                else "a reply without a tool call does not end its episodes"
+            )
+            raise ValueError(
+                f"{where}: a reward_fn scores a single-turn task (one prompt, one reply), and environment "
+                f"{env.label!r} is multi-turn: {why}. Score a multi-turn environment in its "
+                "Episode.step (docs/api.md), or give a single-turn one (a dataset of prompts, "
+                "reasoning-gym, humaneval)"
+            )
         self = cls.__new__(cls)
         self.base, self.records, self.reward_fn = env, [], reward_fn
         self.name, self.system_prompt, self.examples = env.name, env.system_prompt, tuple(env.examples)  # type: ignore[misc]
@@ -559,21 +637,38 @@ class SingleTurnEnvironment(Environment):
             return {k: list(v) for k, v in self.base.split.items()}
         from consequence.tasks.jsonl import split_by_problem
 
-        tasks = [SingleTurnTask(str(i), r.get("problem_id") or hashlib.sha256(r["prompt"].encode()).hexdigest()[:16],
-                                r["prompt"], {k: v for k, v in r.items() if k != "prompt"})
-                 for i, r in enumerate(self.records)]
+        tasks = [
+            SingleTurnTask(
+                str(i),
+                r.get("problem_id") or hashlib.sha256(r["prompt"].encode()).hexdigest()[:16],
+                r["prompt"],
+                {k: v for k, v in r.items() if k != "prompt"},
+            )
+            for i, r in enumerate(self.records)
+        ]
         ids = split_by_problem([t.problem_id for t in tasks], seed=split_seed)
         return {s: [t for t in tasks if t.problem_id in ids[s]] for s in SPLITS}
 
     def make_episode(self, task: Any) -> SingleTurnEpisode:
         if self.base is None:
-            return SingleTurnEpisode(task, task.prompt, task.info, self.reward_fn, self.reward_components,
-                                     self.reward_range)
-        fields = ({f.name: getattr(task, f.name) for f in dataclasses.fields(task)} if dataclasses.is_dataclass(task)
-                  else dict(getattr(task, "__dict__", {})))
+            return SingleTurnEpisode(
+                task, task.prompt, task.info, self.reward_fn, self.reward_components, self.reward_range
+            )
+        fields = (
+            {f.name: getattr(task, f.name) for f in dataclasses.fields(task)}
+            if dataclasses.is_dataclass(task)
+            else dict(getattr(task, "__dict__", {}))
+        )
         info = {k: v for k, v in fields.items() if k not in ("prompt", "completion")}
-        return SingleTurnEpisode(task, "", info, self.reward_fn, self.reward_components, self.reward_range,
-                                 opening=self.base.make_episode(task))
+        return SingleTurnEpisode(
+            task,
+            "",
+            info,
+            self.reward_fn,
+            self.reward_components,
+            self.reward_range,
+            opening=self.base.make_episode(task),
+        )
 
     def dataset_sha256(self) -> str | None:
         """sha256 of the dataset as canonical JSON (None for a wrapped environment: its own record names its source)."""
@@ -590,7 +685,10 @@ class SingleTurnEnvironment(Environment):
 
     def describe(self) -> dict[str, Any]:
         """The base record plus the reward function, the dataset's size and hash, or the wrapped environment's record."""
-        out = super().describe() | {"reward_fn": callable_name(self.reward_fn), "reward_fn_sha256": _code_sha256(self.reward_fn)}
+        out = super().describe() | {
+            "reward_fn": callable_name(self.reward_fn),
+            "reward_fn_sha256": _code_sha256(self.reward_fn),
+        }
         if self.base is not None:
             return out | {"scored_environment": self.base.describe()}
         return out | {"dataset_records": len(self.records), "dataset_sha256": self.dataset_sha256()}

@@ -59,16 +59,36 @@ from consequence.envs.api import SPLITS, Environment
 from consequence.envs.sandbox import ENV_RETRIES, SandboxLimits, TestReport, run_tests, with_retries
 from consequence.tasks.repair import TestCase
 
-__all__ = ["TOOLS", "CALC_LIMITS", "MAX_EXPRESSION_CHARS", "MAX_EXPONENT", "MAX_DIGITS", "ArithmeticTask",
-           "check_expression", "calculate", "extract_answer", "is_correct", "make_problems",
-           "CalculatorEpisode", "CalculatorEnvironment"]
+__all__ = [
+    "TOOLS",
+    "CALC_LIMITS",
+    "MAX_EXPRESSION_CHARS",
+    "MAX_EXPONENT",
+    "MAX_DIGITS",
+    "ArithmeticTask",
+    "check_expression",
+    "calculate",
+    "extract_answer",
+    "is_correct",
+    "make_problems",
+    "CalculatorEpisode",
+    "CalculatorEnvironment",
+]
 
-TOOLS: list[dict] = [{"type": "function", "function": {
-    "name": "calculator",
-    "description": "Evaluate an arithmetic expression: numbers, + - * / // % **, parentheses.",
-    "parameters": {"type": "object", "properties": {
-        "expression": {"type": "string", "description": "e.g. 4837 * 29 - 1204"}},
-        "required": ["expression"]}}}]
+TOOLS: list[dict] = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "description": "Evaluate an arithmetic expression: numbers, + - * / // % **, parentheses.",
+            "parameters": {
+                "type": "object",
+                "properties": {"expression": {"type": "string", "description": "e.g. 4837 * 29 - 1204"}},
+                "required": ["expression"],
+            },
+        },
+    }
+]
 
 # wall_s: seconds for the whole sandbox run; cpu_s: CPU seconds; memory_mb: MiB of address space.
 CALC_LIMITS = SandboxLimits(wall_s=2.0, cpu_s=1, memory_mb=256, max_output_bytes=4096)
@@ -78,8 +98,7 @@ MAX_DIGITS = 100  # an integer part whose magnitude could exceed 10 ** MAX_DIGIT
 _CHUNK = 64  # characters of the value read back per sandbox test (the runner shows <= 80)
 _CHUNKS = 3  # so values of up to 192 characters come back whole
 
-_BINOPS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/", ast.FloorDiv: "//", ast.Mod: "%",
-           ast.Pow: "**"}
+_BINOPS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/", ast.FloorDiv: "//", ast.Mod: "%", ast.Pow: "**"}
 
 
 # ---- the tool -----------------------------------------------------------------------
@@ -147,8 +166,12 @@ def _bound(node: ast.AST) -> tuple[str, float]:
         if kind == "int" and log > MAX_DIGITS + 1e-9:
             raise _Refused(f"the result could exceed 10**{MAX_DIGITS}; split the computation")
         return kind, log
-    what = {ast.Name: "names", ast.Call: "function calls", ast.Attribute: "attributes",
-            ast.Subscript: "subscripts"}.get(type(node), type(node).__name__)
+    what = {
+        ast.Name: "names",
+        ast.Call: "function calls",
+        ast.Attribute: "attributes",
+        ast.Subscript: "subscripts",
+    }.get(type(node), type(node).__name__)
     raise _Refused(f"only arithmetic is allowed (numbers, + - * / // % **, parentheses), not {what}")
 
 
@@ -179,8 +202,9 @@ def check_expression(expression: str) -> str | None:
     return None
 
 
-def calculate(expression: str, limits: SandboxLimits = CALC_LIMITS,
-              env_retries: int = ENV_RETRIES) -> tuple[str, TestReport | None]:
+def calculate(
+    expression: str, limits: SandboxLimits = CALC_LIMITS, env_retries: int = ENV_RETRIES
+) -> tuple[str, TestReport | None]:
     """Evaluate ``expression`` in the sandbox: (observation, the sandbox's report).
 
     The observation is the value's ``repr`` or ``"error: ..."``; the report is None when
@@ -212,7 +236,7 @@ def calculate(expression: str, limits: SandboxLimits = CALC_LIMITS,
         tail = f", expected {t.expected}"
         if not (msg.startswith(head) and msg.endswith(tail)):
             return f"error: the calculation failed ({msg})", rep
-        parts.append(ast.literal_eval(msg[len(head):-len(tail)]))
+        parts.append(ast.literal_eval(msg[len(head) : -len(tail)]))
     if len(parts) != len(tests):
         return "error: the calculation failed (no value came back)", rep
     value, length = "".join(parts[:-1]), parts[-1]
@@ -275,15 +299,23 @@ class ArithmeticTask:
     expression: str
 
 
-_THEMES = (("A warehouse", "boxes"), ("A library", "books"), ("A farm", "eggs"), ("A factory", "bolts"),
-           ("A bakery", "rolls"), ("A school", "pencils"), ("A harbour", "crates"), ("A garden centre", "seeds"))
+_THEMES = (
+    ("A warehouse", "boxes"),
+    ("A library", "books"),
+    ("A farm", "eggs"),
+    ("A factory", "bolts"),
+    ("A bakery", "rolls"),
+    ("A school", "pencils"),
+    ("A harbour", "crates"),
+    ("A garden centre", "seeds"),
+)
 _ADD = ("A delivery brings {n} more {u}.", "It receives {n} {u}.", "{n} {u} are returned to it.")
 _SUB = ("It sends away {n} {u}.", "{n} {u} are sold.", "{n} {u} are given away.")
 _MUL = ("Then the number of {u} is multiplied by {n}.", "Then it ends up with {n} times as many {u}.")
 
 
 def _operand(rng: random.Random, digits: int) -> int:
-    return rng.randint(10 ** (digits - 1) if digits > 1 else 1, 10 ** digits - 1)
+    return rng.randint(10 ** (digits - 1) if digits > 1 else 1, 10**digits - 1)
 
 
 def _expression_problem(rng: random.Random, digits: int, terms: int) -> tuple[str, str, int]:
@@ -338,8 +370,10 @@ def make_problems(n_problems: int, digits: int, terms: int) -> list[ArithmeticTa
             if question not in seen:
                 break
         else:
-            raise ValueError(f"n_problems={n_problems}: only {len(out)} distinct questions could be made with "
-                             f"digits={digits} and terms={terms}; lower n_problems or raise digits or terms")
+            raise ValueError(
+                f"n_problems={n_problems}: only {len(out)} distinct questions could be made with "
+                f"digits={digits} and terms={terms}; lower n_problems or raise digits or terms"
+            )
         seen.add(question)
         pid = f"calc-d{digits}t{terms}-{i:04d}"
         out.append(ArithmeticTask(pid, pid, question, int(answer), kind, expr))
@@ -357,8 +391,14 @@ class CalculatorEpisode:
 
     answer_ends_episode = True
 
-    def __init__(self, task: ArithmeticTask, tool_cost: float = 0.0, max_calls: int = 4,
-                 limits: SandboxLimits = CALC_LIMITS, env_retries: int = ENV_RETRIES):
+    def __init__(
+        self,
+        task: ArithmeticTask,
+        tool_cost: float = 0.0,
+        max_calls: int = 4,
+        limits: SandboxLimits = CALC_LIMITS,
+        env_retries: int = ENV_RETRIES,
+    ):
         self.task = task
         self.tool_cost = float(tool_cost)
         self.max_calls = max_calls
@@ -395,13 +435,17 @@ class CalculatorEpisode:
         if action.get("name") != "calculator":
             raise ValueError(f"{self.task.task_id}: unknown tool {action.get('name')!r}; the only tool is 'calculator'")
         if self.calls >= self.max_calls:
-            return (f"error: calculator limit reached ({self.max_calls} calls); reply with your answer",
-                    0.0, False, False, self._info(reward_components={"tool_cost": 0.0}))
+            return (
+                f"error: calculator limit reached ({self.max_calls} calls); reply with your answer",
+                0.0,
+                False,
+                False,
+                self._info(reward_components={"tool_cost": 0.0}),
+            )
         self.calls += 1
         cost = -self.tool_cost if self.tool_cost else 0.0
         obs, rep = calculate((action.get("arguments") or {}).get("expression"), self.limits, self.env_retries)
-        info = self._info(reward_components={"tool_cost": cost},
-                          env_retries=rep.attempts - 1 if rep is not None else 0)
+        info = self._info(reward_components={"tool_cost": cost}, env_retries=rep.attempts - 1 if rep is not None else 0)
         if rep is not None and rep.status == "sandbox_error":
             self._done = True
             info["env_error"] = f"sandbox: {rep.error}"
@@ -409,10 +453,12 @@ class CalculatorEpisode:
         return obs, cost, False, False, info
 
 
-_PROMPT = ("You solve arithmetic problems exactly. You may call the calculator tool with an arithmetic "
-           "expression (numbers, + - * / // % **, parentheses); it returns the value. {budget}When you know "
-           "the result, reply without a tool call and put the final number in <answer></answer>, e.g. "
-           "<answer>42</answer>; without that tag the last number in your reply is your answer.")
+_PROMPT = (
+    "You solve arithmetic problems exactly. You may call the calculator tool with an arithmetic "
+    "expression (numbers, + - * / // % **, parentheses); it returns the value. {budget}When you know "
+    "the result, reply without a tool call and put the final number in <answer></answer>, e.g. "
+    "<answer>42</answer>; without that tag the last number in your reply is your answer."
+)
 
 
 class CalculatorEnvironment(Environment):
@@ -440,22 +486,40 @@ class CalculatorEnvironment(Environment):
     reward_range = (0.0, 1.0)  # per instance: (-tool_cost * max_calls * (1 + 1e-9), 1.0)
     answer_ends_episode = True
 
-    def __init__(self, split_seed: int = 0, n_problems: int = 600, digits: int = 3, terms: int = 3,
-                 tool_cost: float = 0.0, max_calls: int = 4):
-        for opt, value, low, high in (("n_problems", n_problems, 10, 100000), ("digits", digits, 1, 12),
-                                      ("terms", terms, 2, 8), ("max_calls", max_calls, 0, 64)):
+    def __init__(
+        self,
+        split_seed: int = 0,
+        n_problems: int = 600,
+        digits: int = 3,
+        terms: int = 3,
+        tool_cost: float = 0.0,
+        max_calls: int = 4,
+    ):
+        for opt, value, low, high in (
+            ("n_problems", n_problems, 10, 100000),
+            ("digits", digits, 1, 12),
+            ("terms", terms, 2, 8),
+            ("max_calls", max_calls, 0, 64),
+        ):
             if type(value) is not int or not low <= value <= high:
-                raise ValueError(f"--env calculator: option {opt}={value!r} must be an integer from {low} to "
-                                 f"{high} (--env-option {opt}=N)")
-        if (type(tool_cost) not in (int, float) or not math.isfinite(tool_cost) or tool_cost < 0):
-            raise ValueError(f"--env calculator: option tool_cost={tool_cost!r} must be a finite number >= 0 "
-                             "(the reward per calculator call is -tool_cost; --env-option tool_cost=0.05)")
+                raise ValueError(
+                    f"--env calculator: option {opt}={value!r} must be an integer from {low} to "
+                    f"{high} (--env-option {opt}=N)"
+                )
+        if type(tool_cost) not in (int, float) or not math.isfinite(tool_cost) or tool_cost < 0:
+            raise ValueError(
+                f"--env calculator: option tool_cost={tool_cost!r} must be a finite number >= 0 "
+                "(the reward per calculator call is -tool_cost; --env-option tool_cost=0.05)"
+            )
         self.n_problems, self.digits, self.terms = n_problems, digits, terms
         self.tool_cost, self.max_calls = float(tool_cost), max_calls
         low = -self.tool_cost * max_calls * (1 + 1e-9)
         self.reward_range = (low if low else 0.0, 1.0)
-        budget = (f"You have at most {max_calls} calculator call{'s' if max_calls != 1 else ''}"
-                  + (f", each costing {self.tool_cost:g} reward" if self.tool_cost else "") + ". ")
+        budget = (
+            f"You have at most {max_calls} calculator call{'s' if max_calls != 1 else ''}"
+            + (f", each costing {self.tool_cost:g} reward" if self.tool_cost else "")
+            + ". "
+        )
         self.system_prompt = _PROMPT.format(budget=budget)
         super().__init__(split_seed)
 

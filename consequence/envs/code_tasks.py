@@ -21,22 +21,33 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Collection, Sequence
 
-from consequence.fileio import cache_root, write_text_atomic
 from consequence.envs.judge import PROGRAM_LIMITS, run_cases, run_program
 from consequence.envs.sandbox import SandboxLimits, TestReport, run_tests, with_retries
+from consequence.fileio import cache_root, write_text_atomic
 from consequence.tasks import bugs as _bugs
 from consequence.tasks import humaneval as _he
-from consequence.tasks.jsonl import (CodeTask, as_repair_task, dump_jsonl, load_jsonl,
-                                     split_by_problem)
+from consequence.tasks.jsonl import CodeTask, as_repair_task, dump_jsonl, load_jsonl, split_by_problem
 from consequence.tasks.repair import RepairTask, TestCase, TestProgram
 
-__all__ = ["CHAT_INSTRUCTION", "STOP_SEQUENCES", "chat_request", "extract_completion", "run_hidden", "verify_completion", "build_humaneval_repair",
-           "humaneval_repair_tasks", "humaneval_split", "load_humaneval",
-           "load_humaneval_repair", "BUILD_LIMITS", "SPLITS"]
+__all__ = [
+    "CHAT_INSTRUCTION",
+    "STOP_SEQUENCES",
+    "chat_request",
+    "extract_completion",
+    "run_hidden",
+    "verify_completion",
+    "build_humaneval_repair",
+    "humaneval_repair_tasks",
+    "humaneval_split",
+    "load_humaneval",
+    "load_humaneval_repair",
+    "BUILD_LIMITS",
+    "SPLITS",
+]
 
 SPLITS = ("train", "validation", "test")
 # Building runs every kept mutant once; a canonical check takes <= 0.5 s here, so a
@@ -44,8 +55,9 @@ SPLITS = ("train", "validation", "test")
 BUILD_LIMITS = SandboxLimits(wall_s=4.0, cpu_s=2, memory_mb=512)
 
 
-CHAT_INSTRUCTION = ("Complete the following Python function. Reply with the complete "
-                    "function in one ```python code block.\n\n")
+CHAT_INSTRUCTION = (
+    "Complete the following Python function. Reply with the complete function in one ```python code block.\n\n"
+)
 STOP_SEQUENCES = ("\ndef ", "\nclass ", "\nif ", "\nprint(", "\n#")
 
 
@@ -75,8 +87,7 @@ def extract_completion(text: str, task: CodeTask, mode: str) -> str:
     return code
 
 
-def run_hidden(code: str, tests: Sequence[TestCase] | TestProgram,
-               limits: SandboxLimits | None = None) -> TestReport:
+def run_hidden(code: str, tests: Sequence[TestCase] | TestProgram, limits: SandboxLimits | None = None) -> TestReport:
     """Score ``code`` on hidden ``tests`` (a TestCase list or a ``check`` program).
 
     ``limits=None`` uses each mode's default (``SandboxLimits()`` for test lists,
@@ -87,17 +98,16 @@ def run_hidden(code: str, tests: Sequence[TestCase] | TestProgram,
     return run_cases(code, tests, limits or SandboxLimits())
 
 
-def verify_completion(task: CodeTask, completion: str,
-                      limits: SandboxLimits | None = None) -> TestReport:
+def verify_completion(task: CodeTask, completion: str, limits: SandboxLimits | None = None) -> TestReport:
     """Score a single-turn completion: ``task.starting_code + completion`` on the hidden
     tests (HumanEval: prompt + generated body, then the official ``check``)."""
     return run_hidden(task.starting_code + completion, task.hidden_tests, limits)
 
 
-def _try_problem(cands: list[CodeTask], keep: int, max_tries: int,
-                 limits: SandboxLimits) -> tuple[list[CodeTask], dict[str, int]]:
-    kept, seen = [], {"tried": 0, "killed": 0, "equivalent": 0, "timeout_or_crash": 0,
-                        "visible_fail": 0}
+def _try_problem(
+    cands: list[CodeTask], keep: int, max_tries: int, limits: SandboxLimits
+) -> tuple[list[CodeTask], dict[str, int]]:
+    kept, seen = [], {"tried": 0, "killed": 0, "equivalent": 0, "timeout_or_crash": 0, "visible_fail": 0}
     for task in cands[:max_tries]:
         if len(kept) >= keep:
             break
@@ -117,10 +127,14 @@ def _try_problem(cands: list[CodeTask], keep: int, max_tries: int,
     return kept, seen
 
 
-def build_humaneval_repair(seed: int = 0, bugs_per_problem: int = 1, max_tries: int = 12,
-                           workers: int | None = None, limits: SandboxLimits = BUILD_LIMITS,
-                           task_ids: Collection[str] | None = None
-                           ) -> tuple[list[CodeTask], dict]:
+def build_humaneval_repair(
+    seed: int = 0,
+    bugs_per_problem: int = 1,
+    max_tries: int = 12,
+    workers: int | None = None,
+    limits: SandboxLimits = BUILD_LIMITS,
+    task_ids: Collection[str] | None = None,
+) -> tuple[list[CodeTask], dict]:
     """Filter :func:`consequence.tasks.humaneval.repair_candidates` through the judge.
 
     Per problem, candidates are tried in their seeded order until ``bugs_per_problem``
@@ -144,11 +158,14 @@ def build_humaneval_repair(seed: int = 0, bugs_per_problem: int = 1, max_tries: 
         cands = {k: v for k, v in cands.items() if k in set(task_ids)}
     workers = workers or min(4, os.cpu_count() or 1)
     with ThreadPoolExecutor(workers) as ex:
-        results = list(ex.map(lambda c: _try_problem(c, bugs_per_problem, max_tries, limits),
-                              cands.values()))
+        results = list(ex.map(lambda c: _try_problem(c, bugs_per_problem, max_tries, limits), cands.values()))
     tasks = [t for kept, _ in results for t in kept]
-    stats: dict = {"problems": len(cands), "with_candidates": sum(1 for c in cands.values() if c),
-                   "with_bug": sum(1 for kept, _ in results if kept), "tasks": len(tasks)}
+    stats: dict = {
+        "problems": len(cands),
+        "with_candidates": sum(1 for c in cands.values() if c),
+        "with_bug": sum(1 for kept, _ in results if kept),
+        "tasks": len(tasks),
+    }
     for key in ("tried", "killed", "equivalent", "timeout_or_crash"):
         stats[key] = sum(seen[key] for _, seen in results)
     stats["by_kind"] = {k: sum(1 for t in tasks if t.bug_kind == k) for k in _bugs.BUG_KINDS}
@@ -163,8 +180,9 @@ def _code_digest() -> str:
 
 
 @functools.lru_cache(maxsize=8)
-def _cached(seed: int, bugs_per_problem: int, max_tries: int, cache_dir: str | None,
-            use_disk: bool) -> tuple[tuple[CodeTask, ...], str]:
+def _cached(
+    seed: int, bugs_per_problem: int, max_tries: int, cache_dir: str | None, use_disk: bool
+) -> tuple[tuple[CodeTask, ...], str]:
     stem = f"humaneval-repair-s{seed}-b{bugs_per_problem}-t{max_tries}-{_code_digest()}"
     path = (Path(cache_dir) if cache_dir is not None else cache_root()) / "humaneval" / f"{stem}.jsonl"
     if use_disk and path.exists():
@@ -176,9 +194,13 @@ def _cached(seed: int, bugs_per_problem: int, max_tries: int, cache_dir: str | N
     return tuple(tasks), json.dumps(stats)
 
 
-def humaneval_repair_tasks(seed: int = 0, bugs_per_problem: int = 1, max_tries: int = 12,
-                           cache_dir: str | os.PathLike | None = None,
-                           use_disk: bool = True) -> list[CodeTask]:
+def humaneval_repair_tasks(
+    seed: int = 0,
+    bugs_per_problem: int = 1,
+    max_tries: int = 12,
+    cache_dir: str | os.PathLike | None = None,
+    use_disk: bool = True,
+) -> list[CodeTask]:
     """The filtered ``humaneval-repair`` tasks (all splits), built once and cached.
 
     Disk cache: ``cache_dir`` (default ``$CONSEQUENCE_CACHE`` or
@@ -190,8 +212,9 @@ def humaneval_repair_tasks(seed: int = 0, bugs_per_problem: int = 1, max_tries: 
     return list(_cached(seed, bugs_per_problem, max_tries, key, use_disk)[0])
 
 
-def humaneval_split(seed: int = 0, fractions: tuple[float, float, float] = (0.8, 0.1, 0.1)
-                    ) -> dict[str, frozenset[str]]:
+def humaneval_split(
+    seed: int = 0, fractions: tuple[float, float, float] = (0.8, 0.1, 0.1)
+) -> dict[str, frozenset[str]]:
     """HumanEval task ids per split (131 / 16 / 17 with the default fractions); the same
     split serves ``humaneval`` and ``humaneval-repair``, so no test problem of either
     shares a task id with a train problem of either."""
@@ -213,9 +236,9 @@ def load_humaneval(split: str = "all", seed: int = 0) -> list[CodeTask]:
     return [t for t in tasks if t.problem_id in ids]
 
 
-def load_humaneval_repair(seed: int = 0, bugs_per_problem: int = 1,
-                          cache_dir: str | os.PathLike | None = None
-                          ) -> dict[str, list[RepairTask]]:
+def load_humaneval_repair(
+    seed: int = 0, bugs_per_problem: int = 1, cache_dir: str | os.PathLike | None = None
+) -> dict[str, list[RepairTask]]:
     """``humaneval-repair`` as ``{"train", "validation", "test"}`` lists of RepairTask,
     ready for ``RepairEnv`` (same shape as ``consequence.tasks.repair.load_split``; draw
     episodes with ``consequence.tasks.jsonl.cycle_tasks``). Split by HumanEval task id

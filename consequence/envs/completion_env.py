@@ -14,13 +14,27 @@ re-run up to ``sandbox.ENV_RETRIES`` times, then the episode is an ``env_error``
 from __future__ import annotations
 
 from consequence.envs.api import Environment
-from consequence.envs.code_tasks import (CHAT_INSTRUCTION, STOP_SEQUENCES, SPLITS, chat_request, extract_completion,
-                                         load_humaneval, verify_completion)
+from consequence.envs.code_tasks import (
+    CHAT_INSTRUCTION,
+    SPLITS,
+    STOP_SEQUENCES,
+    chat_request,
+    extract_completion,
+    load_humaneval,
+    verify_completion,
+)
 from consequence.envs.sandbox import ENV_RETRIES, with_retries
 from consequence.tasks.jsonl import CodeTask
 
-__all__ = ["CHAT_INSTRUCTION", "STOP_SEQUENCES", "extract_completion", "chat_request", "CompletionEpisode",
-           "HumanEvalEnvironment"]
+__all__ = [
+    "CHAT_INSTRUCTION",
+    "STOP_SEQUENCES",
+    "extract_completion",
+    "chat_request",
+    "CompletionEpisode",
+    "HumanEvalEnvironment",
+]
+
 
 class CompletionEpisode:
     """One completion: ``reset`` shows the request, ``step({"answer": text})`` scores it and ends."""

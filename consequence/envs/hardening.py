@@ -179,7 +179,9 @@ def _apply(cfg, prep):
             fail("seccomp")
 '''
 
-_PROBE = PRELUDE + r'''
+_PROBE = (
+    PRELUDE
+    + r"""
 cfg = json.loads(sys.argv[1])
 try:
     _harden(cfg)
@@ -208,7 +210,8 @@ except OSError:
 import math, hashlib, random, typing, collections, itertools, re, fractions
 seen["stdlib"] = hashlib.md5(b"x").hexdigest()[:4] == "9dd4"
 print(json.dumps(seen))
-'''
+"""
+)
 
 
 def _has_python_tree(path: str) -> bool:
@@ -236,8 +239,7 @@ def read_allowlist() -> tuple[str, ...]:
             if name not in ("site-packages", "dist-packages"):
                 out.append(os.path.join(root, name))
     arch = sysconfig.get_config_var("MULTIARCH") or ""
-    libdirs = [sysconfig.get_config_var("LIBDIR") or "", f"/usr/lib/{arch}", f"/lib/{arch}",
-               "/lib64", "/usr/lib64"]
+    libdirs = [sysconfig.get_config_var("LIBDIR") or "", f"/usr/lib/{arch}", f"/lib/{arch}", "/lib64", "/usr/lib64"]
     for d in dict.fromkeys(os.path.realpath(d) for d in libdirs if d and os.path.isdir(d)):
         if _has_python_tree(d):
             out += [os.path.join(d, n) for n in sorted(os.listdir(d)) if ".so" in n]
@@ -248,16 +250,19 @@ def read_allowlist() -> tuple[str, ...]:
     return tuple(dict.fromkeys(out))
 
 
-def child_config(cpu_s: int, memory_mb: int, fsize_bytes: int,
-                 layers: dict[str, bool] | None = None) -> str:
+def child_config(cpu_s: int, memory_mb: int, fsize_bytes: int, layers: dict[str, bool] | None = None) -> str:
     """JSON argument for :data:`PRELUDE`'s ``_harden``: limits plus the layers to apply.
 
     ``layers`` defaults to :func:`available_layers` (each key ``caps``, ``landlock``,
     ``seccomp`` -> bool).
     """
     layers = available_layers() if layers is None else layers
-    cfg = {"cpu": int(cpu_s), "as": int(memory_mb) << 20, "fsize": int(fsize_bytes),
-           **{k: bool(layers.get(k)) for k in ("caps", "landlock", "seccomp")}}
+    cfg = {
+        "cpu": int(cpu_s),
+        "as": int(memory_mb) << 20,
+        "fsize": int(fsize_bytes),
+        **{k: bool(layers.get(k)) for k in ("caps", "landlock", "seccomp")},
+    }
     if cfg["landlock"]:
         cfg["read"] = list(read_allowlist())
     return json.dumps(cfg)
@@ -273,8 +278,13 @@ def _probe(layers: dict[str, bool]) -> dict:
         cfg = json.loads(child_config(10, 1024, 1 << 20, layers))
         cfg["secret"] = secret
         try:
-            out = subprocess.run([sys.executable, "-I", "-S", "-c", _PROBE, json.dumps(cfg)],
-                                 capture_output=True, timeout=30, cwd=cwd, env={})
+            out = subprocess.run(
+                [sys.executable, "-I", "-S", "-c", _PROBE, json.dumps(cfg)],
+                capture_output=True,
+                timeout=30,
+                cwd=cwd,
+                env={},
+            )
             return json.loads(out.stdout.decode().strip().splitlines()[-1])
         except (OSError, subprocess.TimeoutExpired, ValueError, IndexError) as e:
             return {"error": f"probe failed: {type(e).__name__}"}
@@ -299,9 +309,15 @@ def available_layers() -> dict[str, bool]:
             ok[name] = False
             continue
         seen = _probe({name: True})
-        ok[name] = "error" not in seen and {
-            "caps": seen.get("chown") is False, "landlock": seen.get("read_outside") is False,
-            "seccomp": seen.get("fork") is False}[name] and seen.get("stdlib") is True
+        ok[name] = (
+            "error" not in seen
+            and {
+                "caps": seen.get("chown") is False,
+                "landlock": seen.get("read_outside") is False,
+                "seccomp": seen.get("fork") is False,
+            }[name]
+            and seen.get("stdlib") is True
+        )
     if any(ok.values()) and _probe(ok).get("stdlib") is not True:
         ok = dict.fromkeys(names, False)  # together they break the interpreter: use none
     return ok
@@ -310,8 +326,10 @@ def available_layers() -> dict[str, bool]:
 def layers_report() -> str:
     """One line naming the active confinement layers (for the run manifest)."""
     ok = available_layers()
-    parts = {"caps": "no capabilities + no_new_privs",
-             "landlock": "Landlock (reads: stdlib + shared libs only; no writes)",
-             "seccomp": "seccomp (no fork/exec/ptrace/namespaces/sockets/chmod/chown/utime)"}
+    parts = {
+        "caps": "no capabilities + no_new_privs",
+        "landlock": "Landlock (reads: stdlib + shared libs only; no writes)",
+        "seccomp": "seccomp (no fork/exec/ptrace/namespaces/sockets/chmod/chown/utime)",
+    }
     on = [parts[k] for k in parts if ok.get(k)]
     return ", ".join(on) if on else "none (no Landlock, seccomp or capability drop on this host)"

@@ -27,12 +27,19 @@ import os
 import secrets
 import tempfile
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 from consequence.envs.hardening import child_config
 from consequence.envs.judge_children import CANDIDATE, CODEC, JUDGE
-from consequence.envs.sandbox import (ReportCache, SandboxLimits, TestReport, exchange, kill_group, spawn_child,
-                                      tagged_messages)
+from consequence.envs.sandbox import (
+    ReportCache,
+    SandboxLimits,
+    TestReport,
+    exchange,
+    kill_group,
+    spawn_child,
+    tagged_messages,
+)
 from consequence.tasks.repair import TestCase, TestProgram
 
 __all__ = ["PROGRAM_LIMITS", "run_program", "run_cases", "clear_cache", "CODEC", "CANDIDATE", "JUDGE"]
@@ -61,10 +68,12 @@ def _spawn(code: str, job: dict, lim: SandboxLimits, work: str, out, nonce: str)
     try:
         for d in ("candidate", "judge"):
             os.mkdir(os.path.join(work, d))
-        cand, _ = spawn_child("candidate", cfg, os.path.join(work, "candidate"), req_r, resp_w,
-                              argv=[str(MAX_FRAME_BYTES)])
-        judge, (req_fd, resp_fd) = spawn_child("judge", cfg, os.path.join(work, "judge"), in_r,
-                                               out.fileno(), extra=[req_w, resp_r])
+        cand, _ = spawn_child(
+            "candidate", cfg, os.path.join(work, "candidate"), req_r, resp_w, argv=[str(MAX_FRAME_BYTES)]
+        )
+        judge, (req_fd, resp_fd) = spawn_child(
+            "judge", cfg, os.path.join(work, "judge"), in_r, out.fileno(), extra=[req_w, resp_r]
+        )
     except OSError:
         kill_group(cand)
         os.close(in_w)
@@ -72,8 +81,9 @@ def _spawn(code: str, job: dict, lim: SandboxLimits, work: str, out, nonce: str)
     finally:
         for fd in (req_r, req_w, resp_r, resp_w, in_r):
             os.close(fd)  # only the children hold the pipe ends now (EOF when one dies)
-    payload = json.dumps({**job, "nonce": nonce, "code": code, "req_fd": req_fd,
-                          "resp_fd": resp_fd, "cap": MAX_FRAME_BYTES}).encode()
+    payload = json.dumps(
+        {**job, "nonce": nonce, "code": code, "req_fd": req_fd, "resp_fd": resp_fd, "cap": MAX_FRAME_BYTES}
+    ).encode()
     return cand, judge, os.fdopen(in_w, "wb", buffering=0), payload
 
 
@@ -96,13 +106,19 @@ def _run(code: str, job: dict, n: int, lim: SandboxLimits) -> TestReport:
     return _report(*tagged_messages(raw, nonce), stop == "timeout", judge.returncode, n, lim)
 
 
-def _report(started: bool, verdict: dict | None, timed_out: bool, rc: int | None, n: int,
-            lim: SandboxLimits) -> TestReport:
+def _report(
+    started: bool, verdict: dict | None, timed_out: bool, rc: int | None, n: int, lim: SandboxLimits
+) -> TestReport:
     if rc is None:  # the fork server died with the judge: its end is unknown, not the code's fault
         return TestReport("sandbox_error", 0, n, [], "the sandbox fork server ended during the run")
     if not started:
-        return TestReport("sandbox_error", 0, n, [], "judge did not start"
-                          + (" within the wall limit" if timed_out else f" (exit code {rc})"))
+        return TestReport(
+            "sandbox_error",
+            0,
+            n,
+            [],
+            "judge did not start" + (" within the wall limit" if timed_out else f" (exit code {rc})"),
+        )
     if verdict is not None and "judge_error" in verdict:
         return TestReport("sandbox_error", 0, n, [], str(verdict["judge_error"]))
     if timed_out:
@@ -125,13 +141,13 @@ def _report(started: bool, verdict: dict | None, timed_out: bool, rc: int | None
     return TestReport("ok", 0, 1, [str(verdict.get("message"))], None)
 
 
-def _cached_run(key_parts: list, code: str, job: dict, n: int, lim: SandboxLimits,
-                cache: bool) -> TestReport:
+def _cached_run(key_parts: list, code: str, job: dict, n: int, lim: SandboxLimits, cache: bool) -> TestReport:
     return _CACHE.run([code, key_parts, list(vars(lim).values())], lambda: _run(code, job, n, lim), cache)
 
 
-def run_program(code: str, program: TestProgram, limits: SandboxLimits = PROGRAM_LIMITS,
-                cache: bool = True) -> TestReport:
+def run_program(
+    code: str, program: TestProgram, limits: SandboxLimits = PROGRAM_LIMITS, cache: bool = True
+) -> TestReport:
     """Score ``code`` with ``program.check`` (see module docstring for the two processes).
 
     Returns a :class:`TestReport` with ``total == 1``: ``passed == 1`` iff ``check``
@@ -143,10 +159,8 @@ def run_program(code: str, program: TestProgram, limits: SandboxLimits = PROGRAM
     Typical cost: two forks of the fork server, ~10 ms of CPU (~55 ms with fresh
     interpreters), plus the check's calls.
     """
-    job = {"mode": "program", "entry": program.entry_point, "setup": program.setup,
-           "check": program.check}
-    return _cached_run(["program", program.check, program.setup, program.entry_point], code,
-                       job, 1, limits, cache)
+    job = {"mode": "program", "entry": program.entry_point, "setup": program.setup, "check": program.check}
+    return _cached_run(["program", program.check, program.setup, program.entry_point], code, job, 1, limits, cache)
 
 
 def _called_names(calls: Sequence[str]) -> list[str]:
@@ -165,8 +179,9 @@ def _called_names(calls: Sequence[str]) -> list[str]:
     return list(names)
 
 
-def run_cases(code: str, tests: Sequence[TestCase], limits: SandboxLimits = SandboxLimits(),
-              cache: bool = True) -> TestReport:
+def run_cases(
+    code: str, tests: Sequence[TestCase], limits: SandboxLimits = SandboxLimits(), cache: bool = True
+) -> TestReport:
     """Score ``code`` on ``TestCase`` tests with the two-process judge.
 
     Same semantics and report shape as :func:`consequence.envs.sandbox.run_tests` (a test
@@ -175,6 +190,9 @@ def run_cases(code: str, tests: Sequence[TestCase], limits: SandboxLimits = Sand
     process, so the verdict cannot be forged from inside the candidate. Use this (not
     ``run_tests``) for anything that becomes a reward or a score.
     """
-    job = {"mode": "cases", "cases": [[t.call, t.expected] for t in tests],
-           "names": _called_names([t.call for t in tests])}
+    job = {
+        "mode": "cases",
+        "cases": [[t.call, t.expected] for t in tests],
+        "names": _called_names([t.call for t in tests]),
+    }
     return _cached_run(["cases", job["cases"]], code, job, len(tests), limits, cache)

@@ -91,7 +91,10 @@ class _Frames:
         return obj if type(obj) is dict else None
 '''
 
-CANDIDATE = PRELUDE + CODEC + r'''
+CANDIDATE = (
+    PRELUDE
+    + CODEC
+    + r"""
 def _main():
     io = _Frames(0, 1, int(sys.argv[2]))
     first = io.recv()
@@ -127,9 +130,13 @@ def _main():
 if __name__ == "__main__":  # a fresh interpreter; the fork server calls _apply and _main itself
     _harden(json.loads(sys.argv[1]))
     _main()
-'''
+"""
+)
 
-JUDGE = PRELUDE + CODEC + r'''
+JUDGE = (
+    PRELUDE
+    + CODEC
+    + r"""
 _w, _dumps, _exit, _repr = os.write, json.dumps, os._exit, repr
 def _main():
     data = json.loads(sys.stdin.read())
@@ -244,4 +251,5 @@ def _main():
 if __name__ == "__main__":  # a fresh interpreter; the fork server calls _apply and _main itself
     _harden(json.loads(sys.argv[1]))
     _main()
-'''
+"""
+)

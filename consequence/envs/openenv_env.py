@@ -58,8 +58,7 @@ from typing import Any
 
 from consequence.envs.api import SPLITS, Environment
 
-__all__ = ["INSTALL_HINT", "OpenEnvTask", "OpenEnvEpisode", "OpenEnvEnvironment", "observation_text",
-           "tool_name_of"]
+__all__ = ["INSTALL_HINT", "OpenEnvTask", "OpenEnvEpisode", "OpenEnvEnvironment", "observation_text", "tool_name_of"]
 
 INSTALL_HINT = "pip install 'consequence[openenv]'"
 _ACTIONS = ("answer", "tool")
@@ -77,12 +76,12 @@ def _websockets_client():
         import websockets
         from websockets.sync import client
     except ImportError as e:
-        raise ValueError(f"--env openenv needs the websockets package (>= 15) to talk to the server ({e}); "
-                         f"{INSTALL_HINT}") from None
+        raise ValueError(
+            f"--env openenv needs the websockets package (>= 15) to talk to the server ({e}); {INSTALL_HINT}"
+        ) from None
     major = int(re.match(r"\d+", websockets.__version__).group())
     if major < 15:
-        raise ValueError(f"--env openenv needs websockets >= 15 (installed: {websockets.__version__}); "
-                         f"{INSTALL_HINT}")
+        raise ValueError(f"--env openenv needs websockets >= 15 (installed: {websockets.__version__}); {INSTALL_HINT}")
     return client
 
 
@@ -103,8 +102,10 @@ def observation_text(observation: dict, field: str | None = None) -> str:
     """
     if field is not None:
         if field not in observation:
-            raise ValueError(f"the observation has no field {field!r} (option observation_field); it has "
-                             + (", ".join(map(repr, observation)) or "none"))
+            raise ValueError(
+                f"the observation has no field {field!r} (option observation_field); it has "
+                + (", ".join(map(repr, observation)) or "none")
+            )
         value = observation[field]
     elif len(observation) == 1:
         value = next(iter(observation.values()))
@@ -136,9 +137,11 @@ class _ServerError(RuntimeError):
         self.data = data
         text = f"OpenEnv server: {where} failed: {data.get('message', 'no message')} (code {self.code})"
         if self.code == "CAPACITY_REACHED":
-            text += (f"; the server holds at most {data.get('max_sessions', '?')} sessions and every live episode "
-                     "needs one: serve it with create_app(..., max_concurrent_envs=N) for N >= the episodes run at "
-                     "once (tasks per iteration x group size, or the evaluation batch)")
+            text += (
+                f"; the server holds at most {data.get('max_sessions', '?')} sessions and every live episode "
+                "needs one: serve it with create_app(..., max_concurrent_envs=N) for N >= the episodes run at "
+                "once (tasks per iteration x group size, or the evaluation batch)"
+            )
         super().__init__(text)
 
 
@@ -147,8 +150,9 @@ class _Session:
 
     def __init__(self, ws_url: str, timeout_s: float, loopback: bool):
         self.timeout_s = timeout_s
-        conn = _websockets_client().connect(ws_url, open_timeout=timeout_s, max_size=_MAX_MESSAGE,
-                                            proxy=None if loopback else True)
+        conn = _websockets_client().connect(
+            ws_url, open_timeout=timeout_s, max_size=_MAX_MESSAGE, proxy=None if loopback else True
+        )
         self.conn = conn.__enter__()  # held open across steps; close() ends it (websockets 17 asks for this)
 
     def send(self, where: str, message: dict) -> dict:
@@ -198,7 +202,7 @@ class _Session:
 class OpenEnvEpisode:
     """One episode of an OpenEnv environment: a WebSocket session from ``reset`` to ``done``."""
 
-    def __init__(self, env: "OpenEnvEnvironment", task: OpenEnvTask):
+    def __init__(self, env: OpenEnvEnvironment, task: OpenEnvTask):
         self.env = env
         self.task = task
         self.answer_ends_episode = env.answer_ends_episode
@@ -228,11 +232,14 @@ class OpenEnvEpisode:
         self.code = None
         self._session = _Session(self.env.ws_url, self.env.timeout_s, self.env.loopback)
         try:
-            data = self._session.send("reset", {"type": "reset",
-                                                "data": {**self.env.reset_kwargs, "seed": self.task.seed}})
+            data = self._session.send(
+                "reset", {"type": "reset", "data": {**self.env.reset_kwargs, "seed": self.task.seed}}
+            )
             if data.get("done"):
-                raise RuntimeError(f"OpenEnv server: reset(seed={self.task.seed}) returned an observation with "
-                                   "done=True: the episode ended before any action")
+                raise RuntimeError(
+                    f"OpenEnv server: reset(seed={self.task.seed}) returned an observation with "
+                    "done=True: the episode ended before any action"
+                )
             text = observation_text(data["observation"], self.env.observation_field)
         except BaseException:
             self.close()
@@ -246,9 +253,14 @@ class OpenEnvEpisode:
             self.code = str(action["answer"])
             return {self.env.answer_field: self.code}
         if self.env.action != "tool" or action.get("name") != self.env.tool_name:
-            raise ValueError(f"{self.task.task_id}: unknown tool {action.get('name')!r}; "
-                             + (f"the only tool is {self.env.tool_name!r}" if self.env.action == "tool"
-                                else "action=answer declares no tools"))
+            raise ValueError(
+                f"{self.task.task_id}: unknown tool {action.get('name')!r}; "
+                + (
+                    f"the only tool is {self.env.tool_name!r}"
+                    if self.env.action == "tool"
+                    else "action=answer declares no tools"
+                )
+            )
         return dict(action.get("arguments") or {})
 
     def step(self, action: dict) -> tuple[str, float, bool, bool, dict]:
@@ -259,18 +271,27 @@ class OpenEnvEpisode:
             RuntimeError: no open session (``reset`` not called, or the episode already ended).
         """
         if self._session is None:
-            raise RuntimeError(f"{self.task.task_id}: step without an open session (reset first; the episode may "
-                               "have ended)")
+            raise RuntimeError(
+                f"{self.task.task_id}: step without an open session (reset first; the episode may have ended)"
+            )
         payload = self._action(action)
         try:
             data = self._session.send("step", {"type": "step", "data": payload})
         except _ServerError as e:
             if e.code == "VALIDATION_ERROR":  # the server's action model refused it: the policy's fault
-                detail = "; ".join(f"{'/'.join(map(str, err.get('loc', ())))}: {err.get('msg')}"
-                                   for err in e.data.get("errors", []) if isinstance(err, dict))
-                return (f"error: the environment refused the action {json.dumps(payload, ensure_ascii=False)}: "
-                        + (detail or str(e.data.get("message"))), 0.0, False, False,
-                        self._info(reward_components={"reward": 0.0}, invalid_action=e.data))
+                detail = "; ".join(
+                    f"{'/'.join(map(str, err.get('loc', ())))}: {err.get('msg')}"
+                    for err in e.data.get("errors", [])
+                    if isinstance(err, dict)
+                )
+                return (
+                    f"error: the environment refused the action {json.dumps(payload, ensure_ascii=False)}: "
+                    + (detail or str(e.data.get("message"))),
+                    0.0,
+                    False,
+                    False,
+                    self._info(reward_components={"reward": 0.0}, invalid_action=e.data),
+                )
             self.close()
             return "", 0.0, True, False, self._info(env_error=str(e))
         except BaseException:
@@ -283,8 +304,13 @@ class OpenEnvEpisode:
             reward = float(raw)
         else:
             self.close()
-            return "", 0.0, True, False, self._info(env_error=f"OpenEnv server: step returned a reward that is not "
-                                                              f"a finite number: {raw!r}")
+            return (
+                "",
+                0.0,
+                True,
+                False,
+                self._info(env_error=f"OpenEnv server: step returned a reward that is not a finite number: {raw!r}"),
+            )
         done = bool(data.get("done"))
         try:
             text = observation_text(data["observation"], self.env.observation_field)
@@ -293,8 +319,13 @@ class OpenEnvEpisode:
             return "", 0.0, True, False, self._info(env_error=f"OpenEnv server: {e}")
         if done:
             self.close()
-        return text, reward, done, False, self._info(reward_components={"reward": reward},
-                                                     observation=data["observation"], openenv_reward=raw)
+        return (
+            text,
+            reward,
+            done,
+            False,
+            self._info(reward_components={"reward": reward}, observation=data["observation"], openenv_reward=raw),
+        )
 
 
 class OpenEnvEnvironment(Environment):
@@ -329,22 +360,41 @@ class OpenEnvEnvironment(Environment):
     reward_range = (0.0, 1.0)
     answer_ends_episode = True
 
-    def __init__(self, split_seed: int = 0, base_url: str | None = None, n_problems: int = 100,
-                 action: str = "answer", answer_field: str | None = None, tool_name: str | None = None,
-                 observation_field: str | None = None, reset_kwargs: dict | None = None,
-                 reward_range: list | tuple = (0.0, 1.0), system_prompt: str = "", timeout_s: float = 60.0):
+    def __init__(
+        self,
+        split_seed: int = 0,
+        base_url: str | None = None,
+        n_problems: int = 100,
+        action: str = "answer",
+        answer_field: str | None = None,
+        tool_name: str | None = None,
+        observation_field: str | None = None,
+        reset_kwargs: dict | None = None,
+        reward_range: list | tuple = (0.0, 1.0),
+        system_prompt: str = "",
+        timeout_s: float = 60.0,
+    ):
         where = "--env openenv: option"
         if not _is_server_url(base_url):
-            raise ValueError(f"{where} base_url={base_url!r} must be the server's URL (--env-option "
-                             "base_url=http://127.0.0.1:8000; serve an OpenEnv environment with its create_app)")
+            raise ValueError(
+                f"{where} base_url={base_url!r} must be the server's URL (--env-option "
+                "base_url=http://127.0.0.1:8000; serve an OpenEnv environment with its create_app)"
+            )
         if type(n_problems) is not int or not 1 <= n_problems <= 1_000_000:
-            raise ValueError(f"{where} n_problems={n_problems!r} must be an integer from 1 to 1000000 (reset seeds "
-                             "0 .. n-1; --env-option n_problems=N)")
+            raise ValueError(
+                f"{where} n_problems={n_problems!r} must be an integer from 1 to 1000000 (reset seeds "
+                "0 .. n-1; --env-option n_problems=N)"
+            )
         if action not in _ACTIONS:
-            raise ValueError(f"{where} action={action!r} must be one of {', '.join(_ACTIONS)} (--env-option "
-                             "action=tool)")
-        for opt, value in (("answer_field", answer_field), ("tool_name", tool_name),
-                           ("observation_field", observation_field), ("system_prompt", system_prompt)):
+            raise ValueError(
+                f"{where} action={action!r} must be one of {', '.join(_ACTIONS)} (--env-option action=tool)"
+            )
+        for opt, value in (
+            ("answer_field", answer_field),
+            ("tool_name", tool_name),
+            ("observation_field", observation_field),
+            ("system_prompt", system_prompt),
+        ):
             if value is not None and not isinstance(value, str):
                 raise ValueError(f"{where} {opt}={value!r} must be a string")
         if tool_name is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_-]{0,63}", tool_name):
@@ -357,16 +407,20 @@ class OpenEnvEnvironment(Environment):
         except (TypeError, ValueError):
             ok = False
         if not ok:
-            raise ValueError(f"{where} reset_kwargs={reset_kwargs!r} must be a JSON mapping (--env-option "
-                             "'reset_kwargs={difficulty: hard}')")
+            raise ValueError(
+                f"{where} reset_kwargs={reset_kwargs!r} must be a JSON mapping (--env-option "
+                "'reset_kwargs={difficulty: hard}')"
+            )
         try:
             low, high = (float(x) for x in reward_range) if isinstance(reward_range, (list, tuple)) else (1.0, 0.0)
             ok = math.isfinite(low) and math.isfinite(high) and low <= high
         except (TypeError, ValueError):
             ok = False
         if not ok:
-            raise ValueError(f"{where} reward_range={reward_range!r} must be [low, high], two finite numbers with "
-                             "low <= high (--env-option 'reward_range=[-1, 1]')")
+            raise ValueError(
+                f"{where} reward_range={reward_range!r} must be [low, high], two finite numbers with "
+                "low <= high (--env-option 'reward_range=[-1, 1]')"
+            )
         if type(timeout_s) not in (int, float) or not 0 < timeout_s <= 3600:
             raise ValueError(f"{where} timeout_s={timeout_s!r} must be a number of seconds in (0, 3600]")
         _websockets_client()  # fail here, before any work, when the extra is not installed
@@ -383,8 +437,9 @@ class OpenEnvEnvironment(Environment):
         self.system_prompt = system_prompt
         schemas = self._get("/schema")
         meta = self._get("/metadata")  # name, description, version; its README is left out of the manifest
-        self.server_metadata = {k: v for k, v in meta.items() if k != "readme_content"} if isinstance(meta, dict) \
-            else {}
+        self.server_metadata = (
+            {k: v for k, v in meta.items() if k != "readme_content"} if isinstance(meta, dict) else {}
+        )
         schema = schemas.get("action") if isinstance(schemas, dict) else None
         if not isinstance(schema, dict):
             raise ValueError(f"--env openenv: {self.http_url}/schema gave no action schema: {str(schemas)[:200]}")
@@ -397,19 +452,25 @@ class OpenEnvEnvironment(Environment):
                 raise ValueError(f"{where} tool_name is for action=tool (this run answers in text: action=answer)")
             if answer_field is None:
                 if len(fields) != 1:
-                    raise ValueError(f"--env openenv: the action has the fields {', '.join(map(repr, fields))}, so an "
-                                     "answer cannot fill it by itself: name the text field (--env-option "
-                                     "answer_field=NAME) or make the action a tool (--env-option action=tool)")
+                    raise ValueError(
+                        f"--env openenv: the action has the fields {', '.join(map(repr, fields))}, so an "
+                        "answer cannot fill it by itself: name the text field (--env-option "
+                        "answer_field=NAME) or make the action a tool (--env-option action=tool)"
+                    )
                 self.answer_field = fields[0]
             elif answer_field not in fields:
-                raise ValueError(f"{where} answer_field={answer_field!r} is not a field of the action; it has "
-                                 + ", ".join(map(repr, fields)))
+                raise ValueError(
+                    f"{where} answer_field={answer_field!r} is not a field of the action; it has "
+                    + ", ".join(map(repr, fields))
+                )
             self.tools = []
             self.answer_ends_episode = True
         else:
             if answer_field is not None:
-                raise ValueError(f"{where} answer_field is for action=answer (with action=tool a reply without a "
-                                 "tool call is just a turn)")
+                raise ValueError(
+                    f"{where} answer_field is for action=answer (with action=tool a reply without a "
+                    "tool call is just a turn)"
+                )
             self.tool_name = tool_name or tool_name_of(schema)
             self.tools = [self._tool_spec(schema)]
             self.answer_ends_episode = False
@@ -423,9 +484,11 @@ class OpenEnvEnvironment(Environment):
             with urllib.request.build_opener(*handlers).open(url, timeout=self.timeout_s) as resp:
                 return json.loads(resp.read())
         except (OSError, ValueError) as e:  # URLError, HTTPError, timeouts, bad JSON
-            raise ValueError(f"--env openenv: cannot read {url} ({e}); is an OpenEnv server running there? Serve an "
-                             "environment with openenv.core.env_server.create_app (e.g. uvicorn my_env.server.app:app "
-                             "--port 8000) and pass --env-option base_url=http://HOST:PORT") from None
+            raise ValueError(
+                f"--env openenv: cannot read {url} ({e}); is an OpenEnv server running there? Serve an "
+                "environment with openenv.core.env_server.create_app (e.g. uvicorn my_env.server.app:app "
+                "--port 8000) and pass --env-option base_url=http://HOST:PORT"
+            ) from None
 
     def _tool_spec(self, schema: dict) -> dict:
         props = {k: v for k, v in (schema.get("properties") or {}).items() if k != "metadata"}
@@ -467,5 +530,6 @@ class OpenEnvEnvironment(Environment):
             episode.close()
 
     def describe(self) -> dict[str, Any]:
-        return super().describe() | {"server": {"base_url": self.base_url, "metadata": self.server_metadata,
-                                                "action_schema": self.action_schema}}
+        return super().describe() | {
+            "server": {"base_url": self.base_url, "metadata": self.server_metadata, "action_schema": self.action_schema}
+        }

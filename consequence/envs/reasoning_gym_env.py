@@ -42,13 +42,22 @@ import hashlib
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from consequence.envs.api import ANSWER_KEY, SPLITS, Environment, answer_in_text
 
-__all__ = ["SYSTEM_PROMPT", "GENERATOR_SEED", "ReasoningGymTask", "ReasoningGymEpisode",
-           "ReasoningGymEnvironment", "extract_answer", "follows_format", "dataset_names"]
+__all__ = [
+    "SYSTEM_PROMPT",
+    "GENERATOR_SEED",
+    "ReasoningGymTask",
+    "ReasoningGymEpisode",
+    "ReasoningGymEnvironment",
+    "extract_answer",
+    "follows_format",
+    "dataset_names",
+]
 
 # DeepSeek-R1 (Guo et al. 2025), Table 1: the template of DeepSeek-R1-Zero, as a system prompt.
 SYSTEM_PROMPT = (
@@ -56,12 +65,15 @@ SYSTEM_PROMPT = (
     "The assistant first thinks about the reasoning process in the mind and then provides the user with "
     "the answer. The reasoning process and answer are enclosed within <think> </think> and <answer> "
     "</answer> tags, respectively, i.e., <think> reasoning process here </think> <answer> answer here "
-    "</answer>.")
+    "</answer>."
+)
 EXAMPLE_THOUGHT = "I work it out, then give only the final answer."  # the worked examples' reasoning (option shots)
 GENERATOR_SEED = 0  # seed of every generator: a problem set is named by (dataset, config, size)
-_RESERVED = {"seed": f"the generator seed is fixed ({GENERATOR_SEED}) so that a problem set is named by its "
-                     "dataset, config and size",
-             "size": "give the number of problems as the option size (--env-option size=N)"}
+_RESERVED = {
+    "seed": f"the generator seed is fixed ({GENERATOR_SEED}) so that a problem set is named by its "
+    "dataset, config and size",
+    "size": "give the number of problems as the option size (--env-option size=N)",
+}
 
 _TAG = r"</?(?:think|answer)>"
 _ANSWER_RE = re.compile(r"<answer>((?:(?!<answer>).)*?)</answer>", re.S)  # innermost when nested
@@ -100,8 +112,10 @@ def _registry() -> dict[str, tuple[type, type]]:
     try:
         from reasoning_gym.factory import DATASETS
     except ImportError as e:  # a dependency of the package; missing only in a broken install
-        raise ValueError(f"--env reasoning-gym needs the reasoning-gym package ({e}); "
-                         "pip install reasoning-gym (it is a dependency of consequence)") from None
+        raise ValueError(
+            f"--env reasoning-gym needs the reasoning-gym package ({e}); "
+            "pip install reasoning-gym (it is a dependency of consequence)"
+        ) from None
     return DATASETS
 
 
@@ -221,37 +235,60 @@ class ReasoningGymEnvironment(Environment):
     reward_components = ("accuracy",)
     answer_ends_episode = True
 
-    def __init__(self, split_seed: int = 0, dataset: str = "basic_arithmetic", config: dict | None = None,
-                 size: int = 500, format_weight: float = 0.0, shots: int = 0,
-                 drop_answer_in_question: bool = False):
+    def __init__(
+        self,
+        split_seed: int = 0,
+        dataset: str = "basic_arithmetic",
+        config: dict | None = None,
+        size: int = 500,
+        format_weight: float = 0.0,
+        shots: int = 0,
+        drop_answer_in_question: bool = False,
+    ):
         where = "--env reasoning-gym: option"
         registry = _registry()
         if not isinstance(dataset, str) or dataset not in registry:
-            raise ValueError(f"{where} dataset {dataset!r} is not a reasoning-gym dataset (reasoning_gym "
-                             f"{_rg_version()}); valid: {', '.join(sorted(registry))}")
+            raise ValueError(
+                f"{where} dataset {dataset!r} is not a reasoning-gym dataset (reasoning_gym "
+                f"{_rg_version()}); valid: {', '.join(sorted(registry))}"
+            )
         if config is None:
             config = {}
         if not isinstance(config, dict) or not all(isinstance(k, str) for k in config):
-            raise ValueError(f"{where} config must be a mapping of generator settings, e.g. --env-option "
-                             f"'config={{min_terms: 2, max_terms: 3}}'; got {config!r}")
+            raise ValueError(
+                f"{where} config must be a mapping of generator settings, e.g. --env-option "
+                f"'config={{min_terms: 2, max_terms: 3}}'; got {config!r}"
+            )
         config_cls = registry[dataset][1]
-        takes = [f.name for f in dataclasses.fields(config_cls) if f.name not in _RESERVED] \
-            if dataclasses.is_dataclass(config_cls) else None
+        takes = (
+            [f.name for f in dataclasses.fields(config_cls) if f.name not in _RESERVED]
+            if dataclasses.is_dataclass(config_cls)
+            else None
+        )
         for key in config:
             if key in _RESERVED:
                 raise ValueError(f"{where} config: key {key!r} is not a generator setting here; {_RESERVED[key]}")
         bad = [k for k in config if takes is not None and k not in takes]
         if bad:
-            raise ValueError(f"{where} config: dataset {dataset!r} has no setting {', '.join(map(repr, bad))}; "
-                             f"its settings are {', '.join(takes) or 'none'}")
+            raise ValueError(
+                f"{where} config: dataset {dataset!r} has no setting {', '.join(map(repr, bad))}; "
+                f"its settings are {', '.join(takes) or 'none'}"
+            )
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"{where} size must be a positive integer (items drawn from the generator), got {size!r}")
-        if (isinstance(format_weight, bool) or not isinstance(format_weight, (int, float))
-                or not math.isfinite(format_weight) or format_weight < 0):
-            raise ValueError(f"{where} format_weight must be a finite number >= 0 (0: no format component), "
-                             f"got {format_weight!r}")
+        if (
+            isinstance(format_weight, bool)
+            or not isinstance(format_weight, (int, float))
+            or not math.isfinite(format_weight)
+            or format_weight < 0
+        ):
+            raise ValueError(
+                f"{where} format_weight must be a finite number >= 0 (0: no format component), got {format_weight!r}"
+            )
         if isinstance(shots, bool) or not isinstance(shots, int) or shots < 0:
-            raise ValueError(f"{where} shots must be an integer >= 0 (worked examples before each question), got {shots!r}")
+            raise ValueError(
+                f"{where} shots must be an integer >= 0 (worked examples before each question), got {shots!r}"
+            )
         if not isinstance(drop_answer_in_question, bool):
             raise ValueError(f"{where} drop_answer_in_question must be true or false, got {drop_answer_in_question!r}")
         self.drop_answer_in_question = drop_answer_in_question
@@ -271,11 +308,14 @@ class ReasoningGymEnvironment(Environment):
         import reasoning_gym
 
         try:
-            return reasoning_gym.create_dataset(self.dataset, seed=GENERATOR_SEED, size=self.size,
-                                                **copy.deepcopy(self.config))
+            return reasoning_gym.create_dataset(
+                self.dataset, seed=GENERATOR_SEED, size=self.size, **copy.deepcopy(self.config)
+            )
         except (AssertionError, TypeError, ValueError) as e:
-            raise ValueError(f"{where} config: reasoning_gym rejects the settings {self.config!r} of dataset "
-                             f"{self.dataset!r}: {type(e).__name__}: {e}") from None
+            raise ValueError(
+                f"{where} config: reasoning_gym rejects the settings {self.config!r} of dataset "
+                f"{self.dataset!r}: {type(e).__name__}: {e}"
+            ) from None
 
     @property
     def label(self) -> str:
@@ -299,18 +339,28 @@ class ReasoningGymEnvironment(Environment):
                 if self.drop_answer_in_question and answer is not None and answer_in_text(str(answer), question):
                     dropped.add(pid)
                     continue
-                tasks[pid] = ReasoningGymTask(f"{self.dataset}/{i}", pid, self.dataset, i, question,
-                                              None if answer is None else str(answer), entry)
+                tasks[pid] = ReasoningGymTask(
+                    f"{self.dataset}/{i}",
+                    pid,
+                    self.dataset,
+                    i,
+                    question,
+                    None if answer is None else str(answer),
+                    entry,
+                )
         self.dropped_answer_in_question = len(dropped)
         ids = split_by_problem(tasks, seed=split_seed)
         split = {s: [t for pid, t in tasks.items() if pid in ids[s]] for s in SPLITS}
         if self.shots:
             if self.shots >= len(split["train"]):
-                raise ValueError(f"--env reasoning-gym: option shots={self.shots} would take every one of the "
-                                 f"{len(split['train'])} train problems as an example; lower shots or raise size")
-            shown, split["train"] = split["train"][: self.shots], split["train"][self.shots:]
-            self.examples = tuple((t.question, f"<think>{EXAMPLE_THOUGHT}</think> <answer>{t.answer}</answer>")
-                                  for t in shown)
+                raise ValueError(
+                    f"--env reasoning-gym: option shots={self.shots} would take every one of the "
+                    f"{len(split['train'])} train problems as an example; lower shots or raise size"
+                )
+            shown, split["train"] = split["train"][: self.shots], split["train"][self.shots :]
+            self.examples = tuple(
+                (t.question, f"<think>{EXAMPLE_THOUGHT}</think> <answer>{t.answer}</answer>") for t in shown
+            )
         return split
 
     def make_episode(self, task: ReasoningGymTask) -> ReasoningGymEpisode:
@@ -318,6 +368,8 @@ class ReasoningGymEnvironment(Environment):
 
     def describe(self) -> dict[str, Any]:
         """The base record plus the reasoning_gym version and the number of distinct problems."""
-        return super().describe() | {"reasoning_gym_version": _rg_version(),
-                                     "problems": sum(len(v) for v in self.split.values()),
-                                     "dropped_answer_in_question": self.dropped_answer_in_question}
+        return super().describe() | {
+            "reasoning_gym_version": _rg_version(),
+            "problems": sum(len(v) for v in self.split.values()),
+            "dropped_answer_in_question": self.dropped_answer_in_question,
+        }

@@ -29,8 +29,16 @@ from typing import Any
 
 from consequence.envs.api import Environment, check_environment
 
-__all__ = ["BUILTINS", "ENTRY_POINT_GROUP", "IN_PROCESS_PREFIX", "available", "is_in_process", "load_environment",
-           "register_env", "resolve"]
+__all__ = [
+    "BUILTINS",
+    "ENTRY_POINT_GROUP",
+    "IN_PROCESS_PREFIX",
+    "available",
+    "is_in_process",
+    "load_environment",
+    "register_env",
+    "resolve",
+]
 
 ENTRY_POINT_GROUP = "consequence.environments"
 BUILTINS: dict[str, str] = {
@@ -66,8 +74,10 @@ def register_env(name: str, factory: Any) -> None:
             factory that is none of the above.
     """
     if not isinstance(name, str) or not name.strip() or ":" in name or name.endswith(".jsonl"):
-        raise ValueError(f"register_env: name {name!r} must be a non-empty str without ':' (kept for module:attr) "
-                         "and not a .jsonl path")
+        raise ValueError(
+            f"register_env: name {name!r} must be a non-empty str without ':' (kept for module:attr) "
+            "and not a .jsonl path"
+        )
     if name in BUILTINS:
         raise ValueError(f"register_env: {name!r} is a built-in environment; register under another name")
     _IN_PROCESS[name] = _factory_of(factory, name)
@@ -77,21 +87,25 @@ def _factory_of(obj: Any, name: str) -> Any:
     """A factory that :func:`load_environment` can call: a class or function as it is; an
     instance wrapped in one that returns it (refusing options and another split seed)."""
     if isinstance(obj, Environment):
+
         def the_instance(split_seed: int = obj.split_seed) -> Environment:
             if split_seed != obj.split_seed:
-                raise ValueError(f"--env {name}: the environment object was made with split_seed {obj.split_seed} "
-                                 f"and the config asks for split_seed {split_seed}; make them agree (set "
-                                 f"split_seed={obj.split_seed} in the config, or make the object with "
-                                 f"split_seed={split_seed})")
+                raise ValueError(
+                    f"--env {name}: the environment object was made with split_seed {obj.split_seed} "
+                    f"and the config asks for split_seed {split_seed}; make them agree (set "
+                    f"split_seed={obj.split_seed} in the config, or make the object with "
+                    f"split_seed={split_seed})"
+                )
             return obj
 
         return the_instance
     if isinstance(obj, type) and not issubclass(obj, Environment):
-        raise ValueError(f"{name}: {obj.__qualname__} is not a consequence.envs.api.Environment subclass "
-                         "(subclass it; docs/environments.md)")
+        raise ValueError(
+            f"{name}: {obj.__qualname__} is not a consequence.envs.api.Environment subclass "
+            "(subclass it; docs/environments.md)"
+        )
     if not callable(obj):
-        raise ValueError(f"{name}: {obj!r} is neither an Environment (class or instance) nor a function "
-                         "returning one")
+        raise ValueError(f"{name}: {obj!r} is neither an Environment (class or instance) nor a function returning one")
     return obj
 
 
@@ -115,8 +129,11 @@ def available() -> dict[str, str]:
     out = dict(BUILTINS)
     for name, factory in _IN_PROCESS.items():
         if not name.startswith(IN_PROCESS_PREFIX):
-            out.setdefault(name, f"{getattr(factory, '__module__', '?')}:{getattr(factory, '__qualname__', '?')} "
-                                 "(registered in this process)")
+            out.setdefault(
+                name,
+                f"{getattr(factory, '__module__', '?')}:{getattr(factory, '__qualname__', '?')} "
+                "(registered in this process)",
+            )
     for name, ep in _entry_points().items():
         out.setdefault(name, ep.value)
     return out
@@ -129,8 +146,10 @@ def _import(target: str, what: str) -> Any:
     try:
         obj = importlib.import_module(module)
     except ImportError as e:
-        raise ValueError(f"--env {what}: cannot import module {module!r} ({e}); check the spelling, or "
-                         "install the package that provides it") from None
+        raise ValueError(
+            f"--env {what}: cannot import module {module!r} ({e}); check the spelling, or "
+            "install the package that provides it"
+        ) from None
     except Exception as e:  # the module itself is broken: name the error, not a traceback
         raise ValueError(f"--env {what}: importing module {module!r} raised {type(e).__name__}: {e}") from None
     for part in attr.split("."):
@@ -153,22 +172,29 @@ def resolve(name: str) -> Any:
     if name in _IN_PROCESS:
         return _IN_PROCESS[name]
     if name.startswith(IN_PROCESS_PREFIX):
-        raise ValueError(f"--env {name}: this run's environment was a Python object given to consequence.train(env=...) "
-                         "or reward_fn=... in another process; it cannot be re-created from the run's config. Resume or "
-                         "reproduce it from Python with the same environment (consequence.train(config, env=..., "
-                         "resume=True)), or make it importable (module:attr, an entry point) for the command line")
+        raise ValueError(
+            f"--env {name}: this run's environment was a Python object given to consequence.train(env=...) "
+            "or reward_fn=... in another process; it cannot be re-created from the run's config. Resume or "
+            "reproduce it from Python with the same environment (consequence.train(config, env=..., "
+            "resume=True)), or make it importable (module:attr, an entry point) for the command line"
+        )
     eps = _entry_points()
     if name in eps:
         try:
             return eps[name].load()
         except Exception as e:  # a broken plug-in is the plug-in's fault: say which
-            raise ValueError(f"--env {name}: the entry point {eps[name].value!r} of group "
-                             f"{ENTRY_POINT_GROUP} failed to load: {type(e).__name__}: {e}") from None
+            raise ValueError(
+                f"--env {name}: the entry point {eps[name].value!r} of group "
+                f"{ENTRY_POINT_GROUP} failed to load: {type(e).__name__}: {e}"
+            ) from None
     if ":" in name:
         return _import(name, name)
-    raise ValueError(f"--env {name!r}: unknown environment; valid: " + ", ".join(available())
-                     + ", a module:attr path, or a .jsonl task file (docs/environments.md); a name given to "
-                     "consequence.register_env exists only in the Python process that registered it")
+    raise ValueError(
+        f"--env {name!r}: unknown environment; valid: "
+        + ", ".join(available())
+        + ", a module:attr path, or a .jsonl task file (docs/environments.md); a name given to "
+        "consequence.register_env exists only in the Python process that registered it"
+    )
 
 
 def load_environment(name: str, split_seed: int = 0, options: dict[str, Any] | None = None) -> Environment:
@@ -195,8 +221,10 @@ def load_environment(name: str, split_seed: int = 0, options: dict[str, Any] | N
     except Exception as e:  # the user's environment failed while loading its tasks
         raise ValueError(f"--env {name}: making the environment raised {type(e).__name__}: {e}") from e
     if not isinstance(env, Environment):
-        raise ValueError(f"--env {name}: {factory!r} made a {type(env).__name__}, not a "
-                         "consequence.envs.api.Environment (subclass it; docs/environments.md)")
+        raise ValueError(
+            f"--env {name}: {factory!r} made a {type(env).__name__}, not a "
+            "consequence.envs.api.Environment (subclass it; docs/environments.md)"
+        )
     env._options = options  # what the manifest and reports record
     check_environment(env)
     return env
@@ -212,16 +240,22 @@ def _check_options(factory: Any, name: str, options: dict[str, Any]) -> None:
         params = {}  # the base class takes no option
     elif any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return  # the environment checks its own options
-    takes = [k for k, p in params.items() if k != "split_seed" and p.kind in
-             (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+    takes = [
+        k
+        for k, p in params.items()
+        if k != "split_seed" and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    ]
     bad = [k for k in options if k not in takes]
     if bad == ["tasks_file"]:
-        raise ValueError(f"--tasks-file: environment {name!r} takes no task file (jsonl does: --env jsonl "
-                         "--tasks-file FILE)")
+        raise ValueError(
+            f"--tasks-file: environment {name!r} takes no task file (jsonl does: --env jsonl --tasks-file FILE)"
+        )
     if bad:
-        raise ValueError(f"--env {name}: unknown option{'s' if len(bad) > 1 else ''} {', '.join(map(repr, bad))}; "
-                         + (f"it takes {', '.join(takes)}" if takes else "it takes none")
-                         + " (--env-option key=value, or env_options: in a --config YAML)")
+        raise ValueError(
+            f"--env {name}: unknown option{'s' if len(bad) > 1 else ''} {', '.join(map(repr, bad))}; "
+            + (f"it takes {', '.join(takes)}" if takes else "it takes none")
+            + " (--env-option key=value, or env_options: in a --config YAML)"
+        )
 
 
 def environment_options(env_options: dict[str, Any] | None, tasks_file: str | None) -> dict[str, Any]:

@@ -18,17 +18,27 @@ __all__ = ["TOOLS", "SYSTEM_PROMPT", "RepairEnv", "verify", "format_report"]
 
 def _tool(name: str, description: str, props: dict | None = None) -> dict:
     props = props or {}
-    return {"type": "function", "function": {
-        "name": name, "description": description,
-        "parameters": {"type": "object", "properties": props, "required": list(props)}}}
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": description,
+            "parameters": {"type": "object", "properties": props, "required": list(props)},
+        },
+    }
 
 
 TOOLS: list[dict] = [
     _tool("run_tests", "Run the tests on the current code."),
     _tool("read_code", "Show the current code with line numbers."),
-    _tool("replace_line", "Replace one line of the code.", {
-        "line": {"type": "integer", "description": "1-based line number"},
-        "code": {"type": "string", "description": "the new line, with indentation"}}),
+    _tool(
+        "replace_line",
+        "Replace one line of the code.",
+        {
+            "line": {"type": "integer", "description": "1-based line number"},
+            "code": {"type": "string", "description": "the new line, with indentation"},
+        },
+    ),
     _tool("finish", "End the episode when the tests pass."),
 ]
 TOOL_NAMES = tuple(t["function"]["name"] for t in TOOLS)
@@ -72,8 +82,7 @@ class RepairEnv:
     tools = TOOLS
     answer_ends_episode = False  # a reply without a tool call is an ordinary turn
 
-    def __init__(self, task: RepairTask, limits: SandboxLimits | None = None,
-                 env_retries: int = ENV_RETRIES):
+    def __init__(self, task: RepairTask, limits: SandboxLimits | None = None, env_retries: int = ENV_RETRIES):
         self.task = task
         self.limits = limits  # None: each test mode's default limits
         self.env_retries = env_retries
@@ -93,8 +102,7 @@ class RepairEnv:
         self._lines = self.task.buggy_code.split("\n")
         self._done = False
         t = self.task
-        obs = (f"Fix {t.func_name} in solution.py so all tests pass.\n"
-               f"{t.func_name}: {t.docstring}")
+        obs = f"Fix {t.func_name} in solution.py so all tests pass.\n{t.func_name}: {t.docstring}"
         return obs, self._info()
 
     def step(self, action: dict) -> tuple[str, float, bool, bool, dict]:
@@ -117,8 +125,7 @@ class RepairEnv:
             return self._replace(args), 0.0, False, False, self._info()
         if name == "run_tests":
             code, lim = self.code, self.limits or SandboxLimits()
-            rep = with_retries(lambda: run_tests(code, self.task.visible_tests, lim),
-                               self.env_retries)
+            rep = with_retries(lambda: run_tests(code, self.task.visible_tests, lim), self.env_retries)
             info = self._info(env_retries=rep.attempts - 1)
             if rep.status == "sandbox_error":
                 self._done = True

@@ -96,8 +96,11 @@ class JsonlRepairEnvironment(RepairEnvironment):
 
         path = self.path
         if not path.is_file():
-            raise ValueError(f"--tasks-file {path}: " + ("is a directory" if path.is_dir() else "no such file")
-                             + " (give a .jsonl file of tasks in the format of docs/tasks.md)")
+            raise ValueError(
+                f"--tasks-file {path}: "
+                + ("is a directory" if path.is_dir() else "no such file")
+                + " (give a .jsonl file of tasks in the format of docs/tasks.md)"
+            )
         try:
             tasks = load_jsonl(path)
         except TaskFormatError as e:
@@ -108,12 +111,17 @@ class JsonlRepairEnvironment(RepairEnvironment):
             raise ValueError(f"--tasks-file {path}: the file holds no task (one JSON object per line, docs/tasks.md)")
         other = [t for t in tasks if t.kind != "repair"]
         if other:
-            lines = {json.loads(x).get("task_id"): no for no, x in
-                     enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if x.strip()}
+            lines = {
+                json.loads(x).get("task_id"): no
+                for no, x in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+                if x.strip()
+            }
             t = other[0]
-            raise ValueError(f"--tasks-file {path}:{lines.get(t.task_id)}: task {t.task_id!r} has kind {t.kind!r}; "
-                             "the jsonl environment runs multi-turn repair episodes with the tools, so every task "
-                             f"needs kind 'repair' ({len(other)} of {len(tasks)} tasks are not; evaluate completion "
-                             "tasks on their own)")
+            raise ValueError(
+                f"--tasks-file {path}:{lines.get(t.task_id)}: task {t.task_id!r} has kind {t.kind!r}; "
+                "the jsonl environment runs multi-turn repair episodes with the tools, so every task "
+                f"needs kind 'repair' ({len(other)} of {len(tasks)} tasks are not; evaluate completion "
+                "tasks on their own)"
+            )
         ids = split_by_problem([t.problem_id for t in tasks], seed=split_seed)
         return {s: [as_repair_task(t) for t in tasks if t.problem_id in ids[s]] for s in SPLITS}

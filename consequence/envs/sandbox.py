@@ -35,15 +35,14 @@ import tempfile
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Callable, Sequence
 
 from consequence.envs.hardening import PRELUDE, child_config, layers_report
 from consequence.envs.zygote import Child, ForkServer
 from consequence.tasks.repair import TestCase
 
-__all__ = ["SandboxLimits", "TestReport", "run_tests", "clear_cache", "RUNNER", "ENV_RETRIES",
-           "with_retries"]
+__all__ = ["SandboxLimits", "TestReport", "run_tests", "clear_cache", "RUNNER", "ENV_RETRIES", "with_retries"]
 
 # A sandbox that cannot start is re-run up to this many more times (so at most 3 runs) before
 # the episode becomes an env_error. A retry re-runs the same deterministic check on the same
@@ -87,7 +86,9 @@ class TestReport:
         return self.status == "ok" and self.total > 0 and self.passed == self.total
 
 
-RUNNER = PRELUDE + r'''
+RUNNER = (
+    PRELUDE
+    + r"""
 _w, _dumps, _exit, _repr, _type = os.write, json.dumps, os._exit, repr, type
 def _main():
     data = json.loads(sys.stdin.read())
@@ -144,7 +145,9 @@ def _main():
 if __name__ == "__main__":  # a fresh interpreter; the fork server calls _apply and _main itself
     _harden(json.loads(sys.argv[1]))
     _main()
-'''
+"""
+)
+
 
 class ReportCache:
     """Thread-safe LRU of reports keyed by the sha256 of their inputs (code, tests, limits).
@@ -154,7 +157,7 @@ class ReportCache:
     """
 
     def __init__(self, max_entries: int = 4096):
-        self._entries: "OrderedDict[str, TestReport]" = OrderedDict()
+        self._entries: OrderedDict[str, TestReport] = OrderedDict()
         self._max = max_entries
         self._lock = threading.Lock()
 
@@ -193,7 +196,7 @@ def clear_cache() -> None:
     _CACHE.clear()
 
 
-def kill_group(proc: "subprocess.Popen | Child | None") -> None:
+def kill_group(proc: subprocess.Popen | Child | None) -> None:
     """SIGKILL a child's whole process group (it runs in its own session) and reap it."""
     if proc is None:
         return
@@ -243,8 +246,9 @@ def _fork_server() -> ForkServer:
         return _SERVER[0]
 
 
-def spawn_child(kind: str, cfg: str, cwd: str, stdin: int, stdout: int, extra: Sequence[int] = (),
-                argv: Sequence[str] = ()) -> tuple["subprocess.Popen | Child", list[int]]:
+def spawn_child(
+    kind: str, cfg: str, cwd: str, stdin: int, stdout: int, extra: Sequence[int] = (), argv: Sequence[str] = ()
+) -> tuple[subprocess.Popen | Child, list[int]]:
     """Start one confined sandbox child of ``kind`` (``runner``, ``candidate``, ``judge``).
 
     ``stdin`` / ``stdout`` / ``extra`` are descriptors the child gets (stderr is
@@ -259,9 +263,17 @@ def spawn_child(kind: str, cfg: str, cwd: str, stdin: int, stdout: int, extra: S
         OSError: the child could not be started (report ``sandbox_error``).
     """
     if start_mode() == "fresh":
-        proc = subprocess.Popen([*network_isolation(), sys.executable, "-I", "-S", "-c", _sources()[kind], cfg, *argv],
-                                stdin=stdin, stdout=stdout, stderr=subprocess.DEVNULL, cwd=cwd, env={},
-                                start_new_session=True, close_fds=True, pass_fds=tuple(extra))
+        proc = subprocess.Popen(
+            [*network_isolation(), sys.executable, "-I", "-S", "-c", _sources()[kind], cfg, *argv],
+            stdin=stdin,
+            stdout=stdout,
+            stderr=subprocess.DEVNULL,
+            cwd=cwd,
+            env={},
+            start_new_session=True,
+            close_fds=True,
+            pass_fds=tuple(extra),
+        )
         return proc, list(extra)
     server = _fork_server()
     devnull = os.open(os.devnull, os.O_WRONLY)
@@ -285,7 +297,7 @@ def tagged_messages(raw: bytes, nonce: str) -> tuple[bool, dict | None]:
         if not line.startswith(nonce):
             continue
         try:
-            obj = json.loads(line[len(nonce):])
+            obj = json.loads(line[len(nonce) :])
         except ValueError:
             continue
         if not isinstance(obj, dict):
@@ -297,8 +309,7 @@ def tagged_messages(raw: bytes, nonce: str) -> tuple[bool, dict | None]:
     return started, last
 
 
-def exchange(proc, stdin, stdout, payload: bytes, cap: int, deadline: float
-              ) -> tuple[bytes, str | None]:
+def exchange(proc, stdin, stdout, payload: bytes, cap: int, deadline: float) -> tuple[bytes, str | None]:
     """Write ``payload`` to the child's stdin while reading at most ``cap`` bytes of its
     stdout, until it exits or ``deadline`` (``time.monotonic()``) passes.
 
@@ -321,7 +332,7 @@ def exchange(proc, stdin, stdout, payload: bytes, cap: int, deadline: float
             for key, _ in sel.select(left):
                 if key.fileobj is stdin:
                     try:  # PIPE_BUF bytes never block once the pipe is writable
-                        todo = todo[os.write(stdin.fileno(), todo[:select.PIPE_BUF]):]
+                        todo = todo[os.write(stdin.fileno(), todo[: select.PIPE_BUF]) :]
                     except OSError:  # the child closed stdin or died; judged from its output
                         todo = todo[:0]
                     if not todo:
@@ -347,8 +358,9 @@ def exchange(proc, stdin, stdout, payload: bytes, cap: int, deadline: float
 def _run(code: str, tests: Sequence[TestCase], lim: SandboxLimits) -> TestReport:
     n = len(tests)
     nonce = "@@" + secrets.token_hex(16) + "@@"
-    payload = json.dumps({"nonce": nonce, "code": code, "cap": lim.max_output_bytes,
-                          "tests": [[t.call, t.expected] for t in tests]}).encode()
+    payload = json.dumps(
+        {"nonce": nonce, "code": code, "cap": lim.max_output_bytes, "tests": [[t.call, t.expected] for t in tests]}
+    ).encode()
     limits = child_config(lim.cpu_s, lim.memory_mb, lim.max_output_bytes)
     cap = lim.max_output_bytes + 4096  # room for the runner's own lines
     with tempfile.TemporaryDirectory(prefix="sbx-") as work:
@@ -379,17 +391,28 @@ def _run(code: str, tests: Sequence[TestCase], lim: SandboxLimits) -> TestReport
         return TestReport("sandbox_error", 0, n, [], "the sandbox fork server ended during the run")
     res = res if res is not None and "results" in res else None
     if not started:
-        return TestReport("sandbox_error", 0, n, [], "runner did not start"
-                          + (" within the wall limit" if timed_out else
-                             f" (exit code {proc.returncode})"))
+        return TestReport(
+            "sandbox_error",
+            0,
+            n,
+            [],
+            "runner did not start" + (" within the wall limit" if timed_out else f" (exit code {proc.returncode})"),
+        )
     if timed_out or proc.returncode == -signal.SIGXCPU:
-        return TestReport("timeout", 0, n, [f"timeout after {lim.wall_s:g} s"] * n,
-                          f"timeout after {lim.wall_s:g} s")
-    ok = (res is not None and proc.returncode == 0 and isinstance(res.get("results"), list)
-          and len(res["results"]) == n and stop is None)
+        return TestReport("timeout", 0, n, [f"timeout after {lim.wall_s:g} s"] * n, f"timeout after {lim.wall_s:g} s")
+    ok = (
+        res is not None
+        and proc.returncode == 0
+        and isinstance(res.get("results"), list)
+        and len(res["results"]) == n
+        and stop is None
+    )
     if not ok:
-        why = (f"output exceeded {cap} bytes" if stop == "overflow" else
-               f"process exited with code {proc.returncode} before reporting")
+        why = (
+            f"output exceeded {cap} bytes"
+            if stop == "overflow"
+            else f"process exited with code {proc.returncode} before reporting"
+        )
         return TestReport("crash", 0, n, [why] * n, why)
     passed = sum(1 for r in res["results"] if r is True)
     msgs = [str(m) for m in res.get("messages", [])][: n - passed]
@@ -397,8 +420,9 @@ def _run(code: str, tests: Sequence[TestCase], lim: SandboxLimits) -> TestReport
     return TestReport("ok", passed, n, msgs, str(err) if err is not None else None)
 
 
-def run_tests(code: str, tests: Sequence[TestCase], limits: SandboxLimits = SandboxLimits(),
-              cache: bool = True) -> TestReport:
+def run_tests(
+    code: str, tests: Sequence[TestCase], limits: SandboxLimits = SandboxLimits(), cache: bool = True
+) -> TestReport:
     """Run ``tests`` against ``code`` in a fresh sandboxed interpreter.
 
     Each test passes iff the call's result has a plain type (int, float, bool, str, None,
@@ -432,8 +456,7 @@ def with_retries(run: Callable[[], TestReport], retries: int = ENV_RETRIES) -> T
         if report.status != "sandbox_error":
             return replace(report, attempts=attempt)
     n = retries + 1
-    return replace(report, attempts=n,
-                   error=f"{report.error}; gave up after {n} attempt{'s' if n > 1 else ''}")
+    return replace(report, attempts=n, error=f"{report.error}; gave up after {n} attempt{'s' if n > 1 else ''}")
 
 
 @functools.lru_cache(maxsize=1)
@@ -451,8 +474,12 @@ def network_isolation() -> tuple[str, ...]:
         return ()
     for flags in (("--net",), ("--user", "--map-root-user", "--net")):
         try:
-            ok = subprocess.run([exe, *flags, sys.executable, "-I", "-S", "-c", "pass"],
-                                capture_output=True, timeout=10).returncode == 0
+            ok = (
+                subprocess.run(
+                    [exe, *flags, sys.executable, "-I", "-S", "-c", "pass"], capture_output=True, timeout=10
+                ).returncode
+                == 0
+            )
         except (OSError, subprocess.TimeoutExpired):
             ok = False
         if ok:
@@ -463,12 +490,15 @@ def network_isolation() -> tuple[str, ...]:
 def isolation_report() -> dict[str, str]:
     """Which isolation layers are active for model-written code on this host."""
     net = network_isolation()
-    process = ("forked per run by a clean fork server (python -I -S, never runs model code)"
-               if start_mode() == "fork-server" else "fresh interpreter (-I -S) per run")
-    return {"process": process + ", own session, killed on timeout",
-            "limits": "RLIMIT_CPU, RLIMIT_AS, RLIMIT_FSIZE, RLIMIT_NOFILE, RLIMIT_NPROC, RLIMIT_CORE",
-            "filesystem": "empty temporary working directory (read-only under Landlock), "
-                          "empty environment",
-            "confinement": layers_report(),
-            "network": " ".join(net[1:]) + " (empty network namespace)" if net else "none (unshare unavailable)"}
-
+    process = (
+        "forked per run by a clean fork server (python -I -S, never runs model code)"
+        if start_mode() == "fork-server"
+        else "fresh interpreter (-I -S) per run"
+    )
+    return {
+        "process": process + ", own session, killed on timeout",
+        "limits": "RLIMIT_CPU, RLIMIT_AS, RLIMIT_FSIZE, RLIMIT_NOFILE, RLIMIT_NPROC, RLIMIT_CORE",
+        "filesystem": "empty temporary working directory (read-only under Landlock), empty environment",
+        "confinement": layers_report(),
+        "network": " ".join(net[1:]) + " (empty network namespace)" if net else "none (unshare unavailable)",
+    }

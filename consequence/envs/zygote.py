@@ -39,7 +39,7 @@ import socket
 import subprocess
 import sys
 import threading
-from typing import Sequence
+from collections.abc import Sequence
 
 __all__ = ["ForkServer", "Child", "ForkServerError"]
 
@@ -262,19 +262,31 @@ class ForkServer:
         conf = json.dumps({"sources": self.sources, "net": self.net, "sock": child.fileno()})
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-I", "-S", "-c", ZYGOTE, conf], stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={}, cwd="/",
-                start_new_session=True, close_fds=True, pass_fds=(child.fileno(),))
+                [sys.executable, "-I", "-S", "-c", ZYGOTE, conf],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                env={},
+                cwd="/",
+                start_new_session=True,
+                close_fds=True,
+                pass_fds=(child.fileno(),),
+            )
         finally:
             child.close()
         self._sock, self._owner = parent, os.getpid()
         self._pending, self._children = {}, {}
-        threading.Thread(target=self._read, args=(parent, self._pending, self._children),
-                         name="sandbox-zygote", daemon=True).start()
+        threading.Thread(
+            target=self._read, args=(parent, self._pending, self._children), name="sandbox-zygote", daemon=True
+        ).start()
 
     def _alive(self) -> bool:
-        return (self._sock is not None and self._owner == os.getpid() and self._proc is not None
-                and self._proc.poll() is None)
+        return (
+            self._sock is not None
+            and self._owner == os.getpid()
+            and self._proc is not None
+            and self._proc.poll() is None
+        )
 
     def close(self) -> None:
         """Stop the zygote (children already started keep running until killed)."""
@@ -325,8 +337,16 @@ class ForkServer:
             child._exited(None)
 
     # ---- spawning --------------------------------------------------------------------
-    def spawn(self, kind: str, cfg: str, cwd: str, fds: Sequence[int], targets: Sequence[int],
-              argv: Sequence[str] = (), timeout: float = 10.0) -> Child:
+    def spawn(
+        self,
+        kind: str,
+        cfg: str,
+        cwd: str,
+        fds: Sequence[int],
+        targets: Sequence[int],
+        argv: Sequence[str] = (),
+        timeout: float = 10.0,
+    ) -> Child:
         """Fork a confined child of ``kind`` (see module docstring).
 
         Args:
@@ -350,8 +370,7 @@ class ForkServer:
             self._next += 1
             rid, slot = self._next, [threading.Event(), None]
             self._pending[rid] = slot
-            req = {"id": rid, "kind": kind, "cfg": cfg, "cwd": cwd, "targets": list(targets),
-                   "argv": list(argv)}
+            req = {"id": rid, "kind": kind, "cfg": cfg, "cwd": cwd, "targets": list(targets), "argv": list(argv)}
             try:
                 socket.send_fds(self._sock, [json.dumps(req).encode()], list(fds))
             except OSError as e:

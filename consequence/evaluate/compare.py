@@ -8,9 +8,9 @@ stated rule (pairs stay pairs) and counted.
 
 from __future__ import annotations
 
-
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from consequence.envs.api import answer_in_text
 from consequence.evaluate.episode_eval import parse_error_fraction, solved
@@ -52,10 +52,17 @@ def paired_comparison(a: ArmResult, b: ArmResult, confidence: float = 0.95, seed
     sa, sb = a.successes(), b.successes()
     keep = [i for i in range(len(sa)) if sa[i] is not None and sb[i] is not None]
     groups = [a.trajectories[i].task_id.split("#")[0] for i in keep]
-    ci = paired_bootstrap_ci([sa[i] for i in keep], [sb[i] for i in keep], groups=groups,
-                             confidence=confidence, seed=seed)
-    return {**ci, "a": a.name, "b": b.name, "episodes": len(sa),
-            "env_errors_excluded": len(sa) - len(keep), "confidence": confidence}
+    ci = paired_bootstrap_ci(
+        [sa[i] for i in keep], [sb[i] for i in keep], groups=groups, confidence=confidence, seed=seed
+    )
+    return {
+        **ci,
+        "a": a.name,
+        "b": b.name,
+        "episodes": len(sa),
+        "env_errors_excluded": len(sa) - len(keep),
+        "confidence": confidence,
+    }
 
 
 def summarize(trajs: Sequence[Trajectory]) -> dict[str, float]:
@@ -97,8 +104,10 @@ def copied_answers(trajs: Sequence[Trajectory]) -> dict[str, float]:
     the answer)."""
     valid = [t for t in trajs if t.outcome != "env_error"]
     copied = [answer_in_text(t.final_code, request_text(t)) for t in valid]
-    return {"copied_answer_share": sum(copied) / max(1, len(valid)),
-            "success_not_copied": sum(solved(t) for t, c in zip(valid, copied) if not c) / max(1, len(valid))}
+    return {
+        "copied_answer_share": sum(copied) / max(1, len(valid)),
+        "success_not_copied": sum(solved(t) for t, c in zip(valid, copied) if not c) / max(1, len(valid)),
+    }
 
 
 def top_answer(trajs: Sequence[Trajectory]) -> dict[str, Any]:
@@ -134,10 +143,12 @@ def copied_answer_warning(split: str, decoding: str, warm: dict[str, Any], rl: d
     share, before = rl.get("copied_answer_share", 0.0), warm.get("copied_answer_share", 0.0)
     if rl.get("episodes", 0) < CONSTANT_MIN_EPISODES or share < COPY_SHARE or share < before + COPY_RISE:
         return None
-    return (f"{split}, {decoding}: the RL policy's final answer is text copied from the question in {share:.0%} of "
-            f"its episodes (warm start: {before:.0%}); copying wins exactly where the question already holds the "
-            f"answer. Success of the answers that are not copies: {warm.get('success_not_copied', 0.0):.1%} → "
-            f"{rl.get('success_not_copied', 0.0):.1%} of all episodes; read the gain against that.")
+    return (
+        f"{split}, {decoding}: the RL policy's final answer is text copied from the question in {share:.0%} of "
+        f"its episodes (warm start: {before:.0%}); copying wins exactly where the question already holds the "
+        f"answer. Success of the answers that are not copies: {warm.get('success_not_copied', 0.0):.1%} → "
+        f"{rl.get('success_not_copied', 0.0):.1%} of all episodes; read the gain against that."
+    )
 
 
 def constant_answer_warning(split: str, decoding: str, warm: dict[str, Any], rl: dict[str, Any]) -> str | None:
@@ -146,8 +157,9 @@ def constant_answer_warning(split: str, decoding: str, warm: dict[str, Any], rl:
     share, before = rl.get("top_answer_share", 0.0), warm.get("top_answer_share", 0.0)
     if rl.get("episodes", 0) < CONSTANT_MIN_EPISODES or share < CONSTANT_SHARE or share <= before:
         return None
-    return (f"{split}, {decoding}: the RL policy gave the same final answer {rl['top_answer']!r} in {share:.0%} of its "
-            f"episodes (warm start: {before:.0%}). Its success is then about the share of problems whose answer "
-            "that is (a constant policy), not a skill: compare it with that base rate before reading the "
-            "difference as a gain.")
-
+    return (
+        f"{split}, {decoding}: the RL policy gave the same final answer {rl['top_answer']!r} in {share:.0%} of its "
+        f"episodes (warm start: {before:.0%}). Its success is then about the share of problems whose answer "
+        "that is (a constant policy), not a skill: compare it with that base rate before reading the "
+        "difference as a gain."
+    )

@@ -27,24 +27,37 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
 
-from consequence.fileio import write_text_atomic
-from consequence.envs.code_tasks import (CHAT_INSTRUCTION, STOP_SEQUENCES, chat_request, extract_completion,
-                                         verify_completion)
+from consequence.envs.code_tasks import (
+    CHAT_INSTRUCTION,
+    STOP_SEQUENCES,
+    chat_request,
+    extract_completion,
+    verify_completion,
+)
 from consequence.envs.judge import PROGRAM_LIMITS
 from consequence.envs.sandbox import ENV_RETRIES, SandboxLimits, isolation_report, with_retries
 from consequence.evaluate.progress import SILENT, Phases
 from consequence.evaluate.stats import bootstrap_mean_ci, pass_at_k
+from consequence.fileio import write_text_atomic
 from consequence.seeding import seed_of
 from consequence.tasks.jsonl import CodeTask
 
-__all__ = ["CHAT_INSTRUCTION", "STOP_SEQUENCES", "CompletionEval", "extract_completion",
-           "score_completions", "sample_completions", "evaluate_completions", "save_eval"]
+__all__ = [
+    "CHAT_INSTRUCTION",
+    "STOP_SEQUENCES",
+    "CompletionEval",
+    "extract_completion",
+    "score_completions",
+    "sample_completions",
+    "evaluate_completions",
+    "save_eval",
+]
 
 BATCH_ROWS = 32  # sampled rows per batched generate call (tasks × n)
 
@@ -73,22 +86,34 @@ class CompletionEval:
 
     def summary(self) -> str:
         """One line per k: ``pass@1 = 0.412 [0.337, 0.488] over 164 tasks``."""
-        lines = [f"pass@{k} = {self.pass_at_k[k]:.3f} [{self.ci[k][0]:.3f}, {self.ci[k][1]:.3f}]"
-                 f" over {self.tasks - self.tasks_excluded[k]} tasks" for k in self.ks]
-        lines.append(f"samples {self.samples}: env errors {self.env_errors}, cut by "
-                     f"max_new_tokens {self.truncated}, prompt too long {self.prompt_too_long}")
+        lines = [
+            f"pass@{k} = {self.pass_at_k[k]:.3f} [{self.ci[k][0]:.3f}, {self.ci[k][1]:.3f}]"
+            f" over {self.tasks - self.tasks_excluded[k]} tasks"
+            for k in self.ks
+        ]
+        lines.append(
+            f"samples {self.samples}: env errors {self.env_errors}, cut by "
+            f"max_new_tokens {self.truncated}, prompt too long {self.prompt_too_long}"
+        )
         return "\n".join(lines)
 
 
-def _aggregate(tasks: Sequence[CodeTask], reports: list[list], ks: Sequence[int],
-               flags: list[list[str]], seed: int) -> CompletionEval:
+def _aggregate(
+    tasks: Sequence[CodeTask], reports: list[list], ks: Sequence[int], flags: list[list[str]], seed: int
+) -> CompletionEval:
     per_task, counts = [], []
     for task, reps, fl in zip(tasks, reports, flags):
         valid = [r for r in reps if r.status != "sandbox_error"]
         c = sum(1 for r in valid if r.all_passed)
-        row = {"task_id": task.task_id, "n": len(reps), "n_valid": len(valid), "correct": c,
-               "env_errors": len(reps) - len(valid), "truncated": fl.count("length"),
-               "prompt_too_long": fl.count("too_long")}
+        row = {
+            "task_id": task.task_id,
+            "n": len(reps),
+            "n_valid": len(valid),
+            "correct": c,
+            "env_errors": len(reps) - len(valid),
+            "truncated": fl.count("length"),
+            "prompt_too_long": fl.count("too_long"),
+        }
         for k in ks:
             row[f"pass@{k}"] = pass_at_k(len(valid), c, k) if len(valid) >= k else None
         per_task.append(row)
@@ -100,11 +125,18 @@ def _aggregate(tasks: Sequence[CodeTask], reports: list[list], ks: Sequence[int]
         pak[k] = sum(vals) / len(vals) if vals else float("nan")
         ci[k] = bootstrap_mean_ci(vals, seed=seed) if len(vals) >= 2 else (pak[k], pak[k])
     return CompletionEval(
-        ks=tuple(ks), n=max((r["n"] for r in per_task), default=0), pass_at_k=pak, ci=ci,
-        tasks=len(per_task), tasks_excluded=excl, samples=sum(r["n"] for r in per_task),
+        ks=tuple(ks),
+        n=max((r["n"] for r in per_task), default=0),
+        pass_at_k=pak,
+        ci=ci,
+        tasks=len(per_task),
+        tasks_excluded=excl,
+        samples=sum(r["n"] for r in per_task),
         env_errors=sum(r["env_errors"] for r in per_task),
         truncated=sum(r["truncated"] for r in per_task),
-        prompt_too_long=sum(r["prompt_too_long"] for r in per_task), per_task=per_task)
+        prompt_too_long=sum(r["prompt_too_long"] for r in per_task),
+        per_task=per_task,
+    )
 
 
 def _score_one(task: CodeTask, completion: str, limits: SandboxLimits | None):
@@ -113,10 +145,15 @@ def _score_one(task: CodeTask, completion: str, limits: SandboxLimits | None):
     return with_retries(lambda: verify_completion(task, completion, limits), ENV_RETRIES)
 
 
-def score_completions(tasks: Sequence[CodeTask], completions: Sequence[Sequence[str]],
-                      ks: Sequence[int], flags: Sequence[Sequence[str]] | None = None,
-                      limits: SandboxLimits | None = None, workers: int = 2,
-                      seed: int = 0) -> CompletionEval:
+def score_completions(
+    tasks: Sequence[CodeTask],
+    completions: Sequence[Sequence[str]],
+    ks: Sequence[int],
+    flags: Sequence[Sequence[str]] | None = None,
+    limits: SandboxLimits | None = None,
+    workers: int = 2,
+    seed: int = 0,
+) -> CompletionEval:
     """Score given completions (``completions[i]`` = the samples of ``tasks[i]``).
 
     ``flags[i][j]`` is ``"stop"``, ``"length"`` (cut by max_new_tokens) or ``"too_long"``
@@ -142,8 +179,7 @@ def _load(model_path: str | os.PathLike):
     if not path.is_dir():
         raise FileNotFoundError(f"no model folder at {path} (a local Hugging Face checkpoint)")
     tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32,
-                                                 local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, local_files_only=True)
     return model.eval(), tok
 
 
@@ -173,14 +209,22 @@ def batches(lengths: Sequence[int], n: int, batch_rows: int) -> list[list[int]]:
     """
     per = max(1, batch_rows // max(1, n))
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    return [order[j:j + per] for j in range(0, len(order), per)]
+    return [order[j : j + per] for j in range(0, len(order), per)]
 
 
-def sample_completions(model, tok, tasks: Sequence[CodeTask], n: int, temperature: float,
-                       seed: int, max_new_tokens: int = 384, top_p: float = 1.0,
-                       prompt_mode: str = "auto",
-                       on_task: Callable[[int, list[str], list[str]], None] | None = None,
-                       batch_rows: int = BATCH_ROWS) -> tuple[list[list[str]], list[list[str]], str]:
+def sample_completions(
+    model,
+    tok,
+    tasks: Sequence[CodeTask],
+    n: int,
+    temperature: float,
+    seed: int,
+    max_new_tokens: int = 384,
+    top_p: float = 1.0,
+    prompt_mode: str = "auto",
+    on_task: Callable[[int, list[str], list[str]], None] | None = None,
+    batch_rows: int = BATCH_ROWS,
+) -> tuple[list[list[str]], list[list[str]], str]:
     """n completions per task; returns (completions, flags, prompt mode used), in task order.
 
     Batching and seeds: the tasks whose prompt fits are grouped by :func:`batches` (about
@@ -197,9 +241,8 @@ def sample_completions(model, tok, tasks: Sequence[CodeTask], n: int, temperatur
 
     from consequence.policy.sampler import SamplingParams, generate
 
-    mode = prompt_mode if prompt_mode != "auto" else (
-        "chat" if getattr(tok, "chat_template", None) else "raw")
-    ctx = getattr(model.config, "max_position_embeddings", None) or 10 ** 9
+    mode = prompt_mode if prompt_mode != "auto" else ("chat" if getattr(tok, "chat_template", None) else "raw")
+    ctx = getattr(model.config, "max_position_embeddings", None) or 10**9
     params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens)
     stops = _stop_ids(model, tok)
     ids = [_prompt_ids(tok, task, mode) for task in tasks]
@@ -215,21 +258,35 @@ def sample_completions(model, tok, tasks: Sequence[CodeTask], n: int, temperatur
         streams = [torch.Generator().manual_seed(seed_of(seed, tasks[i].task_id, j)) for i in members for j in range(n)]
         samples = generate(model, [ids[i] for i in members for _ in range(n)], params, stops, streams)
         for r, i in enumerate(members):
-            mine = samples[r * n:(r + 1) * n]
-            comps[i] = [extract_completion(tok.decode([t for t in s.output_ids if t not in stops],
-                                                      skip_special_tokens=True), tasks[i], mode) for s in mine]
+            mine = samples[r * n : (r + 1) * n]
+            comps[i] = [
+                extract_completion(
+                    tok.decode([t for t in s.output_ids if t not in stops], skip_special_tokens=True), tasks[i], mode
+                )
+                for s in mine
+            ]
             flags[i] = [s.stop_reason for s in mine]
             if on_task is not None:
                 on_task(i, comps[i], flags[i])
     return comps, flags, mode
 
 
-def evaluate_completions(model_path: str | os.PathLike, tasks: Sequence[CodeTask], n: int = 10,
-                         ks: Sequence[int] = (1, 10), temperature: float = 0.8, seed: int = 0,
-                         max_new_tokens: int = 384, top_p: float = 1.0,
-                         prompt_mode: str = "auto", limits: SandboxLimits | None = None,
-                         workers: int = 2, batch_rows: int = BATCH_ROWS, threads: int | None = None,
-                         phases: Phases = SILENT) -> CompletionEval:
+def evaluate_completions(
+    model_path: str | os.PathLike,
+    tasks: Sequence[CodeTask],
+    n: int = 10,
+    ks: Sequence[int] = (1, 10),
+    temperature: float = 0.8,
+    seed: int = 0,
+    max_new_tokens: int = 384,
+    top_p: float = 1.0,
+    prompt_mode: str = "auto",
+    limits: SandboxLimits | None = None,
+    workers: int = 2,
+    batch_rows: int = BATCH_ROWS,
+    threads: int | None = None,
+    phases: Phases = SILENT,
+) -> CompletionEval:
     """Sample ``n`` completions per task from the local checkpoint and report pass@k.
 
     Args:
@@ -287,18 +344,30 @@ def evaluate_completions(model_path: str | os.PathLike, tasks: Sequence[CodeTask
                     add_sampled(len(cs))
 
                 with _torch_threads(threads):
-                    comps, flags, mode = sample_completions(model, tok, tasks, n, temperature, seed, max_new_tokens,
-                                                            top_p, prompt_mode, submit, batch_rows)
+                    comps, flags, mode = sample_completions(
+                        model, tok, tasks, n, temperature, seed, max_new_tokens, top_p, prompt_mode, submit, batch_rows
+                    )
             reports = [[f.result() for f in fs] for fs in futs]
     finally:
         ex.shutdown(wait=True, cancel_futures=True)
     res = _aggregate(tasks, reports, ks, flags, seed)
     for row, cs in zip(res.per_task, comps):
         row["completions"] = cs
-    res.settings = {"model": str(model_path), "n": n, "ks": list(ks), "temperature": temperature,
-                    "top_p": top_p, "max_new_tokens": max_new_tokens, "prompt_mode": mode,
-                    "seed": seed, "batch_rows": batch_rows, "torch_threads": threads, "limits": asdict(limits or PROGRAM_LIMITS),
-                    "isolation": isolation_report(), "wall_s": round(time.perf_counter() - t0, 2)}
+    res.settings = {
+        "model": str(model_path),
+        "n": n,
+        "ks": list(ks),
+        "temperature": temperature,
+        "top_p": top_p,
+        "max_new_tokens": max_new_tokens,
+        "prompt_mode": mode,
+        "seed": seed,
+        "batch_rows": batch_rows,
+        "torch_threads": threads,
+        "limits": asdict(limits or PROGRAM_LIMITS),
+        "isolation": isolation_report(),
+        "wall_s": round(time.perf_counter() - t0, 2),
+    }
     return res
 
 

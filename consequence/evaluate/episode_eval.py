@@ -16,8 +16,10 @@ from typing import Any
 from consequence.evaluate.stats import binomial_se, bootstrap_mean_ci, pass_at_k
 from consequence.records import Trajectory
 
-EXCLUSION_RULE = ("an episode whose environment failed (env_error) is dropped from its task's n; a task with "
-                  "fewer than k valid episodes is left out of pass@k; both are counted in the report")
+EXCLUSION_RULE = (
+    "an episode whose environment failed (env_error) is dropped from its task's n; a task with "
+    "fewer than k valid episodes is left out of pass@k; both are counted in the report"
+)
 
 
 def solved(t: Trajectory) -> bool:
@@ -60,9 +62,19 @@ def per_task_counts(trajs: Sequence[Trajectory]) -> list[dict[str, Any]]:
     batch's time per episode is ``cost_summary``'s ``wall_s_per_episode``)."""
     tasks: dict[str, dict[str, Any]] = {}
     for t in trajs:
-        d = tasks.setdefault(t.group_id, {"task_id": t.group_id, "problem_id": t.task_id.split("#")[0], "n": 0,
-                                          "c": 0, "env_errors": 0, "gen_tokens": 0, "tool_calls": 0,
-                                          "wall_s": 0.0})
+        d = tasks.setdefault(
+            t.group_id,
+            {
+                "task_id": t.group_id,
+                "problem_id": t.task_id.split("#")[0],
+                "n": 0,
+                "c": 0,
+                "env_errors": 0,
+                "gen_tokens": 0,
+                "tool_calls": 0,
+                "wall_s": 0.0,
+            },
+        )
         if t.outcome == "env_error":
             d["env_errors"] += 1
             continue
@@ -74,8 +86,9 @@ def per_task_counts(trajs: Sequence[Trajectory]) -> list[dict[str, Any]]:
     return list(tasks.values())
 
 
-def summarize_pass_at_k(counts: Sequence[dict[str, Any]], ks: Sequence[int], confidence: float = 0.95,
-                        seed: int = 0) -> dict[str, Any]:
+def summarize_pass_at_k(
+    counts: Sequence[dict[str, Any]], ks: Sequence[int], confidence: float = 0.95, seed: int = 0
+) -> dict[str, Any]:
     """pass@k (unbiased per task, then the mean over tasks), bootstrap CI over problems, SE.
 
     Per task pass@k = 1 − C(n−c, k)/C(n, k) (Chen et al. 2021, §2.1, product form); the
@@ -94,9 +107,15 @@ def summarize_pass_at_k(counts: Sequence[dict[str, Any]], ks: Sequence[int], con
         values = [sum(v) / len(v) for v in by_problem.values()]
         mean = math.fsum(values) / len(values) if values else float("nan")
         low, high = bootstrap_mean_ci(values, confidence, seed=seed) if len(values) >= 2 else (mean, mean)
-        out[str(k)] = {"pass_at_k": mean, "low": low, "high": high,
-                       "se": binomial_se(mean, len(values)) if values else float("nan"),
-                       "tasks": len(rows), "problems": len(values), "tasks_excluded": len(counts) - len(rows)}
+        out[str(k)] = {
+            "pass_at_k": mean,
+            "low": low,
+            "high": high,
+            "se": binomial_se(mean, len(values)) if values else float("nan"),
+            "tasks": len(rows),
+            "problems": len(values),
+            "tasks_excluded": len(counts) - len(rows),
+        }
     return out
 
 

@@ -10,8 +10,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from consequence.evaluate.compare import (ArmResult, constant_answer_warning, copied_answer_warning, paired_comparison,
-                                         summarize)
+from consequence.evaluate.compare import (
+    ArmResult,
+    constant_answer_warning,
+    copied_answer_warning,
+    paired_comparison,
+    summarize,
+)
 from consequence.evaluate.progress import Phases, Tick
 from consequence.evaluate.rollouts import run_eval
 from consequence.records import write_trajectories
@@ -41,14 +46,31 @@ def final_report(cfg, reference, model, renderer, split, budgets, console, run: 
         "train problems, new instances (in-distribution)": split.sample("train", n, seed=seed_of(cfg.seed, "fresh")),
     }
     sets = {name: tasks for name, tasks in sets.items() if name.split(" ")[0] in cfg.final_eval_splits}
-    out: dict[str, Any] = {"episodes_per_split": n, "budgets": vars(budgets), "results": [], "evaluation_files": [],
-                           "answer_warnings": []}
+    out: dict[str, Any] = {
+        "episodes_per_split": n,
+        "budgets": vars(budgets),
+        "results": [],
+        "evaluation_files": [],
+        "answer_warnings": [],
+    }
     with Phases(console) as phases:
         for decoding in cfg.final_eval_decoding:
             for name, tasks in sets.items():
                 if tasks:
-                    res = _compare_arms(cfg, reference, model, renderer, split, budgets, run, phases, name, tasks,
-                                        decoding, out["evaluation_files"])
+                    res = _compare_arms(
+                        cfg,
+                        reference,
+                        model,
+                        renderer,
+                        split,
+                        budgets,
+                        run,
+                        phases,
+                        name,
+                        tasks,
+                        decoding,
+                        out["evaluation_files"],
+                    )
                     out["results"].append(res)
                     for warn in (constant_answer_warning, copied_answer_warning):
                         if w := warn(name.split(" ")[0], decoding, res["warm_start"], res["rl"]):
@@ -56,20 +78,51 @@ def final_report(cfg, reference, model, renderer, split, budgets, console, run: 
     return out
 
 
-def _compare_arms(cfg, reference, model, renderer, env, budgets, run: Path, phases: Phases, name: str, tasks,
-                  decoding: str, files: list[str]) -> dict[str, Any]:
+def _compare_arms(
+    cfg,
+    reference,
+    model,
+    renderer,
+    env,
+    budgets,
+    run: Path,
+    phases: Phases,
+    name: str,
+    tasks,
+    decoding: str,
+    files: list[str],
+) -> dict[str, Any]:
     """Both policies on the same episodes of one split and decoding; their raw episodes are written."""
     greedy = decoding == "greedy"
     arms = []
     for label, policy in (("warm start", reference), ("RL", model)):
         with phases.phase(f"final evaluation: {name.split(' ')[0]}, {decoding}, {label}", len(tasks)) as tick:
             # sampled: at the training temperature (the documented rule), not the sampler's default of 1
-            arms.append(ArmResult(label, run_eval(policy, renderer, env, tasks, budgets, cfg.seed, greedy,
-                                                  temperature=cfg.temperature, progress=tick)))
+            arms.append(
+                ArmResult(
+                    label,
+                    run_eval(
+                        policy,
+                        renderer,
+                        env,
+                        tasks,
+                        budgets,
+                        cfg.seed,
+                        greedy,
+                        temperature=cfg.temperature,
+                        progress=tick,
+                    ),
+                )
+            )
     a, b = arms
     for arm, tag in ((a, "warmstart"), (b, "rl")):
         path = run / "eval" / f"{name.split(' ')[0]}-{decoding}-{tag}.parquet"
         write_trajectories(path, arm.trajectories)
         files.append(str(path.relative_to(run)))
-    return {"split": name, "decoding": decoding, "comparison": paired_comparison(a, b, seed=cfg.seed),
-            "warm_start": summarize(a.trajectories), "rl": summarize(b.trajectories)}
+    return {
+        "split": name,
+        "decoding": decoding,
+        "comparison": paired_comparison(a, b, seed=cfg.seed),
+        "warm_start": summarize(a.trajectories),
+        "rl": summarize(b.trajectories),
+    }

@@ -21,8 +21,15 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn, \
-    TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    ProgressColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.text import Text
 
 Tick = Callable[[int], None]  # tick(done): units finished so far (monotone; larger values win)
@@ -45,10 +52,17 @@ class Phases:
         self._bar: Progress | None = None
         self._lock = threading.Lock()
 
-    def __enter__(self) -> "Phases":
+    def __enter__(self) -> Phases:
         if self.console is not None and self.console.is_terminal:
-            self._bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), _Rate(),
-                                 TimeElapsedColumn(), TimeRemainingColumn(), console=self.console)
+            self._bar = Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                _Rate(),
+                TimeElapsedColumn(),
+                TimeRemainingColumn(),
+                console=self.console,
+            )
             self._bar.start()
         return self
 
@@ -87,8 +101,11 @@ class Phases:
                 bar.update(job, completed=state["done"])
             elif self.console is not None:
                 rate = state["done"] / dt if dt > 0 else 0.0
-                self.console.print(f"{name}: {ended}, {state['done']}/{total} {unit} in {dt:.1f} s "
-                                   f"({rate:.2f} {unit}/s)", markup=False, highlight=False)
+                self.console.print(
+                    f"{name}: {ended}, {state['done']}/{total} {unit} in {dt:.1f} s ({rate:.2f} {unit}/s)",
+                    markup=False,
+                    highlight=False,
+                )
 
     def counter(self, tick: Tick) -> Callable[[int], None]:
         """``add(k)``: a thread-safe running count fed to ``tick`` (for units finishing one by one)."""
@@ -100,6 +117,7 @@ class Phases:
                 count["n"] += k
                 n = count["n"]
             tick(n)
+
         return add
 
 

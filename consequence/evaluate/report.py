@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from consequence.evaluate.settings import describe
-from consequence.fileio import strict_json, write_text_atomic
 from consequence.figures import pyplot, save_figure
+from consequence.fileio import strict_json, write_text_atomic
 from consequence.records import write_trajectories
 
 
@@ -51,39 +51,62 @@ def markdown(result: dict[str, Any], cost_png: str = "cost.png") -> str:
     lines = [f"# Evaluation: {s['tasks']} / {s['split']}", ""]
     lines += [f"> **Warning:** {w}" for w in result.get("warnings", [])]
     lines += [f"> Note: {n}" for n in result.get("notes", [])]
-    lines += [f"Model `{s['model']}`; {s['problems']} problem{'s' if s['problems'] != 1 else ''} × n = {s['n']} samples at temperature "
-              f"{s['temperature']}, seed {s['seed']}, split seed {s['split_seed']}. Budget per episode: {b['max_turns']} turns, "
-              f"{b['max_new_tokens']} tokens per call, {b['max_total_tokens']} tokens in all, "
-              f"{b['max_tool_calls']} tool calls."]
+    lines += [
+        f"Model `{s['model']}`; {s['problems']} problem{'s' if s['problems'] != 1 else ''} × n = {s['n']} samples at temperature "
+        f"{s['temperature']}, seed {s['seed']}, split seed {s['split_seed']}. Budget per episode: {b['max_turns']} turns, "
+        f"{b['max_new_tokens']} tokens per call, {b['max_total_tokens']} tokens in all, "
+        f"{b['max_tool_calls']} tool calls."
+    ]
     if s.get("provenance"):
         lines += ["", describe(s["provenance"])]
-    lines += ["", "## pass@k (a correct candidate exists among k)", "",
-              "| k | pass@k | 95 % CI (bootstrap over problems) | binomial SE (k = 1) | tasks | excluded |",
-              "|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "## pass@k (a correct candidate exists among k)",
+        "",
+        "| k | pass@k | 95 % CI (bootstrap over problems) | binomial SE (k = 1) | tasks | excluded |",
+        "|---|---|---|---|---|---|",
+    ]
     for k, v in result["pass_at_k"].items():
         se = f"{v['se']:.3f}" if k == "1" else "—"  # pass@k for k > 1 is not a proportion of Bernoulli trials
-        lines.append(f"| {k} | {v['pass_at_k']:.3f} | [{v['low']:.3f}, {v['high']:.3f}] | {se} | "
-                     f"{v['tasks']} | {v['tasks_excluded']} |")
+        lines.append(
+            f"| {k} | {v['pass_at_k']:.3f} | [{v['low']:.3f}, {v['high']:.3f}] | {se} | "
+            f"{v['tasks']} | {v['tasks_excluded']} |"
+        )
     o = result["outcomes"]
-    lines += ["", "Outcomes of all episodes (every one stays in the denominator): "
-              + ", ".join(f"{name.replace('_', ' ')} {_pct(v)}" for name, v in o["shares"].items()) + "."]
+    lines += [
+        "",
+        "Outcomes of all episodes (every one stays in the denominator): "
+        + ", ".join(f"{name.replace('_', ' ')} {_pct(v)}" for name, v in o["shares"].items())
+        + ".",
+    ]
     lines += _selection_lines(result.get("final_selection", {}))
     lines += _recovery_lines(result.get("recovery"))
     c = result["cost"]
-    lines += ["", "## Cost and errors", "",
-              f"Cost per episode: {c['gen_tokens_per_episode']:.1f} generated tokens, "
-              f"{c['tool_calls_per_episode']:.2f} tool calls ({100 * c.get('parse_error_fraction', 0.0):.1f} % of model "
-              f"calls did not parse), {c['wall_s_per_episode']:.2f} s of wall time (the batch's time / episodes); "
-              + (f"{c['gen_tokens_per_success']:.0f} generated tokens per success" if math.isfinite(
-                  c.get("gen_tokens_per_success") or math.inf) else "no success, so no tokens per success")
-              + f" (curves: [{cost_png}]({cost_png})).",
-              f"Environment errors: {result['env_errors']} ({result['exclusion_rule']}). Sandbox re-runs: "
-              f"{result.get('env_retries', 0)} ({result.get('retry_rule', 'no retry rule recorded')}).",
-              f"Isolation: {', '.join(f'{k}={v}' for k, v in s['isolation'].items())}.", "",
-              "## Splits touched", ""]
+    lines += [
+        "",
+        "## Cost and errors",
+        "",
+        f"Cost per episode: {c['gen_tokens_per_episode']:.1f} generated tokens, "
+        f"{c['tool_calls_per_episode']:.2f} tool calls ({100 * c.get('parse_error_fraction', 0.0):.1f} % of model "
+        f"calls did not parse), {c['wall_s_per_episode']:.2f} s of wall time (the batch's time / episodes); "
+        + (
+            f"{c['gen_tokens_per_success']:.0f} generated tokens per success"
+            if math.isfinite(c.get("gen_tokens_per_success") or math.inf)
+            else "no success, so no tokens per success"
+        )
+        + f" (curves: [{cost_png}]({cost_png})).",
+        f"Environment errors: {result['env_errors']} ({result['exclusion_rule']}). Sandbox re-runs: "
+        f"{result.get('env_retries', 0)} ({result.get('retry_rule', 'no retry rule recorded')}).",
+        f"Isolation: {', '.join(f'{k}={v}' for k, v in s['isolation'].items())}.",
+        "",
+        "## Splits touched",
+        "",
+    ]
     for t in result.get("splits_touched", []):
-        lines.append(f"- {t['split']} of {t['tasks']} (split seed {t['split_seed']}) by {t['purpose']}, "
-                     f"{t['time']}; ledger `{t['ledger']}`")
+        lines.append(
+            f"- {t['split']} of {t['tasks']} (split seed {t['split_seed']}) by {t['purpose']}, "
+            f"{t['time']}; ledger `{t['ledger']}`"
+        )
     if s["split"] == "test":
         lines.append("\nThis evaluation touched the **test** split: do not use it to choose settings or checkpoints.")
     return "\n".join(lines) + "\n"
@@ -93,15 +116,23 @@ def _selection_lines(sel: dict[str, Any]) -> list[str]:
     if not sel:
         return []
     ks = list(next(iter(sel.values())))
-    lines = ["", "## Final-selection success (one of k candidates submitted, judged by the verifier)", "",
-             "| rule | " + " | ".join(f"k = {k}" for k in ks) + " |", "|---|" + "---|" * len(ks)]
+    lines = [
+        "",
+        "## Final-selection success (one of k candidates submitted, judged by the verifier)",
+        "",
+        "| rule | " + " | ".join(f"k = {k}" for k in ks) + " |",
+        "|---|" + "---|" * len(ks),
+    ]
     for rule, by_k in sel.items():
         cells = [f"{v['success']:.3f} [{v['low']:.3f}, {v['high']:.3f}]" for v in by_k.values()]
         lines.append(f"| {rule} | " + " | ".join(cells) + " |")
-    lines += ["", "Each task's valid episodes are cut into ⌊n/k⌋ disjoint blocks of k; the rule picks one "
-              "submitted candidate per block (first: the first submission; majority: the most frequent final "
-              "answer (program, for code); visible: the most visible tests passed), ties to the earliest; a block without a "
-              "submission fails. 95 % CI: bootstrap over problems. pass@k above is the oracle's upper bound."]
+    lines += [
+        "",
+        "Each task's valid episodes are cut into ⌊n/k⌋ disjoint blocks of k; the rule picks one "
+        "submitted candidate per block (first: the first submission; majority: the most frequent final "
+        "answer (program, for code); visible: the most visible tests passed), ties to the earliest; a block without a "
+        "submission fails. 95 % CI: bootstrap over problems. pass@k above is the oracle's upper bound.",
+    ]
     return lines
 
 
@@ -109,18 +140,29 @@ def _recovery_lines(rec: dict[str, Any] | None) -> list[str]:
     if rec is None:
         return []
     if rec.get("not_run"):  # no task has a wrong first patch (e.g. question-answer environments)
-        return ["", "## Recovery from the same wrong first patch", "",
-                f"Not run: none of the {rec['tasks_without_wrong_patch']} tasks has a wrong first patch to open "
-                "with (the diagnostic needs a task's decoy; --no-recovery skips it)."]
+        return [
+            "",
+            "## Recovery from the same wrong first patch",
+            "",
+            f"Not run: none of the {rec['tasks_without_wrong_patch']} tasks has a wrong first patch to open "
+            "with (the diagnostic needs a task's decoy; --no-recovery skips it).",
+        ]
     r, p = rec["recovery"], rec["plain_success_same_tasks"]
-    return ["", "## Recovery from the same wrong first patch", "",
-            f"Every episode opens with {rec['opening']}; the policy continues from the failing report.",
-            "", "| | success | 95 % CI | problems |", "|---|---|---|---|",
-            f"| recovered after the wrong patch | {r['pass_at_k']:.3f} | [{r['low']:.3f}, {r['high']:.3f}] | {r['problems']} |",
-            f"| plain episodes, same tasks | {p['pass_at_k']:.3f} | [{p['low']:.3f}, {p['high']:.3f}] | {p['problems']} |",
-            "", f"{rec['tasks']} tasks; {rec['tasks_without_wrong_patch']} tasks without a wrong patch left out; "
-            f"{rec['env_errors']} environment errors. The opened state is not the natural one: read the "
-            "recovery rate next to the plain success."]
+    return [
+        "",
+        "## Recovery from the same wrong first patch",
+        "",
+        f"Every episode opens with {rec['opening']}; the policy continues from the failing report.",
+        "",
+        "| | success | 95 % CI | problems |",
+        "|---|---|---|---|",
+        f"| recovered after the wrong patch | {r['pass_at_k']:.3f} | [{r['low']:.3f}, {r['high']:.3f}] | {r['problems']} |",
+        f"| plain episodes, same tasks | {p['pass_at_k']:.3f} | [{p['low']:.3f}, {p['high']:.3f}] | {p['problems']} |",
+        "",
+        f"{rec['tasks']} tasks; {rec['tasks_without_wrong_patch']} tasks without a wrong patch left out; "
+        f"{rec['env_errors']} environment errors. The opened state is not the natural one: read the "
+        "recovery rate next to the plain success.",
+    ]
 
 
 def compare_markdown(res: dict[str, Any]) -> str:
@@ -128,19 +170,26 @@ def compare_markdown(res: dict[str, Any]) -> str:
     s = res["a"]["settings"]
     lines = [f"# Comparison on {s['tasks']} / {s['split']}", ""]
     lines += [f"> **Warning:** {w}" for w in res["a"].get("warnings", [])]
-    lines += [f"A = `{res['a']['settings']['model']}`, B = `{res['b']['settings']['model']}`; the same "
-              f"{s['problems']} problems × n = {s['n']} episodes with the same seeds for both. B − A with a 95 % "
-              "paired bootstrap CI over problems; a pair is dropped when either arm had an environment error."]
+    lines += [
+        f"A = `{res['a']['settings']['model']}`, B = `{res['b']['settings']['model']}`; the same "
+        f"{s['problems']} problems × n = {s['n']} episodes with the same seeds for both. B − A with a 95 % "
+        "paired bootstrap CI over problems; a pair is dropped when either arm had an environment error."
+    ]
     if s.get("provenance"):
         lines += ["", describe(s["provenance"])]
-    lines += ["", "| measure | A | B | B − A | 95 % CI | problems won B / A / tied | pairs excluded |",
-              "|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "| measure | A | B | B − A | 95 % CI | problems won B / A / tied | pairs excluded |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for key, what in (("paired", "success"), ("paired_recovery", "recovery after the same wrong first patch")):
         if key in res:
             c = res[key]
-            lines.append(f"| {what} | {c['a_mean']:.3f} | {c['b_mean']:.3f} | {c['diff']:+.3f} | "
-                         f"[{c['low']:+.3f}, {c['high']:+.3f}] | {c['b_wins']} / {c['a_wins']} / {c['ties']} | "
-                         f"{c['env_errors_excluded']} |")
+            lines.append(
+                f"| {what} | {c['a_mean']:.3f} | {c['b_mean']:.3f} | {c['diff']:+.3f} | "
+                f"[{c['low']:+.3f}, {c['high']:+.3f}] | {c['b_wins']} / {c['a_wins']} / {c['ties']} | "
+                f"{c['env_errors_excluded']} |"
+            )
     for arm in ("a", "b"):
         body = markdown({**res[arm], "warnings": []}, cost_png=f"cost-{arm}.png").split("\n", 1)[1]
         lines += ["", f"# Policy {arm.upper()}", body]
@@ -151,8 +200,10 @@ def plot_costs(result: dict[str, Any], path: Path) -> None:
     """Success against caps on tool calls and on generated tokens, side by side (PNG)."""
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
-    for ax, key, label in ((axes[0], "success_vs_tool_call_cap", "tool calls ≤ cap"),
-                           (axes[1], "success_vs_token_cap", "generated tokens ≤ cap")):
+    for ax, key, label in (
+        (axes[0], "success_vs_tool_call_cap", "tool calls ≤ cap"),
+        (axes[1], "success_vs_token_cap", "generated tokens ≤ cap"),
+    ):
         caps = [int(c) for c in result[key]]
         ax.plot(caps, list(result[key].values()), marker="o")
         ax.set_xlabel(label)

@@ -12,15 +12,24 @@ from collections.abc import Callable, Sequence
 from consequence.policy.sampler import SamplingParams
 from consequence.records import Trajectory
 from consequence.reward.scoring import rescore_group, score_trajectories
-from consequence.rollout.groups import group_of
 from consequence.rollout.episodes import Budgets, EpisodeSpec, run_episodes
+from consequence.rollout.groups import group_of
 from consequence.rollout.sampling import policy_generate_fn
 from consequence.seeding import seed_of
 
 
-def run_eval(model, renderer, env, tasks: Sequence, budgets: Budgets, seed: int, greedy: bool = True,
-             policy_version: int = 0, temperature: float = 1.0,
-             progress: Callable[[int], None] | None = None) -> list[Trajectory]:
+def run_eval(
+    model,
+    renderer,
+    env,
+    tasks: Sequence,
+    budgets: Budgets,
+    seed: int,
+    greedy: bool = True,
+    policy_version: int = 0,
+    temperature: float = 1.0,
+    progress: Callable[[int], None] | None = None,
+) -> list[Trajectory]:
     """One episode of ``model`` per task: greedy, or sampled at ``temperature``.
 
     ``progress(n_done)``: see :func:`sample_episodes`.
@@ -28,14 +37,24 @@ def run_eval(model, renderer, env, tasks: Sequence, budgets: Budgets, seed: int,
     Returns:
         scored trajectories, in task order (``sample_id`` 0).
     """
-    return sample_episodes(model, renderer, env, tasks, 1, budgets, seed, 0.0 if greedy else temperature,
-                           policy_version, progress=progress)
+    return sample_episodes(
+        model, renderer, env, tasks, 1, budgets, seed, 0.0 if greedy else temperature, policy_version, progress=progress
+    )
 
 
-def sample_episodes(model, renderer, env, tasks: Sequence, n: int, budgets: Budgets, seed: int,
-                    temperature: float = 1.0, policy_version: int = 0,
-                    openings: Sequence[tuple] | None = None,
-                    progress: Callable[[int], None] | None = None) -> list[Trajectory]:
+def sample_episodes(
+    model,
+    renderer,
+    env,
+    tasks: Sequence,
+    n: int,
+    budgets: Budgets,
+    seed: int,
+    temperature: float = 1.0,
+    policy_version: int = 0,
+    openings: Sequence[tuple] | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> list[Trajectory]:
     """``n`` episodes per task of environment ``env`` (``sample_id`` 0 … n−1, each with its
     own seed), scored with the environment's reward components (``score_group`` per task).
 
@@ -58,13 +77,18 @@ def sample_episodes(model, renderer, env, tasks: Sequence, n: int, budgets: Budg
         raise ValueError(f"n (samples per task) must be >= 1, got {n}")
     params = SamplingParams(temperature=temperature, max_new_tokens=budgets.max_new_tokens)
     openings = openings or [()] * len(tasks)
-    specs = [EpisodeSpec(episode, t.task_id, t.task_id, j, seed_of(seed, t.task_id, j), tuple(openings[i]),
-                         env.answer_ends_episode)
-             for i, t in enumerate(tasks) for j, episode in enumerate(group_of(env, t, n))]
+    specs = [
+        EpisodeSpec(
+            episode, t.task_id, t.task_id, j, seed_of(seed, t.task_id, j), tuple(openings[i]), env.answer_ends_episode
+        )
+        for i, t in enumerate(tasks)
+        for j, episode in enumerate(group_of(env, t, n))
+    ]
     gen = policy_generate_fn(model, params, renderer.stop_ids, seed, episode_seeds=[s.seed for s in specs])
-    trajs = run_episodes(gen, renderer, specs, budgets, env.system_prompt, policy_version, progress=progress,
-                         examples=env.examples)
+    trajs = run_episodes(
+        gen, renderer, specs, budgets, env.system_prompt, policy_version, progress=progress, examples=env.examples
+    )
     score_trajectories(trajs, components=env.reward_components, reward_range=env.reward_range)
     for i, t in enumerate(tasks):
-        rescore_group(env, t, trajs[i * n:(i + 1) * n])
+        rescore_group(env, t, trajs[i * n : (i + 1) * n])
     return trajs

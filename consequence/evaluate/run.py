@@ -19,8 +19,14 @@ from typing import Any
 
 from consequence.envs.sandbox import ENV_RETRIES, isolation_report, run_tests
 from consequence.evaluate.compare import ArmResult, paired_comparison
-from consequence.evaluate.episode_eval import (EXCLUSION_RULE, cost_summary, outcome_shares, per_task_counts,
-                                               success_under_caps, summarize_pass_at_k)
+from consequence.evaluate.episode_eval import (
+    EXCLUSION_RULE,
+    cost_summary,
+    outcome_shares,
+    per_task_counts,
+    success_under_caps,
+    summarize_pass_at_k,
+)
 from consequence.evaluate.progress import SILENT, Phases
 from consequence.evaluate.recovery import recovery_openings
 from consequence.evaluate.report import compare_markdown, markdown, write_compare, write_outputs  # noqa: F401
@@ -63,9 +69,15 @@ def resolve_model(path: str | None, option: str = "--model") -> Path:
     if is_model_folder(p / "checkpoints" / "final"):
         return p / "checkpoints" / "final"
     if not is_model_folder(p):
-        raise ValueError(f"{option} {p}: " + ("no such folder" if not p.exists() else
-                         "neither a checkpoint folder (config.json, or a LoRA adapter's adapter_config.json) "
-                         "nor a run folder (checkpoints/final)"))
+        raise ValueError(
+            f"{option} {p}: "
+            + (
+                "no such folder"
+                if not p.exists()
+                else "neither a checkpoint folder (config.json, or a LoRA adapter's adapter_config.json) "
+                "nor a run folder (checkpoints/final)"
+            )
+        )
     return p
 
 
@@ -80,8 +92,10 @@ def check_distinct(a: Path, b: Path) -> None:
         raise ValueError(f"A and B are the same checkpoint folder ({a.resolve()}): give two different policies")
     ha, hb = weights_sha256(a), weights_sha256(b)
     if ha is not None and ha == hb:
-        raise ValueError(f"A ({a}) and B ({b}) have identical weights (sha256 {ha[:12]}…): the comparison would "
-                         "measure nothing; give two different policies")
+        raise ValueError(
+            f"A ({a}) and B ({b}) have identical weights (sha256 {ha[:12]}…): the comparison would "
+            "measure nothing; give two different policies"
+        )
 
 
 def default_samples(n: int | None, temperature: float) -> int:
@@ -92,8 +106,14 @@ def default_samples(n: int | None, temperature: float) -> int:
     return 1 if temperature == 0 else 10
 
 
-def check_request(split: str, n: int, ks: list[int], temperature: float = 1.0, problems: int = 0,
-                  splits: Sequence[str] = ("train", "validation", "test")) -> None:
+def check_request(
+    split: str,
+    n: int,
+    ks: list[int],
+    temperature: float = 1.0,
+    problems: int = 0,
+    splits: Sequence[str] = ("train", "validation", "test"),
+) -> None:
     """Reject a bad request before any work.
 
     Raises:
@@ -133,20 +153,37 @@ def check_budget_fits(renderer, env, task_list, budgets: Budgets) -> None:
     Raises:
         ValueError: names ``--max-total-tokens``, the shortest prompt and the smallest budget that fits.
     """
-    shortest = min((opening_prompt_len(renderer, env.system_prompt, env.request(t), env.examples) for t in task_list), default=0)
+    shortest = min(
+        (opening_prompt_len(renderer, env.system_prompt, env.request(t), env.examples) for t in task_list), default=0
+    )
     if task_list and shortest + budgets.max_new_tokens > budgets.max_total_tokens:
-        raise ValueError(f"--max-total-tokens {budgets.max_total_tokens} is too small: the shortest prompt of these "
-                         f"tasks is {shortest} tokens and a model call may add --max-new-tokens "
-                         f"{budgets.max_new_tokens}, so no episode could act; raise --max-total-tokens to at least "
-                         f"{shortest + budgets.max_new_tokens}")
+        raise ValueError(
+            f"--max-total-tokens {budgets.max_total_tokens} is too small: the shortest prompt of these "
+            f"tasks is {shortest} tokens and a model call may add --max-new-tokens "
+            f"{budgets.max_new_tokens}, so no episode could act; raise --max-total-tokens to at least "
+            f"{shortest + budgets.max_new_tokens}"
+        )
 
 
-def evaluate_episodes(model_path: Path, env, split: str, n: int, ks: list[int], *, problems: int = 0,
-                      temperature: float = 1.0, seed: int = 0, budgets: Budgets = Budgets(),
-                      selection: Sequence[str] = SELECTION_RULES, recovery: bool = True,
-                      purpose: str = "consequence eval", companions: Sequence[Path] = (),
-                      provenance: dict[str, Any] | None = None, phases: Phases = SILENT,
-                      label: str = "") -> EpisodeEval:
+def evaluate_episodes(
+    model_path: Path,
+    env,
+    split: str,
+    n: int,
+    ks: list[int],
+    *,
+    problems: int = 0,
+    temperature: float = 1.0,
+    seed: int = 0,
+    budgets: Budgets = Budgets(),
+    selection: Sequence[str] = SELECTION_RULES,
+    recovery: bool = True,
+    purpose: str = "consequence eval",
+    companions: Sequence[Path] = (),
+    provenance: dict[str, Any] | None = None,
+    phases: Phases = SILENT,
+    label: str = "",
+) -> EpisodeEval:
     """n episodes per task of the split's problems of environment ``env`` (an
     :class:`~consequence.envs.api.Environment`, made with its split seed; ``problems`` of
     them, drawn with ``seed``, when > 0).
@@ -187,21 +224,36 @@ def evaluate_episodes(model_path: Path, env, split: str, n: int, ks: list[int], 
         notes.append("final-selection rule 'visible' left out: these tasks have no visible tests to run")
     visible = _visible_scores(trajs, by_id, phases, label) if "visible" in selection else None
     result = {
-        "settings": {"model": str(model_path), "tasks": env.label, "environment": env.describe(), "split": split,
-                     "split_seed": split_seed,
-                     "problems": count, "n": n, "ks": ks, "temperature": temperature, "seed": seed,
-                     "budgets": vars(budgets), "isolation": isolation_report(), "provenance": provenance},
+        "settings": {
+            "model": str(model_path),
+            "tasks": env.label,
+            "environment": env.describe(),
+            "split": split,
+            "split_seed": split_seed,
+            "problems": count,
+            "n": n,
+            "ks": ks,
+            "temperature": temperature,
+            "seed": seed,
+            "budgets": vars(budgets),
+            "isolation": isolation_report(),
+            "provenance": provenance,
+        },
         "exclusion_rule": EXCLUSION_RULE,
         "env_errors": sum(d["env_errors"] for d in counts),
         "env_retries": sum(t.env_retries for t in trajs),
         "retry_rule": f"a sandbox that cannot start is re-run (same code, tests, limits) up to {ENV_RETRIES} more "
-                      "times; still failing, the episode is an env_error",
+        "times; still failing, the episode is an env_error",
         "pass_at_k": summarize_pass_at_k(counts, ks, seed=seed),
         "final_selection": summarize_selection(trajs, ks, selection, visible, seed=seed),
         "outcomes": outcome_shares(trajs),
         "cost": cost_summary(trajs, wall_s=plain_wall),
-        "success_vs_tool_call_cap": dict(zip(map(str, TOOL_CAPS), success_under_caps(trajs, "n_tool_calls", TOOL_CAPS))),
-        "success_vs_token_cap": dict(zip(map(str, TOKEN_CAPS), success_under_caps(trajs, "n_generated_tokens", TOKEN_CAPS))),
+        "success_vs_tool_call_cap": dict(
+            zip(map(str, TOOL_CAPS), success_under_caps(trajs, "n_tool_calls", TOOL_CAPS))
+        ),
+        "success_vs_token_cap": dict(
+            zip(map(str, TOKEN_CAPS), success_under_caps(trajs, "n_generated_tokens", TOKEN_CAPS))
+        ),
         "per_task": counts,
         "splits_touched": [touch],
         "warnings": [warning] if warning else [],
@@ -212,8 +264,18 @@ def evaluate_episodes(model_path: Path, env, split: str, n: int, ks: list[int], 
         kept, openings = recovery_openings(task_list)
         if kept:
             with phases.phase(f"{label}recovery episodes", len(kept) * n) as tick:
-                rtrajs = sample_episodes(model, renderer, env, kept, n, budgets, seed_of(seed, "recovery"), temperature,
-                                         openings=openings, progress=tick)
+                rtrajs = sample_episodes(
+                    model,
+                    renderer,
+                    env,
+                    kept,
+                    n,
+                    budgets,
+                    seed_of(seed, "recovery"),
+                    temperature,
+                    openings=openings,
+                    progress=tick,
+                )
             result["recovery"] = recovery_summary(trajs, rtrajs, len(task_list), seed)
         else:  # no task has a decoy (question-answer environments): nothing to open with
             result["recovery"] = {"tasks": 0, "tasks_without_wrong_patch": len(task_list), "not_run": True}
@@ -226,22 +288,27 @@ def _visible_scores(trajs: Sequence[Trajectory], tasks_by_id: dict, phases: Phas
     on 4 threads up front (the ``visible`` rule's signal); returns ``score(trajectory)``."""
     todo = [t for t in trajs if t.outcome == "finished" and getattr(tasks_by_id[t.task_id], "visible_tests", None)]
     scores: dict[int, int] = {}
-    with phases.phase(f"{label}visible tests (selection)", len(todo), "programs") as tick, \
-            ThreadPoolExecutor(4, thread_name_prefix="visible") as ex:
+    with (
+        phases.phase(f"{label}visible tests (selection)", len(todo), "programs") as tick,
+        ThreadPoolExecutor(4, thread_name_prefix="visible") as ex,
+    ):
         add = phases.counter(tick)
 
         def one(t: Trajectory) -> None:
             scores[id(t)] = run_tests(t.final_code or "", tasks_by_id[t.task_id].visible_tests).passed
             add(1)
+
         list(ex.map(one, todo))
 
     def score(t: Trajectory) -> int:
         return scores[id(t)] if id(t) in scores else 0
+
     return score
 
 
-def recovery_summary(trajs: Sequence[Trajectory], recovery_trajs: Sequence[Trajectory], n_tasks: int,
-                     seed: int = 0) -> dict[str, Any]:
+def recovery_summary(
+    trajs: Sequence[Trajectory], recovery_trajs: Sequence[Trajectory], n_tasks: int, seed: int = 0
+) -> dict[str, Any]:
     """Recovery rate from the wrong first patch beside the plain success on the same tasks.
 
     Both are the mean over problems of the per-task success rate (pass@1), with a
@@ -250,27 +317,56 @@ def recovery_summary(trajs: Sequence[Trajectory], recovery_trajs: Sequence[Traje
     ids = {t.group_id for t in recovery_trajs}
     plain = summarize_pass_at_k(per_task_counts([t for t in trajs if t.group_id in ids]), [1], seed=seed)["1"]
     rec = summarize_pass_at_k(per_task_counts(recovery_trajs), [1], seed=seed)["1"]
-    return {"opening": "replace_line with the task's first decoy on the bug line, then run_tests",
-            "tasks": len(ids), "tasks_without_wrong_patch": n_tasks - len(ids),
-            "env_errors": sum(t.outcome == "env_error" for t in recovery_trajs),
-            "recovery": rec, "plain_success_same_tasks": plain}
+    return {
+        "opening": "replace_line with the task's first decoy on the bug line, then run_tests",
+        "tasks": len(ids),
+        "tasks_without_wrong_patch": n_tasks - len(ids),
+        "env_errors": sum(t.outcome == "env_error" for t in recovery_trajs),
+        "recovery": rec,
+        "plain_success_same_tasks": plain,
+    }
 
 
-def compare_policies(a: Path, b: Path, env, split: str, n: int, *, ks: Sequence[int] = (1,),
-                     problems: int = 0, temperature: float = 1.0, seed: int = 0, budgets: Budgets = Budgets(),
-                     recovery: bool = True, provenance: dict[str, Any] | None = None,
-                     phases: Phases = SILENT) -> dict[str, Any]:
+def compare_policies(
+    a: Path,
+    b: Path,
+    env,
+    split: str,
+    n: int,
+    *,
+    ks: Sequence[int] = (1,),
+    problems: int = 0,
+    temperature: float = 1.0,
+    seed: int = 0,
+    budgets: Budgets = Budgets(),
+    recovery: bool = True,
+    provenance: dict[str, Any] | None = None,
+    phases: Phases = SILENT,
+) -> dict[str, Any]:
     """Both policies on the same task instances with the same seeds, split seed and budgets;
     paired difference of success (b − a) with a bootstrap CI over problems, and per-problem
     wins; with ``recovery`` the same for the recovery diagnostic (same openings, same
     seeds). Each policy's own report (pass@k and final selection at ``ks``) is kept under
     "a" / "b"."""
-    kw = dict(problems=problems, temperature=temperature, seed=seed, budgets=budgets, recovery=recovery, purpose="consequence compare", provenance=provenance, phases=phases)
+    kw = dict(
+        problems=problems,
+        temperature=temperature,
+        seed=seed,
+        budgets=budgets,
+        recovery=recovery,
+        purpose="consequence compare",
+        provenance=provenance,
+        phases=phases,
+    )
     ea = evaluate_episodes(a, env, split, n, list(ks), companions=[b], label="A ", **kw)
     eb = evaluate_episodes(b, env, split, n, list(ks), companions=[a], label="B ", **kw)
-    out = {"a": ea.result, "b": eb.result,
-           "paired": paired_comparison(ArmResult(str(a), ea.episodes), ArmResult(str(b), eb.episodes), seed=seed)}
+    out = {
+        "a": ea.result,
+        "b": eb.result,
+        "paired": paired_comparison(ArmResult(str(a), ea.episodes), ArmResult(str(b), eb.episodes), seed=seed),
+    }
     if recovery and ea.recovery_episodes:
-        out["paired_recovery"] = paired_comparison(ArmResult(str(a), ea.recovery_episodes),
-                                                   ArmResult(str(b), eb.recovery_episodes), seed=seed)
+        out["paired_recovery"] = paired_comparison(
+            ArmResult(str(a), ea.recovery_episodes), ArmResult(str(b), eb.recovery_episodes), seed=seed
+        )
     return out

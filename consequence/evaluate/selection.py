@@ -46,8 +46,9 @@ def check_rules(rules: Sequence[str]) -> list[str]:
     """
     rules = list(rules)
     if not rules or any(r not in SELECTION_RULES for r in rules):
-        raise ValueError(f"--selection {','.join(rules)!r}: give one or more of {', '.join(SELECTION_RULES)}, "
-                         "comma-separated")
+        raise ValueError(
+            f"--selection {','.join(rules)!r}: give one or more of {', '.join(SELECTION_RULES)}, comma-separated"
+        )
     return rules
 
 
@@ -78,14 +79,15 @@ def pick(block: Sequence[Trajectory], rule: str, visible_score: VisibleScore | N
     return submitted[scores.index(max(scores))]
 
 
-def task_selection_success(episodes: Sequence[Trajectory], k: int, rule: str,
-                           visible_score: VisibleScore | None = None) -> float | None:
+def task_selection_success(
+    episodes: Sequence[Trajectory], k: int, rule: str, visible_score: VisibleScore | None = None
+) -> float | None:
     """Mean over the ⌊n/k⌋ disjoint blocks of k valid episodes of 1[picked candidate solved].
 
     ``episodes`` are one task's episodes in sample order. None when fewer than k are valid.
     """
     valid = [t for t in episodes if t.outcome != "env_error"]
-    blocks = [valid[i:i + k] for i in range(0, len(valid) - k + 1, k)]
+    blocks = [valid[i : i + k] for i in range(0, len(valid) - k + 1, k)]
     if not blocks:
         return None
     wins = 0
@@ -103,12 +105,18 @@ def _once_per_candidate(score: VisibleScore) -> VisibleScore:
         if id(t) not in seen:
             seen[id(t)] = score(t)
         return seen[id(t)]
+
     return cached
 
 
-def summarize_selection(trajs: Sequence[Trajectory], ks: Sequence[int], rules: Sequence[str] = SELECTION_RULES,
-                        visible_score: VisibleScore | None = None, confidence: float = 0.95,
-                        seed: int = 0) -> dict[str, Any]:
+def summarize_selection(
+    trajs: Sequence[Trajectory],
+    ks: Sequence[int],
+    rules: Sequence[str] = SELECTION_RULES,
+    visible_score: VisibleScore | None = None,
+    confidence: float = 0.95,
+    seed: int = 0,
+) -> dict[str, Any]:
     """Final-selection success for every rule × k, averaged over problems.
 
     Episodes are grouped by ``group_id`` (the task) and ordered by ``sample_id``; tasks of
@@ -136,7 +144,13 @@ def summarize_selection(trajs: Sequence[Trajectory], ks: Sequence[int], rules: S
             mean = sum(values) / len(values) if values else float("nan")
             low, high = bootstrap_mean_ci(values, confidence, seed=seed) if len(values) >= 2 else (mean, mean)
             tasks = sum(len(v) for v in by_problem.values())
-            out[rule][str(k)] = {"success": mean, "low": low, "high": high,
-                                 "se": binomial_se(mean, len(values)) if values else float("nan"),
-                                 "problems": len(values), "tasks": tasks, "tasks_excluded": len(by_task) - tasks}
+            out[rule][str(k)] = {
+                "success": mean,
+                "low": low,
+                "high": high,
+                "se": binomial_se(mean, len(values)) if values else float("nan"),
+                "problems": len(values),
+                "tasks": tasks,
+                "tasks_excluded": len(by_task) - tasks,
+            }
     return out

@@ -29,9 +29,15 @@ from consequence.rollout.episodes import Budgets
 
 ENV_KEYS: tuple[str, ...] = ("env", "tasks_file", "env_options")
 RUN_KEYS: tuple[str, ...] = (*ENV_KEYS, "split_seed", "max_turns", "max_new_tokens", "max_total_tokens")
-DEFAULTS: dict[str, Any] = {"env": "repair", "tasks_file": None, "env_options": {}, "split_seed": 0,
-                            "max_turns": Budgets.max_turns,
-                            "max_new_tokens": Budgets.max_new_tokens, "max_total_tokens": Budgets.max_total_tokens}
+DEFAULTS: dict[str, Any] = {
+    "env": "repair",
+    "tasks_file": None,
+    "env_options": {},
+    "split_seed": 0,
+    "max_turns": Budgets.max_turns,
+    "max_new_tokens": Budgets.max_new_tokens,
+    "max_total_tokens": Budgets.max_total_tokens,
+}
 OPTION = {k: "--" + k.replace("_", "-") for k in RUN_KEYS} | {"env_options": "--env-option"}
 
 
@@ -85,17 +91,26 @@ class EvalSettings:
 
     def record(self) -> dict[str, Any]:
         """What the report stores: every key with its value, origin and the runs' values."""
-        return {"runs": dict(self.runs),
-                "keys": {k: {"value": self.values[k], "from": self.origin[k], "runs": self.run_values.get(k, {})}
-                         for k in self.keys}}
+        return {
+            "runs": dict(self.runs),
+            "keys": {
+                k: {"value": self.values[k], "from": self.origin[k], "runs": self.run_values.get(k, {})}
+                for k in self.keys
+            },
+        }
 
 
 def describe(record: Mapping[str, Any]) -> str:
     """One sentence for reports and the console: which settings came from the run(s),
     which options overrode them, which are defaults."""
     keys = record["keys"]
-    name = {"env": "environment", "tasks_file": "task file", "env_options": "environment options",
-            "split_seed": "split seed"}
+    name = {
+        "env": "environment",
+        "tasks_file": "task file",
+        "env_options": "environment options",
+        "split_seed": "split seed",
+    }
+
     def show(k: str) -> str:
         return f"{name.get(k, k)} {keys[k]['value']}"
 
@@ -104,13 +119,19 @@ def describe(record: Mapping[str, Any]) -> str:
         runs = ", ".join(f"{arm} `{p}`" if arm else f"`{p}`" for arm, p in record["runs"].items())
         taken = [show(k) for k in keys if keys[k]["from"] == "run"]
         parts.append(f"from the run ({runs}): " + (", ".join(taken) if taken else "nothing"))
-        over = [f"{show(k)} ({OPTION[k]}; run: {', '.join(dict.fromkeys(map(str, keys[k]['runs'].values())))})"
-                for k in keys if keys[k]["from"] == "option" and keys[k]["runs"]]
+        over = [
+            f"{show(k)} ({OPTION[k]}; run: {', '.join(dict.fromkeys(map(str, keys[k]['runs'].values())))})"
+            for k in keys
+            if keys[k]["from"] == "option" and keys[k]["runs"]
+        ]
         parts.append("overridden on the command line: " + (", ".join(over) if over else "nothing"))
     else:
         parts.append("not a run folder, so nothing is taken from a run")
-    given = [show(k) for k in keys if keys[k]["from"] == "option" and not keys[k]["runs"]
-             and keys[k]["value"] not in (None, {}, "")]
+    given = [
+        show(k)
+        for k in keys
+        if keys[k]["from"] == "option" and not keys[k]["runs"] and keys[k]["value"] not in (None, {}, "")
+    ]
     if given:
         parts.append("given on the command line: " + ", ".join(given))
     defaults = [show(k) for k in keys if keys[k]["from"] == "default" and keys[k]["value"] not in (None, {}, "")]
@@ -119,8 +140,12 @@ def describe(record: Mapping[str, Any]) -> str:
     return "Settings " + "; ".join(parts) + "."
 
 
-def resolve_settings(policies: Sequence[tuple[str, str | Path | None]], options: Mapping[str, Any],
-                     keys: Sequence[str] = RUN_KEYS, defaults: Mapping[str, Any] = DEFAULTS) -> EvalSettings:
+def resolve_settings(
+    policies: Sequence[tuple[str, str | Path | None]],
+    options: Mapping[str, Any],
+    keys: Sequence[str] = RUN_KEYS,
+    defaults: Mapping[str, Any] = DEFAULTS,
+) -> EvalSettings:
     """Merge the runs' configs (for each ``(arm name, policy path)``) with the options.
 
     ``options[k]`` is None when not given. A key that two runs set to different values
@@ -169,6 +194,9 @@ def check_budgets(values: Mapping[str, Any]) -> None:
 
 def _disagreement(key: str, seen: Mapping[str, Any]) -> str:
     what = ", ".join(f"{arm} was trained with {OPTION[key]} {v}" for arm, v in seen.items())
-    why = ("their splits differ, so one arm's test problems are the other's training problems"
-           if key in ("split_seed", *ENV_KEYS) else "their budgets differ, so one setting would misjudge the other arm")
+    why = (
+        "their splits differ, so one arm's test problems are the other's training problems"
+        if key in ("split_seed", *ENV_KEYS)
+        else "their budgets differ, so one setting would misjudge the other arm"
+    )
     return f"{what}: {why}; pass {OPTION[key]} to evaluate both under one setting"

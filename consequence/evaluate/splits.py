@@ -40,9 +40,17 @@ from consequence.fileio import append_line, cache_root
 
 SPLITS: tuple[str, ...] = ("train", "validation", "test")
 # Config keys that do not change a run's weights (or replicate them: the seed).
-REPEAT_IGNORES: frozenset[str] = frozenset({"run_dir", "seed", "checkpoint_every", "final_eval_episodes",
-                                            "final_eval_decoding", "final_eval_splits",
-                                            "skip_checks"})
+REPEAT_IGNORES: frozenset[str] = frozenset(
+    {
+        "run_dir",
+        "seed",
+        "checkpoint_every",
+        "final_eval_episodes",
+        "final_eval_decoding",
+        "final_eval_splits",
+        "skip_checks",
+    }
+)
 _HASHES: dict[tuple, str] = {}
 
 
@@ -176,15 +184,18 @@ def reuse_warning(tasks: str, split_seed: int, policies: list[str], path: Path |
     if not others:
         return None
     shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
-    return (f"the test split of {tasks} (split seed {split_seed}) was evaluated for {len(others)} other "
-            f"polic{'y' if len(others) == 1 else 'ies'} ({shown}; ledger {path or ledger_path()}) before the "
-            "weights evaluated now were written. If those results were seen when this policy's settings or "
-            "checkpoint were chosen, the test split took part in the choice and this test number is "
-            "optimistic: choose on validation, then run test once.")
+    return (
+        f"the test split of {tasks} (split seed {split_seed}) was evaluated for {len(others)} other "
+        f"polic{'y' if len(others) == 1 else 'ies'} ({shown}; ledger {path or ledger_path()}) before the "
+        "weights evaluated now were written. If those results were seen when this policy's settings or "
+        "checkpoint were chosen, the test split took part in the choice and this test number is "
+        "optimistic: choose on validation, then run test once."
+    )
 
 
-def record_touch(tasks: str, split_seed: int, split: str, purpose: str, policies: list[str],
-                 path: Path | None = None) -> dict[str, Any]:
+def record_touch(
+    tasks: str, split_seed: int, split: str, purpose: str, policies: list[str], path: Path | None = None
+) -> dict[str, Any]:
     """Append one touch to the ledger and return it (also for the result's own record).
 
     Args:
@@ -197,11 +208,18 @@ def record_touch(tasks: str, split_seed: int, split: str, purpose: str, policies
     A ledger that cannot be written (read-only cache) does not stop the evaluation; the
     returned record says ``"ledger": null``.
     """
-    entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "unix_time": time.time(), "tasks": tasks,
-             "split_seed": split_seed, "split": split, "purpose": purpose,
-             "policies": [str(Path(p).resolve()) for p in policies],
-             "fingerprints": [fingerprint(p) for p in policies],
-             "weights_sha256": [weights_sha256(p) for p in policies], "pid": os.getpid()}
+    entry = {
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "unix_time": time.time(),
+        "tasks": tasks,
+        "split_seed": split_seed,
+        "split": split,
+        "purpose": purpose,
+        "policies": [str(Path(p).resolve()) for p in policies],
+        "fingerprints": [fingerprint(p) for p in policies],
+        "weights_sha256": [weights_sha256(p) for p in policies],
+        "pid": os.getpid(),
+    }
     path = path or ledger_path()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -151,8 +151,9 @@ def paired_bootstrap_ci(
     }
 
 
-def bootstrap_mean_ci(values: Sequence[float], confidence: float = 0.95,
-                      n_resamples: int = 10000, seed: int = 0) -> tuple[float, float]:
+def bootstrap_mean_ci(
+    values: Sequence[float], confidence: float = 0.95, n_resamples: int = 10000, seed: int = 0
+) -> tuple[float, float]:
     """Percentile bootstrap CI of the mean of per-problem scores (Efron & Tibshirani 1993).
 
     ``values`` holds one number per problem (e.g. its pass@k), so resampling problems
@@ -173,6 +174,13 @@ def bootstrap_mean_ci(values: Sequence[float], confidence: float = 0.95,
         raise ValueError("values must be finite")
     if np.ptp(x) == 0.0:
         return float(x[0]), float(x[0])
-    res = stats.bootstrap((x,), np.mean, confidence_level=confidence, n_resamples=n_resamples,
-                          method="percentile", vectorized=True, rng=np.random.default_rng(seed))
+    res = stats.bootstrap(
+        (x,),
+        np.mean,
+        confidence_level=confidence,
+        n_resamples=n_resamples,
+        method="percentile",
+        vectorized=True,
+        rng=np.random.default_rng(seed),
+    )
     return float(res.confidence_interval.low), float(res.confidence_interval.high)

@@ -32,11 +32,15 @@ TOOL_FORMATS = ("auto", "native", "hermes")
 
 # The Hermes function-calling system text, worded as the Qwen2.5 chat template writes it;
 # the tool specs go between the two parts, one JSON object per line.
-HERMES_TOOLS_HEAD = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-                     "You are provided with function signatures within <tools></tools> XML tags:\n<tools>")
-HERMES_TOOLS_TAIL = ("\n</tools>\n\nFor each function call, return a json object with function name and "
-                     "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
-                     '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+HERMES_TOOLS_HEAD = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+)
+HERMES_TOOLS_TAIL = (
+    "\n</tools>\n\nFor each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+)
 
 
 def format_call(name: str, arguments: dict | str) -> str:
@@ -90,8 +94,12 @@ def hermes_messages(messages: list[dict], tools: list[dict]) -> list[dict]:
         elif role == "assistant" and m.get("tool_calls"):
             calls = "\n".join(format_call(*_name_and_arguments(c)) for c in m["tool_calls"])
             content = m.get("content") or ""
-            out.append({**{k: v for k, v in m.items() if k != "tool_calls"},
-                        "content": (content + "\n" if content else "") + calls})
+            out.append(
+                {
+                    **{k: v for k, v in m.items() if k != "tool_calls"},
+                    "content": (content + "\n" if content else "") + calls,
+                }
+            )
         else:
             out.append(dict(m))
         previous = role
@@ -159,11 +167,9 @@ class Renderer:
             does not show the rewritten content (the message says what is missing).
     """
 
-    def __init__(self, tokenizer, tools: list[dict], end_of_turn: str | None = None,
-                 tool_format: str = "auto"):
+    def __init__(self, tokenizer, tools: list[dict], end_of_turn: str | None = None, tool_format: str = "auto"):
         if tool_format not in TOOL_FORMATS:
-            raise ValueError(f"tool_format must be one of {', '.join(map(repr, TOOL_FORMATS))}, "
-                             f"not {tool_format!r}")
+            raise ValueError(f"tool_format must be one of {', '.join(map(repr, TOOL_FORMATS))}, not {tool_format!r}")
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError(
                 "the tokenizer has no chat template; set tokenizer.chat_template (a Jinja "
@@ -200,32 +206,41 @@ class Renderer:
             missing = [n for n in names if n not in text]
             if not missing:
                 return "native"
-            dropped = (f"this model's chat template does not render the environment's tools (no "
-                       f"{', '.join(missing)} in the prompt)")
+            dropped = (
+                f"this model's chat template does not render the environment's tools (no "
+                f"{', '.join(missing)} in the prompt)"
+            )
             if requested == "native":
-                raise ValueError(f"{dropped}: the policy would never see them (tool_format='native'). Use "
-                                 "tool_format='auto' or 'hermes' to write them into the messages, an environment "
-                                 "without tools (e.g. --env reasoning-gym) or a model whose chat template renders "
-                                 "tools= (a Hermes / Qwen-style template)")
+                raise ValueError(
+                    f"{dropped}: the policy would never see them (tool_format='native'). Use "
+                    "tool_format='auto' or 'hermes' to write them into the messages, an environment "
+                    "without tools (e.g. --env reasoning-gym) or a model whose chat template renders "
+                    "tools= (a Hermes / Qwen-style template)"
+                )
         else:
             dropped = "tool_format='hermes' was asked for"
         self.tool_format = "hermes"
         gaps = self._hermes_gaps(names)
         if gaps:
-            raise ValueError(f"{dropped}, and the Hermes tool format cannot stand in: with the tools written into "
-                             f"the messages, {'; '.join(gaps)}. Pass a chat template that renders tools= and "
-                             "tool_calls (tokenizer.chat_template, e.g. a Hermes / Qwen2.5-style template), use a "
-                             "model whose chat template renders the content of system, assistant and tool turns "
-                             "and an assistant header for the generation prompt, or an environment without tools "
-                             "(e.g. --env reasoning-gym)")
+            raise ValueError(
+                f"{dropped}, and the Hermes tool format cannot stand in: with the tools written into "
+                f"the messages, {'; '.join(gaps)}. Pass a chat template that renders tools= and "
+                "tool_calls (tokenizer.chat_template, e.g. a Hermes / Qwen2.5-style template), use a "
+                "model whose chat template renders the content of system, assistant and tool turns "
+                "and an assistant header for the generation prompt, or an environment without tools "
+                "(e.g. --env reasoning-gym)"
+            )
         return "hermes"
 
     def _hermes_gaps(self, names: list[str]) -> list[str]:
         """What the template fails to show of a probe conversation in the Hermes format."""
         call = {"type": "function", "function": {"name": names[0], "arguments": {"probe": 1}}}
-        probe: list[dict[str, Any]] = [{"role": "system", "content": "probe-system"}, {"role": "user", "content": "probe-user"},
-                                      {"role": "assistant", "content": "", "tool_calls": [call]},
-                                      {"role": "tool", "name": names[0], "content": "probe-result"}]
+        probe: list[dict[str, Any]] = [
+            {"role": "system", "content": "probe-system"},
+            {"role": "user", "content": "probe-user"},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "name": names[0], "content": "probe-result"},
+        ]
         try:
             text = self.render_text(probe, add_generation_prompt=False)
             prompt = self.render_text(probe[:2], add_generation_prompt=True)
@@ -249,11 +264,14 @@ class Renderer:
         """``apply_chat_template``'s text of ``messages`` (rewritten first in ``"hermes"``)."""
         if getattr(self, "tool_format", None) == "hermes":
             return self.tokenizer.apply_chat_template(
-                hermes_messages(messages, self.tools), tokenize=False,
+                hermes_messages(messages, self.tools),
+                tokenize=False,
                 add_generation_prompt=add_generation_prompt,
             )
         return self.tokenizer.apply_chat_template(
-            messages, tools=self.tools, tokenize=False,
+            messages,
+            tools=self.tools,
+            tokenize=False,
             add_generation_prompt=add_generation_prompt,
         )
 
@@ -264,8 +282,7 @@ class Renderer:
         """Token ids of the conversation followed by the assistant header."""
         return self.encode(self.render_text(messages, add_generation_prompt=True))
 
-    def observation_ids(self, history: list[dict], assistant: dict,
-                        tool_messages: list[dict]) -> list[int]:
+    def observation_ids(self, history: list[dict], assistant: dict, tool_messages: list[dict]) -> list[int]:
         """Ids the template adds after the assistant turn's end-of-turn token.
 
         That is the boundary after end-of-turn, every tool result (all of them in one
@@ -280,14 +297,13 @@ class Renderer:
         before = self.render_text(history + [assistant], add_generation_prompt=False)
         cut = before.rfind(self.end_of_turn)
         if cut < 0:
-            raise ValueError("the chat template did not close the assistant turn with "
-                             f"{self.end_of_turn!r}")
+            raise ValueError(f"the chat template did not close the assistant turn with {self.end_of_turn!r}")
         cut += len(self.end_of_turn)
-        after = self.render_text(history + [assistant] + tool_messages,
-                                 add_generation_prompt=True)
+        after = self.render_text(history + [assistant] + tool_messages, add_generation_prompt=True)
         if after[:cut] != before[:cut]:
-            raise ValueError("chat template re-renders earlier turns differently: "
-                             "the next prompt does not extend the previous one")
+            raise ValueError(
+                "chat template re-renders earlier turns differently: the next prompt does not extend the previous one"
+            )
         return self.encode(after[cut:])
 
     # ---- tokens → message ----------------------------------------------------------
@@ -366,9 +382,11 @@ def replay_conversation(renderer: Renderer, messages: list[dict]) -> list[tuple[
         j = i + 1
         while j < len(messages) and messages[j]["role"] == "tool":
             j += 1
-        tools = messages[i + 1: j]
-        text = "\n".join(renderer.format_call(c["function"]["name"], c["function"]["arguments"])
-                         for c in assistant.get("tool_calls", [])) or assistant.get("content", "")
+        tools = messages[i + 1 : j]
+        text = "\n".join(
+            renderer.format_call(c["function"]["name"], c["function"]["arguments"])
+            for c in assistant.get("tool_calls", [])
+        ) or assistant.get("content", "")
         out = renderer.encode(text) + [renderer.eot_id]
         obs = renderer.observation_ids(history, assistant, tools) if tools and j < len(messages) else []
         calls.append((list(context), out, obs))

@@ -20,16 +20,20 @@ def check_tool_specs(tools: list[dict]) -> dict[str, dict]:
     for i, spec in enumerate(tools):
         fn = spec.get("function") if isinstance(spec, dict) else None
         if spec.get("type") != "function" or not isinstance(fn, dict) or not fn.get("name"):
-            raise ValueError(f"tool spec #{i} must look like "
-                             '{"type": "function", "function": {"name": ..., "parameters": {...}}}')
+            raise ValueError(
+                f"tool spec #{i} must look like "
+                '{"type": "function", "function": {"name": ..., "parameters": {...}}}'
+            )
         params = fn.get("parameters", {"type": "object", "properties": {}})
         try:
             jsonschema.Draft202012Validator.check_schema(params)
         except jsonschema.SchemaError as e:
             raise ValueError(f"tool {fn['name']!r}: parameters are not a valid JSON schema: {e.message}") from e
         if params.get("type") != "object":  # arguments arrive as one JSON object
-            raise ValueError(f"tool {fn['name']!r}: parameters must be a JSON schema of type 'object', "
-                             f"got type {params.get('type')!r}")
+            raise ValueError(
+                f"tool {fn['name']!r}: parameters must be a JSON schema of type 'object', "
+                f"got type {params.get('type')!r}"
+            )
         by_name[fn["name"]] = params
     return by_name
 

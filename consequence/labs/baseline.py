@@ -25,8 +25,12 @@ from consequence.figures import pyplot, save_figure
 
 Q_A, Q_B, G = 0.75, 0.35, 4
 # label -> estimator name of group_advantages
-ESTIMATORS = {"no baseline": "reinforce", "self-including mean": "dr_grpo",
-              "leave-one-out": "rloo", "mean/std (GRPO)": "grpo"}
+ESTIMATORS = {
+    "no baseline": "reinforce",
+    "self-including mean": "dr_grpo",
+    "leave-one-out": "rloo",
+    "mean/std (GRPO)": "grpo",
+}
 
 
 def exact_gradient(p: float) -> float:
@@ -59,8 +63,12 @@ def one_sample_estimates(p: float = 0.5) -> dict[str, float]:
     theta = torch.tensor(math.log(p / (1 - p)), dtype=torch.float64, requires_grad=True)
     logpi = torch.stack([theta, torch.zeros((), dtype=torch.float64)]).log_softmax(0)  # [2]: A, B
     score = [float(g) for g in (torch.autograd.grad(logpi[a], theta, retain_graph=True)[0] for a in (0, 1))]
-    outcomes = {"A rewarded": (0, 1.0, p * Q_A), "B rewarded": (1, 1.0, (1 - p) * Q_B),
-                "A not rewarded": (0, 0.0, p * (1 - Q_A)), "B not rewarded": (1, 0.0, (1 - p) * (1 - Q_B))}
+    outcomes = {
+        "A rewarded": (0, 1.0, p * Q_A),
+        "B rewarded": (1, 1.0, (1 - p) * Q_B),
+        "A not rewarded": (0, 0.0, p * (1 - Q_A)),
+        "B not rewarded": (1, 0.0, (1 - p) * (1 - Q_B)),
+    }
     # one sample per group: with "reinforce" the advantage is the reward itself
     # every reward is a number, so every member has an advantage (none is None)
     adv = cast(list[float], group_advantages([r for _, r, _ in outcomes.values()], list(outcomes), "reinforce"))
@@ -80,8 +88,7 @@ def _estimates(theta: float, n_groups: int, estimator: str, rng: np.random.Gener
     return (adv.reshape(n_groups, G) * score).mean(axis=1)
 
 
-def train_curve(estimator: str, seed: int, steps: int = 300, lr: float = 0.5,
-                groups_per_step: int = 8) -> list[float]:
+def train_curve(estimator: str, seed: int, steps: int = 300, lr: float = 0.5, groups_per_step: int = 8) -> list[float]:
     """p(A) after each SGD step on θ (θ0 = 0) with the given estimator."""
     rng = np.random.default_rng(seed)
     theta, ps = 0.0, []
@@ -110,8 +117,13 @@ def run(out_dir: Path, seed: int = 0, n_groups: int = 20_000, steps: int = 300) 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     bins = np.linspace(-0.6, 0.8, 71)
     for lab, est in ESTIMATORS.items():
-        ax1.hist(samples[lab], bins=bins, histtype="step", lw=1.5,
-                 label=f"{est}: mean {out[est + ' mean']:.3f}, std {out[est + ' std']:.3f}")
+        ax1.hist(
+            samples[lab],
+            bins=bins,
+            histtype="step",
+            lw=1.5,
+            label=f"{est}: mean {out[est + ' mean']:.3f}, std {out[est + ' std']:.3f}",
+        )
         ax2.plot(range(1, steps + 1), curves[lab], label=f"{lab} ({est})")
     ax1.axvline(exact, color="k", ls="--", label=f"exact gradient {exact:.2f}")
     ax1.set(title=f"gradient estimates at p=0.5 (groups of G={G})", xlabel="estimate", ylabel="groups")

@@ -36,8 +36,9 @@ def rho_grid() -> torch.Tensor:
 def surrogate_and_grad(rho: torch.Tensor, adv: float, eps_low: float, eps_high: float):
     """Objective and d objective / d logπ at each ρ (old logπ = 0): two [N] float64 tensors."""
     logp = rho.log().clone().requires_grad_(True)
-    obj, _, _ = clipped_surrogate(logp[None], torch.zeros_like(logp)[None],
-                                  torch.full((1,), adv, dtype=torch.float64), eps_low, eps_high)
+    obj, _, _ = clipped_surrogate(
+        logp[None], torch.zeros_like(logp)[None], torch.full((1,), adv, dtype=torch.float64), eps_low, eps_high
+    )
     obj.sum().backward()
     return obj.detach()[0], logp.grad
 
@@ -56,8 +57,13 @@ def _has_gradient(pi: float, pi_old: float, eps_low: float, eps_high: float) -> 
     """Whether one token with A = +1 at π_θ = ``pi`` gives ``clipped_surrogate`` a nonzero
     gradient with respect to logπ_θ (float64)."""
     logp = torch.tensor([[math.log(pi)]], dtype=torch.float64, requires_grad=True)
-    obj, _, _ = clipped_surrogate(logp, torch.tensor([[math.log(pi_old)]], dtype=torch.float64),
-                                  torch.ones(1, dtype=torch.float64), eps_low, eps_high)
+    obj, _, _ = clipped_surrogate(
+        logp,
+        torch.tensor([[math.log(pi_old)]], dtype=torch.float64),
+        torch.ones(1, dtype=torch.float64),
+        eps_low,
+        eps_high,
+    )
     obj.sum().backward()
     assert logp.grad is not None  # a leaf that requires grad, after backward
     return bool(logp.grad[0, 0] != 0)
@@ -111,13 +117,15 @@ def run(out_dir: Path, seed: int = 0) -> dict:
             out[f"A={adv:+g} {name}: zero gradient edge rho"] = edge
             zero = grad == 0
             out[f"A={adv:+g} {name}: zero gradient side"] = "above" if bool(zero[-1]) else "below"
-            line, = ax.plot(rho, obj, label=f"{name} (zero gradient {'>' if bool(zero[-1]) else '<'} {edge:g})")
+            (line,) = ax.plot(rho, obj, label=f"{name} (zero gradient {'>' if bool(zero[-1]) else '<'} {edge:g})")
             ax.plot(rho[zero], obj[zero], ".", ms=2, color=line.get_color())
             ax.axvline(edge, color=line.get_color(), ls="--", lw=0.8)
         ax.set(title=f"clipped surrogate, A = {adv:+g} (dots: zero gradient)", xlabel="ρ = π/π_old", ylabel="objective")
         ax.legend(fontsize=8)
     ref = torch.tensor([[1.3, 1.3]], dtype=torch.float64)
-    obj, _, _ = clipped_surrogate(ref.log(), torch.zeros_like(ref), torch.tensor([[1.732, -0.577]], dtype=torch.float64))
+    obj, _, _ = clipped_surrogate(
+        ref.log(), torch.zeros_like(ref), torch.tensor([[1.732, -0.577]], dtype=torch.float64)
+    )
     out["rho=1.3 eps=0.2 A=1.732"] = float(obj[0, 0])
     out["rho=1.3 eps=0.2 A=-0.577"] = float(obj[0, 1])
     for name, (lo, hi) in SETTINGS.items():

@@ -27,7 +27,8 @@ def run(out_dir: Path, seed: int = 0, n_estimates: int = 20_000) -> dict:
     weighted = (np.where(took_a, w_a, w_b) * reward).mean(axis=1)
     naive = reward.mean(axis=1)
     out: dict[str, Any] = {  # numbers, and the figure's path
-        "weight A (pi/mu)": w_a, "weight B (pi/mu)": w_b,
+        "weight A (pi/mu)": w_a,
+        "weight B (pi/mu)": w_b,
         "exact E_pi[r]": target,
         "exact E_mu[w r]": MU_A * w_a * R_A + (1 - MU_A) * w_b * R_B,
         "estimates": n_estimates,
@@ -41,13 +42,22 @@ def run(out_dir: Path, seed: int = 0, n_estimates: int = 20_000) -> dict:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.5))
     bins = np.linspace(0, 1.6, 81)
-    ax.hist(weighted, bins=bins, alpha=0.6,
-            label=f"importance-weighted: mean {out['weighted mean']:.3f}, std {out['weighted std (24 samples)']:.3f}")
-    ax.hist(naive, bins=bins, alpha=0.6,
-            label=f"unweighted: mean {out['unweighted mean']:.3f}, std {out['unweighted std (24 samples)']:.3f}")
+    ax.hist(
+        weighted,
+        bins=bins,
+        alpha=0.6,
+        label=f"importance-weighted: mean {out['weighted mean']:.3f}, std {out['weighted std (24 samples)']:.3f}",
+    )
+    ax.hist(
+        naive,
+        bins=bins,
+        alpha=0.6,
+        label=f"unweighted: mean {out['unweighted mean']:.3f}, std {out['unweighted std (24 samples)']:.3f}",
+    )
     ax.axvline(target, color="k", ls="--", label=f"E_π[r] = {target:.2f}")
-    ax.set(title=f"{N_SAMPLES}-sample estimates from μ(A)={MU_A} of E_π[r], π(A)={PI_A}",
-           xlabel="estimate", ylabel="count")
+    ax.set(
+        title=f"{N_SAMPLES}-sample estimates from μ(A)={MU_A} of E_π[r], π(A)={PI_A}", xlabel="estimate", ylabel="count"
+    )
     ax.legend(fontsize=8)
     out["png"] = str(save_figure(fig, out_dir, "importance"))
     return out

@@ -103,14 +103,26 @@ def run(out_dir: Path, seed: int = 0, n_groups: int = 40_000, steps: int = 300) 
     x = np.arange(len(names))
     ax1.plot(x, [out[f"k={n} exact kept fraction"] for n in names], "k--", label="exact 1 − ρ^(k+1)")
     ax1.plot(x, [out[f"k={n} kept fraction"] for n in names], "o", label=f"measured ({n_groups} groups)")
-    ax1.set(title="fraction of groups kept (lag ~ geometric, mean 3)", xlabel="staleness threshold k",
-            ylabel="kept fraction", ylim=(0, 1.05))
+    ax1.set(
+        title="fraction of groups kept (lag ~ geometric, mean 3)",
+        xlabel="staleness threshold k",
+        ylabel="kept fraction",
+        ylim=(0, 1.05),
+    )
     ax2.plot(x, [abs(out[f"k={n} exact bias"]) for n in names], "k--", label="exact")
-    ax2.errorbar(x, [abs(out[f"k={n} bias"]) for n in names],
-                 yerr=[2 * out[f"k={n} bias std error"] for n in names], fmt="o", capsize=3,
-                 label="measured ± 2 s.e.")
-    ax2.set(title=f"|bias| of the uncorrected gradient (exact {exact:.2f})", xlabel="staleness threshold k",
-            ylabel="|E[estimate] − exact gradient|")
+    ax2.errorbar(
+        x,
+        [abs(out[f"k={n} bias"]) for n in names],
+        yerr=[2 * out[f"k={n} bias std error"] for n in names],
+        fmt="o",
+        capsize=3,
+        label="measured ± 2 s.e.",
+    )
+    ax2.set(
+        title=f"|bias| of the uncorrected gradient (exact {exact:.2f})",
+        xlabel="staleness threshold k",
+        ylabel="|E[estimate] − exact gradient|",
+    )
     for ax in (ax1, ax2):
         ax.set_xticks(x, names)
         ax.legend(fontsize=8)

@@ -51,8 +51,12 @@ def run(out_dir: Path, seed: int = 0, n_groups: int = 20_000) -> dict:
     for p, G in SIMULATED:
         ax.plot([p], [out[f"simulated p={p} G={G} ({n_groups} groups)"]], "rx", ms=8)
     ax.set_xscale("logit")
-    ax.set(title="groups with mixed rewards: 1 − p^G − (1−p)^G (x: simulated)", xlabel="success probability p",
-           ylabel="fraction of mixed groups", ylim=(0, 1.02))
+    ax.set(
+        title="groups with mixed rewards: 1 − p^G − (1−p)^G (x: simulated)",
+        xlabel="success probability p",
+        ylabel="fraction of mixed groups",
+        ylim=(0, 1.02),
+    )
     ax.legend(fontsize=8)
     out["png"] = str(save_figure(fig, out_dir, "mixed-groups"))
     return out

@@ -33,8 +33,14 @@ def run(out_dir: Path, seed: int = 0) -> dict:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     ax.plot(ks, unbiased, "o-", label="unbiased 1 − C(n−c,k)/C(n,k)")
     ax.plot(ks, naive, "s--", label="naive 1 − (1 − c/n)^k")
-    ax.annotate(f"k=3: {unbiased[2]:.3f} vs {naive[2]:.3f}", (3, unbiased[2]), textcoords="offset points",
-                xytext=(10, -25), fontsize=9, arrowprops={"arrowstyle": "->"})
+    ax.annotate(
+        f"k=3: {unbiased[2]:.3f} vs {naive[2]:.3f}",
+        (3, unbiased[2]),
+        textcoords="offset points",
+        xytext=(10, -25),
+        fontsize=9,
+        arrowprops={"arrowstyle": "->"},
+    )
     ax.set(title=f"pass@k from n={N} samples, c={C} correct", xlabel="k", ylabel="pass@k", ylim=(0, 1.05))
     ax.legend()
     out["png"] = str(save_figure(fig, out_dir, "passk"))

@@ -51,7 +51,11 @@ def run(out_dir: Path, seed: int = 0) -> dict:
         for i, L in enumerate(LENGTHS):
             xs = [i + (k - (L - 1) / 2) * 0.12 for k in range(L)]
             ax.bar(xs, w[i, :L].tolist(), width=0.1, color="C2" if adv[i] > 0 else "C3")
-        ax.set_xticks(range(len(LENGTHS)), [f"seq {i + 1}\nL={L}, A={float(a):+.2f}" for i, (L, a) in enumerate(zip(LENGTHS, adv))], fontsize=8)
+        ax.set_xticks(
+            range(len(LENGTHS)),
+            [f"seq {i + 1}\nL={L}, A={float(a):+.2f}" for i, (L, a) in enumerate(zip(LENGTHS, adv))],
+            fontsize=8,
+        )
         ax.set_title(f"{red}\nloss {out[f'loss {red}']:.4f}", fontsize=10)
     axes[0].set_ylabel("weight of each token")
     out["png"] = str(save_figure(fig, out_dir, "reduction"))

@@ -121,8 +121,9 @@ def run(out_dir: Path, seed: int = 0) -> dict:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(11, 4.8))
     x = np.arange(len(POLICIES))
-    for j, (k, lab) in enumerate(zip(kinds, ("true reward", "true + γΦ(s')−Φ(s), Φ = 0.2 + 0.5·[tested]",
-                                               f"true + {BONUS} per run_tests"))):
+    for j, (k, lab) in enumerate(
+        zip(kinds, ("true reward", "true + γΦ(s')−Φ(s), Φ = 0.2 + 0.5·[tested]", f"true + {BONUS} per run_tests"))
+    ):
         vals = [rets[k][n] for n in POLICIES]
         ax.bar(x + (j - 1) * 0.27, vals, 0.27, label=f"{lab}  (ranking {out['ranking ' + k]})")
     ax.axhline(0, color="k", lw=0.8)

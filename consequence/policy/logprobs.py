@@ -120,7 +120,7 @@ def kept_ids(keep_BV: torch.Tensor) -> list[list[int]]:
     flat = ids.tolist()
     out, k = [], 0
     for c in counts:
-        out.append(flat[k:k + c])
+        out.append(flat[k : k + c])
         k += c
     return out
 
@@ -169,8 +169,10 @@ def mask_to_support(proc_NSV: torch.Tensor, keep_index: torch.Tensor) -> torch.T
     N, S1, V = proc_NSV.shape
     row, pos, tok = keep_index[:, 0], keep_index[:, 1] - 1, keep_index[:, 2]
     if bool((pos < 0).any() | (pos >= S1).any() | (row >= N).any() | (tok >= V).any()):
-        raise ValueError(f"keep_index names a position outside the [{N}, {S1 + 1}] batch, position 0, "
-                         f"or a token id >= the vocabulary size {V}")
+        raise ValueError(
+            f"keep_index names a position outside the [{N}, {S1 + 1}] batch, position 0, "
+            f"or a token id >= the vocabulary size {V}"
+        )
     lin = row * S1 + pos
     where, slot = torch.unique(lin, return_inverse=True)  # one slot per target position
     keep_PV = torch.zeros((where.numel(), V), dtype=torch.bool, device=proc_NSV.device)
@@ -180,8 +182,14 @@ def mask_to_support(proc_NSV: torch.Tensor, keep_index: torch.Tensor) -> torch.T
     return flat.index_copy(0, where, masked).view(N, S1, V)
 
 
-def _processed(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
-               keep_index: torch.Tensor | None, keep_rows: torch.Tensor | None) -> torch.Tensor:
+def _processed(
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    keep_index: torch.Tensor | None,
+    keep_rows: torch.Tensor | None,
+) -> torch.Tensor:
     """[N, S-1, V] logits whose log_softmax is the sampling distribution of each target."""
     if keep_index is None or temperature == 0:
         return process_logits(logits, temperature, top_k, top_p)  # supports from the current logits
@@ -238,8 +246,18 @@ def token_logprobs_unchunked(
         ValueError: ``keep_index`` names a position or id outside the batch.
     """
     out = model(input_ids=input_ids, attention_mask=attention_mask)
-    return logprobs_from_logits(out.logits[:, :-1], input_ids, attention_mask, temperature, top_k, top_p,
-                                with_entropy, entropy_grad, keep_index, keep_rows)
+    return logprobs_from_logits(
+        out.logits[:, :-1],
+        input_ids,
+        attention_mask,
+        temperature,
+        top_k,
+        top_p,
+        with_entropy,
+        entropy_grad,
+        keep_index,
+        keep_rows,
+    )
 
 
 def logprobs_from_logits(
@@ -340,8 +358,18 @@ def token_logprobs(
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if chunk == 0:
-        return token_logprobs_unchunked(model, input_ids, attention_mask, temperature, top_k, top_p,
-                                        with_entropy, entropy_grad, keep_index, keep_rows)
+        return token_logprobs_unchunked(
+            model,
+            input_ids,
+            attention_mask,
+            temperature,
+            top_k,
+            top_p,
+            with_entropy,
+            entropy_grad,
+            keep_index,
+            keep_rows,
+        )
     N, S = input_ids.shape
     S1 = S - 1
     valid = attention_mask[:, 1:].bool()
@@ -373,7 +401,9 @@ def token_logprobs(
     P = lin.numel()
     for a in range(0, P, chunk):
         b = min(a + chunk, P)
-        args = (feats_PX[a:b], targets_P[a:b]) + (_chunk_support(support, a, b) if support is not None else (None, None, None))
+        args = (feats_PX[a:b], targets_P[a:b]) + (
+            _chunk_support(support, a, b) if support is not None else (None, None, None)
+        )
         fn = functools.partial(_chunk_terms, head, terms)
         if torch.is_grad_enabled():
             lp_c, ent_c = checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
@@ -408,9 +438,15 @@ class _ChunkSpec:
         self.with_entropy, self.entropy_grad = with_entropy, entropy_grad
 
 
-def _chunk_terms(head, spec: _ChunkSpec, feats_cX: torch.Tensor, targets_c: torch.Tensor,
-                 bare_b: torch.Tensor | None, where_m: torch.Tensor | None,
-                 keep_2: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _chunk_terms(
+    head,
+    spec: _ChunkSpec,
+    feats_cX: torch.Tensor,
+    targets_c: torch.Tensor,
+    bare_b: torch.Tensor | None,
+    where_m: torch.Tensor | None,
+    keep_2: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Target log-prob and entropy of ``c`` positions under the processed distribution.
 
     Args:
@@ -452,8 +488,15 @@ def _chunk_terms(head, spec: _ChunkSpec, feats_cX: torch.Tensor, targets_c: torc
     return lp, ent
 
 
-def _support_slots(keep_index: torch.Tensor, keep_rows: torch.Tensor | None, lin: torch.Tensor,
-                   rows_P: torch.Tensor, N: int, S1: int, V: int) -> dict[str, torch.Tensor]:
+def _support_slots(
+    keep_index: torch.Tensor,
+    keep_rows: torch.Tensor | None,
+    lin: torch.Tensor,
+    rows_P: torch.Tensor,
+    N: int,
+    S1: int,
+    V: int,
+) -> dict[str, torch.Tensor]:
     """The stored supports of :func:`token_logprobs_unchunked` re-indexed by computed position.
 
     Args:
@@ -474,8 +517,10 @@ def _support_slots(keep_index: torch.Tensor, keep_rows: torch.Tensor | None, lin
     if keep_index.numel():
         row, pos, tok = keep_index[:, 0], keep_index[:, 1] - 1, keep_index[:, 2]
         if bool((pos < 0).any() | (pos >= S1).any() | (row >= N).any() | (tok >= V).any()):
-            raise ValueError(f"keep_index names a position outside the [{N}, {S1 + 1}] batch, position 0, "
-                             f"or a token id >= the vocabulary size {V}")
+            raise ValueError(
+                f"keep_index names a position outside the [{N}, {S1 + 1}] batch, position 0, "
+                f"or a token id >= the vocabulary size {V}"
+            )
         slot_of = torch.full((N * S1,), -1, dtype=torch.long, device=dev)
         slot_of[lin] = torch.arange(lin.numel(), device=dev)
         slot = slot_of[row * S1 + pos]
@@ -530,8 +575,7 @@ def auto_chunk_size(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     """``DEFAULT_CHUNK_SIZE``, or 0 when the full logits of the real targets are small and no
     long prefix is shared by every row (the chunked path runs a shared prefix once)."""
     shared = shared_prefix_len(input_ids, attention_mask) if shared is None else shared
-    if (shared >= SHARED_PREFIX_MIN_TOKENS
-            and lm_head_split(model) is not None):
+    if shared >= SHARED_PREFIX_MIN_TOKENS and lm_head_split(model) is not None:
         return DEFAULT_CHUNK_SIZE
     head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
@@ -569,11 +613,16 @@ def lm_head_split(model) -> tuple[torch.nn.Module, torch.nn.Module] | None:
         base = model.get_base_model()
     cls = type(base)
     cfg = getattr(base, "config", None)
-    if (not cls.__module__.startswith("transformers.models.") or not cls.__name__.endswith("ForCausalLM")
-            or getattr(cfg, "model_type", None) not in _PLAIN_HEAD_TYPES):
+    if (
+        not cls.__module__.startswith("transformers.models.")
+        or not cls.__name__.endswith("ForCausalLM")
+        or getattr(cfg, "model_type", None) not in _PLAIN_HEAD_TYPES
+    ):
         return None
-    if any(getattr(cfg, k, None) not in (None, 1, 1.0) for k in ("final_logit_softcapping", "logit_scale",
-                                                                  "logits_scaling")):
+    if any(
+        getattr(cfg, k, None) not in (None, 1, 1.0)
+        for k in ("final_logit_softcapping", "logit_scale", "logits_scaling")
+    ):
         return None
     trunk, head = getattr(base, "model", None), base.get_output_embeddings()
     if not isinstance(trunk, torch.nn.Module) or not isinstance(head, torch.nn.Module):
@@ -599,8 +648,10 @@ def enable_gradient_checkpointing(model) -> None:
     """
     base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
     if not getattr(base, "supports_gradient_checkpointing", False):
-        raise ValueError(f"gradient_checkpointing: {type(base).__name__} does not support it "
-                         "(needs a Hugging Face model with supports_gradient_checkpointing)")
+        raise ValueError(
+            f"gradient_checkpointing: {type(base).__name__} does not support it "
+            "(needs a Hugging Face model with supports_gradient_checkpointing)"
+        )
     kwargs = {"use_reentrant": False}
     if callable(getattr(base, "activation_checkpointing_enable", None)):
         base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)

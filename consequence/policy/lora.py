@@ -79,17 +79,29 @@ def apply_lora(model, rank: int, alpha: float, targets: list[str] | tuple[str, .
     linear = sorted({n for n, _ in layers})
     missing = [t for t in targets if t not in linear]
     if missing or not targets:
-        raise ValueError(f"--lora-targets {','.join(missing) or '(empty)'}: no linear layer of that name in "
-                         f"{type(model).__name__}; it has {', '.join(linear)}")
+        raise ValueError(
+            f"--lora-targets {','.join(missing) or '(empty)'}: no linear layer of that name in "
+            f"{type(model).__name__}; it has {', '.join(linear)}"
+        )
     if "lm_head" in targets and getattr(model.config, "tie_word_embeddings", False):
-        raise ValueError("--lora-targets lm_head: this model ties its LM head to the input embedding, so an adapter "
-                         "there would also change the embedding and could not be merged exactly; leave lm_head out")
+        raise ValueError(
+            "--lora-targets lm_head: this model ties its LM head to the input embedding, so an adapter "
+            "there would also change the embedding and could not be merged exactly; leave lm_head out"
+        )
     widest = min(min(m.in_features, m.out_features) for n, m in layers if n in targets)
     if rank > widest:
-        raise ValueError(f"--lora-rank {rank} is above the smallest dimension ({widest}) of the target layers: a "
-                         f"rank-{widest} adapter already spans every update there; use --lora-rank {widest} or less")
-    cfg = LoraConfig(r=int(rank), lora_alpha=float(alpha), target_modules=list(targets), lora_dropout=0.0,
-                     bias="none", task_type="CAUSAL_LM")
+        raise ValueError(
+            f"--lora-rank {rank} is above the smallest dimension ({widest}) of the target layers: a "
+            f"rank-{widest} adapter already spans every update there; use --lora-rank {widest} or less"
+        )
+    cfg = LoraConfig(
+        r=int(rank),
+        lora_alpha=float(alpha),
+        target_modules=list(targets),
+        lora_dropout=0.0,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
     with _quiet_peft():
         peft_model = get_peft_model(model, cfg)
     # set after wrapping: get_peft_model fills it from the model's (possibly relative) name_or_path
@@ -138,8 +150,10 @@ def adapter_base(path) -> Path:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
         raise ValueError(f"adapter checkpoint {p}: {ADAPTER_CONFIG} is not a readable JSON object ({e})") from None
     if not base or not Path(base).is_dir():
-        raise ValueError(f"adapter checkpoint {p}: its base model {base!r} ({ADAPTER_CONFIG}: "
-                         "base_model_name_or_path) is not a folder here; put the base model there or edit that field")
+        raise ValueError(
+            f"adapter checkpoint {p}: its base model {base!r} ({ADAPTER_CONFIG}: "
+            "base_model_name_or_path) is not a folder here; put the base model there or edit that field"
+        )
     return Path(base)
 
 

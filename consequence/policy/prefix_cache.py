@@ -71,9 +71,15 @@ class PrefixCache:
         return len(e.ids)
 
 
-def generate_with_prefix(model, prompts: list[list[int]], keys: Sequence[Hashable], params: SamplingParams,
-                         stop_ids: Collection[int], cache: PrefixCache,
-                         generator: Generators = None) -> list[Sample]:
+def generate_with_prefix(
+    model,
+    prompts: list[list[int]],
+    keys: Sequence[Hashable],
+    params: SamplingParams,
+    stop_ids: Collection[int],
+    cache: PrefixCache,
+    generator: Generators = None,
+) -> list[Sample]:
     """``sampler.generate`` for episodes whose prompts extend their previous call's.
 
     Args:
@@ -112,14 +118,16 @@ def _run(fast: _FastLlama, prompts, keys, params, stop_ids, cache: PrefixCache, 
     shared = _shared_prefix(fast, [p for p, q in zip(prompts, pre) if q == 0])
     if shared is not None:  # first turns that open alike (system prompt, worked examples): prefilled once
         for i, p in enumerate(pre):
-            if p == 0 and tuple(prompts[i][:len(shared.ids)]) == tuple(shared.ids):
+            if p == 0 and tuple(prompts[i][: len(shared.ids)]) == tuple(shared.ids):
                 pre[i], stored[i] = len(shared.ids), shared
         cache.prefilled_tokens += len(shared.ids)  # run once; each row's copy counts as reused below
     # Rows without a stored prefix and with the same prompt (a group's first turn) are
     # prefilled once and their cache rows copied, as in ``sampler.generate``.
     uniq: dict[object, int] = {}
-    src = [uniq.setdefault(tuple(p) if stored[i] is None or stored[i] is shared else ("row", i), len(uniq))
-           for i, p in enumerate(prompts)]
+    src = [
+        uniq.setdefault(tuple(p) if stored[i] is None or stored[i] is shared else ("row", i), len(uniq))
+        for i, p in enumerate(prompts)
+    ]
     first = {u: i for i, u in reversed(list(enumerate(src)))}  # unique row -> its first original row
     rows_u = [first[u] for u in range(len(uniq))]
     lens = [len(prompts[i]) for i in rows_u]
@@ -129,20 +137,29 @@ def _run(fast: _FastLlama, prompts, keys, params, stop_ids, cache: PrefixCache, 
     ids = torch.zeros(U, L, dtype=torch.long)
     key_valid = torch.zeros(U, L + params.max_new_tokens, dtype=torch.bool)
     for u, i in enumerate(rows_u):
-        ids[u, L - lens[u]:] = torch.tensor(prompts[i], dtype=torch.long)
-        key_valid[u, L - lens[u]:L] = True
+        ids[u, L - lens[u] :] = torch.tensor(prompts[i], dtype=torch.long)
+        key_valid[u, L - lens[u] : L] = True
     pos = (key_valid[:, :L].long().cumsum(-1) - 1).clamp_min(0)
     _restore(fast, [stored[i] for i in rows_u], [pre[i] for i in rows_u], lens, L)
     cache.reused_tokens += sum(max(0, ln - S) for ln in lens)  # slots before the window
     cache.prefilled_tokens += sum(min(ln, S) for ln in lens)
     step_rows = max(1, PREFILL_CHUNK_TOKENS // S)
-    logits = torch.cat([fast.forward(ids[r, L - S:], pos[r, L - S:], L - S, key_valid[r], rows=r)
-                        for r in (slice(a, min(U, a + step_rows)) for a in range(0, U, step_rows))], 0)
+    logits = torch.cat(
+        [
+            fast.forward(ids[r, L - S :], pos[r, L - S :], L - S, key_valid[r], rows=r)
+            for r in (slice(a, min(U, a + step_rows)) for a in range(0, U, step_rows))
+        ],
+        0,
+    )
     next_pos = pos[:, -1] + 1
     if U != n:
         rows = torch.tensor(src, dtype=torch.long)
         fast.select_rows(rows)
-        logits, key_valid, next_pos = logits.index_select(0, rows), key_valid.index_select(0, rows), next_pos.index_select(0, rows)
+        logits, key_valid, next_pos = (
+            logits.index_select(0, rows),
+            key_valid.index_select(0, rows),
+            next_pos.index_select(0, rows),
+        )
 
     def keep(b: int, i: int, out: list[int]) -> None:  # a row leaves the batch: store its prefix
         _store(fast, cache, keys[i], b, prompts[i], out, L)
@@ -157,8 +174,8 @@ def _restore(fast: _FastLlama, stored: list[_Entry | None], pre, lens, L: int) -
             continue
         s0 = L - lens[i]
         for li in range(len(fast.layers)):
-            fast.k_cache[li][i, :, s0:s0 + p] = e.k[li][:, :p]
-            fast.v_cache[li][i, :, s0:s0 + p] = e.v[li][:, :p]
+            fast.k_cache[li][i, :, s0 : s0 + p] = e.k[li][:, :p]
+            fast.v_cache[li][i, :, s0 : s0 + p] = e.v[li][:, :p]
 
 
 # A prefix shared by the first turns of a call is prefilled once when it is at least
@@ -194,5 +211,6 @@ def _store(fast: _FastLlama, cache: PrefixCache, key, b: int, prompt: list[int],
     """Keep the K/V of batch row ``b``: the prompt and every sampled token that was fed back."""
     fed = out[:-1]  # the last sampled token was never run through the model
     s0, end = L - len(prompt), L + len(fed)
-    cache.entries[key] = _Entry(prompt + fed, [c[b, :, s0:end].clone() for c in fast.k_cache],
-                                [c[b, :, s0:end].clone() for c in fast.v_cache])
+    cache.entries[key] = _Entry(
+        prompt + fed, [c[b, :, s0:end].clone() for c in fast.k_cache], [c[b, :, s0:end].clone() for c in fast.v_cache]
+    )

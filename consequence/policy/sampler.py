@@ -101,8 +101,15 @@ class _FastLlama:
                 bgu = torch.cat([m.gate_proj.bias, m.up_proj.bias], 0)
             self.layers.append(
                 (
-                    layer.input_layernorm.weight, wqkv, bqkv, W(a.o_proj), a.o_proj.bias,
-                    layer.post_attention_layernorm.weight, wgu, bgu, W(m.down_proj),
+                    layer.input_layernorm.weight,
+                    wqkv,
+                    bqkv,
+                    W(a.o_proj),
+                    a.o_proj.bias,
+                    layer.post_attention_layernorm.weight,
+                    wgu,
+                    bgu,
+                    W(m.down_proj),
                     m.down_proj.bias,
                 )
             )
@@ -227,15 +234,28 @@ class _FastLlama:
                 # last position's output is needed from here on.
                 q = q[:, :, -1:]
                 m = None if mask is None else mask[:, :, -1:]
-                att = F.scaled_dot_product_attention(
-                    q, kc[:, :, :end], vc[:, :, :end], attn_mask=m, scale=self.scale, enable_gqa=gqa
-                ).transpose(1, 2).reshape(B, 1, nh * D)
+                att = (
+                    F.scaled_dot_product_attention(
+                        q, kc[:, :, :end], vc[:, :, :end], attn_mask=m, scale=self.scale, enable_gqa=gqa
+                    )
+                    .transpose(1, 2)
+                    .reshape(B, 1, nh * D)
+                )
                 x = x[:, -1:]
             else:
-                att = F.scaled_dot_product_attention(
-                    q, kc[:, :, :end], vc[:, :, :end], attn_mask=mask, is_causal=causal_only,
-                    scale=self.scale, enable_gqa=gqa,
-                ).transpose(1, 2).reshape(B, L, nh * D)
+                att = (
+                    F.scaled_dot_product_attention(
+                        q,
+                        kc[:, :, :end],
+                        vc[:, :, :end],
+                        attn_mask=mask,
+                        is_causal=causal_only,
+                        scale=self.scale,
+                        enable_gqa=gqa,
+                    )
+                    .transpose(1, 2)
+                    .reshape(B, L, nh * D)
+                )
             x = x + F.linear(att, wo, bo)
             h = self._rms(x, w2)
             g, u = F.linear(h, wgu, bgu).chunk(2, -1)
@@ -283,8 +303,9 @@ def draw(probs_BV: torch.Tensor, generator: Generators) -> torch.Tensor:
     if len(generator) != probs_BV.shape[0]:
         raise ValueError(f"draw: {len(generator)} generators for {probs_BV.shape[0]} rows (one per row)")
     zero = torch.zeros(1, dtype=torch.float64)
-    u_B = torch.cat([zero if g is None else torch.rand(1, generator=g, dtype=torch.float64)
-                     for g in generator]).to(probs_BV.device)
+    u_B = torch.cat([zero if g is None else torch.rand(1, generator=g, dtype=torch.float64) for g in generator]).to(
+        probs_BV.device
+    )
     cdf_BV = probs_BV.double().cumsum(-1)
     tok = torch.searchsorted(cdf_BV, (u_B * cdf_BV[:, -1])[:, None], right=True).squeeze(-1)
     return tok.clamp_max(probs_BV.shape[-1] - 1)  # u · total < total, so only a guard
@@ -302,8 +323,9 @@ def _rows(generator: Generators, active: list[int], done: list[bool]) -> Generat
     return [None if d else generator[i] for i, d in zip(active, done)]
 
 
-def _pick(logits_BV: torch.Tensor, params: SamplingParams, generator: Generators
-          ) -> tuple[torch.Tensor, torch.Tensor, list[list[int]] | None]:
+def _pick(
+    logits_BV: torch.Tensor, params: SamplingParams, generator: Generators
+) -> tuple[torch.Tensor, torch.Tensor, list[list[int]] | None]:
     """Sample one token per row under ``logprobs.process_logits``'s distribution.
 
     Returns:
@@ -330,8 +352,8 @@ def _left_pad(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.Ten
     valid = torch.zeros(len(prompts), L, dtype=torch.bool)
     for i, p in enumerate(prompts):
         if p:
-            ids[i, L - len(p):] = torch.tensor(p, dtype=torch.long)
-            valid[i, L - len(p):] = True
+            ids[i, L - len(p) :] = torch.tensor(p, dtype=torch.long)
+            valid[i, L - len(p) :] = True
     return ids.to(device), valid.to(device)
 
 
@@ -407,8 +429,18 @@ def _generate_fast(model, prompts, params, stop_ids, generator) -> list[Sample]:
     return decode(fast, logits, key_valid, next_pos, L, n, params, stop_ids, generator)
 
 
-def decode(fast: _FastLlama, logits: torch.Tensor, key_valid: torch.Tensor, next_pos: torch.Tensor, L: int, n: int,
-           params: SamplingParams, stop_ids, generator, on_leave=None) -> list[Sample]:
+def decode(
+    fast: _FastLlama,
+    logits: torch.Tensor,
+    key_valid: torch.Tensor,
+    next_pos: torch.Tensor,
+    L: int,
+    n: int,
+    params: SamplingParams,
+    stop_ids,
+    generator,
+    on_leave=None,
+) -> list[Sample]:
     """The decode loop after a prefill: sample, append, drop finished rows, feed the tokens back.
 
     Args:
@@ -477,8 +509,9 @@ def decode(fast: _FastLlama, logits: torch.Tensor, key_valid: torch.Tensor, next
 
 
 def _samples(out_ids, out_lp, reason, out_keep) -> list[Sample]:
-    return [Sample(out_ids[i], out_lp[i], reason[i], None if out_keep is None else out_keep[i])
-            for i in range(len(out_ids))]
+    return [
+        Sample(out_ids[i], out_lp[i], reason[i], None if out_keep is None else out_keep[i]) for i in range(len(out_ids))
+    ]
 
 
 def _generate_hf(model, prompts, params, stop_ids, generator) -> list[Sample]:
@@ -516,8 +549,11 @@ def _generate_hf(model, prompts, params, stop_ids, generator) -> list[Sample]:
             break
         mask = torch.cat([mask, torch.ones(n, 1, dtype=mask.dtype, device=dev)], 1)
         out = model(
-            input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos[:, None],
-            use_cache=True, **{key: past},
+            input_ids=tok[:, None],
+            attention_mask=mask,
+            position_ids=next_pos[:, None],
+            use_cache=True,
+            **{key: past},
         )
         past = getattr(out, key)
         logits = out.logits[:, -1]

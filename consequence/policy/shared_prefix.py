@@ -46,15 +46,20 @@ def shared_prefix_len(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> 
         return 0
     lengths = attention_mask.sum(dim=1)
     m = int(lengths.min()) - 1
-    if m <= 0 or not bool((attention_mask[:, :m + 1] != 0).all()):
+    if m <= 0 or not bool((attention_mask[:, : m + 1] != 0).all()):
         return 0  # not right-padded in the shared part
     same = (input_ids[:, :m] == input_ids[:1, :m]).all(dim=0)  # [m]
     differ = (~same).nonzero()
     return int(differ[0]) if differ.numel() else m
 
 
-def trunk_hidden(trunk: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                 min_shared: int = SHARED_PREFIX_MIN_TOKENS, prefix_len: int | None = None) -> torch.Tensor:
+def trunk_hidden(
+    trunk: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    min_shared: int = SHARED_PREFIX_MIN_TOKENS,
+    prefix_len: int | None = None,
+) -> torch.Tensor:
     """Final hidden states of a Hugging Face decoder trunk, a shared prefix run once.
 
     Args:
@@ -79,8 +84,9 @@ def trunk_hidden(trunk: torch.nn.Module, input_ids: torch.Tensor, attention_mask
     if cache is None or not callable(getattr(cache, "batch_repeat_interleave", None)):
         return trunk(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
     cache.batch_repeat_interleave(N)  # [1, heads, L, d] -> [N, heads, L, d]; its backward sums the rows
-    tail = trunk(input_ids=input_ids[:, L:], attention_mask=attention_mask, use_cache=True,
-                 **{_cache_kwarg(trunk): cache}).last_hidden_state
+    tail = trunk(
+        input_ids=input_ids[:, L:], attention_mask=attention_mask, use_cache=True, **{_cache_kwarg(trunk): cache}
+    ).last_hidden_state
     return torch.cat([head.last_hidden_state.expand(N, -1, -1), tail], dim=1)
 
 

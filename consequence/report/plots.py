@@ -51,17 +51,22 @@ def write_markdown_report(report: dict[str, Any], out_md: Path) -> None:
     """The final comparison as a Markdown table (atomically)."""
     lines = ["# Final report: warm start vs RL checkpoint", ""]
     lines += [f"> **Warning:** {w}\n" for w in report.get("warnings", [])]
-    lines += [f"Same episodes for both policies; {report['episodes_per_split']} episodes per split; "
-             f"budgets {report['budgets']}.",
-             "Difference = RL − warm start, with a 95 % paired bootstrap CI over problems "
-             "(episodes of one problem resampled together). Environment errors excluded from both arms.", "",
-             "| split | decoding | warm start | RL | difference | 95 % CI | problems | env errors |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines += [
+        f"Same episodes for both policies; {report['episodes_per_split']} episodes per split; "
+        f"budgets {report['budgets']}.",
+        "Difference = RL − warm start, with a 95 % paired bootstrap CI over problems "
+        "(episodes of one problem resampled together). Environment errors excluded from both arms.",
+        "",
+        "| split | decoding | warm start | RL | difference | 95 % CI | problems | env errors |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in report["results"]:
         c = r["comparison"]
-        lines.append(f"| {r['split']} | {r['decoding']} | {100 * c['a_mean']:.1f} % | {100 * c['b_mean']:.1f} % | "
-                     f"{100 * c['diff']:+.1f} pts | [{100 * c['low']:+.1f}, {100 * c['high']:+.1f}] | "
-                     f"{c['n_groups']} | {c['env_errors_excluded']} |")
+        lines.append(
+            f"| {r['split']} | {r['decoding']} | {100 * c['a_mean']:.1f} % | {100 * c['b_mean']:.1f} % | "
+            f"{100 * c['diff']:+.1f} pts | [{100 * c['low']:+.1f}, {100 * c['high']:+.1f}] | "
+            f"{c['n_groups']} | {c['env_errors_excluded']} |"
+        )
     if "train_seconds" in report:
         lines += ["", f"Wall time of the whole run: {report['train_seconds'] / 60:.1f} min."]
     touched = report.get("splits_touched", [])

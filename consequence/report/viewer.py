@@ -80,8 +80,10 @@ def find_run_files(run_dir: str | os.PathLike) -> RunFiles:
         if m:
             files[int(m.group(1))] = p
     if not files:
-        raise ViewerError(f"run directory {run}: no trajectories/iter_NNNN.parquet files "
-                          "(is it the run directory of `consequence train`, and has an iteration finished?)")
+        raise ViewerError(
+            f"run directory {run}: no trajectories/iter_NNNN.parquet files "
+            "(is it the run directory of `consequence train`, and has an iteration finished?)"
+        )
     cfg_path = run / "config.yaml"
     config = (yaml.safe_load(cfg_path.read_text()) or {}) if cfg_path.is_file() else {}
     return RunFiles(run, files, config)
@@ -145,8 +147,15 @@ def _spread(n: int) -> list[int]:
     return order
 
 
-def token_roles(ids: list[int], loss_mask: list[int], attention_mask: list[int], added_ids: set[int],
-                im_start_id: int | None, im_end_id: int | None, text_of) -> str:
+def token_roles(
+    ids: list[int],
+    loss_mask: list[int],
+    attention_mask: list[int],
+    added_ids: set[int],
+    im_start_id: int | None,
+    im_end_id: int | None,
+    text_of,
+) -> str:
     """One role letter per position of one padded row (rules in the module docstring).
 
     Args:
@@ -194,8 +203,15 @@ def _round(x: float | None, nd: int = 4) -> float | str | None:
     return round(float(x), nd)
 
 
-def trajectory_record(it: int, t: Trajectory, tokenizer, vocab_used: dict[int, str], trained_filter: bool,
-                      current: list[list[float | None]] | None = None, checkpoint: str | None = None) -> dict[str, Any]:
+def trajectory_record(
+    it: int,
+    t: Trajectory,
+    tokenizer,
+    vocab_used: dict[int, str],
+    trained_filter: bool,
+    current: list[list[float | None]] | None = None,
+    checkpoint: str | None = None,
+) -> dict[str, Any]:
     """The compact JSON record of one trajectory (see the module docstring for the roles).
 
     Args:
@@ -217,23 +233,48 @@ def trajectory_record(it: int, t: Trajectory, tokenizer, vocab_used: dict[int, s
             att = batch["attention_mask"][k].tolist()
             roles = token_roles(ids, mask, att, added, vocab.get("<|im_start|>"), vocab.get("<|im_end|>"), text_of)
             slp = [_round(x) for x, m in zip(batch["old_logprobs"][k].tolist(), mask) if m]
-            rows_out.append({"ids": ids, "roles": roles, "slp": slp,
-                             "clp": [_round(x) for x in current[k]] if current is not None else None})
+            rows_out.append(
+                {
+                    "ids": ids,
+                    "roles": roles,
+                    "slp": slp,
+                    "clp": [_round(x) for x in current[k]] if current is not None else None,
+                }
+            )
     if t.reward is None or not t.n_generated_tokens:  # the credit box's rule (docs/cases.md, case 15)
-        trained = ("no: no reward (environment error)" if t.reward is None else
-                   "no: no model call" if not t.calls else "no: no token generated")
+        trained = (
+            "no: no reward (environment error)"
+            if t.reward is None
+            else "no: no model call"
+            if not t.calls
+            else "no: no token generated"
+        )
     elif trained_filter and t.outcome == "truncated":
         trained = "no: truncated, dropped by overlong_filter"
     else:
         trained = "yes"
     return {
-        "it": it, "task": t.task_id, "group": t.group_id, "sample": t.sample_id, "version": t.policy_version,
-        "reward": _round(t.reward), "adv": _round(t.advantage), "outcome": t.outcome, "trunc": t.truncation_reason,
-        "verifier": _round(t.verifier_score), "components": {k: _round(v) for k, v in t.reward_components.items()},
-        "error": t.error, "n_tools": t.n_tool_calls, "n_gen": t.n_generated_tokens, "trained": trained,
-        "wall_s": _round(t.wall_time_s, 2), "ckpt": checkpoint,
-        "calls": [{"stop": c.stop_reason, "tools": c.tool_calls, "parse_error": c.parse_error,
-                   "n_out": len(c.output_ids)} for c in t.calls],
+        "it": it,
+        "task": t.task_id,
+        "group": t.group_id,
+        "sample": t.sample_id,
+        "version": t.policy_version,
+        "reward": _round(t.reward),
+        "adv": _round(t.advantage),
+        "outcome": t.outcome,
+        "trunc": t.truncation_reason,
+        "verifier": _round(t.verifier_score),
+        "components": {k: _round(v) for k, v in t.reward_components.items()},
+        "error": t.error,
+        "n_tools": t.n_tool_calls,
+        "n_gen": t.n_generated_tokens,
+        "trained": trained,
+        "wall_s": _round(t.wall_time_s, 2),
+        "ckpt": checkpoint,
+        "calls": [
+            {"stop": c.stop_reason, "tools": c.tool_calls, "parse_error": c.parse_error, "n_out": len(c.output_ids)}
+            for c in t.calls
+        ],
         "rows": rows_out,
     }
 
@@ -258,7 +299,9 @@ def checkpoint_after(run: Path, it: int) -> Path | None:
     return None
 
 
-def current_logprobs(model, tokenizer, t: Trajectory, temperature: float, top_k: int, top_p: float) -> list[list[float | None]]:
+def current_logprobs(
+    model, tokenizer, t: Trajectory, temperature: float, top_k: int, top_p: float
+) -> list[list[float | None]]:
     """The current policy's log-prob of every token of each training row (one forward pass).
 
     Uses the trainer's :func:`consequence.policy.logprobs.token_logprobs` under the run's
@@ -279,8 +322,16 @@ def current_logprobs(model, tokenizer, t: Trajectory, temperature: float, top_k:
     with torch.inference_mode():
         # Sampled targets are scored on the support they were drawn from (the stored keep
         # mask), not on a top-k / top-p support recomputed from the checkpoint's logits.
-        lp, _ = token_logprobs(model, batch["input_ids"], batch["attention_mask"], temperature, top_k, top_p,
-                               keep_index=batch.get("keep_index"), keep_rows=batch.get("keep_rows"))  # [N, S-1]
+        lp, _ = token_logprobs(
+            model,
+            batch["input_ids"],
+            batch["attention_mask"],
+            temperature,
+            top_k,
+            top_p,
+            keep_index=batch.get("keep_index"),
+            keep_rows=batch.get("keep_rows"),
+        )  # [N, S-1]
     out = []
     for k in range(len(rows)):
         att = batch["attention_mask"][k].tolist()
@@ -288,8 +339,13 @@ def current_logprobs(model, tokenizer, t: Trajectory, temperature: float, top_k:
     return out
 
 
-def build_page(run_dir: str | os.PathLike, iteration: int | None = None, with_current_logprobs: bool = False,
-               limit: int = DEFAULT_LIMIT, log=print) -> tuple[str, dict[str, Any]]:
+def build_page(
+    run_dir: str | os.PathLike,
+    iteration: int | None = None,
+    with_current_logprobs: bool = False,
+    limit: int = DEFAULT_LIMIT,
+    log=print,
+) -> tuple[str, dict[str, Any]]:
     """Build the HTML page of a run directory.
 
     Args:
@@ -315,8 +371,10 @@ def build_page(run_dir: str | os.PathLike, iteration: int | None = None, with_cu
     run = files.run_dir
     if iteration is not None:
         if iteration not in files.trajectory_files:
-            raise ViewerError(f"--iteration {iteration}: no trajectories/iter_{iteration:04d}.parquet in {run} "
-                              f"(iterations present: {', '.join(map(str, sorted(files.trajectory_files)))})")
+            raise ViewerError(
+                f"--iteration {iteration}: no trajectories/iter_{iteration:04d}.parquet in {run} "
+                f"(iterations present: {', '.join(map(str, sorted(files.trajectory_files)))})"
+            )
         files.trajectory_files = {iteration: files.trajectory_files[iteration]}
     by_iter = {it: read_trajectories(p) for it, p in files.trajectory_files.items()}
     if not any(by_iter.values()):
@@ -325,12 +383,19 @@ def build_page(run_dir: str | os.PathLike, iteration: int | None = None, with_cu
     kept, left_out = select_trajectories(by_iter, limit)
 
     cfg = files.config
-    temperature, top_k, top_p = float(cfg.get("temperature", 1.0)), int(cfg.get("top_k", 0)), float(cfg.get("top_p", 1.0))
+    temperature, top_k, top_p = (
+        float(cfg.get("temperature", 1.0)),
+        int(cfg.get("top_k", 0)),
+        float(cfg.get("top_p", 1.0)),
+    )
     from consequence.policy.named import model_folder  # a registered model name: its converted folder
 
-    tok_path = checkpoint_after(run, max(by_iter)) or (model_folder(cfg["model"], log=log) if cfg.get("model") else None)
+    tok_path = checkpoint_after(run, max(by_iter)) or (
+        model_folder(cfg["model"], log=log) if cfg.get("model") else None
+    )
     if tok_path is None:
         from consequence.policy.tiny import BUNDLED
+
         tok_path = BUNDLED
     models: dict[Path, Any] = {}
 
@@ -352,19 +417,26 @@ def build_page(run_dir: str | os.PathLike, iteration: int | None = None, with_cu
         if with_current_logprobs:
             ckpt = checkpoint_after(run, it)
             if ckpt is None:
-                raise ViewerError(f"--with-current-logprobs: {run} has neither checkpoints/iter_{it + 1:04d} "
-                                  "nor checkpoints/final")
+                raise ViewerError(
+                    f"--with-current-logprobs: {run} has neither checkpoints/iter_{it + 1:04d} nor checkpoints/final"
+                )
             model = policy(ckpt)
             current, ckpt_name = current_logprobs(model, tokenizer, t, temperature, top_k, top_p), ckpt.name
             if n % 20 == 0 or n + 1 == len(kept):
                 log(f"recomputing current log-probs: trajectory {n + 1} of {len(kept)}")
-        records.append(trajectory_record(it, t, tokenizer, vocab_used, bool(cfg.get("overlong_filter")), current, ckpt_name))
+        records.append(
+            trajectory_record(it, t, tokenizer, vocab_used, bool(cfg.get("overlong_filter")), current, ckpt_name)
+        )
 
     data = {
-        "run": str(run.resolve()), "recipe": _run_label(run, cfg),
+        "run": str(run.resolve()),
+        "recipe": _run_label(run, cfg),
         "sampling": {"temperature": temperature, "top_k": top_k, "top_p": top_p},
-        "n_total": len(kept) + left_out, "n_left_out": left_out, "limit": limit,
-        "with_current": with_current_logprobs, "vocab": {str(k): v for k, v in sorted(vocab_used.items())},
+        "n_total": len(kept) + left_out,
+        "n_left_out": left_out,
+        "limit": limit,
+        "with_current": with_current_logprobs,
+        "vocab": {str(k): v for k, v in sorted(vocab_used.items())},
         "trajectories": records,
     }
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(Path(__file__).parent), autoescape=True)

@@ -54,9 +54,7 @@ def _returning(value: float | dict[str, float]) -> Callable[[], float | dict[str
     return lambda: value
 
 
-def checked_reward(
-    fn: Callable[[], float | dict[str, float]], low: float = 0.0, high: float = 1.0
-) -> RewardResult:
+def checked_reward(fn: Callable[[], float | dict[str, float]], low: float = 0.0, high: float = 1.0) -> RewardResult:
     """Call ``fn()`` and validate its reward.
 
     ``fn`` returns either a number or a dict of named components (summed into the
@@ -100,15 +98,17 @@ def checked_reward(
         total = total_or_none  # type: ignore[assignment]
         what = "reward"
     if not (low <= total <= high):
-        return RewardResult(
-            None, {}, f"{what} = {total!r} is outside the declared range [{low}, {high}]"
-        )
+        return RewardResult(None, {}, f"{what} = {total!r} is outside the declared range [{low}, {high}]")
     return RewardResult(total, components, None)
 
 
-def score_trajectories(trajs: list[Trajectory], overlong_buffer: int = 0, max_generated_tokens: int = 0,
-                       components: tuple[str, ...] = ("hidden_tests",),
-                       reward_range: tuple[float, float] = (0.0, 1.0)) -> None:
+def score_trajectories(
+    trajs: list[Trajectory],
+    overlong_buffer: int = 0,
+    max_generated_tokens: int = 0,
+    components: tuple[str, ...] = ("hidden_tests",),
+    reward_range: tuple[float, float] = (0.0, 1.0),
+) -> None:
     """Score each trajectory from what its environment gave: every step's reward, per named
     component and summed over steps (``Trajectory.env_rewards``; a declared component the
     episode never earned counts 0, so an episode that never submitted scores 0), plus with

@@ -70,10 +70,16 @@ class _Live:
     done: bool = False
 
 
-def run_episodes(generate_fn: GenerateFn, renderer: Renderer, specs: Sequence[EpisodeSpec],
-                 budgets: Budgets, system_prompt: str, policy_version: int = 0,
-                 progress: Callable[[int], None] | None = None,
-                 examples: Sequence[tuple[str, str]] = ()) -> list[Trajectory]:
+def run_episodes(
+    generate_fn: GenerateFn,
+    renderer: Renderer,
+    specs: Sequence[EpisodeSpec],
+    budgets: Budgets,
+    system_prompt: str,
+    policy_version: int = 0,
+    progress: Callable[[int], None] | None = None,
+    examples: Sequence[tuple[str, str]] = (),
+) -> list[Trajectory]:
     """Run every episode to its end and return one Trajectory per spec, in order.
 
     Every episode opens with ``system_prompt``, then the environment's worked
@@ -100,11 +106,9 @@ def run_episodes(generate_fn: GenerateFn, renderer: Renderer, specs: Sequence[Ep
         active = [e for e in active if not e.done]
         if not active:
             break
-        samples = generate_fn([e.context for e in active], budgets.max_new_tokens,
-                              [e.index for e in active])
+        samples = generate_fn([e.context for e in active], budgets.max_new_tokens, [e.index for e in active])
         # Tool execution runs sandboxed subprocesses: overlap them across episodes.
-        list(_POOL.map(lambda es: _advance(es[0], es[1], renderer, tool_specs, budgets),
-                       zip(active, samples)))
+        list(_POOL.map(lambda es: _advance(es[0], es[1], renderer, tool_specs, budgets), zip(active, samples)))
         if progress is not None:
             progress(sum(e.done for e in live))
     for e in live:
@@ -119,12 +123,16 @@ def opening_messages(system_prompt: str, request: str, examples: Sequence[tuple[
     """The conversation an episode starts from: the system prompt (none when empty), the worked
     examples as user / assistant turns, then the task's request."""
     shots = [{"role": role, "content": text} for q, a in examples for role, text in (("user", q), ("assistant", a))]
-    return ([{"role": "system", "content": system_prompt}] if system_prompt else []) + shots + [
-        {"role": "user", "content": request}]
+    return (
+        ([{"role": "system", "content": system_prompt}] if system_prompt else [])
+        + shots
+        + [{"role": "user", "content": request}]
+    )
 
 
-def opening_prompt_len(renderer: Renderer, system_prompt: str, request: str,
-                       examples: Sequence[tuple[str, str]] = ()) -> int:
+def opening_prompt_len(
+    renderer: Renderer, system_prompt: str, request: str, examples: Sequence[tuple[str, str]] = ()
+) -> int:
     """Tokens of an episode's first prompt (before any opening turns): what a budget must fit."""
     return len(renderer.prompt_ids(opening_messages(system_prompt, request, examples)))
 
@@ -137,15 +145,23 @@ def reset_observation(spec: EpisodeSpec) -> str:
     """
     obs, _info = spec.env.reset(seed=spec.seed)
     if not isinstance(obs, str):
-        raise TypeError(f"reset() must return (observation: str, info: dict); the observation is a "
-                        f"{type(obs).__name__}")
+        raise TypeError(
+            f"reset() must return (observation: str, info: dict); the observation is a {type(obs).__name__}"
+        )
     return obs
 
 
-def _start(index: int, spec: EpisodeSpec, renderer: Renderer, system_prompt: str,
-           version: int, examples: Sequence[tuple[str, str]] = ()) -> _Live:
-    traj = Trajectory(task_id=spec.task_id, group_id=spec.group_id, sample_id=spec.sample_id,
-                      seed=spec.seed, policy_version=version)
+def _start(
+    index: int,
+    spec: EpisodeSpec,
+    renderer: Renderer,
+    system_prompt: str,
+    version: int,
+    examples: Sequence[tuple[str, str]] = (),
+) -> _Live:
+    traj = Trajectory(
+        task_id=spec.task_id, group_id=spec.group_id, sample_id=spec.sample_id, seed=spec.seed, policy_version=version
+    )
     e = _Live(index, spec, traj, [], [], time.perf_counter())
     try:
         obs = reset_observation(spec)
@@ -160,11 +176,15 @@ def _start(index: int, spec: EpisodeSpec, renderer: Renderer, system_prompt: str
             _end(e, "env_error", error=str(info["env_error"]))
             return e
         if terminated or truncated:
-            raise ValueError(f"episode {spec.task_id}: the opening call {name!r} ended the episode; an "
-                             "opening may only set up a state for the policy to continue from")
+            raise ValueError(
+                f"episode {spec.task_id}: the opening call {name!r} ended the episode; an "
+                "opening may only set up a state for the policy to continue from"
+            )
         call = {"type": "function", "function": {"name": name, "arguments": arguments}}
-        e.messages = e.messages + [{"role": "assistant", "content": "", "tool_calls": [call]},
-                                   {"role": "tool", "name": name, "content": obs}]
+        e.messages = e.messages + [
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "name": name, "content": obs},
+        ]
     e.context = renderer.prompt_ids(e.messages)
     return e
 
@@ -194,8 +214,10 @@ def take_reward(traj: Trajectory, call: ModelCall, reward: Any, info: dict) -> s
     except (TypeError, ValueError, AttributeError) as err:
         return f"environment step returned a reward that is not a number: {reward!r} ({err})"
     if parts and not math.isclose(math.fsum(parts.values()), value, rel_tol=1e-9, abs_tol=1e-9):
-        return (f"environment step returned reward {value!r} but its reward_components {parts!r} sum to "
-                f"{math.fsum(parts.values())!r}; the components must add up to the step's reward")
+        return (
+            f"environment step returned reward {value!r} but its reward_components {parts!r} sum to "
+            f"{math.fsum(parts.values())!r}; the components must add up to the step's reward"
+        )
     call.reward += value
     for k, v in parts.items():
         traj.env_rewards[k] = traj.env_rewards.get(k, 0.0) + v
@@ -211,10 +233,15 @@ def _supports(sample: Any) -> list[list[int]] | None:
 def _advance(e: _Live, sample: Any, renderer: Renderer, tool_specs: dict, budgets: Budgets) -> None:
     answers = getattr(e.spec.env, "answer_ends_episode", e.spec.answer_ends_episode)
     parsed = renderer.parse(sample.output_ids, sample.stop_reason, answers=answers)
-    call = ModelCall(context_ids=list(e.context), output_ids=list(sample.output_ids),
-                     sample_logprobs=list(sample.logprobs), stop_reason=sample.stop_reason,
-                     tool_calls=parsed.tool_calls, parse_error=parsed.parse_error,
-                     keep_ids=_supports(sample))
+    call = ModelCall(
+        context_ids=list(e.context),
+        output_ids=list(sample.output_ids),
+        sample_logprobs=list(sample.logprobs),
+        stop_reason=sample.stop_reason,
+        tool_calls=parsed.tool_calls,
+        parse_error=parsed.parse_error,
+        keep_ids=_supports(sample),
+    )
     e.traj.calls.append(call)
     if sample.stop_reason == "length":
         e.messages = e.messages + [parsed.message]
@@ -237,8 +264,10 @@ def _advance(e: _Live, sample: Any, renderer: Renderer, tool_specs: dict, budget
         try:
             obs, reward, terminated, truncated, info = e.spec.env.step(tc)
             if not isinstance(obs, str) or not isinstance(info, dict):
-                raise TypeError("step() must return (observation: str, reward, terminated, truncated, info: dict); "
-                                f"got observation {type(obs).__name__}, info {type(info).__name__}")
+                raise TypeError(
+                    "step() must return (observation: str, reward, terminated, truncated, info: dict); "
+                    f"got observation {type(obs).__name__}, info {type(info).__name__}"
+                )
             error = take_reward(e.traj, call, reward, info)
         except Exception as err:  # an environment that raises is an env_error, never a 0
             obs, terminated, truncated, info = "", False, False, {}
@@ -247,13 +276,13 @@ def _advance(e: _Live, sample: Any, renderer: Renderer, tool_specs: dict, budget
         if error or info.get("env_error"):
             e.messages = e.messages + [parsed.message] + results
             return _end(e, "env_error", error=error or str(info["env_error"]))
-        results.append({"role": "user", "content": obs} if answer else
-                       {"role": "tool", "name": tc["name"], "content": obs})
+        results.append(
+            {"role": "user", "content": obs} if answer else {"role": "tool", "name": tc["name"], "content": obs}
+        )
         if terminated or truncated:
             e.messages = e.messages + [parsed.message] + results
             e.traj.verifier_score = sum(c.reward for c in e.traj.calls) if terminated else None
-            return _end(e, "finished" if terminated else "truncated",
-                        None if terminated else "environment")
+            return _end(e, "finished" if terminated else "truncated", None if terminated else "environment")
     if e.traj.n_tool_calls >= budgets.max_tool_calls:
         e.messages = e.messages + [parsed.message] + results
         return _end(e, "truncated", "max_tool_calls")

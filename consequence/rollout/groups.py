@@ -16,9 +16,13 @@ def group_of(env, task: Any, size: int) -> list:
     """
     episodes = list(env.make_group(task, size))
     if len(episodes) != size:
-        raise ValueError(f"environment {env.name!r}: make_group({task.task_id!r}, {size}) returned "
-                         f"{len(episodes)} episodes; a group needs exactly {size} (one per rollout)")
+        raise ValueError(
+            f"environment {env.name!r}: make_group({task.task_id!r}, {size}) returned "
+            f"{len(episodes)} episodes; a group needs exactly {size} (one per rollout)"
+        )
     if len({id(e) for e in episodes}) != size:
-        raise ValueError(f"environment {env.name!r}: make_group({task.task_id!r}, {size}) returned the same "
-                         "episode object more than once; each rollout needs its own isolated episode")
+        raise ValueError(
+            f"environment {env.name!r}: make_group({task.task_id!r}, {size}) returned the same "
+            "episode object more than once; each rollout needs its own isolated episode"
+        )
     return episodes

@@ -11,8 +11,7 @@ from consequence.policy.prefix_cache import PrefixCache, generate_with_prefix
 from consequence.policy.sampler import SamplingParams
 
 
-def policy_generate_fn(model, params: SamplingParams, stop_ids, seed: int,
-                       episode_seeds: Sequence[int] | None = None):
+def policy_generate_fn(model, params: SamplingParams, stop_ids, seed: int, episode_seeds: Sequence[int] | None = None):
     """A ``generate_fn(prompts, max_new_tokens, episode_indices)`` sampling from ``model``.
 
     Random streams: by default one torch.Generator seeded with ``seed`` drives every call,

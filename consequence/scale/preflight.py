@@ -20,17 +20,23 @@ def check_rollout_workers(cfg: TrainConfig) -> None:
         ValueError: what is missing or unreachable, and how to fix it.
     """
     if importlib.util.find_spec("ray") is None:
-        raise ValueError("--rollout-workers needs Ray, which is not installed here: pip install 'consequence[ray]' "
-                         "(make install includes it)")
+        raise ValueError(
+            "--rollout-workers needs Ray, which is not installed here: pip install 'consequence[ray]' "
+            "(make install includes it)"
+        )
     if cfg.rollout_engine == "vllm" and importlib.util.find_spec("vllm") is None:
-        raise ValueError("--rollout-engine vllm needs vLLM, which is not installed in this environment: build its own "
-                         "with `make vllm-env`, then run .venv-vllm/bin/consequence train ... (docs/vllm.md)")
+        raise ValueError(
+            "--rollout-engine vllm needs vLLM, which is not installed in this environment: build its own "
+            "with `make vllm-env`, then run .venv-vllm/bin/consequence train ... (docs/vllm.md)"
+        )
     where = ray_host_port(cfg.ray_address) if cfg.ray_address else None
     if where:  # without this, ray.init retries an address nobody listens at for minutes
         host, port = where
         try:
             socket.create_connection((host, port), timeout=min(PROBE_S, cfg.rollout_timeout)).close()
         except OSError as e:
-            raise ValueError(f"--ray-address {cfg.ray_address}: nothing accepts connections there ({e}); start the "
-                             "cluster's head with `ray start --head --port PORT` and pass HOST:PORT, or drop "
-                             "--ray-address for a local instance") from None
+            raise ValueError(
+                f"--ray-address {cfg.ray_address}: nothing accepts connections there ({e}); start the "
+                "cluster's head with `ray start --head --port PORT` and pass HOST:PORT, or drop "
+                "--ray-address for a local instance"
+            ) from None

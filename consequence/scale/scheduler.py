@@ -115,8 +115,15 @@ class AsyncRollouts:
             cluster's CPUs, or the worker's own error).
     """
 
-    def __init__(self, cfg: TrainConfig, model_path: str, done: Set[int] = frozenset(),
-                 log: Callable[[str], None] = lambda line: None, ray_module=None, worker_cls=RolloutWorker):
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        model_path: str,
+        done: Set[int] = frozenset(),
+        log: Callable[[str], None] = lambda line: None,
+        ray_module=None,
+        worker_cls=RolloutWorker,
+    ):
         if ray_module is None:
             import ray as ray_module
         ray = ray_module  # tests pass a scripted stand-in to fix the order in which batches finish
@@ -150,22 +157,31 @@ class AsyncRollouts:
         try:
             self._ray.init(**kw)
         except (ConnectionError, RuntimeError, ValueError) as e:
-            where = f"the Ray cluster at --ray-address {self.cfg.ray_address}" if self.cfg.ray_address else "a local Ray instance"
-            raise RolloutError(f"could not start or reach {where}: {e}. Start a cluster with `ray start --head` and "
-                               "pass the address it prints, or drop --ray-address for a local instance") from e
+            where = (
+                f"the Ray cluster at --ray-address {self.cfg.ray_address}"
+                if self.cfg.ray_address
+                else "a local Ray instance"
+            )
+            raise RolloutError(
+                f"could not start or reach {where}: {e}. Start a cluster with `ray start --head` and "
+                "pass the address it prints, or drop --ray-address for a local instance"
+            ) from e
 
     def _start_worker(self, slot: int):
-        return self.actor_cls.options(scheduling_strategy="SPREAD", runtime_env=worker_runtime_env(self.threads)).remote(
-            self.cfg, self.model_path, self.threads, slot, sys.path)
+        return self.actor_cls.options(
+            scheduling_strategy="SPREAD", runtime_env=worker_runtime_env(self.threads)
+        ).remote(self.cfg, self.model_path, self.threads, slot, sys.path)
 
     def _wait_ready(self, slots: list[int]) -> dict[int, dict[str, Any]]:
         refs = {self.workers[s].ready.remote(): s for s in slots}
         ready, pending = self._ray.wait(list(refs), num_returns=len(refs), timeout=self.cfg.rollout_timeout)
         if pending:
             cpus = self._ray.cluster_resources().get("CPU", 0)
-            raise RolloutError(f"rollout worker(s) {sorted(refs[p] for p in pending)} did not start within "
-                               f"--rollout-timeout {self.cfg.rollout_timeout:g} s; each needs 1 CPU of the Ray "
-                               f"cluster, which has {cpus:g}: add nodes or lower --rollout-workers")
+            raise RolloutError(
+                f"rollout worker(s) {sorted(refs[p] for p in pending)} did not start within "
+                f"--rollout-timeout {self.cfg.rollout_timeout:g} s; each needs 1 CPU of the Ray "
+                f"cluster, which has {cpus:g}: add nodes or lower --rollout-workers"
+            )
         where = {}
         for ref in ready:
             try:
@@ -205,8 +221,9 @@ class AsyncRollouts:
         self.version, self.state_ref = version, self._ray.put(trainable_state(model))
 
     # ---- the queue ----------------------------------------------------------------------
-    def next_batch(self, it: int, show: Callable[[str], None] = lambda text: None
-                   ) -> tuple[list, dict[str, Any], dict[str, Any]]:
+    def next_batch(
+        self, it: int, show: Callable[[str], None] = lambda text: None
+    ) -> tuple[list, dict[str, Any], dict[str, Any]]:
         """The trajectories iteration ``it`` trains on (trainer version ``it``).
 
         Returns:
@@ -220,8 +237,10 @@ class AsyncRollouts:
                 worker ``MAX_ATTEMPTS`` times.
         """
         if self.version != it:
-            raise RuntimeError(f"iteration {it} asked for a batch, but the newest published version is "
-                               f"{self.version}: publish the weights after every update")
+            raise RuntimeError(
+                f"iteration {it} asked for a batch, but the newest published version is "
+                f"{self.version}: publish the weights after every update"
+            )
         t0, dropped, dropped_lags, reruns0 = time.perf_counter(), [], [], self.reruns
         while True:
             self._dispatch()
@@ -233,10 +252,16 @@ class AsyncRollouts:
                     dropped_lags += [lag(it, job.version)] * n
                     continue
                 self._dispatch(consuming=1)  # before the update: idle workers start the next batches now
-                metrics = {"batch": job.batch, "sampled_version": job.version, "dropped_batches": dropped,
-                           **lag_metrics([lag(it, job.version)] * n, dropped_lags),
-                           "rerun_batches": self.reruns - reruns0, "queue_wait_s": time.perf_counter() - t0,
-                           "worker_rollout_s": result["rollout_s"], "rollout_worker": job.worker}
+                metrics = {
+                    "batch": job.batch,
+                    "sampled_version": job.version,
+                    "dropped_batches": dropped,
+                    **lag_metrics([lag(it, job.version)] * n, dropped_lags),
+                    "rerun_batches": self.reruns - reruns0,
+                    "queue_wait_s": time.perf_counter() - t0,
+                    "worker_rollout_s": result["rollout_s"],
+                    "rollout_worker": job.worker,
+                }
                 return result["trajectories"], result["stats"], metrics
             show(self._waiting_text(it))
             self._wait_one(t0)
@@ -250,8 +275,7 @@ class AsyncRollouts:
                 continue
             batch = self.todo.popleft() if self.todo else self._new_batch()
             ref = self.workers[slot].run.remote(batch, self.version, [self.state_ref])
-            self.jobs[slot] = _Job(batch, slot, self.version, ref, time.perf_counter(),
-                                   self.attempts.get(batch, 0) + 1)
+            self.jobs[slot] = _Job(batch, slot, self.version, ref, time.perf_counter(), self.attempts.get(batch, 0) + 1)
 
     def _new_batch(self) -> int:
         self.next_new += 1
@@ -264,12 +288,16 @@ class AsyncRollouts:
         ready, _ = self._ray.wait(list(by_ref), num_returns=1, timeout=max(0.0, left))
         if not ready:
             now = time.perf_counter()
-            running = ", ".join(f"batch {j.batch} on worker {s} (version {j.version}, {now - j.started:.0f} s)"
-                                for s, j in sorted(self.jobs.items()))
-            raise RolloutError(f"waited {self.cfg.rollout_timeout:g} s (--rollout-timeout) for a rollout batch; in "
-                               f"flight: {running or 'nothing'}. A worker may be stuck in an episode: raise "
-                               "--rollout-timeout if batches are this slow, else look at the workers' logs "
-                               "(/tmp/ray/session_latest/logs)")
+            running = ", ".join(
+                f"batch {j.batch} on worker {s} (version {j.version}, {now - j.started:.0f} s)"
+                for s, j in sorted(self.jobs.items())
+            )
+            raise RolloutError(
+                f"waited {self.cfg.rollout_timeout:g} s (--rollout-timeout) for a rollout batch; in "
+                f"flight: {running or 'nothing'}. A worker may be stuck in an episode: raise "
+                "--rollout-timeout if batches are this slow, else look at the workers' logs "
+                "(/tmp/ray/session_latest/logs)"
+            )
         slot = by_ref[ready[0]]
         job = self.jobs.pop(slot)
         try:
@@ -285,13 +313,17 @@ class AsyncRollouts:
         """A worker died under ``job``: start a new worker in its slot and run the batch again."""
         self.attempts[job.batch] = job.attempt
         if job.attempt >= MAX_ATTEMPTS:
-            raise RolloutError(f"batch {job.batch} was started {job.attempt} times and each time its rollout worker "
-                               f"died (last: {str(error).splitlines()[0]}); an episode of it may crash the "
-                               "worker process (memory, a native crash): see /tmp/ray/session_latest/logs")
+            raise RolloutError(
+                f"batch {job.batch} was started {job.attempt} times and each time its rollout worker "
+                f"died (last: {str(error).splitlines()[0]}); an episode of it may crash the "
+                "worker process (memory, a native crash): see /tmp/ray/session_latest/logs"
+            )
         self.reruns += 1
         self.todo.appendleft(job.batch)
-        self.log(f"rollout worker {slot} died during batch {job.batch} ({str(error).splitlines()[0][:120]}); "
-                 "starting a new one and re-running the batch")
+        self.log(
+            f"rollout worker {slot} died during batch {job.batch} ({str(error).splitlines()[0][:120]}); "
+            "starting a new one and re-running the batch"
+        )
         self.workers[slot] = self._start_worker(slot)
         self.where.update(self._wait_ready([slot]))
 

@@ -36,8 +36,10 @@ def lag(trainer_version: int, sampled_version: int) -> int:
             bookkeeping error: workers only ever receive published versions).
     """
     if sampled_version > trainer_version:
-        raise ValueError(f"a batch sampled by version {sampled_version} reached the trainer at version "
-                         f"{trainer_version}: versions are published only after the update that makes them")
+        raise ValueError(
+            f"a batch sampled by version {sampled_version} reached the trainer at version "
+            f"{trainer_version}: versions are published only after the update that makes them"
+        )
     return trainer_version - sampled_version
 
 
@@ -61,10 +63,12 @@ def lag_metrics(consumed: Iterable[int], dropped: Iterable[int]) -> dict[str, ob
     """
     consumed, dropped = list(consumed), list(dropped)
     hist = Counter(consumed) + Counter(dropped)
-    return {"lag_histogram": {str(k): hist[k] for k in sorted(hist)},
-            "lag_mean": sum(consumed) / len(consumed) if consumed else 0.0,
-            "lag_max": max(consumed, default=0),
-            "dropped_stale_groups": len(dropped)}
+    return {
+        "lag_histogram": {str(k): hist[k] for k in sorted(hist)},
+        "lag_mean": sum(consumed) / len(consumed) if consumed else 0.0,
+        "lag_max": max(consumed, default=0),
+        "dropped_stale_groups": len(dropped),
+    }
 
 
 def pipeline_warning(workers: int, max_staleness: int) -> str | None:
@@ -75,11 +79,15 @@ def pipeline_warning(workers: int, max_staleness: int) -> str | None:
     finish in order (only an overtaken batch can be older than N; it is kept up to k).
     """
     if workers > max_staleness + 1:
-        return (f"at most --max-staleness + 1 = {max_staleness + 1} batch(es) can run at once, so "
-                f"{workers - max_staleness - 1} of the {workers} rollout workers will wait; raise --max-staleness "
-                "to use them (docs/async.md §2)")
+        return (
+            f"at most --max-staleness + 1 = {max_staleness + 1} batch(es) can run at once, so "
+            f"{workers - max_staleness - 1} of the {workers} rollout workers will wait; raise --max-staleness "
+            "to use them (docs/async.md §2)"
+        )
     if max_staleness > workers:
-        return (f"each of the {workers} rollout worker(s) holds one batch, so batches that finish in order are "
-                f"at most {workers} version(s) old, not {max_staleness}; use --rollout-workers {max_staleness} "
-                "to pipeline that deep (docs/async.md §2)")
+        return (
+            f"each of the {workers} rollout worker(s) holds one batch, so batches that finish in order are "
+            f"at most {workers} version(s) old, not {max_staleness}; use --rollout-workers {max_staleness} "
+            "to pipeline that deep (docs/async.md §2)"
+        )
     return None

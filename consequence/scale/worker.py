@@ -38,7 +38,7 @@ def _bind_vllm_threads(slot: int, threads: int) -> None:
     user set them, worker ``slot`` takes its own ``threads`` cores of those this process may
     use (two engines must not share cores), and reserves none for vLLM's own bookkeeping."""
     cores = sorted(os.sched_getaffinity(0))
-    mine = cores[slot * threads:(slot + 1) * threads] or cores[-threads:]
+    mine = cores[slot * threads : (slot + 1) * threads] or cores[-threads:]
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, mine)))
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 
@@ -56,8 +56,7 @@ class RolloutWorker:
             environment given as ``module:attr`` imports in the worker as in the trainer.
     """
 
-    def __init__(self, cfg: TrainConfig, model_path: str, threads: int, worker_id: int,
-                 sys_path: Sequence[str] = ()):
+    def __init__(self, cfg: TrainConfig, model_path: str, threads: int, worker_id: int, sys_path: Sequence[str] = ()):
         sys.path.extend(p for p in sys_path if p not in sys.path)
         from consequence.envs.registry import env_of
         from consequence.harness.renderer import Renderer
@@ -80,8 +79,9 @@ class RolloutWorker:
 
             _bind_vllm_threads(worker_id, threads)
 
-            self.engine = VllmEngine(model_path, max_model_len=cfg.max_total_tokens + cfg.max_new_tokens,
-                                     seed=cfg.seed, version=-1)
+            self.engine = VllmEngine(
+                model_path, max_model_len=cfg.max_total_tokens + cfg.max_new_tokens, seed=cfg.seed, version=-1
+            )
         self.renderer = Renderer(tokenizer, self.split.tools)
         self.budgets = Budgets(cfg.max_turns, cfg.max_new_tokens, cfg.max_total_tokens)
         self.sampling = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p, cfg.max_new_tokens)
@@ -95,8 +95,13 @@ class RolloutWorker:
             node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
         except ImportError:
             node = None
-        out = {"pid": os.getpid(), "host": socket.gethostname(), "node": node, "threads": torch.get_num_threads(),
-               "engine": self.cfg.rollout_engine}
+        out = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "node": node,
+            "threads": torch.get_num_threads(),
+            "engine": self.cfg.rollout_engine,
+        }
         if self.engine is not None:
             out["engine_start_s"] = self.engine.start_seconds
         return out
@@ -112,9 +117,11 @@ class RolloutWorker:
         own = {n for n, p in self.model.named_parameters() if p.requires_grad}
         if set(state) != own:
             extra, missing = sorted(set(state) - own)[:3], sorted(own - set(state))[:3]
-            raise ValueError(f"rollout worker {self.worker_id}: version {version} does not fit its model "
-                             f"(unknown parameters {extra}, missing {missing}); trainer and worker must load "
-                             "the same --model with the same --lora-* settings")
+            raise ValueError(
+                f"rollout worker {self.worker_id}: version {version} does not fit its model "
+                f"(unknown parameters {extra}, missing {missing}); trainer and worker must load "
+                "the same --model with the same --lora-* settings"
+            )
         with torch.no_grad():
             params = dict(self.model.named_parameters())
             for name, tensor in state.items():
@@ -153,7 +160,23 @@ class RolloutWorker:
                 state = ray.get(state)
             self.load(state, version)
         t1 = time.perf_counter()
-        trajs, stats = collect(batch, self.cfg, self.model, self.renderer, self.split, self.budgets, self.sampling,
-                               policy_version=version, engine=self.engine)
-        return {"batch": batch, "version": version, "trajectories": trajs, "stats": stats,
-                "worker": self.worker_id, "rollout_s": time.perf_counter() - t1, "load_s": t1 - t0}
+        trajs, stats = collect(
+            batch,
+            self.cfg,
+            self.model,
+            self.renderer,
+            self.split,
+            self.budgets,
+            self.sampling,
+            policy_version=version,
+            engine=self.engine,
+        )
+        return {
+            "batch": batch,
+            "version": version,
+            "trajectories": trajs,
+            "stats": stats,
+            "worker": self.worker_id,
+            "rollout_s": time.perf_counter() - t1,
+            "load_s": t1 - t0,
+        }

@@ -95,8 +95,9 @@ class ServeState:
                 fmt = "auto" if self.renderer.tool_format == "none" else self.renderer.tool_format
                 self.renderers[key] = Renderer(self.renderer.tokenizer, tools, self.renderer.end_of_turn, fmt)
             except Exception as e:  # noqa: BLE001  (the chat template failing on these tools is the request's fault)
-                raise bad(f"bad tool schema for this model: {type(e).__name__}: {e}", "tools",
-                          "invalid_tools") from None
+                raise bad(
+                    f"bad tool schema for this model: {type(e).__name__}: {e}", "tools", "invalid_tools"
+                ) from None
         return self.renderers[key]
 
 
@@ -107,8 +108,12 @@ def check_session_id(sid: str) -> None:
         ServeError: 400 ``invalid_session_id``.
     """
     if not SESSION_ID.fullmatch(sid):
-        raise bad(f"session id {sid[:40]!r} is not allowed: use 1 to 128 letters, digits, '.', '_' or '-', "
-                  "starting with a letter or digit", "session", "invalid_session_id")
+        raise bad(
+            f"session id {sid[:40]!r} is not allowed: use 1 to 128 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit",
+            "session",
+            "invalid_session_id",
+        )
 
 
 def model_context_length(model) -> int:
@@ -121,8 +126,9 @@ def create_app(model, renderer: Renderer, settings: ServeSettings) -> FastAPI:
 
     The returned app's ``state.serve`` is the :class:`ServeState` (sessions, batcher).
     """
-    state = ServeState(settings, renderer, Batcher(model, renderer.stop_ids, settings.seed, settings.max_batch,
-                                                   settings.wait_s))
+    state = ServeState(
+        settings, renderer, Batcher(model, renderer.stop_ids, settings.seed, settings.max_batch, settings.wait_s)
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -137,8 +143,10 @@ def create_app(model, renderer: Renderer, settings: ServeSettings) -> FastAPI:
     @app.get("/v1/models")
     @app.get("/s/{session}/v1/models")
     async def models(session: str | None = None) -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": settings.model_name, "object": "model", "created": 0,
-                                            "owned_by": "consequence"}]}
+        return {
+            "object": "list",
+            "data": [{"id": settings.model_name, "object": "model", "created": 0, "owned_by": "consequence"}],
+        }
 
     @app.post("/v1/chat/completions")
     async def chat_plain(request: Request):
@@ -152,8 +160,12 @@ def create_app(model, renderer: Renderer, settings: ServeSettings) -> FastAPI:
     async def record(session: str) -> dict[str, Any]:
         s = state.sessions.get(session, create=False)
         if s is None:
-            raise ServeError(404, f"no session {session!r}; sessions: {', '.join(state.sessions.ids()) or 'none'}",
-                             None, "session_not_found")
+            raise ServeError(
+                404,
+                f"no session {session!r}; sessions: {', '.join(state.sessions.ids()) or 'none'}",
+                None,
+                "session_not_found",
+            )
         return s.record_dict()
 
     @app.delete("/s/{session}")
@@ -168,9 +180,15 @@ def create_app(model, renderer: Renderer, settings: ServeSettings) -> FastAPI:
     @app.get("/health")
     async def health() -> dict[str, Any]:
         b = state.batcher
-        return {"queued": b.queued, "in_flight": b.in_flight, "batches": b.stats.batches,
-                "requests": b.stats.requests, "largest_batch": b.stats.largest, "dropped": b.stats.dropped,
-                "sessions": len(state.sessions.ids())}
+        return {
+            "queued": b.queued,
+            "in_flight": b.in_flight,
+            "batches": b.stats.batches,
+            "requests": b.stats.requests,
+            "largest_batch": b.stats.largest,
+            "dropped": b.stats.dropped,
+            "sessions": len(state.sessions.ids()),
+        }
 
     return app
 
@@ -182,13 +200,16 @@ def _errors(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_request: Request, e: StarletteHTTPException):
-        return JSONResponse(ServeError(e.status_code, str(e.detail), None, "not_found" if e.status_code == 404
-                                       else None).body(), status_code=e.status_code)
+        return JSONResponse(
+            ServeError(e.status_code, str(e.detail), None, "not_found" if e.status_code == 404 else None).body(),
+            status_code=e.status_code,
+        )
 
     @app.exception_handler(Exception)
     async def internal_error(_request: Request, e: Exception):  # a bug of ours: still JSON, with what failed
-        return JSONResponse(ServeError(500, f"internal error: {type(e).__name__}: {e}", None, "internal_error").body(),
-                            status_code=500)
+        return JSONResponse(
+            ServeError(500, f"internal error: {type(e).__name__}: {e}", None, "internal_error").body(), status_code=500
+        )
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_request: Request, e: RequestValidationError):
@@ -207,22 +228,26 @@ async def _chat(state: ServeState, request: Request, sid: str | None):
     session = state.sessions.get(sid) if sid else None
     if session is None:
         context = renderer.prompt_ids(req.messages)
-        sampled, _left = await _sample(state, request, renderer, req, context, _params(state, req, len(context)),
-                                       None)
+        sampled, _left = await _sample(state, request, renderer, req, context, _params(state, req, len(context)), None)
         choices = [choice for choice, _s, _p in sampled]
     else:
         async with session.lock:
             context, choices = await _session_call(state, request, session, renderer, req)
-    full = completion(req, choices, [[f"call_{uuid.uuid4().hex[:24]}" for _ in (c.message.get("tool_calls") or [])]
-                                     for c in choices], context)
+    full = completion(
+        req,
+        choices,
+        [[f"call_{uuid.uuid4().hex[:24]}" for _ in (c.message.get("tool_calls") or [])] for c in choices],
+        context,
+    )
     if not req.stream:
         return full
     lines = [f"data: {json.dumps(c)}\n\n" for c in stream_chunks(full, req)] + ["data: [DONE]\n\n"]
     return StreamingResponse(iter(lines), media_type="text/event-stream")
 
 
-async def _session_call(state: ServeState, request: Request, session: Session, renderer: Renderer,
-                        req: ChatRequest) -> tuple[list[int], list[Choice]]:
+async def _session_call(
+    state: ServeState, request: Request, session: Session, renderer: Renderer, req: ChatRequest
+) -> tuple[list[int], list[Choice]]:
     """Build the context by the prefix rule, apply the bound episode's budgets, sample, record.
 
     A reply whose client left while it was being sampled is recorded too (it was sampled
@@ -267,14 +292,24 @@ def _params(state: ServeState, req: ChatRequest, n_context: int) -> SamplingPara
 def _check_context(state: ServeState, n_context: int, max_new: int) -> None:
     limit = state.settings.max_context
     if n_context + max_new > limit:
-        raise bad(f"this model's maximum context length is {limit} tokens; the messages take {n_context} tokens and "
-                  f"the reply may take {max_new} (max_tokens): shorten the messages or lower max_tokens",
-                  "messages", "context_length_exceeded")
+        raise bad(
+            f"this model's maximum context length is {limit} tokens; the messages take {n_context} tokens and "
+            f"the reply may take {max_new} (max_tokens): shorten the messages or lower max_tokens",
+            "messages",
+            "context_length_exceeded",
+        )
 
 
-async def _sample(state: ServeState, request: Request, renderer: Renderer, req: ChatRequest, context: list[int],
-                  params: SamplingParams, key: str | None,
-                  answers: bool = True) -> tuple[list[tuple[Choice, Sample, ParsedTurn]], bool]:
+async def _sample(
+    state: ServeState,
+    request: Request,
+    renderer: Renderer,
+    req: ChatRequest,
+    context: list[int],
+    params: SamplingParams,
+    key: str | None,
+    answers: bool = True,
+) -> tuple[list[tuple[Choice, Sample, ParsedTurn]], bool]:
     """Sample ``req.n`` choices for ``context``: per choice the reply, its sample and its parse
     (for the recorder), and whether the client left while they were sampled.
 
@@ -313,8 +348,13 @@ async def _sample(state: ServeState, request: Request, renderer: Renderer, req: 
         if cut:
             parsed.message = _without_stop_text(parsed.message, req.stop)
         finish = "length" if s.stop_reason == "length" else ("tool_calls" if parsed.tool_calls else "stop")
-        ch = Choice(parsed.message, finish, list(s.output_ids), list(s.logprobs),
-                    [tok.decode([i], skip_special_tokens=False) for i in s.output_ids])
+        ch = Choice(
+            parsed.message,
+            finish,
+            list(s.output_ids),
+            list(s.logprobs),
+            [tok.decode([i], skip_special_tokens=False) for i in s.output_ids],
+        )
         out.append((ch, s, parsed))
     return out, left
 
@@ -391,4 +431,3 @@ class BackgroundServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-

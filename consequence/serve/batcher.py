@@ -133,8 +133,9 @@ class Batcher:
         """Requests waiting for a batch."""
         return 0 if self._queue is None else self._queue.qsize()
 
-    async def sample(self, prompts: list[list[int]], params: SamplingParams, key: Hashable | None = None,
-                     seed: int | None = None) -> list[Sample]:
+    async def sample(
+        self, prompts: list[list[int]], params: SamplingParams, key: Hashable | None = None, seed: int | None = None
+    ) -> list[Sample]:
         """Sample one completion per prompt (the ``n`` choices of a request share ``key``).
 
         Raises:
@@ -143,8 +144,9 @@ class Batcher:
         """
         return await self.submit(prompts, params, key, seed).result()
 
-    def submit(self, prompts: list[list[int]], params: SamplingParams, key: Hashable | None = None,
-               seed: int | None = None) -> Job:
+    def submit(
+        self, prompts: list[list[int]], params: SamplingParams, key: Hashable | None = None, seed: int | None = None
+    ) -> Job:
         """Queue one request per prompt (as :meth:`sample`) and return them as a :class:`Job`,
         whose :attr:`Job.started` tells whether sampling began.
 
@@ -154,8 +156,10 @@ class Batcher:
         if self._queue is None or self._task is None or self._task.done():
             raise RuntimeError("the server is shutting down")
         loop = asyncio.get_running_loop()
-        reqs = [_Request(p, params, key if k == 0 else None, choice_seed(seed, k), loop.create_future())
-                for k, p in enumerate(prompts)]
+        reqs = [
+            _Request(p, params, key if k == 0 else None, choice_seed(seed, k), loop.create_future())
+            for k, p in enumerate(prompts)
+        ]
         for r in reqs:
             self._queue.put_nowait(r)
         return Job(reqs)
@@ -209,7 +213,7 @@ class Batcher:
         self.forget(anon)  # rows without a session never call again
         # Bound the stored K/V: the oldest sessions' go first (a dropped entry costs a full
         # prefill of that session's next call, never a different sample).
-        for k in list(self.cache.entries)[:max(0, len(self.cache.entries) - self.max_cached)]:
+        for k in list(self.cache.entries)[: max(0, len(self.cache.entries) - self.max_cached)]:
             del self.cache.entries[k]
         return out
 

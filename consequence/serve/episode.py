@@ -67,17 +67,28 @@ class BoundEpisode:
         """
         s = self.sampling
         if req.n != 1:
-            raise bad("n must be 1 in a training episode (one session is one trajectory); run more sessions "
-                      "for more samples (--group-size)", "n", "invalid_value")
+            raise bad(
+                "n must be 1 in a training episode (one session is one trajectory); run more sessions "
+                "for more samples (--group-size)",
+                "n",
+                "invalid_value",
+            )
         for key, mine in (("temperature", s.temperature), ("top_p", s.top_p)):
             theirs = getattr(req, key)
             if theirs is not None and abs(theirs - mine) > 1e-9:
-                raise bad(f"{key} {theirs} differs from the training run's {mine}: the trainer scores samples under "
-                          f"the run's settings; leave {key} out or set --{key.replace('_', '-')} {theirs}", key,
-                          "invalid_value")
+                raise bad(
+                    f"{key} {theirs} differs from the training run's {mine}: the trainer scores samples under "
+                    f"the run's settings; leave {key} out or set --{key.replace('_', '-')} {theirs}",
+                    key,
+                    "invalid_value",
+                )
         if req.max_tokens is not None and req.max_tokens > self.budgets.max_new_tokens:
-            raise bad(f"max_tokens {req.max_tokens} exceeds the episode's budget of {self.budgets.max_new_tokens} "
-                      "tokens per call (--max-new-tokens); leave it out or lower it", "max_tokens", "invalid_value")
+            raise bad(
+                f"max_tokens {req.max_tokens} exceeds the episode's budget of {self.budgets.max_new_tokens} "
+                "tokens per call (--max-new-tokens); leave it out or lower it",
+                "max_tokens",
+                "invalid_value",
+            )
         return SamplingParams(s.temperature, s.top_k, s.top_p, req.max_tokens or self.budgets.max_new_tokens)
 
     def before_context(self) -> None:
@@ -112,8 +123,9 @@ class BoundEpisode:
         if self.ended:
             t = self.trajectory
             why = t.truncation_reason or t.error or "the environment ended it"
-            raise ServeError(400, f"this episode is over ({t.outcome}: {why}); the agent should return",
-                             None, "episode_over")
+            raise ServeError(
+                400, f"this episode is over ({t.outcome}: {why}); the agent should return", None, "episode_over"
+            )
 
     # ---- tools and the end ---------------------------------------------------------
     def call_tool(self, name: str, arguments: Any) -> str:
@@ -152,8 +164,10 @@ class BoundEpisode:
         try:
             obs, reward, terminated, truncated, info = self.env.step(action)
             if not isinstance(obs, str) or not isinstance(info, dict):
-                raise TypeError("step() must return (observation: str, reward, terminated, truncated, info: dict); "
-                                f"got observation {type(obs).__name__}, info {type(info).__name__}")
+                raise TypeError(
+                    "step() must return (observation: str, reward, terminated, truncated, info: dict); "
+                    f"got observation {type(obs).__name__}, info {type(info).__name__}"
+                )
             error = take_reward(t, t.calls[-1], reward, info)
         except Exception as err:  # an environment that raises is an env_error, never a 0
             obs, terminated, truncated, info, error = "", False, False, {}, raised("step", err)

@@ -23,8 +23,22 @@ from consequence.harness.tools import check_tool_specs
 # only accepted value is the one that changes nothing: anything else is refused.
 _IGNORED = {"user", "metadata", "store", "stream_options", "parallel_tool_calls", "service_tier"}
 _NEUTRAL = {"frequency_penalty": 0, "presence_penalty": 0, "logit_bias": None, "response_format": None}
-_KNOWN = {"model", "messages", "tools", "tool_choice", "temperature", "top_p", "max_tokens",
-          "max_completion_tokens", "n", "stop", "seed", "logprobs", "top_logprobs", "stream"}
+_KNOWN = {
+    "model",
+    "messages",
+    "tools",
+    "tool_choice",
+    "temperature",
+    "top_p",
+    "max_tokens",
+    "max_completion_tokens",
+    "n",
+    "stop",
+    "seed",
+    "logprobs",
+    "top_logprobs",
+    "stream",
+}
 MAX_N = 16
 MAX_STOP = 4
 
@@ -94,16 +108,25 @@ def parse_request(body: Any, served_model: str) -> ChatRequest:
         raise bad("the request body must be a JSON object")
     unknown = sorted(set(body) - _KNOWN - _IGNORED - set(_NEUTRAL))
     if unknown:
-        raise bad(f"unsupported parameter(s): {', '.join(unknown)}; this server takes "
-                  f"{', '.join(sorted(_KNOWN | _IGNORED | set(_NEUTRAL)))}", unknown[0], "unsupported_parameter")
+        raise bad(
+            f"unsupported parameter(s): {', '.join(unknown)}; this server takes "
+            f"{', '.join(sorted(_KNOWN | _IGNORED | set(_NEUTRAL)))}",
+            unknown[0],
+            "unsupported_parameter",
+        )
     check_body_types(body)
     for key, neutral in _NEUTRAL.items():
         if body.get(key, neutral) not in (neutral, None, {}):
-            raise bad(f"{key} is not supported (the sampler does not apply it); leave it out", key,
-                      "unsupported_parameter")
+            raise bad(
+                f"{key} is not supported (the sampler does not apply it); leave it out", key, "unsupported_parameter"
+            )
     if body.get("model") != served_model:
-        raise ServeError(404, f"the model {body.get('model')!r} does not exist; this server serves "
-                         f"{served_model!r} (GET /v1/models)", "model", "model_not_found")
+        raise ServeError(
+            404,
+            f"the model {body.get('model')!r} does not exist; this server serves {served_model!r} (GET /v1/models)",
+            "model",
+            "model_not_found",
+        )
     req = ChatRequest(model=served_model, messages=normalise_messages(body.get("messages")))
     req.tools = _tools(body.get("tools"))
     req.parse_tools = _tool_choice(body.get("tool_choice"))
@@ -112,11 +135,15 @@ def parse_request(body: Any, served_model: str) -> ChatRequest:
     req.max_tokens = _max_tokens(body)
     req.n = _int(body, "n", 1, MAX_N) or 1
     req.stop = _stop(body.get("stop"))
-    req.seed = _int(body, "seed", -2**63, 2**63 - 1)
+    req.seed = _int(body, "seed", -(2**63), 2**63 - 1)
     req.logprobs = body.get("logprobs") is True
     if body.get("top_logprobs"):
-        raise bad("top_logprobs is not supported: each choice carries the sampled tokens' log-probs "
-                  "(logprobs=true, and always in token_logprobs)", "top_logprobs", "unsupported_parameter")
+        raise bad(
+            "top_logprobs is not supported: each choice carries the sampled tokens' log-probs "
+            "(logprobs=true, and always in token_logprobs)",
+            "top_logprobs",
+            "unsupported_parameter",
+        )
     req.stream = body.get("stream") is True
     req.include_usage = (body.get("stream_options") or {}).get("include_usage") is True
     return req
@@ -139,8 +166,12 @@ def _tool_choice(choice: Any) -> bool:
         return True
     if choice == "none":
         return False
-    raise bad(f"tool_choice {choice!r} is not supported: the sampler does not constrain decoding; use "
-              "'auto' (tool calls are parsed from the reply) or 'none'", "tool_choice", "unsupported_parameter")
+    raise bad(
+        f"tool_choice {choice!r} is not supported: the sampler does not constrain decoding; use "
+        "'auto' (tool calls are parsed from the reply) or 'none'",
+        "tool_choice",
+        "unsupported_parameter",
+    )
 
 
 def _number(body: dict, key: str, low: float, high: float, low_open: bool = False) -> float | None:
@@ -148,8 +179,9 @@ def _number(body: dict, key: str, low: float, high: float, low_open: bool = Fals
     if v is None:
         return None
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not (low < v if low_open else low <= v) or v > high:
-        raise bad(f"{key} must be a number in {'(' if low_open else '['}{low}, {high}], got {v!r}", key,
-                  "invalid_value")
+        raise bad(
+            f"{key} must be a number in {'(' if low_open else '['}{low}, {high}], got {v!r}", key, "invalid_value"
+        )
     return float(v)
 
 
@@ -168,8 +200,11 @@ def _max_tokens(body: dict) -> int | None:
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise bad(f"{key} must be a positive integer, got {v!r}", key, "invalid_value")
     if a is not None and b is not None and a != b:
-        raise bad(f"max_tokens ({a}) and max_completion_tokens ({b}) differ; give one of them",
-                  "max_completion_tokens", "invalid_value")
+        raise bad(
+            f"max_tokens ({a}) and max_completion_tokens ({b}) differ; give one of them",
+            "max_completion_tokens",
+            "invalid_value",
+        )
     return a if a is not None else b
 
 
@@ -189,16 +224,40 @@ def _stop(stop: Any) -> list[str]:
 _NUM, _INT, _STR, _BOOL, _OBJ, _LIST = "number", "integer", "string", "boolean", "object", "array"
 _FieldTypes = dict[str, tuple[str, ...]]  # field name -> the JSON types it may have
 _BODY_TYPES: _FieldTypes = {
-    "model": (_STR,), "messages": (_LIST,), "tools": (_LIST,), "tool_choice": (_STR, _OBJ),
-    "temperature": (_NUM,), "top_p": (_NUM,), "max_tokens": (_INT,), "max_completion_tokens": (_INT,),
-    "n": (_INT,), "stop": (_STR, _LIST), "seed": (_INT,), "logprobs": (_BOOL,), "top_logprobs": (_INT,),
-    "stream": (_BOOL,), "stream_options": (_OBJ,), "user": (_STR,), "metadata": (_OBJ,), "store": (_BOOL,),
-    "parallel_tool_calls": (_BOOL,), "service_tier": (_STR,), "frequency_penalty": (_NUM,),
-    "presence_penalty": (_NUM,), "logit_bias": (_OBJ,), "response_format": (_OBJ,),
+    "model": (_STR,),
+    "messages": (_LIST,),
+    "tools": (_LIST,),
+    "tool_choice": (_STR, _OBJ),
+    "temperature": (_NUM,),
+    "top_p": (_NUM,),
+    "max_tokens": (_INT,),
+    "max_completion_tokens": (_INT,),
+    "n": (_INT,),
+    "stop": (_STR, _LIST),
+    "seed": (_INT,),
+    "logprobs": (_BOOL,),
+    "top_logprobs": (_INT,),
+    "stream": (_BOOL,),
+    "stream_options": (_OBJ,),
+    "user": (_STR,),
+    "metadata": (_OBJ,),
+    "store": (_BOOL,),
+    "parallel_tool_calls": (_BOOL,),
+    "service_tier": (_STR,),
+    "frequency_penalty": (_NUM,),
+    "presence_penalty": (_NUM,),
+    "logit_bias": (_OBJ,),
+    "response_format": (_OBJ,),
 }
 _STREAM_OPTIONS_TYPES: _FieldTypes = {"include_usage": (_BOOL,)}
-_MESSAGE_TYPES: _FieldTypes = {"role": (_STR,), "content": (_STR, _LIST), "name": (_STR,), "tool_call_id": (_STR,),
-                               "tool_calls": (_LIST,), "refusal": (_STR,)}
+_MESSAGE_TYPES: _FieldTypes = {
+    "role": (_STR,),
+    "content": (_STR, _LIST),
+    "name": (_STR,),
+    "tool_call_id": (_STR,),
+    "tool_calls": (_LIST,),
+    "refusal": (_STR,),
+}
 _PART_TYPES: _FieldTypes = {"type": (_STR,), "text": (_STR,)}
 _CALL_TYPES: _FieldTypes = {"id": (_STR,), "type": (_STR,), "function": (_OBJ,)}
 _CALL_FUNCTION_TYPES: _FieldTypes = {"name": (_STR,), "arguments": (_STR, _OBJ)}
@@ -228,8 +287,12 @@ def _check_types(obj: Any, types: _FieldTypes, where: str) -> None:
         v = obj.get(key)
         if v is not None and not any(_is(v, k) for k in kinds):
             path = f"{where}.{key}" if where else key
-            raise bad(f"{path} must be {' or '.join('an ' + k if k[0] in 'aeiou' else 'a ' + k for k in kinds)}, "
-                      f"got {_json_type(v)} {json.dumps(v)[:60]}", path, "invalid_type")
+            raise bad(
+                f"{path} must be {' or '.join('an ' + k if k[0] in 'aeiou' else 'a ' + k for k in kinds)}, "
+                f"got {_json_type(v)} {json.dumps(v)[:60]}",
+                path,
+                "invalid_type",
+            )
 
 
 def _json_type(v: Any) -> str:
@@ -283,8 +346,12 @@ def _text(content: Any, where: str) -> str:
         return content
     for j, p in enumerate(content):  # a list of objects (check_body_types)
         if p.get("type") != "text":
-            raise bad(f"{where}.content[{j}].type is {p.get('type')!r}: content must be a string or a list of "
-                      "text parts (images and audio are not supported)", f"{where}.content[{j}].type", "invalid_value")
+            raise bad(
+                f"{where}.content[{j}].type is {p.get('type')!r}: content must be a string or a list of "
+                "text parts (images and audio are not supported)",
+                f"{where}.content[{j}].type",
+                "invalid_value",
+            )
     return "".join(p.get("text") or "" for p in content)
 
 
@@ -320,8 +387,11 @@ def normalise_messages(messages: Any) -> list[dict[str, Any]]:
             raise bad(f"messages[{i}] must be an object", "messages", "invalid_value")
         role = m.get("role")
         if m.get("content") is None and role in ("system", "developer", "user", "tool"):
-            raise bad(f"messages[{i}]: a {role} message needs content (a string or a list of text parts)",
-                      f"messages[{i}].content", "invalid_value")
+            raise bad(
+                f"messages[{i}]: a {role} message needs content (a string or a list of text parts)",
+                f"messages[{i}].content",
+                "invalid_value",
+            )
         content = _text(m.get("content"), f"messages[{i}]")
         if role in ("system", "developer", "user"):
             out.append({"role": "user" if role == "user" else "system", "content": content})
@@ -330,12 +400,19 @@ def normalise_messages(messages: Any) -> list[dict[str, Any]]:
         elif role == "tool":
             name = m.get("name") or names.get(m.get("tool_call_id") or "")
             if not name:
-                raise bad(f"messages[{i}]: a tool message needs the tool_call_id of an earlier assistant tool call "
-                          f"(got {m.get('tool_call_id')!r})", f"messages[{i}].tool_call_id", "invalid_value")
+                raise bad(
+                    f"messages[{i}]: a tool message needs the tool_call_id of an earlier assistant tool call "
+                    f"(got {m.get('tool_call_id')!r})",
+                    f"messages[{i}].tool_call_id",
+                    "invalid_value",
+                )
             out.append({"role": "tool", "name": name, "content": content})
         else:
-            raise bad(f"messages[{i}].role: unknown role {role!r}; use system, developer, user, assistant or tool",
-                      f"messages[{i}].role", "invalid_value")
+            raise bad(
+                f"messages[{i}].role: unknown role {role!r}; use system, developer, user, assistant or tool",
+                f"messages[{i}].role",
+                "invalid_value",
+            )
     return out
 
 
@@ -345,11 +422,16 @@ def _assistant(m: dict, content: str, names: dict[str, str], i: int) -> dict[str
     for j, c in enumerate(m.get("tool_calls") or []):  # objects with typed fields (check_body_types)
         fn = c.get("function") or {}
         if not fn.get("name"):
-            raise bad(f"messages[{i}].tool_calls[{j}]: each tool call needs function.name",
-                      f"messages[{i}].tool_calls[{j}].function.name", "invalid_value")
+            raise bad(
+                f"messages[{i}].tool_calls[{j}]: each tool call needs function.name",
+                f"messages[{i}].tool_calls[{j}].function.name",
+                "invalid_value",
+            )
         if c.get("id"):
             names[c["id"]] = fn["name"]
-        calls.append({"type": "function", "function": {"name": fn["name"], "arguments": _arguments(fn.get("arguments"))}})
+        calls.append(
+            {"type": "function", "function": {"name": fn["name"], "arguments": _arguments(fn.get("arguments"))}}
+        )
     if calls:
         msg["tool_calls"] = calls
     return msg
@@ -380,30 +462,52 @@ def wire_message(message: dict[str, Any], call_ids: list[str]) -> dict[str, Any]
     out: dict[str, Any] = {"role": "assistant", "content": message.get("content") or None}
     calls = message.get("tool_calls") or []
     if calls:
-        out["tool_calls"] = [{"id": cid, "type": "function",
-                              "function": {"name": c["function"]["name"],
-                                           "arguments": json.dumps(c["function"]["arguments"])}}
-                             for cid, c in zip(call_ids, calls)]
+        out["tool_calls"] = [
+            {
+                "id": cid,
+                "type": "function",
+                "function": {"name": c["function"]["name"], "arguments": json.dumps(c["function"]["arguments"])},
+            }
+            for cid, c in zip(call_ids, calls)
+        ]
     return out
 
 
 def _logprobs(ch: Choice) -> dict[str, Any]:
-    return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                        for t, lp in zip(ch.tokens, ch.token_logprobs)]}
+    return {
+        "content": [
+            {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+            for t, lp in zip(ch.tokens, ch.token_logprobs)
+        ]
+    }
 
 
-def completion(req: ChatRequest, choices: list[Choice], call_ids: list[list[str]],
-               prompt_ids: list[int]) -> dict[str, Any]:
+def completion(
+    req: ChatRequest, choices: list[Choice], call_ids: list[list[str]], prompt_ids: list[int]
+) -> dict[str, Any]:
     """The ``chat.completion`` object, plus vLLM-style ``prompt_token_ids`` and, per choice,
     ``token_ids`` and ``token_logprobs``."""
     out_choices = []
     for k, (ch, ids) in enumerate(zip(choices, call_ids)):
-        out_choices.append({"index": k, "message": wire_message(ch.message, ids), "finish_reason": ch.finish_reason,
-                            "logprobs": _logprobs(ch) if req.logprobs else None,
-                            "token_ids": ch.token_ids, "token_logprobs": ch.token_logprobs})
-    return {"id": "chatcmpl-" + uuid.uuid4().hex, "object": "chat.completion", "created": int(time.time()),
-            "model": req.model, "choices": out_choices, "usage": usage(prompt_ids, choices),
-            "prompt_token_ids": prompt_ids}
+        out_choices.append(
+            {
+                "index": k,
+                "message": wire_message(ch.message, ids),
+                "finish_reason": ch.finish_reason,
+                "logprobs": _logprobs(ch) if req.logprobs else None,
+                "token_ids": ch.token_ids,
+                "token_logprobs": ch.token_logprobs,
+            }
+        )
+    return {
+        "id": "chatcmpl-" + uuid.uuid4().hex,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": req.model,
+        "choices": out_choices,
+        "usage": usage(prompt_ids, choices),
+        "prompt_token_ids": prompt_ids,
+    }
 
 
 def usage(prompt_ids: list[int], choices: list[Choice]) -> dict[str, int]:
@@ -420,18 +524,32 @@ def stream_chunks(full: dict[str, Any], req: ChatRequest) -> list[dict[str, Any]
     chunks = []
     for ch in full["choices"]:
         msg, k = ch["message"], ch["index"]
-        chunks.append(base | {"choices": [{"index": k, "delta": {"role": "assistant", "content": ""},
-                                           "finish_reason": None}]})
+        chunks.append(
+            base | {"choices": [{"index": k, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
+        )
         delta: dict[str, Any] = {}
         if msg.get("content"):
             delta["content"] = msg["content"]
         if msg.get("tool_calls"):
             delta["tool_calls"] = [c | {"index": j} for j, c in enumerate(msg["tool_calls"])]
         if delta:
-            chunks.append(base | {"choices": [{"index": k, "delta": delta, "finish_reason": None,
-                                               "logprobs": ch["logprobs"]}]})
-        chunks.append(base | {"choices": [{"index": k, "delta": {}, "finish_reason": ch["finish_reason"],
-                                           "token_ids": ch["token_ids"], "token_logprobs": ch["token_logprobs"]}]})
+            chunks.append(
+                base | {"choices": [{"index": k, "delta": delta, "finish_reason": None, "logprobs": ch["logprobs"]}]}
+            )
+        chunks.append(
+            base
+            | {
+                "choices": [
+                    {
+                        "index": k,
+                        "delta": {},
+                        "finish_reason": ch["finish_reason"],
+                        "token_ids": ch["token_ids"],
+                        "token_logprobs": ch["token_logprobs"],
+                    }
+                ]
+            }
+        )
     if req.include_usage:
         chunks.append(base | {"choices": [], "usage": full["usage"]})
     return chunks

@@ -92,13 +92,17 @@ def load_agent(target: str) -> Callable:
     """
     module, _, attr = target.rpartition(":")
     if not module or not attr:
-        raise ValueError(f"--agent {target!r}: give module:function or path/to/file.py:function, e.g. "
-                         "examples/openai_agent/agent.py:agent")
+        raise ValueError(
+            f"--agent {target!r}: give module:function or path/to/file.py:function, e.g. "
+            "examples/openai_agent/agent.py:agent"
+        )
     # A path (or a file in this folder) is not a module name; a bare folder name may be a package.
     if not module.endswith(".py") and ("/" in module or "\\" in module or Path(module).is_file()):
         what = "a folder" if Path(module).is_dir() else "a file" if Path(module).exists() else "a path"
-        raise ValueError(f"--agent {target!r}: {module!r} is {what}, not a .py file; give path/to/file.py:function "
-                         "or an importable package.module:function")
+        raise ValueError(
+            f"--agent {target!r}: {module!r} is {what}, not a .py file; give path/to/file.py:function "
+            "or an importable package.module:function"
+        )
     try:
         if module.endswith(".py"):
             path = Path(module)
@@ -119,21 +123,34 @@ def load_agent(target: str) -> Callable:
     if fn is None:
         raise ValueError(f"--agent {target!r}: {module!r} has no attribute {attr!r}")
     if not inspect.iscoroutinefunction(fn):
-        raise ValueError(f"--agent {target!r}: {attr} must be an async function, `async def {attr}(client, task)`, "
-                         "called with an openai.AsyncOpenAI client")
+        raise ValueError(
+            f"--agent {target!r}: {attr} must be an async function, `async def {attr}(client, task)`, "
+            "called with an openai.AsyncOpenAI client"
+        )
     try:
         inspect.signature(fn).bind(None, None)
     except TypeError:
-        raise ValueError(f"--agent {target!r}: {attr}{inspect.signature(fn)} cannot be called as {attr}(client, task); "
-                         f"define it as `async def {attr}(client, task)`") from None
+        raise ValueError(
+            f"--agent {target!r}: {attr}{inspect.signature(fn)} cannot be called as {attr}(client, task); "
+            f"define it as `async def {attr}(client, task)`"
+        ) from None
     return fn
 
 
-def run_agent_episodes(agent: Callable, model, renderer: Renderer, specs: Sequence[EpisodeSpec], budgets: Budgets,
-                       sampling: SamplingParams, system_prompt: str, seed: int, policy_version: int = 0,
-                       examples: Sequence[tuple[str, str]] = (),
-                       progress: Callable[[int], None] | None = None,
-                       agent_timeout: float = 0.0) -> tuple[list[Trajectory], dict[str, float]]:
+def run_agent_episodes(
+    agent: Callable,
+    model,
+    renderer: Renderer,
+    specs: Sequence[EpisodeSpec],
+    budgets: Budgets,
+    sampling: SamplingParams,
+    system_prompt: str,
+    seed: int,
+    policy_version: int = 0,
+    examples: Sequence[tuple[str, str]] = (),
+    progress: Callable[[int], None] | None = None,
+    agent_timeout: float = 0.0,
+) -> tuple[list[Trajectory], dict[str, float]]:
     """Run ``agent`` once per spec against a loopback endpoint serving ``model``; one
     trajectory per spec, in order, and the run's stats.
 
@@ -163,28 +180,48 @@ def run_agent_episodes(agent: Callable, model, renderer: Renderer, specs: Sequen
     check_tool_specs(renderer.tools)
     if any(s.opening for s in specs):
         raise ValueError("the agent-runner does not play scripted openings (EpisodeSpec.opening); use run_episodes")
-    settings = ServeSettings(AGENT_MODEL_NAME, model_context_length(model), sampling.temperature, sampling.top_p,
-                             sampling.top_k, budgets.max_new_tokens, seed, max_batch=max(1, len(specs)))
+    settings = ServeSettings(
+        AGENT_MODEL_NAME,
+        model_context_length(model),
+        sampling.temperature,
+        sampling.top_p,
+        sampling.top_k,
+        budgets.max_new_tokens,
+        seed,
+        max_batch=max(1, len(specs)),
+    )
     app = create_app(model, renderer, settings)
-    sessions = [_bind(i, s, renderer, budgets, sampling, system_prompt, policy_version, examples)
-                for i, s in enumerate(specs)]
+    sessions = [
+        _bind(i, s, renderer, budgets, sampling, system_prompt, policy_version, examples) for i, s in enumerate(specs)
+    ]
     for s, _task in sessions:
         app.state.serve.sessions.add(s)
     with BackgroundServer(app) as server:
         limit = episode_time_limit(budgets, agent_timeout)
         asyncio.run(_run_all(agent, openai, server.url, sessions, progress, limit))
     b = app.state.serve.batcher.stats
-    stats = {"agent_prefix_breaks": float(sum(s.prefix_breaks for s, _ in sessions)),
-             "agent_calls": float(sum(len(s.trajectory.calls) for s, _ in sessions)),
-             "agent_batches": float(b.batches)}
+    stats = {
+        "agent_prefix_breaks": float(sum(s.prefix_breaks for s, _ in sessions)),
+        "agent_calls": float(sum(len(s.trajectory.calls) for s, _ in sessions)),
+        "agent_batches": float(b.batches),
+    }
     return [s.trajectory for s, _ in sessions], stats
 
 
-def _bind(index: int, spec: EpisodeSpec, renderer: Renderer, budgets: Budgets, sampling: SamplingParams,
-          system_prompt: str, version: int, examples: Sequence[tuple[str, str]]) -> tuple[Session, AgentTask | None]:
+def _bind(
+    index: int,
+    spec: EpisodeSpec,
+    renderer: Renderer,
+    budgets: Budgets,
+    sampling: SamplingParams,
+    system_prompt: str,
+    version: int,
+    examples: Sequence[tuple[str, str]],
+) -> tuple[Session, AgentTask | None]:
     """The session of one spec, its episode reset (a reset that fails is an env_error: no agent runs)."""
-    traj = Trajectory(task_id=spec.task_id, group_id=spec.group_id, sample_id=spec.sample_id, seed=spec.seed,
-                      policy_version=version)
+    traj = Trajectory(
+        task_id=spec.task_id, group_id=spec.group_id, sample_id=spec.sample_id, seed=spec.seed, policy_version=version
+    )
     answers = getattr(spec.env, "answer_ends_episode", spec.answer_ends_episode)
     ep = BoundEpisode(spec.env, traj, budgets, sampling, check_tool_specs(renderer.tools), answers)
     session = Session(f"episode-{index}", traj, episode=ep)
@@ -214,15 +251,20 @@ async def _run_all(agent: Callable, openai, url: str, sessions, progress, limit_
 async def _run_one(agent: Callable, openai, url: str, session: Session, task: AgentTask, limit_s: float) -> None:
     """One agent on one episode; whatever it raises, or its running past ``limit_s``, ends
     the episode (an ``env_error`` when it was still open), never the run."""
-    client = openai.AsyncOpenAI(base_url=f"{url}/s/{session.id}/v1", api_key="consequence-local", max_retries=0,
-                                timeout=AGENT_TIMEOUT_S)
+    client = openai.AsyncOpenAI(
+        base_url=f"{url}/s/{session.id}/v1", api_key="consequence-local", max_retries=0, timeout=AGENT_TIMEOUT_S
+    )
     ep = session.episode
     try:
         result = await asyncio.wait_for(agent(client, task), limit_s)
     except TimeoutError:  # a hang is the agent program's failure (the token budgets bound the policy)
-        ep.finish(None, agent_error=None if ep.ended else
-                  f"the agent did not return within {limit_s:g} s (--agent-timeout; the default is "
-                  f"{SECONDS_PER_TURN:g} s × --max-turns) and was cancelled")
+        ep.finish(
+            None,
+            agent_error=None
+            if ep.ended
+            else f"the agent did not return within {limit_s:g} s (--agent-timeout; the default is "
+            f"{SECONDS_PER_TURN:g} s × --max-turns) and was cancelled",
+        )
     except Exception as e:  # noqa: BLE001  (an agent's own failure is counted, not a crash of the run)
         ep.finish(None, agent_error=None if ep.ended else f"the agent raised {type(e).__name__}: {e}")
     else:

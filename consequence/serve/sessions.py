@@ -125,23 +125,36 @@ class Session:
             if messages == s.history:  # the same call again (a retry): the same context ids
                 return CallContext(list(s.call.context_ids), retry_of=s.index)
             n = len(s.history)
-            new = messages[n + 1:]
-            if (len(messages) > n + 1 and messages[:n] == s.history and _same_reply(messages[n], s.message)
-                    and all(m["role"] in ("tool", "user") for m in new)):
+            new = messages[n + 1 :]
+            if (
+                len(messages) > n + 1
+                and messages[:n] == s.history
+                and _same_reply(messages[n], s.message)
+                and all(m["role"] in ("tool", "user") for m in new)
+            ):
                 try:
                     obs = renderer.observation_ids(s.history, s.message, new)
                 except ValueError:  # the template re-renders earlier turns: the context cannot extend
-                    return CallContext(renderer.prompt_ids(messages), reason=(
-                        "the chat template renders the earlier turns differently once the new messages are added"))
+                    return CallContext(
+                        renderer.prompt_ids(messages),
+                        reason=(
+                            "the chat template renders the earlier turns differently once the new messages are added"
+                        ),
+                    )
                 if not s.call.output_ids or s.call.output_ids[-1] not in renderer.stop_ids:
                     obs = [renderer.eot_id] + obs  # a reply cut by max_tokens or a stop string: close the turn
                 return CallContext(s.call.context_ids + s.call.output_ids + obs, s, list(obs))
-        return CallContext(renderer.prompt_ids(messages), reason=(
-            "the messages continue no earlier reply of the session (an earlier turn was edited, dropped or "
-            "reordered, or a reply's content or tool calls changed)"))
+        return CallContext(
+            renderer.prompt_ids(messages),
+            reason=(
+                "the messages continue no earlier reply of the session (an earlier turn was edited, dropped or "
+                "reordered, or a reply's content or tool calls changed)"
+            ),
+        )
 
-    def record(self, messages: list[dict[str, Any]], context: CallContext, sample: Any,
-               parsed: ParsedTurn) -> ModelCall:
+    def record(
+        self, messages: list[dict[str, Any]], context: CallContext, sample: Any, parsed: ParsedTurn
+    ) -> ModelCall:
         """Keep one sampled choice as a call of the trajectory (and as a candidate to continue).
 
         Sets the observation ids of the call it continues when that is the last recorded
@@ -162,30 +175,41 @@ class Session:
         reason = None
         if context.recorded:
             first = index - context.recorded
-            reason = (f"calls[{index}] is choice {context.recorded} of the request of calls[{first}] (n > 1): each "
-                      "further choice starts its own row")
+            reason = (
+                f"calls[{index}] is choice {context.recorded} of the request of calls[{first}] (n > 1): each "
+                "further choice starts its own row"
+            )
         elif not calls:
             pass  # the first call starts the first row
         elif context.continues is not None and context.continues.index == last:
             calls[last].observation_ids = list(context.observation_ids)  # the reply was used: the row goes on
         elif context.continues is not None:
-            reason = (f"calls[{index}] continues calls[{context.continues.index}], not the last call: the client did "
-                      f"not use the reply of calls[{last}] (timed out or abandoned)")
+            reason = (
+                f"calls[{index}] continues calls[{context.continues.index}], not the last call: the client did "
+                f"not use the reply of calls[{last}] (timed out or abandoned)"
+            )
         elif context.retry_of is not None:
-            reason = (f"calls[{index}] repeats the messages of calls[{context.retry_of}] (a retry): the client did not "
-                      f"use the reply of calls[{context.retry_of}] (timed out or abandoned)")
+            reason = (
+                f"calls[{index}] repeats the messages of calls[{context.retry_of}] (a retry): the client did not "
+                f"use the reply of calls[{context.retry_of}] (timed out or abandoned)"
+            )
         else:
             reason = f"calls[{index}]: {context.reason}"
         if reason is not None and not context.recorded and calls:
             done = calls[last].context_ids + calls[last].output_ids
-            if context.ids[:len(done)] == done:  # re-rendered to exactly the sampled ids: the row goes on
-                calls[last].observation_ids, reason = context.ids[len(done):], None
+            if context.ids[: len(done)] == done:  # re-rendered to exactly the sampled ids: the row goes on
+                calls[last].observation_ids, reason = context.ids[len(done) :], None
         context.recorded += 1
         keep = getattr(sample, "keep_ids", None)
-        call = ModelCall(context_ids=list(context.ids), output_ids=list(sample.output_ids),
-                         sample_logprobs=list(sample.logprobs), stop_reason=sample.stop_reason,
-                         tool_calls=parsed.tool_calls, parse_error=parsed.parse_error,
-                         keep_ids=None if keep is None else [list(k) for k in keep])
+        call = ModelCall(
+            context_ids=list(context.ids),
+            output_ids=list(sample.output_ids),
+            sample_logprobs=list(sample.logprobs),
+            stop_reason=sample.stop_reason,
+            tool_calls=parsed.tool_calls,
+            parse_error=parsed.parse_error,
+            keep_ids=None if keep is None else [list(k) for k in keep],
+        )
         calls.append(call)
         if reason is not None:
             self.breaks.append({"call": index, "reason": reason})
@@ -206,8 +230,10 @@ class Session:
 
     def record_dict(self) -> dict[str, Any]:
         """The trajectory as plain data plus ``prefix_breaks`` and ``breaks`` (``GET /s/{id}/record``)."""
-        return self.trajectory.to_dict() | {"prefix_breaks": self.prefix_breaks,
-                                            "breaks": [dict(b) for b in self.breaks]}
+        return self.trajectory.to_dict() | {
+            "prefix_breaks": self.prefix_breaks,
+            "breaks": [dict(b) for b in self.breaks],
+        }
 
 
 def check_rows(trajectory: Trajectory, breaks: list[dict[str, Any]], name: str = "") -> None:
@@ -227,7 +253,7 @@ def check_rows(trajectory: Trajectory, breaks: list[dict[str, Any]], name: str =
     starts: list[int] = []  # the calls that start a row, by the rule of trajectory_to_rows (for the message)
     row: list[int] = []
     for k, c in enumerate(calls):
-        if not (k and len(c.context_ids) >= len(row) and c.context_ids[:len(row)] == row):
+        if not (k and len(c.context_ids) >= len(row) and c.context_ids[: len(row)] == row):
             starts.append(k)
         row = c.context_ids + c.output_ids + c.observation_ids  # the row's ids after call k, either way
     rows = len(trajectory_to_rows(trajectory)) if calls else 0
@@ -236,7 +262,8 @@ def check_rows(trajectory: Trajectory, breaks: list[dict[str, Any]], name: str =
         raise RecorderError(
             f"session {name!r}: its {len(calls)} calls make {rows} training rows (new rows at calls {starts}) but "
             f"{len(breaks)} prefix breaks are counted (at calls {counted}); every row after the first must be a "
-            "counted break (consequence.serve.sessions; a bug of the recorder, please report it)")
+            "counted break (consequence.serve.sessions; a bug of the recorder, please report it)"
+        )
 
 
 def _same_reply(sent: dict[str, Any], returned: dict[str, Any]) -> bool:
@@ -246,6 +273,8 @@ def _same_reply(sent: dict[str, Any], returned: dict[str, Any]) -> bool:
         return False
     calls = lambda m: [(c["function"]["name"], c["function"]["arguments"]) for c in m.get("tool_calls") or []]  # noqa: E731
     return (sent.get("content") or "") == (returned.get("content") or "") and calls(sent) == calls(returned)
+
+
 class SessionStore:
     """The open sessions by id (thread-safe)."""
 
@@ -258,8 +287,9 @@ class SessionStore:
         with self._lock:
             s = self._sessions.get(sid)
             if s is None and create:
-                s = self._sessions[sid] = Session(sid, Trajectory(task_id=sid, group_id=sid, sample_id=0, seed=0,
-                                                                  policy_version=0))
+                s = self._sessions[sid] = Session(
+                    sid, Trajectory(task_id=sid, group_id=sid, sample_id=0, seed=0, policy_version=0)
+                )
             return s
 
     def add(self, session: Session) -> None:

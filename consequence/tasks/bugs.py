@@ -9,28 +9,62 @@ from __future__ import annotations
 
 import re
 
-BUG_KINDS: tuple[str, ...] = ("init", "off_by_one", "comparison", "operator",
-                              "return_var", "index", "bool", "early_return")
+BUG_KINDS: tuple[str, ...] = (
+    "init",
+    "off_by_one",
+    "comparison",
+    "operator",
+    "return_var",
+    "index",
+    "bool",
+    "early_return",
+)
 
-_INIT = {"{xs}[0]": ("0", "1"), "0": ("1", "-1"), "1": ("0", "2"), "[]": ("[0]",),
-         "max({xs}[0], {xs}[1])": ("{xs}[0]", "0"), "min({xs}[0], {xs}[1])": ("0", "{xs}[1]")}
+_INIT = {
+    "{xs}[0]": ("0", "1"),
+    "0": ("1", "-1"),
+    "1": ("0", "2"),
+    "[]": ("[0]",),
+    "max({xs}[0], {xs}[1])": ("{xs}[0]", "0"),
+    "min({xs}[0], {xs}[1])": ("0", "{xs}[1]"),
+}
 _RANGES = {
     "range(len({xs}))": ("range(len({xs}) - 1)", "range(1, len({xs}))"),
     "range(1, len({xs}))": ("range(2, len({xs}))", "range(1, len({xs}) - 1)"),
     "range(len({xs}) - 1)": ("range(len({xs}) - 2)", "range(1, len({xs}) - 1)"),
-    "range(len({xs}) - 1, -1, -1)": ("range(len({xs}) - 1, 0, -1)",
-                                     "range(len({xs}) - 2, -1, -1)"),
+    "range(len({xs}) - 1, -1, -1)": ("range(len({xs}) - 1, 0, -1)", "range(len({xs}) - 2, -1, -1)"),
     "{xs}[1:]": ("{xs}[2:]", "{xs}[1:-1]"),
     "{xs}[2:]": ("{xs}[3:]", "{xs}[1:]"),
 }
-_CMP = {">": ("<", ">="), ">=": ("<", ">"), "<": (">", "<="), "<=": (">", "<"),
-        "==": ("!=",), "!=": ("==",)}
-_OPS = {"+=": ("-=",), "-=": ("+=",), "*=": ("+=",), "+": ("-",), "-": ("+",),
-        "*": ("+",), "/": ("//",), "//": ("/",), "%": ("//",)}
-_INDEX = {"0": ("1",), "1": ("0",), "-1": ("0",), "{i}": ("{i} - 1", "{i} + 1"),
-          "{i} + 1": ("{i}", "{i} - 1"), "{i} - 1": ("{i}", "{i} + 1"), "{a}": ("0", "{i}")}
-_BOOL = {"True": ("False",), "False": ("True",), " and ": (" or ",), " or ": (" and ",),
-         " not in ": (" in ",), "if not ": ("if ",)}
+_CMP = {">": ("<", ">="), ">=": ("<", ">"), "<": (">", "<="), "<=": (">", "<"), "==": ("!=",), "!=": ("==",)}
+_OPS = {
+    "+=": ("-=",),
+    "-=": ("+=",),
+    "*=": ("+=",),
+    "+": ("-",),
+    "-": ("+",),
+    "*": ("+",),
+    "/": ("//",),
+    "//": ("/",),
+    "%": ("//",),
+}
+_INDEX = {
+    "0": ("1",),
+    "1": ("0",),
+    "-1": ("0",),
+    "{i}": ("{i} - 1", "{i} + 1"),
+    "{i} + 1": ("{i}", "{i} - 1"),
+    "{i} - 1": ("{i}", "{i} + 1"),
+    "{a}": ("0", "{i}"),
+}
+_BOOL = {
+    "True": ("False",),
+    "False": ("True",),
+    " and ": (" or ",),
+    " or ": (" and ",),
+    " not in ": (" in ",),
+    "if not ": ("if ",),
+}
 _RET_VARS = ("{a}", "{b}", "{s}", "{x}", "{i}", "{xs}", "{xs}[0]", "{t}", "{lo}", "{hi}")
 
 
@@ -69,7 +103,7 @@ def line_mutants(line: str, present: str) -> list[tuple[str, str]]:
     out += [("operator", r) for r in _each(line, r" (\+=|-=|\*=|\+|-|\*|//|/|%) ", _OPS)]
     for m in re.finditer(r"\b(max|min)\(", line):
         alt = "min" if m.group(1) == "max" else "max"
-        out.append(("operator", line[:m.start(1)] + alt + line[m.end(1):]))
+        out.append(("operator", line[: m.start(1)] + alt + line[m.end(1) :]))
     out += [("index", r) for r in _each(line, r"(?<=[\w}\)])\[([^\[\]:]+)\]", _INDEX)]
     out += [("bool", r) for r in _literal(line, _BOOL)]
     m = re.match(r"^(\s*)return (.+)$", line)
@@ -101,8 +135,15 @@ def mutants(lines: tuple[str, ...]) -> list[tuple[str, int, str]]:
 # ---- real code (e.g. HumanEval canonical solutions) ------------------------------------
 # The template tables above key on placeholders such as ``{xs}``; these patterns are the
 # same bug kinds written for concrete names.
-_REAL_INIT = {"0": ("1", "-1"), "1": ("0", "2"), "[]": ("[0]",), "''": ("' '",),
-              '""': ('" "',), "True": ("False",), "False": ("True",)}
+_REAL_INIT = {
+    "0": ("1", "-1"),
+    "1": ("0", "2"),
+    "[]": ("[0]",),
+    "''": ("' '",),
+    '""': ('" "',),
+    "True": ("False",),
+    "False": ("True",),
+}
 _REAL_RANGE = re.compile(r"range\((?:(\w+), )?(len\([\w.]+\)|\w+)\)")
 
 
@@ -114,12 +155,17 @@ def _real_line_mutants(line: str) -> list[tuple[str, str]]:
     for m in _REAL_RANGE.finditer(line):
         start, stop = m.group(1), m.group(2)
         alts = [f"range({start + ', ' if start else ''}{stop} - 1)"]
-        alts.append(f"range({int(start) + 1}, {stop})" if start and start.isdigit()
-                    else f"range(1, {stop})" if not start else "")
-        out += [("off_by_one", line[:m.start()] + a + line[m.end():]) for a in alts if a]
+        alts.append(
+            f"range({int(start) + 1}, {stop})"
+            if start and start.isdigit()
+            else f"range(1, {stop})"
+            if not start
+            else ""
+        )
+        out += [("off_by_one", line[: m.start()] + a + line[m.end() :]) for a in alts if a]
     for m in re.finditer(r"\[(\d+):\]", line):
         k = int(m.group(1))
-        out.append(("off_by_one", line[:m.start(1)] + str(k + 1) + line[m.end(1):]))
+        out.append(("off_by_one", line[: m.start(1)] + str(k + 1) + line[m.end(1) :]))
     return out
 
 
@@ -142,16 +188,16 @@ def code_mutants(lines: list[str], first: int) -> list[tuple[str, int, str]]:
     """
     present = "\n".join(lines)
     body = "\n".join(lines[first:])
-    names = sorted(set(re.findall(r"^\s*([A-Za-z_]\w*) = ", body, re.M))
-                   | set(re.findall(r"\bfor ([A-Za-z_]\w*) in\b", body)))
+    names = sorted(
+        set(re.findall(r"^\s*([A-Za-z_]\w*) = ", body, re.M)) | set(re.findall(r"\bfor ([A-Za-z_]\w*) in\b", body))
+    )
     seen: set[tuple[int, str]] = set()
     out = []
     for idx in range(first, len(lines)):
         line = lines[idx]
         if not line.strip() or line.lstrip().startswith("#"):
             continue
-        for kind, new in (line_mutants(line, present) + _real_line_mutants(line)
-                          + _return_var(line, names)):
+        for kind, new in line_mutants(line, present) + _real_line_mutants(line) + _return_var(line, names):
             if new != line and (idx, new) not in seen:
                 seen.add((idx, new))
                 out.append((kind, idx, new))

@@ -32,12 +32,13 @@ from consequence.tasks.bugs import code_mutants
 from consequence.tasks.jsonl import CodeTask
 from consequence.tasks.repair import TestCase, TestProgram
 
-__all__ = ["records", "docstring_tests", "completion_tasks", "repair_candidates",
-           "data_digest"]
+__all__ = ["records", "docstring_tests", "completion_tasks", "repair_candidates", "data_digest"]
 
 _PLAIN = (int, float, bool, str, type(None), list, tuple, dict, set)
-_ARROW = re.compile(r"^\s*(?:>>>\s*)?(?:for\s+)?(?P<call>{name}\(.*\))\s*(?:==>|=>|->|➞|==|=|should return"
-                    r"|returns?)\s*(?P<want>.+?)\s*$")
+_ARROW = re.compile(
+    r"^\s*(?:>>>\s*)?(?:for\s+)?(?P<call>{name}\(.*\))\s*(?:==>|=>|->|➞|==|=|should return"
+    r"|returns?)\s*(?P<want>.+?)\s*$"
+)
 
 
 @functools.lru_cache(maxsize=1)
@@ -117,8 +118,11 @@ def docstring_tests(prompt: str, entry_point: str, reference_code: str) -> tuple
             expected = ast.literal_eval(want)
         except (SyntaxError, ValueError, TypeError, MemoryError, RecursionError):
             continue
-        calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)
-                 and isinstance(n.func, ast.Name) and n.func.id == entry_point]
+        calls = [
+            n
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == entry_point
+        ]
         if not calls:
             continue
         try:
@@ -139,11 +143,20 @@ def completion_tasks() -> list[CodeTask]:
     out = []
     for rec in records():
         ref = rec["prompt"] + rec["canonical_solution"]
-        out.append(CodeTask(
-            task_id=rec["task_id"], problem_id=rec["task_id"], kind="completion",
-            prompt=rec["prompt"], starting_code=rec["prompt"], entry_point=rec["entry_point"],
-            visible_tests=docstring_tests(rec["prompt"], rec["entry_point"], ref),
-            hidden_tests=_program(rec), reference_code=ref, source="humaneval"))
+        out.append(
+            CodeTask(
+                task_id=rec["task_id"],
+                problem_id=rec["task_id"],
+                kind="completion",
+                prompt=rec["prompt"],
+                starting_code=rec["prompt"],
+                entry_point=rec["entry_point"],
+                visible_tests=docstring_tests(rec["prompt"], rec["entry_point"], ref),
+                hidden_tests=_program(rec),
+                reference_code=ref,
+                source="humaneval",
+            )
+        )
     return out
 
 
@@ -166,7 +179,7 @@ def _mutants(rec: dict) -> list[tuple[str, int, str]]:
     strings = _strings(ast.parse("\n".join(lines)))
     out = []
     for kind, idx, new in code_mutants(lines, first):
-        src = "\n".join(lines[:idx] + [new] + lines[idx + 1:])
+        src = "\n".join(lines[:idx] + [new] + lines[idx + 1 :])
         try:
             tree = ast.parse(src)
         except SyntaxError:
@@ -197,11 +210,21 @@ def repair_candidates(seed: int = 0) -> dict[str, list[CodeTask]]:
             muts.append((f"{tid}/{k}/L{i + 1}/{j}", k, i, t))
         random.Random(f"{seed}|{tid}").shuffle(muts)
         visible = docstring_tests(rec["prompt"], entry, ref) if muts else ()
-        out[tid] = [CodeTask(
-            task_id=mid, problem_id=tid, kind="repair",
-            prompt=summary(rec["prompt"], entry),
-            starting_code="\n".join(lines[:idx] + [new] + lines[idx + 1:]),
-            entry_point=entry, visible_tests=visible, hidden_tests=_program(rec),
-            reference_code=ref, patch=(idx + 1, lines[idx]), bug_kind=kind,
-            source="humaneval") for mid, kind, idx, new in muts]
+        out[tid] = [
+            CodeTask(
+                task_id=mid,
+                problem_id=tid,
+                kind="repair",
+                prompt=summary(rec["prompt"], entry),
+                starting_code="\n".join(lines[:idx] + [new] + lines[idx + 1 :]),
+                entry_point=entry,
+                visible_tests=visible,
+                hidden_tests=_program(rec),
+                reference_code=ref,
+                patch=(idx + 1, lines[idx]),
+                bug_kind=kind,
+                source="humaneval",
+            )
+            for mid, kind, idx, new in muts
+        ]
     return out

@@ -23,12 +23,22 @@ from typing import Any
 
 from consequence.tasks.repair import RepairTask, TestCase, TestProgram
 
-__all__ = ["CodeTask", "TaskFormatError", "KINDS", "FIELDS", "parse_record", "to_record",
-           "load_jsonl", "dump_jsonl", "split_by_problem", "as_repair_task", "cycle_tasks"]
+__all__ = [
+    "CodeTask",
+    "TaskFormatError",
+    "KINDS",
+    "FIELDS",
+    "parse_record",
+    "to_record",
+    "load_jsonl",
+    "dump_jsonl",
+    "split_by_problem",
+    "as_repair_task",
+    "cycle_tasks",
+]
 
 KINDS = ("completion", "repair")
-REQUIRED = ("task_id", "kind", "prompt", "starting_code", "entry_point", "visible_tests",
-            "hidden_tests")
+REQUIRED = ("task_id", "kind", "prompt", "starting_code", "entry_point", "visible_tests", "hidden_tests")
 OPTIONAL = ("problem_id", "reference_code", "patch", "bug_kind", "source")
 FIELDS = REQUIRED + OPTIONAL
 
@@ -62,21 +72,28 @@ class TaskFormatError(ValueError):
 def _str(obj: dict, key: str, where: str, empty_ok: bool = True) -> str:
     v = obj[key]
     if not isinstance(v, str) or (not empty_ok and not v):
-        raise TaskFormatError(f"{where}: field {key!r} must be a{'' if empty_ok else ' non-empty'}"
-                              f" string, got {type(v).__name__}")
+        raise TaskFormatError(
+            f"{where}: field {key!r} must be a{'' if empty_ok else ' non-empty'} string, got {type(v).__name__}"
+        )
     return v
 
 
 def _tests(v: Any, key: str, where: str) -> tuple[TestCase, ...]:
     if not isinstance(v, list):
-        raise TaskFormatError(f"{where}: field {key!r} must be a list of "
-                              f'{{"call": str, "expected": str}}, got {type(v).__name__}')
+        raise TaskFormatError(
+            f'{where}: field {key!r} must be a list of {{"call": str, "expected": str}}, got {type(v).__name__}'
+        )
     out = []
     for i, t in enumerate(v):
-        if not (isinstance(t, dict) and isinstance(t.get("call"), str)
-                and isinstance(t.get("expected"), str) and set(t) == {"call", "expected"}):
-            raise TaskFormatError(f"{where}: {key}[{i}] must be "
-                                  f'{{"call": str, "expected": str}}, got {json.dumps(t)[:80]}')
+        if not (
+            isinstance(t, dict)
+            and isinstance(t.get("call"), str)
+            and isinstance(t.get("expected"), str)
+            and set(t) == {"call", "expected"}
+        ):
+            raise TaskFormatError(
+                f'{where}: {key}[{i}] must be {{"call": str, "expected": str}}, got {json.dumps(t)[:80]}'
+            )
         out.append(TestCase(t["call"], t["expected"]))
     return tuple(out)
 
@@ -85,8 +102,10 @@ def _hidden(v: Any, entry: str, where: str) -> tuple[TestCase, ...] | TestProgra
     if isinstance(v, dict):
         extra = set(v) - {"check", "setup"}
         if "check" not in v or extra or not all(isinstance(x, str) for x in v.values()):
-            raise TaskFormatError(f"{where}: field 'hidden_tests' as an object must be "
-                                  f'{{"check": str, "setup": str (optional)}}; got keys {sorted(v)}')
+            raise TaskFormatError(
+                f"{where}: field 'hidden_tests' as an object must be "
+                f'{{"check": str, "setup": str (optional)}}; got keys {sorted(v)}'
+            )
         if "def check(" not in v["check"]:
             raise TaskFormatError(f"{where}: hidden_tests.check must define check(candidate)")
         return TestProgram(v["check"], entry, v.get("setup", ""))
@@ -108,8 +127,9 @@ def parse_record(obj: Any, where: str = "<record>") -> CodeTask:
         raise TaskFormatError(f"{where}: a task must be a JSON object, got {type(obj).__name__}")
     missing = [k for k in REQUIRED if k not in obj]
     if missing:
-        raise TaskFormatError(f"{where}: missing field{'s' if len(missing) > 1 else ''} "
-                              + ", ".join(repr(k) for k in missing))
+        raise TaskFormatError(
+            f"{where}: missing field{'s' if len(missing) > 1 else ''} " + ", ".join(repr(k) for k in missing)
+        )
     unknown = sorted(set(obj) - set(FIELDS))
     if unknown:
         raise TaskFormatError(f"{where}: unknown field(s) {unknown}; allowed: {list(FIELDS)}")
@@ -121,8 +141,13 @@ def parse_record(obj: Any, where: str = "<record>") -> CodeTask:
         raise TaskFormatError(f"{where}: field 'entry_point' must be a Python name, got {entry!r}")
     patch = obj.get("patch")
     if patch is not None:
-        if not (isinstance(patch, list) and len(patch) == 2 and type(patch[0]) is int
-                and patch[0] >= 1 and isinstance(patch[1], str)):
+        if not (
+            isinstance(patch, list)
+            and len(patch) == 2
+            and type(patch[0]) is int
+            and patch[0] >= 1
+            and isinstance(patch[1], str)
+        ):
             raise TaskFormatError(f"{where}: field 'patch' must be [line >= 1, code], got {patch!r}")
         patch = (patch[0], patch[1])
     for key in ("reference_code", "bug_kind", "source", "problem_id"):
@@ -130,23 +155,35 @@ def parse_record(obj: Any, where: str = "<record>") -> CodeTask:
             _str(obj, key, where)
     task_id = _str(obj, "task_id", where, empty_ok=False)
     return CodeTask(
-        task_id=task_id, problem_id=obj.get("problem_id") or task_id, kind=kind,
-        prompt=_str(obj, "prompt", where), starting_code=_str(obj, "starting_code", where),
-        entry_point=entry, visible_tests=_tests(obj["visible_tests"], "visible_tests", where),
+        task_id=task_id,
+        problem_id=obj.get("problem_id") or task_id,
+        kind=kind,
+        prompt=_str(obj, "prompt", where),
+        starting_code=_str(obj, "starting_code", where),
+        entry_point=entry,
+        visible_tests=_tests(obj["visible_tests"], "visible_tests", where),
         hidden_tests=_hidden(obj["hidden_tests"], entry, where),
-        reference_code=obj.get("reference_code"), patch=patch, bug_kind=obj.get("bug_kind"),
-        source=obj.get("source") or "")
+        reference_code=obj.get("reference_code"),
+        patch=patch,
+        bug_kind=obj.get("bug_kind"),
+        source=obj.get("source") or "",
+    )
 
 
 def to_record(task: CodeTask) -> dict:
     """:class:`CodeTask` -> JSON-ready dict (inverse of :func:`parse_record`)."""
     tests = lambda ts: [{"call": t.call, "expected": t.expected} for t in ts]  # noqa: E731
     h = task.hidden_tests
-    rec: dict[str, Any] = {"task_id": task.task_id, "problem_id": task.problem_id, "kind": task.kind,
-                           "prompt": task.prompt, "starting_code": task.starting_code,
-                           "entry_point": task.entry_point, "visible_tests": tests(task.visible_tests),
-                           "hidden_tests": ({"check": h.check, "setup": h.setup} if isinstance(h, TestProgram)
-                                            else tests(h))}
+    rec: dict[str, Any] = {
+        "task_id": task.task_id,
+        "problem_id": task.problem_id,
+        "kind": task.kind,
+        "prompt": task.prompt,
+        "starting_code": task.starting_code,
+        "entry_point": task.entry_point,
+        "visible_tests": tests(task.visible_tests),
+        "hidden_tests": ({"check": h.check, "setup": h.setup} if isinstance(h, TestProgram) else tests(h)),
+    }
     for key in ("reference_code", "bug_kind"):
         if getattr(task, key) is not None:
             rec[key] = getattr(task, key)
@@ -176,11 +213,14 @@ def load_jsonl(path: str | os.PathLike) -> list[CodeTask]:
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
-                raise TaskFormatError(f"{where}: not valid JSON ({e.msg.removesuffix(' at')} at column {e.colno})") from None
+                raise TaskFormatError(
+                    f"{where}: not valid JSON ({e.msg.removesuffix(' at')} at column {e.colno})"
+                ) from None
             task = parse_record(obj, where)
             if task.task_id in first_line:
-                raise TaskFormatError(f"{where}: task_id {task.task_id!r} already used on line "
-                                      f"{first_line[task.task_id]}")
+                raise TaskFormatError(
+                    f"{where}: task_id {task.task_id!r} already used on line {first_line[task.task_id]}"
+                )
             first_line[task.task_id] = no
             tasks.append(task)
     return tasks
@@ -203,9 +243,9 @@ def dump_jsonl(tasks: Iterable[CodeTask], path: str | os.PathLike) -> Path:
     return path
 
 
-def split_by_problem(problem_ids: Iterable[str], seed: int = 0,
-                     fractions: tuple[float, float, float] = (0.8, 0.1, 0.1)
-                     ) -> dict[str, frozenset[str]]:
+def split_by_problem(
+    problem_ids: Iterable[str], seed: int = 0, fractions: tuple[float, float, float] = (0.8, 0.1, 0.1)
+) -> dict[str, frozenset[str]]:
     """Assign each distinct problem id to ``train`` / ``validation`` / ``test``.
 
     Ids are ordered by sha256(f"{seed}|{id}") and cut by ``fractions`` (rounded), so the
@@ -219,8 +259,11 @@ def split_by_problem(problem_ids: Iterable[str], seed: int = 0,
         raise ValueError(f"fractions must be 3 non-negative numbers summing to 1, got {fractions}")
     ids = sorted(set(problem_ids), key=lambda p: hashlib.sha256(f"{seed}|{p}".encode()).hexdigest())
     n_tr, n_va = round(fractions[0] * len(ids)), round(fractions[1] * len(ids))
-    return {"train": frozenset(ids[:n_tr]), "validation": frozenset(ids[n_tr:n_tr + n_va]),
-            "test": frozenset(ids[n_tr + n_va:])}
+    return {
+        "train": frozenset(ids[:n_tr]),
+        "validation": frozenset(ids[n_tr : n_tr + n_va]),
+        "test": frozenset(ids[n_tr + n_va :]),
+    }
 
 
 def _summary(prompt: str) -> str:
@@ -239,11 +282,19 @@ def as_repair_task(task: CodeTask) -> RepairTask:
     if task.kind != "repair":
         raise ValueError(f"as_repair_task: task {task.task_id!r} has kind {task.kind!r}, not 'repair'")
     return RepairTask(
-        task_id=task.task_id, problem_id=task.problem_id, family=task.source or "jsonl",
-        bug_kind=task.bug_kind or "unknown", func_name=task.entry_point,
-        docstring=_summary(task.prompt), buggy_code=task.starting_code,
-        reference_code=task.reference_code or "", patch=task.patch or (0, ""),
-        decoy_patches=(), visible_tests=task.visible_tests, hidden_tests=task.hidden_tests)
+        task_id=task.task_id,
+        problem_id=task.problem_id,
+        family=task.source or "jsonl",
+        bug_kind=task.bug_kind or "unknown",
+        func_name=task.entry_point,
+        docstring=_summary(task.prompt),
+        buggy_code=task.starting_code,
+        reference_code=task.reference_code or "",
+        patch=task.patch or (0, ""),
+        decoy_patches=(),
+        visible_tests=task.visible_tests,
+        hidden_tests=task.hidden_tests,
+    )
 
 
 def cycle_tasks(pool: list, n: int, seed: int) -> list:
@@ -257,6 +308,7 @@ def cycle_tasks(pool: list, n: int, seed: int) -> list:
         raise ValueError("cycle_tasks: no tasks to draw from")
     order = list(range(len(pool)))
     random.Random(seed).shuffle(order)
-    return [dataclasses.replace(pool[order[k % len(order)]],
-                                task_id=f"{pool[order[k % len(order)]].task_id}#{seed}-{k}")
-            for k in range(n)]
+    return [
+        dataclasses.replace(pool[order[k % len(order)]], task_id=f"{pool[order[k % len(order)]].task_id}#{seed}-{k}")
+        for k in range(n)
+    ]

@@ -17,8 +17,18 @@ from dataclasses import dataclass
 from consequence.tasks.bugs import BUG_KINDS, mutants
 from consequence.tasks.families import Variant, all_variants
 
-__all__ = ["TestCase", "TestProgram", "RepairTask", "Problem", "BUG_KINDS", "build_problems",
-           "split_problems", "make_tasks", "make_instance", "load_split"]
+__all__ = [
+    "TestCase",
+    "TestProgram",
+    "RepairTask",
+    "Problem",
+    "BUG_KINDS",
+    "build_problems",
+    "split_problems",
+    "make_tasks",
+    "make_instance",
+    "load_split",
+]
 
 
 @dataclass(frozen=True)
@@ -85,16 +95,31 @@ class Problem:
 
 
 _EDGES: dict[str, list] = {  # per spec: edge-case lists, or (list, target) pairs for "LT"
-    "L": [[], [5], [-3], [0], [2, 2, 2], [-2, -5, -8], [1, 2, 3, 4], [4, 3, 2, 1],
-          [3, -1, 3, 0], [-4, 6, -4, 1]],
-    "N": [[5], [-3], [0], [2, 2, 2], [-2, -5, -8], [1, 2, 3, 4], [4, 3, 2, 1],
-          [3, -1, 3, 0], [-4, 6, -4, 1], [7, 1]],
-    "N2": [[1, 2], [2, 1], [5, 5], [-2, -5, -8], [3, 3, 1], [1, 2, 3, 4], [4, 3, 2, 1],
-           [-1, -7, -3, -7], [0, 9, 9]],
-    "LT": [([], 3), ([3], 3), ([1, 2, 3], 3), ([3, 1, 3], 3), ([-1, -2], -2), ([1, 2], 5),
-           ([2, 2], 2), ([-5, 4, 0], 0), ([4, 5, 6, 7], 4)],
-    "C": [(5, 0, 10), (-3, 0, 10), (15, 0, 10), (0, 0, 10), (10, 0, 10), (-5, -8, -2),
-          (3, 3, 3), (-9, -8, -2), (1, 4, 6)],
+    "L": [[], [5], [-3], [0], [2, 2, 2], [-2, -5, -8], [1, 2, 3, 4], [4, 3, 2, 1], [3, -1, 3, 0], [-4, 6, -4, 1]],
+    "N": [[5], [-3], [0], [2, 2, 2], [-2, -5, -8], [1, 2, 3, 4], [4, 3, 2, 1], [3, -1, 3, 0], [-4, 6, -4, 1], [7, 1]],
+    "N2": [[1, 2], [2, 1], [5, 5], [-2, -5, -8], [3, 3, 1], [1, 2, 3, 4], [4, 3, 2, 1], [-1, -7, -3, -7], [0, 9, 9]],
+    "LT": [
+        ([], 3),
+        ([3], 3),
+        ([1, 2, 3], 3),
+        ([3, 1, 3], 3),
+        ([-1, -2], -2),
+        ([1, 2], 5),
+        ([2, 2], 2),
+        ([-5, 4, 0], 0),
+        ([4, 5, 6, 7], 4),
+    ],
+    "C": [
+        (5, 0, 10),
+        (-3, 0, 10),
+        (15, 0, 10),
+        (0, 0, 10),
+        (10, 0, 10),
+        (-5, -8, -2),
+        (3, 3, 3),
+        (-9, -8, -2),
+        (1, 4, 6),
+    ],
 }
 
 
@@ -155,7 +180,7 @@ def _problems_of(variant: Variant, seed: int) -> list[Problem]:
     assert not any(o.startswith("!") for o in ref), variant.vid
     live = []  # (kind, idx, text, killers)
     for kind, idx, text in mutants(variant.lines):
-        lines = variant.lines[:idx] + (text,) + variant.lines[idx + 1:]
+        lines = variant.lines[:idx] + (text,) + variant.lines[idx + 1 :]
         kill = _killers(_outputs(lines, variant, inputs), ref)
         if kill:
             live.append((kind, idx, text, kill))
@@ -163,19 +188,31 @@ def _problems_of(variant: Variant, seed: int) -> list[Problem]:
     for kind, idx, text, kill in live:
         same = [(i, t, k) for (_, i, t, k) in live if i == idx and t != text][:3]
         if not same:  # fall back to mutating another line of the buggy code
-            buggy = variant.lines[:idx] + (text,) + variant.lines[idx + 1:]
+            buggy = variant.lines[:idx] + (text,) + variant.lines[idx + 1 :]
             for _, i, t in mutants(buggy):
                 if i != idx and len(same) < 2:
-                    lines = buggy[:i] + (t,) + buggy[i + 1:]
+                    lines = buggy[:i] + (t,) + buggy[i + 1 :]
                     k = _killers(_outputs(lines, variant, inputs), ref)
                     if k:
                         same.append((i, t, k))
         if not same:
             continue
         pid = f"{variant.vid}/{kind}/L{idx + 1}/{len([p for p in out if p.bug_line == idx])}"
-        out.append(Problem(pid, variant.family, kind, variant, idx, text,
-                           tuple((i, t) for i, t, _ in same), inputs, ref, kill,
-                           tuple(k for _, _, k in same)))
+        out.append(
+            Problem(
+                pid,
+                variant.family,
+                kind,
+                variant,
+                idx,
+                text,
+                tuple((i, t) for i, t, _ in same),
+                inputs,
+                ref,
+                kill,
+                tuple(k for _, _, k in same),
+            )
+        )
     return out
 
 
@@ -205,8 +242,7 @@ def split_problems(problems, seed: int = 0, fractions=(0.8, 0.1, 0.1)) -> dict[s
     ordered = sorted(problems, key=key)
     n_tr = round(fractions[0] * len(ordered))
     n_va = round(fractions[1] * len(ordered))
-    return {"train": ordered[:n_tr], "validation": ordered[n_tr:n_tr + n_va],
-            "test": ordered[n_tr + n_va:]}
+    return {"train": ordered[:n_tr], "validation": ordered[n_tr : n_tr + n_va], "test": ordered[n_tr + n_va :]}
 
 
 def load_split(seed: int = 0) -> dict[str, list[Problem]]:
@@ -261,13 +297,19 @@ def make_instance(problem: Problem, instance: str) -> RepairTask:
     dedup = lambda ts: tuple(dict.fromkeys(_test(v.func, a, e) for a, e in ts))  # noqa
     vis, hid = dedup(visible), dedup(hidden)
     return RepairTask(
-        task_id=f"{problem.problem_id}#{instance}", problem_id=problem.problem_id,
-        family=problem.family, bug_kind=problem.bug_kind, func_name=v.func,
-        docstring=fmt(v.doc), buggy_code="\n".join(bug_lines),
+        task_id=f"{problem.problem_id}#{instance}",
+        problem_id=problem.problem_id,
+        family=problem.family,
+        bug_kind=problem.bug_kind,
+        func_name=v.func,
+        docstring=fmt(v.doc),
+        buggy_code="\n".join(bug_lines),
         reference_code="\n".join(ref_lines),
         patch=(problem.bug_line + 1, ref_lines[problem.bug_line]),
         decoy_patches=tuple((i + 1, fmt(t)) for i, t in problem.decoys),
-        visible_tests=vis, hidden_tests=hid)
+        visible_tests=vis,
+        hidden_tests=hid,
+    )
 
 
 def make_tasks(problems, n: int, seed: int) -> list[RepairTask]:

@@ -82,8 +82,12 @@ class DataParallelError(RuntimeError):
 
 
 # ---- sharding -------------------------------------------------------------------------
-def shard_rows(rows: Sequence[TrainingRow], world_size: int, advantages_N: Sequence[Any] | None = None,
-               cfg: UpdateConfig | None = None) -> list[list[int]]:
+def shard_rows(
+    rows: Sequence[TrainingRow],
+    world_size: int,
+    advantages_N: Sequence[Any] | None = None,
+    cfg: UpdateConfig | None = None,
+) -> list[list[int]]:
     """Deterministic shards of a step's rows, balanced by tokens.
 
     Greedy longest-first: rows in order of decreasing ``len(input_ids)`` (ties: lower
@@ -136,7 +140,8 @@ class _Collective:
             raise DataParallelError(
                 f"update rank {self.rank} of {self.world}: {what} did not complete: every rank must enter it, "
                 f"within the process group's timeout (--update-ranks; a rank died, hung or raised outside "
-                f"the step): {e}") from e
+                f"the step): {e}"
+            ) from e
 
     def gather(self, what: str, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.world
@@ -146,11 +151,14 @@ class _Collective:
 
 def _error_info(e: BaseException, row_ids: Sequence[int], rank: int) -> dict[str, Any]:
     """What the other ranks need to raise the same error (rows mapped to the step's indices)."""
-    info: dict[str, Any] = {"rank": rank, "type": type(e).__name__, "message": str(e),
-                            "traceback": "".join(traceback.format_exception(e))[-4000:]}
+    info: dict[str, Any] = {
+        "rank": rank,
+        "type": type(e).__name__,
+        "message": str(e),
+        "traceback": "".join(traceback.format_exception(e))[-4000:],
+    }
     if isinstance(e, NonFiniteError):
-        info |= {"tensor": e.tensor, "rows": [row_ids[j] for j in e.rows if 0 <= j < len(row_ids)],
-                 "detail": e.detail}
+        info |= {"tensor": e.tensor, "rows": [row_ids[j] for j in e.rows if 0 <= j < len(row_ids)], "detail": e.detail}
     return info
 
 
@@ -162,8 +170,9 @@ def _raise_agreed(infos: list[dict[str, Any] | None], world: int, own: BaseExcep
     info = failed[0]
     where = f"found by update rank {info['rank']} of {world}"
     if info["type"] == "NonFiniteError":
-        err: Exception = NonFiniteError(info["tensor"], info["rows"],
-                                        f"{info['detail']}; {where}" if info["detail"] else where)
+        err: Exception = NonFiniteError(
+            info["tensor"], info["rows"], f"{info['detail']}; {where}" if info["detail"] else where
+        )
     elif info["type"] == "ValueError":
         err = ValueError(f"{info['message']} ({where})")
     else:
@@ -223,8 +232,10 @@ def data_parallel_gradients(
         local = _step_totals(rows, cfg)
     except Exception as e:  # noqa: BLE001 - agreed below, re-raised on every rank
         own = e
-    got = col.gather("the shards' counts (target tokens, sequences, longest target count)",
-                     (local, None if own is None else _error_info(own, row_ids, col.rank)))
+    got = col.gather(
+        "the shards' counts (target tokens, sequences, longest target count)",
+        (local, None if own is None else _error_info(own, row_ids, col.rank)),
+    )
     _raise_agreed([g[1] for g in got], col.world, own)
     counts = [g[0] for g in got]
     tokens = math.fsum(c[0] for c in counts)
@@ -232,12 +243,22 @@ def data_parallel_gradients(
     norm = float(cfg.norm_const) if cfg.norm_const is not None else max(c[2] for c in counts)
     metrics: dict[str, float] | None = None
     try:  # every micro-batch divided by the step's global totals: Σ_ranks of the gradients is one process's
-        metrics = accumulate_gradients(model, rows, advantages_N, cfg, pad_id, logprob_fn, ref_logprobs=ref_logprobs,
-                                       sampler_logprobs=sampler_logprobs, totals=(tokens, seqs, norm))
+        metrics = accumulate_gradients(
+            model,
+            rows,
+            advantages_N,
+            cfg,
+            pad_id,
+            logprob_fn,
+            ref_logprobs=ref_logprobs,
+            sampler_logprobs=sampler_logprobs,
+            totals=(tokens, seqs, norm),
+        )
     except Exception as e:  # noqa: BLE001
         own = e
-    gathered = col.gather("the shards' metrics and errors",
-                          (metrics, None if own is None else _error_info(own, row_ids, col.rank)))
+    gathered = col.gather(
+        "the shards' metrics and errors", (metrics, None if own is None else _error_info(own, row_ids, col.rank))
+    )
     _raise_agreed([g[1] for g in gathered], col.world, own)
     _all_reduce_grads(model, col)
     return merge_rank_metrics([g[0] for g in gathered])
@@ -255,15 +276,22 @@ def _all_reduce_grads(model: torch.nn.Module, col: _Collective) -> None:
             n += params[end].numel()
             end += 1
         chunk = params[start:end]
-        flat = torch.cat([(p.grad.detach().float() if p.grad is not None
-                           else torch.zeros(p.shape, dtype=torch.float32, device=p.device)).reshape(-1)
-                          for p in chunk])
+        flat = torch.cat(
+            [
+                (
+                    p.grad.detach().float()
+                    if p.grad is not None
+                    else torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+                ).reshape(-1)
+                for p in chunk
+            ]
+        )
         col(f"all_reduce of the gradients (parameters {start}–{end - 1} of {len(params)})", dist.all_reduce, flat)
         off = 0
         for j, p in enumerate(chunk):
             k = p.numel()
             if has[start + j] > 0:
-                g = flat[off: off + k].view(p.shape).to(p.dtype)
+                g = flat[off : off + k].view(p.shape).to(p.dtype)
                 if p.grad is None:
                     p.grad = g.clone()
                 else:
@@ -340,8 +368,18 @@ def data_parallel_step(
     """
     optimizer.zero_grad(set_to_none=True)
     try:
-        metrics = data_parallel_gradients(model, rows, advantages_N, cfg, pad_id, logprob_fn, row_ids=row_ids,
-                                          ref_logprobs=ref_logprobs, sampler_logprobs=sampler_logprobs, group=group)
+        metrics = data_parallel_gradients(
+            model,
+            rows,
+            advantages_N,
+            cfg,
+            pad_id,
+            logprob_fn,
+            row_ids=row_ids,
+            ref_logprobs=ref_logprobs,
+            sampler_logprobs=sampler_logprobs,
+            group=group,
+        )
         stepped = metrics["n_rows_trained"] > 0
         grad_norm = _clip_grad_norm(model, cfg.max_grad_norm, int(metrics["n_rows"])) if stepped else None
     except BaseException:
@@ -361,8 +399,10 @@ def parameter_checksum(model: torch.nn.Module) -> list[float]:
     """Float64 sums of the trainable parameters' values and |values| (a cheap replica check)."""
     with torch.no_grad():
         ps = [p.detach() for p in model.parameters() if p.requires_grad]
-        return [math.fsum(float(p.sum(dtype=torch.float64)) for p in ps),
-                math.fsum(float(p.abs().sum(dtype=torch.float64)) for p in ps)]
+        return [
+            math.fsum(float(p.sum(dtype=torch.float64)) for p in ps),
+            math.fsum(float(p.abs().sum(dtype=torch.float64)) for p in ps),
+        ]
 
 
 def check_replicas_equal(model: torch.nn.Module, group=None) -> None:
@@ -370,9 +410,11 @@ def check_replicas_equal(model: torch.nn.Module, group=None) -> None:
     col = _Collective(group)
     sums = col.gather("the replicas' parameter checksums", parameter_checksum(model))
     if any(s != sums[0] for s in sums):
-        raise DataParallelError(f"the update ranks' policy replicas differ after the optimizer step "
-                                f"(checksums by rank: {sums}); the ranks must start from the same weights "
-                                "and optimizer state")
+        raise DataParallelError(
+            f"the update ranks' policy replicas differ after the optimizer step "
+            f"(checksums by rank: {sums}); the ranks must start from the same weights "
+            "and optimizer state"
+        )
 
 
 # ---- the trainer's side: rank 0 and its rank processes -----------------------------------
@@ -394,22 +436,32 @@ def check_supported(cfg: Any) -> None:
     if n <= 1:
         return
     if n > (cap := max_update_ranks()):
-        raise ValueError(f"--update-ranks {n} would start {n} processes on loopback, each with a copy of the policy "
-                         f"and optimizer, on a machine with {os.cpu_count()} CPU cores; use at most {cap} "
-                         "(one rank per core; 2 at least, to test data parallelism)")
+        raise ValueError(
+            f"--update-ranks {n} would start {n} processes on loopback, each with a copy of the policy "
+            f"and optimizer, on a machine with {os.cpu_count()} CPU cores; use at most {cap} "
+            "(one rank per core; 2 at least, to test data parallelism)"
+        )
     fix = "; use --update-ranks 1 for it"
     if cfg.advantage == "gae":
-        raise ValueError(f"--update-ranks {n} with --advantage gae is not supported: the critic's value step "
-                         f"is not data-parallel{fix}")
+        raise ValueError(
+            f"--update-ranks {n} with --advantage gae is not supported: the critic's value step "
+            f"is not data-parallel{fix}"
+        )
     if cfg.advantage == "reverse_kl" or cfg.distill_loss != "none" or getattr(cfg, "teacher", None):
-        raise ValueError(f"--update-ranks {n} with a teacher (--teacher / --distill-loss / --advantage reverse_kl) "
-                         f"is not supported: the rank processes hold no teacher{fix}")
+        raise ValueError(
+            f"--update-ranks {n} with a teacher (--teacher / --distill-loss / --advantage reverse_kl) "
+            f"is not supported: the rank processes hold no teacher{fix}"
+        )
     if getattr(cfg, "gradient_checkpointing", False):
-        raise ValueError(f"--update-ranks {n} with --gradient-checkpointing is not supported: the rank processes get "
-                         f"a pickled copy of the policy, and Hugging Face's checkpointing hook cannot be pickled{fix}")
+        raise ValueError(
+            f"--update-ranks {n} with --gradient-checkpointing is not supported: the rank processes get "
+            f"a pickled copy of the policy, and Hugging Face's checkpointing hook cannot be pickled{fix}"
+        )
     if getattr(cfg, "lora_rank", 0):
-        raise ValueError(f"--update-ranks {n} with --lora-rank is not supported: the rank processes copy the "
-                         f"whole model, not a PEFT adapter{fix}")
+        raise ValueError(
+            f"--update-ranks {n} with --lora-rank is not supported: the rank processes copy the "
+            f"whole model, not a PEFT adapter{fix}"
+        )
 
 
 class _Ranks:
@@ -428,8 +480,11 @@ class _Ranks:
         return ", ".join(out) or "none started"
 
     def dead(self) -> list[str]:
-        return [f"update rank {k} (pid {p.pid}) exited with code {p.exitcode}" + self._last_words(k - 1)
-                for k, p in enumerate(self.procs, start=1) if not p.is_alive()]
+        return [
+            f"update rank {k} (pid {p.pid}) exited with code {p.exitcode}" + self._last_words(k - 1)
+            for k, p in enumerate(self.procs, start=1)
+            if not p.is_alive()
+        ]
 
     def _last_words(self, j: int) -> str:
         try:
@@ -489,8 +544,13 @@ class DataParallelUpdate:
             count over N, at least 1); rank 0's setting is restored after each step.
     """
 
-    def __init__(self, world_size: int, timeout_s: float = DEFAULT_TIMEOUT_S, start_timeout_s: float = START_TIMEOUT_S,
-                 threads_per_rank: int | None = None) -> None:
+    def __init__(
+        self,
+        world_size: int,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        start_timeout_s: float = START_TIMEOUT_S,
+        threads_per_rank: int | None = None,
+    ) -> None:
         if world_size < 2:
             raise ValueError(f"a data-parallel update needs at least 2 ranks, got {world_size}")
         self.world_size = world_size
@@ -518,18 +578,38 @@ class DataParallelUpdate:
         if self._ranks.procs or self._broken:
             return self
         if dist.is_initialized():
-            raise DataParallelError("--update-ranks needs this process's torch.distributed default group, but one "
-                                    "is already initialized; run one data-parallel trainer per process")
+            raise DataParallelError(
+                "--update-ranks needs this process's torch.distributed default group, but one "
+                "is already initialized; run one data-parallel trainer per process"
+            )
         importlib.import_module("consequence.update.data_parallel")  # the spawned processes' entry point
-        self._store = dist.TCPStore("127.0.0.1", 0, self.world_size, True,
-                                    timeout=datetime.timedelta(seconds=self.start_timeout_s), wait_for_workers=False)
+        self._store = dist.TCPStore(
+            "127.0.0.1",
+            0,
+            self.world_size,
+            True,
+            timeout=datetime.timedelta(seconds=self.start_timeout_s),
+            wait_for_workers=False,
+        )
         ctx = mp.get_context("spawn")
         r = self._ranks
         for rank in range(1, self.world_size):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_rank_main, name=f"consequence-update-rank-{rank}", daemon=True,
-                            args=(rank, self.world_size, self._store.port, child, self.timeout_s,
-                                  self.start_timeout_s, self.threads, model_module))
+            p = ctx.Process(
+                target=_rank_main,
+                name=f"consequence-update-rank-{rank}",
+                daemon=True,
+                args=(
+                    rank,
+                    self.world_size,
+                    self._store.port,
+                    child,
+                    self.timeout_s,
+                    self.start_timeout_s,
+                    self.threads,
+                    model_module,
+                ),
+            )
             p.start()
             child.close()
             r.procs.append(p)
@@ -538,8 +618,10 @@ class DataParallelUpdate:
         return self
 
     def _wait_for(self, what: str, deadline: float) -> None:
-        hint = ("; the rank processes are started with multiprocessing's spawn, which imports the main module "
-                "again: a script that trains must do so under `if __name__ == \"__main__\":`")
+        hint = (
+            "; the rank processes are started with multiprocessing's spawn, which imports the main module "
+            'again: a script that trains must do so under `if __name__ == "__main__":`'
+        )
         r = self._ranks
         for k, conn in enumerate(r.conns, start=1):
             while not conn.poll(0.2):
@@ -573,11 +655,18 @@ class DataParallelUpdate:
             self._send(conn, ("init", init), f"the policy copy to update rank {k}")
         self._wait_for("ready (policy copy loaded)", time.monotonic() + self.start_timeout_s)
         try:
-            dist.init_process_group("gloo", store=self._store, rank=0, world_size=self.world_size,
-                                    timeout=datetime.timedelta(seconds=self.timeout_s))
+            dist.init_process_group(
+                "gloo",
+                store=self._store,
+                rank=0,
+                world_size=self.world_size,
+                timeout=datetime.timedelta(seconds=self.timeout_s),
+            )
         except RuntimeError as e:
-            self._fail(f"the gloo process group of {self.world_size} update ranks did not form within "
-                       f"{self.timeout_s:.0f} s: {e}")
+            self._fail(
+                f"the gloo process group of {self.world_size} update ranks did not form within "
+                f"{self.timeout_s:.0f} s: {e}"
+            )
         r.owns_group = True
         self._model_id = id(model)
         self._checksum = parameter_checksum(model)
@@ -617,10 +706,20 @@ class DataParallelUpdate:
             self._fail(f"update rank {rank} closed its pipe while rank 0 waited for {what} ({e!r})")
 
     # -- the step
-    def ppo_step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, rows: Sequence[TrainingRow],
-                 advantages_N: Sequence[Any], cfg: UpdateConfig, pad_id: int, logprob_fn: Callable[..., Any], *,
-                 ref_logprobs: TokenValues | None = None, sampler_logprobs: TokenValues | None = None,
-                 teacher: torch.nn.Module | None = None) -> dict[str, float]:
+    def ppo_step(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        rows: Sequence[TrainingRow],
+        advantages_N: Sequence[Any],
+        cfg: UpdateConfig,
+        pad_id: int,
+        logprob_fn: Callable[..., Any],
+        *,
+        ref_logprobs: TokenValues | None = None,
+        sampler_logprobs: TokenValues | None = None,
+        teacher: torch.nn.Module | None = None,
+    ) -> dict[str, float]:
         """:func:`consequence.update.step.ppo_step` over ``world_size`` ranks (same arguments,
         same returned metrics, same errors with rows named by their index in ``rows``).
 
@@ -648,19 +747,41 @@ class DataParallelUpdate:
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         for k, conn in enumerate(r.conns, start=1):
             pick = lambda xs, s=shards[k]: None if xs is None else [xs[i] for i in s]  # noqa: E731
-            self._send(conn, ("step", {"rows": pick(rows), "advantages": pick(advantages_N), "row_ids": shards[k],
-                                       "ref_logprobs": pick(ref_logprobs), "sampler_logprobs": pick(sampler_logprobs),
-                                       "cfg": cfg, "pad_id": pad_id, "logprob_fn": logprob_fn, "hyper": hyper,
-                                       "state": state}), "the step's shard")
+            self._send(
+                conn,
+                (
+                    "step",
+                    {
+                        "rows": pick(rows),
+                        "advantages": pick(advantages_N),
+                        "row_ids": shards[k],
+                        "ref_logprobs": pick(ref_logprobs),
+                        "sampler_logprobs": pick(sampler_logprobs),
+                        "cfg": cfg,
+                        "pad_id": pad_id,
+                        "logprob_fn": logprob_fn,
+                        "hyper": hyper,
+                        "state": state,
+                    },
+                ),
+                "the step's shard",
+            )
         threads = torch.get_num_threads()
         torch.set_num_threads(self.threads)
         mine = shards[0]
         try:
-            m = data_parallel_step(model, optimizer, [rows[i] for i in mine], [advantages_N[i] for i in mine], cfg,
-                                   pad_id, logprob_fn, row_ids=mine,
-                                   ref_logprobs=None if ref_logprobs is None else [ref_logprobs[i] for i in mine],
-                                   sampler_logprobs=None if sampler_logprobs is None else
-                                   [sampler_logprobs[i] for i in mine])
+            m = data_parallel_step(
+                model,
+                optimizer,
+                [rows[i] for i in mine],
+                [advantages_N[i] for i in mine],
+                cfg,
+                pad_id,
+                logprob_fn,
+                row_ids=mine,
+                ref_logprobs=None if ref_logprobs is None else [ref_logprobs[i] for i in mine],
+                sampler_logprobs=None if sampler_logprobs is None else [sampler_logprobs[i] for i in mine],
+            )
         except DataParallelError as e:
             self._fail(f"the data-parallel optimizer step failed: {e}")
         finally:
@@ -685,8 +806,16 @@ def _load_replica(model: torch.nn.Module, optimizer: torch.optim.Optimizer, stat
     optimizer.load_state_dict(state["optimizer_state"])
 
 
-def _rank_main(rank: int, world_size: int, port: int, conn, timeout_s: float, start_timeout_s: float,
-               threads: int, model_module: str | None = None) -> None:
+def _rank_main(
+    rank: int,
+    world_size: int,
+    port: int,
+    conn,
+    timeout_s: float,
+    start_timeout_s: float,
+    threads: int,
+    model_module: str | None = None,
+) -> None:
     """A rank process: build the replica, join the group, then run the steps rank 0 sends.
 
     Exits on ``("stop",)``, when rank 0's end of the pipe closes (rank 0 died), or after
@@ -704,10 +833,10 @@ def _rank_main(rank: int, world_size: int, port: int, conn, timeout_s: float, st
         replica = pickle.loads(msg[1])
         model, optimizer = replica["model"], replica["optimizer"]
         conn.send(("ready",))
-        store = dist.TCPStore("127.0.0.1", port, world_size, False,
-                              timeout=datetime.timedelta(seconds=start_timeout_s))
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        store = dist.TCPStore("127.0.0.1", port, world_size, False, timeout=datetime.timedelta(seconds=start_timeout_s))
+        dist.init_process_group(
+            "gloo", store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
+        )
     except EOFError:
         return
     except BaseException as e:  # noqa: BLE001 - reported to rank 0, which names it
@@ -727,9 +856,18 @@ def _rank_main(rank: int, world_size: int, port: int, conn, timeout_s: float, st
             for g, h in zip(optimizer.param_groups, job["hyper"]):
                 g.update(h)
             try:
-                data_parallel_step(model, optimizer, job["rows"], job["advantages"], job["cfg"], job["pad_id"],
-                                   job["logprob_fn"], row_ids=job["row_ids"], ref_logprobs=job["ref_logprobs"],
-                                   sampler_logprobs=job["sampler_logprobs"])
+                data_parallel_step(
+                    model,
+                    optimizer,
+                    job["rows"],
+                    job["advantages"],
+                    job["cfg"],
+                    job["pad_id"],
+                    job["logprob_fn"],
+                    row_ids=job["row_ids"],
+                    ref_logprobs=job["ref_logprobs"],
+                    sampler_logprobs=job["sampler_logprobs"],
+                )
             except (NonFiniteError, ValueError):
                 continue  # raised on rank 0 too (agreed): the group is still in step
             except DataParallelError as e:

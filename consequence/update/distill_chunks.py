@@ -31,10 +31,21 @@ def can_chunk(model, teacher) -> bool:
     return lm_head_split(model) is not None and lm_head_split(teacher) is not None
 
 
-def distill_chunked(model, teacher, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                    target_mask: torch.Tensor, temperature: float, entropy_grad: bool, kind: Kind, beta: float,
-                    tau: float, top_k: int, shared: int = 0, chunk_size: int = DEFAULT_CHUNK_SIZE
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def distill_chunked(
+    model,
+    teacher,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    target_mask: torch.Tensor,
+    temperature: float,
+    entropy_grad: bool,
+    kind: Kind,
+    beta: float,
+    tau: float,
+    top_k: int,
+    shared: int = 0,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Student log-probs, entropy and divergence to the teacher at the target positions.
 
     Args:
@@ -72,21 +83,35 @@ def distill_chunked(model, teacher, input_ids: torch.Tensor, attention_mask: tor
     with torch.no_grad():
         t_feats = trunk_hidden(t_trunk, input_ids, attention_mask, prefix_len=shared)[:, :-1][rows, pos]
     targets = input_ids[:, 1:][rows, pos]
-    fn = functools.partial(_chunk, head, t_head, temperature, entropy_grad and torch.is_grad_enabled(),
-                           kind, beta, tau, top_k)
+    fn = functools.partial(
+        _chunk, head, t_head, temperature, entropy_grad and torch.is_grad_enabled(), kind, beta, tau, top_k
+    )
     parts = []
     for a in range(0, lin.numel(), chunk_size):
-        args = (feats[a:a + chunk_size], t_feats[a:a + chunk_size], targets[a:a + chunk_size])
-        parts.append(checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
-                     if torch.is_grad_enabled() else fn(*args))
+        args = (feats[a : a + chunk_size], t_feats[a : a + chunk_size], targets[a : a + chunk_size])
+        parts.append(
+            checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
+            if torch.is_grad_enabled()
+            else fn(*args)
+        )
     zero = feats.sum().float() * 0 if not lin.numel() else None  # no target: zeros still on the graph
     lp, ent, div = (scatter_targets([p[k] for p in parts], lin, n * S1, zero).view(n, S1) for k in range(3))
     return lp, ent, div
 
 
-def _chunk(head, t_head, temperature: float, entropy_grad: bool, kind: Kind, beta: float, tau: float, top_k: int,
-           feats_cH: torch.Tensor, t_feats_cH: torch.Tensor, targets_c: torch.Tensor
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _chunk(
+    head,
+    t_head,
+    temperature: float,
+    entropy_grad: bool,
+    kind: Kind,
+    beta: float,
+    tau: float,
+    top_k: int,
+    feats_cH: torch.Tensor,
+    t_feats_cH: torch.Tensor,
+    targets_c: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(log-prob [c], entropy [c], divergence [c]) of ``c`` target positions."""
     z = head(feats_cH).float()
     logp = torch.log_softmax(z / temperature if temperature != 1.0 else z, dim=-1)
@@ -96,4 +121,3 @@ def _chunk(head, t_head, temperature: float, entropy_grad: bool, kind: Kind, bet
     with torch.no_grad():
         t_z = t_head(t_feats_cH).float()
     return lp, ent, token_divergence(z, t_z, kind, beta, tau, top_k)
-

@@ -37,8 +37,9 @@ __all__ = ["token_divergence"]
 Kind = Literal["forward", "reverse", "jsd"]
 
 
-def _log_probs(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float,
-               top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _log_probs(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     s = student_logits.float() / temperature
     t = teacher_logits.float() / temperature
     if top_k:
@@ -47,9 +48,16 @@ def _log_probs(student_logits: torch.Tensor, teacher_logits: torch.Tensor, tempe
     return F.log_softmax(s, -1), F.log_softmax(t, -1)
 
 
-def token_divergence(student_logits: torch.Tensor, teacher_logits: torch.Tensor, kind: Kind = "reverse",
-                     beta: float = 0.5, temperature: float = 1.0, top_k: int = 0, *,
-                     mask: torch.Tensor | None = None) -> torch.Tensor:
+def token_divergence(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    kind: Kind = "reverse",
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    *,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Divergence between teacher p and student q at every position (module doc).
 
     Args:
@@ -72,8 +80,10 @@ def token_divergence(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
             negative or above the vocabulary, or a mask of another shape than [N, T].
     """
     if student_logits.shape != teacher_logits.shape:
-        raise ValueError(f"student logits {tuple(student_logits.shape)} and teacher logits "
-                         f"{tuple(teacher_logits.shape)} differ: teacher and student must share the tokenizer")
+        raise ValueError(
+            f"student logits {tuple(student_logits.shape)} and teacher logits "
+            f"{tuple(teacher_logits.shape)} differ: teacher and student must share the tokenizer"
+        )
     if kind not in ("forward", "reverse", "jsd"):
         raise ValueError(f"divergence kind {kind!r}: use forward, reverse or jsd")
     if not 0.0 <= beta <= 1.0:
@@ -83,8 +93,10 @@ def token_divergence(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
     if not 0 <= top_k <= student_logits.shape[-1]:
         raise ValueError(f"top_k {top_k}: must be 0 (whole vocabulary) or 1..{student_logits.shape[-1]}")
     if mask is not None and mask.shape != student_logits.shape[:-1]:
-        raise ValueError(f"mask {tuple(mask.shape)} does not match the logits' positions "
-                         f"{tuple(student_logits.shape[:-1])}; pass the loss mask of the same positions")
+        raise ValueError(
+            f"mask {tuple(mask.shape)} does not match the logits' positions "
+            f"{tuple(student_logits.shape[:-1])}; pass the loss mask of the same positions"
+        )
     out = _divergence(student_logits, teacher_logits.detach(), kind, beta, temperature, top_k, mask)
     # exactly 0 off the mask (JSD's log m of two equal uniforms is only log(1/V) to rounding)
     return out if mask is None else torch.where(mask > 0, out, torch.zeros_like(out))

@@ -12,8 +12,9 @@ from torch import Tensor
 from consequence.credit.kl import KL_ESTIMATORS, kl_estimate  # noqa: F401  (one definition, used by both boxes)
 
 
-def tis_weights(old_logprobs: Tensor, sampler_logprobs: Tensor, cap: float = 2.0, *,
-                mask: Tensor | None = None) -> Tensor:
+def tis_weights(
+    old_logprobs: Tensor, sampler_logprobs: Tensor, cap: float = 2.0, *, mask: Tensor | None = None
+) -> Tensor:
     """Truncated importance-sampling weights sg(min(π_old / μ, C)) per token.
 
     Corrects for the sampler (μ, e.g. an inference engine) and the trainer's recomputation

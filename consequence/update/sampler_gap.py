@@ -32,8 +32,9 @@ from consequence.records import TrainingRow
 __all__ = ["apply_is_mask", "is_mask_keep", "sampler_gap_metrics"]
 
 
-def is_mask_keep(old_logprobs: Tensor, sampler_logprobs: Tensor, mask: Tensor, low: float, high: float,
-                 level: str) -> Tensor:
+def is_mask_keep(
+    old_logprobs: Tensor, sampler_logprobs: Tensor, mask: Tensor, low: float, high: float, level: str
+) -> Tensor:
     """Which target tokens of one row masked importance sampling keeps.
 
     Args:
@@ -55,8 +56,10 @@ def is_mask_keep(old_logprobs: Tensor, sampler_logprobs: Tensor, mask: Tensor, l
     if not 0 < low < 1 < high:
         raise ValueError(f"masked IS band must satisfy 0 < low < 1 < high, got [{low}, {high}]")
     if old_logprobs.shape != sampler_logprobs.shape or old_logprobs.shape != mask.shape:
-        raise ValueError(f"old_logprobs {tuple(old_logprobs.shape)}, sampler_logprobs "
-                         f"{tuple(sampler_logprobs.shape)} and mask {tuple(mask.shape)} must have one shape")
+        raise ValueError(
+            f"old_logprobs {tuple(old_logprobs.shape)}, sampler_logprobs "
+            f"{tuple(sampler_logprobs.shape)} and mask {tuple(mask.shape)} must have one shape"
+        )
     with torch.no_grad():
         on = mask > 0
         log_r = torch.where(on, old_logprobs - sampler_logprobs, torch.zeros_like(old_logprobs))
@@ -67,8 +70,9 @@ def is_mask_keep(old_logprobs: Tensor, sampler_logprobs: Tensor, mask: Tensor, l
         return on & bool((mean >= lo) & (mean <= hi))
 
 
-def apply_is_mask(rows: Sequence[TrainingRow], sampler_logprobs: Sequence[Sequence[float]], low: float,
-                  high: float, level: str) -> tuple[list[TrainingRow], dict[str, float]]:
+def apply_is_mask(
+    rows: Sequence[TrainingRow], sampler_logprobs: Sequence[Sequence[float]], low: float, high: float, level: str
+) -> tuple[list[TrainingRow], dict[str, float]]:
     """Rows whose loss masks leave out what masked IS rejects (:func:`is_mask_keep`).
 
     The rows' ``old_logprobs`` must be the trainer's recomputation. A rejected token leaves
@@ -82,8 +86,14 @@ def apply_is_mask(rows: Sequence[TrainingRow], sampler_logprobs: Sequence[Sequen
     out, masked, total, rows_out = [], 0, 0, 0
     for r, mu in zip(rows, sampler_logprobs):
         mask = torch.tensor(r.loss_mask)
-        keep = is_mask_keep(torch.tensor(r.old_logprobs, dtype=torch.float64), torch.tensor(mu, dtype=torch.float64),
-                            mask, low, high, level)
+        keep = is_mask_keep(
+            torch.tensor(r.old_logprobs, dtype=torch.float64),
+            torch.tensor(mu, dtype=torch.float64),
+            mask,
+            low,
+            high,
+            level,
+        )
         n_on, n_keep = int((mask > 0).sum()), int(keep.sum())
         masked, total = masked + n_on - n_keep, total + n_on
         rows_out += int(n_on > 0 and n_keep == 0)
@@ -91,9 +101,13 @@ def apply_is_mask(rows: Sequence[TrainingRow], sampler_logprobs: Sequence[Sequen
     return out, {"is_masked_token_fraction": masked / total if total else 0.0, "is_masked_rows": float(rows_out)}
 
 
-def sampler_gap_metrics(old_logprobs: Sequence[Sequence[float]], sampler_logprobs: Sequence[Sequence[float]],
-                        masks: Sequence[Sequence[int]], low: float | None = None,
-                        high: float | None = None) -> dict[str, float]:
+def sampler_gap_metrics(
+    old_logprobs: Sequence[Sequence[float]],
+    sampler_logprobs: Sequence[Sequence[float]],
+    masks: Sequence[Sequence[int]],
+    low: float | None = None,
+    high: float | None = None,
+) -> dict[str, float]:
     """The behaviour ratio r = π_old / μ over every target token of a batch.
 
     Args:
@@ -117,8 +131,12 @@ def sampler_gap_metrics(old_logprobs: Sequence[Sequence[float]], sampler_logprob
         return {}
     log_r = torch.cat(olds) - torch.cat(mus)
     r = log_r.exp()
-    out = {"is_ratio_mean": float(r.mean()), "is_ratio_min": float(r.min()), "is_ratio_max": float(r.max()),
-           "sampler_trainer_kl": float((r - 1 - log_r).mean())}
+    out = {
+        "is_ratio_mean": float(r.mean()),
+        "is_ratio_min": float(r.min()),
+        "is_ratio_max": float(r.max()),
+        "sampler_trainer_kl": float((r - 1 - log_r).mean()),
+    }
     if low is not None and high is not None:
         out["is_ratio_outside_band"] = float(((r < low) | (r > high)).double().mean())
     return out

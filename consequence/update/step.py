@@ -114,8 +114,7 @@ def _step_totals(rows: Sequence[TrainingRow], cfg: UpdateConfig) -> tuple[float,
     for i, r in enumerate(rows):
         if r.loss_mask and r.loss_mask[0]:
             raise ValueError(
-                f"row {i} has a target at position 0, which no logit predicts; "
-                "the first token of a row must be context"
+                f"row {i} has a target at position 0, which no logit predicts; the first token of a row must be context"
             )
         lengths.append(float(sum(1 for m in r.loss_mask[1:] if m)))
     total_tokens = sum(lengths)
@@ -144,8 +143,9 @@ class NonFiniteError(FloatingPointError, ValueError):
 
     def __init__(self, tensor: str, rows: Sequence[int], detail: str = "") -> None:
         self.tensor, self.rows, self.detail = tensor, sorted(set(int(r) for r in rows)), detail
-        super().__init__(f"{tensor} is not finite in row(s) {self.rows} of the optimizer step"
-                         + (f" ({detail})" if detail else ""))
+        super().__init__(
+            f"{tensor} is not finite in row(s) {self.rows} of the optimizer step" + (f" ({detail})" if detail else "")
+        )
 
 
 def _bad_rows(values: Tensor, tmask: Tensor, idx: Sequence[int]) -> list[int]:
@@ -207,8 +207,10 @@ def _check_needs(cfg: UpdateConfig, ref_logprobs, sampler_logprobs) -> None:
     if cfg.kl_coef and ref_logprobs is None:
         raise ValueError("kl_coef > 0 needs ref_logprobs (log-probs of the frozen reference policy)")
     if cfg.tis_cap and sampler_logprobs is None:
-        raise ValueError("tis_cap > 0 needs sampler_logprobs (the rows' old_logprobs must then be "
-                         "the trainer's recomputation of the behaviour policy)")
+        raise ValueError(
+            "tis_cap > 0 needs sampler_logprobs (the rows' old_logprobs must then be "
+            "the trainer's recomputation of the behaviour policy)"
+        )
 
 
 class _Metrics:
@@ -229,9 +231,15 @@ class _Metrics:
         """Token means over the targets that ran; a metric without data is left out."""
         if not self.n_tok:
             return {}
-        names = {"ratio": "ratio_mean", "clip_low": "clip_frac_low", "clip_high": "clip_frac_high",
-                 "entropy": "entropy", "kl_ref": "kl_ref", "tis_weight": "tis_weight_mean",
-                 "distill_divergence": "distill_divergence"}
+        names = {
+            "ratio": "ratio_mean",
+            "clip_low": "clip_frac_low",
+            "clip_high": "clip_frac_high",
+            "entropy": "entropy",
+            "kl_ref": "kl_ref",
+            "tis_weight": "tis_weight_mean",
+            "distill_divergence": "distill_divergence",
+        }
         out = {names[k]: v / self.n_tok for k, v in self.sums.items()}
         return out | {"ratio_min": self.ratio_min, "ratio_max": self.ratio_max}
 
@@ -324,8 +332,9 @@ def accumulate_gradients(
         if sampler_logprobs is not None:
             batch["sampler_logprobs"] = _pad_values(sampler_logprobs, idx, S)
         batch = {k: v.to(device) for k, v in batch.items()}
-        loss = _micro_batch_loss(model, batch, cfg, logprob_fn, met,
-                                 totals=(total_tokens, total_seqs, norm_const), idx=idx, teacher=teacher)
+        loss = _micro_batch_loss(
+            model, batch, cfg, logprob_fn, met, totals=(total_tokens, total_seqs, norm_const), idx=idx, teacher=teacher
+        )
         if not torch.isfinite(loss):
             raise NonFiniteError("loss", idx, f"micro-batch loss {loss.item()}")
         loss.backward()
@@ -362,9 +371,16 @@ def _check_grads(model: torch.nn.Module, idx: Sequence[int]) -> None:
     raise NonFiniteError("gradient", idx, "parameter(s) " + ", ".join(bad[:5]))
 
 
-def _micro_batch_loss(model, batch: dict[str, Tensor], cfg: UpdateConfig, logprob_fn, met: _Metrics,
-                      totals: tuple[float, float, float], idx: Sequence[int],
-                      teacher: torch.nn.Module | None = None) -> Tensor:
+def _micro_batch_loss(
+    model,
+    batch: dict[str, Tensor],
+    cfg: UpdateConfig,
+    logprob_fn,
+    met: _Metrics,
+    totals: tuple[float, float, float],
+    idx: Sequence[int],
+    teacher: torch.nn.Module | None = None,
+) -> Tensor:
     """−reduce(objective) of one micro-batch with the step's totals; updates ``met``.
 
     ``idx`` are the step's row indices of the micro-batch's rows (for error messages).
@@ -383,8 +399,15 @@ def _micro_batch_loss(model, batch: dict[str, Tensor], cfg: UpdateConfig, logpro
         raise NonFiniteError("logprobs", bad, "policy log-probs of target tokens")
     adv = batch["advantages"]
     obj, ratio, is_clipped = surrogate_objective(
-        cfg.surrogate, lp, old, adv, mask,
-        eps_low=cfg.clip_eps_low, eps_high=cfg.clip_eps_high, dual_clip_c=cfg.dual_clip_c)
+        cfg.surrogate,
+        lp,
+        old,
+        adv,
+        mask,
+        eps_low=cfg.clip_eps_low,
+        eps_high=cfg.clip_eps_high,
+        dual_clip_c=cfg.dual_clip_c,
+    )
     if bad := _bad_rows(ratio, tmask, idx):  # e.g. an old log-prob of -inf: exp(lp - old) = inf
         raise NonFiniteError("ratio", bad, "π/π_old of target tokens; check the rows' old_logprobs")
     behaviour = batch["sampler_logprobs"][:, 1:] if "sampler_logprobs" in batch else old
@@ -405,8 +428,10 @@ def _micro_batch_loss(model, batch: dict[str, Tensor], cfg: UpdateConfig, logpro
             obj = obj - cfg.kl_coef * kl
     if cfg.entropy_coef:
         if ent is None or not ent.requires_grad:
-            raise ValueError("entropy_coef > 0 needs logprob_fn to return an entropy with a gradient "
-                             "(token_logprobs(..., with_entropy=True, entropy_grad=True))")
+            raise ValueError(
+                "entropy_coef > 0 needs logprob_fn to return an entropy with a gradient "
+                "(token_logprobs(..., with_entropy=True, entropy_grad=True))"
+            )
         obj = obj + cfg.entropy_coef * torch.where(tmask, ent, 0.0)
     if cfg.pg_coef != 1.0:
         obj = cfg.pg_coef * obj if cfg.pg_coef else torch.zeros_like(obj)  # 0 · ±inf would be nan
@@ -417,8 +442,9 @@ def _micro_batch_loss(model, batch: dict[str, Tensor], cfg: UpdateConfig, logpro
         obj = obj - div
         met.add("distill_divergence", div.detach()[tmask])
     total_tokens, total_seqs, norm_const = totals
-    loss = -reduce_tokens(obj, mask, cfg.reduction, total_tokens=total_tokens,
-                          total_seqs=total_seqs, norm_const=norm_const)
+    loss = -reduce_tokens(
+        obj, mask, cfg.reduction, total_tokens=total_tokens, total_seqs=total_seqs, norm_const=norm_const
+    )
     with torch.no_grad():
         r_t = ratio[tmask]
         met.n_tok += int(r_t.numel())
@@ -434,8 +460,9 @@ def _micro_batch_loss(model, batch: dict[str, Tensor], cfg: UpdateConfig, logpro
     return loss
 
 
-def _distill_forward(model, teacher, batch: dict[str, Tensor], cfg: UpdateConfig
-                     ) -> tuple[Tensor, Tensor | None, Tensor]:
+def _distill_forward(
+    model, teacher, batch: dict[str, Tensor], cfg: UpdateConfig
+) -> tuple[Tensor, Tensor | None, Tensor]:
     """One student forward giving log-probs [n, S-1], entropy and, with the teacher's
     logits (no gradient), the per-token divergence [n, S-1] of ``cfg.distill_loss``.
 
@@ -446,17 +473,42 @@ def _distill_forward(model, teacher, batch: dict[str, Tensor], cfg: UpdateConfig
     kind = cast(Kind, cfg.distill_loss)  # not "none" here; token_divergence refuses any other name
     shared = shared_prefix_len(ids, am)
     if "keep_index" not in batch and auto_chunk_size(model, ids, am, shared) and can_chunk(model, teacher):
-        return distill_chunked(model, teacher, ids, am, batch["loss_mask"][:, 1:] > 0, cfg.temperature,
-                               cfg.entropy_coef > 0, kind, cfg.distill_beta, cfg.distill_temperature,
-                               cfg.distill_top_k, shared=shared)
+        return distill_chunked(
+            model,
+            teacher,
+            ids,
+            am,
+            batch["loss_mask"][:, 1:] > 0,
+            cfg.temperature,
+            cfg.entropy_coef > 0,
+            kind,
+            cfg.distill_beta,
+            cfg.distill_temperature,
+            cfg.distill_top_k,
+            shared=shared,
+        )
     logits = model(input_ids=ids, attention_mask=am).logits[:, :-1].float()
-    lp, ent = logprobs_from_logits(logits, ids, am, cfg.temperature, with_entropy=True,
-                                   entropy_grad=cfg.entropy_coef > 0, keep_index=batch.get("keep_index"),
-                                   keep_rows=batch.get("keep_rows"))
+    lp, ent = logprobs_from_logits(
+        logits,
+        ids,
+        am,
+        cfg.temperature,
+        with_entropy=True,
+        entropy_grad=cfg.entropy_coef > 0,
+        keep_index=batch.get("keep_index"),
+        keep_rows=batch.get("keep_rows"),
+    )
     with torch.no_grad():
         t_logits = teacher(input_ids=ids, attention_mask=am).logits[:, :-1].float()
-    div = token_divergence(logits, t_logits, kind, cfg.distill_beta, cfg.distill_temperature,
-                           cfg.distill_top_k, mask=batch["loss_mask"][:, 1:] > 0)
+    div = token_divergence(
+        logits,
+        t_logits,
+        kind,
+        cfg.distill_beta,
+        cfg.distill_temperature,
+        cfg.distill_top_k,
+        mask=batch["loss_mask"][:, 1:] > 0,
+    )
     return lp, ent, div
 
 
@@ -494,9 +546,17 @@ def ppo_step(
     """
     optimizer.zero_grad(set_to_none=True)
     try:
-        metrics = accumulate_gradients(model, rows, advantages_N, cfg, pad_id, logprob_fn,
-                                       ref_logprobs=ref_logprobs, sampler_logprobs=sampler_logprobs,
-                                       teacher=teacher)
+        metrics = accumulate_gradients(
+            model,
+            rows,
+            advantages_N,
+            cfg,
+            pad_id,
+            logprob_fn,
+            ref_logprobs=ref_logprobs,
+            sampler_logprobs=sampler_logprobs,
+            teacher=teacher,
+        )
         stepped = metrics["n_rows_trained"] > 0
         grad_norm = _clip_grad_norm(model, cfg.max_grad_norm, len(rows)) if stepped else None
     except Exception:  # never leave half-accumulated gradients behind
@@ -527,9 +587,14 @@ def _clip_grad_norm(model: torch.nn.Module, max_grad_norm: float, n_rows: int) -
 
 
 @torch.no_grad()
-def compute_logprobs(model: torch.nn.Module, rows: Sequence[TrainingRow], pad_id: int,
-                     logprob_fn: Callable[..., Any], temperature: float = 1.0,
-                     micro_batch_size: int = 32) -> list[list[float]]:
+def compute_logprobs(
+    model: torch.nn.Module,
+    rows: Sequence[TrainingRow],
+    pad_id: int,
+    logprob_fn: Callable[..., Any],
+    temperature: float = 1.0,
+    micro_batch_size: int = 32,
+) -> list[list[float]]:
     """Log-probs of every row's tokens under ``model`` (no gradient), aligned with
     ``row.input_ids`` (position 0 holds 0: no logit predicts it).
 

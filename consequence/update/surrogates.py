@@ -49,19 +49,20 @@ def _broadcast_adv(advantages: Tensor, like: Tensor) -> Tensor:
 
 def _check_pair(logprobs: Tensor, old_logprobs: Tensor) -> None:
     if logprobs.shape != old_logprobs.shape:
-        raise ValueError(
-            f"logprobs {tuple(logprobs.shape)} and old_logprobs {tuple(old_logprobs.shape)} differ"
-        )
+        raise ValueError(f"logprobs {tuple(logprobs.shape)} and old_logprobs {tuple(old_logprobs.shape)} differ")
 
 
 @overload
-def _select(mask: Tensor | None, logprobs: Tensor, old_logprobs: Tensor,
-            advantages: Tensor) -> tuple[Tensor, Tensor, Tensor]: ...
+def _select(
+    mask: Tensor | None, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor
+) -> tuple[Tensor, Tensor, Tensor]: ...
 @overload
-def _select(mask: Tensor | None, logprobs: Tensor, old_logprobs: None,
-            advantages: Tensor) -> tuple[Tensor, None, Tensor]: ...
-def _select(mask: Tensor | None, logprobs: Tensor, old_logprobs: Tensor | None,
-            advantages: Tensor) -> tuple[Tensor, Tensor | None, Tensor]:
+def _select(
+    mask: Tensor | None, logprobs: Tensor, old_logprobs: None, advantages: Tensor
+) -> tuple[Tensor, None, Tensor]: ...
+def _select(
+    mask: Tensor | None, logprobs: Tensor, old_logprobs: Tensor | None, advantages: Tensor
+) -> tuple[Tensor, Tensor | None, Tensor]:
     """(logprobs, old_logprobs, advantages [N, T]) with every non-target position set to 0.
 
     Done on the INPUTS, before any exp: ``torch.where``'s backward gives exactly 0 to the
@@ -73,8 +74,10 @@ def _select(mask: Tensor | None, logprobs: Tensor, old_logprobs: Tensor | None,
     if mask is None:
         return logprobs, old_logprobs, adv
     if mask.shape != logprobs.shape:
-        raise ValueError(f"mask {tuple(mask.shape)} and logprobs {tuple(logprobs.shape)} differ; "
-                         "pass the loss mask of the same [N, T] positions")
+        raise ValueError(
+            f"mask {tuple(mask.shape)} and logprobs {tuple(logprobs.shape)} differ; "
+            "pass the loss mask of the same [N, T] positions"
+        )
     m = mask > 0
     zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
     old = None if old_logprobs is None else torch.where(m, old_logprobs, zero.to(old_logprobs.dtype))
@@ -273,8 +276,11 @@ def surrogate_objective(
         # else: every surrogate selects them out before exp (module doc).
         lp, old, _ = _select(mask, logprobs, old_logprobs, advantages)
         ratio = torch.exp(lp - old).detach()
-        return (policy_gradient_objective(logprobs, advantages, mask=mask), ratio,
-                torch.zeros_like(mask, dtype=torch.bool))
+        return (
+            policy_gradient_objective(logprobs, advantages, mask=mask),
+            ratio,
+            torch.zeros_like(mask, dtype=torch.bool),
+        )
     if name == "ppo_clip":
         return clipped_surrogate(logprobs, old_logprobs, advantages, eps_low, eps_high, mask=mask)
     if name == "dual_clip":

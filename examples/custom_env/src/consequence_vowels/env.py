@@ -18,9 +18,14 @@ from dataclasses import dataclass
 from consequence.envs.api import Environment
 
 VOWELS, CONSONANTS = "aeiou", "bcdfghjklmnpqrstvwxyz"
-SPELL = {"type": "function", "function": {
-    "name": "spell", "description": "Show a word letter by letter.",
-    "parameters": {"type": "object", "properties": {"word": {"type": "string"}}, "required": ["word"]}}}
+SPELL = {
+    "type": "function",
+    "function": {
+        "name": "spell",
+        "description": "Show a word letter by letter.",
+        "parameters": {"type": "object", "properties": {"word": {"type": "string"}}, "required": ["word"]},
+    },
+}
 
 
 @dataclass(frozen=True)
@@ -35,16 +40,19 @@ class VowelEpisode:
         self.task = task
 
     def reset(self, seed=None, options=None) -> tuple[str, dict]:
-        return (f'How many vowels (a, e, i, o, u) are in the word "{self.task.word}"? '
-                "Reply with the number only."), {"task_id": self.task.task_id}
+        return (f'How many vowels (a, e, i, o, u) are in the word "{self.task.word}"? Reply with the number only.'), {
+            "task_id": self.task.task_id
+        }
 
     def step(self, action: dict) -> tuple[str, float, bool, bool, dict]:
         if "answer" not in action:  # the one tool, arguments already checked against SPELL
             return " ".join(str(action["arguments"]["word"])), 0.0, False, False, {}
         text, count = action["answer"].strip(), sum(c in VOWELS for c in self.task.word)
         numbers = re.findall(r"\d+", text)
-        parts = {"accuracy": float(bool(numbers) and int(numbers[-1]) == count),
-                 "format": 0.1 if re.fullmatch(r"\d+", text) else 0.0}
+        parts = {
+            "accuracy": float(bool(numbers) and int(numbers[-1]) == count),
+            "format": 0.1 if re.fullmatch(r"\d+", text) else 0.0,
+        }
         obs = "correct" if parts["accuracy"] else f"wrong: {count}"
         return obs, sum(parts.values()), True, False, {"reward_components": parts}
 
@@ -61,20 +69,28 @@ class VowelCountEnvironment(Environment):
 
     def __init__(self, split_seed: int = 0, n_words: int = 300, max_length: int = 8):
         if n_words < 10 or not 3 <= max_length <= 20:
-            raise ValueError(f"vowel-count: need n_words >= 10 and 3 <= max_length <= 20, "
-                             f"got n_words={n_words}, max_length={max_length}")
+            raise ValueError(
+                f"vowel-count: need n_words >= 10 and 3 <= max_length <= 20, "
+                f"got n_words={n_words}, max_length={max_length}"
+            )
         self.n_words, self.max_length = n_words, max_length
         super().__init__(split_seed)  # calls load_splits
 
     def load_splits(self, split_seed: int) -> dict[str, list]:
         rng, words = random.Random(1234), set()
         while len(words) < self.n_words:
-            words.add("".join(rng.choice(VOWELS) if rng.random() < 0.4 else rng.choice(CONSONANTS)
-                              for _ in range(rng.randint(3, self.max_length))))
+            words.add(
+                "".join(
+                    rng.choice(VOWELS) if rng.random() < 0.4 else rng.choice(CONSONANTS)
+                    for _ in range(rng.randint(3, self.max_length))
+                )
+            )
         order = sorted(words, key=lambda w: hashlib.sha256(f"{split_seed}|{w}".encode()).hexdigest())
         cut = [0, round(0.8 * len(order)), round(0.9 * len(order)), len(order)]
-        return {s: [VowelTask(w, w, w) for w in order[cut[k]:cut[k + 1]]]
-                for k, s in enumerate(("train", "validation", "test"))}
+        return {
+            s: [VowelTask(w, w, w) for w in order[cut[k] : cut[k + 1]]]
+            for k, s in enumerate(("train", "validation", "test"))
+        }
 
     def make_episode(self, task: VowelTask) -> VowelEpisode:
         return VowelEpisode(task)
