@@ -19,8 +19,9 @@ import functools
 import math
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -38,6 +39,8 @@ from consequence.serve.runner import load_agent, run_agent_episodes
 from consequence.update.sampler_gap import apply_is_mask, sampler_gap_metrics
 from consequence.update.step import NonFiniteError, UpdateConfig, compute_logprobs, ppo_step
 from consequence.update.value_step import value_step
+
+_T = TypeVar("_T")
 
 
 @dataclass
@@ -280,6 +283,7 @@ def credit(trajs: list[Trajectory], cfg: TrainConfig, learner: Learner, pad_id: 
         ref = compute_logprobs(learner.reference, rows, pad_id, logprob_fn(cfg), cfg.temperature, cfg.micro_batch_size)
     t0 = time.perf_counter()
     if cfg.advantage == "reverse_kl" and rows:  # a --distill-loss teacher runs in the update instead
+        assert learner.teacher is not None  # make_learner refuses reverse_kl without a teacher
         teacher = compute_logprobs(
             learner.teacher, rows, pad_id, logprob_fn(cfg), cfg.temperature, cfg.micro_batch_size
         )
@@ -345,6 +349,7 @@ def update(
         merged["teacher_forward_tokens"] = float(cfg.epochs_per_batch * sum(len(r.input_ids) for r in rows))
         merged["distill_targets"] = merged.get("n_tokens", 0.0)
     if learner.critic is not None:
+        assert batch.returns is not None and batch.old_values is not None  # a critic means GAE, which fills both
         ev = explained_variance(rows, batch.returns, batch.old_values)
         if ev is not None and math.isfinite(ev):
             merged["value_explained_var"] = ev
@@ -380,15 +385,21 @@ def _one_step(
     batch: Batch, rows, part: list[int], cfg, learner: Learner, pad_id, lp_fn, k: int, divergence_only: bool = False
 ) -> dict:
     """Optimizer step ``k`` on rows ``part``; a non-finite tensor is re-raised naming trajectories."""
-    pick = lambda xs: None if xs is None else [xs[j] for j in part]  # noqa: E731
+
+    def take(xs: Sequence[_T]) -> list[_T]:
+        return [xs[j] for j in part]
+
+    def pick(xs: Sequence[_T] | None) -> list[_T] | None:
+        return None if xs is None else take(xs)
+
     ucfg = dataclasses.replace(learner.update_cfg, pg_coef=0.0) if divergence_only else learner.update_cfg
     try:
         step = ppo_step if learner.data_parallel is None else learner.data_parallel.ppo_step
         m = step(
             learner.model,
             learner.optimizer,
-            pick(rows),
-            pick(batch.advantages),
+            take(rows),
+            take(batch.advantages),
             ucfg,
             pad_id,
             lp_fn,
@@ -397,12 +408,15 @@ def _one_step(
             teacher=learner.teacher,
         )  # the update reads it only with a --distill-loss
         if learner.critic is not None:
+            # make_learner gives a critic its optimizer; a critic means GAE, which fills returns and values
+            assert learner.critic_optimizer is not None
+            assert batch.returns is not None and batch.old_values is not None
             m |= value_step(
                 learner.critic,
                 learner.critic_optimizer,
-                pick(rows),
-                pick(batch.returns),
-                pick(batch.old_values),
+                take(rows),
+                take(batch.returns),
+                take(batch.old_values),
                 pad_id,
                 cfg.value_clip,
                 cfg.micro_batch_size,

@@ -375,7 +375,8 @@ def test_write_errors_of_torch_and_safetensors_become_oserrors(tmp_path):
         try:
             raise OSError(errno.ENOSPC, "No space left on device")
         except OSError:
-            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+            # torch.save raises this way, the OSError only as the implicit context: what this test reproduces
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")  # noqa: B904
     except RuntimeError as e:  # torch.save: the OSError is the context
         err = as_write_error(e, tmp_path / "optimizer.pt")
     assert (err.errno, err.filename) == (errno.ENOSPC, str(tmp_path / "optimizer.pt"))

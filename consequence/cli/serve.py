@@ -61,7 +61,7 @@ def serve_cmd(
         renderer = Renderer(tokenizer, [])
     except (ValueError, FileNotFoundError) as e:
         console.print(f"[red]error:[/] {escape(str(e))}")
-        raise typer.Exit(2)
+        raise typer.Exit(2) from None
     if not _is_loopback(host):
         console.print(f"[yellow]warning:[/] listening on {escape(host)}: the endpoint has no authentication")
     settings = ServeSettings(
@@ -82,7 +82,7 @@ def serve_cmd(
             f"[red]error:[/] cannot listen on {escape(host)}:{port} ({escape(str(e))}); pick another "
             "--port (0 = any free one)"
         )
-        raise typer.Exit(2)
+        raise typer.Exit(2) from None
     port = sock.getsockname()[1]
     server = uvicorn.Server(
         uvicorn.Config(create_app(policy, renderer, settings), host=host, port=port, log_level="warning", lifespan="on")

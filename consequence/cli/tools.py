@@ -29,7 +29,7 @@ def explain(
         loaded = [load_for_explain(r) for r in recipes]
     except ValueError as e:
         console.print(f"[red]error:[/] {escape(str(e))}")
-        raise typer.Exit(2)
+        raise typer.Exit(2) from None
     if len(loaded) == 1:
         render_recipe(loaded[0], console)
     elif len(loaded) == 2:
@@ -113,7 +113,7 @@ def warmstart(
         _check_teacher_env(env, seed)
     except ValueError as e:
         console.print(f"[red]error:[/] {escape(str(e))}")
-        raise typer.Exit(2)
+        raise typer.Exit(2) from None
     if bundle or force:
         path = build_warmstart(cfg, BUNDLED if bundle else warmstart_path(cfg), console.print)
     else:
@@ -163,13 +163,13 @@ def merge_cmd(
         path = merge_adapter(adapter, out)
     except ValueError as e:
         console.print(f"[red]error:[/] {escape(str(e))}")
-        raise typer.Exit(2)
+        raise typer.Exit(2) from None
     except OSError as e:  # a folder that cannot be written (permissions, a full disk, /proc)
         console.print(
             f"[red]error:[/] cannot write --out {escape(str(out))}: {escape(e.strerror or str(e))}; "
             "nothing was written there"
         )
-        raise typer.Exit(2)
+        raise typer.Exit(2) from None
     console.print(f"merged {escape(str(adapter))} into its base model: {escape(str(path))}")
 
 
@@ -190,13 +190,13 @@ def shrink_cmd(
         path, keep = shrink_model(model, layers, out)
     except ValueError as e:
         console.print(f"[red]error:[/] {escape(str(e))}")
-        raise typer.Exit(2)
+        raise typer.Exit(2) from None
     except OSError as e:
         console.print(
             f"[red]error:[/] cannot write --out {escape(str(out))}: {escape(e.strerror or str(e))}; "
             "nothing was written there"
         )
-        raise typer.Exit(2)
+        raise typer.Exit(2) from None
     console.print(f"student written to {escape(str(path))}: kept layers {keep} of {escape(model)}")
 
 
@@ -227,7 +227,7 @@ def lab(
         check_run_dir(out, "--out", keep=False)
     except ValueError as e:
         console.print(f"[red]error:[/] {escape(str(e))}")
-        raise typer.Exit(2)
+        raise typer.Exit(2) from None
     result = dict(LABS[name](out, seed=seed))
     png = result.pop("png")
     table = Table(title=f"lab {name} (seed {seed})")
@@ -267,7 +267,7 @@ def view(
         html, summary = build_page(run_dir, iteration, with_current_logprobs, limit, log=console.print)
     except (ViewerError, ValueError) as e:
         console.print(f"[red]error:[/] {escape(str(e))}")
-        raise typer.Exit(2)
+        raise typer.Exit(2) from None
     path = write_page(html, path)
     left = f", {summary['n_left_out']} left out (page limit {limit})" if summary["n_left_out"] else ""
     console.print(f"{summary['n_shown']} trajectories{left}: {path} ({len(html.encode()) / 1e6:.2f} MB)")
@@ -353,10 +353,10 @@ def sft_cmd(
             )
     except ValueError as e:
         console.print(f"[red]error:[/] {escape(str(e))}")
-        raise typer.Exit(2)
+        raise typer.Exit(2) from None
     except OSError as e:
         console.print(f"[red]error:[/] cannot write --out {escape(str(out))}: {escape(e.strerror or str(e))}")
-        raise typer.Exit(2)
+        raise typer.Exit(2) from None
     console.print(
         f"cold-start model: {out}  ({record['teacher']['verified']}/{record['teacher']['episodes']} "
         f"verified demonstrations, {record['rows']} rows, SFT {record['seconds']['sft']:.0f} s)"

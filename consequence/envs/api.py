@@ -47,7 +47,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, cast, runtime_checkable
 
 __all__ = [
     "Episode",
@@ -118,14 +118,18 @@ class Environment:
 
     name: ClassVar[str] = ""
     version: ClassVar[str] = "0"
-    system_prompt: ClassVar[str] = ""
+    # Not ClassVar: an environment's options may set these per instance (openenv's tools and
+    # reward_range, calculator's system prompt from its budget, reasoning-gym's format component).
+    system_prompt: str = ""
     examples: tuple[tuple[str, str], ...] = ()
-    tools: ClassVar[list[dict]] = []
-    reward_components: ClassVar[tuple[str, ...]] = ("reward",)
+    tools: list[dict] = []
+    reward_components: tuple[str, ...] = ("reward",)
     reward_rule: ClassVar[str] = "sum"
-    reward_range: ClassVar[tuple[float, float]] = (0.0, 1.0)
-    answer_ends_episode: ClassVar[bool] = True
+    reward_range: tuple[float, float] = (0.0, 1.0)
+    answer_ends_episode: bool = True
     sources: ClassVar[tuple[str, ...]] = ()  # further modules whose code makes the episodes (hashed too)
+    # the options registry.load_environment made it with (see `options`); unset on one made directly
+    _options: dict[str, Any]
 
     def __init__(self, split_seed: int = 0, **options: Any):
         if options:
@@ -182,7 +186,7 @@ class Environment:
         for k in range(n):
             task = pool[order[k % len(order)]]
             new_id = f"{task.task_id}#{seed}-{k}"
-            if dataclasses.is_dataclass(task):
+            if dataclasses.is_dataclass(task) and not isinstance(task, type):  # an instance (mypy: not a class)
                 out.append(dataclasses.replace(task, task_id=new_id))
             elif hasattr(task, "_replace"):  # a NamedTuple
                 out.append(task._replace(task_id=new_id))
@@ -586,8 +590,11 @@ class SingleTurnEnvironment(Environment):
         self.base: Environment | None = None
         # per-instance declarations (the class attributes are the defaults), as reasoning-gym's and calculator's
         self.system_prompt, self.name = system_prompt, name  # type: ignore[misc]
-        self.reward_range, self.reward_components = tuple(reward_range), tuple(reward_components)  # type: ignore[misc,assignment]
-        self.examples = tuple(tuple(x) for x in examples)  # type: ignore[misc]
+        # a list from YAML or JSON becomes a tuple; its length and values are checked with every reward
+        self.reward_range = cast(tuple[float, float], tuple(reward_range))
+        self.reward_components = tuple(reward_components)
+        # pairs from YAML or JSON arrive as lists; the annotation is the contract (a pair unpacks as q, a)
+        self.examples = cast(tuple[tuple[str, str], ...], tuple(tuple(x) for x in examples))
         super().__init__(split_seed)
 
     @classmethod
@@ -611,8 +618,8 @@ class SingleTurnEnvironment(Environment):
         if getattr(env, "reward_fn_wrapper", False):
             raise ValueError(
                 f"{where}: environment {env.label!r} is already scored by reward_fn "
-                f"{callable_name(env.reward_fn)}; give the reward function once"
-            )  # type: ignore[attr-defined]
+                f"{callable_name(getattr(env, 'reward_fn', None))}; give the reward function once"
+            )
         if env.tools or not env.answer_ends_episode:
             why = (
                 f"it has tools ({', '.join(t['function']['name'] for t in env.tools)})"
@@ -628,7 +635,8 @@ class SingleTurnEnvironment(Environment):
         self = cls.__new__(cls)
         self.base, self.records, self.reward_fn = env, [], reward_fn
         self.name, self.system_prompt, self.examples = env.name, env.system_prompt, tuple(env.examples)  # type: ignore[misc]
-        self.reward_range, self.reward_components = tuple(env.reward_range), tuple(env.reward_components)  # type: ignore[misc,assignment]
+        self.reward_range = cast(tuple[float, float], tuple(env.reward_range))
+        self.reward_components = tuple(env.reward_components)
         Environment.__init__(self, env.split_seed)
         return self
 

@@ -112,7 +112,8 @@ def _literal(node: ast.AST) -> int | float | None:
     while isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
         sign = -sign if isinstance(node.op, ast.USub) else sign
         node = node.operand
-    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+    # bool is the only subclass of int or float an ast.Constant holds, and is no number literal
+    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
         return sign * node.value
     return None
 
@@ -175,7 +176,7 @@ def _bound(node: ast.AST) -> tuple[str, float]:
     raise _Refused(f"only arithmetic is allowed (numbers, + - * / // % **, parentheses), not {what}")
 
 
-def check_expression(expression: str) -> str | None:
+def check_expression(expression: object) -> str | None:
     """Why ``expression`` is refused (the text after ``error: ``), or None when it may run.
 
     >>> check_expression("12*(3+4)") is None
@@ -203,14 +204,15 @@ def check_expression(expression: str) -> str | None:
 
 
 def calculate(
-    expression: str, limits: SandboxLimits = CALC_LIMITS, env_retries: int = ENV_RETRIES
+    expression: object, limits: SandboxLimits = CALC_LIMITS, env_retries: int = ENV_RETRIES
 ) -> tuple[str, TestReport | None]:
     """Evaluate ``expression`` in the sandbox: (observation, the sandbox's report).
 
     The observation is the value's ``repr`` or ``"error: ..."``; the report is None when
     :func:`check_expression` refused the expression (then nothing ran), and has status
     ``'sandbox_error'`` when the sandbox failed ``1 + env_retries`` times (the caller makes
-    that an env_error). Never raises for a bad expression.
+    that an env_error). Never raises for a bad expression: ``expression`` is whatever the
+    tool call carried, and anything but a string is refused.
 
     The accepted expression is the body of a one-line program (``_r = repr(EXPR)``) whose
     value is read back through the sandbox's test messages, 64 characters per test.
@@ -218,6 +220,7 @@ def calculate(
     refused = check_expression(expression)
     if refused is not None:
         return f"error: {refused}", None
+    assert isinstance(expression, str)  # check_expression refuses anything else
     code = f"_r = repr({expression.strip()})\n"
     tests = [TestCase(f"_r[{i * _CHUNK}:{(i + 1) * _CHUNK}]", "<value>") for i in range(_CHUNKS)]
     tests.append(TestCase("len(_r)", "<value>"))
@@ -513,8 +516,8 @@ class CalculatorEnvironment(Environment):
             )
         self.n_problems, self.digits, self.terms = n_problems, digits, terms
         self.tool_cost, self.max_calls = float(tool_cost), max_calls
-        low = -self.tool_cost * max_calls * (1 + 1e-9)
-        self.reward_range = (low if low else 0.0, 1.0)
+        lowest = -self.tool_cost * max_calls * (1 + 1e-9)
+        self.reward_range = (lowest if lowest else 0.0, 1.0)
         budget = (
             f"You have at most {max_calls} calculator call{'s' if max_calls != 1 else ''}"
             + (f", each costing {self.tool_cost:g} reward" if self.tool_cost else "")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import inspect
 import json
 import os
 import re
@@ -107,11 +108,12 @@ def verify_completion(task: CodeTask, completion: str, limits: SandboxLimits | N
 def _try_problem(
     cands: list[CodeTask], keep: int, max_tries: int, limits: SandboxLimits
 ) -> tuple[list[CodeTask], dict[str, int]]:
-    kept, seen = [], {"tried": 0, "killed": 0, "equivalent": 0, "timeout_or_crash": 0, "visible_fail": 0}
+    kept: list[CodeTask] = []
+    seen = {"tried": 0, "killed": 0, "equivalent": 0, "timeout_or_crash": 0, "visible_fail": 0}
     for task in cands[:max_tries]:
         if len(kept) >= keep:
             break
-        rep = with_retries(lambda: run_hidden(task.starting_code, task.hidden_tests, limits))
+        rep = with_retries(functools.partial(run_hidden, task.starting_code, task.hidden_tests, limits))
         if rep.status == "sandbox_error":
             raise RuntimeError(f"sandbox failed while building {task.task_id}: {rep.error}")
         seen["tried"] += 1
@@ -175,7 +177,7 @@ def build_humaneval_repair(
 
 
 def _code_digest() -> str:
-    srcs = [Path(m.__file__).read_bytes() for m in (_bugs, _he)]
+    srcs = [Path(inspect.getfile(m)).read_bytes() for m in (_bugs, _he)]
     return hashlib.sha256(b"".join(srcs) + _he.data_digest().encode()).hexdigest()[:12]
 
 

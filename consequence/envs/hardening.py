@@ -257,7 +257,7 @@ def child_config(cpu_s: int, memory_mb: int, fsize_bytes: int, layers: dict[str,
     ``seccomp`` -> bool).
     """
     layers = available_layers() if layers is None else layers
-    cfg = {
+    cfg: dict[str, object] = {
         "cpu": int(cpu_s),
         "as": int(memory_mb) << 20,
         "fsize": int(fsize_bytes),

@@ -124,7 +124,7 @@ def _report(
     if timed_out:
         why = f"timeout after {lim.wall_s:g} s"
         return TestReport("timeout", 0, n, [why] * n, why)
-    if "results" in (verdict or {}):  # test-case mode
+    if verdict is not None and "results" in verdict:  # test-case mode
         res = verdict["results"]
         if rc != 0 or not isinstance(res, list) or len(res) != n:
             why = f"judge exited with code {rc} without a verdict"

@@ -48,13 +48,14 @@ that sets ``SUPPORTS_CONCURRENT_SESSIONS = True``; OpenEnv's default is 1).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 from consequence.envs.api import SPLITS, Environment
 
@@ -121,7 +122,8 @@ def tool_name_of(schema: dict) -> str:
     return re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", re.sub(r"[^A-Za-z0-9]+", "_", title)).strip("_").lower() or "act"
 
 
-def _is_server_url(url: Any) -> bool:
+def _is_server_url(url: Any) -> TypeGuard[str]:
+    """True when ``url`` is a string with an http(s) / ws(s) scheme and a host."""
     try:
         parts = urllib.parse.urlsplit(url) if isinstance(url, str) else None
         return bool(parts and parts.scheme in ("http", "https", "ws", "wss") and parts.hostname)
@@ -188,15 +190,11 @@ class _Session:
     def close(self) -> None:
         """Ask the server to end the session, let it close the connection (so that it does not log
         a disconnect), then close our side. Best effort: the server may be gone already."""
-        try:
+        with contextlib.suppress(Exception):  # ConnectionClosed: the server closed it, as asked
             self.conn.send(json.dumps({"type": "close"}))
             self.conn.recv(timeout=min(2.0, self.timeout_s))  # returns only if the server replied instead
-        except Exception:  # ConnectionClosed: the server closed it, as asked
-            pass
-        try:
+        with contextlib.suppress(Exception):
             self.conn.close()
-        except Exception:
-            pass
 
 
 class OpenEnvEpisode:

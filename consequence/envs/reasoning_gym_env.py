@@ -232,7 +232,7 @@ class ReasoningGymEnvironment(Environment):
     version = "1"
     system_prompt = SYSTEM_PROMPT
     tools: list[dict] = []
-    reward_components = ("accuracy",)
+    reward_components: tuple[str, ...] = ("accuracy",)  # ("accuracy", "format") with a format_weight
     answer_ends_episode = True
 
     def __init__(
@@ -268,8 +268,7 @@ class ReasoningGymEnvironment(Environment):
         for key in config:
             if key in _RESERVED:
                 raise ValueError(f"{where} config: key {key!r} is not a generator setting here; {_RESERVED[key]}")
-        bad = [k for k in config if takes is not None and k not in takes]
-        if bad:
+        if takes is not None and (bad := [k for k in config if k not in takes]):
             raise ValueError(
                 f"{where} config: dataset {dataset!r} has no setting {', '.join(map(repr, bad))}; "
                 f"its settings are {', '.join(takes) or 'none'}"

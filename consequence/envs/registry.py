@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -233,10 +234,11 @@ def load_environment(name: str, split_seed: int = 0, options: dict[str, Any] | N
 def _check_options(factory: Any, name: str, options: dict[str, Any]) -> None:
     """Refuse an option the factory does not declare (applied or refused, never dropped)."""
     try:
-        params = inspect.signature(factory).parameters
+        params: Mapping[str, inspect.Parameter] = inspect.signature(factory).parameters
     except (TypeError, ValueError):
         return
-    if isinstance(factory, type) and factory.__init__ is Environment.__init__:
+    # (only a subclass of Environment can have its __init__; issubclass lets mypy see a class)
+    if isinstance(factory, type) and issubclass(factory, Environment) and factory.__init__ is Environment.__init__:
         params = {}  # the base class takes no option
     elif any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return  # the environment checks its own options

@@ -147,7 +147,7 @@ class RepairEnv:
     def _replace(self, args: dict) -> str:
         n = len(self._lines)
         try:
-            line = int(args.get("line"))
+            line = int(args.get("line", ""))  # missing: int("") fails as a non-number does
         except (TypeError, ValueError):
             return f"error: line must be an integer 1..{n}"
         code = args.get("code")

@@ -21,6 +21,7 @@ verdict comes from a process the candidate cannot reach.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -37,6 +38,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import BinaryIO
 
 from consequence.envs.hardening import PRELUDE, child_config, layers_report
 from consequence.envs.zygote import Child, ForkServer
@@ -205,10 +207,8 @@ def kill_group(proc: subprocess.Popen | Child | None) -> None:
         proc.wait()
         proc.close()
         return
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
     proc.wait()
 
 
@@ -309,7 +309,14 @@ def tagged_messages(raw: bytes, nonce: str) -> tuple[bool, dict | None]:
     return started, last
 
 
-def exchange(proc, stdin, stdout, payload: bytes, cap: int, deadline: float) -> tuple[bytes, str | None]:
+def exchange(
+    proc: subprocess.Popen | Child,
+    stdin: BinaryIO,
+    stdout: BinaryIO | None,
+    payload: bytes,
+    cap: int,
+    deadline: float,
+) -> tuple[bytes, str | None]:
     """Write ``payload`` to the child's stdin while reading at most ``cap`` bytes of its
     stdout, until it exits or ``deadline`` (``time.monotonic()``) passes.
 
@@ -339,9 +346,9 @@ def exchange(proc, stdin, stdout, payload: bytes, cap: int, deadline: float) -> 
                         sel.unregister(stdin)
                         stdin.close()
                     continue
-                chunk = os.read(stdout.fileno(), 65536)
+                chunk = os.read(key.fd, 65536)  # the other key is stdout's
                 if not chunk:
-                    sel.unregister(stdout)
+                    sel.unregister(key.fileobj)
                     continue
                 out += chunk
                 if len(out) > cap:
@@ -400,14 +407,13 @@ def _run(code: str, tests: Sequence[TestCase], lim: SandboxLimits) -> TestReport
         )
     if timed_out or proc.returncode == -signal.SIGXCPU:
         return TestReport("timeout", 0, n, [f"timeout after {lim.wall_s:g} s"] * n, f"timeout after {lim.wall_s:g} s")
-    ok = (
+    if not (
         res is not None
         and proc.returncode == 0
         and isinstance(res.get("results"), list)
         and len(res["results"]) == n
         and stop is None
-    )
-    if not ok:
+    ):
         why = (
             f"output exceeded {cap} bytes"
             if stop == "overflow"

@@ -32,6 +32,7 @@ it has reaped the child. Parent side: :class:`ForkServer`, :class:`Child`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -40,6 +41,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 __all__ = ["ForkServer", "Child", "ForkServerError"]
 
@@ -224,10 +226,8 @@ class Child:
         except (ProcessLookupError, PermissionError, OSError):
             pass
         if not self._done.is_set():  # still unreaped: its pid (= its group) is not recycled
-            try:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
 
     def close(self) -> None:
         if self.pidfd is not None:
@@ -368,11 +368,15 @@ class ForkServer:
                 except OSError as e:
                     raise ForkServerError(f"cannot start the sandbox fork server: {e}") from e
             self._next += 1
-            rid, slot = self._next, [threading.Event(), None]
+            # [set when answered, the Child or a ForkServerError]: filled by the reader thread
+            slot: list[Any] = [threading.Event(), None]
+            rid = self._next
             self._pending[rid] = slot
             req = {"id": rid, "kind": kind, "cfg": cfg, "cwd": cwd, "targets": list(targets), "argv": list(argv)}
+            sock = self._sock
+            assert sock is not None  # alive, or just started
             try:
-                socket.send_fds(self._sock, [json.dumps(req).encode()], list(fds))
+                socket.send_fds(sock, [json.dumps(req).encode()], list(fds))
             except OSError as e:
                 self._pending.pop(rid, None)
                 raise ForkServerError(f"sandbox fork server unreachable: {e}") from e

@@ -50,10 +50,11 @@ def paired_comparison(a: ArmResult, b: ArmResult, confidence: float = 0.95, seed
     if ids_a != ids_b:
         raise ValueError("paired comparison needs both policies run on the same episodes, in order")
     sa, sb = a.successes(), b.successes()
-    keep = [i for i in range(len(sa)) if sa[i] is not None and sb[i] is not None]
-    groups = [a.trajectories[i].task_id.split("#")[0] for i in keep]
+    # (index, success of a, success of b) of the episodes where neither had an environment error
+    keep = [(i, x, y) for i, (x, y) in enumerate(zip(sa, sb)) if x is not None and y is not None]
+    groups = [a.trajectories[i].task_id.split("#")[0] for i, _, _ in keep]
     ci = paired_bootstrap_ci(
-        [sa[i] for i in keep], [sb[i] for i in keep], groups=groups, confidence=confidence, seed=seed
+        [x for _, x, _ in keep], [y for _, _, y in keep], groups=groups, confidence=confidence, seed=seed
     )
     return {
         **ci,
@@ -120,7 +121,7 @@ def top_answer(trajs: Sequence[Trajectory]) -> dict[str, Any]:
             counts[t.final_code] = counts.get(t.final_code, 0) + 1
     if not counts:
         return {"top_answer": None, "top_answer_share": 0.0}
-    answer = max(counts, key=counts.get)  # ties: the first seen
+    answer = max(counts, key=counts.__getitem__)  # ties: the first seen
     shown = answer if len(answer) <= 80 else answer[:77] + "..."  # a program can be long: report.json keeps a head
     return {"top_answer": shown, "top_answer_share": counts[answer] / max(1, len(trajs))}
 

@@ -32,6 +32,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from consequence.envs.code_tasks import (
     CHAT_INSTRUCTION,
@@ -101,11 +102,12 @@ class CompletionEval:
 def _aggregate(
     tasks: Sequence[CodeTask], reports: list[list], ks: Sequence[int], flags: list[list[str]], seed: int
 ) -> CompletionEval:
-    per_task, counts = [], []
+    per_task: list[dict[str, Any]] = []
+    counts = []
     for task, reps, fl in zip(tasks, reports, flags):
         valid = [r for r in reps if r.status != "sandbox_error"]
         c = sum(1 for r in valid if r.all_passed)
-        row = {
+        row: dict[str, Any] = {
             "task_id": task.task_id,
             "n": len(reps),
             "n_valid": len(valid),

@@ -83,7 +83,7 @@ class Phases:
         def tick(done: int) -> None:
             with self._lock:
                 state["done"] = max(state["done"], int(done))
-                if bar is not None:
+                if bar is not None and job is not None:  # job is None exactly when bar is
                     bar.update(job, completed=state["done"])
 
         ended = "done"
@@ -97,7 +97,7 @@ class Phases:
             raise
         finally:
             dt = time.perf_counter() - t0
-            if bar is not None:
+            if bar is not None and job is not None:
                 bar.update(job, completed=state["done"])
             elif self.console is not None:
                 rate = state["done"] / dt if dt > 0 else 0.0

@@ -301,7 +301,7 @@ def _visible_scores(trajs: Sequence[Trajectory], tasks_by_id: dict, phases: Phas
         list(ex.map(one, todo))
 
     def score(t: Trajectory) -> int:
-        return scores[id(t)] if id(t) in scores else 0
+        return scores.get(id(t), 0)
 
     return score
 
@@ -348,7 +348,7 @@ def compare_policies(
     wins; with ``recovery`` the same for the recovery diagnostic (same openings, same
     seeds). Each policy's own report (pass@k and final selection at ``ks``) is kept under
     "a" / "b"."""
-    kw = dict(
+    kw: dict[str, Any] = dict(  # the same settings for both policies
         problems=problems,
         temperature=temperature,
         seed=seed,

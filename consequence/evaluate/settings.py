@@ -156,7 +156,8 @@ def resolve_settings(
         ValueError: a run's config.yaml is unreadable, or two runs disagree on a key whose
             option was not given (the message names both values and the option to pass).
     """
-    runs, per_key = {}, {k: {} for k in keys}
+    runs: dict[str, str] = {}
+    per_key: dict[str, dict[str, Any]] = {k: {} for k in keys}  # key -> arm -> the run's value
     for arm, path in policies:
         found = run_config(path)
         if found is None:
