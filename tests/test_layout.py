@@ -92,3 +92,153 @@ def test_no_module_outside_envs_imports_a_specific_environment():
                 names = [a.name for a in node.names]
             bad += [f"{path.relative_to(PKG)} imports {n}" for n in names if n in envs]
     assert not bad, "\n".join(bad)
+
+
+# ---- import cycles ---------------------------------------------------------------------------
+
+
+def _module_name(path: Path) -> str:
+    """``consequence/policy/tiny.py`` -> ``consequence.policy.tiny``; a package's ``__init__.py``
+    is the package."""
+    parts = list(path.relative_to(PKG.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(p): p for p in PKG.rglob("*.py")}
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return getattr(test, "id", getattr(test, "attr", None)) == "TYPE_CHECKING"
+
+
+def _import_nodes(body: list[ast.stmt], in_functions: bool) -> list[ast.Import | ast.ImportFrom]:
+    """The import statements that run when these statements run: those of nested blocks
+    (``try``, ``if``, ``with``, class bodies) too, never those of an ``if TYPE_CHECKING:`` body;
+    those inside functions only with ``in_functions`` (they run at call time)."""
+    found: list[ast.Import | ast.ImportFrom] = []
+    for node in body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            found.append(node)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not in_functions:
+            continue
+        elif isinstance(node, ast.If) and _is_type_checking(node.test):
+            found += _import_nodes(node.orelse, in_functions)
+        else:
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, ast.stmt):
+                    found += _import_nodes([child], in_functions)
+                elif isinstance(child, ast.ExceptHandler | ast.match_case):
+                    found += _import_nodes(child.body, in_functions)
+    return found
+
+
+def _imported_modules(name: str, source: str, is_package: bool, modules, in_functions: bool) -> set[str]:
+    """The modules of ``modules`` that module ``name`` imports: ``from P import x`` is P.x when
+    that is a module, else P; relative imports are resolved against ``name``'s package."""
+    out = set()
+    for node in _import_nodes(ast.parse(source).body, in_functions):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        else:
+            src = node.module or ""
+            if node.level:
+                package = name.split(".") if is_package else name.split(".")[:-1]
+                src = ".".join(package[: len(package) - node.level + 1] + ([src] if src else []))
+            targets = [f"{src}.{a.name}" if f"{src}.{a.name}" in modules else src for a in node.names]
+        out |= {t for t in targets if t in modules and t != name}
+    return out
+
+
+def _import_graph(in_functions: bool) -> dict[str, set[str]]:
+    return {
+        name: _imported_modules(name, path.read_text(), path.name == "__init__.py", MODULES, in_functions)
+        for name, path in MODULES.items()
+    }
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle ``[a, b, ..., a]`` per strongly connected component of more than one module
+    (Tarjan 1972), starting at its first module in sorted order; [] for an acyclic graph."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    components: list[set[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:  # v is the root of a component: the stack above it is the rest
+            component = {v}
+            while (w := stack.pop()) != v:
+                component.add(w)
+            if len(component) > 1:
+                components.append(component)
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    cycles = []
+    for component in components:  # shortest way back to the start inside its component (BFS)
+        start = min(component)
+        came_from: dict[str, str] = {}
+        frontier = [start]
+        while start not in came_from:
+            reached = []
+            for v in frontier:
+                for w in sorted(graph[v] & component):
+                    if w not in came_from:
+                        came_from[w] = v
+                        reached.append(w)
+            frontier = reached
+        path, v = [start], came_from[start]
+        while v != start:
+            path.append(v)
+            v = came_from[v]
+        cycles.append([start, *reversed(path[1:]), start])
+    return sorted(cycles)
+
+
+def test_cycle_finder_and_import_reader_negative_controls():
+    """The checks below can fail: a hand-made cycle is found and reported in order, and the
+    reader sees exactly the imports that run at import time (or at call time too)."""
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
+    assert _cycles({"a": {"b", "c"}, "b": {"c"}, "c": set()}) == []
+    assert _cycles({"x": {"y"}, "y": {"x"}, "p": {"q"}, "q": {"p"}}) == [["p", "q", "p"], ["x", "y", "x"]]
+    modules = {"pkg", "pkg.a", "pkg.b", "pkg.c", "pkg.d", "pkg.sub", "pkg.sub.e"}
+    source = (
+        "from typing import TYPE_CHECKING\n"
+        "import pkg.a\n"
+        "from . import b\n"
+        "from .. import d\n"
+        "from pkg.c import some_name\n"
+        "try:\n    import pkg.sub.e\nexcept ImportError:\n    pass\n"
+        "if TYPE_CHECKING:\n    import pkg.d\n"
+        "def f():\n    from pkg import c\n"
+    )
+    at_import = _imported_modules("pkg.sub.mod", source, False, modules, in_functions=False)
+    assert at_import == {"pkg.a", "pkg.sub", "pkg.d", "pkg.c", "pkg.sub.e"}  # `from . import b`: pkg.sub.b is no module
+    assert _imported_modules("pkg.sub.mod", source, False, modules, in_functions=True) == at_import  # pkg.c already in
+    assert _imported_modules("pkg.m", "def f():\n    import pkg.b\n", False, modules, in_functions=True) == {"pkg.b"}
+    assert _imported_modules("pkg.m", "def f():\n    import pkg.b\n", False, modules, in_functions=False) == set()
+
+
+def test_no_import_cycle_among_the_modules_at_import_time():
+    """No two modules import each other, directly or through others, when they are imported
+    (module-level imports; ``if TYPE_CHECKING:`` blocks are never run)."""
+    assert _import_graph(in_functions=False)["consequence.policy.tiny"] == {"consequence.policy.checkpoint"}
+    cycles = _cycles(_import_graph(in_functions=False))
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_no_import_cycle_among_the_modules_counting_imports_inside_functions():
+    """Nor through the imports inside functions (deferred to keep `import consequence` light):
+    such a cycle still ties two modules into one (policy.lora <-> policy.tiny did, until their
+    checkpoint code moved into policy.checkpoint)."""
+    cycles = _cycles(_import_graph(in_functions=True))
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)

@@ -23,14 +23,23 @@ names the base model's folder (absolute). :func:`load_adapter_policy` loads one;
 
 from __future__ import annotations
 
-import contextlib
-import json
-import warnings
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 
-ADAPTER_CONFIG = "adapter_config.json"
+# The checkpoint half (adapter folders, loading, saving) lives in policy.checkpoint, shared
+# with policy.tiny; its names stay importable from here, where callers use them.
+from consequence.policy.checkpoint import (
+    ADAPTER_CONFIG,
+    adapter_base,
+    is_adapter_folder,
+    load_adapter_policy,
+    quiet_peft,
+    save_policy,
+)
+from consequence.policy.checkpoint import is_model_folder as is_model_folder
+
 # All linear projections of a Llama-layout block (attention and MLP): what "all-linear" means in PEFT
 # for these models, and what QLoRA (Dettmers et al. 2023, §4) found necessary to match full fine-tuning.
 DEFAULT_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -39,16 +48,6 @@ DEFAULT_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gat
 def is_peft(model) -> bool:
     """Whether ``model`` is a PEFT model (has an adapter)."""
     return callable(getattr(model, "get_base_model", None)) and hasattr(model, "peft_config")
-
-
-def is_adapter_folder(path) -> bool:
-    """Whether ``path`` is a PEFT adapter checkpoint (has ``adapter_config.json``)."""
-    return (Path(path) / ADAPTER_CONFIG).is_file()
-
-
-def is_model_folder(path) -> bool:
-    """A Hugging Face model folder (``config.json``) or a LoRA adapter checkpoint."""
-    return (Path(path) / "config.json").is_file() or is_adapter_folder(path)
 
 
 def apply_lora(model, rank: int, alpha: float, targets: list[str] | tuple[str, ...], base_path) -> torch.nn.Module:
@@ -96,26 +95,18 @@ def apply_lora(model, rank: int, alpha: float, targets: list[str] | tuple[str, .
         )
     cfg = LoraConfig(
         r=int(rank),
-        lora_alpha=float(alpha),
+        # PEFT annotates lora_alpha as int but only divides it by r: a float alpha (--lora-alpha 0.5) is kept exact
+        lora_alpha=float(alpha),  # type: ignore[arg-type]
         target_modules=list(targets),
         lora_dropout=0.0,
         bias="none",
         task_type="CAUSAL_LM",
     )
-    with _quiet_peft():
+    with quiet_peft():
         peft_model = get_peft_model(model, cfg)
     # set after wrapping: get_peft_model fills it from the model's (possibly relative) name_or_path
     peft_model.peft_config["default"].base_model_name_or_path = str(Path(base_path).resolve())
     return peft_model
-
-
-@contextlib.contextmanager
-def _quiet_peft():
-    """PEFT 0.21 calls a transformers method that transformers 5 deprecates (a FutureWarning
-    on every load that says nothing about the user's run)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-        yield
 
 
 def effective_weight(layer: torch.nn.Module) -> torch.Tensor:
@@ -123,72 +114,20 @@ def effective_weight(layer: torch.nn.Module) -> torch.Tensor:
     LoRA adapters for a PEFT layer (unless merged or disabled), else ``layer.weight``."""
     base = getattr(layer, "base_layer", None)
     if base is None:
-        return layer.weight
+        return cast(torch.Tensor, layer.weight)  # a Linear's; torch types module attributes Tensor | Module
     w = base.weight
     if getattr(layer, "merged", False) or getattr(layer, "disable_adapters", False):
         return w
-    for name in layer.active_adapters:
+    lora_layer: Any = layer  # a PEFT LoraLayer: active_adapters and get_delta_weight are PEFT's, untyped
+    for name in lora_layer.active_adapters:
         if name in getattr(layer, "lora_A", {}):
-            w = w + layer.get_delta_weight(name).to(w.dtype)
+            w = w + lora_layer.get_delta_weight(name).to(w.dtype)
     return w
 
 
 def unwrap(model) -> torch.nn.Module:
     """The Hugging Face model inside a PEFT model (its layers carry the adapter), else ``model``."""
     return model.get_base_model() if is_peft(model) else model
-
-
-def adapter_base(path) -> Path:
-    """The base model folder an adapter checkpoint was trained on.
-
-    Raises:
-        ValueError: ``adapter_config.json`` is unreadable or names no existing local folder.
-    """
-    p = Path(path)
-    try:
-        base = json.loads((p / ADAPTER_CONFIG).read_text(encoding="utf-8")).get("base_model_name_or_path")
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
-        raise ValueError(f"adapter checkpoint {p}: {ADAPTER_CONFIG} is not a readable JSON object ({e})") from None
-    if not base or not Path(base).is_dir():
-        raise ValueError(
-            f"adapter checkpoint {p}: its base model {base!r} ({ADAPTER_CONFIG}: "
-            "base_model_name_or_path) is not a folder here; put the base model there or edit that field"
-        )
-    return Path(base)
-
-
-def load_adapter_policy(path, trainable: bool = True):
-    """``(PeftModel, tokenizer)`` of an adapter checkpoint: its base folder, then the adapter.
-
-    Args:
-        path: a folder written by ``save_policy`` of a LoRA policy (adapter + tokenizer).
-        trainable: leave the adapter's parameters requiring gradients (resume); ``False``
-            for evaluation.
-
-    Raises:
-        ValueError: as :func:`adapter_base`, or the base / adapter cannot be loaded.
-    """
-    from peft import PeftModel
-    from transformers import AutoTokenizer
-
-    from consequence.policy.tiny import load_policy
-
-    p = Path(path)
-    if not (p / "adapter_model.safetensors").is_file():
-        raise ValueError(f"adapter checkpoint {p}: no adapter_model.safetensors (the adapter's weights); save it again")
-    base, _ = load_policy(adapter_base(p))
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(p))
-        with _quiet_peft():
-            model = PeftModel.from_pretrained(base, str(p), is_trainable=trainable)
-    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
-        raise ValueError(f"adapter checkpoint {p}: cannot load it ({str(e).splitlines()[0]})") from None
-    except Exception as e:  # safetensors' own error for a damaged weights file
-        if type(e).__name__ != "SafetensorError":
-            raise
-        raise ValueError(f"adapter checkpoint {p}: adapter_model.safetensors is damaged ({e}); save it again") from None
-    model.eval()
-    return model, tokenizer
 
 
 def merge_adapter(path, out) -> Path:
@@ -204,8 +143,6 @@ def merge_adapter(path, out) -> Path:
     Raises:
         ValueError: ``path`` is not an adapter checkpoint, or as :func:`load_adapter_policy`.
     """
-    from consequence.policy.tiny import save_policy
-
     if not is_adapter_folder(path):
         raise ValueError(f"{path}: not a LoRA adapter checkpoint (no {ADAPTER_CONFIG}); it is already a plain model")
     check_merge_target(path, out)
