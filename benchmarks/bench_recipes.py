@@ -21,16 +21,16 @@ from pathlib import Path
 
 from rich.console import Console
 
-from consequence.envs.repair_env import TOOLS
+from consequence.envs.registry import load_environment
 from consequence.evaluate.compare import ArmResult, paired_comparison, summarize
+from consequence.evaluate.rollouts import run_eval
 from consequence.evaluate.stats import paired_bootstrap_ci
 from consequence.harness.renderer import Renderer
 from consequence.policy.tiny import load_policy
 from consequence.recipes import BASELINE, differences, load_recipe, recipe_names
 from consequence.rollout.episodes import Budgets
 from consequence.seeding import seed_of
-from consequence.tasks.repair import load_split, make_tasks
-from consequence.train import run_eval, train
+from consequence.train import train
 from consequence.warmstart import BUNDLED
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,14 +44,14 @@ def _success_ci(arm: ArmResult) -> dict:
     return {"success": ci["b_mean"], "low": ci["low"], "high": ci["high"]}
 
 
-def _evaluate(model_dir: Path, name: str, tasks, seed: int) -> ArmResult:
+def _evaluate(model_dir: Path, name: str, env, tasks, seed: int) -> ArmResult:
     model, tok = load_policy(model_dir)
-    renderer = Renderer(tok, TOOLS)
+    renderer = Renderer(tok, env.tools)
     budgets = Budgets()
-    return ArmResult(name, run_eval(model, renderer, tasks, budgets, seed, greedy=False))
+    return ArmResult(name, run_eval(model, renderer, env, tasks, budgets, seed, greedy=False))
 
 
-def run_recipe(name: str, args, tasks, warm: ArmResult) -> dict:
+def run_recipe(name: str, args, env, tasks, warm: ArmResult) -> dict:
     recipe = load_recipe(name)
     run_dir = Path(args.runs) / name
     cfg = recipe.train_config(
@@ -68,7 +68,7 @@ def run_recipe(name: str, args, tasks, warm: ArmResult) -> dict:
     train(cfg, Console(quiet=True))
     wall = time.perf_counter() - t0
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    arm = _evaluate(run_dir / "checkpoints" / "final", name, tasks, args.seed)
+    arm = _evaluate(run_dir / "checkpoints" / "final", name, env, tasks, args.seed)
     changed = sorted(differences(load_recipe(BASELINE), recipe))
     return {
         "recipe": name,
@@ -139,14 +139,14 @@ def main() -> None:
 
     hf_logging.disable_progress_bar()
 
-    split = load_split(0)
-    tasks = make_tasks(split["test"], args.test_episodes, seed=seed_of(args.seed, "bench-test"))
-    warm = _evaluate(BUNDLED, "warm start", tasks, args.seed)
+    env = load_environment("repair", 0)  # the default task, split seed 0 (its test split: make_tasks over it)
+    tasks = env.sample("test", args.test_episodes, seed=seed_of(args.seed, "bench-test"))
+    warm = _evaluate(BUNDLED, "warm start", env, tasks, args.seed)
     warm_ci = _success_ci(warm)
     print(f"warm start: test success {100 * warm_ci['success']:.1f} %", flush=True)
     results = []
     for name in args.recipes:
-        results.append(run_recipe(name, args, tasks, warm))
+        results.append(run_recipe(name, args, env, tasks, warm))
         r = results[-1]
         print(
             f"{name:10s} test {100 * r['test']['success']:.1f} %  Δ {100 * r['vs_warm_start']['diff']:+.1f}  "
