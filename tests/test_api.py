@@ -61,6 +61,7 @@ def _fn_name(fn) -> str:
 
 
 # ---- exports --------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_import_consequence_exports_exactly_all_and_imports_nothing_heavy():
     code = (
         "import sys, consequence as cq; print(cq.__file__ is not None, sorted(m for m in ('torch', 'transformers', "

@@ -121,6 +121,7 @@ def lora_run(tmp_path_factory, request):
     return run, mp
 
 
+@pytest.mark.slow
 def test_two_lora_iterations_keep_the_ratio_at_one_while_the_policy_moves(lora_run):
     run, _ = lora_run
     m = _metrics(run)
@@ -151,6 +152,7 @@ def test_two_lora_iterations_keep_the_ratio_at_one_while_the_policy_moves(lora_r
     assert manifest["policy_training"]["trainable_parameters"] == n
 
 
+@pytest.mark.slow
 def test_resume_of_a_lora_run_matches_the_uninterrupted_one(lora_run, tmp_path):
     import consequence.train as train_module
     from consequence.train import train
@@ -177,6 +179,7 @@ def test_resume_of_a_lora_run_matches_the_uninterrupted_one(lora_run, tmp_path):
     assert wa.keys() == wb.keys() and all(torch.allclose(wa[k], wb[k], atol=1e-6, rtol=0) for k in wa)
 
 
+@pytest.mark.slow
 def test_merge_gives_a_plain_model_with_the_adapter_logits(lora_run, tmp_path):
     from consequence.cli import app
 
@@ -203,6 +206,7 @@ def test_merge_gives_a_plain_model_with_the_adapter_logits(lora_run, tmp_path):
     assert same.exit_code == 2 and "is the adapter folder" in same.output
 
 
+@pytest.mark.slow
 def test_bad_lora_settings_are_refused_before_anything_is_written(lora_run, tmp_path):
     from consequence.train import train
 
@@ -222,6 +226,7 @@ def test_bad_lora_settings_are_refused_before_anything_is_written(lora_run, tmp_
     assert TrainConfig(lora_rank=4, lora_targets="q_proj, v_proj,q_proj").lora_targets == ["q_proj", "v_proj"]
 
 
+@pytest.mark.slow
 def test_merge_refuses_every_out_that_would_destroy_something(lora_run, tmp_path, monkeypatch):
     """--out may be a new folder or an earlier merge; never the adapter, its run, its base,
     a file, or a folder of other files. Nothing is written or deleted on a refusal."""
@@ -256,6 +261,7 @@ def test_merge_refuses_every_out_that_would_destroy_something(lora_run, tmp_path
     )  # an earlier merge: replaced
 
 
+@pytest.mark.slow
 def test_evaluation_and_the_viewer_find_an_adapter_checkpoint(lora_run):
     from consequence.evaluate.run import resolve_model
     from consequence.report.viewer import checkpoint_after

@@ -78,6 +78,7 @@ def test_nonfinite_tensor_names_itself_and_the_trajectory(setup, monkeypatch, ki
     assert all(p.grad is None for p in learner.model.parameters())
 
 
+@pytest.mark.slow
 def test_nan_in_a_run_stops_it_and_keeps_the_last_state(tmp_path, monkeypatch):
     import consequence.train as train_module
     from consequence.resume import latest_state

@@ -176,6 +176,7 @@ def _verified_as_rewarded(score):
 
 
 @pytest.mark.parametrize("name", ALL)
+@pytest.mark.slow
 def test_every_recipe_trains_one_iteration(name, signal, teacher_dir, tmp_path, monkeypatch):
     from consequence.train import train
 

@@ -138,6 +138,7 @@ def uninterrupted(tmp_path_factory) -> Path:
     return run
 
 
+@pytest.mark.slow
 def test_kill_during_second_iteration_then_resume_matches(uninterrupted, tmp_path):
     run = tmp_path / "run"
     proc = _child([*TINY, "--run-dir", str(run)])
@@ -155,6 +156,7 @@ def test_kill_during_second_iteration_then_resume_matches(uninterrupted, tmp_pat
     assert manifest["resumed"] == [{"from_iteration": 1, "state": "state-0001", "after": "running"}]
 
 
+@pytest.mark.slow
 def test_kill_while_writing_a_state_then_resume_matches(uninterrupted, tmp_path):
     """Killed inside the second state's write: iteration 1's trajectories and metric line
     are on disk, its state is a temporary folder; resume goes back to state-0001."""
@@ -242,6 +244,7 @@ def _no_temp_files(run: Path) -> None:
     assert not left, left
 
 
+@pytest.mark.slow
 def test_disk_full_while_writing_a_state_stops_cleanly_and_resumes(tmp_path, monkeypatch):
     import consequence.resume as resume_module
     from consequence.train import RunStopped, train
@@ -270,6 +273,7 @@ def test_disk_full_while_writing_a_state_stops_cleanly_and_resumes(tmp_path, mon
     assert json.loads((run / "manifest.json").read_text())["status"] == "finished"
 
 
+@pytest.mark.slow
 def test_real_failed_write_of_a_state_stops_the_run_cleanly(tmp_path):
     """The kernel refuses the write (file-size limit 10 MB: the 7.7 MB weights fit, the
     15 MB optimizer state does not); torch.save's RuntimeError is reported as the OSError."""
@@ -283,6 +287,7 @@ def test_real_failed_write_of_a_state_stops_the_run_cleanly(tmp_path):
     assert list((run / "checkpoints").iterdir()) == []
 
 
+@pytest.mark.slow
 def test_disk_full_while_writing_trajectories_leaves_no_partial_file(tmp_path, monkeypatch):
     import pyarrow.parquet as pq
 
@@ -336,6 +341,7 @@ def test_fresh_run_in_an_old_folder_drops_the_old_states(tmp_path):
     assert (run / "metrics.jsonl").read_text() == ""
 
 
+@pytest.mark.slow
 def test_resume_restores_critic_and_reference(tmp_path, monkeypatch):
     """PPO (value head + its optimizer) with a KL term (reference reloaded from the starting
     model): a crash after the first state, then resume, gives the uninterrupted metrics."""

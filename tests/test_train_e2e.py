@@ -10,6 +10,8 @@ from consequence.config import TrainConfig
 from consequence.records import read_trajectories, trajectory_to_rows
 from consequence.warmstart import BUNDLED
 
+pytestmark = pytest.mark.slow  # every test reads one module-scoped training run
+
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):

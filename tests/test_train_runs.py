@@ -20,6 +20,8 @@ from typer.testing import CliRunner
 from consequence.cli import app
 from consequence.warmstart import BUNDLED
 
+pytestmark = pytest.mark.slow  # every test is a real training run, some in a subprocess
+
 TINY = [
     "--iterations",
     "1",
