@@ -1,6 +1,7 @@
 """A box never imports a later box (CONTRIBUTING.md): checked on every import statement."""
 
 import ast
+import functools
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parent.parent / "consequence"
@@ -28,6 +29,12 @@ LAYERS = [
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
 
 
+@functools.cache
+def _parsed(path: Path) -> ast.Module:
+    """A module's syntax tree, parsed once per process for all the checks below."""
+    return ast.parse(path.read_text())
+
+
 def _unit(path: Path) -> str:
     rel = path.relative_to(PKG).parts
     return rel[0].removesuffix(".py")
@@ -42,7 +49,7 @@ def test_no_box_imports_a_later_box():
     bad = []
     for path in PKG.rglob("*.py"):
         me = _unit(path)
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(_parsed(path)):
             names = []
             if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 names = [node.module]
@@ -60,7 +67,7 @@ def _environment_modules() -> set[str]:
     or an episode class (one with both ``reset`` and ``step``)."""
     found = set()
     for path in (PKG / "envs").glob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(_parsed(path)):
             if not isinstance(node, ast.ClassDef) or path.stem == "api":
                 continue
             bases = {getattr(b, "id", getattr(b, "attr", "")) for b in node.bases}
@@ -84,7 +91,7 @@ def test_no_module_outside_envs_imports_a_specific_environment():
     for path in PKG.rglob("*.py"):
         if _unit(path) == "envs":
             continue
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(_parsed(path)):
             names = []
             if isinstance(node, ast.ImportFrom) and node.module:
                 names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
@@ -132,11 +139,11 @@ def _import_nodes(body: list[ast.stmt], in_functions: bool) -> list[ast.Import |
     return found
 
 
-def _imported_modules(name: str, source: str, is_package: bool, modules, in_functions: bool) -> set[str]:
-    """The modules of ``modules`` that module ``name`` imports: ``from P import x`` is P.x when
-    that is a module, else P; relative imports are resolved against ``name``'s package."""
+def _imported_modules(name: str, tree: ast.Module, is_package: bool, modules, in_functions: bool) -> set[str]:
+    """The modules of ``modules`` that module ``name`` (parsed: ``tree``) imports: ``from P import x``
+    is P.x when that is a module, else P; relative imports are resolved against ``name``'s package."""
     out = set()
-    for node in _import_nodes(ast.parse(source).body, in_functions):
+    for node in _import_nodes(tree.body, in_functions):
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         else:
@@ -151,7 +158,7 @@ def _imported_modules(name: str, source: str, is_package: bool, modules, in_func
 
 def _import_graph(in_functions: bool) -> dict[str, set[str]]:
     return {
-        name: _imported_modules(name, path.read_text(), path.name == "__init__.py", MODULES, in_functions)
+        name: _imported_modules(name, _parsed(path), path.name == "__init__.py", MODULES, in_functions)
         for name, path in MODULES.items()
     }
 
@@ -221,11 +228,13 @@ def test_cycle_finder_and_import_reader_negative_controls():
         "if TYPE_CHECKING:\n    import pkg.d\n"
         "def f():\n    from pkg import c\n"
     )
-    at_import = _imported_modules("pkg.sub.mod", source, False, modules, in_functions=False)
+    tree = ast.parse(source)
+    at_import = _imported_modules("pkg.sub.mod", tree, False, modules, in_functions=False)
     assert at_import == {"pkg.a", "pkg.sub", "pkg.d", "pkg.c", "pkg.sub.e"}  # `from . import b`: pkg.sub.b is no module
-    assert _imported_modules("pkg.sub.mod", source, False, modules, in_functions=True) == at_import  # pkg.c already in
-    assert _imported_modules("pkg.m", "def f():\n    import pkg.b\n", False, modules, in_functions=True) == {"pkg.b"}
-    assert _imported_modules("pkg.m", "def f():\n    import pkg.b\n", False, modules, in_functions=False) == set()
+    assert _imported_modules("pkg.sub.mod", tree, False, modules, in_functions=True) == at_import  # pkg.c already in
+    deferred = ast.parse("def f():\n    import pkg.b\n")
+    assert _imported_modules("pkg.m", deferred, False, modules, in_functions=True) == {"pkg.b"}
+    assert _imported_modules("pkg.m", deferred, False, modules, in_functions=False) == set()
 
 
 def test_no_import_cycle_among_the_modules_at_import_time():
