@@ -36,8 +36,9 @@ $(VENV)/.lint-tools-$(RUFF_VERSION)-$(MYPY_VERSION): | $(BIN)/consequence
 	$(BIN)/pip install -q ruff==$(RUFF_VERSION) mypy==$(MYPY_VERSION)
 	touch $@
 
-lint: install $(VENV)/.lint-tools-$(RUFF_VERSION)-$(MYPY_VERSION)  ## ruff check (whole repository) and mypy (the package; settings in pyproject.toml)
+lint: install $(VENV)/.lint-tools-$(RUFF_VERSION)-$(MYPY_VERSION)  ## ruff check + format check (whole repository) and mypy (the package; settings in pyproject.toml)
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
 hooks: install  ## pre-commit (pinned) in .venv, and its git hook: ruff check + format and mypy on each commit

@@ -48,7 +48,9 @@ def _f(default, box: str, description: str, **limits):
 
 def box_of(name: str) -> str:
     """The box (one of BOXES, or ``run``) that config field ``name`` belongs to."""
-    return TrainConfig.model_fields[name].json_schema_extra["box"]  # type: ignore[index]
+    extra = TrainConfig.model_fields[name].json_schema_extra
+    assert isinstance(extra, dict)  # every field is declared with _f, which sets it
+    return str(extra["box"])
 
 
 def yaml_problem(e: Exception) -> str:

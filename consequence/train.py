@@ -26,7 +26,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import yaml
@@ -151,14 +151,14 @@ class _Ending:
 
     def __init__(self, run: Path):
         self.run, self.opened = run, False
-        self._sigterm = None
+        self._sigterm: Any = None  # the SIGTERM handler to put back (signal.signal returns any kind)
 
     def __enter__(self) -> _Ending:
         if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
             self._sigterm = signal.signal(signal.SIGTERM, _raise_terminated)
         return self
 
-    def __exit__(self, kind, e, tb) -> bool:
+    def __exit__(self, kind, e, tb) -> Literal[False]:
         if self._sigterm is not None:
             signal.signal(signal.SIGTERM, self._sigterm)
         if self.opened:
@@ -420,7 +420,7 @@ def _refuse_an_untrainable_first_batch(trajs: list[Trajectory], cfg: TrainConfig
     """
     where = f"the episodes are in trajectories/iter_{it:04d}.parquet"
     if trajs and all(t.outcome == "env_error" for t in trajs):
-        errors = list(dict.fromkeys(t.error for t in trajs))
+        errors = list(dict.fromkeys(t.error or "" for t in trajs))
         # The agent-runner writes "the agent ..." for the agent's own failures (serve.runner).
         agent_failed = cfg.agent and any((e or "").startswith("the agent") for e in errors)
         said, fix = (
@@ -592,7 +592,7 @@ def _run_iteration(r: _Run, it: int, console, show=lambda text: None) -> dict[st
             show=show,
         )
     except FloatingPointError as e:
-        e.iteration = it  # for RunStopped's message: which trajectory file the indices point into
+        e.iteration = it  # type: ignore[attr-defined]  # for RunStopped's message: which trajectory file the indices point into
         raise
     if r.rollouts is not None:  # version it + 1: what batches started from now on sample with
         r.rollouts.publish(model, it + 1)
@@ -705,7 +705,7 @@ def iteration(
     if first:
         _refuse_an_untrainable_first_batch(trajs, cfg, it)
     if first and not from_data and not cfg.skip_checks:
-        expected = {
+        expected: set[int] | None = {
             i for i, t in enumerate(trajs) if credited(t) and not (cfg.overlong_filter and t.outcome == "truncated")
         }
         rows = batch.rows
@@ -727,10 +727,11 @@ def iteration(
     upd = update(batch, cfg, learner, pad_id, seed=seed_of(cfg.seed, it, "update"), divergence_only=from_data)
     t_update = time.perf_counter() - t1
     valid = [t for t in trajs if t.reward is not None]
+    rewards = [t.reward for t in valid if t.reward is not None]  # (the same list, typed for mypy)
     n_gen = sum(t.n_generated_tokens for t in trajs)
     metrics = {
         "iteration": it,
-        "reward_mean": sum(t.reward for t in valid) / len(valid) if valid else None,  # none scored: not a 0
+        "reward_mean": sum(rewards) / len(rewards) if rewards else None,  # none scored: not a 0
         "reward_components_mean": component_means(valid),
         "success": summarize(trajs)["success"],
         "mixed_group_fraction": mixed_group_fraction(credit_rewards(trajs), [t.group_id for t in trajs]),

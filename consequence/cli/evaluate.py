@@ -19,6 +19,7 @@ from consequence.cli.common import (
 )
 
 _RUN = "default: the run's config.yaml when the policy is a run folder, else {}"
+_RUN_NONE = _RUN.format("none")
 
 
 def _fail(e: ValueError) -> None:
@@ -83,13 +84,11 @@ def eval_cmd(
     ),
     env: str | None = typer.Option(None, help=_ENV_HELP + _RUN.format("repair") + "."),
     tasks: str | None = typer.Option(None, hidden=True),
-    tasks_file: str | None = typer.Option(
-        None, help="Task file of the environment (jsonl); " + _RUN.format("none") + "."
-    ),
+    tasks_file: str | None = typer.Option(None, help="Task file of the environment (jsonl); " + _RUN_NONE + "."),
     env_option: list[str] | None = typer.Option(
         None,
         metavar="KEY=VALUE",
-        help="Environment option (repeatable; value read as YAML); " + _RUN.format("none") + ".",
+        help="Environment option (repeatable; value read as YAML); " + _RUN_NONE + ".",
     ),
     split: str = typer.Option(
         "validation",
@@ -352,13 +351,11 @@ def compare_cmd(
         + " (both runs must agree; humaneval runs as single-turn episodes here).",
     ),
     tasks: str | None = typer.Option(None, hidden=True),
-    tasks_file: str | None = typer.Option(
-        None, help="Task file of the environment (jsonl); " + _RUN.format("none") + "."
-    ),
+    tasks_file: str | None = typer.Option(None, help="Task file of the environment (jsonl); " + _RUN_NONE + "."),
     env_option: list[str] | None = typer.Option(
         None,
         metavar="KEY=VALUE",
-        help="Environment option (repeatable; value read as YAML); " + _RUN.format("none") + ".",
+        help="Environment option (repeatable; value read as YAML); " + _RUN_NONE + ".",
     ),
     split: str = typer.Option(
         "validation", help="train, validation or test (test only when asked for; choose settings on validation)."

@@ -5,7 +5,6 @@ from __future__ import annotations
 import inspect
 import typing
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.markup import escape
@@ -66,13 +65,13 @@ def _run_train(cfg: TrainConfig, resume: bool, reproduces: Path | None = None) -
         train(cfg, console, resume=resume, **({"reproduces": reproduces} if reproduces is not None else {}))
     except RunStopped as e:
         console.print(f"[red]error:[/] {escape(str(e))}")
-        raise typer.Exit(1)
+        raise typer.Exit(1) from None
     except RunInterrupted as e:
         console.print(f"[yellow]{escape(str(e))}[/]")
-        raise typer.Exit(130)
+        raise typer.Exit(130) from None
     except KeyboardInterrupt:
         console.print("[yellow]interrupted before the run started[/]")
-        raise typer.Exit(130)
+        raise typer.Exit(130) from None
     except ValueError as e:  # bad input found while loading (model, resume state, settings vs model and tasks)
         _refuse(e)
 
@@ -84,7 +83,7 @@ def _train_signature() -> inspect.Signature:
         inspect.Parameter(
             "config",
             inspect.Parameter.KEYWORD_ONLY,
-            annotation=Optional[Path],
+            annotation=Path | None,
             default=typer.Option(
                 None,
                 "--config",
@@ -97,7 +96,7 @@ def _train_signature() -> inspect.Signature:
         inspect.Parameter(
             "resume",
             inspect.Parameter.KEYWORD_ONLY,
-            annotation=Optional[Path],
+            annotation=Path | None,
             default=typer.Option(
                 None,
                 "--resume",
@@ -115,7 +114,7 @@ def _train_signature() -> inspect.Signature:
         inspect.Parameter(
             "tasks",
             inspect.Parameter.KEYWORD_ONLY,
-            annotation=Optional[str],
+            annotation=str | None,
             default=typer.Option(None, "--tasks", hidden=True),
         )
     )  # older name of --env
@@ -125,8 +124,10 @@ def _train_signature() -> inspect.Signature:
                 inspect.Parameter(
                     name,
                     inspect.Parameter.KEYWORD_ONLY,
-                    annotation=Optional[list[str]],
-                    default=typer.Option(None, "--env-option", metavar="KEY=VALUE", help=escape(field.description)),
+                    annotation=list[str] | None,
+                    default=typer.Option(
+                        None, "--env-option", metavar="KEY=VALUE", help=escape(field.description or "")
+                    ),
                 )
             )
             continue
@@ -136,14 +137,14 @@ def _train_signature() -> inspect.Signature:
         )
         if isinstance(field.default, list):
             default_text = ",".join(map(str, field.default))
-        help_text = field.description + (f" One of: {', '.join(choices)}." if choices else "")
+        help_text = (field.description or "") + (f" One of: {', '.join(choices)}." if choices else "")
         flag = "--" + name.replace("_", "-")
         decls = [f"{flag}/--no-{flag[2:]}"] if ann is bool else [flag]
         params.append(
             inspect.Parameter(
                 name,
                 inspect.Parameter.KEYWORD_ONLY,
-                annotation=Optional[ann],
+                annotation=ann | None,
                 default=typer.Option(
                     None, *decls, help=f"{escape(help_text)} \\[default: {escape(default_text)}]", show_default=False
                 ),
@@ -164,7 +165,7 @@ def _option_type(annotation) -> tuple[type, list[str]]:
     return str, []
 
 
-_train.__signature__ = _train_signature()
+_train.__signature__ = _train_signature()  # type: ignore[attr-defined]  # Typer reads the options from it
 
 
 app.command(
@@ -184,7 +185,7 @@ def reproduce_cmd(
         None,
         min=1,
         help=(
-            TrainConfig.model_fields["iterations"].description
+            (TrainConfig.model_fields["iterations"].description or "")
             + " Default: the original's; a smaller N runs only the first N iterations (same seeds, so "
             "they are comparable) and only those are compared."
         ),
@@ -193,7 +194,7 @@ def reproduce_cmd(
         None,
         min=0,
         help=(
-            TrainConfig.model_fields["final_eval_episodes"].description
+            (TrainConfig.model_fields["final_eval_episodes"].description or "")
             + " Default: the original's; 0 skips the final evaluation."
         ),
     ),

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +52,7 @@ def _problem_of(task_id: str) -> str:
     return task_id.split("#", 1)[0]  # Environment.sample appends '#seed-k' to the pool's task id
 
 
-def load_fixed_data(path: str | Path, splits: dict[str, Sequence[Any]]) -> list[Trajectory]:
+def load_fixed_data(path: str | Path, splits: Mapping[str, Sequence[Any]]) -> list[Trajectory]:
     """The trainable trajectories of ``path``, checked against the environment's splits.
 
     Args:
