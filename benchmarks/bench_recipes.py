@@ -26,11 +26,11 @@ from consequence.evaluate.compare import ArmResult, paired_comparison, summarize
 from consequence.evaluate.rollouts import run_eval
 from consequence.evaluate.stats import paired_bootstrap_ci
 from consequence.harness.renderer import Renderer
+from consequence.loop.train import train
 from consequence.policy.tiny import load_policy
 from consequence.recipes import BASELINE, differences, load_recipe, recipe_names
 from consequence.rollout.episodes import Budgets
 from consequence.seeding import seed_of
-from consequence.train import train
 from consequence.warmstart import BUNDLED
 
 ROOT = Path(__file__).resolve().parent.parent

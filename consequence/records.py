@@ -140,6 +140,15 @@ class Trajectory:
         return cls(**d)
 
 
+def credited(t: Trajectory) -> bool:
+    """Whether ``t`` enters the credit box: scored (not an env_error) and with at least one
+    target token, i.e. one token the policy sampled (``Trajectory.n_generated_tokens``: the
+    target tokens of its rows are exactly its calls' ``output_ids``). A trajectory with no
+    model call, or whose calls sampled nothing, has no action to credit and would only move
+    its group's baseline (docs/cases.md, case 15)."""
+    return t.reward is not None and t.n_generated_tokens > 0
+
+
 @dataclass
 class TrainingRow:
     """One causal training row built from an append-only run of model calls.

@@ -17,15 +17,15 @@ from pathlib import Path
 
 
 def _signal_rewards() -> None:
-    import consequence.iteration as iteration_module
+    import consequence.rollout.collect as collect_module
     from reward_signal import odd_samples_win  # tests/ is sys.path[0] for this script
 
-    iteration_module.score_trajectories = odd_samples_win(iteration_module.score_trajectories)
+    collect_module.score_trajectories = odd_samples_win(collect_module.score_trajectories)
 
 
 def _pause_at(name: str, n: int, marker: str) -> None:
-    import consequence.resume as resume_module
-    import consequence.train as train_module
+    import consequence.loop.resume as resume_module
+    import consequence.loop.train as train_module
 
     module, attr = (train_module, "update") if name == "update" else (resume_module, "_write_learner")
     real = getattr(module, attr)

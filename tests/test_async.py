@@ -343,7 +343,7 @@ def test_sampler_gap_metrics_by_hand():
 
 
 def test_a_stale_uncorrected_gap_warns_once_instead_of_the_engine_mismatch_warning():
-    from consequence.diagnostics import warnings_for
+    from consequence.loop.diagnostics import warnings_for
 
     fresh = {"lag_max": 0, "first_step_ratio_min": 0.5, "first_step_ratio_max": 1.0}
     assert any("ratio far from 1" in w for w in warnings_for([fresh]))  # lag 0: the sampler should match
@@ -381,7 +381,7 @@ def test_vllm_without_vllm_is_refused_before_any_work(monkeypatch):
 def test_resume_may_move_the_rollouts_but_not_change_what_is_trained(tmp_path):
     import yaml
 
-    from consequence.resume import resume_config
+    from consequence.loop.resume import resume_config
 
     saved = TrainConfig(run_dir=str(tmp_path), rollout_workers=1, max_staleness=1, rollout_timeout=10)
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved.model_dump()))

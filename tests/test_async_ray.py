@@ -22,8 +22,8 @@ from rich.console import Console
 from safetensors.torch import load_file
 
 from consequence.config import TrainConfig
+from consequence.loop.train import train
 from consequence.records import read_trajectories
-from consequence.train import train
 from consequence.warmstart import BUNDLED
 
 pytestmark = [

@@ -15,7 +15,7 @@ import math
 import pytest
 from typer.testing import CliRunner
 
-import consequence.iteration as iteration_module
+import consequence.rollout.collect as collect_module
 from consequence.cli import app
 from consequence.warmstart import BUNDLED
 from reward_signal import odd_samples_win
@@ -48,7 +48,7 @@ CASES = {
 @pytest.fixture
 def signal(monkeypatch):
     """Mixed groups in every iteration, so that every step trains and the weights move."""
-    monkeypatch.setattr(iteration_module, "score_trajectories", odd_samples_win(iteration_module.score_trajectories))
+    monkeypatch.setattr(collect_module, "score_trajectories", odd_samples_win(collect_module.score_trajectories))
 
 
 @pytest.mark.slow

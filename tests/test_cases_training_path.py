@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from consequence.config import TrainConfig
-from consequence.iteration import credit, logprob_fn
+from consequence.loop.learner import credit, logprob_fn
 from consequence.policy.logprobs import process_logits, token_logprobs
 from consequence.records import ModelCall, TrainingRow, Trajectory
 from consequence.update.step import UpdateConfig, accumulate_gradients

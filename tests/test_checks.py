@@ -6,7 +6,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from consequence.checks import (
+from consequence.credit.advantages import group_advantages
+from consequence.loop.checks import (
     PreStepCheckError,
     check_clip_direction,
     check_groups,
@@ -15,7 +16,6 @@ from consequence.checks import (
     check_zero_gradient,
     run_pre_step_checks,
 )
-from consequence.credit.advantages import group_advantages
 from consequence.records import ModelCall, Trajectory, trajectory_to_rows
 from consequence.update.step import UpdateConfig
 from consequence.update.surrogates import surrogate_objective

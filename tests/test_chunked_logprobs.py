@@ -330,7 +330,7 @@ def test_ppo_step_gradient_unchanged_by_chunking():
 
 def test_make_learner_turns_on_gradient_checkpointing_for_the_policy_only():
     from consequence.config import TrainConfig
-    from consequence.iteration import make_learner
+    from consequence.loop.learner import make_learner
 
     def on(m):
         return any(getattr(mod, "gradient_checkpointing", False) for mod in m.modules())

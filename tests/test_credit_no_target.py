@@ -17,13 +17,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from consequence.checks import check_mask
 from consequence.config import TrainConfig
 from consequence.credit.advantages import group_advantages
 from consequence.credit.batch import assign_credit, training_rows
-from consequence.diagnostics import iteration_extras
-from consequence.iteration import _is_mixed, credit
+from consequence.loop.checks import check_mask
+from consequence.loop.diagnostics import iteration_extras
+from consequence.loop.learner import credit
 from consequence.records import ModelCall, Trajectory
+from consequence.rollout.collect import is_mixed
 
 NO_CRITIC = SimpleNamespace(reference=None, critic=None, teacher=None)
 EPS = 1e-6  # the std offset of grpo / reinforce_pp (credit.advantages.group_advantages)
@@ -186,9 +187,9 @@ def test_group_metrics_and_dynamic_sampling_see_the_group_without_the_empty_one(
     # two members that sampled, both reward 1, and one empty episode scored 0: not a mixed group
     group = [_traj(0, 1.0), _traj(1, 1.0), _no_call(2, 0.0)]
     assert credit_rewards(group) == [1.0, 1.0, None]
-    assert not _is_mixed(group, "hidden_tests")  # dynamic sampling drops it: no group-relative signal
+    assert not is_mixed(group, "hidden_tests")  # dynamic sampling drops it: no group-relative signal
     assert iteration_extras(group)["groups_all_equal"] == 1
-    assert _is_mixed([_traj(0, 1.0), _traj(1, 0.0), _no_call(2, 0.0)], "hidden_tests")  # negative control
+    assert is_mixed([_traj(0, 1.0), _traj(1, 0.0), _no_call(2, 0.0)], "hidden_tests")  # negative control
 
 
 def test_the_mask_check_does_not_expect_rows_of_an_empty_trajectory():

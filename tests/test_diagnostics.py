@@ -1,6 +1,6 @@
 """Diagnostics: per-iteration extras and each warning, triggered and not."""
 
-from consequence.diagnostics import iteration_extras, warnings_for
+from consequence.loop.diagnostics import iteration_extras, warnings_for
 from consequence.records import ModelCall, Trajectory
 
 

@@ -28,7 +28,7 @@ BASE = dict(tasks_per_iteration=2, group_size=2, eval_every=0, final_eval_episod
 @pytest.fixture(scope="module")
 def data_file(tmp_path_factory):
     """Train-split trajectories sampled by the bundled policy: a one-iteration GRPO run's batch."""
-    from consequence.train import train
+    from consequence.loop.train import train
 
     run = tmp_path_factory.mktemp("data") / "run"
     train(TrainConfig(run_dir=str(run), iterations=1, **BASE), Console(quiet=True))
@@ -116,7 +116,7 @@ def test_settings_that_cannot_work_are_refused(kw, match, tmp_path):
 
 @pytest.mark.slow
 def test_lambda_zero_trains_the_divergence_on_the_data_only(tmp_path, teacher_dir, data_file):
-    from consequence.train import train
+    from consequence.loop.train import train
 
     cfg = TrainConfig(
         run_dir=str(tmp_path / "run"),
@@ -148,7 +148,7 @@ def test_lambda_zero_trains_the_divergence_on_the_data_only(tmp_path, teacher_di
 def test_a_fixed_batch_step_equals_the_divergence_alone(teacher_dir, data_file):
     """divergence_only: with --task-reward-weight 1 the step on data rows is the one of weight 0."""
     from consequence.credit.batch import assign_credit, training_rows
-    from consequence.iteration import make_learner, update
+    from consequence.loop.learner import make_learner, update
 
     student, _ = load_policy(BUNDLED)
     teacher, _ = load_policy(teacher_dir)
@@ -169,7 +169,7 @@ def test_a_fixed_batch_step_equals_the_divergence_alone(teacher_dir, data_file):
 @pytest.mark.slow
 def test_cross_stage_a_past_checkpoint_teaches_with_groups_of_one(tmp_path):
     """GLM-5 §3.5: a later stage distils from an earlier checkpoint of the same run, G = 1."""
-    from consequence.train import train
+    from consequence.loop.train import train
 
     stage1 = tmp_path / "stage1"
     train(
@@ -215,7 +215,7 @@ def test_data_of_another_split_seed_is_refused_before_a_warm_start_is_built(
     tmp_path, teacher_dir, data_file, monkeypatch
 ):
     """A new --split-seed builds a warm start (~30 min); the data is checked against that split first."""
-    from consequence.train import train
+    from consequence.loop.train import train
 
     monkeypatch.setenv("CONSEQUENCE_CACHE", str(tmp_path / "cache"))
     cfg = TrainConfig(

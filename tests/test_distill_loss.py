@@ -110,7 +110,7 @@ def test_a_loss_without_teacher_is_refused(student):
 
 @pytest.mark.slow
 def test_cli_run_trains_on_the_divergence_and_counts_the_teacher(tmp_path, teacher_dir):
-    from consequence.train import train
+    from consequence.loop.train import train
 
     cfg = TrainConfig(
         run_dir=str(tmp_path / "run"),
@@ -153,7 +153,7 @@ def test_settings_that_would_be_dropped_are_refused(kw, match, tmp_path):
 
 @pytest.mark.slow
 def test_teacher_vocabulary_and_top_k_are_checked_before_any_work(tmp_path, student):
-    from consequence.train import train
+    from consequence.loop.train import train
 
     _, tok = load_policy(BUNDLED)
     wide = copy.deepcopy(student)

@@ -31,7 +31,7 @@ def _cfg(run, teacher, **kw) -> TrainConfig:
 @pytest.mark.slow
 def test_advantages_are_teacher_minus_sampler_log_probs_per_token(tmp_path, teacher_dir, monkeypatch):
     import consequence.credit.batch as batch_module
-    from consequence.train import train
+    from consequence.loop.train import train
 
     seen = []
     real = batch_module.assign_credit
@@ -41,10 +41,10 @@ def test_advantages_are_teacher_minus_sampler_log_probs_per_token(tmp_path, teac
         seen.append((rows, kw["teacher_logprobs"], b))
         return b
 
-    monkeypatch.setattr("consequence.iteration.assign_credit", spy)
+    monkeypatch.setattr("consequence.loop.learner.assign_credit", spy)
     train(_cfg(tmp_path / "run", teacher_dir), Console(quiet=True))
     teacher, _ = load_policy(teacher_dir)
-    from consequence.iteration import logprob_fn
+    from consequence.loop.learner import logprob_fn
     from consequence.update.step import compute_logprobs
 
     rows, t_lp, batch = seen[0]
@@ -67,7 +67,7 @@ def test_advantages_are_teacher_minus_sampler_log_probs_per_token(tmp_path, teac
 
 def test_the_teacher_is_frozen_and_never_in_the_optimizer(teacher_dir):
     from consequence.distill.teacher_model import load_teacher
-    from consequence.iteration import make_learner
+    from consequence.loop.learner import make_learner
 
     student, tok = load_policy(BUNDLED)
     teacher = load_teacher(teacher_dir, tok, log=lambda _: None)

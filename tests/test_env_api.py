@@ -139,21 +139,19 @@ def test_a_reward_outside_the_declared_range_is_an_env_error(tiny_tokenizer):
 
 
 def test_collect_builds_groups_with_the_group_builder_and_calls_score_group(monkeypatch):
-    import consequence.iteration as it
     from consequence.records import Trajectory
+    from consequence.rollout.collect import roll_out_round
 
     env = load_environment("env_fixtures:ReverseEnvironment", 0, {"words": ["ab", "cd", "ef", "gh"]})
     made = []
     real = env.make_group
     monkeypatch.setattr(env, "make_group", lambda task, size: made.append((task.word, size)) or real(task, size))
-    monkeypatch.setattr(
-        it,
-        "run_episodes",
-        lambda gen, r, specs, *a, **k: [Trajectory(s.task_id, s.group_id, s.sample_id, s.seed, 0) for s in specs],
-    )
-    monkeypatch.setattr(it, "policy_generate_fn", lambda *a, **k: None)
+
+    def runner(specs, seed, version, progress):  # an EpisodeRunner that plays nothing
+        return [Trajectory(s.task_id, s.group_id, s.sample_id, s.seed, 0) for s in specs], {}
+
     cfg = TrainConfig(tasks_per_iteration=2, group_size=3)
-    groups = it._roll_out_round(0, 0, cfg, None, SimpleNamespace(stop_ids=set()), env, Budgets(), None)
+    groups, _ = roll_out_round(0, 0, cfg, runner, env, Budgets())
     assert [len(g) for g in groups] == [3, 3] and [s for _, s in made] == [3, 3]
     assert [n for _, n in env.scored] == [3, 3]
 

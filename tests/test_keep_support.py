@@ -14,9 +14,9 @@ import math
 import pytest
 import torch
 
-from consequence.checks import check_ratio
 from consequence.config import TrainConfig
-from consequence.iteration import logprob_fn
+from consequence.loop.checks import check_ratio
+from consequence.loop.learner import logprob_fn
 from consequence.policy.logprobs import keep_mask, mask_to_support, token_logprobs
 from consequence.policy.sampler import SamplingParams, generate
 from consequence.policy.tiny import build_model, build_tokenizer

@@ -109,12 +109,12 @@ def _metrics(run: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory, request):
     """Two LoRA iterations (odd samples win, so the adapter moves), pre-step checks on."""
-    import consequence.iteration as iteration_module
-    from consequence.train import train
+    import consequence.rollout.collect as collect_module
+    from consequence.loop.train import train
     from reward_signal import odd_samples_win
 
     mp = pytest.MonkeyPatch()
-    mp.setattr(iteration_module, "score_trajectories", odd_samples_win(iteration_module.score_trajectories))
+    mp.setattr(collect_module, "score_trajectories", odd_samples_win(collect_module.score_trajectories))
     request.addfinalizer(mp.undo)
     run = tmp_path_factory.mktemp("lora") / "run"
     train(_cfg(run), Console(quiet=True))
@@ -154,20 +154,20 @@ def test_two_lora_iterations_keep_the_ratio_at_one_while_the_policy_moves(lora_r
 
 @pytest.mark.slow
 def test_resume_of_a_lora_run_matches_the_uninterrupted_one(lora_run, tmp_path):
-    import consequence.train as train_module
-    from consequence.train import train
+    from consequence.loop.sources import Rollouts
+    from consequence.loop.train import train
 
     run, mp = lora_run
-    real = train_module.iteration
+    real = Rollouts.next_batch
 
-    def crash_in_second(it, *args, **kwargs):
+    def crash_in_second(self, it, *args, **kwargs):
         if it == 1:
             raise KeyboardInterrupt  # stands in for a kill after the first state was written
-        return real(it, *args, **kwargs)
+        return real(self, it, *args, **kwargs)
 
     other = tmp_path / "b"
     with pytest.MonkeyPatch.context() as m2, pytest.raises(KeyboardInterrupt):
-        m2.setattr(train_module, "iteration", crash_in_second)
+        m2.setattr(Rollouts, "next_batch", crash_in_second)
         train(_cfg(other), Console(quiet=True))
     assert (other / "checkpoints" / "state-0001" / "policy" / "adapter_model.safetensors").is_file()
     train(_cfg(other), Console(quiet=True), resume=True)
@@ -208,7 +208,7 @@ def test_merge_gives_a_plain_model_with_the_adapter_logits(lora_run, tmp_path):
 
 @pytest.mark.slow
 def test_bad_lora_settings_are_refused_before_anything_is_written(lora_run, tmp_path):
-    from consequence.train import train
+    from consequence.loop.train import train
 
     run, _ = lora_run
     with pytest.raises(ValueError, match="--lora-targets nope: no linear layer"):

@@ -10,9 +10,10 @@ import pytest
 import torch
 from rich.console import Console
 
-import consequence.iteration as iteration_module
+import consequence.loop.learner as learner_module
+import consequence.rollout.collect as collect_module
 from consequence.config import TrainConfig
-from consequence.iteration import Batch, make_learner, update
+from consequence.loop.learner import Batch, make_learner, update
 from consequence.policy.logprobs import token_logprobs
 from consequence.records import TrainingRow, Trajectory
 from consequence.update.step import NonFiniteError
@@ -65,7 +66,7 @@ def test_nonfinite_tensor_names_itself_and_the_trajectory(setup, monkeypatch, ki
     elif kind == "loss":
         batch.advantages[2] = 3e38  # finite, but the row's sum of ratio·A overflows float32
     else:
-        monkeypatch.setattr(iteration_module, "logprob_fn", lambda cfg: _poisoned(kind))
+        monkeypatch.setattr(learner_module, "logprob_fn", lambda cfg: _poisoned(kind))
     before = [p.detach().clone() for p in learner.model.parameters()]
     with pytest.raises(NonFiniteError) as e:
         update(batch, cfg, learner, pad_id=0, seed=0)
@@ -80,21 +81,21 @@ def test_nonfinite_tensor_names_itself_and_the_trajectory(setup, monkeypatch, ki
 
 @pytest.mark.slow
 def test_nan_in_a_run_stops_it_and_keeps_the_last_state(tmp_path, monkeypatch):
-    import consequence.train as train_module
-    from consequence.resume import latest_state
-    from consequence.train import RunStopped, train
+    from consequence.loop.resume import latest_state
+    from consequence.loop.sources import Rollouts
+    from consequence.loop.train import RunStopped, train
     from consequence.warmstart import BUNDLED
 
     now, sha = {"it": 0}, {}
-    real_iteration = train_module.iteration
+    real_next_batch = Rollouts.next_batch
 
-    def tracking(it, *args, **kwargs):
+    def tracking(self, it, *args, **kwargs):
         now["it"] = it
         if it == 1:  # the state of iteration 0 as it was written
             sha["state"] = hashlib.sha256(
                 (run / "checkpoints/state-0001/policy/model.safetensors").read_bytes()
             ).hexdigest()
-        return real_iteration(it, *args, **kwargs)
+        return real_next_batch(self, it, *args, **kwargs)
 
     def fn(model, input_ids, attention_mask, temperature=1.0, **kw):
         lp, ent = token_logprobs(model, input_ids, attention_mask, temperature, **kw)
@@ -102,10 +103,10 @@ def test_nan_in_a_run_stops_it_and_keeps_the_last_state(tmp_path, monkeypatch):
             lp = torch.cat([torch.full_like(lp[:1], math.nan), lp[1:]])
         return lp, ent
 
-    monkeypatch.setattr(train_module, "iteration", tracking)
-    monkeypatch.setattr(iteration_module, "logprob_fn", lambda cfg: fn)
+    monkeypatch.setattr(Rollouts, "next_batch", tracking)
+    monkeypatch.setattr(learner_module, "logprob_fn", lambda cfg: fn)
     # every group mixed, so no row is skipped for a zero advantage
-    monkeypatch.setattr(iteration_module, "score_trajectories", odd_samples_win(iteration_module.score_trajectories))
+    monkeypatch.setattr(collect_module, "score_trajectories", odd_samples_win(collect_module.score_trajectories))
     run = tmp_path / "run"
     cfg = TrainConfig(
         run_dir=str(run),

@@ -31,7 +31,7 @@ def _config(kind, vocab):
 def test_train_runs_on_a_local_checkpoint_of_another_architecture(tmp_path, kind):
     from rich.console import Console
 
-    from consequence.train import train
+    from consequence.loop.train import train
 
     _, tok = load_policy(BUNDLED)
     model = transformers.AutoModelForCausalLM.from_config(_config(kind, len(tok)))

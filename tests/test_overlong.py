@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-import consequence.iteration as iteration_module
+import consequence.rollout.collect as collect_module
 from consequence.config import TrainConfig
 from consequence.records import ModelCall, Trajectory
 from consequence.reward.overlong import overlong_penalty
@@ -68,7 +68,7 @@ def test_a_multi_turn_episode_with_few_generated_tokens_and_a_long_context_is_no
 
 
 class _Env:
-    """The least an environment shows ``iteration._roll_out_round``: one train task, no rescoring."""
+    """The least an environment shows ``rollout.collect.roll_out_round``: one train task, no rescoring."""
 
     answer_ends_episode, system_prompt, examples = True, "", ()
     reward_components, reward_range = ("hidden_tests",), (0.0, 1.0)
@@ -83,19 +83,11 @@ class _Env:
 def test_the_training_loop_scores_generated_tokens_against_the_generation_budget(monkeypatch):
     # the loop's own wiring (rollout box → reward box) with the episodes of the test above
     episodes = [_episode(600, [10, 10, 10], 35, sample_id=0), _episode(20, [48] * 7, 0, sample_id=1)]
-    monkeypatch.setattr(iteration_module, "group_of", lambda env, task, size: [object()] * size)
-    monkeypatch.setattr(iteration_module, "policy_generate_fn", lambda *a, **k: None)
-    monkeypatch.setattr(iteration_module, "run_episodes", lambda *a, **k: episodes)
+    monkeypatch.setattr(collect_module, "group_of", lambda env, task, size: [object()] * size)
     cfg = TrainConfig(group_size=2, tasks_per_iteration=1, overlong_buffer=BUFFER)
-    [group] = iteration_module._roll_out_round(
-        0,
-        0,
-        cfg,
-        None,
-        SimpleNamespace(stop_ids=[]),
-        _Env(),
-        Budgets(cfg.max_turns, cfg.max_new_tokens, cfg.max_total_tokens),
-        None,
+    runner = lambda specs, seed, version, progress: (episodes, {})  # noqa: E731  (an EpisodeRunner)
+    [group], _ = collect_module.roll_out_round(
+        0, 0, cfg, runner, _Env(), Budgets(cfg.max_turns, cfg.max_new_tokens, cfg.max_total_tokens)
     )
     assert [t.reward_components["overlong"] for t in group] == [0.0, -0.625]
 

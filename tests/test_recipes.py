@@ -7,13 +7,13 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-import consequence.iteration as iteration_module
+import consequence.rollout.collect as collect_module
 from consequence.cli import app
 from consequence.config import TrainConfig
-from consequence.iteration import collect
 from consequence.recipes import differences, load_recipe, recipe_names
 from consequence.records import ModelCall, Trajectory
 from consequence.report.explain import render_difference, render_recipe
+from consequence.rollout.collect import collect
 from consequence.warmstart import BUNDLED
 from reward_signal import odd_samples_win
 
@@ -118,13 +118,13 @@ def test_dynamic_sampling_keeps_mixed_groups_and_reports_counts(monkeypatch):
         [_fake_group("a", [1, 1]), _fake_group("b", [0, 1]), _fake_group("c", [0, 0])],
         [_fake_group("d", [1, 0]), _fake_group("e", [1, 0]), _fake_group("f", [1, 1])],
     ]
-    monkeypatch.setattr(iteration_module, "_roll_out_round", lambda it, r, *a: rounds[r])
+    monkeypatch.setattr(collect_module, "roll_out_round", lambda it, r, *a: (rounds[r], {}))
     cfg = TrainConfig(tasks_per_iteration=3, dynamic_sampling=True, dynamic_sampling_max_rounds=3)
-    trajs, stats = collect(0, cfg, None, None, _Split(), None, None)
+    trajs, stats = collect(0, cfg, None, _Split(), None)
     assert [t.group_id for t in trajs] == ["b", "b", "d", "d", "e", "e"]
     assert stats == {"groups_generated": 6, "groups_kept": 3, "groups_dropped": 3, "gen_tokens_total": 12}
     cfg = TrainConfig(tasks_per_iteration=3, dynamic_sampling=True, dynamic_sampling_max_rounds=1)
-    trajs, stats = collect(0, cfg, None, None, _Split(), None, None)  # the limit: train on what was kept
+    trajs, stats = collect(0, cfg, None, _Split(), None)  # the limit: train on what was kept
     assert stats == {"groups_generated": 3, "groups_kept": 1, "groups_dropped": 2, "gen_tokens_total": 6}
 
 
@@ -147,9 +147,9 @@ def test_dynamic_sampling_reads_accuracy_not_the_shaped_total(monkeypatch):
             shaped("c", [0.0, 0.0], [0.0, -1.0]),
         ]
     ]
-    monkeypatch.setattr(iteration_module, "_roll_out_round", lambda it, r, *a: rounds[r])
+    monkeypatch.setattr(collect_module, "roll_out_round", lambda it, r, *a: (rounds[r], {}))
     cfg = TrainConfig(tasks_per_iteration=3, dynamic_sampling=True, dynamic_sampling_max_rounds=1)
-    trajs, stats = collect(0, cfg, None, None, _Split(), None, None)
+    trajs, stats = collect(0, cfg, None, _Split(), None)
     assert [t.group_id for t in trajs] == ["b", "b"]
     assert stats["groups_kept"] == 1 and stats["groups_dropped"] == 2
 
@@ -158,7 +158,7 @@ def test_dynamic_sampling_reads_accuracy_not_the_shaped_total(monkeypatch):
 def signal():
     """The warm start rarely succeeds in 8 tiny rollouts; odd sample ids win instead."""
     mp = pytest.MonkeyPatch()
-    mp.setattr(iteration_module, "score_trajectories", odd_samples_win(iteration_module.score_trajectories))
+    mp.setattr(collect_module, "score_trajectories", odd_samples_win(collect_module.score_trajectories))
     yield
     mp.undo()
 
@@ -178,11 +178,11 @@ def _verified_as_rewarded(score):
 @pytest.mark.parametrize("name", ALL)
 @pytest.mark.slow
 def test_every_recipe_trains_one_iteration(name, signal, teacher_dir, tmp_path, monkeypatch):
-    from consequence.train import train
+    from consequence.loop.train import train
 
     if name == "rejection_sft":
         monkeypatch.setattr(
-            iteration_module, "score_trajectories", _verified_as_rewarded(iteration_module.score_trajectories)
+            collect_module, "score_trajectories", _verified_as_rewarded(collect_module.score_trajectories)
         )
 
     cfg = load_recipe(name).train_config(

@@ -25,8 +25,8 @@ from rich.console import Console
 from safetensors.torch import load_file
 
 from consequence.config import TrainConfig
+from consequence.loop.resume import capture_rng, latest_state, restore_rng, save_state
 from consequence.records import read_trajectories
-from consequence.resume import capture_rng, latest_state, restore_rng, save_state
 from consequence.warmstart import BUNDLED
 
 CHILD = Path(__file__).with_name("resume_child.py")
@@ -175,7 +175,7 @@ def test_kill_while_writing_a_state_then_resume_matches(uninterrupted, tmp_path)
 
 # ---- in-process: the writer and the run directory --------------------------------------
 def _learner():
-    from consequence.iteration import make_learner
+    from consequence.loop.learner import make_learner
     from consequence.policy.tiny import load_policy
 
     model, tok = load_policy(BUNDLED)
@@ -184,7 +184,7 @@ def _learner():
 
 
 def test_state_round_trip_and_a_failed_write_keeps_the_previous_state(tmp_path, monkeypatch):
-    import consequence.resume as resume_module
+    import consequence.loop.resume as resume_module
 
     learner, tok = _learner()
     p = next(learner.model.parameters())
@@ -246,8 +246,8 @@ def _no_temp_files(run: Path) -> None:
 
 @pytest.mark.slow
 def test_disk_full_while_writing_a_state_stops_cleanly_and_resumes(tmp_path, monkeypatch):
-    import consequence.resume as resume_module
-    from consequence.train import RunStopped, train
+    import consequence.loop.resume as resume_module
+    from consequence.loop.train import RunStopped, train
 
     real, calls = resume_module._write_learner, []
 
@@ -291,7 +291,7 @@ def test_real_failed_write_of_a_state_stops_the_run_cleanly(tmp_path):
 def test_disk_full_while_writing_trajectories_leaves_no_partial_file(tmp_path, monkeypatch):
     import pyarrow.parquet as pq
 
-    from consequence.train import RunStopped, train
+    from consequence.loop.train import RunStopped, train
 
     real = pq.write_table
 
@@ -328,7 +328,7 @@ def test_append_line_is_cut_back_when_the_disk_fills(tmp_path, monkeypatch):
 
 def test_fresh_run_in_an_old_folder_drops_the_old_states(tmp_path):
     """Without --resume the folder starts over, so a later --resume cannot pick up an older run's state."""
-    from consequence.resume import rewind_run_dir
+    from consequence.loop.resume import rewind_run_dir
 
     run = tmp_path / "run"
     for name in ("checkpoints/state-0005", "checkpoints/.state-0006.tmp-x", "checkpoints/iter_0003"):
@@ -345,13 +345,13 @@ def test_fresh_run_in_an_old_folder_drops_the_old_states(tmp_path):
 def test_resume_restores_critic_and_reference(tmp_path, monkeypatch):
     """PPO (value head + its optimizer) with a KL term (reference reloaded from the starting
     model): a crash after the first state, then resume, gives the uninterrupted metrics."""
-    import consequence.iteration as iteration_module
-    import consequence.train as train_module
-    from consequence.train import train
+    import consequence.loop.train as train_module
+    import consequence.rollout.collect as collect_module
+    from consequence.loop.train import train
     from reward_signal import odd_samples_win
 
     # odd samples win, so that iteration 0 moves the policy off the reference
-    monkeypatch.setattr(iteration_module, "score_trajectories", odd_samples_win(iteration_module.score_trajectories))
+    monkeypatch.setattr(collect_module, "score_trajectories", odd_samples_win(collect_module.score_trajectories))
 
     kw = dict(advantage="gae", kl_coef=0.05, learning_rate=1e-3)
     train(_tiny_cfg(tmp_path / "a", **kw), Console(quiet=True))
@@ -394,7 +394,7 @@ def test_write_errors_of_torch_and_safetensors_become_oserrors(tmp_path):
 
 
 def test_rewind_keeps_what_the_state_covers(tmp_path):
-    from consequence.resume import rewind_run_dir
+    from consequence.loop.resume import rewind_run_dir
 
     run = tmp_path / "run"
     for name in ("state-0001", "state-0002", "iter_0002", "iter_0003", "final", ".iter_0003.tmp-x"):

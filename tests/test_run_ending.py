@@ -1,5 +1,5 @@
-"""How a run ended is recorded in manifest.json on every exit path (train.run_ending, the
-one place: train._Ending): a run refused after it started (a chat template that re-renders
+"""How a run ended is recorded in manifest.json on every exit path (loop.recorder.run_ending, the
+one place: loop.recorder.RunRecorder): a run refused after it started (a chat template that re-renders
 earlier turns, found in the first rollouts) ends ``refused`` with the reason, a crash (an
 environment plug-in that raises) ends ``failed`` with the exception; both can be resumed,
 and the resumed manifest keeps how the run before ended."""
@@ -59,8 +59,8 @@ def _manifest(run):
 @pytest.mark.slow
 def test_a_run_refused_after_it_started_records_refused_and_can_be_resumed_once_fixed(tmp_path):
     from consequence.cli import app
+    from consequence.loop.resume import resume_config
     from consequence.reproduce import reproduce_config
-    from consequence.resume import resume_config
 
     model, run = tmp_path / "model", tmp_path / "run"
     shutil.copytree(BUNDLED, model)
@@ -89,7 +89,7 @@ def test_a_run_refused_after_it_started_records_refused_and_can_be_resumed_once_
 
 @pytest.mark.slow
 def test_a_crash_records_failed_with_the_exception_and_a_resume_keeps_how_it_ended(tmp_path):
-    from consequence.train import train
+    from consequence.loop.train import train
 
     run = tmp_path / "run"
     cfg = TrainConfig(
@@ -133,22 +133,25 @@ def test_a_crash_records_failed_with_the_exception_and_a_resume_keeps_how_it_end
     ],
 )
 def test_run_ending_maps_each_exit_to_its_status(error, status, reason):
-    from consequence.checks import PreStepCheckError
-    from consequence.resume import STATUSES
-    from consequence.train import run_ending
+    from consequence.loop.checks import PreStepCheckError
+    from consequence.loop.resume import STATUSES
+    from consequence.loop.train import run_ending
 
     assert run_ending(error) == (status, reason) and status in STATUSES
     assert run_ending(PreStepCheckError("mask check failed")) == ("stopped", "mask check failed")
 
 
 def test_an_error_before_the_manifest_is_written_leaves_an_earlier_runs_manifest(tmp_path):
-    from consequence.train import _Ending
+    from consequence.loop.recorder import RunRecorder
 
     (tmp_path / "manifest.json").write_text(json.dumps({"status": "finished", "config": {}}))
-    with pytest.raises(ValueError), _Ending(tmp_path):  # not opened: this run wrote nothing yet
+    with (
+        pytest.raises(ValueError),
+        RunRecorder(tmp_path, Console(quiet=True)),
+    ):  # not opened: this run wrote nothing yet
         raise ValueError("bad --teacher")
     assert _manifest(tmp_path) == {"status": "finished", "config": {}}
-    with pytest.raises(ValueError), _Ending(tmp_path) as ending:
+    with pytest.raises(ValueError), RunRecorder(tmp_path, Console(quiet=True)) as ending:
         ending.opened = True
         raise ValueError("bad template")
     assert _manifest(tmp_path) == {"status": "refused", "config": {}, "stop_reason": "bad template"}
@@ -161,12 +164,12 @@ def test_sigterm_ends_a_run_interrupted_not_running(tmp_path):
     import os
     import signal
 
-    from consequence.train import Terminated, _Ending, run_ending
+    from consequence.loop.recorder import RunRecorder, Terminated, run_ending
 
     assert run_ending(Terminated()) == ("interrupted", "terminated (SIGTERM)")
     before = signal.getsignal(signal.SIGTERM)
     (tmp_path / "manifest.json").write_text(json.dumps({"status": "running", "config": {}}))
-    with pytest.raises(Terminated), _Ending(tmp_path) as ending:
+    with pytest.raises(Terminated), RunRecorder(tmp_path, Console(quiet=True)) as ending:
         ending.opened = True
         os.kill(os.getpid(), signal.SIGTERM)
         signal.pthread_sigmask(signal.SIG_BLOCK, [])  # a pending signal is handled at the next bytecode

@@ -17,12 +17,12 @@ pytestmark = pytest.mark.slow  # every test reads one module-scoped training run
 def run_dir(tmp_path_factory):
     from rich.console import Console
 
-    import consequence.iteration as iteration_module
-    from consequence.train import train
+    import consequence.rollout.collect as collect_module
+    from consequence.loop.train import train
     from reward_signal import odd_samples_win
 
     mp = pytest.MonkeyPatch()
-    mp.setattr(iteration_module, "score_trajectories", odd_samples_win(iteration_module.score_trajectories))
+    mp.setattr(collect_module, "score_trajectories", odd_samples_win(collect_module.score_trajectories))
 
     run = tmp_path_factory.mktemp("run")
     cfg = TrainConfig(

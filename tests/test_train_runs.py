@@ -149,9 +149,9 @@ def test_viewer_progress_says_what_it_recomputes_and_out_is_checked_first(rerun)
 # ---- 4, 9. settings that cannot work with this model and these tasks ------------------------------------
 @pytest.mark.parametrize("skip", [False, True])
 def test_max_total_tokens_below_the_prompt_is_refused_before_any_rollout(tmp_path, monkeypatch, skip):
-    import consequence.iteration as iteration_module
+    import consequence.rollout.collect as collect_module
 
-    monkeypatch.setattr(iteration_module, "run_episodes", lambda *a, **k: pytest.fail("rolled out"))
+    monkeypatch.setattr(collect_module, "run_episodes", lambda *a, **k: pytest.fail("rolled out"))
     run = tmp_path / "run"
     res = _train(
         *TINY,
@@ -213,7 +213,7 @@ def test_a_run_on_a_jsonl_task_file(tmp_path):
 
 # ---- 8. Ctrl-C --------------------------------------------------------------------------------------------
 def test_ctrl_c_says_where_the_run_stopped_and_how_to_resume(tmp_path):
-    from consequence.resume import resume_config
+    from consequence.loop.resume import resume_config
 
     run, marker = tmp_path / "run", tmp_path / "paused"
     args = [*TINY, "--iterations", "3", "--model", str(BUNDLED), "--run-dir", str(run), "--skip-checks"]
@@ -243,12 +243,12 @@ def test_ctrl_c_says_where_the_run_stopped_and_how_to_resume(tmp_path):
 def test_reproduce_from_another_folder_shortened_without_warning_against_itself(tmp_path, monkeypatch):
     import shutil
 
-    import consequence.iteration as iteration_module
+    import consequence.rollout.collect as collect_module
     from consequence.evaluate.splits import read_ledger, reuse_warning
     from reward_signal import odd_samples_win
 
     # odd samples win, so every update moves the weights: the shortened reproduction is another policy
-    monkeypatch.setattr(iteration_module, "score_trajectories", odd_samples_win(iteration_module.score_trajectories))
+    monkeypatch.setattr(collect_module, "score_trajectories", odd_samples_win(collect_module.score_trajectories))
     start, other = tmp_path / "start", tmp_path / "other"
     start.mkdir(), other.mkdir()
     shutil.copytree(BUNDLED, start / "model")
@@ -286,10 +286,10 @@ def test_the_final_sampled_comparison_samples_at_the_training_temperature(tmp_pa
     from rich.console import Console
 
     from consequence.config import TrainConfig
+    from consequence.loop.train import train
     from consequence.policy.logprobs import token_logprobs_unchunked
     from consequence.policy.tiny import BUNDLED, load_policy
     from consequence.records import read_trajectories, trajectory_to_rows
-    from consequence.train import train
 
     run = tmp_path / "run"
     train(

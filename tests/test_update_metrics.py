@@ -9,10 +9,10 @@ import math
 import pytest
 import torch
 
-import consequence.iteration as iteration_module
+import consequence.loop.learner as learner_module
 from consequence.config import TrainConfig
 from consequence.credit.value import ValueModel, explained_variance
-from consequence.iteration import Batch, Learner, _chunks, merge_steps, update
+from consequence.loop.learner import Batch, Learner, _chunks, merge_steps, update
 from consequence.policy.logprobs import token_logprobs
 from consequence.update.step import UpdateConfig
 from test_update_step import PAD, TinyLM, make_rows
@@ -28,13 +28,13 @@ def _batch(rows, adv):
 
 def _record_parts(monkeypatch):
     sizes: list[list[int]] = []
-    real = iteration_module.ppo_step
+    real = learner_module.ppo_step
 
     def spy(model, opt, rows, *a, **k):
         sizes[-1].append(len(rows))
         return real(model, opt, rows, *a, **k)
 
-    monkeypatch.setattr(iteration_module, "ppo_step", spy)
+    monkeypatch.setattr(learner_module, "ppo_step", spy)
     return sizes
 
 

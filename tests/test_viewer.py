@@ -40,7 +40,7 @@ def run_dir(tmp_path_factory):
     from rich.console import Console
 
     from consequence.config import TrainConfig
-    from consequence.train import train
+    from consequence.loop.train import train
 
     run = tmp_path_factory.mktemp("viewrun")
     train(

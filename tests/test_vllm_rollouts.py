@@ -13,10 +13,10 @@ import torch
 from rich.console import Console
 
 from consequence.config import TrainConfig
+from consequence.loop.train import train
 from consequence.policy.logprobs import token_logprobs_unchunked
 from consequence.policy.tiny import load_policy
 from consequence.records import read_trajectories, trajectory_to_rows
-from consequence.train import train
 from consequence.warmstart import BUNDLED
 
 pytestmark = pytest.mark.skipif(

@@ -223,7 +223,7 @@ def test_an_unknown_start_mode_stops_a_run_before_its_folder_is_made(monkeypatch
     from rich.console import Console
 
     from consequence.config import TrainConfig
-    from consequence.train import train
+    from consequence.loop.train import train
 
     monkeypatch.setenv("CONSEQUENCE_SANDBOX_START", "bogus")
     with pytest.raises(ValueError, match="CONSEQUENCE_SANDBOX_START='bogus'"):

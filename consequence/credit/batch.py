@@ -28,7 +28,7 @@ from consequence.credit.kl import kl_estimate, reverse_kl_advantages
 from consequence.credit.rejection import accept
 from consequence.credit.returns import gae
 from consequence.credit.value import ValueModel, row_values
-from consequence.records import TrainingRow, Trajectory, trajectory_to_rows
+from consequence.records import TrainingRow, Trajectory, credited, trajectory_to_rows
 
 __all__ = [
     "Batch",
@@ -84,15 +84,6 @@ class Batch:
             self.trajectories,
             dict(self.metrics),
         )
-
-
-def credited(t: Trajectory) -> bool:
-    """Whether ``t`` enters the credit box: scored (not an env_error) and with at least one
-    target token, i.e. one token the policy sampled (``Trajectory.n_generated_tokens``: the
-    target tokens of its rows are exactly its calls' ``output_ids``). A trajectory with no
-    model call, or whose calls sampled nothing, has no action to credit and would only move
-    its group's baseline (docs/cases.md, case 15)."""
-    return t.reward is not None and t.n_generated_tokens > 0
 
 
 def credit_rewards(trajs: list[Trajectory]) -> list[float | None]:
@@ -169,8 +160,14 @@ def assign_credit(
         _teacher_advantages(trajs, batch, owner, cfg, teacher_logprobs, penalty)
     elif cfg.advantage == "rejection":
         batch = _rejection_batch(trajs, batch, owner)
-    else:
-        adv = _scalar_advantages(trajs, owner, cfg, penalty, cfg.advantage)
+    else:  # one scalar per trajectory from its group: GRPO, RLOO, Dr.GRPO, REINFORCE(++)
+        std_correction = 1 if cfg.grpo_std == "sample" else 0
+        adv = group_advantages(
+            _penalised_rewards(trajs, owner, penalty),
+            [t.group_id for t in trajs],
+            cfg.advantage,
+            std_correction=std_correction,
+        )
         for t, a in zip(trajs, adv):
             t.advantage = a
         batch.advantages = [trajs[i].advantage for i in owner]
@@ -204,22 +201,26 @@ def _rejection_batch(trajs: list[Trajectory], batch: Batch, owner: list[int]) ->
     return batch
 
 
-def _scalar_advantages(trajs, owner, cfg, penalty, estimator: str) -> list:
-    """One advantage per trajectory from its total reward, less the KL reward penalty of its rows."""
+def _penalised_rewards(trajs, owner, penalty) -> list[float | None]:
+    """Each trajectory's total reward (:func:`credit_rewards`), less the KL reward penalty of its rows."""
     rewards = credit_rewards(trajs)
     if penalty is not None:
         for j, i in enumerate(owner):
             rewards[i] -= sum(penalty[j])
-    return group_advantages(
-        rewards, [t.group_id for t in trajs], estimator=estimator, std_correction=1 if cfg.grpo_std == "sample" else 0
-    )
+    return rewards
 
 
 def _teacher_advantages(trajs, batch: Batch, owner, cfg, teacher_logprobs, penalty) -> None:
     """On-policy distillation: A_t = log π_teacher(y_t) − log μ(y_t) on every target token
     (credit.kl.reverse_kl_advantages), plus w × the GRPO advantage of the (penalised) reward;
     each trajectory's scalar ``advantage`` is the mean over its target tokens."""
-    task = _scalar_advantages(trajs, owner, cfg, penalty, "grpo") if cfg.task_reward_weight else [0.0] * len(trajs)
+    ids, std_correction = [t.group_id for t in trajs], 1 if cfg.grpo_std == "sample" else 0
+    rewards = _penalised_rewards(trajs, owner, penalty)
+    task = (
+        group_advantages(rewards, ids, "grpo", std_correction=std_correction)
+        if cfg.task_reward_weight
+        else [0.0] * len(trajs)
+    )
     batch.advantages, sums, counts, k1 = [], [0.0] * len(trajs), [0] * len(trajs), 0.0
     for j, (r, mu, lt) in enumerate(zip(batch.rows, batch.sampler_logprobs, teacher_logprobs)):
         i = owner[j]

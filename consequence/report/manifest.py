@@ -3,7 +3,7 @@
 Written when a run starts and completed when it ends (atomically each time), with the
 run's ``status``: ``running`` while it runs, then how it ended (``finished``,
 ``interrupted``, ``stopped``, ``refused``, ``failed``, with a ``stop_reason``;
-``consequence.train.run_ending``, docs/resume.md "How a run ends"). It holds
+``consequence.loop.recorder.run_ending``, docs/resume.md "How a run ends"). It holds
 identifiers and hashes of the model and tokenizer, the task source and split, the
 environment and verifier versions with the active isolation, tool schemas and prompts,
 the context builder, sampling, reward components, the recipe (every box's choice),

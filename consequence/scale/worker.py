@@ -1,7 +1,7 @@
 """A rollout worker: a policy snapshot with a version that rolls out whole batches (a Ray actor).
 
 The worker runs exactly what the synchronous loop runs for a batch
-(:func:`consequence.iteration.collect`: generation, environment, sandbox, scoring, dynamic
+(:func:`consequence.rollout.collect.collect`: generation, environment, sandbox, scoring, dynamic
 sampling) with the seeds of the batch's index, so a batch is the same wherever it runs;
 only the weights that sample it may be older than the trainer's.
 """
@@ -149,7 +149,7 @@ class RolloutWorker:
             version``), ``stats`` (of ``collect``), ``worker``, ``rollout_s`` (the worker's own
             time for the batch, weight loading excluded), ``load_s``.
         """
-        from consequence.iteration import collect
+        from consequence.rollout.collect import collect, harness_runner
 
         t0 = time.perf_counter()
         if version != self.version:
@@ -160,17 +160,8 @@ class RolloutWorker:
                 state = ray.get(state)
             self.load(state, version)
         t1 = time.perf_counter()
-        trajs, stats = collect(
-            batch,
-            self.cfg,
-            self.model,
-            self.renderer,
-            self.split,
-            self.budgets,
-            self.sampling,
-            policy_version=version,
-            engine=self.engine,
-        )
+        runner = harness_runner(self.model, self.renderer, self.split, self.budgets, self.sampling, self.engine)
+        trajs, stats = collect(batch, self.cfg, runner, self.split, self.budgets, policy_version=version)
         return {
             "batch": batch,
             "version": version,

@@ -137,6 +137,32 @@ def load_agent(target: str) -> Callable:
     return fn
 
 
+def agent_runner(
+    target: str, model, renderer: Renderer, env, budgets: Budgets, sampling: SamplingParams, agent_timeout: float = 0.0
+):
+    """The agent-runner as an episode runner (``rollout.collect.EpisodeRunner``): the agent
+    ``target`` names (:func:`load_agent`, called at each round) plays each episode through
+    the loopback endpoint serving ``model``; its counts (``agent_*``) are the runner's stats."""
+
+    def run(specs, seed, policy_version, progress):
+        return run_agent_episodes(
+            load_agent(target),
+            model,
+            renderer,
+            specs,
+            budgets,
+            sampling,
+            env.system_prompt,
+            seed,
+            policy_version=policy_version,
+            examples=env.examples,
+            progress=progress,
+            agent_timeout=agent_timeout,
+        )
+
+    return run
+
+
 def run_agent_episodes(
     agent: Callable,
     model,

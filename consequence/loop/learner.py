@@ -1,14 +1,12 @@
-"""One iteration of the loop, box by box, for any recipe (the algorithm map of issue 3).
+"""The learner and the credit and update steps of the loop (``consequence.loop.train``).
 
-    collect   rollout box: B tasks × G episodes with π_old; dynamic sampling refills
-              the batch with groups whose rewards differ                (DAPO §3.2)
-    score     reward box: verifier score (+ overlong shaping, DAPO §3.4)
     credit    credit box: a scalar advantage per trajectory (REINFORCE … Dr.GRPO), or
               per-token GAE with a value head (PPO); KL as a reward penalty goes here
     update    update box: epochs × mini-batches of optimizer steps on the chosen
               surrogate, ratios against the behaviour snapshot
 
-Every recipe in ``consequence/recipes`` is these four functions with different settings.
+Every recipe in ``consequence/recipes`` is these two functions with different settings;
+the batch they work on comes from a batch source (``consequence.loop.sources``).
 """
 
 from __future__ import annotations
@@ -25,17 +23,11 @@ from typing import Any, TypeVar
 
 import torch
 
-from consequence.config import TrainConfig, generation_budget
-from consequence.credit.batch import Batch, assign_credit, credited, training_rows
+from consequence.config import TrainConfig
+from consequence.credit.batch import Batch, assign_credit, training_rows
 from consequence.credit.value import ValueModel, explained_variance
 from consequence.policy.logprobs import enable_gradient_checkpointing, token_logprobs
 from consequence.records import Trajectory
-from consequence.reward.scoring import rescore_group, score_trajectories
-from consequence.rollout.episodes import EpisodeSpec, run_episodes
-from consequence.rollout.groups import group_of
-from consequence.rollout.sampling import policy_generate_fn
-from consequence.seeding import seed_of
-from consequence.serve.runner import load_agent, run_agent_episodes
 from consequence.update.sampler_gap import apply_is_mask, sampler_gap_metrics
 from consequence.update.step import NonFiniteError, UpdateConfig, compute_logprobs, ppo_step
 from consequence.update.value_step import value_step
@@ -112,160 +104,6 @@ def make_learner(
         check_supported(cfg)
         learner.data_parallel = DataParallelUpdate(cfg.update_ranks).launch(type(model).__module__)
     return learner
-
-
-# ---- rollout box ---------------------------------------------------------------------
-def collect(
-    it: int,
-    cfg: TrainConfig,
-    model,
-    renderer,
-    split,
-    budgets,
-    sampling,
-    progress=None,
-    policy_version: int | None = None,
-    engine=None,
-) -> tuple[list[Trajectory], dict]:
-    """Roll out B tasks × G episodes, scored; with dynamic sampling keep only groups whose
-    rewards differ, sampling new tasks for up to ``dynamic_sampling_max_rounds`` rounds.
-
-    ``it`` picks the batch (its tasks and seeds); ``policy_version`` is the version of the
-    weights that sample it, recorded on every trajectory (default ``it``: the synchronous
-    loop; an asynchronous rollout worker may sample batch ``it`` with older weights).
-    ``engine`` samples instead of ``model`` when given: an object whose
-    ``generate_fn(sampling, stop_ids, seed)`` returns a ``generate_fn`` of the same contract
-    as ``rollout.sampling.policy_generate_fn`` (``policy.vllm_engine.VllmEngine``).
-
-    Returns:
-        (trajectories of the kept groups, stats: groups generated / kept / dropped and
-        the tokens generated in all rounds).
-    """
-    rounds = cfg.dynamic_sampling_max_rounds if cfg.dynamic_sampling else 1
-    kept: list[list[Trajectory]] = []
-    generated = tokens = 0
-    agent_stats: dict[str, float] = {}
-    for r in range(rounds):
-        groups = _roll_out_round(
-            it,
-            r,
-            cfg,
-            model,
-            renderer,
-            split,
-            budgets,
-            sampling,
-            progress,
-            agent_stats,
-            it if policy_version is None else policy_version,
-            engine,
-        )
-        generated += len(groups)
-        tokens += sum(t.n_generated_tokens for g in groups for t in g)
-        kept += [g for g in groups if not cfg.dynamic_sampling or _is_mixed(g, split.reward_components[0])]
-        if len(kept) >= cfg.tasks_per_iteration:
-            break
-    kept = kept[: cfg.tasks_per_iteration]
-    stats = {
-        "groups_generated": generated,
-        "groups_kept": len(kept),
-        "groups_dropped": generated - len(kept),
-        "gen_tokens_total": tokens,
-        **agent_stats,
-    }
-    return [t for g in kept for t in g], stats
-
-
-def _roll_out_round(
-    it,
-    r,
-    cfg,
-    model,
-    renderer,
-    split,
-    budgets,
-    sampling,
-    progress=None,
-    agent_stats: dict[str, float] | None = None,
-    version: int = 0,
-    engine=None,
-) -> list[list[Trajectory]]:
-    """One round of B tasks × G episodes, scored and grouped: in-process harness, or with
-    ``--agent`` the user's agent through the endpoint (its stats added into ``agent_stats``)."""
-    tag = (it,) if r == 0 else (it, "round", r)  # round 0 keeps the seeds of plain sampling
-    env = split
-    tasks = env.sample("train", cfg.tasks_per_iteration, seed=seed_of(cfg.seed, *tag))
-    prefix = f"{it}" if r == 0 else f"{it}.{r}"
-    specs = [
-        EpisodeSpec(
-            episode,
-            t.task_id,
-            f"{prefix}/{t.task_id}",
-            g,
-            seed_of(cfg.seed, *tag, g),
-            answer_ends_episode=env.answer_ends_episode,
-        )
-        for t in tasks
-        for g, episode in enumerate(group_of(env, t, cfg.group_size))
-    ]
-    if cfg.agent:
-        trajs, stats = run_agent_episodes(
-            load_agent(cfg.agent),
-            model,
-            renderer,
-            specs,
-            budgets,
-            sampling,
-            env.system_prompt,
-            seed_of(cfg.seed, *tag, "rollout"),
-            policy_version=version,
-            examples=env.examples,
-            progress=progress,
-            agent_timeout=cfg.agent_timeout,
-        )
-        for k, v in stats.items():
-            if agent_stats is not None:
-                agent_stats[k] = agent_stats.get(k, 0.0) + v
-    else:
-        seed = seed_of(cfg.seed, *tag, "rollout")
-        gen = (
-            engine.generate_fn(sampling, renderer.stop_ids, seed)
-            if engine is not None
-            else policy_generate_fn(model, sampling, renderer.stop_ids, seed)
-        )
-        trajs = run_episodes(
-            gen,
-            renderer,
-            specs,
-            budgets,
-            env.system_prompt,
-            policy_version=version,
-            progress=progress,
-            examples=env.examples,
-        )
-    score_trajectories(
-        trajs,
-        cfg.overlong_buffer,  # L_max of the overlong shaping: the generation budget
-        generation_budget(budgets.max_turns, budgets.max_new_tokens, budgets.max_total_tokens),
-        env.reward_components,
-        env.reward_range,
-    )
-    groups: dict[str, list[Trajectory]] = {}
-    for t in trajs:
-        groups.setdefault(t.group_id, []).append(t)
-    for task in tasks:
-        rescore_group(env, task, groups[f"{prefix}/{task.task_id}"], overlong=bool(cfg.overlong_buffer))
-    return list(groups.values())
-
-
-def _is_mixed(group: list[Trajectory], primary: str) -> bool:
-    """Whether the group's accuracy differs among the members the credit box keeps (DAPO
-    §3.2: keep a group when 0 < #correct < G): the ``primary`` reward component, the
-    verifier's, not the shaped total, so an overlong penalty or another shaping term that
-    differs among equally right (or equally wrong) answers does not keep the group. An
-    env_error or an episode with no generated token leaves the group (docs/cases.md, case
-    15), so a group mixed only through one of them carries no group-relative signal."""
-    return len({t.reward_components.get(primary, 0.0) for t in group if credited(t)}) > 1
 
 
 # ---- credit box ----------------------------------------------------------------------
