@@ -345,8 +345,8 @@ def test_fresh_run_in_an_old_folder_drops_the_old_states(tmp_path):
 def test_resume_restores_critic_and_reference(tmp_path, monkeypatch):
     """PPO (value head + its optimizer) with a KL term (reference reloaded from the starting
     model): a crash after the first state, then resume, gives the uninterrupted metrics."""
-    import consequence.loop.train as train_module
     import consequence.rollout.collect as collect_module
+    from consequence.loop.sources import Rollouts
     from consequence.loop.train import train
     from reward_signal import odd_samples_win
 
@@ -355,15 +355,15 @@ def test_resume_restores_critic_and_reference(tmp_path, monkeypatch):
 
     kw = dict(advantage="gae", kl_coef=0.05, learning_rate=1e-3)
     train(_tiny_cfg(tmp_path / "a", **kw), Console(quiet=True))
-    real = train_module.iteration
+    real = Rollouts.next_batch
 
-    def crash_in_second(it, *args, **kwargs):
+    def crash_in_second(self, it, *args, **kwargs):
         if it == 1:
             raise KeyboardInterrupt  # stands in for a kill: nothing after this point runs
-        return real(it, *args, **kwargs)
+        return real(self, it, *args, **kwargs)
 
     with monkeypatch.context() as mp, pytest.raises(KeyboardInterrupt):
-        mp.setattr(train_module, "iteration", crash_in_second)
+        mp.setattr(Rollouts, "next_batch", crash_in_second)
         train(_tiny_cfg(tmp_path / "b", **kw), Console(quiet=True))
     assert (tmp_path / "b" / "checkpoints" / "state-0001" / "critic.safetensors").is_file()
     train(_tiny_cfg(tmp_path / "b", **kw), Console(quiet=True), resume=True)
