@@ -30,12 +30,12 @@ from pathlib import Path
 
 import torch
 
+from consequence.distill.warmstart import BUNDLED
 from consequence.policy.logprobs import token_logprobs
 from consequence.policy.tiny import load_policy
 from consequence.records import TrainingRow
 from consequence.update.data_parallel import DataParallelUpdate, shard_rows
 from consequence.update.step import UpdateConfig, ppo_step
-from consequence.warmstart import BUNDLED
 
 
 def make_rows(n_rows: int, vocab: int, seed: int = 0) -> tuple[list[TrainingRow], list[float]]:

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from consequence.distill.warmstart import ensure_warmstart
 from consequence.envs.registry import load_environment
 from consequence.harness.renderer import Renderer
 from consequence.policy.logprobs import token_logprobs
@@ -40,7 +41,6 @@ from consequence.rollout.episodes import Budgets, EpisodeSpec, run_episodes
 from consequence.rollout.groups import group_of
 from consequence.rollout.sampling import policy_generate_fn
 from consequence.seeding import seed_of
-from consequence.warmstart import ensure_warmstart
 
 
 def _specs(env, tasks, group: int):

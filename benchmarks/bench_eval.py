@@ -37,11 +37,11 @@ from pathlib import Path
 
 import torch
 
-from consequence.envs import judge, sandbox
-from consequence.envs.code_tasks import load_humaneval
+from consequence.envs.humaneval.code_tasks import load_humaneval
 from consequence.evaluate import completions as comp
 from consequence.policy.sampler import SamplingParams, generate
 from consequence.policy.tiny import BUNDLED
+from consequence.sandbox import judge, sandbox
 
 
 def old_sample(model, tok, tasks, n, temperature, seed, max_new_tokens, on_task):

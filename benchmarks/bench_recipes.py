@@ -21,6 +21,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from consequence.distill.warmstart import BUNDLED
 from consequence.envs.registry import load_environment
 from consequence.evaluate.compare import ArmResult, paired_comparison, summarize
 from consequence.evaluate.rollouts import run_eval
@@ -31,7 +32,6 @@ from consequence.policy.tiny import load_policy
 from consequence.recipes import BASELINE, differences, load_recipe, recipe_names
 from consequence.rollout.episodes import Budgets
 from consequence.seeding import seed_of
-from consequence.warmstart import BUNDLED
 
 ROOT = Path(__file__).resolve().parent.parent
 BEGIN, END = "<!-- recipes-table:begin -->", "<!-- recipes-table:end -->"

@@ -9,7 +9,7 @@ sandbox children), for both ways children start (``CONSEQUENCE_SANDBOX_START``):
 - judge ``run_cases`` / ``run_program``: the reward path (two confined children per run);
 
 in ``fresh`` mode (a new ``python -I -S`` per child, the sandbox before the fork server) and
-``fork-server`` mode (:mod:`consequence.envs.zygote`: one clean interpreter forks each child,
+``fork-server`` mode (:mod:`consequence.sandbox.zygote`: one clean interpreter forks each child,
 which confines itself before it reads anything). CPU ms per run counts this process, its
 reaped children and, in fork-server mode, the zygote and the children it reaped
 (``/proc/PID/stat``). Before timing, a set of probe programs (fork, exec, socket, file
@@ -32,9 +32,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from consequence.envs import judge, sandbox
-from consequence.envs.sandbox import TestReport, isolation_report, network_isolation
-from consequence.tasks.repair import TestCase, TestProgram
+from consequence.envs.repair.problems import TestCase, TestProgram
+from consequence.sandbox import judge, sandbox
+from consequence.sandbox.sandbox import TestReport, isolation_report, network_isolation
 
 CODE = "def add(a, b):\n    return a + b\n"
 TESTS = [TestCase("add(1, 2)", "3"), TestCase("add(-1, 1)", "0"), TestCase("add(2, 2)", "4")]

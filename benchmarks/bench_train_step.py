@@ -20,11 +20,11 @@ from pathlib import Path
 
 import torch
 
+from consequence.distill.warmstart import BUNDLED
 from consequence.policy.logprobs import token_logprobs
 from consequence.policy.tiny import load_policy
 from consequence.records import TrainingRow
 from consequence.update.step import UpdateConfig, ppo_step
-from consequence.warmstart import BUNDLED
 
 
 def matmul_flops_per_s(n: int = 2048, repeats: int = 10) -> float:

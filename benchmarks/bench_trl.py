@@ -111,9 +111,10 @@ import torch
 
 import consequence.update.step as step_box
 from consequence.credit.advantages import group_advantages
+from consequence.distill.warmstart import BUNDLED
 from consequence.envs.registry import load_environment
-from consequence.envs.repair_env import SYSTEM_PROMPT, TOOLS, RepairEnv, verify
-from consequence.envs.sandbox import clear_cache
+from consequence.envs.repair.env import SYSTEM_PROMPT, TOOLS, RepairEnv, verify
+from consequence.envs.repair.problems import RepairTask, load_split, make_tasks
 from consequence.evaluate.stats import paired_bootstrap_ci
 from consequence.harness.renderer import Renderer
 from consequence.policy.logprobs import token_logprobs
@@ -122,9 +123,8 @@ from consequence.policy.sampler import SamplingParams, generate
 from consequence.policy.tiny import load_policy
 from consequence.records import TrainingRow
 from consequence.rollout.episodes import opening_messages
-from consequence.tasks.repair import RepairTask, load_split, make_tasks
+from consequence.sandbox.sandbox import clear_cache
 from consequence.update.step import UpdateConfig, accumulate_gradients, ppo_step
-from consequence.warmstart import BUNDLED
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -1,6 +1,6 @@
 """The hostile-program corpus through the default task's sandbox: the README table.
 
-Runs every case of :mod:`consequence.envs.hostile` (and the two controls) through the
+Runs every case of :mod:`consequence.envs.repair.hostile` (and the two controls) through the
 visible-test runner (``sandbox.run_tests``) and the reward path (``RepairEnv`` ``finish``
 -> the two-process judge) with the training defaults, one case at a time, and prints a
 Markdown table: case, what it tries, visible-test feedback, reward, processes left
@@ -22,8 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from consequence.envs.hostile import CASES, CONTROLS, host_guards, run_case
-from consequence.envs.sandbox import isolation_report
+from consequence.envs.repair.hostile import CASES, CONTROLS, host_guards, run_case
+from consequence.sandbox.sandbox import isolation_report
 
 
 def _why(text: str) -> str:

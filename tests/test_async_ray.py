@@ -22,9 +22,9 @@ from rich.console import Console
 from safetensors.torch import load_file
 
 from consequence.config import TrainConfig
+from consequence.distill.warmstart import BUNDLED
 from consequence.loop.train import train
 from consequence.records import read_trajectories
-from consequence.warmstart import BUNDLED
 
 pytestmark = [
     pytest.mark.slow,  # Ray workers and training runs: minutes each

@@ -12,8 +12,8 @@ from typer.testing import CliRunner
 
 from consequence.cli import app
 from consequence.config import TrainConfig
+from consequence.distill.warmstart import BUNDLED
 from consequence.loop.resume import resume_config
-from consequence.warmstart import BUNDLED
 
 
 def _invoke(*args: str):

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 import consequence.rollout.collect as collect_module
 from consequence.cli import app
-from consequence.warmstart import BUNDLED
+from consequence.distill.warmstart import BUNDLED
 from reward_signal import odd_samples_win
 
 SMALL = [

@@ -54,7 +54,7 @@ def test_case_05_a_truncated_episode_enters_the_baseline_and_overlong_filtering_
 
 @pytest.mark.slow
 def test_case_04_humaneval_prompt_too_long_stays_in_n():
-    from consequence.envs.code_tasks import load_humaneval
+    from consequence.envs.humaneval.code_tasks import load_humaneval
     from consequence.evaluate.completions import score_completions
 
     tasks = load_humaneval()
@@ -109,14 +109,14 @@ def test_case_07_training_uses_the_samplers_top_p_through_logprob_fn():
 
 
 def test_case_13_two_tool_calls_in_one_sampled_turn_share_one_observation(tmp_path):
-    from consequence.envs.repair_env import SYSTEM_PROMPT, TOOLS, RepairEnv
+    from consequence.distill.warmstart import BUNDLED
+    from consequence.envs.repair.env import SYSTEM_PROMPT, TOOLS, RepairEnv
+    from consequence.envs.repair.problems import load_split, make_tasks
     from consequence.harness.renderer import Renderer
     from consequence.policy.sampler import Sample
     from consequence.policy.tiny import load_policy
     from consequence.records import trajectory_to_rows
     from consequence.rollout.episodes import Budgets, EpisodeSpec, run_episodes
-    from consequence.tasks.repair import load_split, make_tasks
-    from consequence.warmstart import BUNDLED
 
     renderer = Renderer(load_policy(BUNDLED)[1], TOOLS)
     task = make_tasks(load_split(0)["validation"], 1, seed=0)[0]

@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from consequence.envs.code_tasks import load_humaneval
-from consequence.envs.sandbox import ENV_RETRIES, TestReport
+from consequence.envs.humaneval.code_tasks import load_humaneval
 from consequence.evaluate import completions as comp
+from consequence.sandbox.sandbox import ENV_RETRIES, TestReport
 
 TINY = Path(comp.__file__).parents[1] / "assets" / "tiny-repair"
 

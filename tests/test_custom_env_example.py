@@ -229,10 +229,10 @@ def test_a_scripted_policy_through_the_runner_earns_each_component(monkeypatch):
     number (accuracy 1 + format 0.1), and a wrong number inside a sentence (0 + 0)."""
     from transformers import AutoTokenizer
 
+    from consequence.distill.warmstart import BUNDLED
     from consequence.harness.renderer import Renderer
     from consequence.reward.scoring import score_trajectories
     from consequence.rollout.episodes import Budgets, EpisodeSpec, run_episodes
-    from consequence.warmstart import BUNDLED
 
     monkeypatch.syspath_prepend(str(SRC))
     from consequence_vowels.env import VowelCountEnvironment

@@ -306,10 +306,10 @@ def test_update_ranks_2_trains_like_update_ranks_1(tmp_path):
     own totals and rescaled, saw on other machines). Metrics are float64 sums of a few
     numbers in another order: equal to 1e-12 relative (≥ 100× their rounding)."""
     from consequence.config import TrainConfig
+    from consequence.distill.warmstart import BUNDLED
     from consequence.loop.train import train
     from consequence.policy.tiny import load_policy
     from consequence.records import read_trajectories
-    from consequence.warmstart import BUNDLED
 
     def run(n: int):
         # the parity environment: mixed groups from the warm start, so that steps train

@@ -320,6 +320,8 @@ def test_source_hash_covers_the_episode_module_and_reproduce_names_a_changed_env
     d = env.describe()
     assert _environment_drift(d) == []
     real = api.Path.read_bytes
-    monkeypatch.setattr(api.Path, "read_bytes", lambda p: real(p) + (b"#" if p.name == "repair_env.py" else b""))
+    monkeypatch.setattr(
+        api.Path, "read_bytes", lambda p: real(p) + (b"#" if p.parts[-2:] == ("repair", "env.py") else b"")
+    )
     assert api.source_sha256(type(env)) != d["source_sha256"]  # RepairEnv's file is part of the hash
     assert _environment_drift(d) == ["environment repair: its source changed since the run (sha256 differs)"]

@@ -12,9 +12,8 @@ from types import SimpleNamespace
 import pytest
 from typer.testing import CliRunner
 
-from consequence.envs import calculator_env as calc
-from consequence.envs import sandbox
-from consequence.envs.calculator_env import (
+from consequence.envs.calculator import env as calc
+from consequence.envs.calculator.env import (
     ArithmeticTask,
     CalculatorEnvironment,
     CalculatorEpisode,
@@ -24,10 +23,11 @@ from consequence.envs.calculator_env import (
     is_correct,
 )
 from consequence.envs.registry import load_environment
-from consequence.envs.sandbox import TestReport
 from consequence.harness.renderer import Renderer
 from consequence.reward.scoring import score_trajectories
 from consequence.rollout.episodes import Budgets, EpisodeSpec, run_episodes
+from consequence.sandbox import sandbox
+from consequence.sandbox.sandbox import TestReport
 
 TASK = ArithmeticTask("hand-1", "hand-1", "What is 4837 * 29 - 1204?", 139069, "expression", "4837 * 29 - 1204")
 COST = 0.125  # a binary fraction: sums of it are exact

@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from consequence.cli import app
-from consequence.envs.code_tasks import chat_request
+from consequence.envs.humaneval.code_tasks import chat_request
 from consequence.envs.registry import load_environment
 from consequence.harness.renderer import Renderer
 from consequence.records import read_trajectories
@@ -38,7 +38,7 @@ def _answer(env, task, text, tokenizer):
 
 
 def test_one_step_scored_by_the_completion_verifier(tiny_tokenizer):
-    from consequence.tasks.humaneval import records
+    from consequence.envs.humaneval.problems import records
 
     env = load_environment("humaneval")
     assert {k: len(v) for k, v in env.split.items()} == {"train": 131, "validation": 16, "test": 17}

@@ -1,7 +1,7 @@
 """The ``openenv`` adapter against real OpenEnv servers (``openenv-core``'s ``create_app``,
 served by uvicorn on 127.0.0.1 in a background thread): environments written against
 OpenEnv's own ``Environment`` / ``Action`` / ``Observation`` types, reached through
-``load_environment("consequence.envs.openenv_env:OpenEnvEnvironment", ...)``.
+``load_environment("consequence.envs.openenv.env:OpenEnvEnvironment", ...)``.
 
 Covered: the reset / step / reward mapping by hand (answer and tool mode, observation
 text, an action the server refuses), episodes through the real runner and reward box with
@@ -35,13 +35,13 @@ from openenv.core.env_server import Environment as OpenEnvBase  # noqa: E402
 from pydantic import Field  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
-from consequence.envs.openenv_env import OpenEnvEnvironment, observation_text, tool_name_of  # noqa: E402
+from consequence.envs.openenv.env import OpenEnvEnvironment, observation_text, tool_name_of  # noqa: E402
 from consequence.envs.registry import load_environment  # noqa: E402
 from consequence.harness.renderer import Renderer  # noqa: E402
 from consequence.reward.scoring import score_trajectories  # noqa: E402
 from consequence.rollout.episodes import Budgets, EpisodeSpec, run_episodes  # noqa: E402
 
-TARGET = "consequence.envs.openenv_env:OpenEnvEnvironment"
+TARGET = "consequence.envs.openenv.env:OpenEnvEnvironment"
 WORDS = ["apple", "river", "stone", "cloud", "ember", "maple", "tiger", "ocean"]
 
 

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import reasoning_gym
 
-from consequence.envs.reasoning_gym_env import SYSTEM_PROMPT, ReasoningGymEnvironment, extract_answer, follows_format
+from consequence.envs.reasoning_gym.env import SYSTEM_PROMPT, ReasoningGymEnvironment, extract_answer, follows_format
 from consequence.envs.registry import load_environment
 
 

@@ -11,12 +11,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from consequence.envs import judge, sandbox
-from consequence.envs.repair_env import RepairEnv
-from consequence.envs.sandbox import ENV_RETRIES, TestReport, with_retries
+from consequence.envs.repair.env import RepairEnv
+from consequence.envs.repair.problems import build_problems, make_instance
 from consequence.reward.scoring import score_trajectories
 from consequence.rollout.episodes import Budgets, EpisodeSpec, run_episodes
-from consequence.tasks.repair import build_problems, make_instance
+from consequence.sandbox import judge, sandbox
+from consequence.sandbox.sandbox import ENV_RETRIES, TestReport, with_retries
 
 
 @pytest.fixture(scope="module")

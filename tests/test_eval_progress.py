@@ -52,11 +52,11 @@ def test_silent_without_a_console():
 
 
 def test_sample_episodes_reports_episodes_finished(renderer):
+    from consequence.distill.warmstart import BUNDLED
     from consequence.envs.registry import load_environment
     from consequence.evaluate.rollouts import sample_episodes
     from consequence.policy.tiny import load_policy
     from consequence.rollout.episodes import Budgets
-    from consequence.warmstart import BUNDLED
 
     model, tok = load_policy(BUNDLED)
     from consequence.harness.renderer import Renderer

@@ -9,9 +9,9 @@ import pytest
 from typer.testing import CliRunner
 
 from consequence.cli import app
+from consequence.distill.warmstart import BUNDLED
+from consequence.envs.repair.problems import load_split
 from consequence.evaluate.settings import describe, resolve_settings
-from consequence.tasks.repair import load_split
-from consequence.warmstart import BUNDLED
 from policy_copies import fake_run
 
 FAST = ["--problems", "2", "-n", "1", "--no-recovery"]
@@ -97,7 +97,7 @@ def test_an_option_overrides_the_run_and_the_report_says_so(tmp_path):
 
 @pytest.mark.slow
 def test_humaneval_completion_takes_the_runs_split_seed(tmp_path):
-    from consequence.envs.code_tasks import humaneval_split
+    from consequence.envs.humaneval.code_tasks import humaneval_split
 
     run = fake_run(tmp_path / "run", **{**RUN_CFG, "tasks": "humaneval-repair"})
     res = CliRunner().invoke(

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from consequence.envs.hardening import available_layers, layers_report, read_allowlist
-from consequence.envs.judge import CODEC
+from consequence.sandbox.hardening import available_layers, layers_report, read_allowlist
+from consequence.sandbox.judge import CODEC
 
 NS: dict = {"json": json, "os": None}
 exec(CODEC, NS)
@@ -84,7 +84,7 @@ def test_layers_probe_and_allowlist():
 
 
 def test_probe_sees_each_layer_and_its_absence():
-    from consequence.envs.hardening import _probe
+    from consequence.sandbox.hardening import _probe
 
     bare = _probe({})  # negative control: without confinement every attempt works
     assert (bare["read_outside"], bare["fork"], bare["stdlib"]) == (True, True, True)

@@ -1,4 +1,4 @@
-"""The hostile-program corpus (consequence.envs.hostile) through the real sandbox.
+"""The hostile-program corpus (consequence.envs.repair.hostile) through the real sandbox.
 
 For each program: reward 0 through ``RepairEnv`` ``finish`` (never an env_error), the
 visible-test feedback not passed (except the documented single-process forgeries),
@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from consequence.envs import hostile
-from consequence.envs.hostile import CASES, CONTROLS, HIDDEN, host_guards, prepare_outside, render, run_case
-from consequence.envs.sandbox import SandboxLimits
+from consequence.envs.repair import hostile
+from consequence.envs.repair.hostile import CASES, CONTROLS, HIDDEN, host_guards, prepare_outside, render, run_case
+from consequence.sandbox.sandbox import SandboxLimits
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc and prctl")
 BY_NAME = {c.name: c for c in CASES + CONTROLS}
@@ -178,7 +178,7 @@ def test_without_seccomp_a_root_daemon_escapes_the_group(tmp_path, monkeypatch):
     without seccomp a double-forked ``setsid`` daemon leaves the process group the sandbox
     kills. The harness sees both daemons (one per sandbox run) and kills them; this is
     also the process checker's negative control on a real escape."""
-    from consequence.envs import hardening, judge, sandbox
+    from consequence.sandbox import hardening, judge, sandbox
 
     if os.geteuid() != 0:
         pytest.skip("not root: RLIMIT_NPROC = 0 stops the fork even without seccomp")

@@ -4,10 +4,10 @@ import json
 
 import pytest
 
-from consequence.envs import code_tasks
-from consequence.envs.repair_env import RepairEnv
-from consequence.tasks import humaneval as he
-from consequence.tasks.jsonl import (
+from consequence.envs.humaneval import code_tasks
+from consequence.envs.humaneval import problems as he
+from consequence.envs.repair.env import RepairEnv
+from consequence.envs.repair.jsonl import (
     CodeTask,
     TaskFormatError,
     as_repair_task,
@@ -18,7 +18,7 @@ from consequence.tasks.jsonl import (
     split_by_problem,
     to_record,
 )
-from consequence.tasks.repair import TestCase, TestProgram
+from consequence.envs.repair.problems import TestCase, TestProgram
 
 GOOD = {
     "task_id": "t1",

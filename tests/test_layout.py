@@ -6,8 +6,8 @@ from pathlib import Path
 
 PKG = Path(__file__).resolve().parent.parent / "consequence"
 LAYERS = [
-    {"records", "seeding", "figures", "config", "fileio"},
-    {"tasks"},
+    {"records", "seeding", "figures", "config", "fileio", "exports"},
+    {"sandbox"},
     {"envs"},
     {"policy"},
     {"harness"},
@@ -21,8 +21,7 @@ LAYERS = [
     {"scale"},
     {"recipes"},
     {"report", "labs"},
-    {"loop", "train", "resume", "warmstart", "reproduce"},
-    {"coldstart"},
+    {"loop", "train", "resume", "reproduce"},
     {"cli", "api", "__init__", "assets"},
 ]
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
@@ -65,22 +64,22 @@ def _environment_modules() -> set[str]:
     """Modules of consequence/envs/ that define an environment: a subclass of Environment,
     or an episode class (one with both ``reset`` and ``step``)."""
     found = set()
-    for path in (PKG / "envs").glob("*.py"):
+    for path in (PKG / "envs").rglob("*.py"):
         for node in ast.walk(_parsed(path)):
             if not isinstance(node, ast.ClassDef) or path.stem == "api":
                 continue
             bases = {getattr(b, "id", getattr(b, "attr", "")) for b in node.bases}
             methods = {f.name for f in node.body if isinstance(f, ast.FunctionDef)}
             if any(b.endswith("Environment") for b in bases) or {"reset", "step"} <= methods:
-                found.add(f"consequence.envs.{path.stem}")
+                found.add("consequence." + ".".join(path.relative_to(PKG).with_suffix("").parts))
     return found
 
 
 def test_environment_modules_are_found():
     """Negative control of the rule below: the built-ins are recognised as environments."""
     mods = _environment_modules()
-    assert {"consequence.envs.repair_env", "consequence.envs.repair_tasks", "consequence.envs.completion_env"} <= mods
-    assert "consequence.envs.sandbox" not in mods and "consequence.envs.registry" not in mods
+    assert {"consequence.envs.repair.env", "consequence.envs.repair.tasks", "consequence.envs.humaneval.env"} <= mods
+    assert "consequence.sandbox.sandbox" not in mods and "consequence.envs.registry" not in mods
 
 
 def test_no_module_outside_envs_imports_a_specific_environment():

@@ -81,10 +81,10 @@ def test_nonfinite_tensor_names_itself_and_the_trajectory(setup, monkeypatch, ki
 
 @pytest.mark.slow
 def test_nan_in_a_run_stops_it_and_keeps_the_last_state(tmp_path, monkeypatch):
+    from consequence.distill.warmstart import BUNDLED
     from consequence.loop.resume import latest_state
     from consequence.loop.sources import Rollouts
     from consequence.loop.train import RunStopped, train
-    from consequence.warmstart import BUNDLED
 
     now, sha = {"it": 0}, {}
     real_next_batch = Rollouts.next_batch

@@ -6,8 +6,8 @@ import pytest
 import transformers
 
 from consequence.config import TrainConfig
+from consequence.distill.warmstart import BUNDLED
 from consequence.policy.tiny import load_policy, save_policy
-from consequence.warmstart import BUNDLED
 
 
 def _config(kind, vocab):

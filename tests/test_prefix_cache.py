@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from consequence.envs.registry import load_environment
-from consequence.envs.repair_env import SYSTEM_PROMPT, TOOLS, RepairEnv
+from consequence.envs.repair.env import SYSTEM_PROMPT, TOOLS, RepairEnv
 from consequence.harness.renderer import Renderer
 from consequence.policy.prefix_cache import PrefixCache, generate_with_prefix
 from consequence.policy.sampler import SamplingParams, generate

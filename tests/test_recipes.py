@@ -10,11 +10,11 @@ from typer.testing import CliRunner
 import consequence.rollout.collect as collect_module
 from consequence.cli import app
 from consequence.config import TrainConfig
+from consequence.distill.warmstart import BUNDLED
 from consequence.recipes import differences, load_recipe, recipe_names
 from consequence.records import ModelCall, Trajectory
 from consequence.report.explain import render_difference, render_recipe
 from consequence.rollout.collect import collect
-from consequence.warmstart import BUNDLED
 from reward_signal import odd_samples_win
 
 ALL = [

@@ -2,11 +2,11 @@
 
 import pytest
 
-from consequence.envs.repair_env import SYSTEM_PROMPT, TOOLS, RepairEnv, verify
+from consequence.envs.repair.env import SYSTEM_PROMPT, TOOLS, RepairEnv, verify
+from consequence.envs.repair.problems import load_split, make_tasks
 from consequence.evaluate.recovery import recovery_openings, wrong_first_patch
 from consequence.records import trajectory_to_rows
 from consequence.rollout.episodes import Budgets, EpisodeSpec, run_episodes
-from consequence.tasks.repair import load_split, make_tasks
 
 
 @pytest.fixture(scope="module")
@@ -51,9 +51,9 @@ def _teacher(renderer, plans):
 
 @pytest.fixture(scope="module")
 def real_renderer():
+    from consequence.distill.warmstart import BUNDLED
     from consequence.harness.renderer import Renderer
     from consequence.policy.tiny import load_policy
-    from consequence.warmstart import BUNDLED
 
     return Renderer(load_policy(BUNDLED)[1], TOOLS)
 
@@ -85,8 +85,8 @@ def test_an_opening_that_ends_the_episode_is_refused(tasks, real_renderer):
 
 
 def test_an_environment_failure_in_the_opening_is_an_env_error(tasks, real_renderer, monkeypatch):
-    import consequence.envs.repair_env as repair_env
-    from consequence.envs.sandbox import TestReport
+    import consequence.envs.repair.env as repair_env
+    from consequence.sandbox.sandbox import TestReport
 
     monkeypatch.setattr(repair_env, "run_tests", lambda *a, **k: TestReport("sandbox_error", 0, 1, [], "cannot spawn"))
     task = tasks[0]

@@ -1,10 +1,10 @@
-"""Tests for consequence.envs.repair_env."""
+"""Tests for consequence.envs.repair.env."""
 
 import pytest
 
-from consequence.envs.repair_env import SYSTEM_PROMPT, TOOLS, RepairEnv, format_report, verify
-from consequence.envs.sandbox import TestReport
-from consequence.tasks.repair import build_problems, make_instance
+from consequence.envs.repair.env import SYSTEM_PROMPT, TOOLS, RepairEnv, format_report, verify
+from consequence.envs.repair.problems import build_problems, make_instance
+from consequence.sandbox.sandbox import TestReport
 
 
 @pytest.fixture(scope="module")

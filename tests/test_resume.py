@@ -25,9 +25,9 @@ from rich.console import Console
 from safetensors.torch import load_file
 
 from consequence.config import TrainConfig
+from consequence.distill.warmstart import BUNDLED
 from consequence.loop.resume import capture_rng, latest_state, restore_rng, save_state
 from consequence.records import read_trajectories
-from consequence.warmstart import BUNDLED
 
 CHILD = Path(__file__).with_name("resume_child.py")
 ROOT = Path(__file__).resolve().parents[1]

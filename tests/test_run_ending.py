@@ -14,7 +14,7 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from consequence.config import TrainConfig
-from consequence.warmstart import BUNDLED
+from consequence.distill.warmstart import BUNDLED
 from env_fixtures import ReverseEnvironment
 
 # no sandbox, short episodes; the bundled repair model calls its repair tools (run_tests, read_code),

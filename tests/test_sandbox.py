@@ -1,12 +1,12 @@
-"""Tests for consequence.envs.sandbox (each test is a real subprocess run)."""
+"""Tests for consequence.sandbox.sandbox (each test is a real subprocess run)."""
 
 import os
 import time
 
 import pytest
 
-from consequence.envs.sandbox import SandboxLimits, TestReport, clear_cache, run_tests
-from consequence.tasks.repair import TestCase
+from consequence.envs.repair.problems import TestCase
+from consequence.sandbox.sandbox import SandboxLimits, TestReport, clear_cache, run_tests
 
 T = [TestCase("f([1, 2])", "2"), TestCase("f([-2, -5])", "-2"), TestCase("f([7])", "7")]
 GOOD = "def f(xs):\n    return max(xs)"
@@ -114,7 +114,7 @@ def test_report_all_passed_needs_ok_status():
 
 
 def test_candidate_cannot_open_a_network_connection():
-    from consequence.envs.sandbox import isolation_report, network_isolation
+    from consequence.sandbox.sandbox import isolation_report, network_isolation
 
     if not network_isolation():
         pytest.skip("no network namespace on this host: " + isolation_report()["network"])
@@ -127,8 +127,8 @@ def test_candidate_cannot_open_a_network_connection():
         "    except OSError as e:\n"
         "        return errno.errorcode.get(e.errno, str(e.errno))\n"
     )
-    from consequence.envs.sandbox import run_tests as sandbox_run
-    from consequence.tasks.repair import TestCase as TC
+    from consequence.envs.repair.problems import TestCase as TC
+    from consequence.sandbox.sandbox import run_tests as sandbox_run
 
     # on the host this would be ECONNREFUSED; in an empty namespace even loopback is down
     # (ENETUNREACH), where Landlock scopes TCP the connect is refused first (EACCES), and

@@ -111,9 +111,9 @@ def test_case_04_prompt_too_long_stays_in_the_denominator():
 
 
 def test_a_real_prompt_that_does_not_fit_is_truncated_before_any_call(renderer):
-    from consequence.envs.repair_env import RepairEnv
+    from consequence.envs.repair.env import RepairEnv
+    from consequence.envs.repair.problems import load_split, make_tasks
     from consequence.rollout.episodes import Budgets, EpisodeSpec, run_episodes
-    from consequence.tasks.repair import load_split, make_tasks
 
     task = make_tasks(load_split(0)["validation"], 1, seed=0)[0]
 
@@ -156,7 +156,7 @@ def test_unwritable_ledger_does_not_stop_the_evaluation(tmp_path):
 @pytest.mark.slow
 def test_eval_cli_records_the_touch_and_warns_on_test_reuse(tmp_path):
     from consequence.cli import app
-    from consequence.warmstart import BUNDLED
+    from consequence.distill.warmstart import BUNDLED
     from policy_copies import other_policy
 
     runner = CliRunner()
@@ -192,7 +192,7 @@ def test_eval_cli_records_the_touch_and_warns_on_test_reuse(tmp_path):
 @pytest.mark.slow
 def test_compare_cli_pairs_success_and_recovery(tmp_path):
     from consequence.cli import app
-    from consequence.warmstart import BUNDLED
+    from consequence.distill.warmstart import BUNDLED
     from policy_copies import other_policy
 
     same = other_policy(tmp_path / "pad-row-moved")  # other weights, the same behaviour
@@ -213,7 +213,7 @@ def test_ledger_knows_a_policy_by_its_weights(tmp_path, monkeypatch):
     import os
     import shutil
 
-    from consequence.warmstart import BUNDLED
+    from consequence.distill.warmstart import BUNDLED
 
     path = tmp_path / "ledger.jsonl"
     model = tmp_path / "m"
@@ -274,7 +274,7 @@ def test_bad_eval_and_compare_requests_fail_before_any_touch(tmp_path):
 @pytest.mark.slow
 def test_a_first_comparison_on_test_does_not_warn_about_its_own_arms(tmp_path):
     from consequence.cli import app
-    from consequence.warmstart import BUNDLED
+    from consequence.distill.warmstart import BUNDLED
     from policy_copies import other_policy
 
     other = other_policy(tmp_path / "b")

@@ -9,8 +9,8 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
+from consequence.distill.warmstart import BUNDLED
 from consequence.evaluate.splits import earlier_choosers, read_ledger, record_touch, reuse_warning, weights_sha256
-from consequence.warmstart import BUNDLED
 from policy_copies import fake_run, other_policy
 
 CFG = {"tasks": "repair", "split_seed": 0, "learning_rate": 2e-4, "iterations": 18}

@@ -1,13 +1,12 @@
-"""Tests for consequence.tasks (generator of code-repair problems)."""
+"""Tests for consequence.envs.repair.problems (generator of code-repair problems)."""
 
 import contextlib
 import random
 
 import pytest
 
-from consequence.envs.sandbox import run_tests
-from consequence.tasks.bugs import BUG_KINDS
-from consequence.tasks.repair import (
+from consequence.envs.repair.bugs import BUG_KINDS
+from consequence.envs.repair.problems import (
     RepairTask,
     TestCase,
     build_problems,
@@ -16,6 +15,7 @@ from consequence.tasks.repair import (
     make_tasks,
     split_problems,
 )
+from consequence.sandbox.sandbox import run_tests
 
 
 def _apply(code: str, patch) -> str:

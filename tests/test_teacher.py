@@ -5,7 +5,7 @@ import torch
 
 from consequence.distill.sft import bucketed_batches as _bucketed_batches
 from consequence.distill.teacher import TeacherHabits, plan_episode
-from consequence.tasks.repair import load_split, make_tasks
+from consequence.envs.repair.problems import load_split, make_tasks
 
 
 def _tasks(n=400):
@@ -45,7 +45,7 @@ def test_bucketed_batches_cover_each_row_once_per_epoch_with_similar_lengths():
 def test_bundled_checkpoint_is_the_default_warm_start():
     # `consequence train` with defaults must use the shipped checkpoint, never rebuild it.
     from consequence.config import TrainConfig
-    from consequence.warmstart import BUNDLED, WarmstartConfig, _built_with
+    from consequence.distill.warmstart import BUNDLED, WarmstartConfig, _built_with
 
     d = TrainConfig()
     cfg = WarmstartConfig(seed=d.split_seed, n_demos=d.warmstart_demos, sft_epochs=d.warmstart_epochs)

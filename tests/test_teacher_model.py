@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 from typer.testing import CliRunner
 
 from consequence.distill.teacher_model import check_same_tokenizer
-from consequence.warmstart import BUNDLED
+from consequence.distill.warmstart import BUNDLED
 
 
 def _variant(student, folder, edit_json=None, edit_config=None):

@@ -7,8 +7,8 @@ import torch
 from safetensors.torch import load_file
 
 from consequence.config import TrainConfig
+from consequence.distill.warmstart import BUNDLED
 from consequence.records import read_trajectories, trajectory_to_rows
-from consequence.warmstart import BUNDLED
 
 pytestmark = pytest.mark.slow  # every test reads one module-scoped training run
 

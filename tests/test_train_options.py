@@ -15,8 +15,8 @@ from typer.testing import CliRunner
 import consequence.cli.train as cli_train
 from consequence.cli import app
 from consequence.config import TrainConfig
+from consequence.distill.warmstart import BUNDLED
 from consequence.recipes import load_recipe
-from consequence.warmstart import BUNDLED
 
 ENV = {"COLUMNS": "250"}
 

@@ -18,7 +18,7 @@ import pytest
 from typer.testing import CliRunner
 
 from consequence.cli import app
-from consequence.warmstart import BUNDLED
+from consequence.distill.warmstart import BUNDLED
 
 pytestmark = pytest.mark.slow  # every test is a real training run, some in a subprocess
 

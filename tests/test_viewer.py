@@ -18,8 +18,8 @@ from typer.testing import CliRunner
 
 import consequence.report.viewer as viewer
 from consequence.cli import app
+from consequence.distill.warmstart import BUNDLED
 from consequence.records import pad_rows, read_trajectories, trajectory_to_rows, write_trajectories
-from consequence.warmstart import BUNDLED
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 needs_chromium = pytest.mark.skipif(

@@ -61,7 +61,7 @@ def test_without_vllm_the_engine_says_how_to_build_its_environment(tmp_path):
 def tiny():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from consequence.warmstart import ensure_warmstart
+    from consequence.distill.warmstart import ensure_warmstart
 
     folder = ensure_warmstart()
     tok = AutoTokenizer.from_pretrained(str(folder))

@@ -13,11 +13,11 @@ import torch
 from rich.console import Console
 
 from consequence.config import TrainConfig
+from consequence.distill.warmstart import BUNDLED
 from consequence.loop.train import train
 from consequence.policy.logprobs import token_logprobs_unchunked
 from consequence.policy.tiny import load_policy
 from consequence.records import read_trajectories, trajectory_to_rows
-from consequence.warmstart import BUNDLED
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None or importlib.util.find_spec("ray") is None,

@@ -1,11 +1,11 @@
-"""The sandbox's fork server (consequence/envs/zygote.py): its children are confined exactly
+"""The sandbox's fork server (consequence/sandbox/zygote.py): its children are confined exactly
 like fresh interpreters, inherit nothing from the zygote, and the server survives its own death."""
 
 import pytest
 
-from consequence.envs import judge, sandbox
-from consequence.envs.hardening import available_layers
-from consequence.tasks.repair import TestCase, TestProgram
+from consequence.envs.repair.problems import TestCase, TestProgram
+from consequence.sandbox import judge, sandbox
+from consequence.sandbox.hardening import available_layers
 
 ADD = "def add(a, b):\n    return a + b\n"
 TESTS = [TestCase("add(1, 2)", "3"), TestCase("add(2, 2)", "4")]
@@ -135,8 +135,8 @@ def test_works_under_a_low_descriptor_limit():
     import sys
 
     code = (
-        "from consequence.envs.sandbox import run_tests\nfrom consequence.envs.judge import run_cases\n"
-        "from consequence.tasks.repair import TestCase\nT = [TestCase('f()', '1')]\n"
+        "from consequence.sandbox.sandbox import run_tests\nfrom consequence.sandbox.judge import run_cases\n"
+        "from consequence.envs.repair.problems import TestCase\nT = [TestCase('f()', '1')]\n"
         "print(run_tests('def f(): return 1', T, cache=False).status, run_cases('def f(): return 1', T, cache=False).status)"
     )
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
@@ -192,8 +192,8 @@ def test_no_sandbox_process_outlives_the_parent():
     import time
 
     code = (
-        "import os, threading, time\nfrom consequence.envs import sandbox, judge\n"
-        "from consequence.tasks.repair import TestCase\n"
+        "import os, threading, time\nfrom consequence.sandbox import sandbox, judge\n"
+        "from consequence.envs.repair.problems import TestCase\n"
         "c = 'import time\\ndef f():\\n    time.sleep(10 ** 6)\\n'\n"
         "lim = sandbox.SandboxLimits(wall_s=60, cpu_s=30)\n"
         "for fn in (sandbox.run_tests, judge.run_cases):\n"

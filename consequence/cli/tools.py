@@ -105,7 +105,13 @@ def warmstart(
     Settings other than the defaults are built once (about 30 min on 2 cores) and cached
     in $CONSEQUENCE_CACHE (default ~/.cache/consequence).
     """
-    from consequence.warmstart import BUNDLED, WarmstartConfig, build_warmstart, ensure_warmstart, warmstart_path
+    from consequence.distill.warmstart import (
+        BUNDLED,
+        WarmstartConfig,
+        build_warmstart,
+        ensure_warmstart,
+        warmstart_path,
+    )
 
     quiet_libraries()
     cfg = WarmstartConfig(seed=seed, n_demos=demos, sft_epochs=epochs, env=env)
@@ -310,7 +316,7 @@ def sft_cmd(
     chat format (Hermes tool calls where its template drops tools), then SFT with the loss on
     the assistant turns only. Train RL from the result with --model OUT."""
     from consequence.cli.common import parse_env_options, parse_list
-    from consequence.coldstart import ColdStartConfig, cold_start
+    from consequence.distill.coldstart import ColdStartConfig, cold_start
     from consequence.distill.sft import SFTConfig
     from consequence.evaluate.progress import Phases
     from consequence.policy.named import is_named, model_folder, source_record

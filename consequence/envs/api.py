@@ -525,7 +525,7 @@ class SingleTurnEnvironment(Environment):
             is the first component.
         system_prompt: the system message of every episode ("" = none).
         split_seed: seed of the problem-level split: problems are split 80 / 10 / 10 into
-            train / validation / test by :func:`consequence.tasks.jsonl.split_by_problem`
+            train / validation / test by :func:`consequence.envs.repair.jsonl.split_by_problem`
             (the rule of every built-in task source).
         name: the environment's name (reports, the manifest, the split ledger's label with
             the dataset's hash).
@@ -643,7 +643,7 @@ class SingleTurnEnvironment(Environment):
     def load_splits(self, split_seed: int) -> dict[str, list]:
         if self.base is not None:
             return {k: list(v) for k, v in self.base.split.items()}
-        from consequence.tasks.jsonl import split_by_problem
+        from consequence.envs.repair.jsonl import split_by_problem
 
         tasks = [
             SingleTurnTask(

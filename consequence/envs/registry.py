@@ -43,13 +43,13 @@ __all__ = [
 
 ENTRY_POINT_GROUP = "consequence.environments"
 BUILTINS: dict[str, str] = {
-    "repair": "consequence.envs.repair_tasks:RepairEnvironment",
-    "humaneval-repair": "consequence.envs.repair_tasks:HumanEvalRepairEnvironment",
-    "jsonl": "consequence.envs.repair_tasks:JsonlRepairEnvironment",
-    "humaneval": "consequence.envs.completion_env:HumanEvalEnvironment",
-    "reasoning-gym": "consequence.envs.reasoning_gym_env:ReasoningGymEnvironment",
-    "calculator": "consequence.envs.calculator_env:CalculatorEnvironment",
-    "openenv": "consequence.envs.openenv_env:OpenEnvEnvironment",
+    "repair": "consequence.envs.repair.tasks:RepairEnvironment",
+    "humaneval-repair": "consequence.envs.repair.tasks:HumanEvalRepairEnvironment",
+    "jsonl": "consequence.envs.repair.tasks:JsonlRepairEnvironment",
+    "humaneval": "consequence.envs.humaneval.env:HumanEvalEnvironment",
+    "reasoning-gym": "consequence.envs.reasoning_gym.env:ReasoningGymEnvironment",
+    "calculator": "consequence.envs.calculator.env:CalculatorEnvironment",
+    "openenv": "consequence.envs.openenv.env:OpenEnvEnvironment",
 }
 
 

@@ -13,7 +13,7 @@ Protocol (docs/design.md §7; Chen et al. 2021 §2.1 for pass@k):
   ``\\nclass``, ``\\nif``, ``\\nprint``, ``\\n#``); chat mode takes the fenced block that
   defines the entry point (else the first block, else the whole reply) and appends it
   after the prompt (a full ``def`` replaces the stub; a bare body continues it);
-- score: :func:`consequence.envs.code_tasks.verify_completion` (the same function as
+- score: :func:`consequence.envs.humaneval.code_tasks.verify_completion` (the same function as
   the training reward), on ``workers`` threads while the model keeps sampling;
 - rules: a sample cut by ``max_new_tokens`` or whose prompt does not fit the model's
   context stays in n as a failure (docs/cases.md, case 04); a sandbox error is retried up to
@@ -34,20 +34,20 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from consequence.envs.code_tasks import (
+from consequence.envs.humaneval.code_tasks import (
     CHAT_INSTRUCTION,
     STOP_SEQUENCES,
     chat_request,
     extract_completion,
     verify_completion,
 )
-from consequence.envs.judge import PROGRAM_LIMITS
-from consequence.envs.sandbox import ENV_RETRIES, SandboxLimits, isolation_report, with_retries
+from consequence.envs.repair.jsonl import CodeTask
 from consequence.evaluate.progress import SILENT, Phases
 from consequence.evaluate.stats import bootstrap_mean_ci, pass_at_k
 from consequence.fileio import write_text_atomic
+from consequence.sandbox.judge import PROGRAM_LIMITS
+from consequence.sandbox.sandbox import ENV_RETRIES, SandboxLimits, isolation_report, with_retries
 from consequence.seeding import seed_of
-from consequence.tasks.jsonl import CodeTask
 
 __all__ = [
     "CHAT_INSTRUCTION",
@@ -293,7 +293,7 @@ def evaluate_completions(
 
     Args:
         model_path: folder of a Hugging Face causal LM + tokenizer (no download).
-        tasks: ``completion`` CodeTasks (e.g. ``consequence.envs.code_tasks.load_humaneval()``).
+        tasks: ``completion`` CodeTasks (e.g. ``consequence.envs.humaneval.code_tasks.load_humaneval()``).
         n: samples per task; every k in ``ks`` must be <= n.
         temperature, top_p, max_new_tokens: sampling budget (reported in ``settings``).
         seed: sampling seed (one random stream per sample, :func:`sample_completions`) and

@@ -10,7 +10,7 @@ overall success on the same tasks (the seed text's experiment design: "start fro
 same wrong patch ... report overall task success together with the diagnostic").
 
 The wrong patch is the task's first decoy on the bug line (decoys are single-line
-mutants that fail the hidden tests by construction, ``consequence.tasks.repair``); tasks
+mutants that fail the hidden tests by construction, ``consequence.envs.repair.problems``); tasks
 without a decoy (HumanEval repair, JSONL tasks) are left out and counted.
 """
 

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from consequence.envs.sandbox import ENV_RETRIES, isolation_report, run_tests
 from consequence.evaluate.compare import ArmResult, paired_comparison
 from consequence.evaluate.episode_eval import (
     EXCLUSION_RULE,
@@ -37,6 +36,7 @@ from consequence.harness.renderer import Renderer
 from consequence.policy.tiny import load_policy
 from consequence.records import Trajectory
 from consequence.rollout.episodes import Budgets, opening_prompt_len
+from consequence.sandbox.sandbox import ENV_RETRIES, isolation_report, run_tests
 from consequence.seeding import seed_of
 
 TOOL_CAPS = (1, 2, 3, 4, 5, 6, 8, 10)

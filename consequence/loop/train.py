@@ -35,7 +35,6 @@ from consequence.credit.advantages import mixed_group_fraction
 from consequence.credit.batch import Batch, credit_rewards, training_rows
 from consequence.distill.fixed_data import check_token_ids, first_student_iteration, load_fixed_data
 from consequence.envs.registry import env_of
-from consequence.envs.sandbox import isolation_report, start_mode
 from consequence.evaluate.compare import summarize
 from consequence.evaluate.episode_eval import parse_error_fraction
 from consequence.evaluate.final import final_report, validate
@@ -62,6 +61,7 @@ from consequence.records import Trajectory, credited
 from consequence.report.manifest import build_manifest, sha256_of
 from consequence.rollout.collect import harness_runner
 from consequence.rollout.episodes import Budgets, opening_prompt_len
+from consequence.sandbox.sandbox import isolation_report, start_mode
 from consequence.scale.preflight import check_rollout_workers
 from consequence.scale.scheduler import RolloutError
 from consequence.seeding import seed_of
@@ -648,7 +648,7 @@ def _resolve_model(cfg: TrainConfig, console) -> Path:
         from consequence.policy.named import model_folder  # a registered name: converted on first use
 
         return model_folder(cfg.model, log=lambda line: console.print(escape(line)))
-    from consequence.warmstart import WarmstartConfig, ensure_warmstart
+    from consequence.distill.warmstart import WarmstartConfig, ensure_warmstart
 
     ws = WarmstartConfig(seed=cfg.split_seed, n_demos=cfg.warmstart_demos, sft_epochs=cfg.warmstart_epochs)
     return ensure_warmstart(ws, log=console.print)

@@ -29,9 +29,9 @@ from typing import Any
 import yaml
 
 from consequence.config import BOXES, TrainConfig, box_of, generation_budget
-from consequence.envs.sandbox import ENV_RETRIES
 from consequence.fileio import write_text_atomic
 from consequence.policy.named import is_named, source_record
+from consequence.sandbox.sandbox import ENV_RETRIES
 
 LIBRARIES = (
     "consequence",
@@ -119,7 +119,7 @@ def build_manifest(
     :class:`~consequence.envs.api.Environment` (its name, version, source hash, options,
     split, tools and prompt are recorded); ``tool_format`` is the renderer's (``native``:
     the chat template renders tools; ``hermes``: our Hermes rendering; ``none``: no tools)."""
-    from consequence.envs import judge, sandbox  # noqa: PLC0415  (sources hashed as versions)
+    from consequence.sandbox import judge, sandbox  # noqa: PLC0415  (sources hashed as versions)
 
     config = cfg.model_dump()
     split_ids = env.problem_ids()

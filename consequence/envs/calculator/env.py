@@ -11,7 +11,7 @@ before it answers. The expression is checked with :mod:`ast` first (numbers, ``+
 % **``, unary ``-`` / ``+``, parentheses; at most :data:`MAX_EXPRESSION_CHARS` characters;
 an exponent must be a number literal of magnitude at most :data:`MAX_EXPONENT`; an integer
 part whose magnitude could exceed ``10 ** MAX_DIGITS`` by an upper bound is refused), and only an accepted
-expression is evaluated, in the existing sandbox (:func:`consequence.envs.sandbox.run_tests`:
+expression is evaluated, in the existing sandbox (:func:`consequence.sandbox.sandbox.run_tests`:
 a fresh isolated interpreter, :data:`CALC_LIMITS`: 2 s wall, 1 s CPU). The observation is
 the value's ``repr`` (``"84"``, ``"3.5"``) or ``"error: ..."``; a refused expression runs
 nothing and is an error observation, never an exception.
@@ -41,7 +41,7 @@ rounding of the per-step sum); an episode that never answers (a budget ended it)
 Tasks: ``n_problems`` problems generated deterministically from ``digits`` and ``terms``
 (not from the split seed: problem ``i`` is the same for every seed and every
 ``n_problems``); the split seed splits them by problem id ≈ 80 / 10 / 10
-(:func:`consequence.tasks.jsonl.split_by_problem`). Question texts are unique, so no
+(:func:`consequence.envs.repair.jsonl.split_by_problem`). Question texts are unique, so no
 question is in two splits. One task per problem; the problem id names the difficulty
 (``calc-d3t3-0042``).
 """
@@ -56,8 +56,8 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 
 from consequence.envs.api import SPLITS, Environment
-from consequence.envs.sandbox import ENV_RETRIES, SandboxLimits, TestReport, run_tests, with_retries
-from consequence.tasks.repair import TestCase
+from consequence.envs.repair.problems import TestCase
+from consequence.sandbox.sandbox import ENV_RETRIES, SandboxLimits, TestReport, run_tests, with_retries
 
 __all__ = [
     "TOOLS",
@@ -527,7 +527,7 @@ class CalculatorEnvironment(Environment):
         super().__init__(split_seed)
 
     def load_splits(self, split_seed: int) -> dict[str, list]:
-        from consequence.tasks.jsonl import split_by_problem
+        from consequence.envs.repair.jsonl import split_by_problem
 
         tasks = make_problems(self.n_problems, self.digits, self.terms)
         ids = split_by_problem([t.problem_id for t in tasks], seed=split_seed)

@@ -27,12 +27,12 @@ import torch
 from consequence.distill.sft import SFTConfig, train_sft
 from consequence.distill.teacher import ScriptedTeacher, TeacherHabits, plan_episode
 from consequence.envs.registry import load_environment
+from consequence.envs.repair.problems import RepairTask
 from consequence.fileio import cache_root
 from consequence.harness.renderer import Renderer, replay_conversation
 from consequence.policy.tiny import BUNDLED, build_model, build_tokenizer, save_policy
 from consequence.records import ModelCall, Trajectory, trajectory_to_rows
 from consequence.rollout.episodes import Budgets, EpisodeSpec, run_episodes
-from consequence.tasks.repair import RepairTask
 
 WARMSTART_VERSION = 1
 

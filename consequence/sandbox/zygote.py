@@ -19,7 +19,7 @@ then for each request forks a child that, before reading anything:
    the fork), no_new_privs, no capabilities, Landlock, seccomp;
 
 and only then runs the kind's ``_main`` (the same source as a fresh interpreter runs).
-So every layer of :mod:`consequence.envs.hardening` still applies per child, and each
+So every layer of :mod:`consequence.sandbox.hardening` still applies per child, and each
 child is used once. What a child inherits from the zygote is an interpreter that has
 imported standard-library modules and never seen model code, tests or a nonce (those
 arrive on the child's own stdin after confinement).

@@ -8,9 +8,9 @@ sentinel, reached the network, spawned its daemon...), so a score above 0 means 
 attack got through. :func:`run_case` runs one case through both paths of the default
 task, exactly as training does:
 
-- the visible-test feedback: :func:`consequence.envs.sandbox.run_tests` (one process;
+- the visible-test feedback: :func:`consequence.sandbox.sandbox.run_tests` (one process;
   feedback to the policy, never a reward);
-- the reward: :class:`consequence.envs.repair_env.RepairEnv` ``finish``, i.e. ``verify``
+- the reward: :class:`consequence.envs.repair.env.RepairEnv` ``finish``, i.e. ``verify``
   on the hidden tests in the two-process judge;
 
 and checks what must hold afterwards: reward 0 and no ``env_error``; nothing in the
@@ -41,10 +41,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from consequence.envs.hardening import available_layers
-from consequence.envs.repair_env import RepairEnv
-from consequence.envs.sandbox import SandboxLimits, run_tests
-from consequence.tasks.repair import RepairTask, TestCase
+from consequence.envs.repair.env import RepairEnv
+from consequence.envs.repair.problems import RepairTask, TestCase
+from consequence.sandbox.hardening import available_layers
+from consequence.sandbox.sandbox import SandboxLimits, run_tests
 
 __all__ = [
     "Case",
@@ -83,7 +83,15 @@ TASK = RepairTask(
     visible_tests=VISIBLE,
     hidden_tests=HIDDEN,
 )
-_VERIFIER_FILES = ("sandbox.py", "judge.py", "judge_children.py", "hardening.py", "repair_env.py")
+# The verifier's files an attack must not change: the sandbox package's and this environment's episode.
+_SANDBOX = Path(__file__).resolve().parents[2] / "sandbox"
+_VERIFIER_FILES = (
+    _SANDBOX / "sandbox.py",
+    _SANDBOX / "judge.py",
+    _SANDBOX / "judge_children.py",
+    _SANDBOX / "hardening.py",
+    Path(__file__).with_name("env.py"),
+)
 
 
 @dataclass(frozen=True)
@@ -300,7 +308,7 @@ def render(code: str, outside: Path, port: int, marker: str) -> str:
         "HIDDEN": outside / "hidden_tests.json",
         "ANSWER": outside / "answer.py",
         "VERIFIER_COPY": outside / "judge_copy.py",
-        "VERIFIER_SRC": Path(__file__).with_name("judge.py"),
+        "VERIFIER_SRC": _SANDBOX / "judge.py",
         "OUTSIDE": outside,
         "MARKER": Path("/tmp") / marker,
         "MARKER_NAME": marker,
@@ -351,7 +359,7 @@ def host_guards() -> dict[str, bool]:
     ``signals_scoped``: Landlock scopes signals (ABI >= 6), checked by sending signal 0 to
     the parent from inside the judge's candidate process.
     """
-    from consequence.envs.judge import run_cases
+    from consequence.sandbox.judge import run_cases
 
     layers = available_layers()
     probe = (
@@ -369,14 +377,12 @@ def prepare_outside(outside: Path) -> None:
     table = {t.call: t.expected for t in VISIBLE + HIDDEN}
     (outside / "hidden_tests.json").write_text(json.dumps(table))
     (outside / "answer.py").write_text(REFERENCE)
-    (outside / "judge_copy.py").write_bytes(Path(__file__).with_name("judge.py").read_bytes())
+    (outside / "judge_copy.py").write_bytes((_SANDBOX / "judge.py").read_bytes())
 
 
 def _snapshot(outside: Path, marker: str) -> dict[str, tuple]:
     """Content hash, mode and mtime of every file that must not change, and the marker."""
-    paths = (sorted(outside.rglob("*")) if outside.is_dir() else []) + [
-        Path(__file__).with_name(n) for n in _VERIFIER_FILES
-    ]
+    paths = (sorted(outside.rglob("*")) if outside.is_dir() else []) + [*_VERIFIER_FILES]
     snap: dict[str, tuple] = {str(outside): (outside.is_dir(),), "/tmp/" + marker: (os.path.exists("/tmp/" + marker),)}
     for p in paths:
         st = p.stat()
@@ -447,7 +453,7 @@ def run_case(
     if case.needs and not guards.get(case.needs):
         res.skipped = f"not safe on this host: {case.needs} is false"
         return res
-    from consequence.envs import judge, sandbox
+    from consequence.sandbox import judge, sandbox
 
     sandbox.clear_cache()
     judge.clear_cache()

@@ -13,7 +13,7 @@ questions in 500 items, ``chain_sum`` with two one-digit terms 187), so a questi
 is kept once (its first index) and its problem id is ``f"{dataset}/{sha256(question)[:16]}"``:
 the same question can never sit in two splits, and the split ledger sees the same
 problem under any size. Problem ids are split 80 / 10 / 10 by
-:func:`consequence.tasks.jsonl.split_by_problem` with the split seed (the rule of every
+:func:`consequence.envs.repair.jsonl.split_by_problem` with the split seed (the rule of every
 other task source): the same ``split_seed`` gives the same split, another seed another.
 
 Reward (rule: sum of the components), the R1-Zero rule-based reward (DeepSeek-R1 §2.2.2):
@@ -325,7 +325,7 @@ class ReasoningGymEnvironment(Environment):
         return f"{self.name}:{self.dataset}{settings} size={self.size}{drop} reasoning_gym=={_rg_version()}"
 
     def load_splits(self, split_seed: int) -> dict[str, list]:
-        from consequence.tasks.jsonl import split_by_problem
+        from consequence.envs.repair.jsonl import split_by_problem
 
         tasks: dict[str, ReasoningGymTask] = {}
         dropped: set[str] = set()

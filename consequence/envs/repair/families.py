@@ -2,7 +2,7 @@
 
 Each :class:`Variant` is a correct reference function written as a template: ``{xs}``,
 ``{a}``, ``{x}``, ``{i}`` ... are role placeholders that an *instance* renames. Variants
-are structure only; bugs are injected by :mod:`consequence.tasks.bugs`.
+are structure only; bugs are injected by :mod:`consequence.envs.repair.bugs`.
 """
 
 from __future__ import annotations

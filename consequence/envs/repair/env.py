@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from consequence.envs.code_tasks import run_hidden
-from consequence.envs.sandbox import ENV_RETRIES, SandboxLimits, TestReport, run_tests, with_retries
-from consequence.tasks.repair import RepairTask
+from consequence.envs.humaneval.code_tasks import run_hidden
+from consequence.envs.repair.problems import RepairTask
+from consequence.sandbox.sandbox import ENV_RETRIES, SandboxLimits, TestReport, run_tests, with_retries
 
 __all__ = ["TOOLS", "SYSTEM_PROMPT", "RepairEnv", "verify", "format_report"]
 
@@ -51,7 +51,7 @@ MAX_SHOWN_FAILURES = 2
 def verify(task: RepairTask, code: str, limits: SandboxLimits | None = None) -> TestReport:
     """Score ``code`` on the task's HIDDEN tests (the one scoring function for training
     reward and evaluation): a test list or a ``check`` program (HumanEval), see
-    :func:`consequence.envs.code_tasks.run_hidden`; ``limits=None`` = that mode's default.
+    :func:`consequence.envs.humaneval.code_tasks.run_hidden`; ``limits=None`` = that mode's default.
     Status ``'sandbox_error'`` means: exclude, do not score."""
     return run_hidden(code, task.hidden_tests, limits)
 

@@ -13,7 +13,7 @@ itself (messages ``{"type": "reset", "data": {...}}``, ``{"type": "step", "data"
 
 Tasks. Problem ``i`` (``0 <= i < n_problems``) is the episode that ``reset(seed=i,
 **reset_kwargs)`` starts; its task and problem id are ``seed-i``, and the split seed splits
-the ids 80 / 10 / 10 (:func:`consequence.tasks.jsonl.split_by_problem`). The G episodes of a
+the ids 80 / 10 / 10 (:func:`consequence.envs.repair.jsonl.split_by_problem`). The G episodes of a
 group reset with the same seed (the runner's own sampling seed is not sent). An environment
 that ignores the seed gives the same problem under every id: its splits are then nominal.
 
@@ -510,7 +510,7 @@ class OpenEnvEnvironment(Environment):
         return f"openenv:{self.server_name}:{self.n_problems}"
 
     def load_splits(self, split_seed: int) -> dict[str, list]:
-        from consequence.tasks.jsonl import split_by_problem
+        from consequence.envs.repair.jsonl import split_by_problem
 
         tasks = [OpenEnvTask(f"seed-{i}", f"seed-{i}", i) for i in range(self.n_problems)]
         ids = split_by_problem([t.problem_id for t in tasks], seed=split_seed)

@@ -1,11 +1,11 @@
 """Run untrusted model-written code against tests in a fresh, limited interpreter.
 
-The child runs ``RUNNER`` (forked by the fork server of :mod:`consequence.envs.zygote`, or
+The child runs ``RUNNER`` (forked by the fork server of :mod:`consequence.sandbox.zygote`, or
 ``python -I -S -c RUNNER`` with ``CONSEQUENCE_SANDBOX_START=fresh``) with an empty
 environment, a new session (killed on wall timeout), its own empty network namespace where
 the host allows one, a fresh temporary cwd deleted afterwards, and resource
 limits (CPU, address space, file size, open files, processes) plus the kernel confinement
-of :mod:`consequence.envs.hardening` (no capabilities, Landlock, seccomp; whichever this
+of :mod:`consequence.sandbox.hardening` (no capabilities, Landlock, seccomp; whichever this
 host supports), applied by the runner itself before any candidate code is read. Code and
 tests arrive on stdin as JSON; the child prints one result line prefixed by a random
 nonce; the parent takes the LAST nonce line and decides pass/fail from that plain data.
@@ -15,7 +15,7 @@ most ``max_output_bytes`` (+4 KiB) from, so output beyond that ends the run as a
 Limit: candidate and runner share one interpreter, so candidate code can read the
 runner's frame (the tests, the nonce) and print a forged result line. Use
 :func:`run_tests` for feedback the policy sees (visible tests); every reward or score
-goes through :mod:`consequence.envs.judge` (``run_cases`` / ``run_program``), whose
+goes through :mod:`consequence.sandbox.judge` (``run_cases`` / ``run_program``), whose
 verdict comes from a process the candidate cannot reach.
 """
 
@@ -40,9 +40,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import BinaryIO
 
-from consequence.envs.hardening import PRELUDE, child_config, layers_report
-from consequence.envs.zygote import Child, ForkServer
-from consequence.tasks.repair import TestCase
+from consequence.sandbox.cases import TestCase
+from consequence.sandbox.hardening import PRELUDE, child_config, layers_report
+from consequence.sandbox.zygote import Child, ForkServer
 
 __all__ = ["SandboxLimits", "TestReport", "run_tests", "clear_cache", "RUNNER", "ENV_RETRIES", "with_retries"]
 
@@ -213,7 +213,7 @@ def kill_group(proc: subprocess.Popen | Child | None) -> None:
 
 
 def start_mode() -> str:
-    """How sandbox children start: ``"fork-server"`` (default; :mod:`consequence.envs.zygote`)
+    """How sandbox children start: ``"fork-server"`` (default; :mod:`consequence.sandbox.zygote`)
     or ``"fresh"`` (a new ``python -I -S`` per child, as before the fork server; set
     ``CONSEQUENCE_SANDBOX_START=fresh``). Both apply the same confinement layers.
 
@@ -232,7 +232,7 @@ _SERVER_LOCK = threading.Lock()
 
 def _sources() -> dict[str, str]:
     """Source text of each kind of sandbox child (the judge's two live in judge_children)."""
-    from consequence.envs.judge_children import CANDIDATE, JUDGE
+    from consequence.sandbox.judge_children import CANDIDATE, JUDGE
 
     return {"runner": RUNNER, "candidate": CANDIDATE, "judge": JUDGE}
 

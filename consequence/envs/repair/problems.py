@@ -14,8 +14,9 @@ import hashlib
 import random
 from dataclasses import dataclass
 
-from consequence.tasks.bugs import BUG_KINDS, mutants
-from consequence.tasks.families import Variant, all_variants
+from consequence.envs.repair.bugs import BUG_KINDS, mutants
+from consequence.envs.repair.families import Variant, all_variants
+from consequence.sandbox.cases import TestCase, TestProgram
 
 __all__ = [
     "TestCase",
@@ -29,32 +30,6 @@ __all__ = [
     "make_instance",
     "load_split",
 ]
-
-
-@dataclass(frozen=True)
-class TestCase:
-    """One test: ``call`` is evaluated, ``repr`` of its result must equal ``expected``."""
-
-    __test__ = False  # not a pytest class
-    call: str
-    expected: str
-
-
-@dataclass(frozen=True)
-class TestProgram:
-    """Tests as a program (HumanEval style), run by ``consequence.envs.judge``.
-
-    ``check`` is Python source defining ``check(candidate)``, which raises (e.g. a failed
-    ``assert``) iff the candidate is wrong; ``entry_point`` names the candidate function;
-    ``setup`` is trusted source executed before ``check`` in the judge (helpers the test
-    uses, e.g. HumanEval's prompt with ``poly`` or ``encode_cyclic``). The judge never
-    executes candidate code: ``candidate`` is a proxy to another process.
-    """
-
-    __test__ = False  # not a pytest class
-    check: str
-    entry_point: str
-    setup: str = ""
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ A :class:`CodeTask` is either ``completion`` (single turn: the model continues
 from ``starting_code``; :func:`as_repair_task` makes the :class:`RepairTask` that
 ``RepairEnv`` runs). Hidden tests are a list of ``{"call", "expected"}`` pairs or a
 ``check(candidate)`` program (:class:`TestProgram`). HumanEval is loaded through this
-format (``consequence.tasks.humaneval``).
+format (``consequence.envs.humaneval.problems``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from consequence.tasks.repair import RepairTask, TestCase, TestProgram
+from consequence.envs.repair.problems import RepairTask, TestCase, TestProgram
 
 __all__ = [
     "CodeTask",

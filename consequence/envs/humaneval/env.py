@@ -6,7 +6,7 @@ block (exactly the user message of the completion protocol's chat mode,
 :func:`extract_completion` takes the fenced block that defines the entry point (else the
 first block, else the whole reply) and appends it after the prompt (a full ``def``
 replaces the stub; a bare body continues it); the reward ``hidden_tests`` is 1.0 when the
-official ``check`` passes in the judge (:func:`consequence.envs.code_tasks.verify_completion`,
+official ``check`` passes in the judge (:func:`consequence.envs.humaneval.code_tasks.verify_completion`,
 the same function as the pass@k evaluation), else 0.0. A sandbox that cannot start is
 re-run up to ``sandbox.ENV_RETRIES`` times, then the episode is an ``env_error``.
 """
@@ -14,7 +14,7 @@ re-run up to ``sandbox.ENV_RETRIES`` times, then the episode is an ``env_error``
 from __future__ import annotations
 
 from consequence.envs.api import Environment
-from consequence.envs.code_tasks import (
+from consequence.envs.humaneval.code_tasks import (
     CHAT_INSTRUCTION,
     SPLITS,
     STOP_SEQUENCES,
@@ -23,8 +23,8 @@ from consequence.envs.code_tasks import (
     load_humaneval,
     verify_completion,
 )
-from consequence.envs.sandbox import ENV_RETRIES, with_retries
-from consequence.tasks.jsonl import CodeTask
+from consequence.envs.repair.jsonl import CodeTask
+from consequence.sandbox.sandbox import ENV_RETRIES, with_retries
 
 __all__ = [
     "CHAT_INSTRUCTION",
@@ -79,7 +79,7 @@ class HumanEvalEnvironment(Environment):
     system_prompt = ""  # one user message, as the completion protocol's chat mode renders it
     tools: list[dict] = []
     reward_components = ("hidden_tests",)
-    sources = ("consequence.envs.code_tasks",)  # the verifier and the prompt
+    sources = ("consequence.envs.humaneval.code_tasks",)  # the verifier and the prompt
     completion_protocol = True  # `consequence eval` scores it with the pass@k completion protocol
 
     def load_splits(self, split_seed: int) -> dict[str, list]:

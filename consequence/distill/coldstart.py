@@ -26,12 +26,12 @@ from typing import Any
 import torch
 
 from consequence.distill.sft import SFTConfig, sft_steps, train_sft
+from consequence.distill.warmstart import WarmstartConfig, demo_rows, teacher_conversations
 from consequence.envs.registry import load_environment
 from consequence.evaluate.progress import SILENT, Phases
 from consequence.harness.renderer import Renderer
 from consequence.policy.lora import DEFAULT_TARGETS, apply_lora
 from consequence.policy.tiny import load_policy, save_policy
-from consequence.warmstart import WarmstartConfig, demo_rows, teacher_conversations
 
 __all__ = ["ColdStartConfig", "cold_start"]
 

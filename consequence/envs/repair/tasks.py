@@ -1,14 +1,14 @@
 """The code-repair environments: ``repair``, ``humaneval-repair`` and ``jsonl``.
 
-All three run :class:`~consequence.envs.repair_env.RepairEnv` episodes (four tools, reward
+All three run :class:`~consequence.envs.repair.env.RepairEnv` episodes (four tools, reward
 ``hidden_tests`` at ``finish``) and differ in their task source:
 
-``repair``: the generated single-line repair problems (``consequence.tasks.repair``);
+``repair``: the generated single-line repair problems (``consequence.envs.repair.problems``);
 an instance renames variables and redraws test inputs. ``humaneval-repair``: HumanEval
 canonical solutions with one injected bug, split by HumanEval task id
-(``consequence.envs.code_tasks``); an instance is the same task under a new id.
+(``consequence.envs.humaneval.code_tasks``); an instance is the same task under a new id.
 ``jsonl``: your own repair tasks in the format of ``docs/tasks.md``
-(``consequence.tasks.jsonl``), split by ``problem_id`` with the split seed.
+(``consequence.envs.repair.jsonl``), split by ``problem_id`` with the split seed.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 
 from consequence.envs.api import SPLITS, Environment
-from consequence.envs.repair_env import SYSTEM_PROMPT, TOOLS, RepairEnv
+from consequence.envs.repair.env import SYSTEM_PROMPT, TOOLS, RepairEnv
 
 __all__ = ["RepairEnvironment", "HumanEvalRepairEnvironment", "JsonlRepairEnvironment"]
 
@@ -30,17 +30,17 @@ class RepairEnvironment(Environment):
     system_prompt = SYSTEM_PROMPT
     tools = TOOLS
     reward_components = ("hidden_tests",)
-    sources = ("consequence.envs.repair_env", "consequence.envs.code_tasks")  # the episode and its verifier
+    sources = ("consequence.envs.repair.env", "consequence.envs.humaneval.code_tasks")  # the episode and its verifier
     answer_ends_episode = False  # a reply without a tool call is a turn; the episode ends at finish
 
     def load_splits(self, split_seed: int) -> dict[str, list]:
-        from consequence.tasks.repair import load_split
+        from consequence.envs.repair.problems import load_split
 
         return load_split(split_seed)
 
     def sample(self, split: str, n: int, seed: int) -> list:
         """``n`` RepairTask instances of ``split`` (variables renamed, inputs redrawn), deterministic in ``seed``."""
-        from consequence.tasks.repair import make_tasks
+        from consequence.envs.repair.problems import make_tasks
 
         return make_tasks(self._pool(split), n, seed=seed)
 
@@ -60,7 +60,7 @@ class HumanEvalRepairEnvironment(RepairEnvironment):
     name = "humaneval-repair"
 
     def load_splits(self, split_seed: int) -> dict[str, list]:
-        from consequence.envs.code_tasks import load_humaneval_repair
+        from consequence.envs.humaneval.code_tasks import load_humaneval_repair
 
         return load_humaneval_repair(seed=split_seed)
 
@@ -92,7 +92,7 @@ class JsonlRepairEnvironment(RepairEnvironment):
         return str(self.path)
 
     def load_splits(self, split_seed: int) -> dict[str, list]:
-        from consequence.tasks.jsonl import TaskFormatError, as_repair_task, load_jsonl, split_by_problem
+        from consequence.envs.repair.jsonl import TaskFormatError, as_repair_task, load_jsonl, split_by_problem
 
         path = self.path
         if not path.is_file():

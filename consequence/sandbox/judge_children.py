@@ -2,11 +2,11 @@
 
 :data:`CODEC` (plain-data encoding shared by both), :data:`CANDIDATE` (runs the model's
 code, answers calls) and :data:`JUDGE` (runs the trusted tests, prints the verdict). Each
-starts with :data:`consequence.envs.hardening.PRELUDE` and confines itself before it
-reads anything. The protocol is described in :mod:`consequence.envs.judge`.
+starts with :data:`consequence.sandbox.hardening.PRELUDE` and confines itself before it
+reads anything. The protocol is described in :mod:`consequence.sandbox.judge`.
 """
 
-from consequence.envs.hardening import PRELUDE
+from consequence.sandbox.hardening import PRELUDE
 
 __all__ = ["CODEC", "CANDIDATE", "JUDGE"]
 

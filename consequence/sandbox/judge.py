@@ -1,6 +1,6 @@
 """Run a test PROGRAM (``check(candidate)``, HumanEval style) against untrusted code.
 
-Two confined processes (see :mod:`consequence.envs.hardening`, :mod:`consequence.envs.zygote`), never one:
+Two confined processes (see :mod:`consequence.sandbox.hardening`, :mod:`consequence.sandbox.zygote`), never one:
 
 - the CANDIDATE process executes the model's code and serves calls of its entry point:
   it reads ``{"a": args, "k": kwargs}`` frames on stdin, answers ``{"r": result}`` or
@@ -29,9 +29,10 @@ import tempfile
 import time
 from collections.abc import Sequence
 
-from consequence.envs.hardening import child_config
-from consequence.envs.judge_children import CANDIDATE, CODEC, JUDGE
-from consequence.envs.sandbox import (
+from consequence.sandbox.cases import TestCase, TestProgram
+from consequence.sandbox.hardening import child_config
+from consequence.sandbox.judge_children import CANDIDATE, CODEC, JUDGE
+from consequence.sandbox.sandbox import (
     ReportCache,
     SandboxLimits,
     TestReport,
@@ -40,7 +41,6 @@ from consequence.envs.sandbox import (
     spawn_child,
     tagged_messages,
 )
-from consequence.tasks.repair import TestCase, TestProgram
 
 __all__ = ["PROGRAM_LIMITS", "run_program", "run_cases", "clear_cache", "CODEC", "CANDIDATE", "JUDGE"]
 
@@ -184,7 +184,7 @@ def run_cases(
 ) -> TestReport:
     """Score ``code`` on ``TestCase`` tests with the two-process judge.
 
-    Same semantics and report shape as :func:`consequence.envs.sandbox.run_tests` (a test
+    Same semantics and report shape as :func:`consequence.sandbox.sandbox.run_tests` (a test
     passes iff the ``repr`` of the call's plain result equals ``expected``), but the call
     is evaluated in the judge with every non-builtin name it uses proxied to the candidate
     process, so the verdict cannot be forged from inside the candidate. Use this (not
