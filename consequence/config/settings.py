@@ -16,6 +16,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from consequence.config.effects import unread_settings
+
 BOXES: tuple[str, ...] = ("tasks", "policy", "rollout", "reward", "credit", "update", "evaluate")
 DEFAULT_RUN_DIR = "runs/repair-default"  # otherwise runs/<env>-<recipe> or runs/<env>-default (recipes.resolve_config)
 # Registered model names (--model NAME): consequence.policy.named.REGISTRY says where each comes from;
@@ -625,6 +627,15 @@ class TrainConfig(BaseModel):
                 f"(--tasks-per-iteration {self.tasks_per_iteration} × --group-size {self.group_size}); "
                 f"lower --mini-batches to at most {batch} or raise those two"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _every_setting_is_read(self) -> TrainConfig:
+        """A setting that the chosen estimator, surrogate, reduction or phase does not read is
+        refused with the reason (``config.effects``): it would be silently dropped."""
+        unread = unread_settings(self)
+        if unread:
+            raise ValueError("\n  ".join(unread))
         return self
 
     @classmethod

@@ -1,0 +1,122 @@
+"""Which settings each choice reads: a setting given for a box that does not read it is refused.
+
+Every estimator, surrogate, reduction and optional phase of the loop reads some settings and
+ignores others. Before this table, ``--advantage rloo --grpo-std sample`` trained exactly as
+``--advantage rloo`` did, and the run's config.yaml said ``grpo_std: sample``. Now such a
+setting is refused with the reason. "Given" means "differs from its default", never "named on
+the command line": a run's config.yaml lists every field, and resume and reproduce re-read it.
+
+Each :class:`Reads` row is the truth of the code that consumes the settings (grep
+``cfg.<field>``); ``tests/test_config_effects.py`` checks each row both ways.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+# Why an estimator other than GRPO has no use for the group std (the fix is always: drop it).
+_NO_GROUP_STD = {
+    "reinforce": "REINFORCE uses the raw reward, with no baseline",
+    "batch_mean": "its baseline is the batch mean, with no std",
+    "reinforce_pp": "REINFORCE++ normalises over the whole batch, not by each group's std",
+    "rloo": "RLOO uses the leave-one-out mean only",
+    "dr_grpo": "Dr.GRPO is GRPO without the std division",
+    "gae": "GAE's advantages come from the value head",
+    "rejection": "rejection sampling gives advantage 1 to accepted episodes",
+    "reverse_kl": "with --task-reward-weight 0 the advantage is the teacher's log-ratio alone",
+}
+
+
+@dataclass(frozen=True)
+class Reads:
+    """``fields`` are read only when ``when(cfg)`` holds; ``why(cfg)`` says what the run does
+    instead (it follows "--FIELD has no effect with ...: ")."""
+
+    fields: tuple[str, ...]
+    when: Callable[[Any], bool]
+    why: Callable[[Any], str]
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+READS: tuple[Reads, ...] = (
+    Reads(
+        ("grpo_std",),
+        lambda c: c.advantage == "grpo" or (c.advantage == "reverse_kl" and c.task_reward_weight > 0),
+        lambda c: f"--advantage {c.advantage}: {_NO_GROUP_STD[c.advantage]}",
+    ),
+    Reads(
+        ("gamma", "gae_lambda", "value_learning_rate", "value_clip"),
+        lambda c: c.advantage == "gae",
+        lambda c: (
+            f"--advantage {c.advantage}: it is read only by GAE (--advantage gae, the ppo recipe), "
+            "which trains a value head"
+        ),
+    ),
+    Reads(
+        ("kl_estimator", "kl_mode"),
+        lambda c: c.kl_coef > 0,
+        lambda c: "--kl-coef 0: there is no KL term (--kl-coef β > 0 adds one)",
+    ),
+    Reads(
+        ("clip_eps", "clip_eps_high"),
+        lambda c: c.surrogate != "pg",
+        lambda c: "--surrogate pg: the plain policy gradient has no ratio to clip",
+    ),
+    Reads(
+        ("dual_clip_c",),
+        lambda c: c.surrogate == "dual_clip",
+        lambda c: (
+            f"--surrogate {c.surrogate}: the bound c·A of negative advantages is applied only by --surrogate dual_clip"
+        ),
+    ),
+    Reads(
+        ("norm_const",),
+        lambda c: c.reduction == "seq_mean_token_sum_norm",
+        lambda c: f"--reduction {c.reduction}: L_const divides only --reduction seq_mean_token_sum_norm (Dr.GRPO)",
+    ),
+    Reads(
+        ("dynamic_sampling_max_rounds",),
+        lambda c: c.dynamic_sampling,
+        lambda c: "dynamic sampling off: every iteration rolls out one round (--dynamic-sampling turns it on)",
+    ),
+    Reads(
+        ("val_episodes",),
+        lambda c: c.eval_every > 0,
+        lambda c: "--eval-every 0: there is no periodic validation (--eval-every K adds one)",
+    ),
+    Reads(
+        ("final_eval_splits", "final_eval_decoding"),
+        lambda c: c.final_eval_episodes > 0,
+        lambda c: "--final-eval-episodes 0: there is no final evaluation",
+    ),
+    Reads(
+        ("warmstart_demos", "warmstart_epochs"),
+        lambda c: c.model is None,
+        lambda c: f"--model {c.model}: they build the bundled tiny warm start, which is used only without --model",
+    ),
+)
+
+
+def unread_settings(cfg: Any) -> list[str]:
+    """One message per setting that differs from its default while nothing in this run reads it.
+
+    Args:
+        cfg: a ``TrainConfig`` (any object with its fields and ``model_fields``).
+
+    Returns:
+        messages of the form "--grpo-std has no effect with --advantage rloo: RLOO uses the
+        leave-one-out mean only; drop --grpo-std", in the order of :data:`READS`.
+    """
+    out = []
+    for row in READS:
+        if row.when(cfg):
+            continue
+        for name in row.fields:
+            if getattr(cfg, name) != type(cfg).model_fields[name].default:
+                out.append(f"{_flag(name)} has no effect with {row.why(cfg)}; drop {_flag(name)}")
+    return out

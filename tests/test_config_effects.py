@@ -1,0 +1,82 @@
+"""A setting that nothing in the run reads is refused with the reason (config.effects): each
+row of the table both ways, the message, and the CLI's exit without a traceback."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from consequence.cli import app
+from consequence.config import TrainConfig
+from consequence.config.effects import READS, unread_settings
+
+# (setting, a value ≠ its default, settings where nothing reads it, settings where it is read)
+CASES = [
+    ("grpo_std", "sample", {"advantage": "rloo"}, {"advantage": "grpo"}),
+    ("grpo_std", "sample", {"advantage": "dr_grpo"}, {"advantage": "grpo"}),
+    ("gamma", 0.9, {}, {"advantage": "gae"}),
+    ("gae_lambda", 0.5, {"advantage": "grpo"}, {"advantage": "gae"}),
+    ("value_learning_rate", 1e-4, {}, {"advantage": "gae"}),
+    ("value_clip", 0.0, {}, {"advantage": "gae"}),
+    ("kl_estimator", "k1", {}, {"kl_coef": 0.05}),
+    ("kl_mode", "reward", {"kl_coef": 0.0}, {"kl_coef": 0.05}),
+    ("clip_eps", 0.3, {"surrogate": "pg"}, {"surrogate": "ppo_clip"}),
+    ("clip_eps_high", 0.28, {"surrogate": "pg"}, {"surrogate": "cispo"}),
+    ("dual_clip_c", 2.0, {"surrogate": "ppo_clip"}, {"surrogate": "dual_clip"}),
+    ("norm_const", 256, {}, {"reduction": "seq_mean_token_sum_norm"}),
+    ("dynamic_sampling_max_rounds", 5, {}, {"dynamic_sampling": True}),
+    ("val_episodes", 4, {"eval_every": 0}, {"eval_every": 2}),
+    ("final_eval_splits", ["test"], {"final_eval_episodes": 0}, {"final_eval_episodes": 10}),
+    ("final_eval_decoding", ["greedy"], {"final_eval_episodes": 0}, {"final_eval_episodes": 10}),
+    ("warmstart_demos", 100, {"model": "/models/m"}, {}),
+    ("warmstart_epochs", 2.0, {"model": "/models/m"}, {}),
+]
+
+
+@pytest.mark.parametrize("name,value,unread,read", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
+def test_a_setting_is_refused_where_nothing_reads_it_and_accepted_where_something_does(name, value, unread, read):
+    assert TrainConfig.model_fields[name].default != value  # the case gives the setting
+    flag = "--" + name.replace("_", "-")
+    with pytest.raises(ValueError, match=f"{flag} has no effect with .*; drop {flag}"):
+        TrainConfig(**unread, **{name: value})
+    assert getattr(TrainConfig(**read, **{name: value}), name) == value
+
+
+def test_the_message_names_the_estimator_and_its_reason():
+    with pytest.raises(ValueError) as e:
+        TrainConfig(advantage="rloo", grpo_std="sample")
+    assert (
+        "--grpo-std has no effect with --advantage rloo: RLOO uses the leave-one-out mean only; drop --grpo-std"
+        in str(e.value)
+    )
+
+
+def test_every_unread_setting_is_named_at_once():
+    cfg = TrainConfig(advantage="gae", gamma=0.9)  # read here
+    cfg_fields = {k: getattr(cfg, k) for k in TrainConfig.model_fields}
+    cfg_fields |= {"advantage": "grpo", "kl_estimator": "k1", "dual_clip_c": 2.0}
+    with pytest.raises(ValueError) as e:
+        TrainConfig(**cfg_fields)
+    said = str(e.value)
+    assert all(f"--{k} has no effect" in said for k in ("gamma", "kl-estimator", "dual-clip-c"))
+
+
+def test_defaults_and_every_row_at_its_default_are_accepted():
+    assert unread_settings(TrainConfig()) == []
+    # a row's fields at their defaults never count as given, whatever the choices
+    cfg = TrainConfig(advantage="rloo", surrogate="pg", eval_every=0, final_eval_episodes=0, model="/models/m")
+    assert unread_settings(cfg) == []
+    named = [f for row in READS for f in row.fields]
+    assert len(named) == len(set(named)) and set(named) <= set(TrainConfig.model_fields)
+
+
+def test_the_cli_refuses_without_a_traceback(tmp_path):
+    r = CliRunner().invoke(
+        app,
+        ["train", "--advantage", "rloo", "--grpo-std", "sample", "--run-dir", str(tmp_path / "r")],
+        env={"COLUMNS": "200"},
+    )
+    out = " ".join(r.output.split())
+    assert r.exit_code == 2 and "Traceback" not in out
+    assert "--grpo-std has no effect with --advantage rloo: RLOO uses the leave-one-out mean only" in out
+    assert not (tmp_path / "r").exists()
