@@ -356,16 +356,17 @@ def test_update_ranks_2_trains_like_update_ranks_1(tmp_path):
         assert torch.equal(p, q), name
 
 
-def test_unsupported_settings_are_refused():
+def test_unsupported_settings_are_refused_by_the_config():
     from consequence.config import TrainConfig
-    from consequence.update.data_parallel import check_supported
 
     with pytest.raises(ValueError, match="--update-ranks 2 with --advantage gae is not supported"):
-        check_supported(TrainConfig(update_ranks=2, advantage="gae"))
+        TrainConfig(update_ranks=2, advantage="gae")
     with pytest.raises(ValueError, match="--gradient-checkpointing is not supported"):
-        check_supported(TrainConfig(update_ranks=2, gradient_checkpointing=True))
-    check_supported(TrainConfig(update_ranks=1, advantage="gae"))
-    check_supported(TrainConfig(update_ranks=2))
+        TrainConfig(update_ranks=2, gradient_checkpointing=True)
+    with pytest.raises(ValueError, match="--update-ranks 2 with --lora-rank is not supported"):
+        TrainConfig(update_ranks=2, lora_rank=8)
+    assert TrainConfig(update_ranks=1, advantage="gae").advantage == "gae"
+    assert TrainConfig(update_ranks=2).update_ranks == 2
 
 
 def test_more_ranks_than_cores_are_refused_before_an_earlier_run_is_touched(tmp_path):
@@ -375,15 +376,15 @@ def test_more_ranks_than_cores_are_refused_before_an_earlier_run_is_touched(tmp_
 
     from consequence.cli import app
     from consequence.config import TrainConfig
-    from consequence.update.data_parallel import check_supported, max_update_ranks
+    from consequence.update.data_parallel import check_rank_count, max_update_ranks
 
     cap = max_update_ranks()
     assert cap >= 2
-    check_supported(TrainConfig(update_ranks=cap))
+    check_rank_count(TrainConfig(update_ranks=cap).update_ranks)
     with pytest.raises(
         ValueError, match=f"--update-ranks {cap + 1} would start {cap + 1} processes.*use at most {cap}"
     ):
-        check_supported(TrainConfig(update_ranks=cap + 1))
+        check_rank_count(cap + 1)
     run = tmp_path / "run"
     (run / "trajectories").mkdir(parents=True)
     (run / "metrics.jsonl").write_text('{"iteration": 0}\n')

@@ -14,7 +14,7 @@ from consequence.cli.common import check_model_dir, check_run_dir, console, pars
 from consequence.config import TrainConfig
 
 
-def _train(config: Path | None = None, resume: Path | None = None, **options) -> None:
+def _train(config: Path | None = None, resume: Path | None = None, print_config: bool = False, **options) -> None:
     given = {k: v for k, v in options.items() if v is not None and v != [] and v != ()}
     try:
         if "env_options" in given:
@@ -27,6 +27,16 @@ def _train(config: Path | None = None, resume: Path | None = None, **options) ->
             from consequence.recipes import resolve_config
 
             cfg = resolve_config(config, given)
+        if print_config:  # the resolved settings only: nothing is loaded, checked on disk or written
+            import yaml
+
+            console.print(
+                yaml.safe_dump(cfg.nested_dump(), sort_keys=False, allow_unicode=True),
+                markup=False,
+                highlight=False,
+                end="",
+            )
+            return
         check_before_work(cfg)
     except ValueError as e:
         _refuse(e)
@@ -110,6 +120,23 @@ def _train_signature() -> inspect.Signature:
             ),
         ),
     ]
+    params.append(
+        inspect.Parameter(
+            "print_config",
+            inspect.Parameter.KEYWORD_ONLY,
+            annotation=bool,
+            default=typer.Option(
+                False,
+                "--print-config",
+                show_default=False,
+                help=(
+                    "Print the resolved settings (recipe < --config file < these options) as YAML nested "
+                    "by box, the form of a --config file and of the run's config.yaml, and exit without "
+                    "loading or writing anything."
+                ),
+            ),
+        )
+    )
     params.append(
         inspect.Parameter(
             "tasks",

@@ -17,6 +17,7 @@ import yaml
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from consequence.config.effects import unread_settings
+from consequence.config.nested import ORDER, flat, nested
 
 BOXES: tuple[str, ...] = ("tasks", "policy", "rollout", "reward", "credit", "update", "evaluate")
 DEFAULT_RUN_DIR = "runs/repair-default"  # otherwise runs/<env>-<recipe> or runs/<env>-default (recipes.resolve_config)
@@ -433,6 +434,12 @@ class TrainConfig(BaseModel):
             data["env"], data["tasks_file"] = "jsonl", env
         return data
 
+    @model_validator(mode="before")
+    @classmethod
+    def _boxes_flattened(cls, data):
+        """(Runs first: pydantic runs "before" validators last-defined first.) YAML nested by box (``update: {learning_rate: ...}``) reads as the flat settings (config.nested)."""
+        return flat_settings(data)
+
     @field_validator("tasks_file")
     @classmethod
     def _task_file(cls, v: str | None) -> str | None:
@@ -630,6 +637,35 @@ class TrainConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _update_ranks_fit(self) -> TrainConfig:
+        """What ``--update-ranks > 1`` does not run data-parallel (the machine's limit on ranks
+        is checked at the start of the run: ``update.data_parallel.check_rank_count``)."""
+        n, fix = self.update_ranks, "; use --update-ranks 1 for it"
+        if n <= 1:
+            return self
+        if self.advantage == "gae":
+            raise ValueError(
+                f"--update-ranks {n} with --advantage gae is not supported: the critic's value step "
+                f"is not data-parallel{fix}"
+            )
+        if self.advantage == "reverse_kl" or self.distill_loss != "none" or self.teacher:
+            raise ValueError(
+                f"--update-ranks {n} with a teacher (--teacher / --distill-loss / --advantage reverse_kl) "
+                f"is not supported: the rank processes hold no teacher{fix}"
+            )
+        if self.gradient_checkpointing:
+            raise ValueError(
+                f"--update-ranks {n} with --gradient-checkpointing is not supported: the rank processes get "
+                f"a pickled copy of the policy, and Hugging Face's checkpointing hook cannot be pickled{fix}"
+            )
+        if self.lora_rank:
+            raise ValueError(
+                f"--update-ranks {n} with --lora-rank is not supported: the rank processes copy the "
+                f"whole model, not a PEFT adapter{fix}"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _every_setting_is_read(self) -> TrainConfig:
         """A setting that the chosen estimator, surrogate, reduction or phase does not read is
         refused with the reason (``config.effects``): it would be silently dropped."""
@@ -637,6 +673,11 @@ class TrainConfig(BaseModel):
         if unread:
             raise ValueError("\n  ".join(unread))
         return self
+
+    def nested_dump(self) -> dict[str, dict[str, Any]]:
+        """The settings grouped by box, in the loop's order (what config.yaml and
+        ``--print-config`` show); ``TrainConfig(**cfg.nested_dump()) == cfg``."""
+        return nested(self.model_dump(), box_of)
 
     @classmethod
     def read_yaml(cls, path: str | Path) -> dict:
@@ -654,7 +695,10 @@ class TrainConfig(BaseModel):
             raise ValueError(f"config file {p} is not valid YAML ({yaml_problem(e)})") from None
         if not isinstance(data, dict):
             raise ValueError(f"config file {p} must hold a mapping of option: value")
-        return data
+        try:
+            return flat_settings(data)
+        except ValueError as e:
+            raise ValueError(f"config file {p}: {e}") from None
 
     @classmethod
     def from_yaml(cls, path: str | Path, base: dict | None = None, **overrides) -> TrainConfig:
@@ -698,6 +742,18 @@ class TrainConfig(BaseModel):
                     )
                 lines.append(f"  {key}: {hint} (got {err.get('input')!r})")
             raise ValueError("invalid training config:\n" + "\n".join(lines)) from None
+
+
+def flat_settings(data: Any) -> Any:
+    """A settings mapping with its box sections merged (``config.nested.flat``); anything else
+    (not a mapping, or already flat) as it is. For code that reads a run's config.yaml as a dict.
+
+    Raises:
+        ValueError: a field under the wrong box, or given twice.
+    """
+    if isinstance(data, dict) and any(k in ORDER and isinstance(v, dict) for k, v in data.items()):
+        return flat(data, TrainConfig.model_fields, box_of)
+    return data
 
 
 def absolute(path: str | os.PathLike) -> str:

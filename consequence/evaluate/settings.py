@@ -25,6 +25,7 @@ from typing import Any
 
 import yaml
 
+from consequence.config import flat_settings
 from consequence.rollout.episodes import Budgets
 
 ENV_KEYS: tuple[str, ...] = ("env", "tasks_file", "env_options")
@@ -57,8 +58,8 @@ def run_config(path: str | Path | None) -> tuple[Path, dict[str, Any]] | None:
     if not cfg.is_file():
         return None
     try:
-        data = yaml.safe_load(cfg.read_text(encoding="utf-8"))
-    except (yaml.YAMLError, UnicodeDecodeError, OSError) as e:
+        data = flat_settings(yaml.safe_load(cfg.read_text(encoding="utf-8")))
+    except (yaml.YAMLError, UnicodeDecodeError, OSError, ValueError) as e:
         raise ValueError(f"{cfg}: the run's config is not readable YAML ({e}); fix or remove it") from None
     if not isinstance(data, dict):
         raise ValueError(f"{cfg}: the run's config must be a mapping of option: value")

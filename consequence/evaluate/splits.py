@@ -36,6 +36,7 @@ from typing import Any
 
 import yaml
 
+from consequence.config import flat_settings
 from consequence.fileio import append_line, cache_root
 
 SPLITS: tuple[str, ...] = ("train", "validation", "test")
@@ -133,8 +134,8 @@ def _run_settings(policy: Path) -> dict[str, Any] | None:
     if policy.parent.name != "checkpoints" or not cfg.is_file():
         return None
     try:
-        data = yaml.safe_load(cfg.read_text())
-    except (yaml.YAMLError, OSError, UnicodeDecodeError):
+        data = flat_settings(yaml.safe_load(cfg.read_text()))
+    except (yaml.YAMLError, OSError, UnicodeDecodeError, ValueError):
         return None
     if not isinstance(data, dict):
         return None

@@ -99,9 +99,9 @@ def make_learner(
     if cfg.gradient_checkpointing:  # after the reference and critic are copied: only the policy recomputes layers
         enable_gradient_checkpointing(model)
     if cfg.update_ranks > 1:  # rank 0 of data-parallel steps; refuses what it cannot run
-        from consequence.update.data_parallel import DataParallelUpdate, check_supported
+        from consequence.update.data_parallel import DataParallelUpdate, check_rank_count
 
-        check_supported(cfg)
+        check_rank_count(cfg.update_ranks)
         learner.data_parallel = DataParallelUpdate(cfg.update_ranks).launch(type(model).__module__)
     return learner
 

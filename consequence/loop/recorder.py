@@ -120,6 +120,7 @@ class RunRecorder:
             self.console.print(f"{self.dir} held an earlier run: deleted its {len(cleared)} outputs (other files kept)")
 
     def write_config(self, config: dict[str, Any]) -> None:
+        """config.yaml: the settings nested by box (``TrainConfig.nested_dump``)."""
         write_text_atomic(self.dir / "config.yaml", yaml.safe_dump(config, sort_keys=False))
 
     def write_split(self, problem_ids: Any) -> None:

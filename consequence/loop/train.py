@@ -65,7 +65,7 @@ from consequence.sandbox.sandbox import isolation_report, start_mode
 from consequence.scale.preflight import check_rollout_workers
 from consequence.scale.scheduler import RolloutError
 from consequence.seeding import seed_of
-from consequence.update.data_parallel import check_supported
+from consequence.update.data_parallel import check_rank_count
 
 __all__ = ["RunInterrupted", "RunStopped", "Terminated", "preflight", "run_ending", "run_loop", "train"]
 
@@ -249,7 +249,7 @@ def _start(
     rec.dir.mkdir(parents=True, exist_ok=True)
     if state is None:
         rec.clear_earlier_run()
-        rec.write_config(cfg.model_dump())
+        rec.write_config(cfg.nested_dump())
     rec.write_split(env.problem_ids())
     r = _Run(
         cfg,
@@ -583,7 +583,7 @@ def preflight(cfg: TrainConfig, tokenizer, renderer: Renderer, env, model_path: 
             f"(consequence merge {model_path} --out MERGED), then train from --model MERGED"
         )
     start_mode()  # a bad CONSEQUENCE_SANDBOX_START is refused before the run folder is made
-    check_supported(cfg)  # --update-ranks combinations it cannot run
+    check_rank_count(cfg.update_ranks)  # more --update-ranks than this machine runs
     if cfg.rollout_workers:
         check_rollout_workers(cfg)
     vocab = len(tokenizer)

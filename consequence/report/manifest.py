@@ -28,7 +28,7 @@ from typing import Any
 
 import yaml
 
-from consequence.config import BOXES, TrainConfig, box_of, generation_budget
+from consequence.config import BOXES, TrainConfig, box_of, flat_settings, generation_budget
 from consequence.fileio import write_text_atomic
 from consequence.policy.named import is_named, source_record
 from consequence.sandbox.sandbox import ENV_RETRIES
@@ -291,7 +291,7 @@ def _is_run_folder(run: Path) -> bool:
     except (OSError, ValueError):
         pass
     try:
-        cfg = yaml.safe_load((run / "config.yaml").read_text())
+        cfg = flat_settings(yaml.safe_load((run / "config.yaml").read_text()))
     except (OSError, ValueError, yaml.YAMLError):
         return False
     return isinstance(cfg, dict) and "run_dir" in cfg and set(cfg) <= set(TrainConfig.model_fields)

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from consequence.config import flat_settings
 from consequence.fileio import write_text_atomic
 from consequence.records import Trajectory, pad_rows, read_trajectories, trajectory_to_rows
 
@@ -85,7 +86,7 @@ def find_run_files(run_dir: str | os.PathLike) -> RunFiles:
             "(is it the run directory of `consequence train`, and has an iteration finished?)"
         )
     cfg_path = run / "config.yaml"
-    config = (yaml.safe_load(cfg_path.read_text()) or {}) if cfg_path.is_file() else {}
+    config = flat_settings(yaml.safe_load(cfg_path.read_text()) or {}) if cfg_path.is_file() else {}
     return RunFiles(run, files, config)
 
 

@@ -424,43 +424,19 @@ def max_update_ranks() -> int:
     return max(2, cores)
 
 
-def check_supported(cfg: Any) -> None:
-    """Refuse training settings ``--update-ranks > 1`` does not run data-parallel.
+def check_rank_count(n: int) -> None:
+    """Refuse more ``--update-ranks`` than this machine runs (:func:`max_update_ranks`). The
+    settings data parallelism cannot run with are refused by the config itself
+    (``TrainConfig``'s ``_update_ranks_fit``).
 
     Raises:
-        ValueError: more ranks than ``max_update_ranks()``; a critic (``--advantage gae``), a teacher (``--teacher``,
-            ``--distill-loss``, ``--advantage reverse_kl``), ``--gradient-checkpointing``
-            or ``--lora-rank``; the message says what to change.
+        ValueError: more ranks than ``max_update_ranks()``; the message says how many fit.
     """
-    n = getattr(cfg, "update_ranks", 1)
-    if n <= 1:
-        return
     if n > (cap := max_update_ranks()):
         raise ValueError(
             f"--update-ranks {n} would start {n} processes on loopback, each with a copy of the policy "
             f"and optimizer, on a machine with {os.cpu_count()} CPU cores; use at most {cap} "
             "(one rank per core; 2 at least, to test data parallelism)"
-        )
-    fix = "; use --update-ranks 1 for it"
-    if cfg.advantage == "gae":
-        raise ValueError(
-            f"--update-ranks {n} with --advantage gae is not supported: the critic's value step "
-            f"is not data-parallel{fix}"
-        )
-    if cfg.advantage == "reverse_kl" or cfg.distill_loss != "none" or getattr(cfg, "teacher", None):
-        raise ValueError(
-            f"--update-ranks {n} with a teacher (--teacher / --distill-loss / --advantage reverse_kl) "
-            f"is not supported: the rank processes hold no teacher{fix}"
-        )
-    if getattr(cfg, "gradient_checkpointing", False):
-        raise ValueError(
-            f"--update-ranks {n} with --gradient-checkpointing is not supported: the rank processes get "
-            f"a pickled copy of the policy, and Hugging Face's checkpointing hook cannot be pickled{fix}"
-        )
-    if getattr(cfg, "lora_rank", 0):
-        raise ValueError(
-            f"--update-ranks {n} with --lora-rank is not supported: the rank processes copy the "
-            f"whole model, not a PEFT adapter{fix}"
         )
 
 
