@@ -8,11 +8,10 @@ as fast as before:
 - ``cq.evaluate(...)``, ``cq.compare(...)``: ``consequence eval`` / ``compare``, returning their results
 - ``cq.Environment``, ``cq.Episode``, ``cq.SingleTurnEnvironment``, ``cq.register_env``
 
-``cq.train`` and ``cq.evaluate`` share their names with the modules ``consequence.train``
-(the training loop) and ``consequence.evaluate`` (the evaluation box): those modules are
-made callable, a call runs the API function of the same name (``consequence.api.train`` /
-``consequence.api.evaluate``), and every other use of them is as before
-(``import consequence.train as m; m.run_ending``).
+``cq.evaluate`` shares its name with the package ``consequence.evaluate`` (the evaluation
+box): that package is made callable, a call runs ``consequence.api.evaluate``, and every
+other use of it is as before (``from consequence.evaluate import stats``). The training
+loop is ``consequence.loop``, so ``cq.train`` is plainly ``consequence.api.train``.
 """
 
 from __future__ import annotations
@@ -39,6 +38,7 @@ __all__ = [
 _WHERE = {
     "TrainConfig": "consequence.config",
     "Run": "consequence.api",
+    "train": "consequence.api",
     "compare": "consequence.api",
     "RECIPES": "consequence.api",
     "Environment": "consequence.envs.api",
@@ -46,12 +46,12 @@ _WHERE = {
     "SingleTurnEnvironment": "consequence.envs.api",
     "register_env": "consequence.envs.registry",
 }
-_CALLABLE_MODULES = ("train", "evaluate")  # submodules whose name is also an API function's
+_CALLABLE_MODULES = ("evaluate",)  # the submodule whose name is also an API function's
 
 
 class _CallableModule(types.ModuleType):
-    """``consequence.train`` / ``consequence.evaluate``: the module as before, and a call of
-    it runs ``consequence.api.<its name>`` (what ``help(consequence.api.train)`` documents)."""
+    """``consequence.evaluate``: the package as before, and a call of it runs
+    ``consequence.api.evaluate`` (what ``help(consequence.api.evaluate)`` documents)."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         from consequence import api
@@ -60,8 +60,8 @@ class _CallableModule(types.ModuleType):
 
 
 class _Package(types.ModuleType):
-    """The package: the import system binds a submodule with ``setattr``; the two whose names
-    are API functions become callable there, whoever imports them first."""
+    """The package: the import system binds a submodule with ``setattr``; the one whose name
+    is an API function's becomes callable there, whoever imports it first."""
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in _CALLABLE_MODULES and type(value) is types.ModuleType:

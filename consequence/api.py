@@ -1,7 +1,7 @@
 """The Python API: ``import consequence as cq`` (reference and examples: docs/api.md).
 
 A thin layer over what the command line does: :func:`train` runs
-:func:`consequence.train.train` with the checks ``consequence train`` makes first and
+:func:`consequence.loop.train.train` with the checks ``consequence train`` makes first and
 returns a :class:`Run`; :func:`evaluate` and :func:`compare` run ``consequence eval`` /
 ``consequence compare`` and return the result dicts they write. What the command line takes
 by name, this layer also takes as a Python object: an environment (an
@@ -272,16 +272,16 @@ def train(
             started (its manifest says ``refused``). A Hugging Face hub id as ``model`` on a
             machine without hub access (``HF_HUB_OFFLINE=1``) is refused here, naming the id
             and the way on.
-        consequence.train.RunStopped: a failed pre-step check, a NaN / ±inf in an update, a
+        consequence.loop.train.RunStopped: a failed pre-step check, a NaN / ±inf in an update, a
             failed write; the newest resume state is intact (``resume=True`` continues).
-        consequence.train.RunInterrupted: Ctrl-C or SIGTERM.
+        consequence.loop.train.RunInterrupted: Ctrl-C or SIGTERM.
     """
     from rich.console import Console
 
     from consequence.cli.common import quiet_libraries
     from consequence.cli.train import check_before_work
+    from consequence.loop.train import train as run_training
     from consequence.recipes import default_run_dir
-    from consequence.train import train as run_training
 
     cfg, dir_given = _config(config)
     if env is not None or reward_fn is not None:
@@ -298,7 +298,7 @@ def train(
             "rollout_workers=0"
         )
     if resume:
-        from consequence.resume import resume_config
+        from consequence.loop.resume import resume_config
 
         cfg = resume_config(Path(cfg.run_dir), cfg.model_dump(), None)
     check_before_work(cfg)

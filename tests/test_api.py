@@ -65,7 +65,7 @@ def _fn_name(fn) -> str:
 def test_import_consequence_exports_exactly_all_and_imports_nothing_heavy():
     code = (
         "import sys, consequence as cq; print(cq.__file__ is not None, sorted(m for m in ('torch', 'transformers', "
-        "'pydantic', 'consequence.train') if m in sys.modules))"
+        "'pydantic', 'consequence.loop') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/", check=True).stdout
     assert out.strip() == "True []"  # a regular package, lazily filled: `consequence --help` pays nothing
@@ -89,12 +89,15 @@ def test_import_consequence_exports_exactly_all_and_imports_nothing_heavy():
     )
     from importlib import metadata
 
-    import consequence.train as train_module  # the loop module stays a module with its contents
+    import consequence.evaluate as evaluate_package  # the evaluation box stays a package with its contents
+    import consequence.evaluate.stats  # noqa: F401  (binds the submodule on the package)
+    from consequence import api
     from consequence.api import Run
     from consequence.envs.api import Environment
 
     assert cq.__version__ == metadata.version("consequence") and cq.Run is Run and cq.Environment is Environment
-    assert cq.train is train_module and callable(cq.train) and callable(train_module.run_ending)
+    assert cq.train is api.train and cq.evaluate is evaluate_package and callable(cq.evaluate)
+    assert evaluate_package.stats is not None  # its modules as before
     assert issubclass(cq.SingleTurnEnvironment, cq.Environment) and cq.TrainConfig is TrainConfig
     assert list(cq.RECIPES) == sorted(p.stem for p in (ROOT / "consequence" / "recipes").glob("*.yaml"))
     assert cq.RECIPES["grpo"].train_config(iterations=1).advantage == "grpo"

@@ -76,7 +76,7 @@ def test_resume_of_a_non_run_or_finished_run(tmp_path, old_run):
 
 
 def test_stopped_run_exits_1_with_its_message(tmp_path, monkeypatch):
-    import consequence.train as train_module  # TODO-shim
+    import consequence.loop.train as train_module
 
     def stop(cfg, console, resume=False):
         raise train_module.RunStopped("stopped: cannot write x (No space left on device)")

@@ -350,9 +350,11 @@ def test_every_cli_option_is_documented():
         "explain",
         "envs",
     } <= set(options)
-    from consequence.config import TrainConfig  # train: one option per config field, plus --config and --resume
+    from consequence.config import TrainConfig  # train: one option per config field, plus 3 of its own
 
-    assert len(options["train"]) == len(TrainConfig.model_fields) + 2
+    assert len(options["train"]) == len(TrainConfig.model_fields) + 3
+    for own in (("config", ["--config"]), ("resume", ["--resume"]), ("print_config", ["--print-config"])):
+        assert own in options["train"]
     assert ("seed", ["--seed"]) in options["lab"] and ("show_version", ["--version"]) in options[""]
     text = "\n".join(_read(f) for f in _user_docs())
     bad = undocumented_options(options, text)

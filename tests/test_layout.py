@@ -21,7 +21,7 @@ LAYERS = [
     {"scale"},
     {"recipes"},
     {"report", "labs"},
-    {"loop", "train", "resume", "reproduce"},
+    {"loop", "reproduce"},
     {"cli", "api", "__init__", "assets"},
 ]
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}

@@ -20,7 +20,7 @@ def _train(config: Path | None = None, resume: Path | None = None, print_config:
         if "env_options" in given:
             given["env_options"] = parse_env_options(given["env_options"])
         if resume is not None:
-            from consequence.resume import resume_config
+            from consequence.loop.resume import resume_config
 
             cfg = resume_config(resume, given, config)
         else:
@@ -68,7 +68,7 @@ def _refuse(e: Exception) -> typing.NoReturn:
 
 def _run_train(cfg: TrainConfig, resume: bool, reproduces: Path | None = None) -> None:
     """Train; a run stopped by a numerics error or a full disk exits 1 with its message, Ctrl-C exits 130."""
-    from consequence.train import RunInterrupted, RunStopped, train
+    from consequence.loop.train import RunInterrupted, RunStopped, train
 
     quiet_libraries()
     try:

@@ -335,7 +335,7 @@ def interrupt_message(run: Path, done: int, iterations: int) -> str:
     return f"{what}; continue with `consequence train --resume {run}`"
 
 
-# How a run ended (manifest.json "status"; consequence.train.run_ending says which exit gives which).
+# How a run ended (manifest.json "status"; consequence.loop.recorder.run_ending says which exit gives which).
 # Every status but "finished" may be resumed: "running" is a run killed without a word (SIGKILL,
 # power loss), the others name their cause in "stop_reason"; a resume repeats a refusal or a
 # crash unless its cause, outside the saved config, was fixed (a model folder's chat template, a
