@@ -1,0 +1,35 @@
+"""Distillation: the scripted teacher and the tiny warm start, SFT on demonstration rows, the
+cold start of any model, rejection sampling, the teacher model of on-policy distillation and
+GKD, and fixed data (docs/distillation.md)."""
+
+from consequence.exports import lazy
+
+__all__ = [
+    "ColdStartConfig",
+    "SFTConfig",
+    "ScriptedTeacher",
+    "WarmstartConfig",
+    "cold_start",
+    "draw_fixed_batch",
+    "ensure_warmstart",
+    "load_fixed_data",
+    "load_teacher",
+    "rejection_sample",
+    "train_sft",
+]
+__getattr__, __dir__ = lazy(
+    __name__,
+    {
+        "WarmstartConfig": "warmstart",
+        "ensure_warmstart": "warmstart",
+        "ColdStartConfig": "coldstart",
+        "cold_start": "coldstart",
+        "SFTConfig": "sft",
+        "train_sft": "sft",
+        "ScriptedTeacher": "teacher",
+        "load_teacher": "teacher_model",
+        "load_fixed_data": "fixed_data",
+        "draw_fixed_batch": "fixed_data",
+        "rejection_sample": "rejection",
+    },
+)
