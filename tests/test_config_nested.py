@@ -31,6 +31,18 @@ def test_nested_and_flat_settings_are_the_same_config():
     assert TrainConfig(tasks="calculator").env == "calculator"  # a string under `tasks` is the older name of env
 
 
+def test_each_box_is_a_typed_frozen_view_of_the_same_settings():
+    from pydantic import ValidationError
+
+    cfg = TrainConfig(learning_rate=1e-5, group_size=4, advantage="rloo", tasks="calculator")
+    assert (cfg.update.learning_rate, cfg.rollout.group_size, cfg.credit.advantage) == (1e-5, 4, "rloo")
+    assert type(cfg.update).__name__ == "UpdateSettings" and cfg.tasks.env == "calculator" == cfg.env
+    views = {box: getattr(cfg, box).model_dump() for box in ORDER}
+    assert views == cfg.nested_dump()  # every setting in exactly one box, the same value as the flat field
+    with pytest.raises(ValidationError):
+        cfg.update.learning_rate = 1.0  # a view: change the config, not the box
+
+
 def test_a_setting_under_the_wrong_box_or_given_twice_is_refused():
     with pytest.raises(
         ValueError, match="update.group_size: group_size is a setting of the rollout box, not of update"

@@ -8,13 +8,23 @@ that names the key and what is allowed.
 from __future__ import annotations
 
 import difflib
+import functools
 import os
 import re
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    create_model,
+    field_validator,
+    model_validator,
+)
 
 from consequence.config.effects import unread_settings
 from consequence.config.nested import ORDER, flat, nested
@@ -674,6 +684,40 @@ class TrainConfig(BaseModel):
             raise ValueError("\n  ".join(unread))
         return self
 
+    # ---- the settings of one box, as a typed model -------------------------------------------
+    @property
+    def run(self) -> BaseModel:
+        """The run's own settings (run_dir, recipe, seed, iterations, ...): :func:`box_settings`."""
+        return box_settings(self, "run")
+
+    @property
+    def policy(self) -> BaseModel:
+        return box_settings(self, "policy")
+
+    @property
+    def tasks(self) -> BaseModel:
+        return box_settings(self, "tasks")
+
+    @property
+    def rollout(self) -> BaseModel:
+        return box_settings(self, "rollout")
+
+    @property
+    def reward(self) -> BaseModel:
+        return box_settings(self, "reward")
+
+    @property
+    def credit(self) -> BaseModel:
+        return box_settings(self, "credit")
+
+    @property
+    def update(self) -> BaseModel:
+        return box_settings(self, "update")
+
+    @property
+    def evaluate(self) -> BaseModel:
+        return box_settings(self, "evaluate")
+
     def nested_dump(self) -> dict[str, dict[str, Any]]:
         """The settings grouped by box, in the loop's order (what config.yaml and
         ``--print-config`` show); ``TrainConfig(**cfg.nested_dump()) == cfg``."""
@@ -742,6 +786,28 @@ class TrainConfig(BaseModel):
                     )
                 lines.append(f"  {key}: {hint} (got {err.get('input')!r})")
             raise ValueError("invalid training config:\n" + "\n".join(lines)) from None
+
+
+@functools.cache
+def box_model(box: str) -> type[BaseModel]:
+    """The typed, frozen model of one box's settings (``UpdateSettings``, ...), built from the
+    same field declarations as :class:`TrainConfig` (types, defaults, limits, help)."""
+    fields: dict[str, Any] = {n: (f.annotation, f) for n, f in TrainConfig.model_fields.items() if box_of(n) == box}
+    if not fields:
+        raise ValueError(f"no settings in box {box!r}; boxes: {', '.join(ORDER)}")
+    config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    return create_model(f"{box.title()}Settings", __config__=config, **fields)
+
+
+def box_settings(cfg: TrainConfig, box: str) -> BaseModel:
+    """``cfg``'s settings of ``box`` (one of ``config.nested.ORDER``), a frozen typed view
+    (``cfg.update.learning_rate``); the flat ``cfg.learning_rate`` is the same value.
+
+    Raises:
+        ValueError: an unknown box.
+    """
+    model = box_model(box)
+    return model.model_construct(**{n: getattr(cfg, n) for n in model.model_fields})
 
 
 def flat_settings(data: Any) -> Any:
