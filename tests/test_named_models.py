@@ -281,7 +281,10 @@ def test_the_name_through_train_eval_view_reproduce_and_the_manifest(fake_source
     assert f"{NAME}: converting fake.gguf" in _text(res) and len(calls) == 1
     folder = named.converted_folder(NAME, named.file_sha256(src))
     manifest = read_manifest(run)
-    assert manifest["config"]["model"] == NAME and yaml.safe_load((run / "config.yaml").read_text())["model"] == NAME
+    assert (
+        manifest["config"]["model"] == NAME
+        and yaml.safe_load((run / "config.yaml").read_text())["policy"]["model"] == NAME
+    )
     assert manifest["model"]["path"] == str(folder)
     assert manifest["model"]["source"] == {
         "name": NAME,
