@@ -44,7 +44,7 @@ fi
 FROZEN=$(mktemp)
 trap 'rm -f "$FROZEN"' EXIT
 "$VENV/bin/pip" freeze --exclude-editable | grep -v '^-e ' | grep -v ' @ ' > "$FROZEN"
-"$PIP" install -q -c "$FROZEN" -e ".[ray]" pytest  # ray: the rollout workers (tests/test_vllm_rollouts.py)
+"$PIP" install -q -c "$FROZEN" -e ".[ray]" pytest  # ray: the rollout workers (tests/scale/test_vllm_rollouts.py)
 
 "$VENV/bin/python" - <<'PY'
 import importlib.metadata as md

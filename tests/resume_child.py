@@ -1,4 +1,4 @@
-"""A real `consequence train` process for tests/test_resume.py, run as a subprocess.
+"""A real `consequence train` process for tests/loop/test_resume.py, run as a subprocess.
 
     python tests/resume_child.py [PAUSE] -- ARGS...   (ARGS go to `consequence train`)
 

@@ -7,7 +7,7 @@ setting is refused with the reason. "Given" means "differs from its default", ne
 the command line": a run's config.yaml lists every field, and resume and reproduce re-read it.
 
 Each :class:`Reads` row is the truth of the code that consumes the settings (grep
-``cfg.<field>``); ``tests/test_config_effects.py`` checks each row both ways.
+``cfg.<field>``); ``tests/config/test_config_effects.py`` checks each row both ways.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ resident), the 538 MB folder then loads in under a second with logits identical 
 ``from_pretrained(gguf_file=...)``.
 
 The names are also listed in :data:`consequence.config.MODEL_NAMES` (the config may not
-import this box); ``tests/test_named_models.py`` checks that both agree.
+import this box); ``tests/policy/test_named_models.py`` checks that both agree.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ kept, and per chunk of targets the two LM heads, the student's log-softmax, entr
 the divergence (``update.divergence.token_divergence``) run under
 ``torch.utils.checkpoint``: a chunk's ``[c, V]`` logits are recomputed in the backward pass
 instead of stored. Values and gradients equal the direct computation to float32 rounding
-(``tests/test_distill_loss.py``).
+(``tests/distill/test_distill_loss.py``).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ mask (``mask=``) and replaces log-probs, old log-probs and advantages off the ma
 with ``torch.where`` BEFORE computing. A position outside the mask may hold anything (an
 old log-prob of −1e4 or ±inf from an endpoint, NaN, an advantage of 1e30); multiplying by
 the mask afterwards is not enough: exp(1e4) = inf, and the backward pass of ``inf · 0``
-is NaN even though the forward value is finite (``tests/test_masked_positions.py``).
+is NaN even though the forward value is finite (``tests/update/test_masked_positions.py``).
 Without ``mask`` every position counts as a target.
 
 | name | per-token objective | source |

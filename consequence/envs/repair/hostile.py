@@ -21,7 +21,7 @@ process-group kill is re-parented here and found); nobody connected to the TCP s
 and the Unix socket this process listens on; this process's peak memory did not grow by
 the output.
 
-Used by ``tests/test_hostile_corpus.py`` and ``benchmarks/hostile_corpus.py`` (the README
+Used by ``tests/sandbox/test_hostile_corpus.py`` and ``benchmarks/hostile_corpus.py`` (the README
 table). Path placeholders in the sources (``@SENTINEL@`` ...) are filled per run with
 :func:`render`.
 """

@@ -10,7 +10,7 @@ from consequence.evaluate.selection import summarize_selection
 from consequence.evaluate.stats import binomial_se
 from consequence.records import Trajectory
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "evaluation.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "evaluation.md"
 
 
 def _episodes():

@@ -71,7 +71,7 @@ def test_every_shipped_config_is_a_valid_train_config():
 
     from consequence.recipes import resolve_config
 
-    files = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
+    files = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))
     assert len(files) >= 2
     for f in files:
         cfg = resolve_config(f)

@@ -27,7 +27,7 @@ import pytest
 from consequence.envs.registry import BUILTINS
 from consequence.records import read_trajectories
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "custom_env"
 SRC = EXAMPLE / "src"
 MODULE = SRC / "consequence_vowels" / "env.py"

@@ -4,7 +4,7 @@ import ast
 import functools
 from pathlib import Path
 
-PKG = Path(__file__).resolve().parent.parent / "consequence"
+PKG = Path(__file__).resolve().parents[2] / "consequence"
 LAYERS = [
     {"records", "seeding", "figures", "config", "fileio", "exports"},
     {"sandbox"},
@@ -40,7 +40,7 @@ def _unit(path: Path) -> str:
 
 def test_every_module_belongs_to_a_layer():
     units = {_unit(p) for p in PKG.rglob("*.py")}
-    assert units <= set(RANK), f"add to LAYERS in tests/test_layout.py and CONTRIBUTING.md: {units - set(RANK)}"
+    assert units <= set(RANK), f"add to LAYERS in tests/project/test_layout.py and CONTRIBUTING.md: {units - set(RANK)}"
 
 
 def test_no_box_imports_a_later_box():

@@ -310,7 +310,7 @@ def test_masked_is_with_a_tis_cap_is_token_level_mis_by_hand():
     weighted by r = π_old/μ: Liu et al. 2025's token-level MIS, r·1[r in band], checked against
     a direct autograd computation of −Σ_kept r_t (π_θ/π_old)_t A / n_kept."""
     from consequence.update.step import UpdateConfig, accumulate_gradients
-    from test_update_step import PAD, TinyLM, make_rows, ref_logprobs
+    from tiny_lm import PAD, TinyLM, make_rows, ref_logprobs
 
     model = TinyLM()
     row = make_rows(model, [4], seed=2)[0]  # π_old = the current policy: every PPO ratio is 1

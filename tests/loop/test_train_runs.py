@@ -39,7 +39,7 @@ TINY = [
     "24",
 ]
 ENV = {"COLUMNS": "250"}
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _train(*args: str):
@@ -181,7 +181,7 @@ def test_max_total_tokens_below_the_prompt_is_refused_before_any_rollout(tmp_pat
 
 # ---- 11. JSONL tasks train ---------------------------------------------------------------------------------
 def test_a_run_on_a_jsonl_task_file(tmp_path):
-    from test_train_options import write_tasks
+    from task_files import write_tasks
 
     write_tasks(tmp_path / "tasks.jsonl")
     run = tmp_path / "run"

@@ -17,6 +17,7 @@ from consequence.cli import app
 from consequence.config import TrainConfig
 from consequence.distill.warmstart import BUNDLED
 from consequence.recipes import load_recipe
+from task_files import repair_record, write_tasks
 
 ENV = {"COLUMNS": "250"}
 
@@ -43,29 +44,6 @@ def captured(monkeypatch):
         return res, seen.get("cfg")
 
     return invoke
-
-
-def _repair_record(i: int, **extra) -> dict:
-    return {
-        "task_id": f"max-{i}",
-        "problem_id": f"p{i}",
-        "kind": "repair",
-        "prompt": "Return the largest element.",
-        "starting_code": "def f(xs):\n    return min(xs)",
-        "entry_point": "f",
-        "visible_tests": [{"call": "f([1, 2])", "expected": "2"}],
-        "hidden_tests": [{"call": f"f([{i}, {i + 5}, 1])", "expected": str(i + 5)}],
-        "patch": [2, "    return max(xs)"],
-        **extra,
-    }
-
-
-def write_tasks(path, n: int = 12, bad_line: dict | None = None) -> None:
-    """``n`` valid repair tasks as JSONL (distinct problems); ``bad_line`` replaces line 3."""
-    records = [_repair_record(i) for i in range(n)]
-    if bad_line is not None:
-        records[2] = bad_line
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
 # ---- 1. a recipe means the same from YAML, --recipe and explain ---------------------------------
@@ -222,8 +200,8 @@ def test_a_jsonl_task_file_is_accepted_and_checked_before_work(tmp_path, capture
     assert sum(len(v) for v in src.split.values()) == 12 and len(src.split["train"]) >= 8
     assert src.sample("train", 3, seed=1)[0].func_name == "f" and src.label == str(tmp_path / "tasks.jsonl")
     cases = [
-        (_repair_record(2, hidden_test=[]), ":3: unknown field(s) ['hidden_test']"),
-        (_repair_record(2, kind="completion"), ":3: task 'max-2' has kind 'completion'"),
+        (repair_record(2, hidden_test=[]), ":3: unknown field(s) ['hidden_test']"),
+        (repair_record(2, kind="completion"), ":3: task 'max-2' has kind 'completion'"),
     ]
     for bad, needle in cases:
         write_tasks(tmp_path / "bad.jsonl", bad_line=bad)

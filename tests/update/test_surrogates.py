@@ -10,7 +10,7 @@ from consequence.update.losses import REDUCTIONS, reduce_tokens
 from consequence.update.regularizers import kl_estimate, offpolicy_sequence_mask, tis_weights
 from consequence.update.step import UpdateConfig, accumulate_gradients, compute_logprobs
 from consequence.update.surrogates import SURROGATES, surrogate_objective
-from test_update_step import PAD, TinyLM, grads_of, make_rows, ref_logprobs
+from tiny_lm import PAD, TinyLM, grads_of, make_rows, ref_logprobs
 
 
 def _lp(values):

@@ -11,7 +11,7 @@ import typer.main
 from consequence.cli import app
 from consequence.cli.eval_options import OPTIONS, ORDER
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _command(name: str):

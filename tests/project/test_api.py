@@ -29,7 +29,7 @@ from consequence.records import read_trajectories
 from consequence.reward.scoring import score_trajectories
 from consequence.rollout.episodes import Budgets, EpisodeSpec, run_episodes
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "api.md"
 TINY = {
     "iterations": 1,

@@ -29,8 +29,8 @@ from consequence.distill.warmstart import BUNDLED
 from consequence.loop.resume import capture_rng, latest_state, restore_rng, save_state
 from consequence.records import read_trajectories
 
-CHILD = Path(__file__).with_name("resume_child.py")
-ROOT = Path(__file__).resolve().parents[1]
+CHILD = Path(__file__).parents[1] / "resume_child.py"
+ROOT = Path(__file__).resolve().parents[2]
 TIMINGS = {"rollout_s", "update_s", "rollout_tokens_per_s", "iteration_s"}  # wall-clock: differ between any two runs
 TINY = [
     "--model",

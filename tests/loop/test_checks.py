@@ -19,7 +19,7 @@ from consequence.loop.checks import (
 from consequence.records import ModelCall, Trajectory, trajectory_to_rows
 from consequence.update.step import UpdateConfig
 from consequence.update.surrogates import surrogate_objective
-from test_update_step import PAD, TinyLM, make_rows, ref_logprobs
+from tiny_lm import PAD, TinyLM, make_rows, ref_logprobs
 
 EOT = 9
 

@@ -44,7 +44,7 @@ SMALL = dict(
     final_eval_episodes=0,
 )
 TIMINGS = {"rollout_s", "update_s", "rollout_tokens_per_s", "iteration_s"}
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _metrics(run: Path) -> list[dict]:

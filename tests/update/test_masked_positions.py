@@ -49,7 +49,7 @@ from consequence.update.surrogates import (
     surrogate_objective,
 )
 from consequence.update.value_step import value_step
-from test_update_step import PAD, TinyLM, make_rows, ref_logprobs
+from tiny_lm import PAD, TinyLM, make_rows, ref_logprobs
 
 INF, NAN = float("inf"), float("nan")
 EXTREMES = (1e4, -1e4, 1e30, -1e30, INF, -INF, NAN, 3e38)

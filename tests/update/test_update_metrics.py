@@ -15,7 +15,7 @@ from consequence.credit.value import ValueModel, explained_variance
 from consequence.loop.learner import Batch, Learner, _chunks, merge_steps, update
 from consequence.policy.logprobs import token_logprobs
 from consequence.update.step import UpdateConfig
-from test_update_step import PAD, TinyLM, make_rows
+from tiny_lm import PAD, TinyLM, make_rows
 
 
 def _learner(model, lr=0.0):
