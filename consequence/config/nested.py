@@ -32,11 +32,16 @@ def flat(data: Mapping[str, Any], fields: Mapping[str, Any], box_of) -> dict[str
     refused by the model with its close matches.
 
     Raises:
-        ValueError: a field under a box it does not belong to (naming the right box), or a
-            field given twice (flat and in its section).
+        ValueError: a box section that is not a mapping, a field under a box it does not
+            belong to (naming the right box), or a field given twice (flat and in its section).
     """
     out: dict[str, Any] = {}
     for key, value in data.items():
+        if key in ORDER and key != "tasks" and not isinstance(value, Mapping):  # `tasks: NAME` is env's older name
+            raise ValueError(
+                f"{key}: a box section holds the box's settings as a mapping (e.g. update: "
+                f"{{learning_rate: 2.0e-4}}), got {value!r}"
+            )
         if key not in ORDER or not isinstance(value, Mapping):
             _put(out, key, value, "")
             continue

@@ -50,6 +50,8 @@ def test_a_setting_under_the_wrong_box_or_given_twice_is_refused():
         TrainConfig(update={"group_size": 4})
     with pytest.raises(ValueError, match="learning_rate: given twice"):
         TrainConfig(update={"learning_rate": 1e-5}, learning_rate=1e-4)
+    with pytest.raises(ValueError, match="update: a box section holds the box's settings as a mapping"):
+        TrainConfig(update=3)
     with pytest.raises(ValueError, match="did you mean learning_rate"):
         TrainConfig.checked(update={"learning_rat": 1e-5})
 

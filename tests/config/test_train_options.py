@@ -87,9 +87,12 @@ def test_explain_shows_a_train_config_with_its_recipe_applied(tmp_path, monkeypa
     assert "overlong_buffer │ 128" in out and "max_turns │ 3 │ 8" in out  # recipe setting; file setting vs REINFORCE's
     res = CliRunner().invoke(app, ["explain", str(p), "dapo"], env=ENV)
     assert res.exit_code == 0 and "dynamic_sampling │ False │ True" in _text(res)
-    p.write_text("run: 3\n")
+    p.write_text("rundir: 3\n")
     res = CliRunner().invoke(app, ["explain", str(p)], env=ENV)
-    assert res.exit_code == 2 and "run (--run): unknown option; did you mean run_dir?" in _text(res)
+    assert res.exit_code == 2 and "rundir (--rundir): unknown option; did you mean run_dir?" in _text(res)
+    p.write_text("run: 3\n")  # run is a box: its section is a mapping
+    res = CliRunner().invoke(app, ["explain", str(p)], env=ENV)
+    assert res.exit_code == 2 and "run: a box section holds the box's settings as a mapping" in _text(res)
     p.write_text("name: x\ntitle: X\nsummary: s\npaper: p\nconfig: {advantage: rloo, iterations: 2}\n")
     res = CliRunner().invoke(app, ["explain", str(p)], env=ENV)
     assert res.exit_code == 2 and "config sets iterations, which belong to a run" in _text(res)
