@@ -43,7 +43,36 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def _divergence_alone(c: Any) -> bool:
+    """--distill-loss with --task-reward-weight 0: the update multiplies its policy-gradient
+    objective (surrogate, TIS weight, KL and entropy terms) by the weight, 0
+    (``update.step._micro_batch_loss``, ``pg_coef``), so only the divergence trains."""
+    return c.distill_loss != "none" and c.task_reward_weight == 0
+
+
+def _alone(c: Any) -> str:
+    return (
+        f"--distill-loss {c.distill_loss} and --task-reward-weight 0: the policy-gradient objective, "
+        "its KL and entropy terms included, is weighted 0, so the divergence alone trains "
+        "(--task-reward-weight w > 0 adds the rest back)"
+    )
+
+
 READS: tuple[Reads, ...] = (
+    # First, so that a setting the divergence alone ignores is refused for that reason.
+    Reads(
+        ("surrogate", "clip_eps", "clip_eps_high", "dual_clip_c", "tis_cap", "kl_coef", "entropy_coef", "grpo_std"),
+        lambda c: not _divergence_alone(c),
+        _alone,
+    ),
+    Reads(  # the estimator still picks rows (rejection) or, by the advantage's sign, masks them
+        ("advantage",),
+        lambda c: not _divergence_alone(c) or c.advantage == "rejection" or c.offpolicy_delta > 0,
+        lambda c: (
+            _alone(c) + "; the advantage would still pick rows with --advantage rejection, or mask "
+            "negative-advantage rows with --offpolicy-delta"
+        ),
+    ),
     Reads(
         ("grpo_std",),
         lambda c: c.advantage == "grpo" or (c.advantage == "reverse_kl" and c.task_reward_weight > 0),
@@ -110,13 +139,15 @@ def unread_settings(cfg: Any) -> list[str]:
 
     Returns:
         messages of the form "--grpo-std has no effect with --advantage rloo: RLOO uses the
-        leave-one-out mean only; drop --grpo-std", in the order of :data:`READS`.
+        leave-one-out mean only; drop --grpo-std", in the order of :data:`READS`; a setting
+        two rows refuse is named once, with the first row's reason.
     """
-    out = []
+    out, named = [], set()
     for row in READS:
         if row.when(cfg):
             continue
         for name in row.fields:
-            if getattr(cfg, name) != type(cfg).model_fields[name].default:
+            if name not in named and getattr(cfg, name) != type(cfg).model_fields[name].default:
+                named.add(name)  # one reason per setting: the first row that refuses it
                 out.append(f"{_flag(name)} has no effect with {row.why(cfg)}; drop {_flag(name)}")
     return out

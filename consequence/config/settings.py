@@ -644,6 +644,12 @@ class TrainConfig(BaseModel):
                 f"(--tasks-per-iteration {self.tasks_per_iteration} × --group-size {self.group_size}); "
                 f"lower --mini-batches to at most {batch} or raise those two"
             )
+        if self.dynamic_sampling and self.group_size == 1:  # every batch would be empty: nothing trains
+            raise ValueError(
+                "--dynamic-sampling with --group-size 1 drops every group: it keeps a group only when its "
+                "members' accuracies differ (DAPO §3.2: 0 < #correct < G), and a group of one never does; "
+                "drop --dynamic-sampling or use --group-size 2 or more"
+            )
         return self
 
     @model_validator(mode="after")

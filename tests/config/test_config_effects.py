@@ -10,6 +10,10 @@ from consequence.cli import app
 from consequence.config import TrainConfig
 from consequence.config.effects import READS, unread_settings
 
+# --distill-loss with --task-reward-weight 0 trains the divergence alone; with a weight > 0, KD + RL
+ALONE = {"distill_loss": "jsd", "teacher": "/models/t"}
+KD_RL = {**ALONE, "task_reward_weight": 0.5}
+
 # (setting, a value ≠ its default, settings where nothing reads it, settings where it is read)
 CASES = [
     ("grpo_std", "sample", {"advantage": "rloo"}, {"advantage": "grpo"}),
@@ -30,6 +34,16 @@ CASES = [
     ("final_eval_decoding", ["greedy"], {"final_eval_episodes": 0}, {"final_eval_episodes": 10}),
     ("warmstart_demos", 100, {"model": "/models/m"}, {}),
     ("warmstart_epochs", 2.0, {"model": "/models/m"}, {}),
+    ("surrogate", "pg", ALONE, KD_RL),
+    ("clip_eps", 0.3, ALONE, KD_RL),
+    ("clip_eps_high", 0.28, ALONE, KD_RL),
+    ("dual_clip_c", 2.0, {**ALONE, "surrogate": "dual_clip"}, {**KD_RL, "surrogate": "dual_clip"}),
+    ("tis_cap", 2.0, ALONE, KD_RL),
+    ("kl_coef", 0.04, ALONE, KD_RL),
+    ("entropy_coef", 0.01, ALONE, KD_RL),
+    ("grpo_std", "sample", ALONE, KD_RL),
+    ("advantage", "rloo", ALONE, KD_RL),
+    ("advantage", "rloo", ALONE, {**ALONE, "offpolicy_delta": 0.5}),  # its sign masks rows
 ]
 
 
@@ -51,6 +65,30 @@ def test_the_message_names_the_estimator_and_its_reason():
     )
 
 
+def test_the_divergence_alone_names_why_and_each_setting_once():
+    with pytest.raises(ValueError) as e:
+        TrainConfig(**ALONE, kl_coef=0.04, advantage="rloo", grpo_std="sample")
+    said = str(e.value)
+    assert (
+        "--kl-coef has no effect with --distill-loss jsd and --task-reward-weight 0: the policy-gradient "
+        "objective, its KL and entropy terms included, is weighted 0, so the divergence alone trains "
+        "(--task-reward-weight w > 0 adds the rest back); drop --kl-coef" in said
+    )
+    # grpo_std is also unread by rloo; it is named once, for the first reason
+    assert said.count("--grpo-std has no effect") == 1 and "RLOO uses" not in said
+    assert "--advantage has no effect" in said and "--advantage rejection" in said
+    assert unread_settings(TrainConfig(**ALONE)) == []  # the gkd recipe's settings
+    assert TrainConfig(**ALONE, advantage="rejection").advantage == "rejection"  # it picks the rows
+
+
+def test_dynamic_sampling_with_groups_of_one_is_refused():
+    """A group of one never has differing accuracies, so dynamic sampling would drop every group."""
+    with pytest.raises(ValueError, match="--dynamic-sampling with --group-size 1 drops every group"):
+        TrainConfig(**ALONE, group_size=1, dynamic_sampling=True)
+    assert TrainConfig(**ALONE, group_size=1).group_size == 1
+    assert TrainConfig(**ALONE, group_size=2, dynamic_sampling=True).dynamic_sampling
+
+
 def test_every_unread_setting_is_named_at_once():
     cfg = TrainConfig(advantage="gae", gamma=0.9)  # read here
     cfg_fields = {k: getattr(cfg, k) for k in TrainConfig.model_fields}
@@ -66,8 +104,8 @@ def test_defaults_and_every_row_at_its_default_are_accepted():
     # a row's fields at their defaults never count as given, whatever the choices
     cfg = TrainConfig(advantage="rloo", surrogate="pg", eval_every=0, final_eval_episodes=0, model="/models/m")
     assert unread_settings(cfg) == []
-    named = [f for row in READS for f in row.fields]
-    assert len(named) == len(set(named)) and set(named) <= set(TrainConfig.model_fields)
+    named = {f for row in READS for f in row.fields}
+    assert named <= set(TrainConfig.model_fields)
 
 
 def test_the_cli_refuses_without_a_traceback(tmp_path):
