@@ -73,6 +73,38 @@ READS: tuple[Reads, ...] = (
             "negative-advantage rows with --offpolicy-delta"
         ),
     ),
+    Reads(  # the reward reaches the divergence only through the advantage's sign (--offpolicy-delta)
+        ("overlong_buffer",),
+        lambda c: not _divergence_alone(c) or c.offpolicy_delta > 0,
+        lambda c: (
+            _alone(c) + "; the shaped reward would still mask rows through the advantage's sign with --offpolicy-delta"
+        ),
+    ),
+    # Rejection sampling keeps episodes by the verifier's score and gives every kept row advantage 1.
+    Reads(
+        ("overlong_buffer", "offpolicy_delta", "dual_clip_c"),
+        lambda c: c.advantage != "rejection",
+        lambda c: (
+            "--advantage rejection: it keeps episodes by the verifier's score alone and gives every kept row "
+            "advantage 1, so reward shaping, and what acts only on negative advantages, change nothing"
+        ),
+    ),
+    Reads(
+        ("kl_coef",),
+        lambda c: not (c.advantage == "rejection" and c.kl_mode == "reward"),
+        lambda c: (
+            "--advantage rejection and --kl-mode reward: a KL penalty on the reward changes no advantage "
+            "of rejection sampling (all 1); --kl-mode loss applies β as a loss term"
+        ),
+    ),
+    Reads(  # for A > 0 only ε_high bounds ρ (update.surrogates._clip); CISPO clamps both ways
+        ("clip_eps",),
+        lambda c: not (c.advantage == "rejection" and c.clip_eps_high > 0 and c.surrogate != "cispo"),
+        lambda c: (
+            f"--advantage rejection, --surrogate {c.surrogate} and --clip-eps-high: ε_low bounds the ratio "
+            "only for negative advantages, and rejection sampling's are all 1 (--clip-eps-high bounds them)"
+        ),
+    ),
     Reads(
         ("grpo_std",),
         lambda c: c.advantage == "grpo" or (c.advantage == "reverse_kl" and c.task_reward_weight > 0),

@@ -44,6 +44,20 @@ CASES = [
     ("grpo_std", "sample", ALONE, KD_RL),
     ("advantage", "rloo", ALONE, KD_RL),
     ("advantage", "rloo", ALONE, {**ALONE, "offpolicy_delta": 0.5}),  # its sign masks rows
+    ("overlong_buffer", 64, ALONE, {**ALONE, "offpolicy_delta": 0.5}),
+    # rejection sampling: kept by the verifier's score, every kept row's advantage is 1
+    ("overlong_buffer", 64, {"advantage": "rejection"}, {"advantage": "grpo"}),
+    ("offpolicy_delta", 0.5, {"advantage": "rejection"}, {"advantage": "grpo"}),
+    ("dual_clip_c", 2.0, {"advantage": "rejection", "surrogate": "dual_clip"}, {"surrogate": "dual_clip"}),
+    ("kl_coef", 0.04, {"advantage": "rejection", "kl_mode": "reward"}, {"advantage": "rejection"}),
+    ("clip_eps", 0.3, {"advantage": "rejection", "clip_eps_high": 0.28}, {"advantage": "rejection"}),
+    ("clip_eps", 0.3, {"advantage": "rejection", "clip_eps_high": 0.28}, {"advantage": "grpo", "clip_eps_high": 0.28}),
+    (
+        "clip_eps",
+        0.3,
+        {"advantage": "rejection", "clip_eps_high": 0.28},
+        {"advantage": "rejection", "clip_eps_high": 0.28, "surrogate": "cispo"},
+    ),
 ]
 
 
@@ -118,3 +132,28 @@ def test_the_cli_refuses_without_a_traceback(tmp_path):
     assert r.exit_code == 2 and "Traceback" not in out
     assert "--grpo-std has no effect with --advantage rloo: RLOO uses the leave-one-out mean only" in out
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("surrogate", ["ppo_clip", "dual_clip", "gspo", "gspo_token", "cispo"])
+def test_with_rejections_advantage_of_1_eps_low_and_c_change_nothing_but_cispos_eps_low_does(surrogate):
+    """The rejection rows are the truth of update.surrogates: with every advantage 1 (what
+    --advantage rejection gives the kept rows) ε_low and the dual-clip c leave the objective
+    and its gradient unchanged, except CISPO's ε_low, which clamps the weight both ways (read)."""
+    import torch
+
+    from consequence.update.regularizers import offpolicy_sequence_mask
+    from consequence.update.surrogates import surrogate_objective
+
+    torch.manual_seed(0)
+    old = torch.randn(3, 5).log_softmax(-1)
+    lp0 = old + torch.linspace(-1.5, 1.5, 15).reshape(3, 5)  # ratios from e^-1.5 to e^1.5: every clip acts
+    mask, adv = torch.ones(3, 5), torch.ones(3)
+    outs = []
+    for eps_low, c in ((0.1, 3.0), (0.9, 1.5)):
+        lp = lp0.clone().requires_grad_(True)
+        obj, _, _ = surrogate_objective(surrogate, lp, old, adv, mask, eps_low=eps_low, eps_high=0.28, dual_clip_c=c)
+        obj.sum().backward()
+        outs.append((obj.detach(), lp.grad))
+    same = torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert same == (surrogate != "cispo")
+    assert not offpolicy_sequence_mask(lp0, old, adv, mask, 1e-6).any()  # it drops negative-advantage rows only
