@@ -58,6 +58,17 @@ def _alone(c: Any) -> str:
     )
 
 
+def _reward_unused(c: Any) -> str | None:
+    """Why the (shaped, penalised) reward reaches no advantage of the update, or None when it does."""
+    if c.advantage == "rejection":
+        return "--advantage rejection: it keeps episodes by the verifier's score alone, each with advantage 1"
+    if c.advantage == "reverse_kl" and c.task_reward_weight == 0:
+        return "--advantage reverse_kl and --task-reward-weight 0: the advantage is the teacher's log-ratio alone"
+    if _divergence_alone(c) and c.offpolicy_delta == 0:  # with it, the advantage's sign masks rows
+        return _alone(c)
+    return None
+
+
 READS: tuple[Reads, ...] = (
     # First, so that a setting the divergence alone ignores is refused for that reason.
     Reads(
@@ -73,29 +84,23 @@ READS: tuple[Reads, ...] = (
             "negative-advantage rows with --offpolicy-delta"
         ),
     ),
-    Reads(  # the reward reaches the divergence only through the advantage's sign (--offpolicy-delta)
-        ("overlong_buffer",),
-        lambda c: not _divergence_alone(c) or c.offpolicy_delta > 0,
-        lambda c: (
-            _alone(c) + "; the shaped reward would still mask rows through the advantage's sign with --offpolicy-delta"
-        ),
-    ),
-    # Rejection sampling keeps episodes by the verifier's score and gives every kept row advantage 1.
     Reads(
-        ("overlong_buffer", "offpolicy_delta", "dual_clip_c"),
-        lambda c: c.advantage != "rejection",
-        lambda c: (
-            "--advantage rejection: it keeps episodes by the verifier's score alone and gives every kept row "
-            "advantage 1, so reward shaping, and what acts only on negative advantages, change nothing"
-        ),
+        ("overlong_buffer",),
+        lambda c: _reward_unused(c) is None,
+        lambda c: f"{_reward_unused(c)}, so no reward reaches the update and its shaping changes nothing",
     ),
     Reads(
         ("kl_coef",),
-        lambda c: not (c.advantage == "rejection" and c.kl_mode == "reward"),
+        lambda c: c.kl_mode != "reward" or _reward_unused(c) is None,
         lambda c: (
-            "--advantage rejection and --kl-mode reward: a KL penalty on the reward changes no advantage "
-            "of rejection sampling (all 1); --kl-mode loss applies β as a loss term"
+            f"{_reward_unused(c)}, so no reward reaches the update and --kl-mode reward's penalty on it "
+            "changes nothing (--kl-mode loss applies β as a loss term)"
         ),
+    ),
+    Reads(  # both act only on negative advantages (update.surrogates, update.regularizers)
+        ("offpolicy_delta", "dual_clip_c"),
+        lambda c: c.advantage != "rejection",
+        lambda c: "--advantage rejection: every kept row's advantage is 1, and it acts only on negative advantages",
     ),
     Reads(  # for A > 0 only ε_high bounds ρ (update.surrogates._clip); CISPO clamps both ways
         ("clip_eps",),

@@ -13,6 +13,7 @@ from consequence.config.effects import READS, unread_settings
 # --distill-loss with --task-reward-weight 0 trains the divergence alone; with a weight > 0, KD + RL
 ALONE = {"distill_loss": "jsd", "teacher": "/models/t"}
 KD_RL = {**ALONE, "task_reward_weight": 0.5}
+OPD = {"advantage": "reverse_kl", "teacher": "/models/t"}  # on-policy distillation (recipe on_policy_distill)
 
 # (setting, a value ≠ its default, settings where nothing reads it, settings where it is read)
 CASES = [
@@ -45,6 +46,10 @@ CASES = [
     ("advantage", "rloo", ALONE, KD_RL),
     ("advantage", "rloo", ALONE, {**ALONE, "offpolicy_delta": 0.5}),  # its sign masks rows
     ("overlong_buffer", 64, ALONE, {**ALONE, "offpolicy_delta": 0.5}),
+    # on-policy distillation alone: the advantage is the teacher's log-ratio, no reward in it
+    ("overlong_buffer", 64, {**OPD, "task_reward_weight": 0.0}, {**OPD, "task_reward_weight": 0.5}),
+    ("kl_coef", 0.04, {**OPD, "kl_mode": "reward"}, {**OPD, "kl_mode": "reward", "task_reward_weight": 0.5}),
+    ("kl_coef", 0.04, {**OPD, "kl_mode": "reward"}, OPD),  # as a loss term it is read
     # rejection sampling: kept by the verifier's score, every kept row's advantage is 1
     ("overlong_buffer", 64, {"advantage": "rejection"}, {"advantage": "grpo"}),
     ("offpolicy_delta", 0.5, {"advantage": "rejection"}, {"advantage": "grpo"}),
