@@ -97,6 +97,11 @@ READS: tuple[Reads, ...] = (
             "changes nothing (--kl-mode loss applies β as a loss term)"
         ),
     ),
+    Reads(  # credit.rejection._verified: outcome "finished"
+        ("overlong_filter",),
+        lambda c: c.advantage != "rejection",
+        lambda c: "--advantage rejection: it keeps only finished episodes, so no truncated one is left to drop",
+    ),
     Reads(  # both act only on negative advantages (update.surrogates, update.regularizers)
         ("offpolicy_delta", "dual_clip_c"),
         lambda c: c.advantage != "rejection",

@@ -53,6 +53,7 @@ CASES = [
     # rejection sampling: kept by the verifier's score, every kept row's advantage is 1
     ("overlong_buffer", 64, {"advantage": "rejection"}, {"advantage": "grpo"}),
     ("offpolicy_delta", 0.5, {"advantage": "rejection"}, {"advantage": "grpo"}),
+    ("overlong_filter", True, {"advantage": "rejection"}, {"advantage": "grpo"}),
     ("dual_clip_c", 2.0, {"advantage": "rejection", "surrogate": "dual_clip"}, {"surrogate": "dual_clip"}),
     ("kl_coef", 0.04, {"advantage": "rejection", "kl_mode": "reward"}, {"advantage": "rejection"}),
     ("clip_eps", 0.3, {"advantage": "rejection", "clip_eps_high": 0.28}, {"advantage": "rejection"}),
