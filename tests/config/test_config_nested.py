@@ -78,3 +78,18 @@ def test_a_nested_config_file_with_a_misplaced_key_is_refused_by_the_cli(tmp_pat
     out = " ".join(out.split())
     assert code == 2 and "Traceback" not in out
     assert f"config file {f}: update.group_size: group_size is a setting of the rollout box" in out
+
+
+def test_an_earlier_runs_flat_config_yaml_still_resumes_to_the_same_settings(tmp_path):
+    """Runs before the nesting wrote config.yaml flat (model_dump); --resume reads it as it is,
+    and the nested form of the same settings reads to the same config."""
+    from consequence.loop.resume import resume_config
+
+    for form in ("flat", "nested"):
+        run = tmp_path / form
+        run.mkdir()
+        cfg = TrainConfig(run_dir=str(run), advantage="rloo", surrogate="pg", iterations=3)
+        data = cfg.model_dump() if form == "flat" else cfg.nested_dump()
+        (run / "config.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+        assert ("advantage" in data) == (form == "flat")
+        assert resume_config(run, {}, None) == cfg
