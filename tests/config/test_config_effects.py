@@ -163,3 +163,56 @@ def test_with_rejections_advantage_of_1_eps_low_and_c_change_nothing_but_cispos_
     same = torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
     assert same == (surrogate != "cispo")
     assert not offpolicy_sequence_mask(lp0, old, adv, mask, 1e-6).any()  # it drops negative-advantage rows only
+
+
+@pytest.mark.slow  # ~4 s: 26 steps of the bundled model with a teacher
+def test_the_divergence_alone_rows_are_the_truth_of_the_update():
+    """At --task-reward-weight 0 (pg_coef 0) the settings of the "divergence alone" row leave the
+    step's loss and gradient as they are; at a weight of 0.3 each of them changes it (the control)."""
+    import copy
+
+    import torch
+
+    from consequence.policy.tiny import BUNDLED, load_policy
+    from consequence.records import TrainingRow
+    from consequence.update.step import UpdateConfig, accumulate_gradients
+
+    student, _ = load_policy(BUNDLED)
+    teacher = copy.deepcopy(student).eval().requires_grad_(False)
+    with torch.no_grad():
+        teacher.lm_head.weight.add_(
+            0.1 * torch.randn(teacher.lm_head.weight.shape, generator=torch.Generator().manual_seed(0))
+        )
+    ids, masks = ([5, 6, 7, 8, 9], [5, 10, 11, 12]), ([0, 0, 1, 1, 1], [0, 1, 1, 0])
+    # π_old below the student's own log-probs: ratios e^0.1 (A > 0: inside ε 0.2, clipped at ε 0.05)
+    # and e^3 (A < 0: past the dual clip's c 1.5), so that each clip acts on the surrogate
+    rows = []
+    for j, (x, m, shift) in enumerate(zip(ids, masks, (0.1, 3.0))):
+        with torch.no_grad():
+            lp = student(input_ids=torch.tensor([x])).logits[0, :-1].log_softmax(-1)
+        own = [0.0] + [float(lp[t, x[t + 1]]) for t in range(len(x) - 1)]
+        rows.append(TrainingRow(x, m, [v - shift if k else 0.0 for v, k in zip(own, m)], j))
+    ref = [[x - 0.3 for x in r.old_logprobs] for r in rows]  # a reference the KL term sees
+    sampler = [[x + 0.4 for x in r.old_logprobs] for r in rows]  # a sampler the TIS weight sees
+    variants = {
+        "surrogate": {"surrogate": "pg"},
+        "dual_clip_c": {"surrogate": "dual_clip", "dual_clip_c": 1.5},
+        "clip_eps": {"clip_eps_low": 0.05, "clip_eps_high": 0.05},
+        "tis_cap": {"tis_cap": 1.2},
+        "kl_coef": {"kl_coef": 0.5},
+        "entropy_coef": {"entropy_coef": 0.1},
+    }
+
+    def step(pg_coef, **kw):
+        model = copy.deepcopy(student)
+        cfg = UpdateConfig(distill_loss="reverse", pg_coef=pg_coef, **kw)
+        m = accumulate_gradients(
+            model, rows, [1.0, -0.5], cfg, 0, None, ref_logprobs=ref, sampler_logprobs=sampler, teacher=teacher
+        )
+        return m["loss"], torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+    for pg_coef, same in ((0.0, True), (0.3, False)):
+        loss0, grad0 = step(pg_coef)
+        for name, kw in variants.items():
+            loss, grad = step(pg_coef, **kw)
+            assert (loss == loss0 and torch.equal(grad, grad0)) == same, (pg_coef, name)
