@@ -165,7 +165,7 @@ def test_with_rejections_advantage_of_1_eps_low_and_c_change_nothing_but_cispos_
     assert not offpolicy_sequence_mask(lp0, old, adv, mask, 1e-6).any()  # it drops negative-advantage rows only
 
 
-@pytest.mark.slow  # ~4 s: 26 steps of the bundled model with a teacher
+@pytest.mark.slow  # ~4 s: 14 steps of the bundled model with a teacher
 def test_the_divergence_alone_rows_are_the_truth_of_the_update():
     """At --task-reward-weight 0 (pg_coef 0) the settings of the "divergence alone" row leave the
     step's loss and gradient as they are; at a weight of 0.3 each of them changes it (the control)."""
