@@ -653,6 +653,17 @@ class TrainConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _validation_fits(self) -> TrainConfig:
+        """A validation of no episode would record val_success 0.0, a number nothing measured."""
+        if self.eval_every and not self.val_episodes:
+            raise ValueError(
+                f"--val-episodes 0 with --eval-every {self.eval_every} validates on no episode, and "
+                "metrics.jsonl would record a val_success of 0.0 that nothing measured; give --val-episodes "
+                "N > 0, or --eval-every 0 for no periodic validation"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _update_ranks_fit(self) -> TrainConfig:
         """What ``--update-ranks > 1`` does not run data-parallel (the machine's limit on ranks
         is checked at the start of the run: ``update.data_parallel.check_rank_count``)."""

@@ -216,3 +216,12 @@ def test_the_divergence_alone_rows_are_the_truth_of_the_update():
         for name, kw in variants.items():
             loss, grad = step(pg_coef, **kw)
             assert (loss == loss0 and torch.equal(grad, grad0)) == same, (pg_coef, name)
+
+
+def test_a_validation_of_no_episode_is_refused():
+    """It would record val_success 0.0 every --eval-every iterations, a number nothing measured."""
+    with pytest.raises(ValueError, match="--val-episodes 0 with --eval-every 6 validates on no episode"):
+        TrainConfig(val_episodes=0)
+    assert TrainConfig(val_episodes=1).val_episodes == 1
+    with pytest.raises(ValueError, match="--val-episodes has no effect with --eval-every 0"):
+        TrainConfig(val_episodes=0, eval_every=0)  # 0 differs from the default, and nothing reads it
