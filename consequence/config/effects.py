@@ -85,37 +85,6 @@ READS: tuple[Reads, ...] = (
         ),
     ),
     Reads(
-        ("overlong_buffer",),
-        lambda c: _reward_unused(c) is None,
-        lambda c: f"{_reward_unused(c)}, so no reward reaches the update and its shaping changes nothing",
-    ),
-    Reads(
-        ("kl_coef",),
-        lambda c: c.kl_mode != "reward" or _reward_unused(c) is None,
-        lambda c: (
-            f"{_reward_unused(c)}, so no reward reaches the update and --kl-mode reward's penalty on it "
-            "changes nothing (--kl-mode loss applies β as a loss term)"
-        ),
-    ),
-    Reads(  # credit.rejection._verified: outcome "finished"
-        ("overlong_filter",),
-        lambda c: c.advantage != "rejection",
-        lambda c: "--advantage rejection: it keeps only finished episodes, so no truncated one is left to drop",
-    ),
-    Reads(  # both act only on negative advantages (update.surrogates, update.regularizers)
-        ("offpolicy_delta", "dual_clip_c"),
-        lambda c: c.advantage != "rejection",
-        lambda c: "--advantage rejection: every kept row's advantage is 1, and it acts only on negative advantages",
-    ),
-    Reads(  # for A > 0 only ε_high bounds ρ (update.surrogates._clip); CISPO clamps both ways
-        ("clip_eps",),
-        lambda c: not (c.advantage == "rejection" and c.clip_eps_high > 0 and c.surrogate != "cispo"),
-        lambda c: (
-            f"--advantage rejection, --surrogate {c.surrogate} and --clip-eps-high: ε_low bounds the ratio "
-            "only for negative advantages, and rejection sampling's are all 1 (--clip-eps-high bounds them)"
-        ),
-    ),
-    Reads(
         ("grpo_std",),
         lambda c: c.advantage == "grpo" or (c.advantage == "reverse_kl" and c.task_reward_weight > 0),
         lambda c: f"--advantage {c.advantage}: {_NO_GROUP_STD[c.advantage]}",
@@ -169,6 +138,39 @@ READS: tuple[Reads, ...] = (
         ("warmstart_demos", "warmstart_epochs"),
         lambda c: c.model is None,
         lambda c: f"--model {c.model}: they build the bundled tiny warm start, which is used only without --model",
+    ),
+    # Where the reward, or a negative advantage, never reaches the update (after the rows above, whose
+    # reasons are more direct).
+    Reads(
+        ("overlong_buffer",),
+        lambda c: _reward_unused(c) is None,
+        lambda c: f"{_reward_unused(c)}, so no reward reaches the update and its shaping changes nothing",
+    ),
+    Reads(
+        ("kl_coef",),
+        lambda c: c.kl_mode != "reward" or _reward_unused(c) is None,
+        lambda c: (
+            f"{_reward_unused(c)}, so no reward reaches the update and --kl-mode reward's penalty on it "
+            "changes nothing (--kl-mode loss applies β as a loss term)"
+        ),
+    ),
+    Reads(  # credit.rejection._verified: outcome "finished"
+        ("overlong_filter",),
+        lambda c: c.advantage != "rejection",
+        lambda c: "--advantage rejection: it keeps only finished episodes, so no truncated one is left to drop",
+    ),
+    Reads(  # both act only on negative advantages (update.surrogates, update.regularizers)
+        ("offpolicy_delta", "dual_clip_c"),
+        lambda c: c.advantage != "rejection",
+        lambda c: "--advantage rejection: every kept row's advantage is 1, and it acts only on negative advantages",
+    ),
+    Reads(  # for A > 0 only ε_high bounds ρ (update.surrogates._clip); CISPO clamps both ways
+        ("clip_eps",),
+        lambda c: not (c.advantage == "rejection" and c.clip_eps_high > 0 and c.surrogate not in ("pg", "cispo")),
+        lambda c: (
+            f"--advantage rejection, --surrogate {c.surrogate} and --clip-eps-high: ε_low bounds the ratio "
+            "only for negative advantages, and rejection sampling's are all 1 (--clip-eps-high bounds them)"
+        ),
     ),
 )
 
