@@ -42,3 +42,34 @@ def test_each_command_takes_the_tables_options_with_their_help():
     n_eval = next(p for p in _command("eval").params if p.name == "n")
     n_compare = next(p for p in _command("compare").params if p.name == "n")
     assert (n_eval.default, n_compare.default) == (None, 4)  # one declaration, compare's own default
+
+
+def _same_default(cli: object, python: object) -> bool:
+    """The CLI's text forms (k "1", selection "a,b", out Path) against the API's values."""
+    if isinstance(python, (tuple, list)):
+        return cli == ",".join(python)
+    return str(cli) == str(python) if isinstance(cli, Path) or isinstance(python, int) else cli == python
+
+
+def test_the_python_api_takes_the_tables_options_with_the_same_defaults():
+    # cq.evaluate / cq.compare keep explicit typed signatures (for editors and type checkers);
+    # this keeps them in step with the table: same names (env_options for the repeated
+    # --env-option, no hidden --tasks) and the same defaults.
+    import inspect
+
+    from consequence import api
+
+    for command, function in (("eval", api.evaluate), ("compare", api.compare)):
+        params = inspect.signature(function).parameters
+        names = [n for n in ORDER[command] if n not in ("tasks", "env_option")]
+        assert set(params) == {*names, "env_options", "reward_fn"}, command
+        for name in names:
+            spec = OPTIONS[name]
+            default = (
+                spec.compare_default if command == "compare" and spec.compare_default is not None else spec.default
+            )
+            got = params[name].default
+            if default is ...:
+                assert got is inspect.Parameter.empty, (command, name)
+            else:
+                assert _same_default(default, got), (command, name, default, got)
