@@ -834,9 +834,7 @@ def flat_settings(data: Any) -> Any:
     Raises:
         ValueError: a field under the wrong box, or given twice.
     """
-    if isinstance(data, dict) and any(
-        k in ORDER and (k != "tasks" or isinstance(v, dict)) for k in data for v in [data[k]]
-    ):
+    if isinstance(data, dict) and any(k in ORDER and (k != "tasks" or isinstance(v, dict)) for k, v in data.items()):
         return flat(data, TrainConfig.model_fields, box_of)
     return data
 

@@ -161,12 +161,11 @@ def assign_credit(
     elif cfg.advantage == "rejection":
         batch = _rejection_batch(trajs, batch, owner)
     else:  # one scalar per trajectory from its group: GRPO, RLOO, Dr.GRPO, REINFORCE(++)
-        std_correction = 1 if cfg.grpo_std == "sample" else 0
         adv = group_advantages(
             _penalised_rewards(trajs, owner, penalty),
             [t.group_id for t in trajs],
             cfg.advantage,
-            std_correction=std_correction,
+            std_correction=_std_correction(cfg),
         )
         for t, a in zip(trajs, adv):
             t.advantage = a
@@ -201,6 +200,11 @@ def _rejection_batch(trajs: list[Trajectory], batch: Batch, owner: list[int]) ->
     return batch
 
 
+def _std_correction(cfg) -> int:
+    """Degrees-of-freedom correction of GRPO's group std: 0 population, 1 sample (``--grpo-std``)."""
+    return 1 if cfg.grpo_std == "sample" else 0
+
+
 def _penalised_rewards(trajs, owner, penalty) -> list[float | None]:
     """Each trajectory's total reward (:func:`credit_rewards`), less the KL reward penalty of its rows."""
     rewards = credit_rewards(trajs)
@@ -214,7 +218,7 @@ def _teacher_advantages(trajs, batch: Batch, owner, cfg, teacher_logprobs, penal
     """On-policy distillation: A_t = log π_teacher(y_t) − log μ(y_t) on every target token
     (credit.kl.reverse_kl_advantages), plus w × the GRPO advantage of the (penalised) reward;
     each trajectory's scalar ``advantage`` is the mean over its target tokens."""
-    ids, std_correction = [t.group_id for t in trajs], 1 if cfg.grpo_std == "sample" else 0
+    ids, std_correction = [t.group_id for t in trajs], _std_correction(cfg)
     rewards = _penalised_rewards(trajs, owner, penalty)
     task = (
         group_advantages(rewards, ids, "grpo", std_correction=std_correction)
