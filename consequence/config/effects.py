@@ -46,7 +46,7 @@ def _flag(name: str) -> str:
 def _divergence_alone(c: Any) -> bool:
     """--distill-loss with --task-reward-weight 0: the update multiplies its policy-gradient
     objective (surrogate, TIS weight, KL and entropy terms) by the weight, 0
-    (``update.step._micro_batch_loss``, ``pg_coef``), so only the divergence trains."""
+    (``update.step._regularized``, ``pg_coef``), so only the divergence trains."""
     return c.distill_loss != "none" and c.task_reward_weight == 0
 
 

@@ -11,15 +11,15 @@ the batch they work on comes from a batch source (``consequence.loop.sources``).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
 import math
 import random
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
@@ -31,8 +31,6 @@ from consequence.records import Trajectory
 from consequence.update.sampler_gap import apply_is_mask, sampler_gap_metrics
 from consequence.update.step import NonFiniteError, UpdateConfig, compute_logprobs, ppo_step
 from consequence.update.value_step import value_step
-
-_T = TypeVar("_T")
 
 
 @dataclass
@@ -174,6 +172,9 @@ def update(
     gap: dict[str, float] = {}
     if needs_recompute(cfg):
         rows, gap = _recompute_old(rows, batch.sampler_logprobs, cfg, learner, pad_id, lp_fn)
+    batch = dataclasses.replace(batch, rows=rows)
+    ucfg = dataclasses.replace(learner.update_cfg, pg_coef=0.0) if divergence_only else learner.update_cfg
+    step = ppo_step if learner.data_parallel is None else learner.data_parallel.ppo_step
     rng = random.Random(seed)
     steps: list[dict[str, float]] = []
     for _ in range(cfg.epochs_per_batch):
@@ -181,7 +182,21 @@ def update(
         if cfg.mini_batches > 1:
             rng.shuffle(order)
         for part in _chunks(order, cfg.mini_batches):
-            steps.append(_one_step(batch, rows, part, cfg, learner, pad_id, lp_fn, len(steps), divergence_only))
+            mini = batch.select(part)
+            with _naming_trajectories(batch, part, len(steps)):
+                m = step(
+                    learner.model,
+                    learner.optimizer,
+                    mini.rows,
+                    mini.advantages,
+                    ucfg,
+                    pad_id,
+                    lp_fn,
+                    ref_logprobs=mini.ref_logprobs,
+                    sampler_logprobs=mini.sampler_logprobs,
+                    teacher=learner.teacher,  # read only with a --distill-loss
+                )
+                steps.append(m | _critic_step(learner, mini, cfg, pad_id))
     merged = merge_steps(steps) | gap
     if cfg.distill_loss != "none":  # cost: the teacher ran one forward over every row of every step
         merged["teacher_forward_tokens"] = float(cfg.epochs_per_batch * sum(len(r.input_ids) for r in rows))
@@ -219,52 +234,36 @@ def _recompute_old(rows, sampler_logprobs, cfg: TrainConfig, learner: Learner, p
     return rows, gap
 
 
-def _one_step(
-    batch: Batch, rows, part: list[int], cfg, learner: Learner, pad_id, lp_fn, k: int, divergence_only: bool = False
-) -> dict:
-    """Optimizer step ``k`` on rows ``part``; a non-finite tensor is re-raised naming trajectories."""
-
-    def take(xs: Sequence[_T]) -> list[_T]:
-        return [xs[j] for j in part]
-
-    def pick(xs: Sequence[_T] | None) -> list[_T] | None:
-        return None if xs is None else take(xs)
-
-    ucfg = dataclasses.replace(learner.update_cfg, pg_coef=0.0) if divergence_only else learner.update_cfg
+@contextlib.contextmanager
+def _naming_trajectories(batch: Batch, part: list[int], k: int):
+    """Re-raise a NonFiniteError of optimizer step ``k`` (on rows ``part`` of ``batch``)
+    naming the trajectories (task, group, sample) of its rows."""
     try:
-        step = ppo_step if learner.data_parallel is None else learner.data_parallel.ppo_step
-        m = step(
-            learner.model,
-            learner.optimizer,
-            take(rows),
-            take(batch.advantages),
-            ucfg,
-            pad_id,
-            lp_fn,
-            ref_logprobs=pick(batch.ref_logprobs),
-            sampler_logprobs=pick(batch.sampler_logprobs),
-            teacher=learner.teacher,
-        )  # the update reads it only with a --distill-loss
-        if learner.critic is not None:
-            # make_learner gives a critic its optimizer; a critic means GAE, which fills returns and values
-            assert learner.critic_optimizer is not None
-            assert batch.returns is not None and batch.old_values is not None
-            m |= value_step(
-                learner.critic,
-                learner.critic_optimizer,
-                take(rows),
-                take(batch.returns),
-                take(batch.old_values),
-                pad_id,
-                cfg.value_clip,
-                cfg.micro_batch_size,
-            )
+        yield
     except NonFiniteError as e:
         where = [part[j] for j in e.rows]
         raise NonFiniteError(
             e.tensor, where, f"{e.detail}; optimizer step {k + 1} not taken; trajectories: {batch.describe_rows(where)}"
         ) from e
-    return m
+
+
+def _critic_step(learner: Learner, mini: Batch, cfg: TrainConfig, pad_id: int) -> dict[str, float]:
+    """One optimizer step of the critic on the mini-batch (GAE), or nothing without one."""
+    if learner.critic is None:
+        return {}
+    # make_learner gives a critic its optimizer; a critic means GAE, which fills returns and values
+    assert learner.critic_optimizer is not None
+    assert mini.returns is not None and mini.old_values is not None
+    return value_step(
+        learner.critic,
+        learner.critic_optimizer,
+        mini.rows,
+        mini.returns,
+        mini.old_values,
+        pad_id,
+        cfg.value_clip,
+        cfg.micro_batch_size,
+    )
 
 
 def _check_mini_batches(n_rows: int, mini_batches: int) -> None:

@@ -82,6 +82,10 @@ class UpdateConfig:
     distill_top_k: int = 0
     pg_coef: float = 1.0
 
+    def clip_bounds(self) -> dict[str, float]:
+        """The keyword arguments of :func:`~consequence.update.surrogates.surrogate_objective`."""
+        return {"eps_low": self.clip_eps_low, "eps_high": self.clip_eps_high, "dual_clip_c": self.dual_clip_c}
+
 
 def _takes_target_mask(fn) -> bool:
     try:
@@ -218,11 +222,44 @@ class _Metrics:
 
     def __init__(self) -> None:
         self.sums: dict[str, float] = {}
+        self.loss_sum = 0.0
         self.n_tok = 0
         self.n_rows_run = 0
         self.ratio_min = math.inf
         self.ratio_max = -math.inf
         self.n_rows_masked = 0
+
+    @torch.no_grad()
+    def micro_batch(
+        self, loss: Tensor, ratio: Tensor, is_clipped: Tensor, adv: Tensor, ent: Tensor | None, tmask: Tensor, n: int
+    ) -> None:
+        """Record one micro-batch of ``n`` rows that ran: its loss, and the ratio, clip and
+        entropy values on its targets ``tmask`` [n, S-1] (before any off-policy mask)."""
+        r_t = ratio[tmask]
+        self.n_tok += int(r_t.numel())
+        self.add("ratio", r_t)
+        self.ratio_min = min(self.ratio_min, float(r_t.min()))
+        self.ratio_max = max(self.ratio_max, float(r_t.max()))
+        a_t = (adv.unsqueeze(-1).expand_as(ratio) if adv.dim() == 1 else adv)[tmask]
+        c_t = is_clipped[tmask]
+        self.add("clip_high", (c_t & (a_t > 0)).float())
+        self.add("clip_low", (c_t & (a_t < 0)).float())
+        if ent is not None:
+            self.add("entropy", ent.detach()[tmask])
+        self.loss_sum += float(loss.item())
+        self.n_rows_run += n
+
+    def result(self, n_rows: int, n_skipped: int) -> dict[str, float]:
+        """The step's metrics (see :func:`ppo_step`)."""
+        return {
+            "loss": self.loss_sum,
+            **self.means(),
+            "offpolicy_masked_rows": float(self.n_rows_masked),
+            "rows_skipped_zero_advantage": float(n_skipped),
+            "n_tokens": float(self.n_tok),
+            "n_rows": float(n_rows),
+            "n_rows_trained": float(self.n_rows_run),
+        }
 
     def add(self, name: str, values: Tensor) -> None:
         self.sums[name] = self.sums.get(name, 0.0) + float(values.double().sum())
@@ -244,8 +281,9 @@ class _Metrics:
         return out | {"ratio_min": self.ratio_min, "ratio_max": self.ratio_max}
 
 
-def accumulate_gradients(
+def ppo_step(
     model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
     rows: Sequence[TrainingRow],
     advantages_N: Sequence[Any],
     cfg: UpdateConfig,
@@ -257,18 +295,19 @@ def accumulate_gradients(
     teacher: torch.nn.Module | None = None,
     totals: tuple[float, float, float] | None = None,
 ) -> dict[str, float]:
-    """Forward/backward the step's micro-batches, ADDING −reduce(objective) gradients to
-    ``.grad`` of the model's parameters; no clipping, no optimizer step.
+    """One optimizer step on ``rows``: per micro-batch, the policy's log-probs, the
+    surrogate, its regularizers, −reduce(objective) with the step's totals, backward; then
+    the global grad-norm clip and ``optimizer.step()``.
 
-    Per target token the objective is ``pg_coef · surrogate × TIS weight − β·KL + c_H·H
-    − D(teacher ‖ student)`` (docs/design.md §5; the surrogate from ``cfg.surrogate``;
-    D only with ``cfg.distill_loss``). Rows are sorted by length and
-    cut into micro-batches of ``cfg.micro_batch_size``; each is reduced with the step's
-    global totals, so the accumulated gradient does not depend on the split (case 01).
-    Rows with advantage 0 everywhere (all-equal groups) are counted in the totals but not
-    run when there is no KL or entropy term: their gradient is exactly 0, and skipping
-    them saves their forward and backward. Ratio, clip and entropy metrics then cover the
-    rows that ran.
+    Per target token the objective is ``pg_coef · (surrogate × TIS weight − β·KL + c_H·H)
+    − D(teacher ‖ student)`` (docs/design.md §5; the surrogate from ``cfg.surrogate``: the
+    PPO clip of Schulman et al. 2017 eq. 7 by default; D only with ``cfg.distill_loss``).
+    Rows are sorted by length and cut into micro-batches of ``cfg.micro_batch_size``; each
+    is reduced with the step's global totals, so the accumulated gradient does not depend
+    on the split (case 01). Rows with advantage 0 everywhere (all-equal groups) are counted
+    in the totals but not run when there is no KL, entropy or distillation term: their
+    gradient is exactly 0. Ratio, clip and entropy metrics cover the rows that ran. When
+    no row ran, the optimizer does not step.
 
     Args:
         model: the policy; ``logprob_fn(model, input_ids [n,S] long, attention_mask [n,S]
@@ -277,6 +316,8 @@ def accumulate_gradients(
             supports it also gets ``keep_index`` [K,3] long and ``keep_rows`` [n] bool
             (``records.pad_rows``) and must score targets on them
             (``policy.logprobs.token_logprobs``).
+        optimizer: steps the parameters; ``None`` only ADDS the step's gradient to
+            ``.grad`` (no zeroing, clipping or step: :func:`accumulate_gradients`).
         rows: training rows; ``old_logprobs`` are logπ_old of the targets (the behaviour
             snapshot: sampler log-probs, or the trainer's recomputation when TIS is on).
         advantages_N: per row a finite float (broadcast to its targets) or a list of
@@ -299,31 +340,105 @@ def accumulate_gradients(
         n_rows, n_rows_trained (rows that ran a forward/backward),
         rows_skipped_zero_advantage, offpolicy_masked_rows, and over the targets that
         ran: ratio_mean, ratio_min, ratio_max, clip_frac_low, clip_frac_high, entropy,
-        kl_ref, tis_weight_mean, distill_divergence (token means). A metric without data (no target ran, no
-        entropy returned, no reference, TIS off) is left out, never NaN.
+        kl_ref, tis_weight_mean, distill_divergence (token means; a metric without data is
+        left out, never NaN); with an optimizer also ``optimizer_stepped`` (1.0 or 0.0)
+        and, when it stepped, ``grad_norm`` (before clipping).
 
     Raises:
         ValueError: lengths differ, unknown reduction/surrogate, bad advantage, a target
             at position 0, a needed input missing.
         NonFiniteError (a FloatingPointError): an advantage, log-prob, ratio or KL on a
-            target, a micro-batch loss, or a gradient after a micro-batch is NaN or ±inf;
-            ``rows`` names the rows involved.
+            target, a micro-batch loss, or a gradient is NaN or ±inf; ``rows`` names the
+            rows involved and, for a gradient, the message the parameters. The optimizer
+            does not step and its gradients are zeroed.
     """
+    adv_all = _checked_inputs(rows, advantages_N, cfg, ref_logprobs, sampler_logprobs, teacher)
+    total_tokens, total_seqs, norm_const = _step_totals(rows, cfg) if totals is None else totals
+    live = [i for i in range(len(rows)) if not _contributes_nothing(adv_all[i], cfg)]
+    if optimizer is not None:
+        optimizer.zero_grad(set_to_none=True)
+    met = _Metrics()
+    try:
+        for idx, mb in _micro_batches(model, rows, live, adv_all, cfg, pad_id, ref_logprobs, sampler_logprobs):
+            lp, ent, div = _policy_forward(model, mb, cfg, logprob_fn, teacher, idx)
+            old, adv, mask = mb["old_logprobs"][:, 1:], mb["advantages"], mb["loss_mask"][:, 1:]
+            # PPO's clipped surrogate by default; GRPO, DAPO, GSPO, CISPO … (docs/design.md §5)
+            obj, ratio, is_clipped = surrogate_objective(cfg.surrogate, lp, old, adv, mask, **cfg.clip_bounds())
+            _check_finite(ratio, mask > 0, idx, "ratio", "π/π_old of target tokens; check the rows' old_logprobs")
+            obj, mask = _regularized(obj, lp, ent, div, mb, cfg, met, idx)
+            loss = -reduce_tokens(
+                obj, mask, cfg.reduction, total_tokens=total_tokens, total_seqs=total_seqs, norm_const=norm_const
+            )
+            _backward(loss, model, idx)
+            met.micro_batch(loss, ratio, is_clipped, adv, ent, mb["loss_mask"][:, 1:] > 0, len(idx))
+        metrics = met.result(len(rows), len(rows) - len(live))
+        if optimizer is None:
+            return metrics
+        stepped = metrics["n_rows_trained"] > 0
+        grad_norm = _clip_grad_norm(model, cfg.max_grad_norm, len(rows)) if stepped else None
+    except Exception:  # never leave half-accumulated gradients behind
+        if optimizer is not None:
+            optimizer.zero_grad(set_to_none=True)
+        raise
+    if grad_norm is not None:  # some row trained (stepped)
+        optimizer.step()
+        metrics["grad_norm"] = grad_norm
+    optimizer.zero_grad(set_to_none=True)
+    metrics["optimizer_stepped"] = float(stepped)
+    return metrics
+
+
+def accumulate_gradients(
+    model: torch.nn.Module,
+    rows: Sequence[TrainingRow],
+    advantages_N: Sequence[Any],
+    cfg: UpdateConfig,
+    pad_id: int,
+    logprob_fn: Callable[..., Any],
+    *,
+    ref_logprobs: TokenValues | None = None,
+    sampler_logprobs: TokenValues | None = None,
+    teacher: torch.nn.Module | None = None,
+    totals: tuple[float, float, float] | None = None,
+) -> dict[str, float]:
+    """The micro-batches of :func:`ppo_step` without its optimizer: ADDS −reduce(objective)
+    gradients to ``.grad`` of the model's parameters; no zeroing, clipping or step (a
+    data-parallel shard, the pre-step checks). Arguments, metrics and errors as
+    :func:`ppo_step` (no ``optimizer_stepped`` / ``grad_norm``; gradients are left as they
+    are on an error)."""
+    return ppo_step(
+        model,
+        None,
+        rows,
+        advantages_N,
+        cfg,
+        pad_id,
+        logprob_fn,
+        ref_logprobs=ref_logprobs,
+        sampler_logprobs=sampler_logprobs,
+        teacher=teacher,
+        totals=totals,
+    )
+
+
+def _checked_inputs(rows, advantages_N, cfg: UpdateConfig, ref_logprobs, sampler_logprobs, teacher) -> list[Any]:
+    """Refuse a step that cannot run; each row's checked advantage."""
     _check_needs(cfg, ref_logprobs, sampler_logprobs)
     if cfg.distill_loss != "none" and teacher is None:
         raise ValueError(f"distill_loss {cfg.distill_loss!r} needs the frozen teacher (teacher=...)")
-    adv_all = _check_advantages(rows, advantages_N)
-    total_tokens, total_seqs, norm_const = _step_totals(rows, cfg) if totals is None else totals
+    return _check_advantages(rows, advantages_N)
+
+
+def _micro_batches(model, rows, live: list[int], adv_all, cfg: UpdateConfig, pad_id, ref_logprobs, sampler_logprobs):
+    """``(idx, padded batch on the model's device)`` per micro-batch of the ``live`` rows,
+    sorted by length; a micro-batch without a target is not yielded (it adds nothing)."""
     device = next(model.parameters()).device
-    live = [i for i in range(len(rows)) if not _contributes_nothing(adv_all[i], cfg)]
     order = sorted(live, key=lambda i: len(rows[i].input_ids))
-    met = _Metrics()
-    loss_sum = 0.0
     for start in range(0, len(order), cfg.micro_batch_size):
         idx = order[start : start + cfg.micro_batch_size]
         mb_rows = [rows[i] for i in idx]
         if not any(any(r.loss_mask[1:]) for r in mb_rows):
-            continue  # no targets: adds nothing to the loss, the gradient or the totals
+            continue
         batch = pad_rows(mb_rows, pad_id)
         S = batch["input_ids"].shape[1]
         batch["advantages"] = _micro_advantages(adv_all, idx, S)
@@ -331,25 +446,7 @@ def accumulate_gradients(
             batch["ref_logprobs"] = _pad_values(ref_logprobs, idx, S)
         if sampler_logprobs is not None:
             batch["sampler_logprobs"] = _pad_values(sampler_logprobs, idx, S)
-        batch = {k: v.to(device) for k, v in batch.items()}
-        loss = _micro_batch_loss(
-            model, batch, cfg, logprob_fn, met, totals=(total_tokens, total_seqs, norm_const), idx=idx, teacher=teacher
-        )
-        if not torch.isfinite(loss):
-            raise NonFiniteError("loss", idx, f"micro-batch loss {loss.item()}")
-        loss.backward()
-        _check_grads(model, idx)  # per micro-batch, so the rows that made a NaN are known
-        loss_sum += float(loss.item())
-        met.n_rows_run += len(idx)
-    return {
-        "loss": loss_sum,
-        **met.means(),
-        "offpolicy_masked_rows": float(met.n_rows_masked),
-        "rows_skipped_zero_advantage": float(len(rows) - len(live)),
-        "n_tokens": float(met.n_tok),
-        "n_rows": float(len(rows)),
-        "n_rows_trained": float(met.n_rows_run),
-    }
+        yield idx, {k: v.to(device) for k, v in batch.items()}
 
 
 def _contributes_nothing(adv: Any, cfg: UpdateConfig) -> bool:
@@ -362,6 +459,21 @@ def _contributes_nothing(adv: Any, cfg: UpdateConfig) -> bool:
     return all(a == 0.0 for a in adv) if isinstance(adv, list) else adv == 0.0
 
 
+def _check_finite(values: Tensor, tmask: Tensor, idx: Sequence[int], tensor: str, detail: str) -> None:
+    """Raise NonFiniteError naming the rows with a NaN / ±inf of ``values`` on a target."""
+    if bad := _bad_rows(values, tmask, idx):
+        raise NonFiniteError(tensor, bad, detail)
+
+
+def _backward(loss: Tensor, model: torch.nn.Module, idx: Sequence[int]) -> None:
+    """``loss.backward()``, checking the loss and then the accumulated gradients per
+    micro-batch, so the rows that made a NaN are known."""
+    if not torch.isfinite(loss):
+        raise NonFiniteError("loss", idx, f"micro-batch loss {loss.item()}")
+    loss.backward()
+    _check_grads(model, idx)
+
+
 def _check_grads(model: torch.nn.Module, idx: Sequence[int]) -> None:
     """Raise NonFiniteError naming parameters whose accumulated gradient is NaN or ±inf."""
     grads = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
@@ -371,46 +483,29 @@ def _check_grads(model: torch.nn.Module, idx: Sequence[int]) -> None:
     raise NonFiniteError("gradient", idx, "parameter(s) " + ", ".join(bad[:5]))
 
 
-def _micro_batch_loss(
-    model,
-    batch: dict[str, Tensor],
-    cfg: UpdateConfig,
-    logprob_fn,
-    met: _Metrics,
-    totals: tuple[float, float, float],
-    idx: Sequence[int],
-    teacher: torch.nn.Module | None = None,
-) -> Tensor:
-    """−reduce(objective) of one micro-batch with the step's totals; updates ``met``.
-
-    ``idx`` are the step's row indices of the micro-batch's rows (for error messages).
-    """
+def _policy_forward(model, mb: dict[str, Tensor], cfg: UpdateConfig, logprob_fn, teacher, idx: Sequence[int]):
+    """``(log-probs [n, S-1], entropy [n, S-1] or None, divergence to the teacher [n, S-1]
+    or None)`` of one micro-batch; the log-probs checked finite on the targets."""
     div = None
     if cfg.distill_loss != "none":
-        lp, ent, div = _distill_forward(model, teacher, batch, cfg)
+        lp, ent, div = _distill_forward(model, teacher, mb, cfg)
     else:
-        lp, ent = _call_logprob_fn(logprob_fn, model, batch, cfg.temperature)
-    mask = batch["loss_mask"][:, 1:]
-    old = batch["old_logprobs"][:, 1:]
+        lp, ent = _call_logprob_fn(logprob_fn, model, mb, cfg.temperature)
+    mask = mb["loss_mask"][:, 1:]
     if lp.shape != mask.shape:
         raise ValueError(f"logprob_fn returned {tuple(lp.shape)}, expected {tuple(mask.shape)}")
+    _check_finite(lp, mask > 0, idx, "logprobs", "policy log-probs of target tokens")
+    return lp, ent, div
+
+
+def _regularized(obj, lp, ent, div, mb: dict[str, Tensor], cfg: UpdateConfig, met: _Metrics, idx: Sequence[int]):
+    """The surrogate's per-token objective with the TIS weight, the off-policy sequence
+    mask, the KL to the reference, the entropy bonus, the task weight ``pg_coef`` and the
+    divergence to the teacher, as configured (docs/design.md §5); returns ``(objective
+    [n, S-1], loss mask [n, S-1])`` and records their metrics in ``met``."""
+    mask, old, adv = mb["loss_mask"][:, 1:], mb["old_logprobs"][:, 1:], mb["advantages"]
     tmask = mask > 0
-    if bad := _bad_rows(lp, tmask, idx):
-        raise NonFiniteError("logprobs", bad, "policy log-probs of target tokens")
-    adv = batch["advantages"]
-    obj, ratio, is_clipped = surrogate_objective(
-        cfg.surrogate,
-        lp,
-        old,
-        adv,
-        mask,
-        eps_low=cfg.clip_eps_low,
-        eps_high=cfg.clip_eps_high,
-        dual_clip_c=cfg.dual_clip_c,
-    )
-    if bad := _bad_rows(ratio, tmask, idx):  # e.g. an old log-prob of -inf: exp(lp - old) = inf
-        raise NonFiniteError("ratio", bad, "π/π_old of target tokens; check the rows' old_logprobs")
-    behaviour = batch["sampler_logprobs"][:, 1:] if "sampler_logprobs" in batch else old
+    behaviour = mb["sampler_logprobs"][:, 1:] if "sampler_logprobs" in mb else old
     if cfg.tis_cap:
         w = tis_weights(old, behaviour, cfg.tis_cap, mask=tmask)  # off target: min(1, C), never NaN
         obj = obj * w
@@ -419,10 +514,10 @@ def _micro_batch_loss(
         drop = offpolicy_sequence_mask(lp, behaviour, adv, mask, cfg.offpolicy_delta)
         met.n_rows_masked += int(drop.sum())
         mask = mask * (~drop).unsqueeze(-1).to(mask.dtype)
-    if "ref_logprobs" in batch:
-        kl = kl_estimate(lp, batch["ref_logprobs"][:, 1:], cfg.kl_estimator, mask=tmask)
-        if bad := _bad_rows(kl, tmask, idx):  # a -inf reference log-prob (outside its top-k/top-p)
-            raise NonFiniteError("kl_ref", bad, "KL estimate to the reference on target tokens")
+    if "ref_logprobs" in mb:
+        kl = kl_estimate(lp, mb["ref_logprobs"][:, 1:], cfg.kl_estimator, mask=tmask)
+        # a -inf reference log-prob (outside its top-k/top-p)
+        _check_finite(kl, tmask, idx, "kl_ref", "KL estimate to the reference on target tokens")
         met.add("kl_ref", kl.detach()[tmask])
         if cfg.kl_coef:
             obj = obj - cfg.kl_coef * kl
@@ -437,27 +532,10 @@ def _micro_batch_loss(
         obj = cfg.pg_coef * obj if cfg.pg_coef else torch.zeros_like(obj)  # 0 · ±inf would be nan
     if div is not None:
         div = torch.where(tmask, div, 0.0)
-        if bad := _bad_rows(div, tmask, idx):
-            raise NonFiniteError("distill_divergence", bad, "divergence to the teacher on target tokens")
+        _check_finite(div, tmask, idx, "distill_divergence", "divergence to the teacher on target tokens")
         obj = obj - div
         met.add("distill_divergence", div.detach()[tmask])
-    total_tokens, total_seqs, norm_const = totals
-    loss = -reduce_tokens(
-        obj, mask, cfg.reduction, total_tokens=total_tokens, total_seqs=total_seqs, norm_const=norm_const
-    )
-    with torch.no_grad():
-        r_t = ratio[tmask]
-        met.n_tok += int(r_t.numel())
-        met.add("ratio", r_t)
-        met.ratio_min = min(met.ratio_min, float(r_t.min()))
-        met.ratio_max = max(met.ratio_max, float(r_t.max()))
-        a_t = (adv.unsqueeze(-1).expand_as(ratio) if adv.dim() == 1 else adv)[tmask]
-        c_t = is_clipped[tmask]
-        met.add("clip_high", (c_t & (a_t > 0)).float())
-        met.add("clip_low", (c_t & (a_t < 0)).float())
-        if ent is not None:
-            met.add("entropy", ent.detach()[tmask])
-    return loss
+    return obj, mask
 
 
 def _distill_forward(
@@ -510,64 +588,6 @@ def _distill_forward(
         mask=batch["loss_mask"][:, 1:] > 0,
     )
     return lp, ent, div
-
-
-def ppo_step(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    rows: Sequence[TrainingRow],
-    advantages_N: Sequence[Any],
-    cfg: UpdateConfig,
-    pad_id: int,
-    logprob_fn: Callable[..., Any],
-    *,
-    ref_logprobs: TokenValues | None = None,
-    sampler_logprobs: TokenValues | None = None,
-    teacher: torch.nn.Module | None = None,
-) -> dict[str, float]:
-    """One optimizer step: zero grads, :func:`accumulate_gradients`, check that every
-    gradient is finite, clip the global grad norm to ``cfg.max_grad_norm``,
-    ``optimizer.step()``, ``optimizer.zero_grad()``.
-
-    The objective and shapes are those of :func:`accumulate_gradients` (docs/design.md §5).
-    When no row ran (every row's advantage 0 and no KL or entropy term) the policy
-    gradient is exactly 0 and the optimizer does not step.
-
-    Returns:
-        metrics of :func:`accumulate_gradients` plus ``optimizer_stepped`` (1.0 or 0.0)
-        and, when it stepped, ``grad_norm`` (before clipping).
-
-    Raises:
-        ValueError: see :func:`accumulate_gradients`.
-        NonFiniteError (a FloatingPointError): an advantage, log-prob, ratio, KL, loss or
-            gradient is NaN or ±inf; the message names the tensor, the rows and, for a
-            gradient, the parameters. The optimizer does not step and the gradients are
-            zeroed.
-    """
-    optimizer.zero_grad(set_to_none=True)
-    try:
-        metrics = accumulate_gradients(
-            model,
-            rows,
-            advantages_N,
-            cfg,
-            pad_id,
-            logprob_fn,
-            ref_logprobs=ref_logprobs,
-            sampler_logprobs=sampler_logprobs,
-            teacher=teacher,
-        )
-        stepped = metrics["n_rows_trained"] > 0
-        grad_norm = _clip_grad_norm(model, cfg.max_grad_norm, len(rows)) if stepped else None
-    except Exception:  # never leave half-accumulated gradients behind
-        optimizer.zero_grad(set_to_none=True)
-        raise
-    if grad_norm is not None:  # some row trained (stepped)
-        optimizer.step()
-        metrics["grad_norm"] = grad_norm
-    optimizer.zero_grad(set_to_none=True)
-    metrics["optimizer_stepped"] = float(stepped)
-    return metrics
 
 
 def _clip_grad_norm(model: torch.nn.Module, max_grad_norm: float, n_rows: int) -> float:

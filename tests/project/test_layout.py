@@ -249,3 +249,33 @@ def test_no_import_cycle_among_the_modules_counting_imports_inside_functions():
     checkpoint code moved into policy.checkpoint)."""
     cycles = _cycles(_import_graph(in_functions=True))
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def _names_used(module: str, function: str) -> set[str]:
+    """Every name (and attribute name) read inside ``function`` of ``consequence/<module>.py``."""
+    tree = _parsed(PKG / f"{module}.py")
+    fn = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == function)
+    return {n.id for n in ast.walk(fn) if isinstance(n, ast.Name)} | {
+        n.attr for n in ast.walk(fn) if isinstance(n, ast.Attribute)
+    }
+
+
+def test_the_algorithm_is_three_calls_from_the_loop():
+    """Issue 31: the GRPO advantage and the PPO surrogate are each reachable within 3 calls of
+    the loop (docs/design.md §1), so a reader follows the algorithm without the wiring."""
+    chains = {
+        "GRPO advantage": [
+            ("loop/train", "run_loop", "credit"),
+            ("loop/learner", "credit", "assign_credit"),
+            ("credit/batch", "assign_credit", "group_advantages"),
+        ],
+        "PPO surrogate": [
+            ("loop/train", "run_loop", "update"),
+            ("loop/learner", "update", "ppo_step"),
+            ("update/step", "ppo_step", "surrogate_objective"),
+        ],
+    }
+    for what, chain in chains.items():
+        for module, caller, callee in chain:
+            assert callee in _names_used(module, caller), f"{what}: {module}.{caller} no longer calls {callee}"
+    assert "surrogate_objective" not in _names_used("loop/learner", "update")  # the negative control
