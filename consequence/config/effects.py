@@ -46,11 +46,20 @@ def _flag(name: str) -> str:
 def _divergence_alone(c: Any) -> bool:
     """--distill-loss with --task-reward-weight 0: the update multiplies its policy-gradient
     objective (surrogate, TIS weight, KL and entropy terms) by the weight, 0
-    (``update.step._regularized``, ``pg_coef``), so only the divergence trains."""
-    return c.distill_loss != "none" and c.task_reward_weight == 0
+    (``update.step._regularized``, ``pg_coef``), so only the divergence trains. At
+    --distill-lambda 0 every batch is fixed data, which the update trains with weight 0
+    whatever the setting (``loop.learner.update``, ``divergence_only``)."""
+    return c.distill_loss != "none" and (c.task_reward_weight == 0 or c.distill_lambda == 0)
 
 
 def _alone(c: Any) -> str:
+    if c.distill_lambda == 0:
+        return (
+            f"--distill-loss {c.distill_loss} and --distill-lambda 0: every batch is drawn from --distill-data, "
+            "which the student did not sample, so the divergence alone trains on it (the policy-gradient "
+            "objective, its KL and entropy terms included, is weighted 0; --distill-lambda λ > 0 adds "
+            "batches of the student's own samples)"
+        )
     return (
         f"--distill-loss {c.distill_loss} and --task-reward-weight 0: the policy-gradient objective, "
         "its KL and entropy terms included, is weighted 0, so the divergence alone trains "
@@ -72,7 +81,17 @@ def _reward_unused(c: Any) -> str | None:
 READS: tuple[Reads, ...] = (
     # First, so that a setting the divergence alone ignores is refused for that reason.
     Reads(
-        ("surrogate", "clip_eps", "clip_eps_high", "dual_clip_c", "tis_cap", "kl_coef", "entropy_coef", "grpo_std"),
+        (
+            "surrogate",
+            "clip_eps",
+            "clip_eps_high",
+            "dual_clip_c",
+            "tis_cap",
+            "kl_coef",
+            "entropy_coef",
+            "grpo_std",
+            "task_reward_weight",
+        ),
         lambda c: not _divergence_alone(c),
         _alone,
     ),
@@ -163,6 +182,14 @@ READS: tuple[Reads, ...] = (
         ("offpolicy_delta", "dual_clip_c"),
         lambda c: c.advantage != "rejection",
         lambda c: "--advantage rejection: every kept row's advantage is 1, and it acts only on negative advantages",
+    ),
+    Reads(  # the dual clip's bound c·A applies only where A < 0 (update.surrogates)
+        ("surrogate",),
+        lambda c: not (c.advantage == "rejection" and c.surrogate == "dual_clip"),
+        lambda c: (
+            "--advantage rejection: --surrogate dual_clip differs from ppo_clip only on negative advantages, "
+            "and every kept row's advantage is 1, so it trains as --surrogate ppo_clip (give that, or pg)"
+        ),
     ),
     Reads(  # for A > 0 only ε_high bounds ρ (update.surrogates._clip); CISPO clamps both ways
         ("clip_eps",),

@@ -14,6 +14,7 @@ from consequence.config.effects import READS, unread_settings
 ALONE = {"distill_loss": "jsd", "teacher": "/models/t"}
 KD_RL = {**ALONE, "task_reward_weight": 0.5}
 OPD = {"advantage": "reverse_kl", "teacher": "/models/t"}  # on-policy distillation (recipe on_policy_distill)
+FIXED_ONLY = {**ALONE, "distill_lambda": 0.0, "distill_data": "/data/teacher.parquet"}  # no rollout at all
 
 # (setting, a value ≠ its default, settings where nothing reads it, settings where it is read)
 CASES = [
@@ -55,6 +56,10 @@ CASES = [
     ("offpolicy_delta", 0.5, {"advantage": "rejection"}, {"advantage": "grpo"}),
     ("overlong_filter", True, {"advantage": "rejection"}, {"advantage": "grpo"}),
     ("dual_clip_c", 2.0, {"advantage": "rejection", "surrogate": "dual_clip"}, {"surrogate": "dual_clip"}),
+    ("surrogate", "dual_clip", {"advantage": "rejection"}, {"advantage": "grpo"}),  # at the default c
+    # --distill-lambda 0: every batch is fixed data, trained on the divergence alone
+    ("task_reward_weight", 0.5, FIXED_ONLY, {**FIXED_ONLY, "distill_lambda": 0.5}),
+    ("kl_coef", 0.04, FIXED_ONLY, {**FIXED_ONLY, "distill_lambda": 0.5, "task_reward_weight": 0.5}),
     ("kl_coef", 0.04, {"advantage": "rejection", "kl_mode": "reward"}, {"advantage": "rejection"}),
     ("clip_eps", 0.3, {"advantage": "rejection", "clip_eps_high": 0.28}, {"advantage": "rejection"}),
     ("clip_eps", 0.3, {"advantage": "rejection", "clip_eps_high": 0.28}, {"advantage": "grpo", "clip_eps_high": 0.28}),

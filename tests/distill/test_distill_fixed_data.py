@@ -123,8 +123,7 @@ def test_lambda_zero_trains_the_divergence_on_the_data_only(tmp_path, teacher_di
         iterations=2,
         distill_loss="reverse",
         teacher=str(teacher_dir),
-        task_reward_weight=1.0,
-        distill_lambda=0.0,
+        distill_lambda=0.0,  # a --task-reward-weight here is refused: nothing reads it (config.effects)
         distill_data=str(data_file),
         **BASE,
     )
