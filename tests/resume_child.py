@@ -2,11 +2,15 @@
 
     python tests/resume_child.py [PAUSE] -- ARGS...   (ARGS go to `consequence train`)
 
-Rewards are replaced by a fixed signal (odd sample ids win, as in test_train_e2e.py) so
-that every update moves the weights. PAUSE, when given, is ``NAME:N:MARKER``: on the
-N-th call of NAME (``update`` = the update box, ``state`` = writing a resume state, after
-the optimizer file and before the rename) the process creates the file MARKER and
-sleeps, so that the test can SIGKILL it at that exact point.
+The callers give a fixed reward signal as the environment (``--env
+reward_signal:OddSamplesWin``: odd sample ids win, as in test_train_e2e.py) so that every
+update moves the weights; tests/ is ``sys.path[0]`` for this script, so that environment
+imports here, and again in a ``--resume`` from the run's config.yaml.
+
+PAUSE, when given, is ``NAME:N:MARKER``: on the N-th call of NAME (``update`` = the
+update box, ``state`` = writing a resume state, after the optimizer file and before the
+rename) the process creates the file MARKER and sleeps, so that the test can SIGKILL it
+at that exact point.
 """
 
 from __future__ import annotations
@@ -14,13 +18,6 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-
-
-def _signal_rewards() -> None:
-    import consequence.rollout.collect as collect_module
-    from reward_signal import odd_samples_win  # tests/ is sys.path[0] for this script
-
-    collect_module.score_trajectories = odd_samples_win(collect_module.score_trajectories)
 
 
 def _pause_at(name: str, n: int, marker: str) -> None:
@@ -57,7 +54,6 @@ def main(argv: list[str]) -> None:
     if argv[:split]:
         name, n, marker = argv[0].split(":", 2)
         _pause_at(name, int(n), marker)
-    _signal_rewards()
     from consequence.cli import app
 
     app(["train", *argv[split + 1 :]], standalone_mode=True)

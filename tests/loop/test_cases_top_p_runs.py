@@ -15,12 +15,13 @@ import math
 import pytest
 from typer.testing import CliRunner
 
-import consequence.rollout.collect as collect_module
 from consequence.cli import app
 from consequence.distill.warmstart import BUNDLED
-from reward_signal import odd_samples_win
+from reward_signal import ODD_SAMPLES_WIN
 
 SMALL = [
+    "--env",
+    ODD_SAMPLES_WIN,  # mixed groups in every iteration, so that every step trains and the weights move
     "--iterations",
     "2",
     "--tasks-per-iteration",
@@ -45,15 +46,9 @@ CASES = {
 }
 
 
-@pytest.fixture
-def signal(monkeypatch):
-    """Mixed groups in every iteration, so that every step trains and the weights move."""
-    monkeypatch.setattr(collect_module, "score_trajectories", odd_samples_win(collect_module.score_trajectories))
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
-def test_case_14_top_p_run_finishes_with_ratio_one_on_the_first_step(case, signal, tmp_path):
+def test_case_14_top_p_run_finishes_with_ratio_one_on_the_first_step(case, tmp_path):
     run = tmp_path / "run"
     res = CliRunner().invoke(
         app, ["train", "--model", str(BUNDLED), "--run-dir", str(run), *SMALL, *CASES[case]], env={"COLUMNS": "250"}

@@ -15,7 +15,7 @@ from consequence.recipes import differences, load_recipe, recipe_names
 from consequence.records import ModelCall, Trajectory
 from consequence.report.explain import render_difference, render_recipe
 from consequence.rollout.collect import collect
-from reward_signal import odd_samples_win
+from reward_signal import ODD_SAMPLES_VERIFIED, ODD_SAMPLES_WIN
 
 ALL = [
     "cispo",
@@ -154,40 +154,17 @@ def test_dynamic_sampling_reads_accuracy_not_the_shaped_total(monkeypatch):
     assert stats["groups_kept"] == 1 and stats["groups_dropped"] == 2
 
 
-@pytest.fixture(scope="module")
-def signal():
-    """The warm start rarely succeeds in 8 tiny rollouts; odd sample ids win instead."""
-    mp = pytest.MonkeyPatch()
-    mp.setattr(collect_module, "score_trajectories", odd_samples_win(collect_module.score_trajectories))
-    yield
-    mp.undo()
-
-
-def _verified_as_rewarded(score):
-    """The stand-in reward also decides verification: rejection sampling keeps verified episodes."""
-
-    def wrapped(trajs, *args):
-        score(trajs, *args)
-        for t in trajs:
-            if t.reward is not None:
-                t.outcome, t.verifier_score = "finished", t.reward
-
-    return wrapped
-
-
 @pytest.mark.parametrize("name", ALL)
 @pytest.mark.slow
-def test_every_recipe_trains_one_iteration(name, signal, teacher_dir, tmp_path, monkeypatch):
+def test_every_recipe_trains_one_iteration(name, teacher_dir, tmp_path):
     from consequence.loop.train import train
-
-    if name == "rejection_sft":
-        monkeypatch.setattr(
-            collect_module, "score_trajectories", _verified_as_rewarded(collect_module.score_trajectories)
-        )
 
     cfg = load_recipe(name).train_config(
         run_dir=str(tmp_path),
         model=str(BUNDLED),
+        # The warm start rarely succeeds in 8 tiny rollouts; odd sample ids win instead. For rejection
+        # sampling the stand-in reward also decides verification: it keeps verified episodes.
+        env=ODD_SAMPLES_VERIFIED if name == "rejection_sft" else ODD_SAMPLES_WIN,
         iterations=1,
         tasks_per_iteration=2,
         group_size=4,

@@ -28,11 +28,14 @@ from consequence.config import TrainConfig
 from consequence.distill.warmstart import BUNDLED
 from consequence.loop.resume import capture_rng, latest_state, restore_rng, save_state
 from consequence.records import read_trajectories
+from reward_signal import ODD_SAMPLES_WIN
 
 CHILD = Path(__file__).parents[1] / "resume_child.py"
 ROOT = Path(__file__).resolve().parents[2]
 TIMINGS = {"rollout_s", "update_s", "rollout_tokens_per_s", "iteration_s"}  # wall-clock: differ between any two runs
 TINY = [
+    "--env",
+    ODD_SAMPLES_WIN,  # every update moves the weights; --resume re-creates it from config.yaml
     "--model",
     str(BUNDLED),
     "--iterations",
@@ -345,15 +348,11 @@ def test_fresh_run_in_an_old_folder_drops_the_old_states(tmp_path):
 def test_resume_restores_critic_and_reference(tmp_path, monkeypatch):
     """PPO (value head + its optimizer) with a KL term (reference reloaded from the starting
     model): a crash after the first state, then resume, gives the uninterrupted metrics."""
-    import consequence.rollout.collect as collect_module
     from consequence.loop.sources import Rollouts
     from consequence.loop.train import train
-    from reward_signal import odd_samples_win
 
     # odd samples win, so that iteration 0 moves the policy off the reference
-    monkeypatch.setattr(collect_module, "score_trajectories", odd_samples_win(collect_module.score_trajectories))
-
-    kw = dict(advantage="gae", kl_coef=0.05, learning_rate=1e-3)
+    kw = dict(env=ODD_SAMPLES_WIN, advantage="gae", kl_coef=0.05, learning_rate=1e-3)
     train(_tiny_cfg(tmp_path / "a", **kw), Console(quiet=True))
     real = Rollouts.next_batch
 

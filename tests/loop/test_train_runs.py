@@ -214,9 +214,11 @@ def test_a_run_on_a_jsonl_task_file(tmp_path):
 # ---- 8. Ctrl-C --------------------------------------------------------------------------------------------
 def test_ctrl_c_says_where_the_run_stopped_and_how_to_resume(tmp_path):
     from consequence.loop.resume import resume_config
+    from reward_signal import ODD_SAMPLES_WIN
 
     run, marker = tmp_path / "run", tmp_path / "paused"
     args = [*TINY, "--iterations", "3", "--model", str(BUNDLED), "--run-dir", str(run), "--skip-checks"]
+    args += ["--env", ODD_SAMPLES_WIN]  # as the other runs of resume_child.py: every update moves the weights
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "COLUMNS": "400"}
     proc = subprocess.Popen(
         [sys.executable, str(ROOT / "tests" / "resume_child.py"), f"update:2:{marker}", "--", *args],
@@ -243,18 +245,20 @@ def test_ctrl_c_says_where_the_run_stopped_and_how_to_resume(tmp_path):
 def test_reproduce_from_another_folder_shortened_without_warning_against_itself(tmp_path, monkeypatch):
     import shutil
 
-    import consequence.rollout.collect as collect_module
     from consequence.evaluate.splits import read_ledger, reuse_warning
-    from reward_signal import odd_samples_win
+    from reward_signal import ODD_SAMPLES_WIN
 
-    # odd samples win, so every update moves the weights: the shortened reproduction is another policy
-    monkeypatch.setattr(collect_module, "score_trajectories", odd_samples_win(collect_module.score_trajectories))
     start, other = tmp_path / "start", tmp_path / "other"
     start.mkdir(), other.mkdir()
     shutil.copytree(BUNDLED, start / "model")
     monkeypatch.chdir(start)
     eval_opts = ["--final-eval-episodes", "2", "--final-eval-decoding", "greedy"]
-    res = _train(*TINY, "--iterations", "2", *eval_opts, "--model", "model", "--run-dir", "run", "--skip-checks")
+    # odd samples win, so every update moves the weights: the shortened reproduction is another policy
+    # (reproduce re-creates the environment from the original's config.yaml: tests/ is on sys.path)
+    signal = ["--env", ODD_SAMPLES_WIN]
+    res = _train(
+        *TINY, *signal, "--iterations", "2", *eval_opts, "--model", "model", "--run-dir", "run", "--skip-checks"
+    )
     assert res.exit_code == 0, res.output
     original = start / "run"
     manifest = json.loads((original / "manifest.json").read_text())

@@ -24,6 +24,7 @@ from consequence.policy.lora import DEFAULT_TARGETS, apply_lora, effective_weigh
 from consequence.policy.sampler import SamplingParams, generate
 from consequence.policy.tiny import BUNDLED, load_policy
 from consequence.records import read_trajectories
+from reward_signal import ODD_SAMPLES_WIN
 
 
 def _lora_tiny(rank=4, alpha=8.0, perturb=0.0, seed=0):
@@ -88,6 +89,7 @@ def _cfg(run: Path, **kw) -> TrainConfig:
     return TrainConfig(
         run_dir=str(run),
         model=str(BUNDLED),
+        env=ODD_SAMPLES_WIN,  # odd samples win, so that the adapter moves
         iterations=2,
         tasks_per_iteration=2,
         group_size=4,
@@ -107,23 +109,18 @@ def _metrics(run: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def lora_run(tmp_path_factory, request):
+def lora_run(tmp_path_factory):
     """Two LoRA iterations (odd samples win, so the adapter moves), pre-step checks on."""
-    import consequence.rollout.collect as collect_module
     from consequence.loop.train import train
-    from reward_signal import odd_samples_win
 
-    mp = pytest.MonkeyPatch()
-    mp.setattr(collect_module, "score_trajectories", odd_samples_win(collect_module.score_trajectories))
-    request.addfinalizer(mp.undo)
     run = tmp_path_factory.mktemp("lora") / "run"
     train(_cfg(run), Console(quiet=True))
-    return run, mp
+    return run
 
 
 @pytest.mark.slow
 def test_two_lora_iterations_keep_the_ratio_at_one_while_the_policy_moves(lora_run):
-    run, _ = lora_run
+    run = lora_run
     m = _metrics(run)
     assert [x["iteration"] for x in m] == [0, 1]
     for x in m:  # behaviour (sampler) vs trainer log-probs of the same tokens before each step
@@ -157,7 +154,7 @@ def test_resume_of_a_lora_run_matches_the_uninterrupted_one(lora_run, tmp_path):
     from consequence.loop.sources import Rollouts
     from consequence.loop.train import train
 
-    run, mp = lora_run
+    run = lora_run
     real = Rollouts.next_batch
 
     def crash_in_second(self, it, *args, **kwargs):
@@ -183,7 +180,7 @@ def test_resume_of_a_lora_run_matches_the_uninterrupted_one(lora_run, tmp_path):
 def test_merge_gives_a_plain_model_with_the_adapter_logits(lora_run, tmp_path):
     from consequence.cli import app
 
-    run, _ = lora_run
+    run = lora_run
     final = run / "checkpoints" / "final"
     out = tmp_path / "merged"
     res = CliRunner().invoke(app, ["merge", str(final), "--out", str(out)])
@@ -210,7 +207,7 @@ def test_merge_gives_a_plain_model_with_the_adapter_logits(lora_run, tmp_path):
 def test_bad_lora_settings_are_refused_before_anything_is_written(lora_run, tmp_path):
     from consequence.loop.train import train
 
-    run, _ = lora_run
+    run = lora_run
     with pytest.raises(ValueError, match="--lora-targets nope: no linear layer"):
         train(_cfg(tmp_path / "t", lora_targets="q_proj,nope"), Console(quiet=True))
     assert not (tmp_path / "t").exists()
@@ -232,7 +229,7 @@ def test_merge_refuses_every_out_that_would_destroy_something(lora_run, tmp_path
     a file, or a folder of other files. Nothing is written or deleted on a refusal."""
     from consequence.cli import app
 
-    run, _ = lora_run
+    run = lora_run
     final = run / "checkpoints" / "final"
     notes = tmp_path / "notes"
     notes.mkdir()
@@ -266,7 +263,7 @@ def test_evaluation_and_the_viewer_find_an_adapter_checkpoint(lora_run):
     from consequence.evaluate.run import resolve_model
     from consequence.report.viewer import checkpoint_after
 
-    run, _ = lora_run
+    run = lora_run
     final = run / "checkpoints" / "final"
     assert resolve_model(str(run)) == final and resolve_model(str(final)) == final
     assert checkpoint_after(run, 1) == final

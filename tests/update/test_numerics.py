@@ -11,13 +11,12 @@ import torch
 from rich.console import Console
 
 import consequence.loop.learner as learner_module
-import consequence.rollout.collect as collect_module
 from consequence.config import TrainConfig
 from consequence.loop.learner import Batch, make_learner, update
 from consequence.policy.logprobs import token_logprobs
 from consequence.records import TrainingRow, Trajectory
 from consequence.update.step import NonFiniteError
-from reward_signal import odd_samples_win
+from reward_signal import ODD_SAMPLES_WIN
 
 MARK = 7  # first token of the row that the injected faults hit
 
@@ -105,12 +104,11 @@ def test_nan_in_a_run_stops_it_and_keeps_the_last_state(tmp_path, monkeypatch):
 
     monkeypatch.setattr(Rollouts, "next_batch", tracking)
     monkeypatch.setattr(learner_module, "logprob_fn", lambda cfg: fn)
-    # every group mixed, so no row is skipped for a zero advantage
-    monkeypatch.setattr(collect_module, "score_trajectories", odd_samples_win(collect_module.score_trajectories))
     run = tmp_path / "run"
     cfg = TrainConfig(
         run_dir=str(run),
         model=str(BUNDLED),
+        env=ODD_SAMPLES_WIN,  # every group mixed, so no row is skipped for a zero advantage
         iterations=3,
         tasks_per_iteration=2,
         group_size=2,
