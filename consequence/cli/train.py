@@ -86,9 +86,10 @@ def _run_train(cfg: TrainConfig, resume: bool, reproduces: Path | None = None) -
         _refuse(e)
 
 
-def _train_signature() -> inspect.Signature:
+def train_parameters() -> list[inspect.Parameter]:
     """One CLI option per TrainConfig field, with the field's description as help text;
-    a boolean has ``--name/--no-name``, and every option left out is None (not given)."""
+    a boolean has ``--name/--no-name``, and every option left out is None (not given); and
+    ``--config``, ``--resume``, ``--print-config``. Shared with ``consequence plan``."""
     params = [
         inspect.Parameter(
             "config",
@@ -177,7 +178,7 @@ def _train_signature() -> inspect.Signature:
                 ),
             )
         )
-    return inspect.Signature(params)
+    return params
 
 
 def _option_type(annotation) -> tuple[type, list[str]]:
@@ -192,7 +193,7 @@ def _option_type(annotation) -> tuple[type, list[str]]:
     return str, []
 
 
-_train.__signature__ = _train_signature()  # type: ignore[attr-defined]  # Typer reads the options from it
+_train.__signature__ = inspect.Signature(train_parameters())  # type: ignore[attr-defined]  # Typer reads the options from it
 
 
 app.command(

@@ -22,6 +22,7 @@ LAYERS = [
     {"recipes"},
     {"report", "labs"},
     {"loop", "reproduce"},
+    {"experiment"},
     {"cli", "api", "__init__", "assets"},
 ]
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
