@@ -27,7 +27,7 @@ from typing import Any
 
 import yaml
 
-from consequence.config import TrainConfig, flat_settings
+from consequence.config import TrainConfig, saved_settings
 from consequence.envs.api import Environment, SingleTurnEnvironment, callable_name
 from consequence.envs.registry import IN_PROCESS_PREFIX, _register_in_process, is_in_process, load_environment
 
@@ -79,7 +79,7 @@ class Run:
             if not (d / name).is_file():
                 raise ValueError(f"{d}: no {name}; give the folder of a `consequence train` run")
         config = TrainConfig.checked(
-            **flat_settings(yaml.safe_load((d / "config.yaml").read_text(encoding="utf-8")) or {})
+            **saved_settings(yaml.safe_load((d / "config.yaml").read_text(encoding="utf-8")) or {})
         )
         metrics_file = d / "metrics.jsonl"
         metrics = (

@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from consequence.config import MODEL_NAMES, TrainConfig, is_hub_id
+from consequence.config import MODEL_NAMES, TrainConfig, is_hub_id, saved_settings
 from consequence.report.manifest import git_commit, library_versions, read_manifest, sha256_of
 
 COMPARED = ("reward_mean", "success", "loss", "grad_norm", "entropy", "gen_tokens_mean")
@@ -88,7 +88,7 @@ def reproduce_config(
     new = Path(new_dir) if new_dir else Path(f"{str(run_dir).rstrip('/')}-reproduce")
     if new.resolve() == Path(run_dir).resolve():
         raise ValueError("the reproduction needs its own folder; pass --run-dir with a new path")
-    config = dict(manifest["config"])
+    config = saved_settings(dict(manifest["config"]))
     cwd = manifest.get("cwd")
     for key, what in (("model", "model folder"), ("tasks", "task file")):
         value = config.get(key)

@@ -21,6 +21,7 @@ from consequence.config.settings import (
     generation_budget,
     is_hub_id,
     ray_host_port,
+    saved_settings,
     yaml_problem,
 )
 
@@ -39,5 +40,6 @@ __all__ = [
     "generation_budget",
     "is_hub_id",
     "ray_host_port",
+    "saved_settings",
     "yaml_problem",
 ]

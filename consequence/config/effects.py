@@ -149,6 +149,11 @@ READS: tuple[Reads, ...] = (
         lambda c: "--eval-every 0: there is no periodic validation (--eval-every K adds one)",
     ),
     Reads(
+        ("eval_seed",),
+        lambda c: c.final_eval_episodes > 0 or (c.eval_every > 0 and c.val_episodes > 0),
+        lambda c: "--final-eval-episodes 0 and no periodic validation: no episode is evaluated",
+    ),
+    Reads(
         ("final_eval_splits", "final_eval_decoding"),
         lambda c: c.final_eval_episodes > 0,
         lambda c: "--final-eval-episodes 0: there is no final evaluation",

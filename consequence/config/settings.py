@@ -369,6 +369,12 @@ class TrainConfig(BaseModel):
     eval_every: int = _f(6, "evaluate", "Validate every this many iterations (0 = never).", ge=0)
     val_episodes: int = _f(128, "evaluate", "Episodes (greedy) of each periodic validation.", ge=0)
     final_eval_episodes: int = _f(400, "evaluate", "Episodes per split in the final warm-start vs RL comparison.", ge=0)
+    eval_seed: int = _f(
+        0,
+        "evaluate",
+        "Seed of the evaluation episodes (validation and final evaluation: task instances, one sampling stream per episode, the bootstrap of the paired CIs). Independent of --seed, so runs with different training seeds are evaluated on the same episodes (common random numbers).",
+        ge=0,
+    )
     final_eval_splits: list[Literal["test", "train"]] = _f(
         ["test", "train"],
         "evaluate",
@@ -836,6 +842,20 @@ def flat_settings(data: Any) -> Any:
     """
     if isinstance(data, dict) and any(k in ORDER and (k != "tasks" or isinstance(v, dict)) for k, v in data.items()):
         return flat(data, TrainConfig.model_fields, box_of)
+    return data
+
+
+def saved_settings(data: Any) -> Any:
+    """The flat settings of what a run saved (its config.yaml, its manifest's config), as the
+    run ran: a run saved before ``eval_seed`` existed evaluated with its training seed, so that
+    is its ``eval_seed`` (resume and reproduce then evaluate the same episodes).
+
+    Raises:
+        ValueError: as :func:`flat_settings`.
+    """
+    data = flat_settings(data)
+    if isinstance(data, dict) and "eval_seed" not in data and "seed" in data:
+        data = {**data, "eval_seed": data["seed"]}
     return data
 
 

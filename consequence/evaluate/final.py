@@ -28,8 +28,8 @@ def validate(model, renderer, split, budgets, cfg, progress: Tick | None = None)
 
     ``progress(n_done)`` is called with the episodes finished so far.
     """
-    tasks = split.sample("validation", cfg.val_episodes, seed=seed_of(cfg.seed, "val"))
-    return summarize(run_eval(model, renderer, split, tasks, budgets, cfg.seed, greedy=True, progress=progress))
+    tasks = split.sample("validation", cfg.val_episodes, seed=seed_of(cfg.eval_seed, "val"))
+    return summarize(run_eval(model, renderer, split, tasks, budgets, cfg.eval_seed, greedy=True, progress=progress))
 
 
 def final_report(cfg, reference, model, renderer, split, budgets, console, run: Path) -> dict[str, Any]:
@@ -42,8 +42,10 @@ def final_report(cfg, reference, model, renderer, split, budgets, console, run: 
     """
     n = cfg.final_eval_episodes
     sets = {
-        "test (unseen problems)": split.sample("test", n, seed=seed_of(cfg.seed, "test")),
-        "train problems, new instances (in-distribution)": split.sample("train", n, seed=seed_of(cfg.seed, "fresh")),
+        "test (unseen problems)": split.sample("test", n, seed=seed_of(cfg.eval_seed, "test")),
+        "train problems, new instances (in-distribution)": split.sample(
+            "train", n, seed=seed_of(cfg.eval_seed, "fresh")
+        ),
     }
     sets = {name: tasks for name, tasks in sets.items() if name.split(" ")[0] in cfg.final_eval_splits}
     out: dict[str, Any] = {
@@ -107,7 +109,7 @@ def _compare_arms(
                         env,
                         tasks,
                         budgets,
-                        cfg.seed,
+                        cfg.eval_seed,
                         greedy,
                         temperature=cfg.temperature,
                         progress=tick,
@@ -122,7 +124,7 @@ def _compare_arms(
     return {
         "split": name,
         "decoding": decoding,
-        "comparison": paired_comparison(a, b, seed=cfg.seed),
+        "comparison": paired_comparison(a, b, seed=cfg.eval_seed),
         "warm_start": summarize(a.trajectories),
         "rl": summarize(b.trajectories),
     }

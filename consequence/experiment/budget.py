@@ -285,7 +285,7 @@ def read_spent(run_dir: str | Path) -> tuple[Any, list[BudgetLine]]:
     import pyarrow.parquet as pq
     import yaml
 
-    from consequence.config import TrainConfig, flat_settings
+    from consequence.config import TrainConfig, saved_settings
 
     run = Path(run_dir)
     for name in ("config.yaml", "metrics.jsonl"):
@@ -293,7 +293,7 @@ def read_spent(run_dir: str | Path) -> tuple[Any, list[BudgetLine]]:
             raise ValueError(
                 f"{run}: no {name}; give the folder of a `consequence train` run with a finished iteration"
             )
-    cfg = TrainConfig.checked(**flat_settings(yaml.safe_load((run / "config.yaml").read_text(encoding="utf-8")) or {}))
+    cfg = TrainConfig.checked(**saved_settings(yaml.safe_load((run / "config.yaml").read_text(encoding="utf-8")) or {}))
     metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
     rows = [pq.read_metadata(run / "trajectories" / f"iter_{m['iteration']:04d}.parquet").num_rows for m in metrics]
     lines = spent_lines(cfg, metrics, rows)

@@ -397,7 +397,7 @@ def resume_config(run: Path, given: dict[str, Any], config_file: Path | None):
     """
     import yaml
 
-    from consequence.config import TrainConfig, flat_settings
+    from consequence.config import TrainConfig, saved_settings
 
     run = Path(run)
     saved_path = run / "config.yaml"
@@ -405,7 +405,7 @@ def resume_config(run: Path, given: dict[str, Any], config_file: Path | None):
         raise ValueError(f"--resume {run}: no config.yaml there (give the run folder of a `consequence train` run)")
     if config_file is not None:
         raise ValueError(f"--resume takes the config saved in {saved_path}; drop --config {config_file}")
-    saved = flat_settings(yaml.safe_load(saved_path.read_text(encoding="utf-8")))
+    saved = saved_settings(yaml.safe_load(saved_path.read_text(encoding="utf-8")))
     _check_not_finished(run)
     if "run_dir" in given and Path(given.pop("run_dir")).resolve() != run.resolve():
         raise ValueError(f"--run-dir conflicts with --resume {run}: a resumed run stays in its own folder")

@@ -33,6 +33,7 @@ CASES = [
     ("dynamic_sampling_max_rounds", 5, {}, {"dynamic_sampling": True}),
     ("val_episodes", 4, {"eval_every": 0}, {"eval_every": 2}),
     ("final_eval_splits", ["test"], {"final_eval_episodes": 0}, {"final_eval_episodes": 10}),
+    ("eval_seed", 3, {"final_eval_episodes": 0, "eval_every": 0}, {"final_eval_episodes": 0}),
     ("final_eval_decoding", ["greedy"], {"final_eval_episodes": 0}, {"final_eval_episodes": 10}),
     ("warmstart_demos", 100, {"model": "/models/m"}, {}),
     ("warmstart_epochs", 2.0, {"model": "/models/m"}, {}),
