@@ -187,7 +187,7 @@ def build_manifest(
             "max_grad_norm": 1.0,
             "reduction": cfg.reduction,
         },
-        "seeds": {"seed": cfg.seed, "split_seed": cfg.split_seed},
+        "seeds": {"seed": cfg.seed, "split_seed": cfg.split_seed, "eval_seed": cfg.eval_seed},
         "libraries": library_versions(),
         "git": git_commit(),
         "rules": RULES,
