@@ -67,7 +67,7 @@ def two_level_bootstrap(
     rows = _table(per_seed)
     if not 0 < confidence < 1:
         raise ValueError(f"confidence must be in (0, 1), got {confidence}")
-    stats = two_level_resamples(rows, n_boot, seed)
+    stats = two_level_resamples(per_seed, n_boot, seed)
     alpha = (1 - confidence) / 2
     low, high = np.quantile(stats, [alpha, 1 - alpha])
     return float(np.mean([r.mean() for r in rows])), float(low), float(high)
