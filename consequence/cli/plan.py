@@ -43,8 +43,14 @@ def _plan(
             given["env_options"] = parse_env_options(given["env_options"])
         spent = None
         if run is not None:
-            if given or config is not None:
-                raise ValueError("--run plans from that run's own settings: drop the training options")
+            mine = {"--mean-tokens": mean_tokens is not None, "--acceptance-rate": acceptance_rate != 1.0,
+                    "--demonstrations": demonstrations != 0, "--demo-acceptance-rate": demo_acceptance_rate != 1.0}  # fmt: skip
+            extra = [f"--{k.replace('_', '-')}" for k in given] + [k for k, on in mine.items() if on]
+            if extra or config is not None:
+                raise ValueError(
+                    f"--run plans from that run's own settings and measured L̄ and α: drop "
+                    f"{', '.join(extra or ['--config'])}"
+                )
             cfg, spent = read_spent(run)
             measured = {x.quantity: x.value for x in spent}
             mean_tokens = measured.get("L̄, measured", mean_tokens)
@@ -53,6 +59,7 @@ def _plan(
             from consequence.recipes import resolve_config
 
             cfg = resolve_config(config, given)
+            _check_assumptions(cfg, acceptance_rate, demonstrations, demo_acceptance_rate)
         assumed = "measured" if run is not None and mean_tokens is not None else "given"
         if mean_tokens is None:  # the most one episode can generate: an upper bound
             mean_tokens, assumed = (
@@ -62,14 +69,40 @@ def _plan(
         planned = plan_lines(cfg, mean_tokens, acceptance_rate, demonstrations, demo_acceptance_rate)
     except ValueError as e:
         _refuse(e)
+    l_max = generation_budget(cfg.max_turns, cfg.max_new_tokens, cfg.max_total_tokens)
+    warnings = []
+    if mean_tokens > l_max:
+        warnings.append(
+            f"L̄ = {mean_tokens:g} is above the episode's generation budget L_max = "
+            f"min(max_turns·max_new_tokens, max_total_tokens) = {l_max}, which no trajectory can exceed: "
+            "raise --max-new-tokens / --max-total-tokens or lower --mean-tokens"
+        )
     if as_json:
         out = {"mean_tokens": mean_tokens, "mean_tokens_from": assumed, "acceptance_rate": acceptance_rate}
+        out["warnings"] = warnings
         out["planned"] = [vars(x) for x in planned]
         if spent is not None:
             out["spent"] = [vars(x) for x in spent]
         console.print_json(json.dumps(out))
         return
+    for w in warnings:
+        console.print(f"[yellow]warning:[/] {escape(w)}")
     _print(planned, spent, mean_tokens, assumed, acceptance_rate)
+
+
+def _check_assumptions(cfg, acceptance_rate: float, demonstrations: int, demo_acceptance_rate: float) -> None:
+    """An assumption nothing in the plan reads is refused, as a training setting would be."""
+    if acceptance_rate != 1.0 and not (cfg.dynamic_sampling or cfg.advantage == "rejection"):
+        raise ValueError(
+            "--acceptance-rate has no effect without --dynamic-sampling or --advantage rejection "
+            "(what the run keeps of what it generates); drop --acceptance-rate"
+        )
+    if cfg.advantage == "rejection" and acceptance_rate == 0:
+        raise ValueError("--acceptance-rate 0 under --advantage rejection keeps nothing: give a rate in (0, 1]")
+    if demo_acceptance_rate != 1.0 and not demonstrations:
+        raise ValueError("--demo-acceptance-rate has no effect without --demonstrations N; drop it or give N")
+    if demonstrations and demo_acceptance_rate == 0:
+        raise ValueError("--demo-acceptance-rate 0 never yields a demonstration: give a rate in (0, 1]")
 
 
 def _print(planned, spent, mean_tokens: float, assumed: str, acceptance_rate: float) -> None:
@@ -86,16 +119,29 @@ def _print(planned, spent, mean_tokens: float, assumed: str, acceptance_rate: fl
         table.add_column("spent: from", justify="left")
         table.add_column("spent", justify="right")
     for x in planned:
-        row = [x.quantity, escape(x.formula), f"{x.value:,.0f}", x.unit]
+        row = [x.quantity, escape(x.formula), _number(x.value), x.unit]
         if spent is not None:
             s = done.pop(x.quantity, None)
-            row += [escape(s.formula), f"{s.value:,.0f}"] if s else ["", ""]
+            row += [escape(s.formula), _number(s.value)] if s else ["", ""]
         table.add_row(*row)
     for s in done.values():  # spent only (wall time, the measured L̄ and α)
         table.add_row(
             s.quantity, "", "", s.unit, escape(s.formula), f"{s.value:,.3g}" if s.value < 10 else f"{s.value:,.0f}"
         )
     console.print(table)
+
+
+def _number(x: float) -> str:
+    """A count as a whole number, anything else with the digits that matter (``--json`` has all)."""
+    return (
+        f"{x:,.0f}"
+        if float(x).is_integer() and abs(x) < 1e15
+        else f"{x:,.4g}"
+        if abs(x) < 10
+        else f"{x:,.1f}"
+        if abs(x) < 1e15
+        else f"{x:.3e}"
+    )
 
 
 def _signature() -> inspect.Signature:

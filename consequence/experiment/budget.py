@@ -101,12 +101,22 @@ def plan_lines(
             )
         )
     if cfg.dynamic_sampling:  # groups are regenerated until B mixed ones are kept, at most max_rounds rounds
-        kept = rollouts
-        rollouts = min(attempts_for(kept, acceptance_rate), kept * cfg.dynamic_sampling_max_rounds)
+        R, a = cfg.dynamic_sampling_max_rounds, acceptance_rate
+        if not 0 <= a <= 1:
+            raise ValueError(f"--acceptance-rate must be in [0, 1] under dynamic sampling, got {a}")
+        asked = rollouts
+        rollouts = asked * R if a == 0 else min(asked / a, asked * R)
+        trained = min(asked, asked * R * a)  # an iteration keeps at most B groups, and what R rounds find
+        lines[0] = BudgetLine(
+            "trajectories trained on",
+            f"min(K·B·G, K·B·G·rounds·α) = min({_count(asked)}, {_count(asked)}·{R}·{a:g})",
+            trained,
+            "trajectories",
+        )
         lines.append(
             BudgetLine(
                 "rollouts generated",
-                f"min(K·B·G/α, K·B·G·rounds) = min({_count(kept)}/{acceptance_rate:g}, {_count(kept)}·{cfg.dynamic_sampling_max_rounds})",
+                f"min(K·B·G/α, K·B·G·rounds) = min({_count(asked)}/{a:g}, {_count(asked)}·{R})",
                 rollouts,
                 "trajectories",
             )
@@ -280,28 +290,70 @@ def read_spent(run_dir: str | Path) -> tuple[Any, list[BudgetLine]]:
     """``(config, spent_lines)`` of the run folder ``run_dir``.
 
     Raises:
-        ValueError: not a run folder (no config.yaml or metrics.jsonl), or its files disagree.
+        ValueError: not a run folder (missing, a file, no config.yaml, no finished iteration),
+            or one of its files is unreadable, cut short or disagrees with the others (the
+            file is named).
     """
-    import pyarrow.parquet as pq
     import yaml
 
     from consequence.config import TrainConfig, saved_settings
 
     run = Path(run_dir)
+    if not run.is_dir():
+        raise ValueError(f"--run {run}: " + ("is a file, not a run folder" if run.exists() else "no such folder"))
     for name in ("config.yaml", "metrics.jsonl"):
         if not (run / name).is_file():
             raise ValueError(
-                f"{run}: no {name}; give the folder of a `consequence train` run with a finished iteration"
+                f"--run {run}: no {name}; give the folder of a `consequence train` run with a finished iteration"
             )
-    cfg = TrainConfig.checked(**saved_settings(yaml.safe_load((run / "config.yaml").read_text(encoding="utf-8")) or {}))
-    metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    rows = [pq.read_metadata(run / "trajectories" / f"iter_{m['iteration']:04d}.parquet").num_rows for m in metrics]
+    try:
+        data = saved_settings(yaml.safe_load((run / "config.yaml").read_text(encoding="utf-8")) or {})
+    except yaml.YAMLError as e:
+        raise ValueError(f"{run / 'config.yaml'} is not valid YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{run / 'config.yaml'} is not a mapping of settings")
+    cfg = TrainConfig.checked(**data)
+    metrics = _metrics_lines(run / "metrics.jsonl")
+    rows = [_parquet_rows(run / "trajectories" / f"iter_{m['iteration']:04d}.parquet") for m in metrics]
     lines = spent_lines(cfg, metrics, rows)
     if (run / "report.json").is_file():  # the final evaluation's episodes: every policy × split × decoding file
         files = json.loads((run / "report.json").read_text()).get("evaluation_files") or []
-        n = sum(pq.read_metadata(run / f).num_rows for f in files)
+        n = sum(_parquet_rows(run / f) for f in files)
         at = next(i for i, x in enumerate(lines) if x.quantity == "training wall time")
         lines.insert(
             at, BudgetLine("final evaluation episodes", f"Σ rows of {len(files)} eval/*.parquet", n, "episodes")
         )
     return cfg, lines
+
+
+def _metrics_lines(path: Path) -> list[dict[str, Any]]:
+    """The iterations of ``metrics.jsonl``, each once, in order; a bad line is named."""
+    out: list[dict[str, Any]] = []
+    for k, text in enumerate(path.read_text().splitlines(), start=1):
+        if not text.strip():
+            continue
+        try:
+            m = json.loads(text)
+        except json.JSONDecodeError:
+            raise ValueError(f"{path} line {k} is not JSON (cut short?)") from None
+        if not isinstance(m, dict) or not isinstance(m.get("iteration"), int):
+            raise ValueError(f"{path} line {k} has no iteration number")
+        if m["iteration"] != len(out):
+            raise ValueError(f"{path} line {k} is iteration {m['iteration']}, expected {len(out)}")
+        out.append(m)
+    if not out:
+        raise ValueError(f"{path} is empty: no iteration finished in this run")
+    return out
+
+
+def _parquet_rows(path: Path) -> int:
+    """Rows of a parquet file, from its footer; a missing or unreadable file is named."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if not path.is_file():
+        raise ValueError(f"{path} is missing: the run folder is incomplete")
+    try:
+        return pq.read_metadata(path).num_rows
+    except (pa.ArrowException, OSError) as e:
+        raise ValueError(f"{path} is not a readable parquet file ({str(e).splitlines()[0]})") from None

@@ -38,6 +38,10 @@ def test_each_mode_by_hand():
     ds = TrainConfig(**base, dynamic_sampling=True, dynamic_sampling_max_rounds=3)
     assert _values(plan_lines(ds, 100, acceptance_rate=0.5))["rollouts generated"] == 320 / 0.5
     assert _values(plan_lines(ds, 100, acceptance_rate=0.2))["rollouts generated"] == 320 * 3  # capped
+    # what is trained on: at most B groups per iteration, and what 3 rounds find at α
+    assert _values(plan_lines(ds, 100, acceptance_rate=0.5))["trajectories trained on"] == 320
+    assert _values(plan_lines(ds, 100, acceptance_rate=0.2))["trajectories trained on"] == pytest.approx(320 * 3 * 0.2)
+    assert _values(plan_lines(ds, 100, acceptance_rate=0.0))["trajectories trained on"] == 0  # no mixed group found
     assert _values(plan_lines(ds, 100, acceptance_rate=0.5))["generated tokens"] == 640 * 100
     # rejection sampling keeps verified episodes: rollouts·α
     rs = TrainConfig(**base, advantage="rejection", surrogate="pg")
@@ -120,9 +124,20 @@ def test_the_cli_prints_the_seeds_numbers_and_refuses_bad_input(tmp_path):
     assert (
         json.loads(r.output)["mean_tokens"] == min(8 * 48, 768) and json.loads(r.output)["mean_tokens_from"] == "L_max"
     )
+    r = runner.invoke(app, [*args, "--json"])
+    assert "above the episode's generation budget L_max" in json.loads(r.output)["warnings"][0]  # 2000 > 384
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.yaml").write_text("seed: 0\n")
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"iteration": 0}\n{"iteration": 1, "gen')
     for bad, said in (
         (["plan", "--run", str(tmp_path)], "no config.yaml"),
-        (["plan", "--run", str(tmp_path), "--iterations", "3"], "drop the training options"),
+        (["plan", "--run", str(tmp_path / "nope")], "no such folder"),
+        (["plan", "--run", str(tmp_path / "run" / "config.yaml")], "is a file, not a run folder"),
+        (["plan", "--run", str(tmp_path / "run")], "metrics.jsonl line 2 is not JSON (cut short?)"),
+        (["plan", "--run", str(tmp_path), "--iterations", "3"], "drop --iterations"),
+        (["plan", "--run", str(tmp_path), "--mean-tokens", "50"], "drop --mean-tokens"),
+        (["plan", "--acceptance-rate", "0.5"], "--acceptance-rate has no effect without --dynamic-sampling"),
+        (["plan", "--demo-acceptance-rate", "0.5"], "--demo-acceptance-rate has no effect without --demonstrations"),
         (["plan", "--advantage", "rloo", "--grpo-std", "sample"], "--grpo-std has no effect"),
     ):
         r = runner.invoke(app, bad, env={"COLUMNS": "200"})
