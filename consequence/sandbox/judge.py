@@ -25,6 +25,8 @@ import ast
 import json
 import os
 import secrets
+import signal
+import subprocess
 import tempfile
 import time
 from collections.abc import Sequence
@@ -97,13 +99,27 @@ def _run(code: str, job: dict, n: int, lim: SandboxLimits) -> TestReport:
             return TestReport("sandbox_error", 0, n, [], f"cannot spawn: {e}")
         try:
             _, stop = exchange(judge, stdin, None, payload, 0, time.monotonic() + lim.wall_s)
+            cpu_out = stop != "timeout" and _cpu_limit_ended(cand)
         finally:
             stdin.close()
             kill_group(judge)
             kill_group(cand)
         out.seek(0)
         raw = out.read(MAX_FRAME_BYTES)
-    return _report(*tagged_messages(raw, nonce), stop == "timeout", judge.returncode, n, lim)
+    return _report(*tagged_messages(raw, nonce), stop == "timeout" or cpu_out, judge.returncode, n, lim)
+
+
+def _cpu_limit_ended(cand) -> bool:
+    """Whether the kernel ended the candidate at its CPU limit (SIGXCPU at the soft limit, SIGKILL
+    at the hard one) before the judge finished: the judge then saw "no answer", but the code ran
+    out of time, as when the wall clock ends it first (which of the two comes first is a race
+    for a loop that spins at full speed). The judge has exited, so a live candidate gets EOF and
+    exits at once; the short wait only lets its exit be reaped."""
+    try:
+        code = cand.wait(timeout=0.5)
+    except subprocess.TimeoutExpired:
+        return False
+    return code in (-signal.SIGXCPU, -signal.SIGKILL)
 
 
 def _report(
@@ -152,7 +168,7 @@ def run_program(
 
     Returns a :class:`TestReport` with ``total == 1``: ``passed == 1`` iff ``check``
     returned normally and the candidate never misbehaved. ``status``: ``'ok'``,
-    ``'timeout'`` (wall limit; candidate or check too slow), ``'crash'`` (the judge died
+    ``'timeout'`` (wall or CPU limit; candidate or check too slow), ``'crash'`` (the judge died
     without a verdict), ``'sandbox_error'`` (cannot spawn, or the TEST program itself
     failed to load or passed an argument that is not plain data: exclude, never score).
     Never raises for bad candidate code. Cached like :func:`sandbox.run_tests`.

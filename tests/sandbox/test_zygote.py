@@ -100,6 +100,19 @@ def test_both_modes_score_the_reward_path_alike(monkeypatch):
     assert got["fork-server"][4][:3] == ("ok", 0, 2) and "SyntaxError" in got["fork-server"][4][3][0]
 
 
+@pytest.mark.parametrize("mode", ["fresh", "fork-server"])
+def test_a_candidate_ended_by_its_cpu_limit_is_a_timeout(monkeypatch, mode):
+    """A loop that spins at full speed meets the CPU limit and the wall limit at about the same
+    time; whichever ends it, the report is the same timeout (a fresh-clone run once scored the
+    CPU-limit case "ok, no answer"). Here the CPU limit (1 s) always comes first (wall 20 s)."""
+    monkeypatch.setenv("CONSEQUENCE_SANDBOX_START", mode)
+    lim = sandbox.SandboxLimits(wall_s=20.0, cpu_s=1)
+    for spin in ("while True:\n    pass\n", "def add(a, b):\n    while True:\n        pass\n"):
+        r = judge.run_cases(spin, TESTS, limits=lim, cache=False)
+        assert (r.status, r.passed, r.total) == ("timeout", 0, 2), (spin, r)
+        assert r.messages == ["timeout after 20 s"] * 2
+
+
 def test_a_dead_fork_server_is_restarted(monkeypatch):
     monkeypatch.setenv("CONSEQUENCE_SANDBOX_START", "fork-server")
     assert sandbox.run_tests(ADD, TESTS, cache=False).all_passed
