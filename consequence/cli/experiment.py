@@ -1,0 +1,128 @@
+"""``consequence experiment PLAN.yaml``: arms × training seeds at one budget, on Ray."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from consequence.cli.app import app
+from consequence.cli.common import console, quiet_libraries
+from consequence.cli.train import _refuse
+
+
+@app.command("experiment")
+def experiment_cmd(
+    plan: Path = typer.Argument(
+        ..., help="The experiment file: base settings, seeds, budget, arms (docs/experiments.md)."
+    ),
+    out: Path | None = typer.Option(
+        None, "--out", help="Folder of the experiment (default: runs/experiments/<file stem>)."
+    ),
+    dry_run: bool = typer.Option(
+        False, "--dry-run", help="Show the arms, their budgets and the runs, and exit without training."
+    ),
+    cpus_per_run: int = typer.Option(
+        1, "--cpus-per-run", min=1, help="CPUs (and torch threads) of each run's Ray task."
+    ),
+    ray_address: str | None = typer.Option(
+        None, "--ray-address", help="A running Ray cluster (HOST:PORT or auto); default: a local instance."
+    ),
+) -> None:
+    """Train every arm of PLAN.yaml with every training seed, each an ordinary run folder under the
+    experiment's folder, after checking that the arms spend the same budget. Started again after
+    an interruption (even kill -9) it skips finished runs and resumes the others."""
+    from consequence.experiment.run import check_budgets, execute, run_config
+    from consequence.experiment.spec import load_experiment
+
+    try:
+        exp = load_experiment(plan, out)
+        for arm, seed in exp.runs():  # every run's settings are checked before any work
+            run_config(exp, arm, seed)
+        budgets = check_budgets(exp)
+    except ValueError as e:
+        _refuse(e)
+    _show_plan(exp, budgets)
+    if dry_run:
+        return
+    quiet_libraries()
+    view = _Progress(exp)
+    try:
+        states = execute(exp, cpus_per_run, ray_address, show=view.update)
+    except (ValueError, RuntimeError) as e:
+        _refuse(e)
+    view.close()
+    failed = [s for s in states if s.status == "failed"]
+    if failed:
+        for s in failed:
+            console.print(f"[red]failed:[/] {s.arm} seed {s.seed}: see {escape(str(s.log))}")
+        console.print("Run the same command again to resume the failed runs (finished ones are kept).")
+        raise typer.Exit(1)
+    _report(exp)
+
+
+def _show_plan(exp, budgets: dict[str, tuple[float, str]]) -> None:
+    table = Table(title=f"experiment {exp.folder}: {len(exp.seeds)} training seeds, evaluation seed {exp.eval_seed}")
+    for col in ("arm", f"{exp.equalise.replace('_', ' ')} per run", "formula", "runs"):
+        table.add_column(col)
+    for arm in exp.arms:
+        if arm.trains:
+            value, formula = budgets[arm.name]
+            table.add_row(arm.name, f"{value:,.0f}", escape(formula), str(len(exp.seeds)))
+        else:
+            table.add_row(arm.name, "0", "no training: the starting policy, on the same episodes", "0")
+    console.print(table)
+
+
+class _Progress:
+    """Arms × seeds: each run's status and iterations done, redrawn in place on a terminal,
+    one line per change in a log."""
+
+    def __init__(self, exp) -> None:
+        self.exp, self.live = exp, None
+        self.last: dict[tuple[str, int], str] = {}
+        if console.is_terminal:
+            from rich.live import Live
+
+            self.live = Live(console=console, refresh_per_second=2)
+            self.live.start()
+
+    def _cell(self, st) -> str:
+        done = 0
+        metrics = st.folder / "metrics.jsonl"
+        if st.status in ("running", "finished") and metrics.is_file():
+            done = sum(1 for line in metrics.read_text().splitlines() if line.strip())
+        if st.status == "running":
+            return f"running {done} it, {time.time() - (st.started or time.time()):.0f} s"
+        if st.status == "finished":
+            return f"finished in {st.seconds:.0f} s"
+        return st.status
+
+    def update(self, states) -> None:
+        if self.live is not None:
+            table = Table(title="runs (arm × training seed)")
+            table.add_column("arm")
+            for s in self.exp.seeds:
+                table.add_column(f"seed {s}")
+            for arm in (a for a in self.exp.arms if a.trains):
+                table.add_row(arm.name, *(self._cell(st) for st in states if st.arm == arm.name))
+            self.live.update(table)
+            return
+        for st in states:
+            key = (st.arm, st.seed)
+            if self.last.get(key) != st.status:
+                self.last[key] = st.status
+                console.print(f"{st.arm} seed {st.seed}: {self._cell(st)}")
+                sys.stdout.flush()
+
+    def close(self) -> None:
+        if self.live is not None:
+            self.live.stop()
+
+
+def _report(exp) -> None:
+    console.print(f"every run finished: {exp.folder / 'runs'}")
