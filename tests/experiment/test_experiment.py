@@ -1,0 +1,142 @@
+"""``consequence experiment``: the experiment file's checks, equal budgets, and a killed
+experiment that resumes without re-running a finished run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from consequence.cli import app
+from consequence.experiment.run import arm_budgets, check_budgets
+from consequence.experiment.spec import load_experiment
+
+TINY = {
+    "iterations": 2,
+    "tasks_per_iteration": 2,
+    "group_size": 2,
+    "eval_every": 0,
+    "final_eval_episodes": 2,
+    "final_eval_splits": ["test"],
+    "final_eval_decoding": ["sampled"],
+    "skip_checks": True,
+}
+
+
+def _write(tmp_path: Path, data: dict, name: str = "plan.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_equal_budgets_pass_and_unequal_ones_are_refused_with_each_arms_spend(tmp_path):
+    plan = {"base": TINY, "seeds": [0, 1], "arms": {"base": None, "grpo": {}, "rloo": {"advantage": "rloo"}}}
+    exp = load_experiment(_write(tmp_path, plan), tmp_path / "out")
+    assert check_budgets(exp) == {"grpo": (8.0, "K·B·G = 2·2·2"), "rloo": (8.0, "K·B·G = 2·2·2")}
+    assert [(a.name, s) for a, s in exp.runs()] == [("grpo", 0), ("grpo", 1), ("rloo", 0), ("rloo", 1)]
+    # G = 4 doubles rloo's episodes: refused, each arm's spend named
+    plan["arms"]["rloo"]["group_size"] = 4
+    exp = load_experiment(_write(tmp_path, plan), tmp_path / "out")
+    with pytest.raises(ValueError, match=r"episodes differ: grpo 8 \(K·B·G = 2·2·2\); rloo 16 \(K·B·G = 2·2·4\)"):
+        check_budgets(exp)
+    # ... and equal again at half the iterations
+    plan["arms"]["rloo"]["iterations"] = 1
+    assert check_budgets(load_experiment(_write(tmp_path, plan), tmp_path / "out"))["rloo"][0] == 8.0
+    # generated tokens: × each arm's L_max unless mean_tokens is given
+    plan["arms"]["rloo"] = {"advantage": "rloo", "max_new_tokens": 24}
+    plan["budget"] = {"equalise": "generated_tokens"}
+    exp = load_experiment(_write(tmp_path, plan), tmp_path / "out")
+    assert arm_budgets(exp) == {
+        "grpo": (8 * min(8 * 48, 768), "K·B·G·L̄ = 8·384"),
+        "rloo": (8 * min(8 * 24, 768), "K·B·G·L̄ = 8·192"),
+    }
+    with pytest.raises(ValueError, match="generated tokens differ"):
+        check_budgets(exp)
+    plan["budget"] = {"equalise": "generated_tokens", "mean_tokens": 100}
+    assert check_budgets(load_experiment(_write(tmp_path, plan), tmp_path / "out"))["rloo"][0] == 800
+    plan["budget"] = {"equalise": "generated_tokens", "allow_unequal": True}
+    assert check_budgets(load_experiment(_write(tmp_path, plan), tmp_path / "out"))["rloo"][0] == 8 * 192
+
+
+@pytest.mark.parametrize(
+    "change,said",
+    [
+        ({"seeds": []}, "seeds must be a non-empty list"),
+        ({"seeds": [0, 0]}, "lists a seed twice"),
+        ({"colour": 1}, "unknown key(s) colour"),
+        ({"arms": {"a": None}}, "no arm trains"),
+        ({"arms": {"a": {"seed": 3}}}, "arms.a.seed: the experiment sets it"),
+        ({"base": {**TINY, "run_dir": "x"}}, "base.run_dir: the experiment sets it"),
+        ({"budget": "cpu_seconds"}, "CPU seconds are known only after a run"),
+        ({"budget": {"equalise": "episodes", "margin": 1}}, "budget: a mapping with"),
+        ({"arms": {"bad name!": {}}}, "must be letters, digits"),
+    ],
+)
+def test_a_bad_experiment_file_is_refused_naming_the_key(tmp_path, change, said):
+    plan = {"base": TINY, "seeds": [0], "arms": {"grpo": {}}, **change}
+    with pytest.raises(ValueError) as e:
+        load_experiment(_write(tmp_path, plan))
+    assert said in str(e.value) and "plan.yaml" in str(e.value)
+
+
+def test_the_cli_shows_the_plan_and_refuses_before_any_work(tmp_path):
+    runner = CliRunner()
+    ok = _write(tmp_path, {"base": TINY, "seeds": [0, 1], "arms": {"none_arm": None, "grpo": {}}})
+    r = runner.invoke(app, ["experiment", str(ok), "--out", str(tmp_path / "out"), "--dry-run"], env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    assert "2 training seeds" in r.output and "K·B·G = 2·2·2" in r.output and "no training" in r.output
+    assert not (tmp_path / "out").exists()  # nothing written by a dry run
+    bad = _write(tmp_path, {"base": TINY, "seeds": [0], "arms": {"a": {}, "b": {"group_size": 4}}}, "bad.yaml")
+    r = runner.invoke(app, ["experiment", str(bad), "--out", str(tmp_path / "out")], env={"COLUMNS": "200"})
+    assert r.exit_code == 2 and "episodes differ" in r.output and "Traceback" not in r.output
+    r = runner.invoke(app, ["experiment", str(tmp_path / "missing.yaml")])
+    assert r.exit_code == 2 and "no such experiment file" in r.output
+    bad = _write(tmp_path, {"base": TINY, "seeds": [0], "arms": {"a": {"advantage": "nope"}}}, "bad2.yaml")
+    r = runner.invoke(app, ["experiment", str(bad)], env={"COLUMNS": "200"})
+    assert r.exit_code == 2 and "arm a:" in r.output and "advantage" in r.output
+
+
+@pytest.mark.slow  # ~60 s: Ray twice, two tiny runs
+def test_kill_minus_9_then_the_same_command_skips_the_finished_run(tmp_path):
+    """The runs go one at a time (--cpus-per-run 2 on a 2-CPU local Ray); the experiment is
+    killed with SIGKILL (its whole process group) once the first run has finished and the second
+    has started. The same command then trains the second (from scratch or its resume state) and
+    leaves the first exactly as it was."""
+    plan = _write(tmp_path, {"base": TINY, "seeds": [0, 1], "arms": {"grpo": {}}})
+    out = tmp_path / "out"
+    argv = [sys.executable, "-c", "from consequence.cli import app; app()", "experiment", str(plan), "--out", str(out)]
+    cpus = ["--cpus-per-run", str(max(os.cpu_count() or 1, 2))]
+    proc = subprocess.Popen(
+        [*argv, *cpus], start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    first, second = out / "runs" / "grpo-seed0", out / "logs" / "grpo-seed1.log"
+    deadline = time.time() + 240
+    while time.time() < deadline and not (_finished(first) and second.exists()):
+        assert proc.poll() is None, "the experiment ended before it could be killed"
+        time.sleep(0.2)
+    assert _finished(first) and second.exists()
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    before = {p: p.stat().st_mtime_ns for p in first.rglob("*") if p.is_file()}
+    r = subprocess.run([*argv, *cpus], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "grpo seed 0: finished before" in r.stdout
+    assert {p: p.stat().st_mtime_ns for p in first.rglob("*") if p.is_file()} == before  # not re-run
+    assert _finished(out / "runs" / "grpo-seed1")
+    lines = (out / "runs" / "grpo-seed1" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["iteration"] for x in lines] == [0, 1]  # every iteration once
+
+
+def _finished(run: Path) -> bool:
+    try:
+        return json.loads((run / "manifest.json").read_text()).get("status") == "finished"
+    except (OSError, ValueError):
+        return False
