@@ -143,6 +143,12 @@ class TrainConfig(BaseModel):
         "tasks",
         "Task file of the environment (jsonl: repair tasks in the format of docs/tasks.md, split by problem_id with --split-seed); stored as an absolute path.",
     )
+    train_problems: int | None = _f(
+        None,
+        "tasks",
+        "Train on the first N problems of the train split in a fixed order (seeded by --split-seed), so that N = 100 is inside N = 200 (a scale sweep); validation and test are unchanged (default: every train problem).",
+        ge=1,
+    )
     env_options: dict[str, Any] = _f(
         {},
         "tasks",

@@ -266,9 +266,39 @@ def environment_options(env_options: dict[str, Any] | None, tasks_file: str | No
 
 
 def env_of(cfg) -> Environment:
-    """The environment of a training config (``env``, ``split_seed``, ``env_options``, ``tasks_file``).
+    """The environment of a training config (``env``, ``split_seed``, ``env_options``,
+    ``tasks_file``), its train split cut to ``train_problems`` when given.
 
     Raises:
-        ValueError: see :func:`load_environment`.
+        ValueError: see :func:`load_environment` and :func:`nested_train_subset`.
     """
-    return load_environment(cfg.env, cfg.split_seed, environment_options(cfg.env_options, cfg.tasks_file))
+    env = load_environment(cfg.env, cfg.split_seed, environment_options(cfg.env_options, cfg.tasks_file))
+    if getattr(cfg, "train_problems", None):
+        env.split["train"] = nested_train_subset(env.split["train"], cfg.train_problems, cfg.split_seed)
+    return env
+
+
+def problem_key(task: Any) -> str:
+    """A split entry's identity: its ``task_id``, or a generated problem's ``problem_id``."""
+    return str(getattr(task, "task_id", None) or getattr(task, "problem_id", None) or repr(task))
+
+
+def nested_train_subset(pool: list, n: int, split_seed: int) -> list:
+    """The first ``n`` problems of ``pool`` in one fixed order (by task id, then a permutation
+    seeded by the split seed): the subsets of every ``n`` are nested, so a scale sweep over n
+    trains each size on the smaller sizes' problems plus new ones.
+
+    Raises:
+        ValueError: ``n`` above the train split's size.
+    """
+    import random
+
+    from consequence.seeding import seed_of
+
+    if n > len(pool):
+        raise ValueError(
+            f"--train-problems {n}: the train split has only {len(pool)} problems; give at most {len(pool)}"
+        )
+    order = sorted(pool, key=problem_key)
+    random.Random(seed_of(split_seed, "train-problems")).shuffle(order)
+    return order[:n]
