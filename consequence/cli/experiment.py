@@ -125,4 +125,31 @@ class _Progress:
 
 
 def _report(exp) -> None:
-    console.print(f"every run finished: {exp.folder / 'runs'}")
+    """Aggregate every arm over its training seeds and write experiment.json / .md / .png."""
+    from consequence.experiment.aggregate import aggregate, write_report
+    from consequence.experiment.budget import read_spent
+
+    trained = [a for a in exp.arms if a.trains]
+    runs = {a.name: [exp.run_dir(a.name, s) for s in exp.seeds] for a in trained}
+    arms = {a.name: runs[a.name] if a.trains else runs[trained[0].name] for a in exp.arms}  # warm-start files
+    try:
+        result = aggregate(arms, no_training={a.name for a in exp.arms if not a.trains})
+        spent = {name: [read_spent(r)[1] for r in folders] for name, folders in runs.items()}
+        paths = write_report(exp.folder, result, spent)
+    except ValueError as e:
+        _refuse(e)
+    for entry in result["results"]:
+        table = Table(title=f"{entry['split']}, {entry['decoding']}: success over training seeds")
+        for col in ("arm", "mean", "95 % CI (seeds, then problems)", "IQM", "seeds", "problems"):
+            table.add_column(col, justify="left" if col == "arm" else "right")
+        for name, st in entry["arms"].items():
+            table.add_row(
+                name,
+                f"{100 * st['mean']:.1f} %",
+                f"[{100 * st['low']:.1f}, {100 * st['high']:.1f}]",
+                f"{100 * st['iqm']:.1f} %",
+                str(st["n_seeds"]),
+                str(st["n_problems"]),
+            )
+        console.print(table)
+    console.print("written: " + ", ".join(escape(str(p)) for p in paths))
