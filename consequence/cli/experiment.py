@@ -91,11 +91,15 @@ class _Progress:
             self.live = Live(console=console, refresh_per_second=2)
             self.live.start()
 
-    def _cell(self, st) -> str:
-        done = 0
+    @staticmethod
+    def _done(st) -> int:
         metrics = st.folder / "metrics.jsonl"
-        if st.status in ("running", "finished") and metrics.is_file():
-            done = sum(1 for line in metrics.read_text().splitlines() if line.strip())
+        if st.status != "running" or not metrics.is_file():
+            return 0
+        return sum(1 for line in metrics.read_text().splitlines() if line.strip())
+
+    def _cell(self, st) -> str:
+        done = self._done(st)
         if st.status == "running":
             return f"running {done} it, {time.time() - (st.started or time.time()):.0f} s"
         if st.status == "finished":
@@ -112,10 +116,10 @@ class _Progress:
                 table.add_row(arm.name, *(self._cell(st) for st in states if st.arm == arm.name))
             self.live.update(table)
             return
-        for st in states:
-            key = (st.arm, st.seed)
-            if self.last.get(key) != st.status:
-                self.last[key] = st.status
+        for st in states:  # a line when a run's status or its iterations done change
+            key, now = (st.arm, st.seed), f"{st.status} {self._done(st)}"
+            if self.last.get(key) != now:
+                self.last[key] = now
                 console.print(f"{st.arm} seed {st.seed}: {self._cell(st)}")
                 sys.stdout.flush()
 
