@@ -154,3 +154,29 @@ def success_under_caps(trajs: Sequence[Trajectory], attribute: str, caps: Sequen
     valid = [t for t in trajs if t.outcome != "env_error"]
     n = max(1, len(valid))
     return [sum(solved(t) and getattr(t, attribute) <= c for t in valid) / n for c in caps]
+
+
+def distinct_correct(trajs: Sequence[Trajectory]) -> dict[str, float]:
+    """Diversity beside pass@k: per task (its samples of one instance), the number of distinct
+    correct answers (the final code or answer of the solved episodes, trailing whitespace of each
+    line ignored). Whether RL only sharpens what the model already does shows here: pass@k can
+    stay while the distinct solutions behind it collapse to one.
+
+    Returns:
+        ``tasks_solved`` (tasks with at least one solved episode), ``distinct_correct_mean``
+        (mean over those tasks of their distinct correct answers; 0 without any),
+        ``distinct_per_solved`` (all distinct correct answers / all solved episodes).
+    """
+    answers: dict[str, set[str]] = {}
+    n_solved = 0
+    for t in trajs:
+        if t.outcome != "env_error" and solved(t):
+            n_solved += 1
+            text = "\n".join(line.rstrip() for line in (t.final_code or "").strip().splitlines())
+            answers.setdefault(t.group_id, set()).add(text)
+    distinct = sum(len(a) for a in answers.values())
+    return {
+        "tasks_solved": float(len(answers)),
+        "distinct_correct_mean": distinct / len(answers) if answers else 0.0,
+        "distinct_per_solved": distinct / n_solved if n_solved else 0.0,
+    }

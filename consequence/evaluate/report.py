@@ -72,6 +72,13 @@ def markdown(result: dict[str, Any], cost_png: str = "cost.png") -> str:
             f"| {k} | {v['pass_at_k']:.3f} | [{v['low']:.3f}, {v['high']:.3f}] | {se} | "
             f"{v['tasks']} | {v['tasks_excluded']} |"
         )
+    if d := result.get("diversity"):
+        lines += [
+            "",
+            f"Diversity: {d['distinct_correct_mean']:.2f} distinct correct answers per solved task "
+            f"({int(d['tasks_solved'])} tasks with a success; {d['distinct_per_solved']:.2f} distinct per "
+            "solved episode): pass@k with one answer behind it is sharpening, not new solutions.",
+        ]
     o = result["outcomes"]
     lines += [
         "",

@@ -21,6 +21,7 @@ from consequence.evaluate.compare import ArmResult, paired_comparison
 from consequence.evaluate.episode_eval import (
     EXCLUSION_RULE,
     cost_summary,
+    distinct_correct,
     outcome_shares,
     per_task_counts,
     success_under_caps,
@@ -245,6 +246,7 @@ def evaluate_episodes(
         "retry_rule": f"a sandbox that cannot start is re-run (same code, tests, limits) up to {ENV_RETRIES} more "
         "times; still failing, the episode is an env_error",
         "pass_at_k": summarize_pass_at_k(counts, ks, seed=seed),
+        "diversity": distinct_correct(trajs),
         "final_selection": summarize_selection(trajs, ks, selection, visible, seed=seed),
         "outcomes": outcome_shares(trajs),
         "cost": cost_summary(trajs, wall_s=plain_wall),

@@ -130,3 +130,29 @@ def test_answers_copied_from_the_question_are_flagged():
     assert copied_answer_warning("test", "greedy", rl, rl) is None  # not more than before
     assert not answer_in_text("1", "count the letters of word_1 in 1 second")  # short answers: not counted
     assert not answer_in_text("cat", "concatenate") and answer_in_text("cat", "the cat sat")  # whole words only
+
+
+def test_distinct_correct_answers_per_solved_task_by_hand():
+    """Task a: 3 solved with 2 distinct answers (trailing spaces ignored), 1 failed; task b: 1
+    solved; task c: none solved (not counted); an env_error never counts."""
+    from consequence.evaluate.episode_eval import distinct_correct
+
+    def t(task, sample, score, code, outcome="finished"):
+        return Trajectory(task, task, sample, 0, 0, outcome=outcome, verifier_score=score, final_code=code)
+
+    trajs = [
+        t("a#0", 0, 1.0, "x = 1\n"),
+        t("a#0", 1, 1.0, "x = 1   \n"),
+        t("a#0", 2, 1.0, "x = 2"),
+        t("a#0", 3, 0.0, "x = 3"),
+        t("b#0", 0, 1.0, "y"),
+        t("c#0", 0, 0.0, "z"),
+        t("b#0", 1, None, "w", outcome="env_error"),
+    ]
+    got = distinct_correct(trajs)
+    assert got == {"tasks_solved": 2.0, "distinct_correct_mean": (2 + 1) / 2, "distinct_per_solved": 3 / 4}
+    assert distinct_correct([t("c#0", 0, 0.0, "z")]) == {
+        "tasks_solved": 0.0,
+        "distinct_correct_mean": 0.0,
+        "distinct_per_solved": 0.0,
+    }
