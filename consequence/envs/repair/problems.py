@@ -25,6 +25,7 @@ __all__ = [
     "Problem",
     "BUG_KINDS",
     "build_problems",
+    "split_families",
     "split_problems",
     "make_tasks",
     "make_instance",
@@ -220,9 +221,40 @@ def split_problems(problems, seed: int = 0, fractions=(0.8, 0.1, 0.1)) -> dict[s
     return {"train": ordered[:n_tr], "validation": ordered[n_tr : n_tr + n_va], "test": ordered[n_tr + n_va :]}
 
 
-def load_split(seed: int = 0) -> dict[str, list[Problem]]:
-    """``split_problems(build_problems(seed), seed)``."""
-    return split_problems(build_problems(seed), seed)
+def split_families(problems, seed: int = 0, fractions=(0.7, 0.15, 0.15)) -> dict[str, list]:
+    """Split by family: every problem of a family lands in the same split, so validation and
+    test hold families never seen in training (generalisation to new kinds of program, not
+    only new problems of known kinds). Families are ordered by a seeded hash and cut by
+    ``fractions`` of the family count (21 families: 15 / 3 / 3).
+
+    Raises:
+        ValueError: ``fractions`` do not have 3 entries summing to 1, or a split gets no family.
+    """
+    if len(fractions) != 3 or abs(sum(fractions) - 1.0) > 1e-9:
+        raise ValueError(f"fractions must be 3 numbers summing to 1, got {fractions}")
+    families = sorted({p.family for p in problems}, key=lambda f: hashlib.sha256(f"{seed}|{f}".encode()).hexdigest())
+    n_tr, n_va = round(fractions[0] * len(families)), round(fractions[1] * len(families))
+    cut = {"train": families[:n_tr], "validation": families[n_tr : n_tr + n_va], "test": families[n_tr + n_va :]}
+    if not all(cut.values()):
+        raise ValueError(f"{len(families)} families cannot fill three splits by {fractions}")
+    where = {f: split for split, fs in cut.items() for f in fs}
+    out: dict[str, list] = {"train": [], "validation": [], "test": []}
+    for p in problems:
+        out[where[p.family]].append(p)
+    return out
+
+
+def load_split(seed: int = 0, by: str = "problem") -> dict[str, list[Problem]]:
+    """The generated problems split by problem id (``split_problems``) or by family
+    (``split_families``), both seeded by ``seed``.
+
+    Raises:
+        ValueError: ``by`` is neither.
+    """
+    if by not in ("problem", "family"):
+        raise ValueError(f"split_by must be problem or family, got {by!r}")
+    problems = build_problems(seed)
+    return split_problems(problems, seed) if by == "problem" else split_families(problems, seed)
 
 
 def _names(variant: Variant, rng: random.Random) -> dict[str, str]:

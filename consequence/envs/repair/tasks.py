@@ -33,10 +33,24 @@ class RepairEnvironment(Environment):
     sources = ("consequence.envs.repair.env", "consequence.envs.humaneval.code_tasks")  # the episode and its verifier
     answer_ends_episode = False  # a reply without a tool call is a turn; the episode ends at finish
 
+    def __init__(self, split_seed: int = 0, split_by: str = "problem"):
+        """Args:
+            split_by: ``problem`` (default: train, validation and test hold different problems of
+                the same 21 families) or ``family`` (validation and test families are never seen
+                in training: 15 / 3 / 3 families).
+
+        Raises:
+            ValueError: another ``split_by``.
+        """
+        if split_by not in ("problem", "family"):
+            raise ValueError(f"--env-option split_by={split_by}: give problem or family")
+        self.split_by = split_by
+        super().__init__(split_seed)
+
     def load_splits(self, split_seed: int) -> dict[str, list]:
         from consequence.envs.repair.problems import load_split
 
-        return load_split(split_seed)
+        return load_split(split_seed, self.split_by)
 
     def sample(self, split: str, n: int, seed: int) -> list:
         """``n`` RepairTask instances of ``split`` (variables renamed, inputs redrawn), deterministic in ``seed``."""
@@ -58,6 +72,9 @@ class HumanEvalRepairEnvironment(RepairEnvironment):
     """HumanEval canonical solutions with one injected bug (145 tasks, split by task id)."""
 
     name = "humaneval-repair"
+
+    def __init__(self, split_seed: int = 0):
+        super().__init__(split_seed)  # HumanEval has no families: split_by is not an option here
 
     def load_splits(self, split_seed: int) -> dict[str, list]:
         from consequence.envs.humaneval.code_tasks import load_humaneval_repair
