@@ -32,6 +32,17 @@ def experiment_cmd(
     ray_address: str | None = typer.Option(
         None, "--ray-address", help="A running Ray cluster (HOST:PORT or auto); default: a local instance."
     ),
+    pilot: int = typer.Option(
+        0,
+        "--pilot",
+        min=0,
+        metavar="N",
+        help=(
+            "Before any training: each arm's starting policy on N train tasks × G samples; report the "
+            "mixed-group fraction, verified share, truncation rate, L̄ and the budget each arm would "
+            "need, then exit (OUT/pilot.json)."
+        ),
+    ),
 ) -> None:
     """Train every arm of PLAN.yaml with every training seed, each an ordinary run folder under the
     experiment's folder, after checking that the arms spend the same budget. Started again after
@@ -49,6 +60,9 @@ def experiment_cmd(
     _show_plan(exp, budgets)
     if dry_run:
         return
+    if pilot:
+        _pilot(exp, pilot)
+        return
     quiet_libraries()
     view = _Progress(exp)
     try:
@@ -63,6 +77,37 @@ def experiment_cmd(
         console.print("Run the same command again to resume the failed runs (finished ones are kept).")
         raise typer.Exit(1)
     _report(exp)
+
+
+def _pilot(exp, n_tasks: int) -> None:
+    """Run the pilot, print each arm's measures and budget, write OUT/pilot.json."""
+    from consequence.experiment.pilot import run_pilot
+    from consequence.fileio import strict_json, write_text_atomic
+
+    quiet_libraries()
+    try:
+        result = run_pilot(exp, n_tasks)
+    except ValueError as e:
+        _refuse(e)
+    path = write_text_atomic(exp.folder / "pilot.json", strict_json(result, indent=2))
+    table = Table(title=f"pilot: {n_tasks} train tasks × G samples per arm, the starting policy")
+    for col in ("arm", "L̄", "mixed groups", "verified", "truncated", "α used", "episodes", "generated tokens"):
+        table.add_column(col, justify="left" if col == "arm" else "right")
+    for name, r in result.items():
+        m, lines = r["measured"], {x["quantity"]: x["value"] for x in r["planned"]}
+        episodes = lines.get("rollouts generated", lines.get("trajectories trained on", 0.0))
+        table.add_row(
+            name,
+            f"{m['mean_tokens']:.1f}",
+            f"{100 * m['mixed_group_fraction']:.1f} %",
+            f"{100 * m['verified_share']:.1f} %",
+            f"{100 * m['truncated']:.1f} %",
+            f"{r['acceptance_rate']:.3f}",
+            f"{episodes:,.0f}",
+            f"{lines.get('generated tokens', 0.0):,.0f}",
+        )
+    console.print(table)
+    console.print(f"written: {escape(str(path))} (each arm's eval report under {escape(str(exp.folder / 'pilot'))})")
 
 
 def _show_plan(exp, budgets: dict[str, tuple[float, str]]) -> None:
