@@ -50,6 +50,8 @@ def final_report(cfg, reference, model, renderer, split, budgets, console, run: 
     sets = {name: tasks for name, tasks in sets.items() if name.split(" ")[0] in cfg.final_eval_splits}
     out: dict[str, Any] = {
         "episodes_per_split": n,
+        "training_seeds": [cfg.seed],  # one run: its CIs cover problems and sampling, not training seeds
+        "eval_seed": cfg.eval_seed,
         "budgets": vars(budgets),
         "results": [],
         "evaluation_files": [],

@@ -47,6 +47,17 @@ def plot_metrics(metrics_jsonl: Path, out_png: Path) -> None:
     os.replace(tmp, out_png)
 
 
+def _seed_line(report: dict[str, Any]) -> list[str]:
+    """How many training seeds stand behind the numbers (one, for a run's own report)."""
+    seeds = report.get("training_seeds")
+    if not seeds:
+        return []
+    return [
+        f"One training seed ({', '.join(map(str, seeds))}; evaluation seed {report.get('eval_seed', '?')}): the "
+        "CIs cover problems and evaluation sampling, not training seeds (`consequence experiment` runs several)."
+    ]
+
+
 def write_markdown_report(report: dict[str, Any], out_md: Path) -> None:
     """The final comparison as a Markdown table (atomically)."""
     lines = ["# Final report: warm start vs RL checkpoint", ""]
@@ -56,6 +67,7 @@ def write_markdown_report(report: dict[str, Any], out_md: Path) -> None:
         f"budgets {report['budgets']}.",
         "Difference = RL − warm start, with a 95 % paired bootstrap CI over problems "
         "(episodes of one problem resampled together). Environment errors excluded from both arms.",
+        *_seed_line(report),
         "",
         "| split | decoding | warm start | RL | difference | 95 % CI | problems | env errors |",
         "|---|---|---|---|---|---|---|---|",
