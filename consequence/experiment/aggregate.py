@@ -243,6 +243,9 @@ def _aggregate_one(
     return {"split": split, "decoding": decoding, "arms": out, "probability_of_improvement": poi}
 
 
+PROFILE_THRESHOLDS = [round(0.05 * k, 2) for k in range(21)]
+
+
 def _arm_stats(
     tables: list[dict[str, float]],
     n_episodes: int,
@@ -262,6 +265,11 @@ def _arm_stats(
         "high": high,
         "iqm": seeds.iqm(per_seed),
         "per_seed": per_seed,
+        # the share of seeds whose success exceeds τ, for τ = 0, 0.05, …, 1 (a run-score distribution)
+        "performance_profile": {
+            "thresholds": PROFILE_THRESHOLDS,
+            "share_above": seeds.performance_profile(per_seed, PROFILE_THRESHOLDS),
+        },
         "n_seeds": len(tables),
         "n_problems": len({task.split("#")[0] for task, _ in ids}),
         "n_episodes": n_episodes,

@@ -77,6 +77,8 @@ def test_aggregate_by_hand_and_by_direct_computation(runs):
     # per-seed success: the mean over problems of per-problem success
     assert a["per_seed"] == pytest.approx([0.5, 5 / 6], abs=1e-15)  # three terms in [0, 1]: a few ulps at most
     assert b["per_seed"] == pytest.approx([1 / 6, 0.5], abs=1e-15)
+    profile = dict(zip(a["performance_profile"]["thresholds"], a["performance_profile"]["share_above"]))
+    assert (profile[0.45], profile[0.5], profile[0.8], profile[0.85]) == (1.0, 0.5, 0.5, 0.0)  # seeds 0.5 and 5/6
     tables = {"A": [[1.0, 0.5, 0.0], [0.5, 1.0, 1.0]], "B": [[0.0, 0.5, 0.0], [1.0, 0.5, 0.0]]}
     for name, arm in (("A", a), ("B", b)):
         assert arm["per_problem"] == [dict(zip(("p0", "p1", "p2"), row)) for row in tables[name]]
