@@ -32,10 +32,10 @@ def experiment_cmd(
     ray_address: str | None = typer.Option(
         None, "--ray-address", help="A running Ray cluster (HOST:PORT or auto); default: a local instance."
     ),
-    pilot: int = typer.Option(
-        0,
+    pilot: int | None = typer.Option(
+        None,
         "--pilot",
-        min=0,
+        min=1,
         metavar="N",
         help=(
             "Before any training: each arm's starting policy on N train tasks × G samples; report the "
@@ -47,20 +47,29 @@ def experiment_cmd(
     """Train every arm of PLAN.yaml with every training seed, each an ordinary run folder under the
     experiment's folder, after checking that the arms spend the same budget. Started again after
     an interruption (even kill -9) it skips finished runs and resumes the others."""
+    from consequence.cli.common import check_run_dir
+    from consequence.cli.train import check_before_work
     from consequence.experiment.run import check_budgets, execute, run_config
     from consequence.experiment.spec import load_experiment
 
     try:
+        if pilot is not None and dry_run:
+            raise ValueError("--pilot runs the arms' starting policies; --dry-run runs nothing: give one of them")
         exp = load_experiment(plan, out)
-        for arm, seed in exp.runs():  # every run's settings are checked before any work
-            run_config(exp, arm, seed)
+        check_run_dir(exp.folder, "--out", keep=False)
+        for arm, seed in exp.runs():  # every run's settings, model and environment, before any work
+            cfg = run_config(exp, arm, seed)
+            try:
+                check_before_work(cfg)
+            except ValueError as e:
+                raise ValueError(f"arm {arm.name}: {e}") from None
         budgets = check_budgets(exp)
     except ValueError as e:
         _refuse(e)
     _show_plan(exp, budgets)
     if dry_run:
         return
-    if pilot:
+    if pilot is not None:
         _pilot(exp, pilot)
         return
     quiet_libraries()
@@ -68,7 +77,12 @@ def experiment_cmd(
     try:
         states = execute(exp, cpus_per_run, ray_address, show=view.update)
     except (ValueError, RuntimeError) as e:
+        view.close()
         _refuse(e)
+    except KeyboardInterrupt:
+        view.close()
+        console.print("[yellow]interrupted: run the same command again to resume (finished runs are kept)[/]")
+        raise typer.Exit(130) from None
     view.close()
     failed = [s for s in states if s.status == "failed"]
     if failed:
@@ -104,14 +118,15 @@ def _pilot(exp, n_tasks: int) -> None:
             f"{100 * m['truncated']:.1f} %",
             f"{r['acceptance_rate']:.3f}",
             f"{episodes:,.0f}",
-            f"{lines.get('generated tokens', 0.0):,.0f}",
+            f"{lines.get('generated tokens', 0.0):,.1f}",
         )
     console.print(table)
     console.print(f"written: {escape(str(path))} (each arm's eval report under {escape(str(exp.folder / 'pilot'))})")
 
 
 def _show_plan(exp, budgets: dict[str, tuple[float, str]]) -> None:
-    table = Table(title=f"experiment {exp.folder}: {len(exp.seeds)} training seeds, evaluation seed {exp.eval_seed}")
+    seeds = f"{len(exp.seeds)} training seed{'s' if len(exp.seeds) > 1 else ''}"
+    table = Table(title=f"experiment {exp.folder}: {seeds}, evaluation seed {exp.eval_seed}")
     for col in ("arm", f"{exp.equalise.replace('_', ' ')} per run", "formula", "runs"):
         table.add_column(col)
     for arm in exp.arms:

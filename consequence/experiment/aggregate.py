@@ -364,9 +364,12 @@ def _spent_table(spent: Mapping[str, Sequence[Any]]) -> dict[str, list[dict[str,
         for row in rows.values():
             row["n_seeds"] = len(row["values"])
             row["mean_per_seed"] = sum(row["values"]) / len(row["values"])
-            row["total"] = sum(row["values"])
+            row["total"] = None if row["unit"] in _RATIOS else sum(row["values"])  # a ratio has no total
         out[arm] = list(rows.values())
     return out
+
+
+_RATIOS = ("fraction", "tokens per trajectory")
 
 
 def _spent_lines(table: Mapping[str, list[dict[str, Any]]]) -> list[str]:
@@ -381,8 +384,7 @@ def _spent_lines(table: Mapping[str, list[dict[str, Any]]]) -> list[str]:
     ]
     for arm, rows in table.items():
         for r in rows:
-            ratio = r["unit"] in ("fraction", "tokens per trajectory")
-            total = "—" if ratio else f"{r['total']:,.6g}"
+            total = "—" if r["total"] is None else f"{r['total']:,.6g}"
             lines.append(
                 f"| {arm} | {r['quantity']} | {r['unit']} | {r['mean_per_seed']:,.6g} | {total} | {r['n_seeds']} |"
             )
@@ -409,7 +411,7 @@ def _plot(result: Mapping[str, Any], out_dir: Path) -> Path:
             ax.plot([i + 0.2] * a["n_seeds"], a["per_seed"], ".", color="C1", alpha=0.8)
         ax.set_xticks(range(len(names)), [f"{n}\n({res['arms'][n]['n_seeds']} seeds)" for n in names])
         ax.set_xlim(-0.5, len(names) - 0.3)
-        ax.set_ylim(0, 1)
+        ax.set_ylim(-0.03, 1.03)  # a seed at 0 or 1 stays inside the frame
         ax.set_ylabel("success (mean over problems)")
         ax.set_title(f"{res['split']}, {res['decoding']}")
         ax.grid(alpha=0.3, axis="y")

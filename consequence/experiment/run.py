@@ -134,7 +134,7 @@ def run_status(cfg, folder: Path) -> str:
         finished = json.loads((folder / "manifest.json").read_text()).get("status") == "finished"
     except (OSError, ValueError):
         finished = False
-    if finished:
+    if finished and _iterations_done(folder) == cfg.iterations:
         return "finished"
     from consequence.loop.resume import latest_state
 
@@ -142,6 +142,12 @@ def run_status(cfg, folder: Path) -> str:
         return "resume" if latest_state(folder) is not None else "new"
     except ValueError:
         return "new"
+
+
+def _iterations_done(folder: Path) -> int:
+    """Lines of the run's metrics.jsonl (0 when it is missing): a finished run has one per iteration."""
+    metrics = folder / "metrics.jsonl"
+    return sum(1 for line in metrics.read_text().splitlines() if line.strip()) if metrics.is_file() else 0
 
 
 def _command(exp: Experiment, arm: Arm, seed: int, cfg, how: str) -> list[str]:
@@ -192,7 +198,7 @@ def execute(
     """
     import ray
 
-    jobs = []
+    todo = []
     states = []
     for arm, seed in exp.runs():
         cfg = run_config(exp, arm, seed)
@@ -203,14 +209,14 @@ def execute(
         if how == "finished":
             st.status = SKIPPED
             continue
-        jobs.append((st, _command(exp, arm, seed, cfg, how)))
-    (exp.folder / "logs").mkdir(parents=True, exist_ok=True)
+        todo.append((st, arm, seed, cfg, how))
     show(states)
-    if not jobs:
+    if not todo:
         return states
-    for st, _ in jobs:  # a log left by an earlier attempt would read as "started"
-        if st.log is not None and st.log.exists():
-            st.log.rename(st.log.with_suffix(f".{int(time.time())}.log"))
+    if ray_address:
+        from consequence.scale.preflight import check_ray_address
+
+        check_ray_address(ray_address)
     own = not ray.is_initialized()
     if own:
         kw: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False, "configure_logging": False}
@@ -224,6 +230,11 @@ def execute(
         except (ConnectionError, RuntimeError, ValueError) as e:
             raise RuntimeError(f"could not start or reach Ray ({ray_address or 'a local instance'}): {e}") from e
     try:
+        (exp.folder / "logs").mkdir(parents=True, exist_ok=True)  # written only once Ray runs
+        jobs = [(st, _command(exp, arm, seed, cfg, how)) for st, arm, seed, cfg, how in todo]
+        for st, _ in jobs:  # a log left by an earlier attempt would read as "started"
+            if st.log is not None and st.log.exists():
+                st.log.rename(st.log.with_suffix(f".{int(time.time())}.log"))
         task = ray.remote(num_cpus=cpus_per_run, max_retries=0)(_train_process)
         refs = {task.remote(argv, str(st.log), cpus_per_run): st for st, argv in jobs}
         pending = list(refs)

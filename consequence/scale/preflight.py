@@ -7,7 +7,7 @@ import socket
 
 from consequence.config import TrainConfig, ray_host_port
 
-__all__ = ["check_rollout_workers"]
+__all__ = ["check_ray_address", "check_rollout_workers"]
 
 PROBE_S = 10.0  # the longest a reachability check of --ray-address may take
 
@@ -29,14 +29,27 @@ def check_rollout_workers(cfg: TrainConfig) -> None:
             "--rollout-engine vllm needs vLLM, which is not installed in this environment: build its own "
             "with `make vllm-env`, then run .venv-vllm/bin/consequence train ... (docs/vllm.md)"
         )
-    where = ray_host_port(cfg.ray_address) if cfg.ray_address else None
-    if where:  # without this, ray.init retries an address nobody listens at for minutes
-        host, port = where
+    if cfg.ray_address:
+        check_ray_address(cfg.ray_address, min(PROBE_S, cfg.rollout_timeout))
+
+
+def check_ray_address(address: str, timeout: float = PROBE_S) -> None:
+    """A HOST:PORT Ray address accepts connections within ``timeout`` seconds (``auto`` and
+    ``ray://`` addresses are left to Ray). Without this, ``ray.init`` retries an address nobody
+    listens at for minutes.
+
+    Raises:
+        ValueError: not an address, or nothing accepts connections there; names the fix.
+    """
+    where = ray_host_port(address)
+    if where is None and address != "auto" and not address.startswith("ray://"):
+        raise ValueError(f"--ray-address {address}: give HOST:PORT of a Ray head, ray://HOST:PORT or auto")
+    if where:
         try:
-            socket.create_connection((host, port), timeout=min(PROBE_S, cfg.rollout_timeout)).close()
+            socket.create_connection(where, timeout=timeout).close()
         except OSError as e:
             raise ValueError(
-                f"--ray-address {cfg.ray_address}: nothing accepts connections there ({e}); start the "
+                f"--ray-address {address}: nothing accepts connections there ({e}); start the "
                 "cluster's head with `ray start --head --port PORT` and pass HOST:PORT, or drop "
                 "--ray-address for a local instance"
             ) from None

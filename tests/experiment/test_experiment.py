@@ -38,7 +38,7 @@ def _write(tmp_path: Path, data: dict, name: str = "plan.yaml") -> Path:
 
 
 def test_equal_budgets_pass_and_unequal_ones_are_refused_with_each_arms_spend(tmp_path):
-    plan = {"base": TINY, "seeds": [0, 1], "arms": {"base": None, "grpo": {}, "rloo": {"advantage": "rloo"}}}
+    plan = {"base": TINY, "seeds": [0, 1], "arms": {"base": "none", "grpo": {}, "rloo": {"advantage": "rloo"}}}
     exp = load_experiment(_write(tmp_path, plan), tmp_path / "out")
     assert check_budgets(exp) == {"grpo": (8.0, "K·B·G = 2·2·2"), "rloo": (8.0, "K·B·G = 2·2·2")}
     assert [(a.name, s) for a, s in exp.runs()] == [("grpo", 0), ("grpo", 1), ("rloo", 0), ("rloo", 1)]
@@ -72,11 +72,22 @@ def test_equal_budgets_pass_and_unequal_ones_are_refused_with_each_arms_spend(tm
         ({"seeds": []}, "seeds must be a non-empty list"),
         ({"seeds": [0, 0]}, "lists a seed twice"),
         ({"colour": 1}, "unknown key(s) colour"),
-        ({"arms": {"a": None}}, "no arm trains"),
+        ({"arms": {"a": "none"}}, "no arm trains"),
+        ({"arms": {"a": None}}, "arms.a is empty: write {} to train with the base settings"),
+        ({"arms": {"a": {"recipe": 5}}}, "arms.a.recipe must be a recipe name"),
+        ({"seeds": [True]}, "seeds must be a non-empty list"),
+        ({"name": "../../etc"}, "name '../../etc' must be letters"),
+        ({"budget": {"allow_unequal": "no"}}, "budget.allow_unequal must be true or false"),
+        ({"budget": {"tolerance": -1}}, "budget.tolerance must be a finite number >= 0"),
+        ({"budget": {"tolerance": float("nan")}}, "budget.tolerance must be a finite number"),
+        ({"budget": {"tolerence": 0.1}}, "budget: unknown key(s) tolerence"),
+        ({"budget": {"mean_tokens": 100}}, "budget.mean_tokens is read only with equalise: generated_tokens"),
+        ({"budget": {"equalise": "generated_tokens", "mean_tokens": "lots"}}, "budget.mean_tokens must be a finite"),
+        ({"budget": {"equalise": "generated_tokens", "mean_tokens": 0}}, "budget.mean_tokens must be above 0"),
         ({"arms": {"a": {"seed": 3}}}, "arms.a.seed: the experiment sets it"),
         ({"base": {**TINY, "run_dir": "x"}}, "base.run_dir: the experiment sets it"),
         ({"budget": "cpu_seconds"}, "CPU seconds are known only after a run"),
-        ({"budget": {"equalise": "episodes", "margin": 1}}, "budget: a mapping with"),
+        ({"budget": {"equalise": "episodes", "margin": 1}}, "budget: unknown key(s) margin"),
         ({"arms": {"bad name!": {}}}, "must be letters, digits"),
     ],
 )
@@ -89,7 +100,7 @@ def test_a_bad_experiment_file_is_refused_naming_the_key(tmp_path, change, said)
 
 def test_the_cli_shows_the_plan_and_refuses_before_any_work(tmp_path):
     runner = CliRunner()
-    ok = _write(tmp_path, {"base": TINY, "seeds": [0, 1], "arms": {"none_arm": None, "grpo": {}}})
+    ok = _write(tmp_path, {"base": TINY, "seeds": [0, 1], "arms": {"none_arm": "none", "grpo": {}}})
     r = runner.invoke(app, ["experiment", str(ok), "--out", str(tmp_path / "out"), "--dry-run"], env={"COLUMNS": "200"})
     assert r.exit_code == 0, r.output
     assert "2 training seeds" in r.output and "K·B·G = 2·2·2" in r.output and "no training" in r.output
@@ -99,6 +110,19 @@ def test_the_cli_shows_the_plan_and_refuses_before_any_work(tmp_path):
     assert r.exit_code == 2 and "episodes differ" in r.output and "Traceback" not in r.output
     r = runner.invoke(app, ["experiment", str(tmp_path / "missing.yaml")])
     assert r.exit_code == 2 and "no such experiment file" in r.output
+    (tmp_path / "afile").write_text("")
+    for args, said in (
+        (["--out", str(tmp_path / "afile"), "--dry-run"], "--out"),
+        (["--out", str(tmp_path / "x"), "--dry-run", "--pilot", "2"], "give one of them"),
+        (["--out", str(tmp_path / "x"), "--pilot", "0"], "--pilot"),
+    ):
+        r = runner.invoke(app, ["experiment", str(ok), *args], env={"COLUMNS": "200"})
+        assert r.exit_code == 2 and said in r.output and "Traceback" not in r.output, r.output
+    nomodel = _write(tmp_path, {"base": {**TINY, "model": str(tmp_path / "nomodel")}, "seeds": [0], "arms": {"a": {}}})
+    r = runner.invoke(
+        app, ["experiment", str(nomodel), "--out", str(tmp_path / "y"), "--dry-run"], env={"COLUMNS": "200"}
+    )
+    assert r.exit_code == 2 and "arm a: --model" in r.output and not (tmp_path / "y").exists()
     bad = _write(tmp_path, {"base": TINY, "seeds": [0], "arms": {"a": {"advantage": "nope"}}}, "bad2.yaml")
     r = runner.invoke(app, ["experiment", str(bad)], env={"COLUMNS": "200"})
     assert r.exit_code == 2 and "arm a:" in r.output and "advantage" in r.output
