@@ -204,9 +204,10 @@ def _report(exp) -> None:
         _refuse(e)
     for entry in result["results"]:
         table = Table(title=f"{entry['split']}, {entry['decoding']}: success over training seeds")
-        for col in ("arm", "mean", "95 % CI (seeds, then problems)", "IQM", "seeds", "problems"):
+        for col in ("arm", "mean", "95 % CI (seeds, then problems)", "IQM", "seeds", "problems", "minus the start"):
             table.add_column(col, justify="left" if col == "arm" else "right")
         for name, st in entry["arms"].items():
+            vs = next(iter(st.get("vs", {}).values()), None)  # paired by problem, two-level CI
             table.add_row(
                 name,
                 f"{100 * st['mean']:.1f} %",
@@ -214,6 +215,7 @@ def _report(exp) -> None:
                 f"{100 * st['iqm']:.1f} %",
                 str(st["n_seeds"]),
                 str(st["n_problems"]),
+                f"{100 * vs['mean']:+.1f} [{100 * vs['low']:+.1f}, {100 * vs['high']:+.1f}]" if vs else "",
             )
         console.print(table)
     console.print("written: " + ", ".join(escape(str(p)) for p in paths))

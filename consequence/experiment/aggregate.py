@@ -240,7 +240,40 @@ def _aggregate_one(
         x: {y: seeds.probability_of_improvement(out[x]["per_seed"], out[y]["per_seed"]) for y in out if y != x}
         for x in out
     }
+    starts = [n for n in out if policy[n] == "warmstart"]
+    for name in (n for n in out if policy[n] != "warmstart"):
+        out[name]["vs"] = {
+            b: paired_difference(out[name]["per_problem"], out[b]["per_problem"], confidence, n_boot, seed)
+            for b in starts
+        }
     return {"split": split, "decoding": decoding, "arms": out, "probability_of_improvement": poi}
+
+
+def paired_difference(
+    tables: Sequence[Mapping[str, float]],
+    baseline: Sequence[Mapping[str, float]],
+    confidence: float = 0.95,
+    n_boot: int = 10_000,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Arm − baseline on the same episodes: per seed i, the per-problem differences
+    ``tables[i][p] − baseline[i][p]`` over the problems both scored; their mean over problems,
+    then over seeds, with the two-level bootstrap CI of those difference tables (seeds, then
+    problems). Pairing by problem removes the problems' own spread, which separate CIs keep.
+
+    Raises:
+        ValueError: different numbers of seeds, or a seed with no problem in common.
+    """
+    if len(tables) != len(baseline):
+        raise ValueError(f"{len(tables)} seeds against a baseline of {len(baseline)}")
+    diffs = []
+    for i, (a, b) in enumerate(zip(tables, baseline)):
+        common = [p for p in a if p in b]
+        if not common:
+            raise ValueError(f"seed {i}: no problem scored by both")
+        diffs.append([a[p] - b[p] for p in common])
+    mean, low, high = seeds.two_level_bootstrap(diffs, confidence=confidence, n_boot=n_boot, seed=seed)
+    return {"mean": mean, "low": low, "high": high, "per_seed": [sum(d) / len(d) for d in diffs]}
 
 
 PROFILE_THRESHOLDS = [round(0.05 * k, 2) for k in range(21)]
@@ -309,10 +342,32 @@ def _markdown(result: Mapping[str, Any], spent: Mapping[str, list[dict[str, Any]
                 f"| {name} | {_pct(a['mean'])} ({a['n_seeds']} seeds) | [{_pct(a['low'])}, {_pct(a['high'])}] | "
                 f"{_pct(a['iqm'])} | {a['n_seeds']} | {a['n_problems']} | {a['n_episodes']} |"
             )
+        lines += _difference_lines(res, conf)
         lines += _poi_lines(res)
     if spent:
         lines += _spent_lines(spent)
     return "\n".join(lines) + "\n"
+
+
+def _difference_lines(res: Mapping[str, Any], conf: str) -> list[str]:
+    """Each trained arm minus each no-training arm, paired by problem on the same episodes."""
+    rows = [(n, b, d) for n, a in res["arms"].items() for b, d in a.get("vs", {}).items()]
+    if not rows:
+        return []
+    lines = [
+        "",
+        f"Difference to the starting policy, paired by problem on the same episodes ({conf} two-level CI):",
+        "",
+        "| arm | minus | difference (pts) | CI | per seed (pts) |",
+        "|---|---|---|---|---|",
+    ]
+    for name, base, d in rows:
+        per_seed = ", ".join(f"{100 * x:+.1f}" for x in d["per_seed"])
+        lines.append(
+            f"| {name} | {base} | {100 * d['mean']:+.1f} ({len(d['per_seed'])} seeds) | "
+            f"[{100 * d['low']:+.1f}, {100 * d['high']:+.1f}] | {per_seed} |"
+        )
+    return lines
 
 
 def _poi_lines(res: Mapping[str, Any]) -> list[str]:

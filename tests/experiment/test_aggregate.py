@@ -145,3 +145,19 @@ def test_the_report_holds_the_numbers_and_their_seeds(runs, tmp_path):
     assert "| A | — | 0.875 (2×2 seeds) |" in md and "| B | 0.125 (2×2 seeds) | — |" in md
     assert "| A | generated tokens | tokens | 200 | 400 | 2 |" in md
     assert paths[2].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_paired_difference_is_the_two_level_bootstrap_of_per_problem_differences():
+    from consequence.evaluate.seeds import two_level_bootstrap
+    from consequence.experiment.aggregate import paired_difference
+
+    arm = [{"p": 1.0, "q": 0.5, "r": 0.0}, {"p": 1.0, "q": 1.0, "r": 0.5}]
+    start = [{"p": 0.5, "q": 0.5, "r": 0.5}, {"p": 0.5, "q": 0.5, "r": 0.5}]
+    d = paired_difference(arm, start)
+    table = [[0.5, 0.0, -0.5], [0.5, 0.5, 0.0]]  # by hand
+    assert d["per_seed"] == [0.0, pytest.approx(1 / 3)]
+    assert (d["mean"], d["low"], d["high"]) == two_level_bootstrap(table)
+    with pytest.raises(ValueError, match="2 seeds against a baseline of 1"):
+        paired_difference(arm, start[:1])
+    with pytest.raises(ValueError, match="seed 0: no problem scored by both"):
+        paired_difference([{"x": 1.0}], [{"y": 0.0}])
