@@ -255,6 +255,7 @@ class ForkServer:
         self._next = 0
         self._pending: dict[int, list] = {}
         self._children: dict[int, Child] = {}
+        self._ended = threading.Event()
 
     # ---- lifecycle -------------------------------------------------------------------
     def _start(self) -> None:
@@ -276,8 +277,12 @@ class ForkServer:
             child.close()
         self._sock, self._owner = parent, os.getpid()
         self._pending, self._children = {}, {}
+        self._ended = threading.Event()  # this zygote's socket reached EOF: it is gone
         threading.Thread(
-            target=self._read, args=(parent, self._pending, self._children), name="sandbox-zygote", daemon=True
+            target=self._read,
+            args=(parent, self._pending, self._children, self._ended),
+            name="sandbox-zygote",
+            daemon=True,
         ).start()
 
     def _alive(self) -> bool:
@@ -285,6 +290,7 @@ class ForkServer:
             self._sock is not None
             and self._owner == os.getpid()
             and self._proc is not None
+            and not self._ended.is_set()  # poll() can lag the zygote's death; its socket's EOF does not
             and self._proc.poll() is None
         )
 
@@ -302,7 +308,7 @@ class ForkServer:
             self._sock = self._proc = None
 
     # ---- the reader thread -----------------------------------------------------------
-    def _read(self, sock: socket.socket, pending: dict, children: dict) -> None:
+    def _read(self, sock: socket.socket, pending: dict, children: dict, ended: threading.Event) -> None:
         while True:
             try:
                 msg, fds, _flags, _addr = socket.recv_fds(sock, 1 << 16, 1)
@@ -328,7 +334,8 @@ class ForkServer:
             else:
                 slot[1] = ForkServerError(obj.get("error", "fork server error"))
             slot[0].set()
-        # The zygote is gone: nobody will reap or report; unblock every waiter.
+        # The zygote is gone: nobody will reap or report; unblock every waiter (the next spawn restarts it).
+        ended.set()
         for slot in list(pending.values()):
             slot[1] = ForkServerError("the sandbox fork server ended")
             slot[0].set()
