@@ -196,8 +196,6 @@ def execute(
         ValueError: a run's settings are refused, or a folder holds a run with other settings.
         RuntimeError: Ray cannot start or reach the cluster.
     """
-    import ray
-
     todo = []
     states = []
     for arm, seed in exp.runs():
@@ -213,46 +211,70 @@ def execute(
     show(states)
     if not todo:
         return states
-    if ray_address:
-        from consequence.scale.preflight import check_ray_address
-
-        check_ray_address(ray_address)
-    own = not ray.is_initialized()
-    if own:
-        kw: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False, "configure_logging": False}
-        kw |= (
-            {"address": ray_address}
-            if ray_address
-            else {"address": "local", "num_cpus": max(os.cpu_count() or 1, cpus_per_run)}
-        )
-        try:
-            ray.init(**kw)
-        except (ConnectionError, RuntimeError, ValueError) as e:
-            raise RuntimeError(f"could not start or reach Ray ({ray_address or 'a local instance'}): {e}") from e
+    own = _start_ray(ray_address, cpus_per_run)
     try:
         (exp.folder / "logs").mkdir(parents=True, exist_ok=True)  # written only once Ray runs
         jobs = [(st, _command(exp, arm, seed, cfg, how)) for st, arm, seed, cfg, how in todo]
         for st, _ in jobs:  # a log left by an earlier attempt would read as "started"
             if st.log is not None and st.log.exists():
                 st.log.rename(st.log.with_suffix(f".{int(time.time())}.log"))
-        task = ray.remote(num_cpus=cpus_per_run, max_retries=0)(_train_process)
-        refs = {task.remote(argv, str(st.log), cpus_per_run): st for st, argv in jobs}
-        pending = list(refs)
-        while pending:
-            done, pending = ray.wait(pending, num_returns=1, timeout=2.0)
-            for st in refs.values():  # a task has started when its log file exists
-                if st.status == QUEUED and st.log is not None and st.log.exists():
-                    st.status, st.started = RUNNING, time.time()
-            for ref in done:
-                st = refs[ref]
-                try:
-                    rc = ray.get(ref)
-                except Exception:  # the worker died: the run failed; its folder resumes next time
-                    rc = -1
-                st.status = FINISHED if rc == 0 else FAILED
-                st.seconds = time.time() - (st.started or time.time())
-            show(states)
+        _run_all(jobs, cpus_per_run, lambda: show(states))
     finally:
         if own:
+            import ray
+
             ray.shutdown()
     return states
+
+
+def _start_ray(ray_address: str | None, cpus_per_run: int) -> bool:
+    """Join the cluster at ``ray_address`` (checked to accept connections first) or start a
+    local instance with every CPU of this machine; True when this call started Ray.
+
+    Raises:
+        ValueError: an address that accepts no connection.
+        RuntimeError: Ray cannot start or reach the cluster.
+    """
+    import ray
+
+    if ray_address:
+        from consequence.scale.preflight import check_ray_address
+
+        check_ray_address(ray_address)
+    if ray.is_initialized():
+        return False
+    kw: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False, "configure_logging": False}
+    kw |= (
+        {"address": ray_address}
+        if ray_address
+        else {"address": "local", "num_cpus": max(os.cpu_count() or 1, cpus_per_run)}
+    )
+    try:
+        ray.init(**kw)
+    except (ConnectionError, RuntimeError, ValueError) as e:
+        raise RuntimeError(f"could not start or reach Ray ({ray_address or 'a local instance'}): {e}") from e
+    return True
+
+
+def _run_all(jobs: list[tuple[RunState, list[str]]], cpus_per_run: int, changed: Callable[[], None]) -> None:
+    """One Ray task per job; each state follows its task (queued, running once its log exists,
+    finished or failed); ``changed`` is called every 2 s and after each end."""
+    import ray
+
+    task = ray.remote(num_cpus=cpus_per_run, max_retries=0)(_train_process)
+    refs = {task.remote(argv, str(st.log), cpus_per_run): st for st, argv in jobs}
+    pending = list(refs)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1, timeout=2.0)
+        for st in refs.values():  # a task has started when its log file exists
+            if st.status == QUEUED and st.log is not None and st.log.exists():
+                st.status, st.started = RUNNING, time.time()
+        for ref in done:
+            st = refs[ref]
+            try:
+                rc = ray.get(ref)
+            except Exception:  # the worker died: the run failed; its folder resumes next time
+                rc = -1
+            st.status = FINISHED if rc == 0 else FAILED
+            st.seconds = time.time() - (st.started or time.time())
+        changed()
