@@ -26,6 +26,7 @@ import pytest
 
 from consequence.envs.registry import BUILTINS
 from consequence.records import read_trajectories
+from env_fixtures import ONE_TINY_ITERATION
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "custom_env"
@@ -41,18 +42,7 @@ TRAIN = [
     NAME,
     "--env-option",
     "n_words=40",
-    "--iterations",
-    "1",
-    "--tasks-per-iteration",
-    "2",
-    "--group-size",
-    "2",
-    "--eval-every",
-    "0",
-    "--final-eval-episodes",
-    "2",
-    "--final-eval-decoding",
-    "greedy",
+    *ONE_TINY_ITERATION,
     "--max-turns",
     "2",
     "--max-new-tokens",

@@ -28,6 +28,7 @@ from consequence.reward.scoring import score_trajectories
 from consequence.rollout.episodes import Budgets, EpisodeSpec, run_episodes
 from consequence.sandbox import sandbox
 from consequence.sandbox.sandbox import TestReport
+from env_fixtures import ONE_TINY_ITERATION
 
 TASK = ArithmeticTask("hand-1", "hand-1", "What is 4837 * 29 - 1204?", 139069, "expression", "4837 * 29 - 1204")
 COST = 0.125  # a binary fraction: sums of it are exact
@@ -351,18 +352,7 @@ def test_cli_train_then_eval(tmp_path):
             "train",
             "--env",
             "calculator",
-            "--iterations",
-            "1",
-            "--tasks-per-iteration",
-            "2",
-            "--group-size",
-            "2",
-            "--eval-every",
-            "0",
-            "--final-eval-episodes",
-            "2",
-            "--final-eval-decoding",
-            "greedy",
+            *ONE_TINY_ITERATION,
             "--max-turns",
             "3",
             "--max-new-tokens",

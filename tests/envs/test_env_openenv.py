@@ -40,6 +40,7 @@ from consequence.envs.registry import load_environment  # noqa: E402
 from consequence.harness.renderer import Renderer  # noqa: E402
 from consequence.reward.scoring import score_trajectories  # noqa: E402
 from consequence.rollout.episodes import Budgets, EpisodeSpec, run_episodes  # noqa: E402
+from env_fixtures import ONE_TINY_ITERATION
 
 TARGET = "consequence.envs.openenv.env:OpenEnvEnvironment"
 WORDS = ["apple", "river", "stone", "cloud", "ember", "maple", "tiger", "ocean"]
@@ -505,18 +506,7 @@ def test_cli_train(servers, tmp_path):
             TARGET,
             "--env-option",
             f"base_url={servers['word']}",
-            "--iterations",
-            "1",
-            "--tasks-per-iteration",
-            "2",
-            "--group-size",
-            "2",
-            "--eval-every",
-            "0",
-            "--final-eval-episodes",
-            "2",
-            "--final-eval-decoding",
-            "greedy",
+            *ONE_TINY_ITERATION,
             "--max-turns",
             "2",
             "--max-new-tokens",

@@ -14,6 +14,7 @@ import reasoning_gym
 
 from consequence.envs.reasoning_gym.env import SYSTEM_PROMPT, ReasoningGymEnvironment, extract_answer, follows_format
 from consequence.envs.registry import load_environment
+from env_fixtures import ONE_TINY_ITERATION
 
 
 def _env(**options) -> ReasoningGymEnvironment:
@@ -286,18 +287,7 @@ def test_train_and_eval_cli(tmp_path):
             "reasoning-gym",
             "--env-option",
             "dataset=basic_arithmetic",
-            "--iterations",
-            "1",
-            "--tasks-per-iteration",
-            "2",
-            "--group-size",
-            "2",
-            "--eval-every",
-            "0",
-            "--final-eval-episodes",
-            "2",
-            "--final-eval-decoding",
-            "greedy",
+            *ONE_TINY_ITERATION,
             "--max-turns",
             "1",
             "--max-new-tokens",
