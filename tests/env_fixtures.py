@@ -156,20 +156,3 @@ class ParityEnvironment(Environment):
 
     def make_episode(self, task):
         return ParityEpisode(task)
-
-
-# `consequence train` options of a one-iteration smoke run (2 tasks × 2 rollouts, 2 greedy final episodes)
-ONE_TINY_ITERATION = [
-    "--iterations",
-    "1",
-    "--tasks-per-iteration",
-    "2",
-    "--group-size",
-    "2",
-    "--eval-every",
-    "0",
-    "--final-eval-episodes",
-    "2",
-    "--final-eval-decoding",
-    "greedy",
-]

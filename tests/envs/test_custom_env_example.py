@@ -24,9 +24,9 @@ from pathlib import Path
 
 import pytest
 
+from cli_args import ONE_TINY_ITERATION
 from consequence.envs.registry import BUILTINS
 from consequence.records import read_trajectories
-from env_fixtures import ONE_TINY_ITERATION
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "custom_env"

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 from typer.testing import CliRunner
 
+from cli_args import ONE_TINY_ITERATION
 from consequence.envs.calculator import env as calc
 from consequence.envs.calculator.env import (
     ArithmeticTask,
@@ -28,7 +29,6 @@ from consequence.reward.scoring import score_trajectories
 from consequence.rollout.episodes import Budgets, EpisodeSpec, run_episodes
 from consequence.sandbox import sandbox
 from consequence.sandbox.sandbox import TestReport
-from env_fixtures import ONE_TINY_ITERATION
 
 TASK = ArithmeticTask("hand-1", "hand-1", "What is 4837 * 29 - 1204?", 139069, "expression", "4837 * 29 - 1204")
 COST = 0.125  # a binary fraction: sums of it are exact

@@ -35,12 +35,12 @@ from openenv.core.env_server import Environment as OpenEnvBase  # noqa: E402
 from pydantic import Field  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
+from cli_args import ONE_TINY_ITERATION
 from consequence.envs.openenv.env import OpenEnvEnvironment, observation_text, tool_name_of  # noqa: E402
 from consequence.envs.registry import load_environment  # noqa: E402
 from consequence.harness.renderer import Renderer  # noqa: E402
 from consequence.reward.scoring import score_trajectories  # noqa: E402
 from consequence.rollout.episodes import Budgets, EpisodeSpec, run_episodes  # noqa: E402
-from env_fixtures import ONE_TINY_ITERATION
 
 TARGET = "consequence.envs.openenv.env:OpenEnvEnvironment"
 WORDS = ["apple", "river", "stone", "cloud", "ember", "maple", "tiger", "ocean"]

@@ -12,9 +12,9 @@ from types import SimpleNamespace
 import pytest
 import reasoning_gym
 
+from cli_args import ONE_TINY_ITERATION
 from consequence.envs.reasoning_gym.env import SYSTEM_PROMPT, ReasoningGymEnvironment, extract_answer, follows_format
 from consequence.envs.registry import load_environment
-from env_fixtures import ONE_TINY_ITERATION
 
 
 def _env(**options) -> ReasoningGymEnvironment:

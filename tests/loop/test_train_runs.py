@@ -17,27 +17,13 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from cli_args import TINY_NO_EVAL
 from consequence.cli import app
 from consequence.distill.warmstart import BUNDLED
 
 pytestmark = pytest.mark.slow  # every test is a real training run, some in a subprocess
 
-TINY = [
-    "--iterations",
-    "1",
-    "--tasks-per-iteration",
-    "2",
-    "--group-size",
-    "2",
-    "--final-eval-episodes",
-    "0",
-    "--eval-every",
-    "0",
-    "--max-turns",
-    "2",
-    "--max-new-tokens",
-    "24",
-]
+TINY = TINY_NO_EVAL
 ENV = {"COLUMNS": "250"}
 ROOT = Path(__file__).resolve().parents[2]
 

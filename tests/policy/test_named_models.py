@@ -28,28 +28,14 @@ from typer.testing import CliRunner
 
 import consequence.cli.train as cli_train
 import consequence.policy.named as named
+from cli_args import TINY_NO_EVAL
 from consequence.cli import app
 from consequence.config import MODEL_NAMES, TrainConfig
 from consequence.policy.tiny import BUNDLED
 
 NAME = "smollm2-135m-instruct"
 ENV = {"COLUMNS": "250"}
-TINY = [
-    "--iterations",
-    "1",
-    "--tasks-per-iteration",
-    "2",
-    "--group-size",
-    "2",
-    "--final-eval-episodes",
-    "0",
-    "--eval-every",
-    "0",
-    "--max-turns",
-    "2",
-    "--max-new-tokens",
-    "24",
-]
+TINY = TINY_NO_EVAL
 
 
 def _text(res) -> str:
