@@ -367,3 +367,46 @@ def sft_cmd(
         f"cold-start model: {out}  ({record['teacher']['verified']}/{record['teacher']['episodes']} "
         f"verified demonstrations, {record['rows']} rows, SFT {record['seconds']['sft']:.0f} s)"
     )
+
+
+@app.command("demos")
+def demos_cmd(
+    out: Path = typer.Option(..., "--out", help="Trajectories parquet file to write (atomically)."),
+    episodes: int = typer.Option(
+        1024, "-n", "--episodes", min=1, help="Teacher episodes to run; the verified ones are written."
+    ),
+    model: str | None = typer.Option(
+        None, help="The student whose tokenizer and chat template render them (default: the bundled tiny model)."
+    ),
+    env: str = typer.Option("repair", help="A repair-type environment whose train split the scripted teacher solves."),
+    env_option: list[str] = typer.Option([], "--env-option", help="Environment option KEY=VALUE (repeatable)."),
+    split_seed: int = typer.Option(0, min=0, help="Split seed of the environment (the training run's --split-seed)."),
+    draw_seed: int = typer.Option(
+        1000, min=0, help="Seed of the task instances and teacher habits (the warm start's own: the split seed)."
+    ),
+) -> None:
+    """The scripted teacher's verified demonstrations in the student's tokens, as a trajectories
+    file: SFT on them is `consequence train --recipe rejection_sft --distill-lambda 0
+    --distill-data OUT` (docs/distillation.md)."""
+    from consequence.cli.common import parse_env_options
+    from consequence.distill.demos import write_demonstrations
+    from consequence.evaluate.run import resolve_model
+
+    quiet_libraries()
+    try:
+        options = parse_env_options(env_option)
+        _check_teacher_env(env, split_seed, options)
+        check_out_file(out, "--out")
+        write_demonstrations(
+            resolve_model(model),
+            out,
+            episodes,
+            split_seed=split_seed,
+            draw_seed=draw_seed,
+            env=env,
+            env_options=options,
+            log=console.print,
+        )
+    except ValueError as e:
+        console.print(f"[red]error:[/] {escape(str(e))}")
+        raise typer.Exit(2) from None

@@ -290,14 +290,14 @@ class TrainConfig(BaseModel):
     distill_lambda: float = _f(
         1.0,
         "update",
-        "λ of GKD (Agarwal et al. 2024 §3.2, Algorithm 1): the fraction of iterations that train --distill-loss on the student's own samples; every iteration draws a seeded u and, when u ≥ λ, trains on B × G trajectories drawn from --distill-data instead of rolling out (the divergence only: no policy-gradient term on rows the student did not sample).",
+        "λ of GKD (Agarwal et al. 2024 §3.2, Algorithm 1): the fraction of iterations that train --distill-loss on the student's own samples; every iteration draws a seeded u and, when u ≥ λ, trains on B × G trajectories drawn from --distill-data instead of rolling out (with --distill-loss the divergence only: no policy-gradient term on rows the student did not sample; without a teacher, --advantage rejection --surrogate pg: SFT on the data's verified episodes).",
         ge=0,
         le=1,
     )
     distill_data: str | None = _f(
         None,
         "update",
-        "Fixed data of --distill-lambda < 1: a trajectories parquet file tokenised with the student's tokenizer and chat template, e.g. episodes.parquet of `consequence eval --model TEACHER --split train --out DIR` (the teacher's own samples) or a run's trajectories/iter_NNNN.parquet; only train-split problems may appear; stored as an absolute path.",
+        "Fixed data of --distill-lambda < 1: a trajectories parquet file tokenised with the student's tokenizer and chat template, e.g. episodes.parquet of `consequence eval --model TEACHER --split train --out DIR` (the teacher's own samples), the scripted teacher's demonstrations (`consequence demos`) or a run's trajectories/iter_NNNN.parquet; only train-split problems may appear; stored as an absolute path.",
     )
     distill_top_k: int = _f(
         0,
@@ -567,11 +567,7 @@ class TrainConfig(BaseModel):
                 f"{self.distill_data or 'not given'}): give both, or neither"
             )
         if self.distill_data is not None and not as_loss:
-            raise ValueError(
-                "--distill-lambda / --distill-data train the divergence of --distill-loss on fixed data; "
-                "give --distill-loss forward|reverse|jsd (e.g. --recipe gkd)"
-                + (" instead of --advantage reverse_kl, which needs the student's own samples" if as_advantage else "")
-            )
+            self._check_sft_on_data(as_advantage)
         if self.group_size == 1 and not (distill and self.task_reward_weight == 0):
             raise ValueError(
                 "--group-size 1 gives a group-relative advantage nothing to compare with (docs/cases.md, "
@@ -585,6 +581,20 @@ class TrainConfig(BaseModel):
                 "student's truncated support; sample with --top-k 0 --top-p 1"
             )
         return self
+
+    def _check_sft_on_data(self, as_advantage: bool) -> None:
+        """--distill-data without --distill-loss: SFT on the data's verified episodes, which needs
+        the ratio-free surrogate (the rows' stored log-probs are the data's sampler's)."""
+        if self.advantage == "rejection" and self.surrogate == "pg" and not self.tis_cap:
+            return
+        raise ValueError(
+            "--distill-lambda / --distill-data train on fixed data either the divergence of --distill-loss "
+            "(give --distill-loss forward|reverse|jsd, e.g. --recipe gkd) or, without a teacher, SFT on the "
+            "data's verified episodes (give --advantage rejection --surrogate pg and no --tis-cap, e.g. "
+            "--recipe rejection_sft: a ratio or an importance weight against the data's log-probs would "
+            "mean nothing)"
+            + (" instead of --advantage reverse_kl, which needs the student's own samples" if as_advantage else "")
+        )
 
     @model_validator(mode="after")
     def _agent_fits(self) -> TrainConfig:

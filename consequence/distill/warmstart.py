@@ -14,6 +14,7 @@ keyed by the settings, and built on first use.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import random
@@ -103,35 +104,64 @@ def teacher_conversations(cfg: WarmstartConfig, log: Callable[[str], None] = pri
 
     ``env``: the environment to solve (default: ``cfg.env`` with its default options).
     """
+    return [t.messages for t in teacher_demonstrations(cfg, log, env)]
+
+
+def teacher_demonstrations(
+    cfg: WarmstartConfig, log: Callable[[str], None] = print, env=None, draw_seed: int | None = None
+) -> list[Trajectory]:
+    """The scripted teacher's verified episodes on ``cfg.n_demos`` train-split tasks.
+
+    The tasks are ``env.sample("train", n_demos, seed=d + 1)`` and the teacher's habits are drawn
+    from ``random.Random(d)``, with d = ``draw_seed`` or, by default, ``cfg.seed`` (the warm
+    start's own demonstrations; another d gives other instances and habits). An episode is kept when
+    it finished and the verifier scored it 1. Its token ids are a throw-away tokenizer's: re-render
+    it for a student with :func:`demo_trajectories` (task ids, rewards and messages are kept).
+
+    Raises:
+        ValueError: the environment's tasks are not repair tasks (the teacher solves only those).
+    """
     env = env if env is not None else load_environment(cfg.env, cfg.seed)
-    tasks = env.sample("train", cfg.n_demos, seed=cfg.seed + 1)
+    d = cfg.seed if draw_seed is None else draw_seed
+    tasks = env.sample("train", cfg.n_demos, seed=d + 1)
     if not all(isinstance(t, RepairTask) for t in tasks[:1]):
         raise ValueError(
             f"--env {cfg.env}: the scripted teacher solves repair tasks only (repair, humaneval-repair, "
             "jsonl); train in this environment from a model of your own (--model PATH)"
         )
-    rng = random.Random(cfg.seed)
+    rng = random.Random(d)
     habits = TeacherHabits(cfg.p_diagnose_first, cfg.p_read_only, cfg.p_wrong_patch_first, cfg.p_verify_before_finish)
     plans = [plan_episode(t, rng, habits) for t in tasks]
-    # Any tokenizer will do to drive the episodes: demonstrations are re-rendered below.
+    # Any tokenizer will do to drive the episodes: demonstrations are re-rendered for the student.
     boot = build_tokenizer([env.system_prompt] + [t.buggy_code for t in tasks[:200]], vocab_size=300)
     renderer = Renderer(boot, env.tools)
     specs = [EpisodeSpec(env.make_episode(t), t.task_id, t.task_id, 0, cfg.seed) for t in tasks]
     budgets = Budgets(max_turns=12, max_new_tokens=10_000, max_total_tokens=10**9, max_tool_calls=12)
     trajs = run_episodes(ScriptedTeacher(renderer, plans), renderer, specs, budgets, env.system_prompt)
-    kept = [t.messages for t in trajs if t.outcome == "finished" and t.verifier_score == 1.0]
+    kept = [t for t in trajs if t.outcome == "finished" and t.verifier_score == 1.0]
     log(f"teacher: {len(kept)}/{len(trajs)} demonstrations verified")
     return kept
+
+
+def demo_trajectories(renderer: Renderer, demos: list[Trajectory]) -> list[Trajectory]:
+    """The demonstrations in the student's tokens: each assistant turn re-rendered by ``renderer``
+    (its chat template and tool format), sampler log-probs 0 (the teacher is not a sampler);
+    task, group and sample ids, outcome, rewards and messages as they were."""
+    return [dataclasses.replace(t, calls=_replayed_calls(renderer, t.messages)) for t in demos]
+
+
+def _replayed_calls(renderer: Renderer, messages: list[dict]) -> list[ModelCall]:
+    return [
+        ModelCall(ctx, ids, [0.0] * len(ids), "stop", observation_ids=obs)
+        for ctx, ids, obs in replay_conversation(renderer, messages)
+    ]
 
 
 def demo_rows(renderer: Renderer, conversations: list[list[dict]]):
     """Token rows (loss mask on assistant tokens only) of the demonstrations."""
     rows = []
     for k, msgs in enumerate(conversations):
-        calls = [
-            ModelCall(ctx, out, [0.0] * len(out), "stop", observation_ids=obs)
-            for ctx, out, obs in replay_conversation(renderer, msgs)
-        ]
+        calls = _replayed_calls(renderer, msgs)
         traj = Trajectory(task_id=str(k), group_id=str(k), sample_id=0, seed=0, policy_version=0, calls=calls)
         rows += trajectory_to_rows(traj, k)
     return rows

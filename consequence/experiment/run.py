@@ -47,9 +47,12 @@ def run_config(exp: Experiment, arm: Arm, seed: int):
 def arm_budgets(exp: Experiment) -> dict[str, tuple[float, str]]:
     """Each trained arm's planned spend of ``exp.equalise``: ``arm → (value, formula)``.
 
-    Episodes are the rollouts the arm generates (K·B·G; under dynamic sampling its minimum,
-    every group kept at once; under GKD's λ the student's share); generated tokens are those
-    × L̄ (``budget.mean_tokens``, else the arm's L_max, an upper bound).
+    Episodes are those the arm trains from, whoever generated them: the student's rollouts
+    (K·B·G; under dynamic sampling its minimum, every group kept at once) and, under
+    ``--distill-lambda`` λ < 1, the (1 − λ)·K·B·G episodes drawn from ``--distill-data`` (a
+    teacher's), so SFT on demonstrations (λ = 0) and RL are compared at the same number of
+    episodes. Generated tokens are the student's rollouts × L̄ (``budget.mean_tokens``, else the
+    arm's L_max, an upper bound).
     """
     from consequence.config import generation_budget
     from consequence.experiment.budget import plan_lines
@@ -63,14 +66,21 @@ def arm_budgets(exp: Experiment) -> dict[str, tuple[float, str]]:
         lines = {x.quantity: x for x in plan_lines(cfg, L)}
         if exp.equalise == "generated_tokens":
             x = lines["generated tokens"]
+            out[arm.name] = (float(x.value), x.formula)
         else:
-            x = (
-                lines.get("rollouts generated")
-                or lines.get("trajectories of the student")
-                or lines["trajectories trained on"]
-            )
-        out[arm.name] = (float(x.value), x.formula)
+            out[arm.name] = _episodes(cfg, lines)
     return out
+
+
+def _episodes(cfg, lines: dict) -> tuple[float, str]:
+    """The student's rollouts plus the fixed-data episodes of GKD's λ (see :func:`arm_budgets`)."""
+    own = (
+        lines.get("rollouts generated") or lines.get("trajectories of the student") or lines["trajectories trained on"]
+    )
+    if cfg.distill_lambda >= 1:
+        return float(own.value), own.formula
+    data = (1 - cfg.distill_lambda) * cfg.iterations * cfg.tasks_per_iteration * cfg.group_size
+    return own.value + data, f"{own.formula} + (1−λ)·K·B·G data = {own.value:,.0f} + {data:,.0f}"
 
 
 def check_budgets(exp: Experiment) -> dict[str, tuple[float, str]]:

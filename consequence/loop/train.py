@@ -129,7 +129,8 @@ def run_loop(r: _Run, source: BatchSource, rec: RunRecorder) -> None:
                 checks = _check_first_batch(r, it, got, batch, rec.console) if it == r.first_student else None
                 t1 = time.perf_counter()
                 seed = seed_of(cfg.seed, it, "update")
-                upd = update(batch, cfg, learner, r.pad_id, seed=seed, divergence_only=got.from_data)  # θ ← θ + ∇
+                divergence_only = got.from_data and cfg.distill_loss != "none"  # else SFT on the data's rows
+                upd = update(batch, cfg, learner, r.pad_id, seed=seed, divergence_only=divergence_only)  # θ ← θ + ∇
                 t_update = time.perf_counter() - t1
             source.publish(learner.model, it + 1)  # version it + 1: what batches started from now on sample with
             m = iteration_metrics(it, r, got, batch, upd, t_rollout, t_update, checks)
@@ -535,16 +536,26 @@ def iteration_metrics(
         metrics |= {k: v for k, v in ds.items() if k.startswith("groups_")}
     if cfg.distill_lambda < 1:
         metrics["fixed_data_batch"] = float(got.from_data)
-    if got.from_data:  # the rows are the data's, not the student's: its success is not the policy's
+    if got.from_data:  # the rows are the data's, not the student's: its success is not the policy's,
+        # and a ratio against the data's stored log-probs (a teacher's, 0 for the scripted one) means nothing
+        metrics = {k: v for k, v in metrics.items() if not k.startswith(_RATIO_METRICS)}
         metrics |= {"reward_mean": None, "success": None, "mixed_group_fraction": None, "rollout_tokens_per_s": None}
     return metrics
+
+
+_RATIO_METRICS = ("ratio_", "first_step_ratio_", "clip_frac_")
 
 
 def _status_line(m: dict[str, Any]) -> str:
     """What the progress bar shows after an iteration: reward and mixed groups, or the fixed
     data's divergence; the validation success when it ran."""
     if m.get("fixed_data_batch"):
-        status = f"fixed-data batch (--distill-data): divergence {m.get('distill_divergence', float('nan')):.3f}"
+        what = (
+            f"divergence {m['distill_divergence']:.3f}"
+            if "distill_divergence" in m
+            else f"SFT on {m.get('rejection_accepted', 0):.0f} verified episodes"
+        )
+        status = f"fixed-data batch (--distill-data): {what}"
     else:
         reward = "n/a (all env errors)" if m["reward_mean"] is None else f"{m['reward_mean']:.2f}"
         lag = (

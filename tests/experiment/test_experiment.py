@@ -66,6 +66,19 @@ def test_equal_budgets_pass_and_unequal_ones_are_refused_with_each_arms_spend(tm
     assert check_budgets(load_experiment(_write(tmp_path, plan), tmp_path / "out"))["rloo"][0] == 8 * 192
 
 
+def test_an_sft_arm_counts_its_demonstrations_as_episodes(tmp_path):
+    """λ = 0: every batch is drawn from --distill-data; its K·B·G episodes are the arm's budget."""
+    (tmp_path / "demos.parquet").write_bytes(b"")  # read by the run, not by the plan
+    sft = {"recipe": "rejection_sft", "distill_lambda": 0.0, "distill_data": str(tmp_path / "demos.parquet")}
+    half = {**sft, "distill_lambda": 0.5}
+    plan = {"base": TINY, "seeds": [0], "arms": {"grpo": {}, "sft": sft, "half": half}}
+    assert check_budgets(load_experiment(_write(tmp_path, plan), tmp_path / "out")) == {
+        "grpo": (8.0, "K·B·G = 2·2·2"),
+        "sft": (8.0, "λ·K·B·G = 0·8 + (1−λ)·K·B·G data = 0 + 8"),
+        "half": (8.0, "λ·K·B·G = 0.5·8 + (1−λ)·K·B·G data = 4 + 4"),
+    }
+
+
 @pytest.mark.parametrize(
     "change,said",
     [
