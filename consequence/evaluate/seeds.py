@@ -11,6 +11,9 @@ success over the runs of one arm:
 * :func:`iqm`: the interquartile mean of per-seed scores (Agarwal et al. 2021, "Deep RL at
   the edge of the statistical precipice", §4: robust to an outlying run, less noisy than the
   median);
+* :func:`arm_difference`: arm X − arm Y, two arms with their own training seeds evaluated on
+  the same problems: a crossed design (problems are shared, seeds are not), so a resample
+  draws the problems once for both arms and each arm's seeds on their own;
 * :func:`probability_of_improvement`: P(X > Y) + ½·P(X = Y) for a seed of arm X against a seed
   of arm Y (the same paper's §4, the Mann-Whitney U statistic over n·m pairs);
 * :func:`performance_profile`: the share of seeds whose score exceeds each threshold τ (§4).
@@ -97,6 +100,60 @@ def two_level_resamples(per_seed: Sequence[Sequence[float]], n_boot: int = 10_00
             total += (means * (np.arange(S) < copies[:, None])).sum(axis=1)
         stats[start : start + b] = total / S
     return stats
+
+
+def arm_difference(
+    x: Sequence[Sequence[float]],
+    y: Sequence[Sequence[float]],
+    confidence: float = 0.95,
+    n_boot: int = 10_000,
+    seed: int = 0,
+) -> tuple[float, float, float]:
+    """Arm X − arm Y in mean success, each arm's runs scored on the same P problems, with a
+    percentile CI of the crossed bootstrap.
+
+    The statistic is (1/S_X)·Σ_s mean_j x[s, j] − (1/S_Y)·Σ_s mean_j y[s, j]. The training seeds
+    of two arms are different runs (seed k of one algorithm is unrelated to seed k of another),
+    but the problems are the same ones: each resample draws P problem indices once (shared by
+    both arms and all their seeds, so a problem's own difficulty cancels as in a paired test),
+    then S_X seeds of X and S_Y seeds of Y with replacement, each arm's on its own (the
+    bootstrap of a crossed design; Owen 2007, "The pigeonhole bootstrap", §2). Per chunk of
+    at most 1000 resamples the generator draws, in this order, the problems ``[b, P]``, X's
+    seeds ``[b, S_X]`` and Y's seeds ``[b, S_Y]``.
+
+    Args:
+        x, y: one row per training seed of each arm, the per-problem scores over the same
+            problems in the same order (every row of both arms has length P).
+        confidence: of the two-sided percentile interval.
+        n_boot: resamples.
+        seed: of the resampling generator.
+
+    Returns:
+        ``(estimate, low, high)``.
+
+    Raises:
+        ValueError: as :func:`two_level_bootstrap`, or rows of different lengths.
+    """
+    rows_x, rows_y = _table(x), _table(y)
+    if len({r.size for r in rows_x + rows_y}) != 1:
+        raise ValueError("arm_difference needs every seed of both arms scored on the same problems (equal row lengths)")
+    X, Y = np.stack(rows_x), np.stack(rows_y)  # [S_X, P], [S_Y, P]
+    if not 0 < confidence < 1 or n_boot < 1:
+        raise ValueError(f"confidence must be in (0, 1) and n_boot >= 1, got {confidence}, {n_boot}")
+    rng = np.random.default_rng(seed)
+    P = X.shape[1]
+    stats = np.empty(n_boot)
+    for start in range(0, n_boot, 1000):
+        b = min(1000, n_boot - start)
+        problems = rng.integers(0, P, size=(b, P))
+        px, py = rng.integers(0, X.shape[0], size=(b, X.shape[0])), rng.integers(0, Y.shape[0], size=(b, Y.shape[0]))
+        xm = X[:, problems].mean(axis=2)  # [S_X, b]: each seed's mean over the drawn problems
+        ym = Y[:, problems].mean(axis=2)
+        cols = np.arange(b)[:, None]
+        stats[start : start + b] = xm[px, cols].mean(axis=1) - ym[py, cols].mean(axis=1)
+    alpha = (1 - confidence) / 2
+    low, high = np.quantile(stats, [alpha, 1 - alpha])
+    return float(X.mean(axis=1).mean() - Y.mean(axis=1).mean()), float(low), float(high)
 
 
 def iqm(scores: Sequence[float]) -> float:

@@ -246,7 +246,41 @@ def _aggregate_one(
             b: paired_difference(out[name]["per_problem"], out[b]["per_problem"], confidence, n_boot, seed)
             for b in starts
         }
-    return {"split": split, "decoding": decoding, "arms": out, "probability_of_improvement": poi}
+    trained = [n for n in out if policy[n] != "warmstart"]
+    between = {
+        x: {y: arm_difference(out[x]["per_problem"], out[y]["per_problem"], confidence, n_boot, seed) for y in trained}
+        for x in trained
+    }
+    return {
+        "split": split,
+        "decoding": decoding,
+        "arms": out,
+        "probability_of_improvement": poi,
+        "differences_between_arms": between,
+    }
+
+
+def arm_difference(
+    tables: Sequence[Mapping[str, float]],
+    other: Sequence[Mapping[str, float]],
+    confidence: float = 0.95,
+    n_boot: int = 10_000,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Arm − other arm, each with its own training seeds, on the problems every seed of both
+    scored (``seeds.arm_difference``: problems resampled once for both, seeds per arm); the
+    difference of the mean success, a fraction, with its CI and the number of problems.
+
+    Raises:
+        ValueError: no problem scored by every seed of both arms.
+    """
+    common = sorted(set.intersection(*(set(t) for t in [*tables, *other])))
+    if not common:
+        raise ValueError("no problem scored by every seed of both arms")
+    rows = [[t[p] for p in common] for t in tables]
+    rows_other = [[t[p] for p in common] for t in other]
+    mean, low, high = seeds.arm_difference(rows, rows_other, confidence=confidence, n_boot=n_boot, seed=seed)
+    return {"mean": mean, "low": low, "high": high, "n_problems": len(common)}
 
 
 def paired_difference(
@@ -343,6 +377,7 @@ def _markdown(result: Mapping[str, Any], spent: Mapping[str, list[dict[str, Any]
                 f"{_pct(a['iqm'])} | {a['n_seeds']} | {a['n_problems']} | {a['n_episodes']} |"
             )
         lines += _difference_lines(res, conf)
+        lines += _between_lines(res, conf)
         lines += _poi_lines(res)
     if spent:
         lines += _spent_lines(spent)
@@ -367,6 +402,41 @@ def _difference_lines(res: Mapping[str, Any], conf: str) -> list[str]:
             f"| {name} | {base} | {100 * d['mean']:+.1f} ({len(d['per_seed'])} seeds) | "
             f"[{100 * d['low']:+.1f}, {100 * d['high']:+.1f}] | {per_seed} |"
         )
+    return lines
+
+
+def _between_lines(res: Mapping[str, Any], conf: str) -> list[str]:
+    """Every pair of trained arms: row − column in points, the CI, and which pairs' CI excludes 0."""
+    between = res.get("differences_between_arms") or {}
+    names = list(between)
+    if len(names) < 2:
+        return []
+    seeds_of = {n: res["arms"][n]["n_seeds"] for n in names}
+    lines = [
+        "",
+        f"Differences between trained arms, row − column in points ({conf} CI of the crossed bootstrap: the "
+        "problems resampled once for both arms, each arm's seeds on their own; * where the CI excludes 0):",
+        "",
+        "| row − column | " + " | ".join(names) + " |",
+        "|---" * (len(names) + 1) + "|",
+    ]
+    for x in names:
+        cells = []
+        for y in names:
+            d = between[x][y]
+            mark = "*" if d["low"] > 0 or d["high"] < 0 else ""
+            cells.append(
+                "—" if y == x else f"{100 * d['mean']:+.1f} [{100 * d['low']:+.1f}, {100 * d['high']:+.1f}]{mark}"
+            )
+        lines.append(f"| {x} ({seeds_of[x]} seeds) | " + " | ".join(cells) + " |")
+    survive = [
+        f"{x} − {y}: {100 * d['mean']:+.1f} [{100 * d['low']:+.1f}, {100 * d['high']:+.1f}] pts "
+        f"({seeds_of[x]} and {seeds_of[y]} seeds)"
+        for i, x in enumerate(names)
+        for y in names[i + 1 :]
+        if (d := between[x][y])["low"] > 0 or d["high"] < 0
+    ]
+    lines += ["", "Differences whose CI excludes 0: " + ("; ".join(survive) if survive else "none") + "."]
     return lines
 
 

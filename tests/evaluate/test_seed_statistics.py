@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from consequence.evaluate.seeds import (
+    arm_difference,
     iqm,
     performance_profile,
     probability_of_improvement,
@@ -55,6 +56,50 @@ def test_two_level_bootstrap_matches_the_enumerated_distribution(table):
 
     assert quantile(0.025 - eps) <= low <= quantile(0.025 + eps)
     assert quantile(0.975 - eps) <= high <= quantile(0.975 + eps)
+
+
+def _exact_crossed(x: list[list[int]], y: list[list[int]]) -> dict[Fraction, Fraction]:
+    """The exact distribution of arm_difference's statistic: every draw of the P problems
+    (shared), of X's seeds and of Y's seeds, each equally likely."""
+    P, dist = len(x[0]), {}
+    n = P**P * len(x) ** len(x) * len(y) ** len(y)
+
+    def mean(arm, seeds, problems):
+        return sum(Fraction(sum(arm[s][j] for j in problems), P) for s in seeds) / len(seeds)
+
+    for problems in itertools.product(range(P), repeat=P):
+        for sx in itertools.product(range(len(x)), repeat=len(x)):
+            for sy in itertools.product(range(len(y)), repeat=len(y)):
+                v = mean(x, sx, problems) - mean(y, sy, problems)
+                dist[v] = dist.get(v, Fraction(0)) + Fraction(1, n)
+    return dist
+
+
+def test_arm_difference_matches_the_enumerated_crossed_bootstrap():
+    x, y = [[0, 1, 1], [1, 1, 0]], [[0, 0, 1], [1, 0, 0], [0, 0, 0]]
+    n_boot = 20_000
+    est, low, high = arm_difference(x, y, n_boot=n_boot, seed=0)
+    assert est == pytest.approx(2 / 3 - 2 / 9, abs=1e-15)  # 4/6 solved minus 2/9
+    dist = _exact_crossed(x, y)
+    support = sorted(dist)
+    cdf = np.cumsum([float(dist[v]) for v in support])
+    eps = math.sqrt(math.log(2 / 1e-9) / (2 * n_boot))  # DKW: fails with probability < 1e-9
+
+    def quantile(q):
+        return float(support[int(np.searchsorted(cdf, q - 1e-12))])
+
+    assert quantile(0.025 - eps) <= low <= quantile(0.025 + eps)
+    assert quantile(0.975 - eps) <= high <= quantile(0.975 + eps)
+
+
+def test_arm_difference_of_a_constant_shift_is_that_shift():
+    """Problems shared by both arms: a problem's difficulty cancels; y = x − 0.25 on every
+    problem and seed, so every resample (same problems, any seeds of equal rows) is 0.25."""
+    x = [[0.5, 1.0, 0.25, 0.75]] * 3
+    y = [[v - 0.25 for v in x[0]]] * 2
+    assert arm_difference(x, y, n_boot=500) == pytest.approx((0.25, 0.25, 0.25), abs=1e-12)
+    with pytest.raises(ValueError, match="same problems"):
+        arm_difference(x, [[0.5, 1.0]])
 
 
 def test_one_seed_is_a_bootstrap_over_problems_only():

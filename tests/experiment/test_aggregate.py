@@ -91,6 +91,11 @@ def test_aggregate_by_hand_and_by_direct_computation(runs):
     # probability of improvement over the 2 × 2 seed pairs: A's (0.5, 5/6) against B's (1/6, 0.5):
     # 0.5 > 1/6, 0.5 = 0.5 (half), 5/6 > both → 3.5 / 4
     assert res["probability_of_improvement"] == {"A": {"B": 0.875}, "B": {"A": 0.125}}
+    # A − B: the difference of means (2/3 − 1/3) with the crossed bootstrap of the same tables
+    ab = res["differences_between_arms"]["A"]["B"]
+    direct = seeds.arm_difference(tables["A"], tables["B"], 0.95, 10_000, 0)
+    assert (ab["mean"], ab["low"], ab["high"], ab["n_problems"]) == (*direct, 3)
+    assert ab["mean"] == pytest.approx(1 / 3, abs=1e-15)
 
 
 def test_a_no_training_arm_reads_the_warm_start_files(runs):
@@ -144,6 +149,9 @@ def test_the_report_holds_the_numbers_and_their_seeds(runs, tmp_path):
         assert f"| {100 * arm['iqm']:.1f} | 2 | 3 | 6 |" in row
     assert "| A | — | 0.875 (2×2 seeds) |" in md and "| B | 0.125 (2×2 seeds) | — |" in md
     assert "| A | generated tokens | tokens | 200 | 400 | 2 |" in md
+    ab = saved["results"][0]["differences_between_arms"]["A"]["B"]
+    assert f"| A (2 seeds) | — | {100 * ab['mean']:+.1f} [{100 * ab['low']:+.1f}, {100 * ab['high']:+.1f}]" in md
+    assert "Differences whose CI excludes 0: " in md
     assert paths[2].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
