@@ -371,7 +371,9 @@ def sft_cmd(
 
 @app.command("demos")
 def demos_cmd(
-    out: Path = typer.Option(..., "--out", help="Trajectories parquet file to write (atomically)."),
+    out: Path = typer.Option(
+        ..., "--out", help="Trajectories parquet file to write (atomically; missing folders are created)."
+    ),
     episodes: int = typer.Option(
         1024, "-n", "--episodes", min=1, help="Teacher episodes to run; the verified ones are written."
     ),
@@ -382,7 +384,10 @@ def demos_cmd(
     env_option: list[str] = typer.Option([], "--env-option", help="Environment option KEY=VALUE (repeatable)."),
     split_seed: int = typer.Option(0, min=0, help="Split seed of the environment (the training run's --split-seed)."),
     draw_seed: int = typer.Option(
-        1000, min=0, help="Seed of the task instances and teacher habits (the warm start's own: the split seed)."
+        1000,
+        min=0,
+        help="Seed of the task instances and teacher habits; the bundled warm start was built from draw seed = "
+        "split seed, so the default 1000 gives demonstrations it has not seen.",
     ),
 ) -> None:
     """The scripted teacher's verified demonstrations in the student's tokens, as a trajectories
@@ -409,4 +414,7 @@ def demos_cmd(
         )
     except ValueError as e:
         console.print(f"[red]error:[/] {escape(str(e))}")
+        raise typer.Exit(2) from None
+    except OSError as e:
+        console.print(f"[red]error:[/] cannot write --out {escape(str(out))}: {escape(e.strerror or str(e))}")
         raise typer.Exit(2) from None

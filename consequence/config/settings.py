@@ -585,9 +585,19 @@ class TrainConfig(BaseModel):
     def _check_sft_on_data(self, as_advantage: bool) -> None:
         """--distill-data without --distill-loss: SFT on the data's verified episodes, which needs
         the ratio-free surrogate (the rows' stored log-probs are the data's sampler's)."""
-        if self.advantage == "rejection" and self.surrogate == "pg" and not self.tis_cap:
+        wrong = [
+            f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}"
+            for flag, value, ok in (
+                ("--advantage", self.advantage, self.advantage == "rejection"),
+                ("--surrogate", self.surrogate, self.surrogate == "pg"),
+                ("--tis-cap", self.tis_cap, not self.tis_cap),
+            )
+            if not ok
+        ]
+        if not wrong:
             return
         raise ValueError(
+            f"--distill-data without a teacher cannot train with {', '.join(wrong)}. "
             "--distill-lambda / --distill-data train on fixed data either the divergence of --distill-loss "
             "(give --distill-loss forward|reverse|jsd, e.g. --recipe gkd) or, without a teacher, SFT on the "
             "data's verified episodes (give --advantage rejection --surrogate pg and no --tis-cap, e.g. "

@@ -78,7 +78,8 @@ def load_fixed_data(path: str | Path, splits: Mapping[str, Sequence[Any]]) -> li
     if not p.is_file():
         raise ValueError(
             f"--distill-data {p}: no such file; write one with `consequence eval --model TEACHER "
-            "--split train --out DIR` (DIR/episodes.parquet)"
+            "--split train --out DIR` (DIR/episodes.parquet) or `consequence demos --out FILE` (the "
+            "scripted teacher's demonstrations)"
         )
     try:
         trajs = read_trajectories(p)
@@ -98,7 +99,9 @@ def load_fixed_data(path: str | Path, splits: Mapping[str, Sequence[Any]]) -> li
             )
             raise ValueError(
                 f"--distill-data {p}: task {t.task_id!r} {why}; fixed data may hold train-split "
-                "problems only (write it with --split train and the run's --split-seed)"
+                "problems only: the file was written for another split (another --split-seed or "
+                "environment than this run's, or --split other than train); write it again with this "
+                "run's --split-seed (`consequence eval --split train` or `consequence demos`)"
             )
     return usable
 

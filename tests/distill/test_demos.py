@@ -68,9 +68,9 @@ def test_the_default_draw_is_not_the_warm_starts_own_demonstrations(tmp_path, de
 @pytest.mark.parametrize(
     "kw,match",
     [
-        ({"advantage": "grpo"}, "--advantage rejection --surrogate pg"),
+        ({"advantage": "grpo"}, "cannot train with --advantage grpo"),
         ({"advantage": "rejection", "surrogate": "ppo_clip"}, "--advantage rejection --surrogate pg"),
-        ({"advantage": "rejection", "surrogate": "pg", "tis_cap": 2.0}, "no --tis-cap"),
+        ({"advantage": "rejection", "surrogate": "pg", "tis_cap": 2.0}, "cannot train with --tis-cap 2"),
     ],
 )
 def test_fixed_data_without_a_teacher_is_sft_or_refused(kw, match, demos_file):
