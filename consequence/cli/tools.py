@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import typer
@@ -323,7 +325,7 @@ def sft_cmd(
     from consequence.policy.tiny import check_model_folder
 
     quiet_libraries()
-    try:
+    with _writing_out(out):
         options = parse_env_options(env_option)
         targets = tuple(parse_list(lora_targets, "--lora-targets", "q_proj,v_proj"))
         _check_teacher_env(env, seed, options)
@@ -357,12 +359,6 @@ def sft_cmd(
                 phases=phases,
                 source=source_record(model) if is_named(model) else None,
             )
-    except ValueError as e:
-        console.print(f"[red]error:[/] {escape(str(e))}")
-        raise typer.Exit(2) from None
-    except OSError as e:
-        console.print(f"[red]error:[/] cannot write --out {escape(str(out))}: {escape(e.strerror or str(e))}")
-        raise typer.Exit(2) from None
     console.print(
         f"cold-start model: {out}  ({record['teacher']['verified']}/{record['teacher']['episodes']} "
         f"verified demonstrations, {record['rows']} rows, SFT {record['seconds']['sft']:.0f} s)"
@@ -398,7 +394,7 @@ def demos_cmd(
     from consequence.evaluate.run import resolve_model
 
     quiet_libraries()
-    try:
+    with _writing_out(out):
         options = parse_env_options(env_option)
         _check_teacher_env(env, split_seed, options)
         check_out_file(out, "--out")
@@ -412,6 +408,13 @@ def demos_cmd(
             env_options=options,
             log=console.print,
         )
+
+
+@contextmanager
+def _writing_out(out: Path) -> Iterator[None]:
+    """A user's mistake (ValueError) or a failed write of ``--out`` (OSError) as one error line, exit 2."""
+    try:
+        yield
     except ValueError as e:
         console.print(f"[red]error:[/] {escape(str(e))}")
         raise typer.Exit(2) from None
