@@ -44,6 +44,11 @@ class ModelCall:
             or its answer): a per-turn / process reward; 0.0 when none. The trajectory's
             reward is the sum over its calls (and shaping); GAE places each call's reward
             on that call's last sampled token (returns-to-go, docs/environments.md).
+        invalid_calls: why the harness refused some of ``tool_calls`` before running them,
+            one kind per refused call in order: ``"unknown_tool"`` (no declared tool of that
+            name) or ``"bad_arguments"`` (arguments that do not match the tool's schema;
+            ``harness.tools.call_problem``). Empty when every call ran, and in records
+            written before the field existed (they read back with the default).
     """
 
     context_ids: list[int]
@@ -55,6 +60,7 @@ class ModelCall:
     observation_ids: list[int] = field(default_factory=list)
     keep_ids: list[list[int]] | None = None
     reward: float = 0.0
+    invalid_calls: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.stop_reason not in ("stop", "length"):

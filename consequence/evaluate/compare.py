@@ -14,6 +14,7 @@ from typing import Any
 
 from consequence.envs.api import answer_in_text
 from consequence.evaluate.episode_eval import parse_error_fraction, solved
+from consequence.evaluate.shortcuts import answers, shortcut_metrics
 from consequence.evaluate.stats import paired_bootstrap_ci
 from consequence.records import Trajectory
 
@@ -66,9 +67,12 @@ def paired_comparison(a: ArmResult, b: ArmResult, confidence: float = 0.95, seed
     }
 
 
-def summarize(trajs: Sequence[Trajectory]) -> dict[str, float]:
+def summarize(trajs: Sequence[Trajectory]) -> dict[str, Any]:
     """Outcome shares and costs of a set of episodes; ``success`` is over the episodes whose
-    environment did not fail (env errors are excluded, as everywhere), the shares over all."""
+    environment did not fail (env errors are excluded, as everywhere), the shares over all;
+    then the most common answer, the copied answers and the shortcut diagnostics
+    (``evaluate.shortcuts.shortcut_metrics``: tool-call rate, invalid calls, answers; None
+    where undefined)."""
     n = max(1, len(trajs))
     valid = [t for t in trajs if t.outcome != "env_error"]
     return {
@@ -82,6 +86,7 @@ def summarize(trajs: Sequence[Trajectory]) -> dict[str, float]:
         "parse_error_fraction": parse_error_fraction(trajs),
         **top_answer(trajs),
         **copied_answers(trajs),
+        **shortcut_metrics(trajs),
     }
 
 
@@ -112,22 +117,24 @@ def copied_answers(trajs: Sequence[Trajectory]) -> dict[str, float]:
 
 
 def top_answer(trajs: Sequence[Trajectory]) -> dict[str, Any]:
-    """The most common final answer (``final_code``: the answer text, or the final program)
-    and its share of all episodes: a policy that gives one answer to every problem scores
-    the share of problems whose answer that is, whatever it learned."""
+    """The most common answer (``shortcuts.answer_of``: ``final_code`` stripped, the answer
+    text or the final program; env_error episodes left out), None without one, and
+    ``answered_episodes``, the number of valid episodes with an answer. Its share of them
+    is ``top_answer_share`` (``shortcuts.top_answer_share``): a policy that gives one
+    answer to every problem scores the share of problems whose answer that is, whatever it
+    learned."""
     counts: dict[str, int] = {}
-    for t in trajs:
-        if t.final_code is not None:
-            counts[t.final_code] = counts.get(t.final_code, 0) + 1
+    for a in answers(trajs):
+        counts[a] = counts.get(a, 0) + 1
     if not counts:
-        return {"top_answer": None, "top_answer_share": 0.0}
+        return {"top_answer": None, "answered_episodes": 0}
     answer = max(counts, key=counts.__getitem__)  # ties: the first seen
     shown = answer if len(answer) <= 80 else answer[:77] + "..."  # a program can be long: report.json keeps a head
-    return {"top_answer": shown, "top_answer_share": counts[answer] / max(1, len(trajs))}
+    return {"top_answer": shown, "answered_episodes": sum(counts.values())}
 
 
-# An arm that gives one final answer in at least this share of its episodes (over at least
-# CONSTANT_MIN_EPISODES) gets a warning in the final report: its success may be a base rate.
+# An arm that gives one final answer in at least this share of its answered episodes (over at
+# least CONSTANT_MIN_EPISODES answered) gets a warning in the final report: its success may be a base rate.
 CONSTANT_SHARE = 0.9
 CONSTANT_MIN_EPISODES = 20
 
@@ -154,13 +161,16 @@ def copied_answer_warning(split: str, decoding: str, warm: dict[str, Any], rl: d
 
 def constant_answer_warning(split: str, decoding: str, warm: dict[str, Any], rl: dict[str, Any]) -> str | None:
     """A warning when the RL arm answers (nearly) always the same and more so than the warm
-    start (``warm`` and ``rl`` are :func:`summarize` outputs), else None."""
-    share, before = rl.get("top_answer_share", 0.0), warm.get("top_answer_share", 0.0)
-    if rl.get("episodes", 0) < CONSTANT_MIN_EPISODES or share < CONSTANT_SHARE or share <= before:
+    start (``warm`` and ``rl`` are :func:`summarize` outputs), else None. The shares are
+    over each arm's answered episodes (``top_answer_share``)."""
+    share, before = rl.get("top_answer_share"), warm.get("top_answer_share") or 0.0
+    answered = rl.get("answered_episodes", rl.get("episodes", 0))
+    if share is None or answered < CONSTANT_MIN_EPISODES or share < CONSTANT_SHARE or share <= before:
         return None
     return (
         f"{split}, {decoding}: the RL policy gave the same final answer {rl['top_answer']!r} in {share:.0%} of its "
-        f"episodes (warm start: {before:.0%}). Its success is then about the share of problems whose answer "
+        f"answered episodes (warm start: {before:.0%}; {answered} of {rl.get('episodes', answered)} episodes "
+        "answered). Its success is then about the share of problems whose answer "
         "that is (a constant policy), not a skill: compare it with that base rate before reading the "
         "difference as a gain."
     )

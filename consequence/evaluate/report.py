@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from consequence.evaluate.settings import describe
+from consequence.evaluate.shortcuts import SHORTCUT_METRICS, format_metric
 from consequence.figures import pyplot, save_figure
 from consequence.fileio import strict_json, write_text_atomic
 from consequence.records import write_trajectories
@@ -105,6 +106,9 @@ def markdown(result: dict[str, Any], cost_png: str = "cost.png") -> str:
         f"Environment errors: {result['env_errors']} ({result['exclusion_rule']}). Sandbox re-runs: "
         f"{result.get('env_retries', 0)} ({result.get('retry_rule', 'no retry rule recorded')}).",
         f"Isolation: {', '.join(f'{k}={v}' for k, v in s['isolation'].items())}.",
+    ]
+    lines += shortcut_lines(result.get("shortcuts"))
+    lines += [
         "",
         "## Splits touched",
         "",
@@ -117,6 +121,26 @@ def markdown(result: dict[str, Any], cost_png: str = "cost.png") -> str:
     if s["split"] == "test":
         lines.append("\nThis evaluation touched the **test** split: do not use it to choose settings or checkpoints.")
     return "\n".join(lines) + "\n"
+
+
+def shortcut_lines(shortcuts: dict[str, Any] | None) -> list[str]:
+    """The section of the shortcut diagnostics (``evaluate.shortcuts``): one table row per
+    number; nothing for a result written before they existed."""
+    if not shortcuts:
+        return []
+    lines = [
+        "",
+        "## Shortcut diagnostics",
+        "",
+        "Is a success a skill or a shortcut? Environment errors left out; the answer is the episode's final "
+        "answer (its `final_code`, stripped), the tool value the last tool result that is not an error; "
+        "— where undefined (docs/evaluation.md).",
+        "",
+        "| measure | value |",
+        "|---|---|",
+    ]
+    lines += [f"| {label} | {format_metric(key, shortcuts.get(key))} |" for key, label in SHORTCUT_METRICS]
+    return lines
 
 
 def _selection_lines(sel: dict[str, Any]) -> list[str]:

@@ -32,6 +32,7 @@ from consequence.evaluate.recovery import recovery_openings
 from consequence.evaluate.report import compare_markdown, markdown, write_compare, write_outputs  # noqa: F401
 from consequence.evaluate.rollouts import sample_episodes
 from consequence.evaluate.selection import SELECTION_RULES, check_rules, summarize_selection
+from consequence.evaluate.shortcuts import shortcut_metrics
 from consequence.evaluate.splits import record_touch, reuse_warning, weights_sha256
 from consequence.harness.renderer import Renderer
 from consequence.policy.tiny import load_policy
@@ -250,6 +251,7 @@ def evaluate_episodes(
         "final_selection": summarize_selection(trajs, ks, selection, visible, seed=seed),
         "outcomes": outcome_shares(trajs),
         "cost": cost_summary(trajs, wall_s=plain_wall),
+        "shortcuts": shortcut_metrics(trajs),  # tool use, invalid calls, answers (evaluate/shortcuts.py)
         "success_vs_tool_call_cap": dict(
             zip(map(str, TOOL_CAPS), success_under_caps(trajs, "n_tool_calls", TOOL_CAPS))
         ),

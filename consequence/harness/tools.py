@@ -38,20 +38,39 @@ def check_tool_specs(tools: list[dict]) -> dict[str, dict]:
     return by_name
 
 
-def validate_call(call: dict[str, Any], specs: dict[str, dict]) -> str | None:
-    """Check one parsed call against the specs.
+# Why the harness refused a parsed tool call before running it (``ModelCall.invalid_calls``).
+UNKNOWN_TOOL = "unknown_tool"  # the call names no declared tool
+BAD_ARGUMENTS = "bad_arguments"  # its arguments do not match the tool's JSON schema
+INVALID_CALL_KINDS: tuple[str, ...] = (UNKNOWN_TOOL, BAD_ARGUMENTS)
+
+
+def call_problem(call: dict[str, Any], specs: dict[str, dict]) -> tuple[str, str] | None:
+    """Check one parsed call against the specs, saying what kind of problem it has.
 
     Returns:
-        ``None`` when valid, else an error message meant for the model (an observation).
+        ``None`` when valid, else ``(kind, message)``: ``kind`` is :data:`UNKNOWN_TOOL` or
+        :data:`BAD_ARGUMENTS` (recorded in ``ModelCall.invalid_calls``), ``message`` the
+        error meant for the model (an observation).
     """
     name = call.get("name")
     if name not in specs:
-        return f"unknown tool {name!r}; available: {', '.join(specs)}"
+        return UNKNOWN_TOOL, f"unknown tool {name!r}; available: {', '.join(specs)}"
     schema = dict(specs[name])
     schema.setdefault("additionalProperties", False)
     try:
         jsonschema.validate(call.get("arguments", {}), schema)
     except jsonschema.ValidationError as e:
         where = "/".join(str(p) for p in e.absolute_path) or "arguments"
-        return f"bad arguments for {name}: {where}: {e.message}"
+        return BAD_ARGUMENTS, f"bad arguments for {name}: {where}: {e.message}"
     return None
+
+
+def validate_call(call: dict[str, Any], specs: dict[str, dict]) -> str | None:
+    """Check one parsed call against the specs.
+
+    Returns:
+        ``None`` when valid, else an error message meant for the model (an observation);
+        :func:`call_problem` also says which kind of problem.
+    """
+    problem = call_problem(call, specs)
+    return None if problem is None else problem[1]

@@ -38,6 +38,7 @@ from consequence.envs.registry import env_of
 from consequence.evaluate.compare import summarize
 from consequence.evaluate.episode_eval import parse_error_fraction
 from consequence.evaluate.final import final_report, validate
+from consequence.evaluate.shortcuts import shortcut_metrics
 from consequence.evaluate.splits import record_touch, reuse_warning
 from consequence.harness.renderer import Renderer
 from consequence.loop.checks import PreStepCheckError, run_pre_step_checks
@@ -515,6 +516,7 @@ def iteration_metrics(
         "gen_tokens_mean": n_gen / n,
         "tool_calls_mean": sum(t.n_tool_calls for t in trajs) / n,
         "parse_error_fraction": parse_error_fraction(trajs),
+        **shortcut_metrics(trajs),  # tool_call_rate, invalid_call_*, answers (evaluate/shortcuts.py; None: undefined)
         "truncated_fraction": sum(t.outcome == "truncated" for t in trajs) / n,
         "env_errors": sum(t.outcome == "env_error" for t in trajs),
         "env_retries": sum(t.env_retries for t in trajs),  # sandbox re-runs, whatever the outcome

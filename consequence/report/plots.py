@@ -58,6 +58,30 @@ def _seed_line(report: dict[str, Any]) -> list[str]:
     ]
 
 
+def _shortcut_table(results: list[dict[str, Any]]) -> list[str]:
+    """Per split and decoding, each shortcut diagnostic (``evaluate.shortcuts``) of the warm
+    start → the RL checkpoint; nothing for a report written before they existed."""
+    from consequence.evaluate.shortcuts import SHORTCUT_METRICS, format_metric
+
+    rows = [r for r in results if "tool_call_rate" in r.get("rl", {})]
+    if not rows:
+        return []
+    lines = [
+        "",
+        "Shortcut diagnostics, warm start → RL, per split and decoding (environment errors left out; "
+        "— where undefined; definitions: docs/evaluation.md):",
+        "",
+        "| measure | " + " | ".join(f"{r['split'].split(' ')[0]}, {r['decoding']}" for r in rows) + " |",
+        "|---|" + "---|" * len(rows),
+    ]
+    for key, label in SHORTCUT_METRICS:
+        cells = [
+            f"{format_metric(key, r['warm_start'].get(key))} → {format_metric(key, r['rl'].get(key))}" for r in rows
+        ]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def write_markdown_report(report: dict[str, Any], out_md: Path) -> None:
     """The final comparison as a Markdown table (atomically)."""
     lines = ["# Final report: warm start vs RL checkpoint", ""]
@@ -79,6 +103,7 @@ def write_markdown_report(report: dict[str, Any], out_md: Path) -> None:
             f"{100 * c['diff']:+.1f} pts | [{100 * c['low']:+.1f}, {100 * c['high']:+.1f}] | "
             f"{c['n_groups']} | {c['env_errors_excluded']} |"
         )
+    lines += _shortcut_table(report["results"])
     if "train_seconds" in report:
         lines += ["", f"Wall time of the whole run: {report['train_seconds'] / 60:.1f} min."]
     touched = report.get("splits_touched", [])

@@ -18,7 +18,7 @@ from typing import Any
 
 from consequence.envs.api import ANSWER_KEY
 from consequence.harness.renderer import Renderer
-from consequence.harness.tools import check_tool_specs, validate_call
+from consequence.harness.tools import call_problem, check_tool_specs
 from consequence.records import ModelCall, Trajectory
 
 # generate_fn(prompts, max_new_tokens, episode_indices) -> one sample per prompt with
@@ -257,9 +257,10 @@ def _advance(e: _Live, sample: Any, renderer: Renderer, tool_specs: dict, budget
         if not answer:
             e.traj.n_tool_calls += 1
             e.traj.tool_histogram[tc["name"]] = e.traj.tool_histogram.get(tc["name"], 0) + 1
-            problem = validate_call(tc, tool_specs)
+            problem = call_problem(tc, tool_specs)
             if problem:
-                results.append({"role": "tool", "name": tc["name"], "content": f"error: {problem}"})
+                call.invalid_calls.append(problem[0])  # unknown_tool / bad_arguments, for the metrics
+                results.append({"role": "tool", "name": tc["name"], "content": f"error: {problem[1]}"})
                 continue
         try:
             obs, reward, terminated, truncated, info = e.spec.env.step(tc)

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from consequence.envs.api import ANSWER_KEY
-from consequence.harness.tools import validate_call
+from consequence.harness.tools import call_problem
 from consequence.policy.sampler import SamplingParams
 from consequence.records import Trajectory
 from consequence.rollout.episodes import Budgets, raised, take_reward
@@ -145,10 +145,16 @@ class BoundEpisode:
         t = self.trajectory
         t.n_tool_calls += 1
         t.tool_histogram[name] = t.tool_histogram.get(name, 0) + 1
-        problem = validate_call({"name": name, "arguments": arguments}, self.tool_specs)
+        problem = call_problem({"name": name, "arguments": arguments}, self.tool_specs)
         if problem:
-            return self._observe(name, f"error: {problem}")
+            self._refused(problem[0])
+            return self._observe(name, f"error: {problem[1]}")
         return self._observe(name, self._step({"name": name, "arguments": arguments}))
+
+    def _refused(self, kind: str) -> None:
+        """Record a refused call's kind on the model call it follows (``ModelCall.invalid_calls``)."""
+        if self.trajectory.calls:
+            self.trajectory.calls[-1].invalid_calls.append(kind)
 
     def _observe(self, name: str, text: str) -> str:
         self.trajectory.messages = self.trajectory.messages + [{"role": "tool", "name": name, "content": text}]

@@ -73,7 +73,8 @@ def test_a_constant_answer_policy_is_flagged_in_the_final_report():
     assert rl["top_answer"] == "1" and rl["top_answer_share"] == 1.0 and warm["top_answer_share"] == 0.9
     w = constant_answer_warning("test", "greedy", warm, rl)
     assert w.startswith(
-        "test, greedy: the RL policy gave the same final answer '1' in 100% of its episodes (warm start: 90%)"
+        "test, greedy: the RL policy gave the same final answer '1' in 100% of its answered episodes "
+        "(warm start: 90%; 20 of 20 episodes answered)"
     )
     assert constant_answer_warning("test", "greedy", rl, rl) is None  # no more concentrated than before
     programs = summarize(arm([f"def f(): return {i}" for i in range(20)], [1] * 20))

@@ -185,6 +185,10 @@ def test_eval_cli_records_the_touch_and_warns_on_test_reuse(tmp_path):
     assert [t["split"] for t in r2["splits_touched"]] == ["test"]
     assert set(r2["final_selection"]) == {"first", "majority"} and "recovery" not in r2
     assert "**Warning:**" in (tmp_path / "e2" / "report.md").read_text()
+    from consequence.evaluate.shortcuts import SHORTCUT_METRICS
+
+    assert list(r1["shortcuts"]) == [k for k, _ in SHORTCUT_METRICS]  # evaluate/shortcuts.py, in eval.json
+    assert "## Shortcut diagnostics" in (tmp_path / "e1" / "report.md").read_text()
     bad = runner.invoke(app, ["eval", "--selection", "best", "--out", str(tmp_path / "e3")])
     assert bad.exit_code == 2 and "give one or more of first, majority, visible" in bad.output
 

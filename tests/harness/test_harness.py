@@ -4,7 +4,7 @@ import pytest
 
 from conftest import TOOLS
 from consequence.harness.renderer import Renderer, replay_conversation
-from consequence.harness.tools import check_tool_specs, validate_call
+from consequence.harness.tools import BAD_ARGUMENTS, UNKNOWN_TOOL, call_problem, check_tool_specs, validate_call
 from consequence.records import ModelCall, Trajectory, trajectory_to_rows
 from consequence.rollout.episodes import Budgets, EpisodeSpec, run_episodes
 
@@ -35,6 +35,11 @@ def test_argument_validation_against_schema():
     assert "line" in validate_call({"name": "replace_line", "arguments": {"line": "2", "code": "x"}}, specs)
     assert "unknown tool" in validate_call({"name": "rm", "arguments": {}}, specs)
     assert "Additional" in validate_call({"name": "run_tests", "arguments": {"x": 1}}, specs)
+    # the kind of each problem, recorded in ModelCall.invalid_calls (never read back from the text)
+    assert call_problem({"name": "replace_line", "arguments": {"line": 2, "code": "x"}}, specs) is None
+    assert call_problem({"name": "rm", "arguments": {}}, specs)[0] == UNKNOWN_TOOL
+    kind, message = call_problem({"name": "run_tests", "arguments": {"x": 1}}, specs)
+    assert kind == BAD_ARGUMENTS and message == validate_call({"name": "run_tests", "arguments": {"x": 1}}, specs)
 
 
 @pytest.mark.parametrize(
@@ -147,6 +152,32 @@ def test_max_turns_and_parse_errors(renderer):
     assert all(c.parse_error for c in t.calls)
     assert "error: no tool call" in renderer.tokenizer.decode(t.calls[0].observation_ids)
     assert json.dumps(t.messages)  # the readable view is plain JSON
+
+
+def test_refused_calls_are_recorded_by_kind_on_their_model_call(renderer):
+    from consequence.evaluate.shortcuts import invalid_call_shares
+
+    def turn(*calls):
+        return renderer.encode("\n".join(renderer.format_call(n, a) for n, a in calls)) + [renderer.eot_id], "stop"
+
+    gen = _Scripted(
+        renderer,
+        [
+            turn(("rm", {})),  # unknown tool
+            turn(("replace_line", {"line": "2", "code": "x"}), ("rm", {})),  # bad arguments, then unknown
+            (renderer.encode("hello") + [renderer.eot_id], "stop"),  # no tool call: unparsable
+            turn(("finish", {})),
+        ],
+    )
+    [t] = run_episodes(gen, renderer, [EpisodeSpec(_Env(), "t", "g", 0, 0)], Budgets(), "sys")
+    assert [c.invalid_calls for c in t.calls] == [["unknown_tool"], ["bad_arguments", "unknown_tool"], [], []]
+    assert t.outcome == "finished" and t.n_tool_calls == 4  # refused calls are still tool calls
+    assert "error: unknown tool 'rm'" in json.dumps(t.messages)  # the model still sees the message
+    assert invalid_call_shares([t]) == {
+        "invalid_call_unparsable": 1 / 4,
+        "invalid_call_unknown_tool": 2 / 4,
+        "invalid_call_bad_arguments": 1 / 4,
+    }
 
 
 def test_a_reply_without_a_tool_call_is_the_answer_by_default(renderer):

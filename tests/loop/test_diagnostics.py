@@ -94,3 +94,37 @@ def test_rejection_sampling_that_accepts_nothing_is_flagged():
     w = warnings_for([{"rejection_attempts": 16.0, "rejection_accepted": 0.0}])
     assert len(w) == 1 and "accepted none of 16 episodes" in w[0]
     assert warnings_for([{"rejection_attempts": 16.0, "rejection_accepted": 3.0}]) == []
+
+
+def test_iteration_metrics_carry_the_shortcut_diagnostics():
+    """metrics.jsonl's line holds the shortcut diagnostics (evaluate/shortcuts.py), strict JSON
+    with null where undefined; their values are those of the batch's trajectories."""
+    import json
+    from types import SimpleNamespace
+
+    from consequence.evaluate.shortcuts import SHORTCUT_METRICS, shortcut_metrics
+    from consequence.loop.train import iteration_metrics
+
+    def ep(answer, tool, sample, invalid=()):
+        call = ModelCall([1, 2], [3, 4], [-0.1, -0.2], "stop", invalid_calls=list(invalid))
+        msgs = [{"role": "tool", "name": "calculator", "content": tool}] if tool else []
+        return Trajectory(
+            "p#0", "p#0", sample, 0, 0, calls=[call], reward=1.0 if answer == "7" else 0.0,
+            final_code=answer, messages=msgs, n_tool_calls=int(bool(tool)) + len(invalid),
+        )  # fmt: skip
+
+    def line(trajs):
+        r = SimpleNamespace(
+            cfg=SimpleNamespace(dynamic_sampling=False, distill_lambda=1.0),
+            env=SimpleNamespace(iteration_metrics=lambda ts: {}),
+        )
+        got = SimpleNamespace(trajectories=trajs, stats={"gen_tokens_total": 8}, queue=None, from_data=False)
+        m = iteration_metrics(0, r, got, SimpleNamespace(metrics={}), {}, 1.0, 1.0, None)
+        return json.loads(json.dumps(m, allow_nan=False))  # as the recorder writes it
+
+    trajs = [ep("7", "7", 0), ep("7", None, 1), ep("12", "7", 2, ["unknown_tool"]), ep(None, None, 3)]
+    m = line(trajs)
+    assert {k: m[k] for k, _ in SHORTCUT_METRICS} == shortcut_metrics(trajs)
+    assert (m["tool_call_rate"], m["invalid_call_unknown_tool"], m["answer_equals_tool_value"]) == (0.5, 0.25, 1 / 3)
+    assert (m["top_answer_share"], m["answered_fraction"]) == (2 / 3, 0.75)
+    assert line([ep(None, None, 0)])["answer_entropy"] is None  # nothing answered: null, not NaN

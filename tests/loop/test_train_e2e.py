@@ -8,6 +8,7 @@ from safetensors.torch import load_file
 
 from consequence.config import TrainConfig
 from consequence.distill.warmstart import BUNDLED
+from consequence.evaluate.shortcuts import SHORTCUT_METRICS
 from consequence.records import read_trajectories, trajectory_to_rows
 
 pytestmark = pytest.mark.slow  # every test reads one module-scoped training run
@@ -54,6 +55,8 @@ def test_run_writes_every_artifact(run_dir):
     assert [m["iteration"] for m in metrics] == [0, 1]
     assert all(0.0 <= m["reward_mean"] <= 1.0 and "val_success" in m for m in metrics)
     assert all(type(m["env_retries"]) is int and m["env_retries"] >= 0 for m in metrics)
+    shortcuts = [k for k, _ in SHORTCUT_METRICS]  # evaluate/shortcuts.py: per iteration, per final arm
+    assert all(set(shortcuts) <= set(m) for m in metrics)
     report = json.loads((run_dir / "report.json").read_text())
     assert {(r["split"][:4], r["decoding"]) for r in report["results"]} == {
         ("test", "greedy"),
@@ -62,6 +65,7 @@ def test_run_writes_every_artifact(run_dir):
         ("trai", "sampled"),
     }
     for r in report["results"]:
+        assert set(shortcuts) <= set(r["warm_start"]) and set(shortcuts) <= set(r["rl"])
         c = r["comparison"]
         assert c["low"] <= c["diff"] <= c["high"] and c["episodes"] == 6
     manifest = json.loads((run_dir / "manifest.json").read_text())

@@ -69,6 +69,29 @@ def test_parquet_round_trip_keeps_env_retries(tmp_path):
     assert [t.env_retries for t in read_trajectories(old)] == [0, 0, 0]
 
 
+def test_invalid_calls_round_trip_and_old_files_read_without_them(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    t = _traj()
+    t.calls[0].invalid_calls = ["unknown_tool", "bad_arguments"]
+    path = tmp_path / "iter_0000.parquet"
+    write_trajectories(path, [t, _traj()])
+    back = read_trajectories(path)
+    assert back == [t, _traj()] and back[0].calls[0].invalid_calls == ["unknown_tool", "bad_arguments"]
+    # a file written before the field existed: its calls lack the column and read back with []
+    table = pq.read_table(path)
+    calls = table.column("calls").combine_chunks()
+    struct = calls.values
+    kept = [f.name for f in struct.type if f.name != "invalid_calls"]
+    old_struct = pa.StructArray.from_arrays([struct.field(n) for n in kept], names=kept)
+    old_calls = pa.ListArray.from_arrays(calls.offsets, old_struct)
+    old = tmp_path / "old.parquet"
+    pq.write_table(table.set_column(table.schema.get_field_index("calls"), "calls", old_calls), old)
+    assert "invalid_calls" not in str(pq.read_schema(old))
+    assert [c.invalid_calls for x in read_trajectories(old) for c in x.calls] == [[] for x in back for c in x.calls]
+
+
 def test_unknown_stop_reason_is_rejected():
     with pytest.raises(ValueError, match="stop_reason"):
         ModelCall([1], [2], [-1.0], "stopp")

@@ -900,3 +900,23 @@ def test_train_names_the_agent_when_the_agent_fails(tmp_path, monkeypatch, body,
     code, out = _train_with_agent(tmp_path, body)
     assert code != 0 and says in out, out
     assert "docs/agents.md" in out and "environments.md" not in out and "--skip-checks" not in out
+
+
+def test_a_refused_tool_call_of_an_agent_is_recorded_by_kind():
+    """A call the session refuses (unknown tool, bad arguments) is kept on the model call it
+    follows (ModelCall.invalid_calls), as the harness does; the environment never sees it."""
+    from conftest import TOOLS
+    from consequence.harness.tools import check_tool_specs
+    from consequence.records import ModelCall, Trajectory
+    from consequence.serve.episode import BoundEpisode
+
+    class Env:
+        def step(self, action):
+            return "2/5 passed", 0.0, False, False, {}
+
+    t = Trajectory("t", "g", 0, 0, 0, calls=[ModelCall([1], [2], [0.0], "stop")])
+    ep = BoundEpisode(Env(), t, BUDGETS, GREEDY, check_tool_specs(TOOLS), answers=False)
+    assert ep.call_tool("rm", {}).startswith("error: unknown tool 'rm'")
+    assert ep.call_tool("replace_line", '{"line": "2", "code": "x"}').startswith("error: bad arguments")
+    assert ep.call_tool("run_tests", {}) == "2/5 passed"
+    assert t.calls[0].invalid_calls == ["unknown_tool", "bad_arguments"] and t.n_tool_calls == 3
