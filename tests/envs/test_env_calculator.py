@@ -7,12 +7,15 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections import Counter
 from types import SimpleNamespace
 
 import pytest
 from typer.testing import CliRunner
 
-from cli_args import ONE_TINY_ITERATION
+from cli_args import ONE_TINY_ITERATION, TINY_NO_EVAL
+from consequence.distill.warmstart import BUNDLED
+from consequence.envs.api import answer_in_text
 from consequence.envs.calculator import env as calc
 from consequence.envs.calculator.env import (
     ArithmeticTask,
@@ -22,6 +25,7 @@ from consequence.envs.calculator.env import (
     check_expression,
     extract_answer,
     is_correct,
+    make_problems,
 )
 from consequence.envs.registry import load_environment
 from consequence.harness.renderer import Renderer
@@ -261,6 +265,8 @@ def test_a_raising_step_and_a_dead_sandbox_are_env_errors(tiny_tokenizer, monkey
         ("tool_cost", -0.1),
         ("tool_cost", float("nan")),
         ("tool_cost", "0.1"),
+        ("shift", "yes"),
+        ("shift", 1),
     ],
 )
 def test_bad_options_are_refused_before_any_work(monkeypatch, option, value):
@@ -271,7 +277,7 @@ def test_bad_options_are_refused_before_any_work(monkeypatch, option, value):
 
 def test_unknown_option_lists_the_ones_it_takes():
     with pytest.raises(
-        ValueError, match="unknown option 'cost'; it takes n_problems, digits, terms, tool_cost, max_calls"
+        ValueError, match="unknown option 'cost'; it takes n_problems, digits, terms, shift, tool_cost, max_calls"
     ):
         _env(cost=0.1)
 
@@ -285,6 +291,14 @@ _WORD_OPS = [
     (r"(\d+) \w+ are (?:sold|given away)", "-"),
     (r"multiplied by (\d+)", "*"),
     (r"with (\d+) times as many", "*"),
+    # the held-out shift's wording
+    (r"the [\w ]+ holds (\d+)", None),
+    (r"drops off (\d+)", "+"),
+    (r"Another (\d+) \w+ arrive", "+"),
+    (r"It loses (\d+)", "-"),
+    (r"Customers take (\d+)", "-"),
+    (r"grows (\d+)-fold", "*"),
+    (r"by a factor of (\d+)", "*"),
 ]
 
 
@@ -314,7 +328,7 @@ def test_generated_tasks_answers_and_split():
         assert re.fullmatch(r"What is \(?\d{3} [-+*] \(?\d{3}\)? [-+*] \d{3}\)?\?", t.question), t.question
         assert t.answer == eval(t.question[len("What is ") : -1])
     for t in kinds["word"]:
-        assert t.answer == _solve_word(t.question) >= 0, t.question
+        assert t.answer == _solve_word(t.question) >= 2, t.question
     again = _env()
     assert again.problem_ids() == env.problem_ids() and again.split["test"] == env.split["test"]
     other = load_environment("calculator", 1)
@@ -327,6 +341,158 @@ def test_generated_tasks_answers_and_split():
     sampled = env.sample("train", 3, seed=7)
     assert [s.task_id.split("#")[1] for s in sampled] == ["7-0", "7-1", "7-2"]
     assert env.request(TASK) == TASK.question
+
+
+def test_hand_checked_problems():
+    base, shift = make_problems(6, 3, 3), make_problems(6, 3, 3, shift=True)
+    # by hand: 803 + 606 = 1409; 1409 * 72 = 98630 + 2818 = 101448
+    assert base[2] == ArithmeticTask(
+        "calc-d3t3-0002",
+        "calc-d3t3-0002",
+        "A bakery starts the week with 803 rolls. A delivery brings 606 more rolls. Then it ends up with 72 "
+        "times as many rolls. How many rolls does it have now?",
+        101448,
+        "word",
+        "(803 + 606) * 72",
+    )
+    # by hand: 3102 * 507 = 1551000 + 21714 = 1572714; - 7374 = 1565340; - 2803 = 1562537
+    assert shift[4] == ArithmeticTask(
+        "calc-d4t4s-0004",
+        "calc-d4t4s-0004",
+        "On Monday, the dairy holds 3102 bottles. Its stock of bottles is then scaled by a factor of 507. "
+        "Customers take 7374 bottles. It loses 2803 bottles. How many bottles are there at the end?",
+        1562537,
+        "word",
+        "((3102 * 507) - 7374) - 2803",
+    )
+    # by hand: 110 * 378 = 41580; + 541 = 42121
+    assert (base[1].question, base[1].answer) == ("What is 541 + (110 * 378)?", 42121)
+
+
+@pytest.mark.parametrize("shift", [False, True])
+@pytest.mark.parametrize("digits, terms", [(3, 3), (3, 5), (4, 4), (5, 3), (5, 5)])
+def test_a_constant_answer_scores_at_most_one_percent_on_every_split(digits, terms, shift):
+    env = _env(n_problems=1000, digits=digits, terms=terms, shift=shift)  # splits of >= 100 problems
+    for split, tasks in env.split.items():
+        if tasks:
+            count = Counter(t.answer for t in tasks).most_common(1)[0][1]
+            assert count / len(tasks) <= 0.01, (split, count, len(tasks))
+    every = [t for v in env.split.values() for t in v]
+    assert len({t.answer for t in every}) == len(every) == 1000  # distinct: right on at most one problem
+    word = sum(t.kind == "word" for t in every)
+    assert 250 < word < 420  # about a third are word problems
+    answers = sorted(t.answer for t in every)
+    assert answers[-1] - answers[0] > 10 ** (2 * digits)  # spread wide, not clustered
+
+
+def test_the_default_options_give_distinct_answers():
+    every = [t for v in _env().split.values() for t in v]
+    assert Counter(t.answer for t in every).most_common(1)[0][1] == 1  # at most 1 / 60 of validation or test
+
+
+@pytest.mark.parametrize(
+    "digits, terms, shift",
+    [(3, 3, False), (3, 3, True), (2, 2, False), (2, 3, False), (1, 8, False), (5, 5, True), (12, 8, True)],
+)
+def test_no_answer_can_be_copied_from_its_question(digits, terms, shift):
+    for t in make_problems(600, digits, terms, shift):
+        written = re.findall(r"\d+", t.question)
+        assert abs(t.answer) >= 2 and str(abs(t.answer)) not in written, t
+        assert not answer_in_text(str(t.answer), t.question) and not answer_in_text(str(abs(t.answer)), t.question)
+        # the task's expression is its answer's computation, and the calculator takes it whole
+        assert eval(t.expression) == t.answer and check_expression(t.expression) is None, t
+
+
+def test_options_too_small_for_distinct_answers_are_refused():
+    refusal = (
+        r"only \d+ problems with distinct questions and distinct answers .* digits=1 and terms=2; lower n_problems"
+    )
+    with pytest.raises(ValueError, match=refusal):
+        _env(digits=1, terms=2)
+    assert len(_env(digits=1, terms=2, n_problems=20).split["train"]) == 16
+
+
+def _template(text: str) -> re.Pattern:
+    pattern = re.escape(text)
+    for slot, fill in (("{n}", r"\d+"), ("{u}", r"\w+"), ("{place}", r"[\w ]+")):
+        pattern = pattern.replace(re.escape(slot), fill)
+    return re.compile(pattern)
+
+
+def _templates(wording) -> list[re.Pattern]:
+    texts = [wording.start, wording.end, *(s for op in "+-*" for s in wording.steps[op])]
+    return [_template(x) for x in texts]
+
+
+def _sentences(question: str) -> list[str]:
+    return re.split(r"(?<=[.?]) ", question)
+
+
+def test_the_shift_has_more_digits_and_terms_and_a_held_out_wording():
+    shift = _env(shift=True)  # the shift of the defaults, digits=3 terms=3
+    assert {s: len(v) for s, v in shift.split.items()} == {"train": 0, "validation": 300, "test": 300}
+    every = [t for v in shift.split.values() for t in v]
+    assert all(re.fullmatch(r"calc-d4t4s-\d{4}", t.problem_id) for t in every)
+    kinds = {k: [t for t in every if t.kind == k] for k in ("expression", "word")}
+    assert 150 < len(kinds["word"]) < 250
+    for t in kinds["expression"]:  # 4 operands of 4 digits (the base: 3 of 3)
+        assert [len(n) for n in re.findall(r"\d+", t.question)] == [4, 4, 4, 4], t.question
+        assert t.answer == eval(t.question[len("What is ") : -1])
+    for t in kinds["word"]:  # 4 numbers: counts of 4 digits, multipliers of 3
+        numbers = [len(n) for n in re.findall(r"\d+", t.question)]
+        assert len(numbers) == 4 and numbers[0] == 4 and set(numbers) <= {3, 4}, t.question
+        assert t.answer == _solve_word(t.question) >= 2, t.question
+
+    train_words, shift_words = _templates(calc._WORDING), _templates(calc._SHIFT_WORDING)
+    held_out_words = {w for place, unit in calc._SHIFT_WORDING.themes for w in (*place.split(), unit)}
+    assert not held_out_words & {w for place, unit in calc._WORDING.themes for w in (*place.split(), unit)}
+    for t in kinds["word"]:  # every sentence of a shift problem is in the held-out wording only
+        for s in _sentences(t.question):
+            assert any(p.fullmatch(s) for p in shift_words) and not any(p.fullmatch(s) for p in train_words), s
+    bases = [_env(), _env(digits=4, terms=4), _env(digits=2, terms=3), _env(digits=5, terms=5, n_problems=1000)]
+    base_tasks = [t for env in bases for v in env.split.values() for t in v]
+    assert sum(t.kind == "word" for t in base_tasks) > 900
+    for t in base_tasks:  # ... and no base problem (what training sees) holds any of it
+        for s in _sentences(t.question) if t.kind == "word" else [t.question]:
+            assert not any(p.fullmatch(s) for p in shift_words), s
+            assert t.kind == "expression" or any(p.fullmatch(s) for p in train_words), s
+        assert not held_out_words & set(re.findall(r"\w+", t.question)), t.question
+
+    base = bases[:2]  # neither the base of the shift (d3t3) nor the problems of its size (d4t4)
+    base_ids = {p for env in base for ids in env.problem_ids().values() for p in ids}
+    base_questions = {t.question for env in base for v in env.split.values() for t in v}
+    assert not base_ids & {t.problem_id for t in every} and not base_questions & {t.question for t in every}
+    # deterministic: problem i is the same for every n_problems and split seed
+    again = {t.problem_id: t for v in _env(shift=True, n_problems=50).split.values() for t in v}
+    other_seed = load_environment("calculator", 3, {"shift": True})
+    assert all(again[p] == t for t in every if (p := t.problem_id) in again) and len(again) == 50
+    assert {t.problem_id: t for v in other_seed.split.values() for t in v} == {t.problem_id: t for t in every}
+
+
+def test_the_shift_has_no_train_split_and_refuses_training():
+    shift = _env(shift=True)
+    with pytest.raises(
+        ValueError, match="shift=true is the held-out shift, for evaluation only: it has no train split"
+    ):
+        shift.check_splits({"train": "training", "validation": None, "test": None})
+    shift.check_splits({"train": None, "validation": "--eval-every", "test": "--final-eval-episodes"})
+    with pytest.raises(ValueError, match="the train split has no task to draw from"):
+        shift.sample("train", 1, seed=0)
+
+
+@pytest.mark.slow
+def test_cli_train_on_the_shift_is_refused_before_the_run_folder(tmp_path):
+    from consequence.cli import app
+
+    run = tmp_path / "run"
+    res = CliRunner().invoke(
+        app,
+        ["train", "--env", "calculator", "--env-option", "shift=true", "--model", str(BUNDLED), *TINY_NO_EVAL]
+        + ["--run-dir", str(run)],
+        env={"COLUMNS": "250"},
+    )
+    text = " ".join(res.output.split())
+    assert res.exit_code == 2 and "held-out shift, for evaluation only" in text and not run.exists(), text
 
 
 def test_declarations_for_the_manifest():

@@ -2,9 +2,11 @@
 
 A task is an arithmetic question too long to do reliably in one's head: an expression
 ("What is 4837 * 29 - 1204?", ``terms`` operands of ``digits`` digits joined by + - *,
-sometimes with one pair of parentheses) or a small word problem (a stock that grows,
-shrinks and is multiplied step by step, evaluated in the order told). The reference answer
-is an integer.
+sometimes with one pair of parentheses; an operand is at least 2) or, about a third of
+the time, a small word problem (a stock that grows, shrinks and is multiplied step by step,
+evaluated in the order told: ``terms`` numbers, the counts of ``digits`` digits, a
+multiplier of ``max(1, digits - 1)`` digits and at least 2, a stock that never falls below
+1). The reference answer is an integer.
 
 The policy MAY call the tool ``calculator`` with one argument ``expression`` (a string)
 before it answers. The expression is checked with :mod:`ast` first (numbers, ``+ - * / //
@@ -38,12 +40,31 @@ rounding of the per-step sum); an episode that never answers (a budget ended it)
 ``-tool_cost * n_calls``. A sandbox that cannot start is re-run up to
 ``sandbox.ENV_RETRIES`` times, then the episode is an ``env_error`` (excluded, never 0).
 
-Tasks: ``n_problems`` problems generated deterministically from ``digits`` and ``terms``
-(not from the split seed: problem ``i`` is the same for every seed and every
+Tasks: ``n_problems`` problems generated deterministically from ``digits``, ``terms`` and
+``shift`` (not from the split seed: problem ``i`` is the same for every seed and every
 ``n_problems``); the split seed splits them by problem id ≈ 80 / 10 / 10
-(:func:`consequence.envs.repair.jsonl.split_by_problem`). Question texts are unique, so no
-question is in two splits. One task per problem; the problem id names the difficulty
-(``calc-d3t3-0042``).
+(:func:`consequence.envs.repair.jsonl.split_by_problem`). One task per problem; the problem
+id names the difficulty (``calc-d3t3-0042``).
+
+No shortcut without the arithmetic (:func:`make_problems` redraws a problem until it
+holds): question texts are distinct, so no question is in two splits; answers are
+distinct, so a constant answer is right on at most one problem of the whole set (≤ 1 / 60
+of a 60-problem split, the default's validation and test); an answer is never -1, 0 or 1,
+and its magnitude is none of the numbers written in its question (copying one never
+scores); the calculator accepts the task's ``expression`` whole. Options that cannot give
+``n_problems`` such problems (e.g. ``digits=1 terms=2``) are refused, naming the fix.
+
+The held-out shift (option ``shift=true``, for evaluation only): for the same ``digits``
+and ``terms`` the problems a policy trained on the default ones never saw: operands of
+``digits + 1`` digits and ``terms + 1`` operands (expressions and word problems alike; a
+word problem's multiplier has ``digits`` digits), and word problems in a held-out wording
+(other places, units, opening, step sentences and closing question; no sentence is shared
+with the default wording). Its problems have their own random streams and ids
+(``calc-d4t4s-0042`` is the shift of ``digits=3 terms=3``) and are split ≈ 0 / 50 / 50:
+there is no train split, and a training run with ``shift=true`` is refused. Evaluate a run
+trained with ``--env-option digits=D --env-option terms=T`` on its shift with
+``consequence eval --model RUN --env calculator --env-option digits=D --env-option terms=T
+--env-option shift=true`` (options given to eval replace the run's, so repeat them).
 """
 
 from __future__ import annotations
@@ -302,23 +323,55 @@ class ArithmeticTask:
     expression: str
 
 
-_THEMES = (
-    ("A warehouse", "boxes"),
-    ("A library", "books"),
-    ("A farm", "eggs"),
-    ("A factory", "bolts"),
-    ("A bakery", "rolls"),
-    ("A school", "pencils"),
-    ("A harbour", "crates"),
-    ("A garden centre", "seeds"),
+@dataclass(frozen=True)
+class _Wording:
+    """The sentences of a word problem (``{place}``, ``{n}``, ``{u}`` filled in): ``themes``
+    (place, unit), the opening, the sentences of each step (``"+"``, ``"-"``, ``"*"``) and
+    the closing question."""
+
+    themes: tuple[tuple[str, str], ...]
+    start: str
+    steps: dict[str, tuple[str, ...]]
+    end: str
+
+
+# The default problems' wording (all that training sees) ...
+_WORDING = _Wording(
+    themes=(
+        ("warehouse", "boxes"),
+        ("library", "books"),
+        ("farm", "eggs"),
+        ("factory", "bolts"),
+        ("bakery", "rolls"),
+        ("school", "pencils"),
+        ("harbour", "crates"),
+        ("garden centre", "seeds"),
+    ),
+    start="A {place} starts the week with {n} {u}.",
+    steps={
+        "+": ("A delivery brings {n} more {u}.", "It receives {n} {u}.", "{n} {u} are returned to it."),
+        "-": ("It sends away {n} {u}.", "{n} {u} are sold.", "{n} {u} are given away."),
+        "*": ("Then the number of {u} is multiplied by {n}.", "Then it ends up with {n} times as many {u}."),
+    },
+    end="How many {u} does it have now?",
 )
-_ADD = ("A delivery brings {n} more {u}.", "It receives {n} {u}.", "{n} {u} are returned to it.")
-_SUB = ("It sends away {n} {u}.", "{n} {u} are sold.", "{n} {u} are given away.")
-_MUL = ("Then the number of {u} is multiplied by {n}.", "Then it ends up with {n} times as many {u}.")
+# ... and the held-out shift's: no sentence, place or unit in common with _WORDING.
+_SHIFT_WORDING = _Wording(
+    themes=(("museum shop", "postcards"), ("dairy", "bottles"), ("print shop", "posters"), ("toy store", "marbles")),
+    start="On Monday, the {place} holds {n} {u}.",
+    steps={
+        "+": ("A truck drops off {n} {u}.", "Another {n} {u} arrive."),
+        "-": ("It loses {n} {u}.", "Customers take {n} {u}."),
+        "*": ("Next, its stock of {u} grows {n}-fold.", "Its stock of {u} is then scaled by a factor of {n}."),
+    },
+    end="How many {u} are there at the end?",
+)
+_TRIES = 200  # draws per problem before make_problems gives up
 
 
 def _operand(rng: random.Random, digits: int) -> int:
-    return rng.randint(10 ** (digits - 1) if digits > 1 else 1, 10**digits - 1)
+    """A number of ``digits`` digits, at least 2 (so ``x * 1`` never occurs)."""
+    return rng.randint(max(2, 10 ** (digits - 1)), 10**digits - 1)
 
 
 def _expression_problem(rng: random.Random, digits: int, terms: int) -> tuple[str, str, int]:
@@ -336,49 +389,74 @@ def _expression_problem(rng: random.Random, digits: int, terms: int) -> tuple[st
     return f"What is {expr}?", expr, eval(expr)  # trusted: generated digits and operators only
 
 
-def _word_problem(rng: random.Random, digits: int, terms: int) -> tuple[str, str, int]:
-    place, unit = rng.choice(_THEMES)
+def _word_problem(rng: random.Random, digits: int, terms: int, wording: _Wording = _WORDING) -> tuple[str, str, int]:
+    place, unit = rng.choice(wording.themes)
     value = _operand(rng, digits)
-    lines, expr = [f"{place} starts the week with {value} {unit}."], str(value)
+    lines, expr = [wording.start.format(place=place, n=value, u=unit)], str(value)
     for _ in range(terms - 1):
         n = _operand(rng, digits)
         op = rng.choice("+-*")
-        if op == "-" and n > value:
-            op = "+"  # a stock never goes below zero
+        if op == "-" and n >= value:
+            op = "+"  # a stock never falls below 1
         if op == "*":
-            n = _operand(rng, max(1, digits - 1))  # a multiplier, kept shorter than the counts
-        text = rng.choice({"+": _ADD, "-": _SUB, "*": _MUL}[op])
-        lines.append(text.format(n=n, u=unit)[0].upper() + text.format(n=n, u=unit)[1:])
+            n = _operand(rng, max(1, digits - 1))  # a multiplier (>= 2), kept shorter than the counts
+        text = rng.choice(wording.steps[op]).format(n=n, u=unit)
+        lines.append(text[0].upper() + text[1:])
         expr = f"({expr} {op} {n})"
         value = value + n if op == "+" else value - n if op == "-" else value * n
-    lines.append(f"How many {unit} does it have now?")
+    lines.append(wording.end.format(u=unit))
     return " ".join(lines), expr[1:-1] if expr.startswith("(") else expr, value
 
 
-def make_problems(n_problems: int, digits: int, terms: int) -> list[ArithmeticTask]:
-    """``n_problems`` distinct questions, deterministic in (``digits``, ``terms``): problem
+def _fair(question: str, expr: str, answer: int) -> bool:
+    """No shortcut in the problem itself: ``|answer| >= 2``, ``|answer|`` is none of the
+    numbers written in the question, and the calculator accepts ``expr`` whole."""
+    written = {int(x) for x in re.findall(r"\d+", question)}
+    return abs(answer) >= 2 and abs(answer) not in written and check_expression(expr) is None
+
+
+def make_problems(n_problems: int, digits: int, terms: int, shift: bool = False) -> list[ArithmeticTask]:
+    """``n_problems`` problems, deterministic in (``digits``, ``terms``, ``shift``): problem
     ``i`` is the same for every ``n_problems``; about a third are word problems.
 
+    Problem ``i`` is drawn from its own random stream, redrawn (up to 200 times) until its
+    question and its answer differ from those of every earlier problem (so a constant answer
+    is right on at most one problem) and it is fair (:func:`_fair`: ``|answer| >= 2``, not a
+    number written in the question, an expression the calculator accepts whole).
+
+    Args:
+        shift: make the held-out shift of (``digits``, ``terms``) instead: operands of
+            ``digits + 1`` digits, ``terms + 1`` operands, word problems in the held-out
+            wording (:data:`_SHIFT_WORDING`, which the default problems never use), ids
+            ``calc-d{digits+1}t{terms+1}s-NNNN``, drawn from streams of their own.
+
     Raises:
-        ValueError: that many distinct questions cannot be made with these ``digits`` and ``terms``.
+        ValueError: that many such problems cannot be made with these ``digits`` and ``terms``.
     """
+    d, t = (digits + 1, terms + 1) if shift else (digits, terms)
+    wording, tag = (_SHIFT_WORDING, "s") if shift else (_WORDING, "")
     out: list[ArithmeticTask] = []
-    seen: set[str] = set()
+    questions: set[str] = set()
+    answers: set[int] = set()
     for i in range(n_problems):
-        rng = random.Random(f"calculator|d{digits}|t{terms}|{i}")
-        for _ in range(200):
+        rng = random.Random(f"calculator|d{d}|t{t}{'|shift' if shift else ''}|{i}")
+        for _ in range(_TRIES):
             kind = "word" if rng.random() < 1 / 3 else "expression"
-            make = _word_problem if kind == "word" else _expression_problem
-            question, expr, answer = make(rng, digits, terms)
-            if question not in seen:
+            if kind == "word":
+                question, expr, answer = _word_problem(rng, d, t, wording)
+            else:
+                question, expr, answer = _expression_problem(rng, d, t)
+            if question not in questions and answer not in answers and _fair(question, expr, answer):
                 break
         else:
             raise ValueError(
-                f"n_problems={n_problems}: only {len(out)} distinct questions could be made with "
-                f"digits={digits} and terms={terms}; lower n_problems or raise digits or terms"
+                f"n_problems={n_problems}: only {len(out)} problems with distinct questions and distinct "
+                f"answers could be made with digits={digits} and terms={terms}{' (shift)' if shift else ''}; "
+                "lower n_problems or raise digits or terms"
             )
-        seen.add(question)
-        pid = f"calc-d{digits}t{terms}-{i:04d}"
+        questions.add(question)
+        answers.add(answer)
+        pid = f"calc-d{d}t{t}{tag}-{i:04d}"
         out.append(ArithmeticTask(pid, pid, question, int(answer), kind, expr))
     return out
 
@@ -468,21 +546,27 @@ class CalculatorEnvironment(Environment):
     """Arithmetic questions with a calculator tool (see the module doc for the answer rule and reward).
 
     Args:
-        split_seed: seed of the problem-level split (≈ 80 / 10 / 10).
+        split_seed: seed of the problem-level split (≈ 80 / 10 / 10; with ``shift``
+            0 / 50 / 50).
         n_problems: number of problems (10 .. 100000; default 600).
         digits: decimal digits of each operand (1 .. 12; default 3).
         terms: operands per question (2 .. 8; default 3).
+        shift: the held-out shift of (``digits``, ``terms``) instead of its problems
+            (default false): ``digits + 1`` digits, ``terms + 1`` operands, word problems in
+            a wording the default problems never use; validation and test only (no train
+            split: training on it is refused). See the module doc.
         tool_cost: reward per calculator call is ``-tool_cost`` (>= 0; default 0.0).
         max_calls: calculator calls charged and evaluated per episode (0 .. 64; default 4);
             a further call gets an error observation and costs nothing.
 
     Raises:
         ValueError: an option of the wrong type or out of range (names it and the range),
-            before any problem is made.
+            before any problem is made; more problems than these ``digits`` and ``terms``
+            allow with distinct answers (:func:`make_problems`).
     """
 
     name = "calculator"
-    version = "1"
+    version = "2"
     system_prompt = _PROMPT.format(budget="")
     tools = TOOLS
     reward_components = ("accuracy", "tool_cost")
@@ -495,6 +579,7 @@ class CalculatorEnvironment(Environment):
         n_problems: int = 600,
         digits: int = 3,
         terms: int = 3,
+        shift: bool = False,
         tool_cost: float = 0.0,
         max_calls: int = 4,
     ):
@@ -514,7 +599,12 @@ class CalculatorEnvironment(Environment):
                 f"--env calculator: option tool_cost={tool_cost!r} must be a finite number >= 0 "
                 "(the reward per calculator call is -tool_cost; --env-option tool_cost=0.05)"
             )
-        self.n_problems, self.digits, self.terms = n_problems, digits, terms
+        if type(shift) is not bool:
+            raise ValueError(
+                f"--env calculator: option shift={shift!r} must be true or false (--env-option "
+                "shift=true: the held-out shift, for evaluation only)"
+            )
+        self.n_problems, self.digits, self.terms, self.shift = n_problems, digits, terms, shift
         self.tool_cost, self.max_calls = float(tool_cost), max_calls
         lowest = -self.tool_cost * max_calls * (1 + 1e-9)
         self.reward_range = (lowest if lowest else 0.0, 1.0)
@@ -529,9 +619,24 @@ class CalculatorEnvironment(Environment):
     def load_splits(self, split_seed: int) -> dict[str, list]:
         from consequence.envs.repair.jsonl import split_by_problem
 
-        tasks = make_problems(self.n_problems, self.digits, self.terms)
-        ids = split_by_problem([t.problem_id for t in tasks], seed=split_seed)
+        tasks = make_problems(self.n_problems, self.digits, self.terms, self.shift)
+        fractions = (0.0, 0.5, 0.5) if self.shift else (0.8, 0.1, 0.1)
+        ids = split_by_problem([t.problem_id for t in tasks], seed=split_seed, fractions=fractions)
         return {s: [t for t in tasks if t.problem_id in ids[s]] for s in SPLITS}
+
+    def check_splits(self, needed: dict[str, str | None]) -> None:
+        """As :meth:`Environment.check_splits`, and the shift is never trained on.
+
+        Raises:
+            ValueError: ``shift`` is on and the train split is needed (names the fix).
+        """
+        if self.shift and needed.get("train"):
+            raise ValueError(
+                f"--env calculator: option shift=true is the held-out shift, for evaluation only: it has "
+                f"no train split, and {needed['train']} needs one; train without shift and evaluate the "
+                "result with --env-option shift=true (and the run's digits and terms)"
+            )
+        super().check_splits(needed)
 
     def make_episode(self, task: ArithmeticTask) -> CalculatorEpisode:
         return CalculatorEpisode(task, self.tool_cost, self.max_calls)
