@@ -47,10 +47,21 @@ def envs_cmd() -> None:
     consequence.environments); any module:attr path works too (docs/environments.md)."""
     from rich.table import Table
 
+    from consequence.envs.api import has_demonstrator
     from consequence.envs.registry import BUILTINS, available, resolve
 
     table = Table(title="environments (--env NAME)")
-    for col in ("name", "from", "version", "tools", "reward components", "options (--env-option)", "what"):
+    columns = (
+        "name",
+        "from",
+        "version",
+        "tools",
+        "reward components",
+        "options (--env-option)",
+        "demonstrator",
+        "what",
+    )
+    for col in columns:
         table.add_column(col)
     for name, target in available().items():
         try:
@@ -61,15 +72,17 @@ def envs_cmd() -> None:
                 ", ".join(t["function"]["name"] for t in getattr(cls, "tools", [])) or "none (answer in text)",
                 ", ".join(getattr(cls, "reward_components", ())),
                 _options_of(cls),
+                "yes" if isinstance(cls, type) and has_demonstrator(cls) else "no",
                 doc[0] if doc else "",
             ]
         except ValueError as e:
-            row = ["?", "?", "?", "?", f"[red]cannot load: {escape(str(e))}[/]"]
+            row = ["?", "?", "?", "?", "?", f"[red]cannot load: {escape(str(e))}[/]"]
         table.add_row(name, "built-in" if name in BUILTINS else f"plug-in {escape(target)}", *row)
     console.print(table)
     console.print(
         "Also: --env module:attr (an Environment subclass importable from the Python path), or a .jsonl "
-        "task file. Options: --env-option key=value, or env_options: in a --config YAML."
+        "task file. Options: --env-option key=value, or env_options: in a --config YAML. Demonstrator: "
+        "the environment solves its own tasks for `consequence sft` / `demos` (Environment.demonstration)."
     )
 
 
@@ -98,11 +111,11 @@ def warmstart(
     bundle: bool = typer.Option(False, help="Write into the package's bundled checkpoint (maintainers)."),
     env: str = typer.Option(
         "repair",
-        help="Environment whose train split the scripted teacher solves: a "
-        "repair-type one (repair, humaneval-repair, or jsonl via a .jsonl path).",
+        help="Environment whose train split the scripted teacher solves: one with a "
+        "demonstrator (`consequence envs` shows which).",
     ),
 ) -> None:
-    """Build (or show) the tiny warm-start checkpoint: scripted teacher demos, then SFT.
+    """Build (or show) the tiny warm-start checkpoint: the environment demonstrator's verified demos, then SFT.
 
     Settings other than the defaults are built once (about 30 min on 2 cores) and cached
     in $CONSEQUENCE_CACHE (default ~/.cache/consequence).
@@ -129,20 +142,25 @@ def warmstart(
     console.print(f"warm-start checkpoint: {path}")
 
 
-def _check_teacher_env(env: str, seed: int, options: dict | None = None) -> None:
-    """Refuse, before any work, an environment whose tasks the scripted teacher cannot solve.
+def _check_teacher_env(
+    env: str, seed: int, options: dict | None = None, demos_file: Path | None = None, option: str = "--demos-file"
+) -> None:
+    """Refuse, before any work, a source of demonstrations that cannot give any: an environment
+    without a demonstrator (when no file is given), or a demonstration file that is missing,
+    a folder, or of an unknown format.
 
     Raises:
-        ValueError: its train tasks are not repair tasks (or as ``load_environment``).
+        ValueError: names the environment or the file, and the fix (or as ``load_environment``).
     """
+    from consequence.distill.demonstrations import check_demonstration_path
+    from consequence.distill.teacher import require_demonstrator
     from consequence.envs.registry import load_environment
 
-    sample = load_environment(env, seed, dict(options or {})).sample("train", 1, seed=0)
-    if sample and not hasattr(sample[0], "buggy_code"):
-        raise ValueError(
-            f"--env {env}: the scripted teacher solves repair tasks only (repair, humaneval-repair, "
-            "jsonl); train in this environment from a model of your own (--model PATH)"
-        )
+    environment = load_environment(env, seed, dict(options or {}))
+    if demos_file is None:
+        require_demonstrator(environment)
+    else:
+        check_demonstration_path(demos_file, option)
 
 
 @app.command("merge")
@@ -293,11 +311,20 @@ def sft_cmd(
     ),
     env: str = typer.Option(
         "repair",
-        help="A repair-type environment whose train split the scripted "
-        "teacher solves (repair, humaneval-repair, or a .jsonl path).",
+        help="The environment: its demonstrator solves train tasks (`consequence envs` shows which "
+        "environments have one), or --demos-file gives the demonstrations.",
     ),
     env_option: list[str] = typer.Option([], "--env-option", help="Environment option KEY=VALUE (repeatable)."),
-    demos: int = typer.Option(300, min=1, help="Teacher episodes to run; the verified ones are kept."),
+    demos: int | None = typer.Option(
+        None, min=1, help="Demonstrator episodes to run; the verified ones are kept [default: 300]."
+    ),
+    demos_file: Path | None = typer.Option(
+        None,
+        "--demos-file",
+        help="Demonstrations from a file instead of the demonstrator: our trajectories .parquet, or .jsonl "
+        'with one {"task_id": ..., "messages": [...]} per line (OpenAI chat shape). Each is replayed on its '
+        "train task and kept only when the environment verifies it (docs/distillation.md).",
+    ),
     seed: int = typer.Option(0, min=0, help="Split seed of the environment, the teacher's and SFT's seed."),
     epochs: float = typer.Option(2.0, min=0.01, help="SFT epochs over the demonstrations."),
     learning_rate: float = typer.Option(2e-4, min=1e-12, help="Peak AdamW learning rate."),
@@ -314,9 +341,9 @@ def sft_cmd(
         help="Modules that get an adapter, comma-separated.",
     ),
 ) -> None:
-    """Cold start: the scripted teacher's verified demonstrations, rendered in the student's own
-    chat format (Hermes tool calls where its template drops tools), then SFT with the loss on
-    the assistant turns only. Train RL from the result with --model OUT."""
+    """Cold start: verified demonstrations (the environment's demonstrator, or --demos-file), played
+    in the student's own chat format (Hermes tool calls where its template drops tools), then SFT
+    with the loss on the assistant turns only. Train RL from the result with --model OUT."""
     from consequence.cli.common import parse_env_options, parse_list
     from consequence.distill.coldstart import ColdStartConfig, cold_start
     from consequence.distill.sft import SFTConfig
@@ -328,7 +355,12 @@ def sft_cmd(
     with _writing_out(out):
         options = parse_env_options(env_option)
         targets = tuple(parse_list(lora_targets, "--lora-targets", "q_proj,v_proj"))
-        _check_teacher_env(env, seed, options)
+        if demos_file is not None and demos is not None:
+            raise ValueError(
+                "--demos-file and --demos are two sources of demonstrations (a file, or that many "
+                "demonstrator episodes); give one"
+            )
+        _check_teacher_env(env, seed, options, demos_file)
         check_run_dir(out.parent, "--out", keep=False)
         if out.exists() and not (out / "sft.json").is_file():
             raise ValueError(f"--out {out}: exists and is not an earlier `consequence sft` output; name a new folder")
@@ -337,8 +369,9 @@ def sft_cmd(
         cfg = ColdStartConfig(
             env=env,
             env_options=options,
-            demos=demos,
+            demos=300 if demos is None else demos,
             seed=seed,
+            demos_file=None if demos_file is None else str(demos_file),
             lora_rank=lora_rank,
             lora_alpha=lora_alpha,
             lora_targets=targets,
@@ -355,13 +388,14 @@ def sft_cmd(
                 path,
                 out,
                 cfg,
-                log=console.print,
+                log=_log,
                 phases=phases,
                 source=source_record(model) if is_named(model) else None,
             )
+    teacher = record["teacher"]
     console.print(
-        f"cold-start model: {out}  ({record['teacher']['verified']}/{record['teacher']['episodes']} "
-        f"verified demonstrations, {record['rows']} rows, SFT {record['seconds']['sft']:.0f} s)"
+        f"cold-start model: {out}  ({teacher['verified']}/{teacher['episodes']} verified demonstrations, "
+        f"acceptance rate {teacher['acceptance_rate']:.1%}, {record['rows']} rows, SFT {record['seconds']['sft']:.0f} s)"
     )
 
 
@@ -370,25 +404,40 @@ def demos_cmd(
     out: Path = typer.Option(
         ..., "--out", help="Trajectories parquet file to write (atomically; missing folders are created)."
     ),
-    episodes: int = typer.Option(
-        1024, "-n", "--episodes", min=1, help="Teacher episodes to run; the verified ones are written."
+    episodes: int | None = typer.Option(
+        None,
+        "-n",
+        "--episodes",
+        min=1,
+        help="Demonstrator episodes to run; the verified ones are written [default: 1024].",
     ),
     model: str | None = typer.Option(
         None, help="The student whose tokenizer and chat template render them (default: the bundled tiny model)."
     ),
-    env: str = typer.Option("repair", help="A repair-type environment whose train split the scripted teacher solves."),
+    env: str = typer.Option(
+        "repair",
+        help="The environment: its demonstrator solves train tasks (`consequence envs` shows which "
+        "environments have one), or --from gives the demonstrations.",
+    ),
     env_option: list[str] = typer.Option([], "--env-option", help="Environment option KEY=VALUE (repeatable)."),
     split_seed: int = typer.Option(0, min=0, help="Split seed of the environment (the training run's --split-seed)."),
-    draw_seed: int = typer.Option(
-        1000,
+    draw_seed: int | None = typer.Option(
+        None,
         min=0,
-        help="Seed of the task instances and teacher habits; the bundled warm start was built from draw seed = "
-        "split seed, so the default 1000 gives demonstrations it has not seen.",
+        help="Seed of the task instances and demonstration styles; the bundled warm start was built from draw "
+        "seed = split seed, so the default 1000 gives demonstrations it has not seen.",
+    ),
+    from_file: Path | None = typer.Option(
+        None,
+        "--from",
+        help="Demonstrations from a file instead of the demonstrator: our trajectories .parquet, or .jsonl "
+        'with one {"task_id": ..., "messages": [...]} per line (OpenAI chat shape). Each is replayed on its '
+        "train task and written only when the environment verifies it (docs/distillation.md).",
     ),
 ) -> None:
-    """The scripted teacher's verified demonstrations in the student's tokens, as a trajectories
-    file: SFT on them is `consequence train --recipe rejection_sft --distill-lambda 0
-    --distill-data OUT` (docs/distillation.md)."""
+    """Verified demonstrations (the environment's demonstrator, or --from FILE) in the student's
+    tokens, as a trajectories file: SFT on them is `consequence train --recipe rejection_sft
+    --distill-lambda 0 --distill-data OUT` (docs/distillation.md)."""
     from consequence.cli.common import parse_env_options
     from consequence.distill.demos import write_demonstrations
     from consequence.evaluate.run import resolve_model
@@ -396,18 +445,35 @@ def demos_cmd(
     quiet_libraries()
     with _writing_out(out):
         options = parse_env_options(env_option)
-        _check_teacher_env(env, split_seed, options)
+        if from_file is not None and (episodes is not None or draw_seed is not None):
+            given = " and ".join(o for o, v in (("--episodes", episodes), ("--draw-seed", draw_seed)) if v is not None)
+            raise ValueError(
+                f"--from replays the demonstrations of a file; {given} set the demonstrator's episodes: give one source"
+            )
+        _check_teacher_env(env, split_seed, options, from_file, "--from")
+        if from_file is not None and from_file.resolve() == out.resolve():
+            raise ValueError(f"--out {out} is the --from file; write the verified demonstrations to another file")
         check_out_file(out, "--out")
-        write_demonstrations(
+        record = write_demonstrations(
             resolve_model(model),
             out,
-            episodes,
+            None if from_file is not None else (1024 if episodes is None else episodes),
             split_seed=split_seed,
             draw_seed=draw_seed,
             env=env,
             env_options=options,
-            log=console.print,
+            demos_file=from_file,
+            log=_log,
         )
+    console.print(
+        f"{record['verified']}/{record['episodes']} demonstrations verified "
+        f"(acceptance rate {record['acceptance_rate']:.1%}): {escape(str(out))}"
+    )
+
+
+def _log(line: str) -> None:
+    """One log line, shown as it is (a demonstration file's text is no console markup)."""
+    console.print(escape(line))
 
 
 @contextmanager

@@ -1,17 +1,20 @@
-"""Cold start of any model: the scripted teacher's verified demonstrations, then SFT.
+"""Cold start of any model: verified demonstrations, then SFT.
 
 The seeds' recipe for a model that cannot yet act in an environment (SmolLM2-135M-Instruct
-never writes a tool call on the repair task): (1) the scripted teacher
-(``distill/teacher.py``) solves train-split tasks through the real environment and
-harness, and only demonstrations that pass the hidden tests are kept; (2) each is
-re-rendered with the *student's* renderer (its chat template; the Hermes tool format for a
-template that drops tools), so the targets are exactly the tokens the student must sample
-(loss on assistant turns only, observations are context); (3) supervised fine-tuning
-(``distill/sft.py``), of all weights or of a LoRA adapter that is merged into the weights
-at the end, so RL starts from a plain model folder. ``consequence sft`` runs it.
+never writes a tool call on the default task): (1) demonstrations, from the environment's
+demonstrator (``Environment.demonstration``, played by the scripted teacher of
+``distill/teacher.py``) on train-split tasks, or from a file of demonstrations (our
+trajectories Parquet or OpenAI-style messages JSONL, ``distill/demonstrations.py``); each is
+played through a fresh episode of its task, in the *student's* tokens (its chat template;
+the Hermes tool format for a template that drops tools), and kept only when the
+environment's reward verifies it, so the targets are exactly the tokens the student must
+sample (loss on assistant turns only, observations are context); (2) supervised
+fine-tuning (``distill/sft.py``), of all weights or of a LoRA adapter that is merged into
+the weights at the end, so RL starts from a plain model folder. ``consequence sft`` runs it.
 
-Output folder: the model (``save_pretrained``, atomically) and ``sft.json``: settings,
-teacher counts, rows, tokens, the loss of every step, seconds per phase.
+Output folder: the model (``save_pretrained``, atomically) and ``sft.json``: settings, the
+demonstrations' source and counts (verified, rejected by reason, acceptance rate), rows,
+tokens, the loss of every step, seconds per phase.
 """
 
 from __future__ import annotations
@@ -25,8 +28,9 @@ from typing import Any
 
 import torch
 
+from consequence.distill.demonstrations import collect_demonstrations
+from consequence.distill.rejection import accepted_rows
 from consequence.distill.sft import SFTConfig, sft_steps, train_sft
-from consequence.distill.warmstart import WarmstartConfig, demo_rows, teacher_conversations
 from consequence.envs.registry import load_environment
 from consequence.evaluate.progress import SILENT, Phases
 from consequence.harness.renderer import Renderer
@@ -41,10 +45,14 @@ class ColdStartConfig:
     """Settings of :func:`cold_start` (all recorded in ``sft.json``).
 
     Attributes:
-        env: a repair-type environment (the scripted teacher solves repair tasks).
+        env: the environment (with a demonstrator, unless ``demos_file`` is given).
         env_options: its options.
-        demos: teacher episodes to run (train split); the verified ones are kept.
-        seed: split seed of the environment, and the teacher's and SFT's seeds.
+        demos: demonstrator episodes to run (train split); the verified ones are kept.
+            Not read with ``demos_file``.
+        seed: split seed of the environment, and the demonstrator's and SFT's seeds.
+        demos_file: a file of demonstrations instead of the demonstrator (our trajectories
+            ``.parquet`` or OpenAI-style messages ``.jsonl``; ``distill/demonstrations.py``);
+            each is replayed on its task and kept only when verified.
         lora_rank: 0 = full fine-tuning; r ≥ 1 trains a LoRA adapter, merged at the end.
         lora_alpha, lora_targets: the adapter's α and modules.
         sft: :class:`~consequence.distill.sft.SFTConfig`.
@@ -58,6 +66,7 @@ class ColdStartConfig:
     lora_alpha: float = 32.0
     lora_targets: tuple[str, ...] = DEFAULT_TARGETS
     sft: SFTConfig = SFTConfig(learning_rate=2e-4, epochs=2.0, rows_per_step=16, micro_batch_size=4)
+    demos_file: str | None = None
 
 
 def cold_start(
@@ -68,7 +77,7 @@ def cold_start(
     phases: Phases = SILENT,
     source: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Teacher demonstrations → the student's tokens → SFT → ``out`` (a plain model folder).
+    """Verified demonstrations in the student's tokens → SFT → ``out`` (a plain model folder).
 
     Args:
         model_path: the student (a local Hugging Face folder).
@@ -82,18 +91,23 @@ def cold_start(
         the ``sft.json`` record.
 
     Raises:
-        ValueError: the environment is not repair-type, no demonstration was verified,
-            or as :func:`consequence.distill.sft.train_sft`.
+        ValueError: no ``demos_file`` and the environment has no demonstrator (names the fix),
+            a bad ``demos_file``, no demonstration verified, or as
+            :func:`consequence.distill.sft.train_sft`.
     """
     t0 = time.perf_counter()
     env = load_environment(cfg.env, cfg.seed, dict(cfg.env_options))
     model, tok = load_policy(model_path)
     renderer = Renderer(tok, env.tools)  # the student's format: native, or Hermes where the template drops tools
-    ws = WarmstartConfig(seed=cfg.seed, n_demos=cfg.demos, env=cfg.env)
-    convs = teacher_conversations(ws, log, env=env)
-    if not convs:
-        raise ValueError(f"the teacher verified none of its {cfg.demos} demonstrations on --env {cfg.env}")
-    rows = demo_rows(renderer, convs)
+    demos = collect_demonstrations(
+        env,
+        renderer,
+        demos_file=cfg.demos_file,
+        episodes=None if cfg.demos_file else cfg.demos,
+        seed=cfg.seed,
+        log=log,
+    )
+    rows = accepted_rows(demos.kept)  # the episodes were played in the student's tokens
     t_teacher = time.perf_counter() - t0
     n_tokens, n_targets = sum(len(r.input_ids) for r in rows), sum(sum(r.loss_mask[1:]) for r in rows)
     log(
@@ -118,7 +132,7 @@ def cold_start(
         "environment": env.label,
         "settings": _settings(cfg),
         "tool_format": renderer.tool_format,
-        "teacher": {"kind": "scripted", "episodes": cfg.demos, "verified": len(convs)},
+        "teacher": demos.record(),
         "rows": len(rows),
         "tokens": n_tokens,
         "targets": n_targets,
@@ -141,7 +155,8 @@ def _settings(cfg: ColdStartConfig) -> dict[str, Any]:
     return {
         "env": cfg.env,
         "env_options": cfg.env_options,
-        "demos": cfg.demos,
+        "demos": None if cfg.demos_file else cfg.demos,
+        "demos_file": cfg.demos_file,
         "seed": cfg.seed,
         "lora_rank": cfg.lora_rank,
         "lora_alpha": cfg.lora_alpha,

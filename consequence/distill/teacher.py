@@ -1,83 +1,347 @@
-"""A scripted teacher for the code-repair task, used for the warm start (cold-start SFT).
+"""A scripted teacher: given actions played through the real environment and harness.
 
-The teacher knows the fix, but its demonstrations deliberately mix habits that pay off
-differently for a learner that does NOT know the fix:
+A *plan* is the actions of one episode, in order, in the episode's action format
+(docs/environments.md): a tool call ``{"name": str, "arguments": dict}`` (also accepted as a
+pair ``(name, arguments)``) or ``{"answer": text}`` (a reply without a tool call); a list
+of actions is one assistant turn (its answers' text first, then its calls, each on its own
+line: parallel tool calls, or a reply with text before its calls). Plans come from an
+environment's demonstrator (``Environment.demonstration``) or from a file of
+demonstrations (``distill/demonstrations.py``).
 
-- diagnose first (``run_tests``, ``read_code``, then the patch), read the code only and
-  patch without running the tests, or patch at once on a guess (blind);
-- sometimes a plausible wrong patch first, then re-run the tests, read, and fix;
-- after the right patch, finish at once or re-run the tests first.
-
-Supervised learning copies the mix; RL then moves probability toward the habits that
-work for the learner (diagnosing, verifying). That is the seeds' point: a policy-gradient
-update does not teach facts, it redistributes probability among behaviours already there.
+:class:`ScriptedTeacher` is a ``generate_fn`` for
+:func:`consequence.rollout.episodes.run_episodes`: each turn it emits the exact assistant
+text the chat template renders for the planned turn (:func:`turn_text`), followed by the
+end-of-turn token, so the episode's tokens are those the student would have to sample.
+:func:`play_plans` runs plans through fresh episodes and scores them; a demonstration is
+used only when the environment's own reward verified it (:func:`verified`), never on the
+plan's word.
 """
 
 from __future__ import annotations
 
+import inspect
 import random
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
+from consequence.envs.api import ANSWER_KEY, has_demonstrator
+from consequence.evaluate.episode_eval import solved
+from consequence.harness.renderer import Renderer, format_call
 from consequence.policy.sampler import Sample
+from consequence.records import Trajectory
+from consequence.reward.scoring import score_trajectories
+from consequence.rollout.episodes import Budgets, EpisodeSpec, run_episodes
+
+__all__ = [
+    "PLAN_ENDED",
+    "DemoSet",
+    "ScriptedTeacher",
+    "check_action",
+    "demonstration_plans",
+    "play_plans",
+    "require_demonstrator",
+    "turn_text",
+    "verified",
+    "verify_plans",
+]
+
+PLAN_ENDED = "plan_ended"  # truncation reason of an episode its plan did not end
 
 
-@dataclass(frozen=True)
-class TeacherHabits:
-    """Probabilities of each habit in a demonstration."""
+def check_action(action: Any) -> str | None:
+    """Why ``action`` is not an action of the episode format, or None when it is one.
 
-    p_diagnose_first: float = 0.5
-    p_read_only: float = 0.3
-    p_wrong_patch_first: float = 0.25
-    p_verify_before_finish: float = 0.5
-
-
-def plan_episode(task: Any, rng: random.Random, habits: TeacherHabits = TeacherHabits()) -> list[tuple[str, dict]]:
-    """The list of tool calls the teacher will make on ``task`` (a RepairTask).
-
-    Deterministic given the rng state. Every plan ends with the right patch and ``finish``,
-    so a demonstration passes the hidden tests unless the environment fails.
+    Accepted: ``{"name": str, "arguments": dict}``, ``(name, arguments)``, ``{"answer": str}``.
     """
-    plan: list[tuple[str, dict]] = []
-    u = rng.random()
-    diagnosed = u < habits.p_diagnose_first + habits.p_read_only
-    if u < habits.p_diagnose_first:
-        plan += [("run_tests", {}), ("read_code", {})]
-    elif diagnosed:
-        plan += [("read_code", {})]
-    # A wrong patch on the line the fix replaces: the fix then overwrites it, so the
-    # demonstration still ends with the reference code.
-    decoys = [d for d in task.decoy_patches if d[0] == task.patch[0]]
-    if decoys and rng.random() < habits.p_wrong_patch_first:
-        line, code = rng.choice(decoys)
-        plan += [("replace_line", {"line": line, "code": code}), ("run_tests", {})]
-        if not diagnosed:
-            plan.append(("read_code", {}))
-    line, code = task.patch
-    plan.append(("replace_line", {"line": line, "code": code}))
-    if rng.random() < habits.p_verify_before_finish:
-        plan.append(("run_tests", {}))
-    plan.append(("finish", {}))
-    return plan
+    if isinstance(action, tuple) and len(action) == 2:
+        action = {"name": action[0], "arguments": action[1]}
+    if not isinstance(action, dict):
+        return f"an action must be a dict, got {type(action).__name__}"
+    if ANSWER_KEY in action:
+        if not isinstance(action[ANSWER_KEY], str) or set(action) != {ANSWER_KEY}:
+            return f'an answer must be {{"answer": text}}, got {action!r:.120}'
+        return None
+    if not isinstance(action.get("name"), str) or not action["name"]:
+        return f'a tool call needs a string "name", got {action!r:.120}'
+    if not isinstance(action.get("arguments", {}), dict):
+        return f'a tool call\'s "arguments" must be a JSON object (a dict), got {action!r:.120}'
+    return None
+
+
+def _actions(step: Any) -> list[Any]:
+    return list(step) if isinstance(step, list) else [step]
+
+
+def turn_text(step: Any) -> str:
+    """The assistant text of one planned turn (before the end-of-turn token): an answer's
+    text as it is, a tool call as :func:`consequence.harness.renderer.format_call` writes it,
+    the turn's answers first, then its calls, joined by newlines.
+
+    Raises:
+        ValueError: an action that :func:`check_action` refuses.
+    """
+    texts, calls = [], []
+    for action in _actions(step):
+        problem = check_action(action)
+        if problem:
+            raise ValueError(problem)
+        if isinstance(action, tuple):
+            calls.append(format_call(action[0], action[1]))
+        elif ANSWER_KEY in action:
+            texts.append(action[ANSWER_KEY])
+        else:
+            calls.append(format_call(action["name"], action.get("arguments", {})))
+    return "\n".join(texts + calls)
 
 
 class ScriptedTeacher:
-    """A ``generate_fn`` for :func:`consequence.rollout.episodes.run_episodes`.
+    """A ``generate_fn`` for :func:`consequence.rollout.episodes.run_episodes` that plays plans.
 
-    Emits each planned call as the exact assistant text the chat template renders for it,
-    followed by the end-of-turn token. Log-probs are 0 (the teacher is not a sampler).
+    Each call emits the next planned turn of each episode as the renderer's tokens of
+    :func:`turn_text` plus the end-of-turn token; log-probs are 0 (the teacher is not a
+    sampler). An episode whose plan is spent before the environment ended it gets an empty
+    turn cut at the token limit (it ends ``truncated``; :func:`play_plans` names the reason
+    ``plan_ended``), never a made-up action.
+
+    Args:
+        renderer: the renderer whose tokens the turns are written in.
+        plans: one plan per episode spec, in order (see the module doc).
+
+    Raises:
+        ValueError: an action that :func:`check_action` refuses.
     """
 
-    def __init__(self, renderer, plans: list[list[tuple[str, dict]]]):
+    def __init__(self, renderer: Renderer, plans: Sequence[Sequence[Any]]):
         self.renderer = renderer
-        self.plans = plans
+        self.texts = [[turn_text(step) for step in plan] for plan in plans]
         self.step = [0] * len(plans)
+        self.ran_out: set[int] = set()
 
     def __call__(self, prompts: list[list[int]], max_new_tokens: int, episode_indices: list[int]) -> list[Sample]:
         out = []
         for i in episode_indices:
-            name, args = self.plans[i][min(self.step[i], len(self.plans[i]) - 1)]
+            if self.step[i] >= len(self.texts[i]):
+                self.ran_out.add(i)
+                out.append(Sample([], [], "length"))
+                continue
+            ids = self.renderer.encode(self.texts[i][self.step[i]]) + [self.renderer.eot_id]
             self.step[i] += 1
-            ids = self.renderer.encode(self.renderer.format_call(name, args)) + [self.renderer.eot_id]
             out.append(Sample(ids, [0.0] * len(ids), "stop"))
         return out
+
+
+def play_plans(
+    env: Any, tasks: Sequence[Any], plans: Sequence[Sequence[Any]], renderer: Renderer, seed: int = 0
+) -> list[Trajectory]:
+    """Play each plan through a fresh episode of its task; score the episodes.
+
+    Every episode opens as in training (the environment's system prompt, worked examples and
+    its own request), and every observation is the environment's. Scored with the reward
+    box (``reward.scoring.score_trajectories``: the verifier score is the primary reward
+    component). Budgets are the plans' own (a turn per planned turn, the plan's tool calls);
+    an episode whose plan ended before the environment ended it is ``truncated`` with
+    ``truncation_reason`` :data:`PLAN_ENDED`.
+
+    Args:
+        env: the environment (``consequence.envs.api.Environment``).
+        tasks: one task per plan.
+        plans: the plans (see the module doc).
+        renderer: the renderer of the tokens (the student's, or any, to re-render later).
+        seed: each episode's reset seed.
+
+    Returns:
+        one scored Trajectory per plan, in order (``task_id`` and ``group_id`` the task's id).
+
+    Raises:
+        ValueError: ``tasks`` and ``plans`` differ in length, or an action that
+            :func:`check_action` refuses.
+    """
+    if len(tasks) != len(plans):
+        raise ValueError(f"play_plans: {len(tasks)} tasks but {len(plans)} plans")
+    if not plans:
+        return []
+    teacher = ScriptedTeacher(renderer, plans)
+    calls = max(sum(ANSWER_KEY not in _as_dict(a) for a in _flat(p)) for p in plans)  # checked by the teacher
+    budgets = Budgets(
+        max_turns=max(len(p) for p in plans) + 1,  # one more: a spent plan is seen (PLAN_ENDED)
+        max_new_tokens=10**6,
+        max_total_tokens=10**12,
+        max_tool_calls=max(12, calls + 1),
+    )
+    specs = [
+        EpisodeSpec(env.make_episode(t), t.task_id, t.task_id, 0, seed, answer_ends_episode=env.answer_ends_episode)
+        for t in tasks
+    ]
+    trajs = run_episodes(teacher, renderer, specs, budgets, env.system_prompt, examples=env.examples)
+    for i in teacher.ran_out:
+        if trajs[i].outcome == "truncated":
+            trajs[i].truncation_reason = PLAN_ENDED
+    score_trajectories(trajs, components=tuple(env.reward_components), reward_range=tuple(env.reward_range))
+    return trajs
+
+
+def _flat(plan: Sequence[Any]) -> list[Any]:
+    return [a for step in plan for a in _actions(step)]
+
+
+def _as_dict(action: Any) -> dict:
+    return {"name": action[0], "arguments": action[1]} if isinstance(action, tuple) else action
+
+
+def verified(t: Trajectory) -> bool:
+    """The environment ended the episode and its reward verified it (primary component 1)."""
+    return solved(t)
+
+
+def require_demonstrator(env: Any) -> None:
+    """Refuse, before any work, an environment without a demonstrator.
+
+    Raises:
+        ValueError: ``env`` does not implement ``Environment.demonstration`` (names it and the fix).
+    """
+    if not has_demonstrator(env):
+        raise ValueError(
+            f"--env {env.label}: this environment has no demonstrator (Environment.demonstration, "
+            "docs/environments.md), so there is no scripted teacher for it; give a file of "
+            "demonstrations instead: `consequence sft --demos-file FILE` or `consequence demos --from FILE` "
+            "(our trajectories .parquet, or .jsonl of OpenAI-style messages; docs/distillation.md)"
+        )
+
+
+def demonstration_plans(
+    env: Any, tasks: Sequence[Any], rng: random.Random, habits: Mapping[str, float] | None = None
+) -> list[list[dict]]:
+    """The environment demonstrator's plan of each task (``env.demonstration(task, rng)``, the
+    tasks in order, one generator: deterministic in its seed).
+
+    Args:
+        env: an environment with a demonstrator.
+        tasks: its tasks.
+        rng: the generator of the demonstrations' style.
+        habits: settings of the demonstrator's style (given as ``habits=`` to a demonstrator
+            that declares that keyword; None: its own defaults).
+
+    Returns:
+        one list of actions per task.
+
+    Raises:
+        ValueError: no demonstrator (:func:`require_demonstrator`); ``habits`` for a
+            demonstrator that takes none; a demonstrator that returned no list of actions
+            (names the task and the action).
+    """
+    require_demonstrator(env)
+    kw: dict[str, Any] = {}
+    if habits:
+        if "habits" not in inspect.signature(env.demonstration).parameters:
+            raise ValueError(
+                f"--env {env.label}: its demonstrator takes no habits; leave "
+                f"{', '.join(sorted(habits))} at their defaults"
+            )
+        kw["habits"] = dict(habits)
+    plans = []
+    for task in tasks:
+        plan = env.demonstration(task, rng, **kw)
+        if not isinstance(plan, list):
+            raise ValueError(
+                f"--env {env.label}: demonstration() of task {task.task_id!r} returned a "
+                f"{type(plan).__name__}, not a list of actions"
+            )
+        for action in plan:
+            problem = check_action(action)
+            if problem:
+                raise ValueError(f"--env {env.label}: demonstration() of task {task.task_id!r}: {problem}")
+        plans.append(plan)
+    return plans
+
+
+@dataclass
+class DemoSet:
+    """Demonstrations after verification: what was kept, and what was refused and why.
+
+    Attributes:
+        kept: the verified episodes (scored trajectories, in the renderer's tokens).
+        total: demonstrations considered (rows of a file, or episodes of a demonstrator).
+        rejected: reason → count (see docs/distillation.md for the reasons).
+        first: reason → where and why its first rejection happened (for the log).
+        source: what the demonstrations came from (recorded in ``sft.json``).
+    """
+
+    kept: list[Trajectory] = field(default_factory=list)
+    total: int = 0
+    rejected: Counter = field(default_factory=Counter)
+    first: dict[str, str] = field(default_factory=dict)
+    source: dict[str, Any] = field(default_factory=dict)
+
+    def reject(self, reason: str, where: str) -> None:
+        """Count one rejection (``where``: which demonstration and why, kept for the first one)."""
+        self.rejected[reason] += 1
+        self.first.setdefault(reason, where)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Kept / considered (0 when nothing was considered)."""
+        return len(self.kept) / self.total if self.total else 0.0
+
+    def record(self) -> dict[str, Any]:
+        """The JSON record: source, ``episodes`` (considered), ``verified``, ``rejected``,
+        ``acceptance_rate`` and each reason's first case."""
+        return {
+            **self.source,
+            "episodes": self.total,
+            "verified": len(self.kept),
+            "rejected": dict(sorted(self.rejected.items())),
+            "acceptance_rate": round(self.acceptance_rate, 6),
+            "first_rejection": dict(sorted(self.first.items())),
+        }
+
+    def summary(self) -> str:
+        """One line: verified of considered, the acceptance rate, the rejections by reason."""
+        why = ", ".join(f"{k} {v}" for k, v in sorted(self.rejected.items()))
+        return f"{len(self.kept)}/{self.total} demonstrations verified (acceptance rate {self.acceptance_rate:.1%})" + (
+            f"; rejected: {why}" if why else ""
+        )
+
+
+def verify_plans(
+    env: Any,
+    tasks: Sequence[Any],
+    plans: Sequence[Sequence[Any]],
+    renderer: Renderer,
+    seed: int = 0,
+    where: Sequence[str] | None = None,
+    demos: DemoSet | None = None,
+) -> DemoSet:
+    """Play the plans (:func:`play_plans`) and keep the verified episodes.
+
+    Rejections: ``env_error`` (the environment failed), ``unfinished`` (the plan ended
+    before the episode did), ``not_verified`` (the episode ended, or a budget cut it, and
+    the environment's reward did not verify it).
+
+    Args:
+        env, tasks, plans, renderer, seed: as :func:`play_plans`.
+        where: one label per plan for the rejection log (default ``task TASK_ID``).
+        demos: the set to add to (e.g. one that already counted unreadable rows).
+
+    Returns:
+        ``demos`` (or a new set) with ``total`` raised by ``len(plans)``.
+
+    Raises:
+        ValueError: as :func:`play_plans`.
+    """
+    demos = demos if demos is not None else DemoSet()
+    demos.total += len(plans)
+    labels = list(where) if where is not None else [f"task {t.task_id}" for t in tasks]
+    for t, label in zip(play_plans(env, tasks, plans, renderer, seed), labels):
+        if verified(t):
+            demos.kept.append(t)
+        elif t.outcome == "env_error":
+            demos.reject("env_error", f"{label}: {t.error}")
+        elif t.truncation_reason == PLAN_ENDED:
+            demos.reject("unfinished", f"{label}: its actions ended before the episode did")
+        else:
+            score = "no score" if t.verifier_score is None else f"verifier score {t.verifier_score:g}"
+            how = "finished" if t.outcome == "finished" else f"{t.outcome} ({t.truncation_reason})"
+            demos.reject("not_verified", f"{label}: the episode {how} with {score}, not 1")
+    return demos

@@ -1,8 +1,9 @@
-"""Cold start: build the bundled tiny model and fine-tune it on verified teacher demos.
+"""Warm start: build the bundled tiny model and fine-tune it on verified teacher demos.
 
 Steps (each a box of its own; this module only wires them):
-1. the scripted teacher (``distill/teacher.py``) solves train problems through the real
-   environment and harness; only demonstrations that pass the hidden tests are kept;
+1. the environment's demonstrator (``Environment.demonstration``, played by the scripted
+   teacher of ``distill/teacher.py``) solves train tasks through the real environment and
+   harness; only demonstrations that the environment's reward verifies are kept;
 2. a byte-level BPE tokenizer is trained on the rendered conversations, and a
    Llama-architecture model of ~2 M parameters is initialised (``policy/tiny.py``);
 3. supervised fine-tuning with the loss on assistant tokens only (the same loss mask the
@@ -26,21 +27,25 @@ from pathlib import Path
 import torch
 
 from consequence.distill.sft import SFTConfig, train_sft
-from consequence.distill.teacher import ScriptedTeacher, TeacherHabits, plan_episode
+from consequence.distill.teacher import DemoSet, demonstration_plans, turn_text, verify_plans
 from consequence.envs.registry import load_environment
-from consequence.envs.repair.problems import RepairTask
 from consequence.fileio import cache_root
 from consequence.harness.renderer import Renderer, replay_conversation
 from consequence.policy.tiny import BUNDLED, build_model, build_tokenizer, save_policy
 from consequence.records import ModelCall, Trajectory, trajectory_to_rows
-from consequence.rollout.episodes import Budgets, EpisodeSpec, run_episodes
+from consequence.rollout.episodes import opening_messages
 
 WARMSTART_VERSION = 1
 
 
 @dataclass(frozen=True)
 class WarmstartConfig:
-    """Settings of the warm-start build (all of them go into the cache key)."""
+    """Settings of the warm-start build (all of them go into the cache key).
+
+    ``p_*`` are the habits of the default environment's demonstrator (diagnose first, read
+    only, a wrong patch first, verify before finishing); they reach any environment's
+    demonstrator as ``habits=`` when they differ from the defaults (:meth:`demonstrator_habits`).
+    """
 
     seed: int = 0
     n_demos: int = 4000
@@ -56,7 +61,7 @@ class WarmstartConfig:
     p_read_only: float = 0.3
     p_wrong_patch_first: float = 0.25
     p_verify_before_finish: float = 0.5
-    env: str = "repair"  # whose train split the teacher solves (a repair-type environment)
+    env: str = "repair"  # whose train split the teacher solves (an environment with a demonstrator)
 
     def settings(self) -> dict:
         """What the cache key and ``warmstart.json`` hold (``env`` only when not the default,
@@ -65,6 +70,13 @@ class WarmstartConfig:
         if d["env"] == "repair":
             del d["env"]
         return d
+
+    def demonstrator_habits(self) -> dict[str, float] | None:
+        """The ``p_*`` settings when any differs from its default, else None (the
+        demonstrator's own defaults, which are these)."""
+        habits = {k: v for k, v in asdict(self).items() if k.startswith("p_")}
+        defaults = {k: v for k, v in asdict(WarmstartConfig()).items() if k.startswith("p_")}
+        return habits if habits != defaults else None
 
     def key(self) -> str:
         blob = json.dumps({"v": WARMSTART_VERSION, **self.settings()}, sort_keys=True)
@@ -100,7 +112,7 @@ def _built_with(path: Path, cfg: WarmstartConfig) -> bool:
 
 
 def teacher_conversations(cfg: WarmstartConfig, log: Callable[[str], None] = print, env=None) -> list[list[dict]]:
-    """Run the scripted teacher on train-split tasks; keep verified demonstrations.
+    """The messages of the verified demonstrations of :func:`teacher_demonstrations`.
 
     ``env``: the environment to solve (default: ``cfg.env`` with its default options).
     """
@@ -108,60 +120,87 @@ def teacher_conversations(cfg: WarmstartConfig, log: Callable[[str], None] = pri
 
 
 def teacher_demonstrations(
-    cfg: WarmstartConfig, log: Callable[[str], None] = print, env=None, draw_seed: int | None = None
+    cfg: WarmstartConfig,
+    log: Callable[[str], None] = print,
+    env=None,
+    draw_seed: int | None = None,
+    renderer: Renderer | None = None,
 ) -> list[Trajectory]:
-    """The scripted teacher's verified episodes on ``cfg.n_demos`` train-split tasks.
+    """The environment demonstrator's verified episodes on ``cfg.n_demos`` train-split tasks
+    (:func:`teacher_demo_set`'s kept episodes)."""
+    return teacher_demo_set(cfg, log, env, draw_seed, renderer).kept
 
-    The tasks are ``env.sample("train", n_demos, seed=d + 1)`` and the teacher's habits are drawn
-    from ``random.Random(d)``, with d = ``draw_seed`` or, by default, ``cfg.seed`` (the warm
-    start's own demonstrations; another d gives other instances and habits). An episode is kept when
-    it finished and the verifier scored it 1. Its token ids are a throw-away tokenizer's: re-render
-    it for a student with :func:`demo_trajectories` (task ids, rewards and messages are kept).
+
+def teacher_demo_set(
+    cfg: WarmstartConfig,
+    log: Callable[[str], None] = print,
+    env=None,
+    draw_seed: int | None = None,
+    renderer: Renderer | None = None,
+) -> DemoSet:
+    """Play the environment's demonstrator on ``cfg.n_demos`` train-split tasks; keep the verified.
+
+    The tasks are ``env.sample("train", n_demos, seed=d + 1)`` and each task's demonstration
+    is ``env.demonstration(task, rng)`` with one ``rng = random.Random(d)`` for the tasks in
+    order, d = ``draw_seed`` or, by default, ``cfg.seed`` (the warm start's own demonstrations;
+    another d gives other instances and habits). Each is played through a fresh episode and
+    kept when it finished and the environment's reward verified it (primary component 1).
+
+    Args:
+        cfg: the settings (``env``, ``n_demos``, ``seed``, the demonstrator's ``p_*`` habits).
+        log: one line with the counts.
+        env: the environment to solve (default: ``cfg.env`` with its default options).
+        draw_seed: d (above).
+        renderer: the renderer whose tokens the episodes are played in (the student's). By
+            default a throw-away tokenizer's (trained on the system prompt and the
+            demonstrations' texts): re-render the episodes for a student with
+            :func:`demo_trajectories` (task ids, rewards and messages are kept).
+
+    Returns:
+        the :class:`~consequence.distill.teacher.DemoSet` (kept episodes, rejections by reason).
 
     Raises:
-        ValueError: the environment's tasks are not repair tasks (the teacher solves only those).
+        ValueError: the environment has no demonstrator (the message names it and the fix:
+            a file of demonstrations), ``p_*`` habits for one that takes none, or an empty
+            train split.
     """
     env = env if env is not None else load_environment(cfg.env, cfg.seed)
     d = cfg.seed if draw_seed is None else draw_seed
     tasks = env.sample("train", cfg.n_demos, seed=d + 1)
-    if not all(isinstance(t, RepairTask) for t in tasks[:1]):
-        raise ValueError(
-            f"--env {cfg.env}: the scripted teacher solves repair tasks only (repair, humaneval-repair, "
-            "jsonl); train in this environment from a model of your own (--model PATH)"
-        )
-    rng = random.Random(d)
-    habits = TeacherHabits(cfg.p_diagnose_first, cfg.p_read_only, cfg.p_wrong_patch_first, cfg.p_verify_before_finish)
-    plans = [plan_episode(t, rng, habits) for t in tasks]
-    # Any tokenizer will do to drive the episodes: demonstrations are re-rendered for the student.
-    boot = build_tokenizer([env.system_prompt] + [t.buggy_code for t in tasks[:200]], vocab_size=300)
-    renderer = Renderer(boot, env.tools)
-    specs = [EpisodeSpec(env.make_episode(t), t.task_id, t.task_id, 0, cfg.seed) for t in tasks]
-    budgets = Budgets(max_turns=12, max_new_tokens=10_000, max_total_tokens=10**9, max_tool_calls=12)
-    trajs = run_episodes(ScriptedTeacher(renderer, plans), renderer, specs, budgets, env.system_prompt)
-    kept = [t for t in trajs if t.outcome == "finished" and t.verifier_score == 1.0]
-    log(f"teacher: {len(kept)}/{len(trajs)} demonstrations verified")
-    return kept
+    plans = demonstration_plans(env, tasks, random.Random(d), cfg.demonstrator_habits())
+    if renderer is None:  # any tokenizer drives the episodes: they are re-rendered for the student
+        texts = [turn_text(step) for plan in plans[:200] for step in plan]
+        renderer = Renderer(build_tokenizer([env.system_prompt] + texts, vocab_size=300), env.tools)
+    demos = verify_plans(env, tasks, plans, renderer, cfg.seed)
+    demos.source = {"kind": "scripted", "environment": env.label, "draw_seed": d}
+    log(f"teacher: {demos.summary()}")
+    return demos
 
 
-def demo_trajectories(renderer: Renderer, demos: list[Trajectory]) -> list[Trajectory]:
+def demo_trajectories(renderer: Renderer, demos: list[Trajectory], opening: int | None = None) -> list[Trajectory]:
     """The demonstrations in the student's tokens: each assistant turn re-rendered by ``renderer``
     (its chat template and tool format), sampler log-probs 0 (the teacher is not a sampler);
-    task, group and sample ids, outcome, rewards and messages as they were."""
-    return [dataclasses.replace(t, calls=_replayed_calls(renderer, t.messages)) for t in demos]
+    task, group and sample ids, outcome, rewards and messages as they were.
+
+    ``opening``: messages before the first assistant turn of the episode (system prompt,
+    worked examples, request); default: up to the first user message (no worked examples).
+    """
+    return [dataclasses.replace(t, calls=_replayed_calls(renderer, t.messages, opening)) for t in demos]
 
 
-def _replayed_calls(renderer: Renderer, messages: list[dict]) -> list[ModelCall]:
+def _replayed_calls(renderer: Renderer, messages: list[dict], opening: int | None = None) -> list[ModelCall]:
     return [
         ModelCall(ctx, ids, [0.0] * len(ids), "stop", observation_ids=obs)
-        for ctx, ids, obs in replay_conversation(renderer, messages)
+        for ctx, ids, obs in replay_conversation(renderer, messages, opening)
     ]
 
 
-def demo_rows(renderer: Renderer, conversations: list[list[dict]]):
-    """Token rows (loss mask on assistant tokens only) of the demonstrations."""
+def demo_rows(renderer: Renderer, conversations: list[list[dict]], opening: int | None = None):
+    """Token rows (loss mask on assistant tokens only) of the demonstrations (``opening``: as
+    :func:`demo_trajectories`)."""
     rows = []
     for k, msgs in enumerate(conversations):
-        calls = _replayed_calls(renderer, msgs)
+        calls = _replayed_calls(renderer, msgs, opening)
         traj = Trajectory(task_id=str(k), group_id=str(k), sample_id=0, seed=0, policy_version=0, calls=calls)
         rows += trajectory_to_rows(traj, k)
     return rows
@@ -171,13 +210,13 @@ def build_warmstart(cfg: WarmstartConfig, path: Path, log: Callable[[str], None]
     """Build tokenizer + model, run SFT, save atomically to ``path``."""
     t0 = time.perf_counter()
     torch.manual_seed(cfg.seed)
-    convs = teacher_conversations(cfg, log)
+    env = load_environment(cfg.env, cfg.seed)
+    convs = teacher_conversations(cfg, log, env)
     boot = build_tokenizer(["x"], vocab_size=300)
-    tools = load_environment(cfg.env, cfg.seed).tools
-    corpus = [Renderer(boot, tools).render_text(m, add_generation_prompt=False) for m in convs]
+    corpus = [Renderer(boot, env.tools).render_text(m, add_generation_prompt=False) for m in convs]
     tokenizer = build_tokenizer(corpus, vocab_size=cfg.vocab_size)
-    renderer = Renderer(tokenizer, tools)
-    rows = demo_rows(renderer, convs)
+    renderer = Renderer(tokenizer, env.tools)
+    rows = demo_rows(renderer, convs, len(opening_messages(env.system_prompt, "", env.examples)))
     model = build_model(
         tokenizer,
         seed=cfg.seed,

@@ -29,6 +29,12 @@ A group builder (:meth:`Environment.make_group`) makes the G isolated episodes o
 task (default: G calls of :meth:`make_episode`); :meth:`Environment.score_group` may
 rescore the finished group jointly (e.g. a pairwise judge) before advantages are taken.
 
+An environment may also demonstrate a solution (:meth:`Environment.demonstration`, optional;
+:func:`has_demonstrator` says whether it does): the actions of one solution of a task, in the
+episode's action format, which the cold start plays through a fresh episode and keeps only
+when the environment's own reward verifies it (docs/distillation.md). A demonstration file
+names its tasks by id; :meth:`Environment.find_task` turns an id back into the task.
+
 :class:`SingleTurnEnvironment` is a single-turn task given as data: a dataset of prompts
 and a Python ``reward_fn(prompt, completion, **info) -> float | dict`` whose value gets
 the checks of any verifier (:func:`check_reward_fn_value`); ``SingleTurnEnvironment.scoring``
@@ -43,6 +49,7 @@ import hashlib
 import inspect
 import json
 import math
+import random
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -60,6 +67,7 @@ __all__ = [
     "SingleTurnEpisode",
     "SingleTurnTask",
     "check_reward_fn_value",
+    "has_demonstrator",
 ]
 
 SPLITS: tuple[str, ...] = ("train", "validation", "test")
@@ -166,6 +174,64 @@ class Environment:
         (logged in ``metrics.jsonl`` beside the loop's own); default none."""
         return {}
 
+    def demonstration(self, task: Any, rng: random.Random) -> list[dict]:
+        """The actions of one solution of ``task``, in the order they are played (optional).
+
+        Each action is in the episode's action format (the module doc): a tool call
+        ``{"name": str, "arguments": dict}`` (one assistant turn), or ``{"answer": text}``
+        for a reply without a tool call. The cold start (``consequence sft``,
+        ``consequence demos``, the tiny warm start) plays them through a fresh episode of
+        ``task`` and keeps the demonstration only when the episode finished and this
+        environment's own reward verified it (the primary component is 1): a demonstrator
+        is checked before use, never trusted, so it may be wrong sometimes (e.g. mix in a
+        wrong first try it then repairs). Draw any randomness from ``rng`` only: the
+        demonstrations are then a deterministic function of the draw seed (the caller
+        passes one generator to the tasks in order). Cheap and pure: no episode is run here.
+        A demonstrator may declare a keyword ``habits`` (a mapping of names to settings of
+        its style); the warm start's non-default ``p_*`` settings reach it there.
+
+        Args:
+            task: a task of this environment (a train-split instance drawn by :meth:`sample`).
+            rng: the random generator of the demonstrations' style.
+
+        Returns:
+            the actions, in order.
+
+        Raises:
+            NotImplementedError: this environment has no demonstrator (the default); use a
+                file of demonstrations instead (docs/distillation.md).
+        """
+        raise NotImplementedError(
+            f"environment {self.label!r} has no demonstrator ({type(self).__name__}.demonstration); "
+            "give a file of demonstrations instead (docs/distillation.md)"
+        )
+
+    def find_task(self, task_id: str) -> tuple[str, Any] | None:
+        """The split and the task that ``task_id`` names, or None when it names none.
+
+        Used to replay a demonstration read from a file on its own task. Default: the id up to
+        its first ``#`` (instances drawn by :meth:`sample` are ``ID#seed-k``) is looked up
+        among the task ids of every split, then among the problem ids (only a problem with
+        exactly one task); the task comes back under the whole ``task_id`` (a copy, as
+        :meth:`sample` makes). An environment whose instances differ from their problem
+        (``repair`` renames variables per instance) overrides it.
+
+        Args:
+            task_id: a task id as trajectories record it (``Trajectory.task_id``).
+
+        Returns:
+            ``(split, task)`` or None.
+        """
+        base = task_id.split("#", 1)[0]
+        for key in ("task_id", "problem_id"):
+            found = [(s, t) for s in SPLITS for t in self.split.get(s, []) if getattr(t, key, None) == base]
+            if len(found) == 1:
+                split, task = found[0]
+                return split, task if task.task_id == task_id else _renamed(task, task_id)
+            if found:  # a problem of several tasks: the id does not say which
+                return None
+        return None
+
     def sample(self, split: str, n: int, seed: int) -> list:
         """``n`` task instances of ``split``, deterministic in ``seed``: a seeded permutation of
         the split, cycled; each copy's ``task_id`` is made unique (``id#seed-k``).
@@ -173,28 +239,13 @@ class Environment:
         Raises:
             ValueError: unknown split, or an empty split and ``n > 0``.
         """
-        import copy
-        import dataclasses
-        import random
-
         pool = self._pool(split)
         if n > 0 and not pool:
             raise ValueError(f"--env {self.label}: the {split} split has no task to draw from")
         order = list(range(len(pool)))
         random.Random(seed).shuffle(order)
-        out = []
-        for k in range(n):
-            task = pool[order[k % len(order)]]
-            new_id = f"{task.task_id}#{seed}-{k}"
-            if dataclasses.is_dataclass(task) and not isinstance(task, type):  # an instance (mypy: not a class)
-                out.append(dataclasses.replace(task, task_id=new_id))
-            elif hasattr(task, "_replace"):  # a NamedTuple
-                out.append(task._replace(task_id=new_id))
-            else:
-                twin = copy.copy(task)
-                object.__setattr__(twin, "task_id", new_id)
-                out.append(twin)
-        return out
+        picked = [pool[order[k % len(order)]] for k in range(n)]
+        return [_renamed(task, f"{task.task_id}#{seed}-{k}") for k, task in enumerate(picked)]
 
     # ---- derived -------------------------------------------------------------------
     def _pool(self, split: str) -> list:
@@ -283,6 +334,23 @@ class Environment:
             "reward_range": list(self.reward_range),
             "answer_ends_episode": self.answer_ends_episode,
         }
+
+
+def _renamed(task: Any, task_id: str) -> Any:
+    """A copy of ``task`` under ``task_id`` (a dataclass, a NamedTuple or a plain object)."""
+    if dataclasses.is_dataclass(task) and not isinstance(task, type):  # an instance (mypy: not a class)
+        return dataclasses.replace(task, task_id=task_id)
+    if hasattr(task, "_replace"):  # a NamedTuple
+        return task._replace(task_id=task_id)
+    twin = copy.copy(task)
+    object.__setattr__(twin, "task_id", task_id)
+    return twin
+
+
+def has_demonstrator(env: Environment | type) -> bool:
+    """Whether an environment (instance or class) overrides :meth:`Environment.demonstration`."""
+    cls = env if isinstance(env, type) else type(env)
+    return getattr(cls, "demonstration", None) is not Environment.demonstration
 
 
 def source_sha256(cls: type) -> str | None:

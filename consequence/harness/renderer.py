@@ -363,34 +363,50 @@ def _parse_call(block: str) -> tuple[dict | None, str | None]:
     return {"name": obj["name"], "arguments": args}, None
 
 
-def replay_conversation(renderer: Renderer, messages: list[dict]) -> list[tuple[list[int], list[int], list[int]]]:
-    """Re-render a finished conversation (system, user, then assistant/tool turns) as calls.
+def replay_conversation(
+    renderer: Renderer, messages: list[dict], opening: int | None = None
+) -> list[tuple[list[int], list[int], list[int]]]:
+    """Re-render a finished conversation (its opening, then assistant turns and their results) as calls.
 
     Used for demonstrations written as messages (not sampled): each assistant turn's ids
-    are the template's own rendering of its tool calls plus end-of-turn, exactly what
-    the model must learn to sample.
+    are the template's own rendering of its text and tool calls plus end-of-turn (its
+    content, then each call as :func:`format_call` writes it, one per line: what a policy
+    samples for that turn), exactly what the model must learn to sample. The ``tool`` and
+    ``user`` messages after an assistant turn are its observations (tool results; the
+    environment's reply to an answer).
+
+    Args:
+        renderer: the renderer of the tokens.
+        messages: the conversation.
+        opening: how many messages come before the first assistant turn of the episode
+            (system prompt, worked examples, request); default: up to and including the
+            first user message (a conversation without worked examples).
 
     Returns:
         one ``(context_ids, output_ids, observation_ids)`` per assistant turn.
     """
-    history = list(messages[:2])
+    if opening is None:
+        opening = next((k + 1 for k, m in enumerate(messages) if m.get("role") == "user"), len(messages))
+    history = list(messages[:opening])
     context = renderer.prompt_ids(history)
     calls = []
-    i = 2
+    i = opening
     while i < len(messages):
         assistant = messages[i]
         j = i + 1
-        while j < len(messages) and messages[j]["role"] == "tool":
+        while j < len(messages) and messages[j]["role"] in ("tool", "user"):
             j += 1
-        tools = messages[i + 1 : j]
-        text = "\n".join(
+        results = messages[i + 1 : j]
+        content = assistant.get("content") or ""
+        tool_calls = "\n".join(
             renderer.format_call(c["function"]["name"], c["function"]["arguments"])
-            for c in assistant.get("tool_calls", [])
-        ) or assistant.get("content", "")
+            for c in assistant.get("tool_calls") or []
+        )
+        text = (content + "\n" + tool_calls if content else tool_calls) if tool_calls else content
         out = renderer.encode(text) + [renderer.eot_id]
-        obs = renderer.observation_ids(history, assistant, tools) if tools and j < len(messages) else []
+        obs = renderer.observation_ids(history, assistant, results) if results and j < len(messages) else []
         calls.append((list(context), out, obs))
         context = context + out + obs
-        history = history + [assistant] + tools
+        history = history + [assistant] + results
         i = j
     return calls

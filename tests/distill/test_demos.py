@@ -1,4 +1,4 @@
-"""SFT on the scripted teacher's demonstrations as a run (issue 32's "more SFT" arm):
+"""SFT on the environment demonstrator's demonstrations as a run (issue 32's "more SFT" arm):
 ``consequence demos`` writes them in the student's tokens, and ``--recipe rejection_sft
 --distill-lambda 0 --distill-data FILE`` trains the SFT loss on them."""
 
@@ -120,6 +120,9 @@ def test_an_sft_run_on_demonstrations_trains_on_the_file_only(tmp_path, demos_fi
         assert m["success"] is None and not {"ratio_mean", "first_step_ratio_min", "clip_frac_low"} & set(m)
 
 
-def test_demos_cli_refuses_a_non_repair_environment(tmp_path):
-    res = CliRunner().invoke(app, ["demos", "--out", str(tmp_path / "d.parquet"), "--env", "calculator", "-n", "2"])
-    assert res.exit_code == 2 and "scripted teacher" in res.output and not (tmp_path / "d.parquet").exists()
+def test_demos_cli_refuses_an_environment_without_a_demonstrator(tmp_path):
+    res = CliRunner().invoke(
+        app, ["demos", "--out", str(tmp_path / "d.parquet"), "--env", "humaneval", "-n", "2"], env={"COLUMNS": "400"}
+    )
+    assert res.exit_code == 2 and "no demonstrator" in res.output and "--demos-file" in res.output
+    assert not (tmp_path / "d.parquet").exists()

@@ -85,8 +85,8 @@ def test_train_sft_lowers_the_loss_and_refuses_rows_without_targets():
 @pytest.mark.slow
 def test_cli_sft_cold_start_writes_a_model_that_loads(tmp_path):
     """``consequence sft``: teacher demos in the student's format, LoRA SFT merged into a
-    plain folder with sft.json whose counts add up; a non-repair environment is refused
-    before any work."""
+    plain folder with sft.json whose counts add up; an environment without a demonstrator
+    (and no --demos-file) is refused before any work."""
     import json
 
     from typer.testing import CliRunner
@@ -117,7 +117,13 @@ def test_cli_sft_cold_start_writes_a_model_that_loads(tmp_path):
     )
     assert res.exit_code == 0, res.output
     rec = json.loads((out / "sft.json").read_text())
-    assert rec["teacher"] == {"kind": "scripted", "episodes": 8, "verified": 8}
+    assert {k: rec["teacher"][k] for k in ("kind", "episodes", "verified", "rejected", "acceptance_rate")} == {
+        "kind": "scripted",
+        "episodes": 8,
+        "verified": 8,
+        "rejected": {},
+        "acceptance_rate": 1.0,
+    }
     assert rec["rows"] == 8 and len(rec["losses"]) == 2  # int(1 epoch · 8 rows / 4 per step)
     assert 0 < rec["targets"] < rec["tokens"]  # the prompts and observations are context
     assert rec["tool_format"] == "native" and rec["settings"]["lora_rank"] == 4
@@ -129,8 +135,8 @@ def test_cli_sft_cold_start_writes_a_model_that_loads(tmp_path):
     assert moved > 0
     bad = CliRunner().invoke(
         app,
-        ["sft", "--model", str(BUNDLED), "--env", "calculator", "--out", str(tmp_path / "no")],
-        env={"COLUMNS": "200"},
+        ["sft", "--model", str(BUNDLED), "--env", "humaneval", "--out", str(tmp_path / "no")],
+        env={"COLUMNS": "400"},
     )
-    assert bad.exit_code == 2 and "solves repair tasks only" in bad.output
+    assert bad.exit_code == 2 and "no demonstrator" in bad.output and "--demos-file" in bad.output
     assert not (tmp_path / "no").exists()

@@ -640,3 +640,12 @@ class CalculatorEnvironment(Environment):
 
     def make_episode(self, task: ArithmeticTask) -> CalculatorEpisode:
         return CalculatorEpisode(task, self.tool_cost, self.max_calls)
+
+    def demonstration(self, task: ArithmeticTask, rng: random.Random) -> list[dict]:
+        """One calculator call on the task's whole ``expression``, then the value as the answer
+        (``<answer>VALUE</answer>``); ``rng`` is not used (one way to solve it). Verified by the
+        episode's own reward before use (the ``Environment.demonstration`` hook)."""
+        return [
+            {"name": "calculator", "arguments": {"expression": task.expression}},
+            {"answer": f"<answer>{task.answer}</answer>"},
+        ]

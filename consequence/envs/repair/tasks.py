@@ -14,9 +14,13 @@ canonical solutions with one injected bug, split by HumanEval task id
 from __future__ import annotations
 
 import json
+import random
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from consequence.envs.api import SPLITS, Environment
+from consequence.envs.repair.demonstrator import TeacherHabits, habits_from, plan_actions
 from consequence.envs.repair.env import SYSTEM_PROMPT, TOOLS, RepairEnv
 
 __all__ = ["RepairEnvironment", "HumanEvalRepairEnvironment", "JsonlRepairEnvironment"]
@@ -45,6 +49,7 @@ class RepairEnvironment(Environment):
         if split_by not in ("problem", "family"):
             raise ValueError(f"--env-option split_by={split_by}: give problem or family")
         self.split_by = split_by
+        self.habits = TeacherHabits()  # the demonstrator's habits (settable; see `demonstration`)
         super().__init__(split_seed)
 
     def load_splits(self, split_seed: int) -> dict[str, list]:
@@ -60,6 +65,43 @@ class RepairEnvironment(Environment):
 
     def make_episode(self, task) -> RepairEnv:
         return RepairEnv(task)
+
+    def demonstration(
+        self, task: Any, rng: random.Random, habits: TeacherHabits | Mapping[str, float] | None = None
+    ) -> list[dict]:
+        """A scripted repair of ``task`` with a mix of habits (diagnose first or not, sometimes a
+        wrong patch first, verify before finishing or not), always ending with the reference
+        patch and ``finish`` (:func:`consequence.envs.repair.demonstrator.plan_episode`).
+
+        Args:
+            task: a RepairTask of this environment.
+            rng: the generator the habits are drawn from (advanced; the same draws as ever,
+                so the bundled warm start's demonstrations stay what they were).
+            habits: the habits' probabilities (:class:`TeacherHabits` or a mapping of its
+                fields); default ``self.habits`` (settable, default :class:`TeacherHabits`).
+
+        Returns:
+            the tool calls ``{"name": ..., "arguments": ...}`` in order.
+
+        Raises:
+            ValueError: ``habits`` names no habit or holds no probability.
+        """
+        return plan_actions(task, rng, self.habits if habits is None else habits_from(habits))
+
+    def find_task(self, task_id: str) -> tuple[str, Any] | None:
+        """``PROBLEM_ID#INSTANCE`` → the instance ``make_instance(problem, INSTANCE)`` (variables
+        renamed and inputs drawn as :meth:`sample` did for that id) and its problem's split; None
+        for an id without ``#`` (the instance is part of the task) or of no problem here."""
+        from consequence.envs.repair.problems import make_instance
+
+        problem_id, sep, instance = task_id.partition("#")
+        if not sep or not instance:
+            return None
+        for split in SPLITS:
+            for problem in self.split.get(split, []):
+                if problem.problem_id == problem_id:
+                    return split, make_instance(problem, instance)
+        return None
 
     def iteration_metrics(self, trajectories: list) -> dict[str, float]:
         """``diagnose_first``: share of episodes whose first call runs the tests or reads the code."""
@@ -82,6 +124,7 @@ class HumanEvalRepairEnvironment(RepairEnvironment):
         return load_humaneval_repair(seed=split_seed)
 
     sample = Environment.sample
+    find_task = Environment.find_task  # the splits hold the tasks themselves
 
 
 class JsonlRepairEnvironment(RepairEnvironment):
@@ -97,6 +140,7 @@ class JsonlRepairEnvironment(RepairEnvironment):
 
     name = "jsonl"
     sample = Environment.sample
+    find_task = Environment.find_task  # the splits hold the tasks themselves
 
     def __init__(self, split_seed: int = 0, tasks_file: str | None = None):
         if not tasks_file:
