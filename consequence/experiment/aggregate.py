@@ -247,10 +247,12 @@ def _aggregate_one(
             for b in starts
         }
     trained = [n for n in out if policy[n] != "warmstart"]
-    between = {
-        x: {y: arm_difference(out[x]["per_problem"], out[y]["per_problem"], confidence, n_boot, seed) for y in trained}
-        for x in trained
-    }
+    between: dict[str, dict[str, dict[str, Any]]] = {x: {} for x in trained}
+    for i, x in enumerate(trained):  # one bootstrap per pair; y − x is its mirror, so the matrix is antisymmetric
+        for y in trained[i + 1 :]:
+            d = arm_difference(out[x]["per_problem"], out[y]["per_problem"], confidence, n_boot, seed)
+            between[x][y] = d
+            between[y][x] = {**d, "mean": -d["mean"], "low": -d["high"], "high": -d["low"]}
     return {
         "split": split,
         "decoding": decoding,
@@ -423,11 +425,12 @@ def _between_lines(res: Mapping[str, Any], conf: str) -> list[str]:
     for x in names:
         cells = []
         for y in names:
+            if y == x:
+                cells.append("—")
+                continue
             d = between[x][y]
             mark = "*" if d["low"] > 0 or d["high"] < 0 else ""
-            cells.append(
-                "—" if y == x else f"{100 * d['mean']:+.1f} [{100 * d['low']:+.1f}, {100 * d['high']:+.1f}]{mark}"
-            )
+            cells.append(f"{100 * d['mean']:+.1f} [{100 * d['low']:+.1f}, {100 * d['high']:+.1f}]{mark}")
         lines.append(f"| {x} ({seeds_of[x]} seeds) | " + " | ".join(cells) + " |")
     survive = [
         f"{x} − {y}: {100 * d['mean']:+.1f} [{100 * d['low']:+.1f}, {100 * d['high']:+.1f}] pts "

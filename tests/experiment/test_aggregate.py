@@ -96,6 +96,9 @@ def test_aggregate_by_hand_and_by_direct_computation(runs):
     direct = seeds.arm_difference(tables["A"], tables["B"], 0.95, 10_000, 0)
     assert (ab["mean"], ab["low"], ab["high"], ab["n_problems"]) == (*direct, 3)
     assert ab["mean"] == pytest.approx(1 / 3, abs=1e-15)
+    ba = res["differences_between_arms"]["B"]["A"]  # the mirror of the same bootstrap: the matrix is antisymmetric
+    assert (ba["mean"], ba["low"], ba["high"], ba["n_problems"]) == (-ab["mean"], -ab["high"], -ab["low"], 3)
+    assert "A" not in res["differences_between_arms"]["A"]  # no arm minus itself
 
 
 def test_a_no_training_arm_reads_the_warm_start_files(runs):
