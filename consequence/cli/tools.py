@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import typer
 from rich.markup import escape
@@ -143,11 +144,16 @@ def warmstart(
 
 
 def _check_teacher_env(
-    env: str, seed: int, options: dict | None = None, demos_file: Path | None = None, option: str = "--demos-file"
+    env: str,
+    seed: int,
+    options: dict | None = None,
+    demos_file: Path | None = None,
+    option: str = "--demos-file",
+    teacher_url: bool = False,
 ) -> None:
     """Refuse, before any work, a source of demonstrations that cannot give any: an environment
-    without a demonstrator (when no file is given), or a demonstration file that is missing,
-    a folder, or of an unknown format.
+    without a demonstrator (when neither a file nor a teacher URL is given), or a demonstration
+    file that is missing, a folder, or of an unknown format.
 
     Raises:
         ValueError: names the environment or the file, and the fix (or as ``load_environment``).
@@ -157,10 +163,91 @@ def _check_teacher_env(
     from consequence.envs.registry import load_environment
 
     environment = load_environment(env, seed, dict(options or {}))
-    if demos_file is None:
-        require_demonstrator(environment)
-    else:
+    if demos_file is not None:
         check_demonstration_path(demos_file, option)
+    elif not teacher_url:
+        require_demonstrator(environment)
+
+
+# ---- a teacher behind an OpenAI-compatible URL (sft and demos share these options) ------------
+def _teacher_url_option() -> Any:
+    return typer.Option(
+        None,
+        "--teacher-url",
+        help="Demonstrations from a teacher behind an OpenAI-compatible URL (a vLLM server with a larger model, "
+        "or `consequence serve`): it plays the train episodes through /v1/chat/completions with the "
+        "environment's tools; each transcript is replayed in the student's tokens and kept only when the "
+        "environment verifies it. The server is probed first (GET /v1/models) (docs/distillation.md).",
+    )
+
+
+def _teacher_options() -> dict[str, Any]:
+    return {
+        "teacher_model": typer.Option(
+            None, "--teacher-model", help="Model name sent to the teacher (default: the one GET /v1/models lists)."
+        ),
+        "teacher_api_key_env": typer.Option(
+            None,
+            "--teacher-api-key-env",
+            help="Environment variable holding the teacher's API key (sent as a Bearer token; never recorded).",
+        ),
+        "teacher_temperature": typer.Option(
+            None,
+            "--teacher-temperature",
+            min=0.0,
+            max=2.0,
+            help="Teacher's sampling temperature (default 1.0: its own distribution, filtered by the verifier).",
+        ),
+        "teacher_max_tokens": typer.Option(
+            None, "--teacher-max-tokens", min=1, help="Tokens per teacher reply, its max_tokens (default 1024)."
+        ),
+        "teacher_max_turns": typer.Option(
+            None, "--teacher-max-turns", min=1, help="Teacher calls per episode at most (default 8)."
+        ),
+        "teacher_timeout": typer.Option(
+            None,
+            "--teacher-timeout",
+            min=0.001,
+            help="Seconds a teacher call may wait to connect, and for each read of its reply (default 120).",
+        ),
+        "teacher_concurrency": typer.Option(
+            None, "--teacher-concurrency", min=1, help="Teacher episodes in flight at once (default 4)."
+        ),
+    }
+
+
+def _teacher_endpoint(url: str | None, **settings: Any) -> Any:
+    """The teacher's endpoint (None without ``--teacher-url``), its server probed (GET /v1/models).
+
+    Raises:
+        ValueError: a ``--teacher-*`` setting without ``--teacher-url``; bad settings; the
+            server cannot be reached or is not OpenAI-compatible (names the URL).
+    """
+    from consequence.distill.teacher_url import TeacherEndpoint, probe_teacher
+
+    given = {k: v for k, v in settings.items() if v is not None}
+    if url is None:
+        if given:
+            flags = ", ".join("--" + k.replace("_", "-") for k in sorted(given))
+            raise ValueError(f"{flags}: settings of a teacher behind a URL; give --teacher-url URL too")
+        return None
+    names = {
+        "teacher_model": "model",
+        "teacher_api_key_env": "api_key_env",
+        "teacher_temperature": "temperature",
+        "teacher_max_tokens": "max_tokens",
+        "teacher_max_turns": "max_turns",
+        "teacher_timeout": "timeout_s",
+        "teacher_concurrency": "concurrency",
+    }
+    return probe_teacher(TeacherEndpoint(url, **{names[k]: v for k, v in given.items()}))
+
+
+def _teacher_cost_line(record: dict) -> str:
+    """``; teacher cost: ...`` for a record of a URL teacher's demonstrations, else empty."""
+    from consequence.distill.teacher_url import cost_line
+
+    return f"; teacher cost: {cost_line(record['cost'])}" if record.get("kind") == "teacher_url" else ""
 
 
 @app.command("merge")
@@ -312,11 +399,13 @@ def sft_cmd(
     env: str = typer.Option(
         "repair",
         help="The environment: its demonstrator solves train tasks (`consequence envs` shows which "
-        "environments have one), or --demos-file gives the demonstrations.",
+        "environments have one), or --demos-file / --teacher-url gives the demonstrations.",
     ),
     env_option: list[str] = typer.Option([], "--env-option", help="Environment option KEY=VALUE (repeatable)."),
     demos: int | None = typer.Option(
-        None, min=1, help="Demonstrator episodes to run; the verified ones are kept [default: 300]."
+        None,
+        min=1,
+        help="Demonstrator (or --teacher-url) episodes to run; the verified ones are kept (default 300).",
     ),
     demos_file: Path | None = typer.Option(
         None,
@@ -325,6 +414,14 @@ def sft_cmd(
         'with one {"task_id": ..., "messages": [...]} per line (OpenAI chat shape). Each is replayed on its '
         "train task and kept only when the environment verifies it (docs/distillation.md).",
     ),
+    teacher_url: str | None = _teacher_url_option(),
+    teacher_model: str | None = _teacher_options()["teacher_model"],
+    teacher_api_key_env: str | None = _teacher_options()["teacher_api_key_env"],
+    teacher_temperature: float | None = _teacher_options()["teacher_temperature"],
+    teacher_max_tokens: int | None = _teacher_options()["teacher_max_tokens"],
+    teacher_max_turns: int | None = _teacher_options()["teacher_max_turns"],
+    teacher_timeout: float | None = _teacher_options()["teacher_timeout"],
+    teacher_concurrency: int | None = _teacher_options()["teacher_concurrency"],
     seed: int = typer.Option(0, min=0, help="Split seed of the environment, the teacher's and SFT's seed."),
     epochs: float = typer.Option(2.0, min=0.01, help="SFT epochs over the demonstrations."),
     learning_rate: float = typer.Option(2e-4, min=1e-12, help="Peak AdamW learning rate."),
@@ -341,9 +438,10 @@ def sft_cmd(
         help="Modules that get an adapter, comma-separated.",
     ),
 ) -> None:
-    """Cold start: verified demonstrations (the environment's demonstrator, or --demos-file), played
-    in the student's own chat format (Hermes tool calls where its template drops tools), then SFT
-    with the loss on the assistant turns only. Train RL from the result with --model OUT."""
+    """Cold start: verified demonstrations (the environment's demonstrator, --demos-file, or a teacher
+    at --teacher-url), played in the student's own chat format (Hermes tool calls where its
+    template drops tools), then SFT with the loss on the assistant turns only. Train RL from the
+    result with --model OUT."""
     from consequence.cli.common import parse_env_options, parse_list
     from consequence.distill.coldstart import ColdStartConfig, cold_start
     from consequence.distill.sft import SFTConfig
@@ -360,8 +458,23 @@ def sft_cmd(
                 "--demos-file and --demos are two sources of demonstrations (a file, or that many "
                 "demonstrator episodes); give one"
             )
-        _check_teacher_env(env, seed, options, demos_file)
+        if demos_file is not None and teacher_url is not None:
+            raise ValueError(
+                "--demos-file and --teacher-url are two sources of demonstrations (a file, or a teacher's "
+                "episodes); give one"
+            )
+        _check_teacher_env(env, seed, options, demos_file, teacher_url=teacher_url is not None)
         check_run_dir(out.parent, "--out", keep=False)
+        teacher = _teacher_endpoint(
+            teacher_url,
+            teacher_model=teacher_model,
+            teacher_api_key_env=teacher_api_key_env,
+            teacher_temperature=teacher_temperature,
+            teacher_max_tokens=teacher_max_tokens,
+            teacher_max_turns=teacher_max_turns,
+            teacher_timeout=teacher_timeout,
+            teacher_concurrency=teacher_concurrency,
+        )
         if out.exists() and not (out / "sft.json").is_file():
             raise ValueError(f"--out {out}: exists and is not an earlier `consequence sft` output; name a new folder")
         path = model_folder(model, log=console.print)
@@ -372,6 +485,7 @@ def sft_cmd(
             demos=300 if demos is None else demos,
             seed=seed,
             demos_file=None if demos_file is None else str(demos_file),
+            teacher=teacher,
             lora_rank=lora_rank,
             lora_alpha=lora_alpha,
             lora_targets=targets,
@@ -392,10 +506,11 @@ def sft_cmd(
                 phases=phases,
                 source=source_record(model) if is_named(model) else None,
             )
-    teacher = record["teacher"]
+    teacher_record = record["teacher"]
     console.print(
-        f"cold-start model: {out}  ({teacher['verified']}/{teacher['episodes']} verified demonstrations, "
-        f"acceptance rate {teacher['acceptance_rate']:.1%}, {record['rows']} rows, SFT {record['seconds']['sft']:.0f} s)"
+        f"cold-start model: {out}  ({teacher_record['verified']}/{teacher_record['episodes']} verified "
+        f"demonstrations, acceptance rate {teacher_record['acceptance_rate']:.1%}, {record['rows']} rows, "
+        f"SFT {record['seconds']['sft']:.0f} s)" + escape(_teacher_cost_line(teacher_record))
     )
 
 
@@ -409,7 +524,7 @@ def demos_cmd(
         "-n",
         "--episodes",
         min=1,
-        help="Demonstrator episodes to run; the verified ones are written [default: 1024].",
+        help="Demonstrator (or --teacher-url) episodes to run; the verified ones are written (default 1024).",
     ),
     model: str | None = typer.Option(
         None, help="The student whose tokenizer and chat template render them (default: the bundled tiny model)."
@@ -417,15 +532,15 @@ def demos_cmd(
     env: str = typer.Option(
         "repair",
         help="The environment: its demonstrator solves train tasks (`consequence envs` shows which "
-        "environments have one), or --from gives the demonstrations.",
+        "environments have one), or --from / --teacher-url gives the demonstrations.",
     ),
     env_option: list[str] = typer.Option([], "--env-option", help="Environment option KEY=VALUE (repeatable)."),
     split_seed: int = typer.Option(0, min=0, help="Split seed of the environment (the training run's --split-seed)."),
     draw_seed: int | None = typer.Option(
         None,
         min=0,
-        help="Seed of the task instances and demonstration styles; the bundled warm start was built from draw "
-        "seed = split seed, so the default 1000 gives demonstrations it has not seen.",
+        help="Seed of the task instances and demonstration styles (and of a --teacher-url's calls); the bundled "
+        "warm start was built from draw seed = split seed, so the default 1000 gives demonstrations it has not seen.",
     ),
     from_file: Path | None = typer.Option(
         None,
@@ -434,8 +549,17 @@ def demos_cmd(
         'with one {"task_id": ..., "messages": [...]} per line (OpenAI chat shape). Each is replayed on its '
         "train task and written only when the environment verifies it (docs/distillation.md).",
     ),
+    teacher_url: str | None = _teacher_url_option(),
+    teacher_model: str | None = _teacher_options()["teacher_model"],
+    teacher_api_key_env: str | None = _teacher_options()["teacher_api_key_env"],
+    teacher_temperature: float | None = _teacher_options()["teacher_temperature"],
+    teacher_max_tokens: int | None = _teacher_options()["teacher_max_tokens"],
+    teacher_max_turns: int | None = _teacher_options()["teacher_max_turns"],
+    teacher_timeout: float | None = _teacher_options()["teacher_timeout"],
+    teacher_concurrency: int | None = _teacher_options()["teacher_concurrency"],
 ) -> None:
-    """Verified demonstrations (the environment's demonstrator, or --from FILE) in the student's
+    """Verified demonstrations (the environment's demonstrator, --from FILE, or a teacher at
+    --teacher-url) in the student's
     tokens, as a trajectories file: SFT on them is `consequence train --recipe rejection_sft
     --distill-lambda 0 --distill-data OUT` (docs/distillation.md)."""
     from consequence.cli.common import parse_env_options
@@ -450,10 +574,24 @@ def demos_cmd(
             raise ValueError(
                 f"--from replays the demonstrations of a file; {given} set the demonstrator's episodes: give one source"
             )
-        _check_teacher_env(env, split_seed, options, from_file, "--from")
+        if from_file is not None and teacher_url is not None:
+            raise ValueError(
+                "--from and --teacher-url are two sources of demonstrations (a file, or a teacher's episodes); give one"
+            )
+        _check_teacher_env(env, split_seed, options, from_file, "--from", teacher_url=teacher_url is not None)
         if from_file is not None and from_file.resolve() == out.resolve():
             raise ValueError(f"--out {out} is the --from file; write the verified demonstrations to another file")
         check_out_file(out, "--out")
+        teacher = _teacher_endpoint(
+            teacher_url,
+            teacher_model=teacher_model,
+            teacher_api_key_env=teacher_api_key_env,
+            teacher_temperature=teacher_temperature,
+            teacher_max_tokens=teacher_max_tokens,
+            teacher_max_turns=teacher_max_turns,
+            teacher_timeout=teacher_timeout,
+            teacher_concurrency=teacher_concurrency,
+        )
         record = write_demonstrations(
             resolve_model(model),
             out,
@@ -463,11 +601,12 @@ def demos_cmd(
             env=env,
             env_options=options,
             demos_file=from_file,
+            teacher=teacher,
             log=_log,
         )
     console.print(
         f"{record['verified']}/{record['episodes']} demonstrations verified "
-        f"(acceptance rate {record['acceptance_rate']:.1%}): {escape(str(out))}"
+        f"(acceptance rate {record['acceptance_rate']:.1%}): {escape(str(out))}" + escape(_teacher_cost_line(record))
     )
 
 

@@ -1,6 +1,6 @@
 """Distillation: the scripted teacher and the tiny warm start, SFT on demonstration rows, the
-cold start of any model from verified demonstrations (an environment's demonstrator or a
-file), rejection sampling, the teacher model of on-policy distillation and
+cold start of any model from verified demonstrations (an environment's demonstrator, a
+file, or a teacher behind an OpenAI-compatible URL), rejection sampling, the teacher model of on-policy distillation and
 GKD, and fixed data (docs/distillation.md)."""
 
 from consequence.exports import lazy

@@ -3,8 +3,10 @@
 The seeds' recipe for a model that cannot yet act in an environment (SmolLM2-135M-Instruct
 never writes a tool call on the default task): (1) demonstrations, from the environment's
 demonstrator (``Environment.demonstration``, played by the scripted teacher of
-``distill/teacher.py``) on train-split tasks, or from a file of demonstrations (our
-trajectories Parquet or OpenAI-style messages JSONL, ``distill/demonstrations.py``); each is
+``distill/teacher.py``) on train-split tasks, from a file of demonstrations (our
+trajectories Parquet or OpenAI-style messages JSONL, ``distill/demonstrations.py``), or from
+a teacher behind an OpenAI-compatible URL playing train-split episodes
+(``distill/teacher_url.py``: a vLLM server with a larger model, ``consequence serve``); each is
 played through a fresh episode of its task, in the *student's* tokens (its chat template;
 the Hermes tool format for a template that drops tools), and kept only when the
 environment's reward verifies it, so the targets are exactly the tokens the student must
@@ -13,7 +15,8 @@ fine-tuning (``distill/sft.py``), of all weights or of a LoRA adapter that is me
 the weights at the end, so RL starts from a plain model folder. ``consequence sft`` runs it.
 
 Output folder: the model (``save_pretrained``, atomically) and ``sft.json``: settings, the
-demonstrations' source and counts (verified, rejected by reason, acceptance rate), rows,
+demonstrations' source and counts (verified, rejected by reason, acceptance rate; a URL
+teacher's cost: calls, tokens, attempts per accepted demonstration, seconds), rows,
 tokens, the loss of every step, seconds per phase.
 """
 
@@ -31,6 +34,7 @@ import torch
 from consequence.distill.demonstrations import collect_demonstrations
 from consequence.distill.rejection import accepted_rows
 from consequence.distill.sft import SFTConfig, sft_steps, train_sft
+from consequence.distill.teacher_url import TeacherEndpoint
 from consequence.envs.registry import load_environment
 from consequence.evaluate.progress import SILENT, Phases
 from consequence.harness.renderer import Renderer
@@ -45,14 +49,16 @@ class ColdStartConfig:
     """Settings of :func:`cold_start` (all recorded in ``sft.json``).
 
     Attributes:
-        env: the environment (with a demonstrator, unless ``demos_file`` is given).
+        env: the environment (with a demonstrator, unless ``demos_file`` or ``teacher`` is given).
         env_options: its options.
-        demos: demonstrator episodes to run (train split); the verified ones are kept.
-            Not read with ``demos_file``.
+        demos: demonstrator (or ``teacher``) episodes to run (train split); the verified
+            ones are kept. Not read with ``demos_file``.
         seed: split seed of the environment, and the demonstrator's and SFT's seeds.
         demos_file: a file of demonstrations instead of the demonstrator (our trajectories
             ``.parquet`` or OpenAI-style messages ``.jsonl``; ``distill/demonstrations.py``);
             each is replayed on its task and kept only when verified.
+        teacher: a teacher behind an OpenAI-compatible URL instead of the demonstrator
+            (``distill/teacher_url.py``); not with ``demos_file``.
         lora_rank: 0 = full fine-tuning; r ≥ 1 trains a LoRA adapter, merged at the end.
         lora_alpha, lora_targets: the adapter's α and modules.
         sft: :class:`~consequence.distill.sft.SFTConfig`.
@@ -67,6 +73,7 @@ class ColdStartConfig:
     lora_targets: tuple[str, ...] = DEFAULT_TARGETS
     sft: SFTConfig = SFTConfig(learning_rate=2e-4, epochs=2.0, rows_per_step=16, micro_batch_size=4)
     demos_file: str | None = None
+    teacher: TeacherEndpoint | None = None
 
 
 def cold_start(
@@ -91,8 +98,9 @@ def cold_start(
         the ``sft.json`` record.
 
     Raises:
-        ValueError: no ``demos_file`` and the environment has no demonstrator (names the fix),
-            a bad ``demos_file``, no demonstration verified, or as
+        ValueError: neither ``demos_file`` nor ``teacher`` and the environment has no
+            demonstrator (names the fix), a bad ``demos_file``, a ``teacher`` that cannot be
+            reached at the start, no demonstration verified, or as
             :func:`consequence.distill.sft.train_sft`.
     """
     t0 = time.perf_counter()
@@ -106,6 +114,7 @@ def cold_start(
         episodes=None if cfg.demos_file else cfg.demos,
         seed=cfg.seed,
         log=log,
+        teacher=cfg.teacher,
     )
     rows = accepted_rows(demos.kept)  # the episodes were played in the student's tokens
     t_teacher = time.perf_counter() - t0
@@ -157,6 +166,7 @@ def _settings(cfg: ColdStartConfig) -> dict[str, Any]:
         "env_options": cfg.env_options,
         "demos": None if cfg.demos_file else cfg.demos,
         "demos_file": cfg.demos_file,
+        "teacher_url": None if cfg.teacher is None else cfg.teacher.as_dict(),
         "seed": cfg.seed,
         "lora_rank": cfg.lora_rank,
         "lora_alpha": cfg.lora_alpha,

@@ -1,6 +1,6 @@
 """Where the cold start's demonstrations come from, and the check that lets them in.
 
-Two sources, exclusive (docs/distillation.md, "Cold start from any demonstrations"):
+Three sources, exclusive (docs/distillation.md, "Cold start from any demonstrations"):
 
 1. the environment's demonstrator (``Environment.demonstration``; ``consequence envs``
    shows which environments have one): :func:`consequence.distill.warmstart.teacher_demo_set`;
@@ -12,7 +12,11 @@ Two sources, exclusive (docs/distillation.md, "Cold start from any demonstration
      conversation in the OpenAI chat shape: ``system`` / ``user`` messages, ``assistant``
      messages with ``content`` and ``tool_calls`` ``[{"type": "function", "function":
      {"name": ..., "arguments": "<JSON object as a string>"}}]`` (a dict is accepted too),
-     and ``tool`` messages with the results.
+     and ``tool`` messages with the results;
+
+3. a teacher behind an OpenAI-compatible URL (vLLM, ``consequence serve``) that plays
+   train-split episodes of the environment: ``distill/teacher_url.py``; its transcripts are
+   read and verified as a file's rows are.
 
 How a file's row becomes a demonstration (:func:`plan_from_messages`): leading ``system``
 messages, then the environment's worked examples when the file holds them word for word,
@@ -25,7 +29,7 @@ instance drawn by ``Environment.sample`` is ``ID#seed-k``) is a task id or, fail
 problem id of the environment; an environment whose instances differ from their problem
 re-creates the instance from the whole id (its own ``find_task``). Only train-split tasks are used.
 
-Every demonstration, of either source, is played through a fresh episode of its task in the
+Every demonstration, of any source, is played through a fresh episode of its task in the
 student's own tokens (``distill.teacher.verify_plans``: its chat template and tool format;
 the targets are the tokens the student would have to sample) and kept only when the episode
 finished and the environment's reward verified it (the primary component is 1): nothing
@@ -37,16 +41,18 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from consequence.distill.teacher import DemoSet, verify_plans
+from consequence.distill.teacher import DemoSet, plan_from_messages, verify_plans
 from consequence.distill.warmstart import WarmstartConfig, teacher_demo_set
-from consequence.envs.api import ANSWER_KEY
 from consequence.harness.renderer import Renderer
 from consequence.records import read_trajectories
+
+if TYPE_CHECKING:
+    from consequence.distill.teacher_url import TeacherEndpoint
 
 __all__ = [
     "FORMATS",
@@ -68,7 +74,14 @@ REASONS = {
     "not_train_split": "the task is in the validation or test split (it would leak into training)",
     "unfinished": "its actions ended before the episode did",
     "not_verified": "the environment's reward did not verify the episode",
-    "env_error": "the environment failed while replaying it",
+    "env_error": "the environment failed while replaying it (or, with a teacher URL, while the teacher played)",
+    # a teacher behind an OpenAI-compatible URL (distill/teacher_url.py)
+    "teacher_http_error": "a call to the teacher failed: an HTTP error status, or the connection broke",
+    "teacher_timeout": "a call to the teacher got no reply within the timeout",
+    "teacher_unparsable_reply": "a reply of the teacher is not a chat completion (not JSON, no choices[0].message, "
+    "content that is not text, tool_calls that is not a list of objects)",
+    "teacher_max_tokens": "a reply of the teacher was cut at max_tokens (finish_reason length): the harness ends "
+    "such an episode truncated",
 }
 _HOW = (
     'our trajectories .parquet, or .jsonl with one {"task_id": ..., "messages": [...]} object per line '
@@ -179,89 +192,6 @@ def _row(where: str, task_id: Any, messages: Any) -> FileDemonstration:
     return FileDemonstration(where, task_id, messages)
 
 
-def _text(content: Any) -> str | None:
-    """A message's content as text (a string, None, or OpenAI text parts), else None."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(isinstance(c, dict) and c.get("type") == "text" for c in content):
-        texts = [c.get("text") for c in content]
-        return "".join(texts) if all(isinstance(t, str) for t in texts) else None
-    return None
-
-
-def _tool_call(call: Any) -> tuple[dict | None, str | None]:
-    """``{"name", "arguments"}`` of an OpenAI-shape tool call, or the reason it is unreadable."""
-    fn = call.get("function", call) if isinstance(call, dict) else None
-    if not isinstance(fn, dict) or (isinstance(call, dict) and call.get("type", "function") != "function"):
-        return None, f"a tool call must be {{'type': 'function', 'function': {{...}}}}, got {call!r:.80}"
-    name, args = fn.get("name"), fn.get("arguments", {})
-    if not isinstance(name, str) or not name:
-        return None, f"a tool call without a name: {call!r:.80}"
-    if isinstance(args, str):
-        try:
-            args = json.loads(args) if args.strip() else {}
-        except json.JSONDecodeError as e:
-            return None, f"the arguments of tool call {name!r} are not JSON ({e.msg}): {args!r:.80}"
-    if not isinstance(args, dict):
-        return None, f"the arguments of tool call {name!r} are not a JSON object: {args!r:.80}"
-    return {"name": name, "arguments": args}, None
-
-
-def plan_from_messages(
-    messages: Sequence[dict], examples: Sequence[tuple[str, str]] = ()
-) -> tuple[list | None, tuple[str, str] | None]:
-    """The plan (the assistant turns as actions) of a conversation; the module doc gives the rule.
-
-    Args:
-        messages: the conversation (OpenAI chat shape, or our trajectories' ``messages``).
-        examples: the environment's worked examples (skipped when the conversation holds
-            them word for word after its system messages).
-
-    Returns:
-        ``(plan, None)``, or ``(None, (reason, detail))`` with reason ``unparsable_row``,
-        ``unparsable_tool_call`` or ``no_actions``. A turn with tool calls is a list: its
-        text (as ``{"answer": text}``, when not empty) first, then its calls; a turn without
-        one is ``{"answer": text}``.
-    """
-    k = 0
-    while k < len(messages) and messages[k].get("role") == "system":
-        k += 1
-    shots = [{"role": r, "content": c} for q, a in examples for r, c in (("user", q), ("assistant", a))]
-    if shots and [{"role": m.get("role"), "content": m.get("content")} for m in messages[k : k + len(shots)]] == shots:
-        k += len(shots)
-    if k >= len(messages) or messages[k].get("role") != "user":
-        return None, ("unparsable_row", "no user message (the request) before the assistant turns")
-    plan: list = []
-    for no, m in enumerate(messages[k + 1 :], k + 1):
-        role = m.get("role")
-        if role in ("tool", "user"):
-            continue  # an observation: the environment makes its own
-        if role != "assistant":
-            return None, ("unparsable_row", f"message {no} has role {role!r} (expected assistant, tool or user)")
-        text = _text(m.get("content"))
-        if text is None:
-            return None, ("unparsable_row", f"message {no}: content is neither text nor text parts")
-        calls = m.get("tool_calls") or []
-        if not isinstance(calls, list):
-            return None, ("unparsable_tool_call", f"message {no}: tool_calls is not a list")
-        actions = []
-        for call in calls:
-            action, error = _tool_call(call)
-            if error:
-                return None, ("unparsable_tool_call", f"message {no}: {error}")
-            actions.append(action)
-        if not actions:
-            plan.append({ANSWER_KEY: text})
-        else:
-            turn = ([{ANSWER_KEY: text}] if text.strip() else []) + actions
-            plan.append(turn if len(turn) > 1 else turn[0])
-    if not plan:
-        return None, ("no_actions", "no assistant turn after the request")
-    return plan, None
-
-
 def file_demo_set(
     path: str | Path,
     env: Any,
@@ -338,29 +268,42 @@ def collect_demonstrations(
     draw_seed: int | None = None,
     log: Callable[[str], None] = print,
     option: str = "--demos-file",
+    teacher: TeacherEndpoint | None = None,
 ) -> DemoSet:
     """The verified demonstrations of one source, in ``renderer``'s tokens (the module doc).
 
     Args:
         env: the environment.
         renderer: the student's renderer.
-        demos_file: a file of demonstrations; None: the environment's demonstrator.
-        episodes: the demonstrator's episodes (train instances drawn); not with a file.
+        demos_file: a file of demonstrations; None: the environment's demonstrator, or
+            ``teacher``.
+        episodes: the demonstrator's (or the teacher's) episodes (train instances drawn);
+            not with a file.
         seed: the split seed (each episode's reset seed).
-        draw_seed: the demonstrator's draw seed (default ``seed``); not with a file.
+        draw_seed: the demonstrator's (or the teacher's) draw seed (default ``seed``); not
+            with a file.
         log: the counts and each rejection reason's first case.
         option: the option that gave the file (for messages).
+        teacher: a teacher behind an OpenAI-compatible URL instead of the demonstrator
+            (:func:`consequence.distill.teacher_url.teacher_url_demo_set`); not with a file.
 
     Returns:
         the :class:`~consequence.distill.teacher.DemoSet`, with at least one kept episode.
 
     Raises:
-        ValueError: a file together with ``episodes`` or ``draw_seed`` (the sources are
-            exclusive); neither a file nor ``episodes``; an environment without a
-            demonstrator and no file (names the fix); a bad file (:func:`read_demonstration_file`);
-            no demonstration verified (the message gives the rejections by reason).
+        ValueError: a file together with ``episodes``, ``draw_seed`` or ``teacher`` (the
+            sources are exclusive); neither a file nor ``episodes``; an environment without a
+            demonstrator and neither a file nor a teacher (names the fix); a bad file
+            (:func:`read_demonstration_file`); a teacher that cannot be reached at the start
+            (:func:`consequence.distill.teacher_url.probe_teacher`); no demonstration
+            verified (the message gives the rejections by reason).
     """
     if demos_file is not None:
+        if teacher is not None:
+            raise ValueError(
+                f"{option} and --teacher-url are two sources of demonstrations (a file, or a teacher's "
+                "episodes); give one"
+            )
         if episodes is not None or draw_seed is not None:
             raise ValueError(
                 f"{option} replays the demonstrations of a file; the number of episodes and the draw seed "
@@ -368,6 +311,14 @@ def collect_demonstrations(
             )
         demos = file_demo_set(demos_file, env, renderer, seed, log, option)
         what = f"the {demos.total} demonstrations of {demos_file}"
+    elif teacher is not None:
+        from consequence.distill.teacher_url import teacher_url_demo_set
+
+        if episodes is None or episodes < 1:
+            raise ValueError("give the number of teacher episodes (>= 1)")
+        demos = teacher_url_demo_set(env, renderer, teacher, episodes, seed, draw_seed, log)
+        _log_first(demos, log)
+        what = f"the {episodes} episodes of the teacher at {teacher.url}"
     else:
         if episodes is None or episodes < 1:
             raise ValueError(f"give the number of demonstrator episodes (>= 1), or {option} FILE")

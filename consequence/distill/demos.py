@@ -8,9 +8,10 @@ the ratio-free policy-gradient surrogate, a token mean), so "more SFT on the dem
 is one arm of an experiment at the same episode budget as the RL arms (K·B·G episodes, here
 the teacher's).
 
-The demonstrations come from the environment's demonstrator (train-split task instances) or
+The demonstrations come from the environment's demonstrator (train-split task instances),
 from a file of demonstrations (``distill/demonstrations.py``: our trajectories Parquet or
-OpenAI-style messages JSONL). Each is played through a fresh episode of its task in the
+OpenAI-style messages JSONL), or from a teacher behind an OpenAI-compatible URL that plays
+train-split task instances (``distill/teacher_url.py``). Each is played through a fresh episode of its task in the
 student's own chat template and tool format, so the targets are the tokens the student would
 have to sample, and written only when the environment's reward verified it. Sampler log-probs
 are 0 (the teacher is not a sampler).
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from consequence.distill.demonstrations import collect_demonstrations
+from consequence.distill.teacher_url import TeacherEndpoint
 from consequence.envs.registry import load_environment
 from consequence.harness.renderer import Renderer
 from consequence.policy.tiny import load_policy
@@ -43,6 +45,7 @@ def write_demonstrations(
     env: str = "repair",
     env_options: dict[str, Any] | None = None,
     demos_file: str | Path | None = None,
+    teacher: TeacherEndpoint | None = None,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Write the verified demonstrations of one source to ``out``, in the student's tokens.
@@ -50,25 +53,29 @@ def write_demonstrations(
     Args:
         model_path: the student whose tokenizer and chat template render the demonstrations.
         out: the trajectories parquet file to write (atomically).
-        episodes: demonstrator episodes to run (train instances drawn); the verified ones are
-            written. None with ``demos_file``.
+        episodes: demonstrator (or ``teacher``) episodes to run (train instances drawn); the
+            verified ones are written. None with ``demos_file``.
         split_seed: the environment's split seed (a run training on the file needs the same
             ``--split-seed``: only its train problems may appear).
         draw_seed: which task instances and demonstration styles (``teacher_demo_set``); the
             bundled warm start's own demonstrations are draw seed = split seed, so the default
             (None: :data:`DEFAULT_DRAW_SEED`, 1000) gives demonstrations it has not seen. Only
             without ``demos_file``.
-        env, env_options: the environment (with a demonstrator, unless ``demos_file``).
+        env, env_options: the environment (with a demonstrator, unless ``demos_file`` or ``teacher``).
         demos_file: a file of demonstrations to replay and verify instead of the demonstrator.
+        teacher: a teacher behind an OpenAI-compatible URL that plays the episodes instead of
+            the demonstrator (``distill/teacher_url.py``); its cost is in the record's ``cost``.
         log: one line per phase, and the rejections by reason.
 
     Returns:
         ``{"episodes": considered, "verified": written, "rejected": {reason: n},
-        "acceptance_rate": ..., "tokens": generated tokens written, "out": path}``.
+        "acceptance_rate": ..., "tokens": generated tokens written, "out": path}`` and the
+        source's record (with a teacher: ``kind`` ``teacher_url``, its settings and ``cost``).
 
     Raises:
         ValueError: as :func:`consequence.distill.demonstrations.collect_demonstrations` (no
-            demonstrator and no file, a bad file, both sources, nothing verified).
+            demonstrator and no other source, a bad file, two sources, a teacher that cannot be
+            reached at the start, nothing verified).
     """
     environment = load_environment(env, split_seed, dict(env_options or {}))
     _, tokenizer = load_policy(model_path)
@@ -82,6 +89,7 @@ def write_demonstrations(
         draw_seed=draw_seed if draw_seed is not None or demos_file is not None else DEFAULT_DRAW_SEED,
         log=log,
         option="--from",
+        teacher=teacher,
     )
     write_trajectories(out, demos.kept)  # scored by the replay (reward box), in the student's tokens
     tokens = sum(t.n_generated_tokens for t in demos.kept)

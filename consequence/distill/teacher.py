@@ -5,8 +5,10 @@ A *plan* is the actions of one episode, in order, in the episode's action format
 pair ``(name, arguments)``) or ``{"answer": text}`` (a reply without a tool call); a list
 of actions is one assistant turn (its answers' text first, then its calls, each on its own
 line: parallel tool calls, or a reply with text before its calls). Plans come from an
-environment's demonstrator (``Environment.demonstration``) or from a file of
-demonstrations (``distill/demonstrations.py``).
+environment's demonstrator (``Environment.demonstration``), from a file of
+demonstrations (``distill/demonstrations.py``) or from a teacher behind an OpenAI-compatible
+URL (``distill/teacher_url.py``); :func:`plan_from_messages` reads a conversation's
+assistant turns as a plan.
 
 :class:`ScriptedTeacher` is a ``generate_fn`` for
 :func:`consequence.rollout.episodes.run_episodes`: each turn it emits the exact assistant
@@ -20,6 +22,7 @@ plan's word.
 from __future__ import annotations
 
 import inspect
+import json
 import random
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -40,7 +43,9 @@ __all__ = [
     "ScriptedTeacher",
     "check_action",
     "demonstration_plans",
+    "plan_from_messages",
     "play_plans",
+    "read_tool_call",
     "require_demonstrator",
     "turn_text",
     "verified",
@@ -345,3 +350,98 @@ def verify_plans(
             how = "finished" if t.outcome == "finished" else f"{t.outcome} ({t.truncation_reason})"
             demos.reject("not_verified", f"{label}: the episode {how} with {score}, not 1")
     return demos
+
+
+def _text(content: Any) -> str | None:
+    """A message's content as text (a string, None, or OpenAI text parts), else None."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(c, dict) and c.get("type") == "text" for c in content):
+        texts = [c.get("text") for c in content]
+        return "".join(texts) if all(isinstance(t, str) for t in texts) else None
+    return None
+
+
+def read_tool_call(call: Any) -> tuple[dict | None, str | None]:
+    """``{"name", "arguments"}`` of an OpenAI-shape tool call, or why it is unreadable.
+
+    Args:
+        call: ``{"type": "function", "function": {"name": ..., "arguments": ...}}`` (the
+            arguments a JSON object as a string, or a dict); a bare ``{"name", "arguments"}`` too.
+
+    Returns:
+        ``(action, None)``, or ``(None, reason)`` for no name, another ``type``, or arguments
+        that are not a JSON object.
+    """
+    fn = call.get("function", call) if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or (isinstance(call, dict) and call.get("type", "function") != "function"):
+        return None, f"a tool call must be {{'type': 'function', 'function': {{...}}}}, got {call!r:.80}"
+    name, args = fn.get("name"), fn.get("arguments", {})
+    if not isinstance(name, str) or not name:
+        return None, f"a tool call without a name: {call!r:.80}"
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError as e:
+            return None, f"the arguments of tool call {name!r} are not JSON ({e.msg}): {args!r:.80}"
+    if not isinstance(args, dict):
+        return None, f"the arguments of tool call {name!r} are not a JSON object: {args!r:.80}"
+    return {"name": name, "arguments": args}, None
+
+
+def plan_from_messages(
+    messages: Sequence[dict], examples: Sequence[tuple[str, str]] = ()
+) -> tuple[list | None, tuple[str, str] | None]:
+    """The plan (the assistant turns as actions) of a conversation
+    (``distill/demonstrations.py``'s module doc gives the rule: the opening is the
+    environment's own, each later assistant message is one turn, tool and user messages are
+    observations and not read).
+
+    Args:
+        messages: the conversation (OpenAI chat shape, or our trajectories' ``messages``).
+        examples: the environment's worked examples (skipped when the conversation holds
+            them word for word after its system messages).
+
+    Returns:
+        ``(plan, None)``, or ``(None, (reason, detail))`` with reason ``unparsable_row``,
+        ``unparsable_tool_call`` or ``no_actions``. A turn with tool calls is a list: its
+        text (as ``{"answer": text}``, when not empty) first, then its calls; a turn without
+        one is ``{"answer": text}``.
+    """
+    k = 0
+    while k < len(messages) and messages[k].get("role") == "system":
+        k += 1
+    shots = [{"role": r, "content": c} for q, a in examples for r, c in (("user", q), ("assistant", a))]
+    if shots and [{"role": m.get("role"), "content": m.get("content")} for m in messages[k : k + len(shots)]] == shots:
+        k += len(shots)
+    if k >= len(messages) or messages[k].get("role") != "user":
+        return None, ("unparsable_row", "no user message (the request) before the assistant turns")
+    plan: list = []
+    for no, m in enumerate(messages[k + 1 :], k + 1):
+        role = m.get("role")
+        if role in ("tool", "user"):
+            continue  # an observation: the environment makes its own
+        if role != "assistant":
+            return None, ("unparsable_row", f"message {no} has role {role!r} (expected assistant, tool or user)")
+        text = _text(m.get("content"))
+        if text is None:
+            return None, ("unparsable_row", f"message {no}: content is neither text nor text parts")
+        calls = m.get("tool_calls") or []
+        if not isinstance(calls, list):
+            return None, ("unparsable_tool_call", f"message {no}: tool_calls is not a list")
+        actions = []
+        for call in calls:
+            action, error = read_tool_call(call)
+            if error:
+                return None, ("unparsable_tool_call", f"message {no}: {error}")
+            actions.append(action)
+        if not actions:
+            plan.append({ANSWER_KEY: text})
+        else:
+            turn = ([{ANSWER_KEY: text}] if text.strip() else []) + actions
+            plan.append(turn if len(turn) > 1 else turn[0])
+    if not plan:
+        return None, ("no_actions", "no assistant turn after the request")
+    return plan, None
