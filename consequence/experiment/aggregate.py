@@ -523,7 +523,9 @@ def _plot(result: Mapping[str, Any], out_dir: Path) -> Path:
     """One panel per (split, decoding): each arm's mean with its CI bar, its per-seed dots beside it."""
     plt = pyplot()
     panels = result["results"]
-    fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(3.6 * max(1, len(panels)), 3.6), squeeze=False)
+    most = max((len(res["arms"]) for res in panels), default=1)
+    width = max(3.6, 0.75 * most + 1.0)  # inches per panel: ten arms' labels must not overlap
+    fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(width * max(1, len(panels)), 4.2), squeeze=False)
     for ax, res in zip(axes[0], panels):
         names = list(res["arms"])
         for i, name in enumerate(names):
@@ -538,6 +540,10 @@ def _plot(result: Mapping[str, Any], out_dir: Path) -> Path:
             )
             ax.plot([i + 0.2] * a["n_seeds"], a["per_seed"], ".", color="C1", alpha=0.8)
         ax.set_xticks(range(len(names)), [f"{n}\n({res['arms'][n]['n_seeds']} seeds)" for n in names])
+        if len(names) > 3:
+            ax.tick_params(axis="x", labelrotation=35, labelsize=8)
+            for label in ax.get_xticklabels():
+                label.set_horizontalalignment("right")
         ax.set_xlim(-0.5, len(names) - 0.3)
         ax.set_ylim(-0.03, 1.03)  # a seed at 0 or 1 stays inside the frame
         ax.set_ylabel("success (mean over problems)")
