@@ -74,6 +74,7 @@ REASONS = {
     "not_train_split": "the task is in the validation or test split (it would leak into training)",
     "unfinished": "its actions ended before the episode did",
     "not_verified": "the environment's reward did not verify the episode",
+    "invalid_tool_call": "verified, but a tool call was refused (an unknown tool or arguments against the schema)",
     "env_error": "the environment failed while replaying it (or, with a teacher URL, while the teacher played)",
     # a teacher behind an OpenAI-compatible URL (distill/teacher_url.py)
     "teacher_http_error": "a call to the teacher failed: an HTTP error status, or the connection broke",

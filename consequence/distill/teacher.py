@@ -322,7 +322,8 @@ def verify_plans(
 
     Rejections: ``env_error`` (the environment failed), ``unfinished`` (the plan ended
     before the episode did), ``not_verified`` (the episode ended, or a budget cut it, and
-    the environment's reward did not verify it).
+    the environment's reward did not verify it), ``invalid_tool_call`` (verified, but a tool
+    call was refused by the harness: an unknown tool or arguments against the schema).
 
     Args:
         env, tasks, plans, renderer, seed: as :func:`play_plans`.
@@ -339,8 +340,11 @@ def verify_plans(
     demos.total += len(plans)
     labels = list(where) if where is not None else [f"task {t.task_id}" for t in tasks]
     for t, label in zip(play_plans(env, tasks, plans, renderer, seed), labels):
-        if verified(t):
+        refused = [kind for c in t.calls for kind in c.invalid_calls]
+        if verified(t) and not refused:
             demos.kept.append(t)
+        elif verified(t):  # solved, but SFT would teach the call the harness refused
+            demos.reject("invalid_tool_call", f"{label}: a tool call the harness refused ({', '.join(refused)})")
         elif t.outcome == "env_error":
             demos.reject("env_error", f"{label}: {t.error}")
         elif t.truncation_reason == PLAN_ENDED:

@@ -273,3 +273,17 @@ def test_a_throw_away_tokenizers_episodes_re_render_as_the_students_own(calc, to
         assert [(c.context_ids, c.output_ids, c.observation_ids) for c in a.calls] == [
             (c.context_ids, c.output_ids, c.observation_ids) for c in b.calls
         ]
+
+
+def test_a_solved_episode_with_a_refused_tool_call_is_not_kept(tmp_path, calc, tokenizer):
+    d = calc.split["train"][3]
+    messages = _openai(d.question, d.expression, str(d.answer))
+    rm = {"id": "c0", "type": "function", "function": {"name": "rm_rf", "arguments": "{}"}}
+    messages[2:2] = [{"role": "assistant", "content": None, "tool_calls": [rm]}, {"role": "tool", "content": "x"}]
+    right = {"task_id": d.task_id, "messages": _openai(d.question, d.expression, str(d.answer))}
+    path = tmp_path / "refused.jsonl"
+    path.write_text(json.dumps({"task_id": d.task_id, "messages": messages}) + "\n" + json.dumps(right) + "\n")
+    demos = file_demo_set(path, calc, Renderer(tokenizer, calc.tools), **QUIET)
+    # the first is solved (right answer) but taught a call to an unknown tool: SFT must not copy it
+    assert (len(demos.kept), dict(demos.rejected)) == (1, {"invalid_tool_call": 1})
+    assert demos.kept[0].calls[0].tool_calls[0]["name"] == "calculator"
