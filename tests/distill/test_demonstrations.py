@@ -21,20 +21,10 @@ from consequence.distill.demonstrations import (
 from consequence.distill.warmstart import WarmstartConfig, teacher_demo_set
 from consequence.envs.registry import load_environment
 from consequence.harness.renderer import Renderer
-from consequence.policy.tiny import BUNDLED, load_policy
+from consequence.policy.tiny import BUNDLED
 from consequence.records import read_trajectories, write_trajectories
 
 QUIET = {"log": lambda _: None}
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_policy(BUNDLED)[1]
-
-
-@pytest.fixture(scope="module")
-def calc():
-    return load_environment("calculator", 0)
 
 
 @pytest.fixture(scope="module")

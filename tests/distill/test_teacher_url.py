@@ -33,16 +33,6 @@ DRAW = 5
 WIDE = {"COLUMNS": "400"}
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_policy(BUNDLED)[1]
-
-
-@pytest.fixture(scope="module")
-def calc():
-    return load_environment("calculator", 0)
-
-
 class FakeTeacher:
     """An OpenAI-compatible server (GET /v1/models, POST /v1/chat/completions) on a free
     loopback port that plays the calculator demonstrator: a tool call on the task's
