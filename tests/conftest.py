@@ -4,6 +4,8 @@ import tempfile
 import pytest
 import torch
 
+from tool_specs import TOOLS
+
 torch.set_num_threads(1)
 # No test may reach the Hugging Face hub (a hub id is resolved offline: from the cache, or a
 # clear error); huggingface_hub reads this once, at its import, which comes after this file.
@@ -17,38 +19,6 @@ os.environ["CONSEQUENCE_LEDGER"] = os.path.join(tempfile.mkdtemp(prefix="ledger-
 def _own_split_ledger(tmp_path, monkeypatch):
     """Each test gets its own split ledger, so no test reads another's (or the user's) touches."""
     monkeypatch.setenv("CONSEQUENCE_LEDGER", str(tmp_path / "split-ledger.jsonl"))
-
-
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "run_tests",
-            "description": "Run the visible tests.",
-            "parameters": {"type": "object", "properties": {}},
-        },
-    },
-    {
-        "type": "function",
-        "function": {
-            "name": "replace_line",
-            "description": "Replace one line.",
-            "parameters": {
-                "type": "object",
-                "properties": {"line": {"type": "integer"}, "code": {"type": "string"}},
-                "required": ["line", "code"],
-            },
-        },
-    },
-    {
-        "type": "function",
-        "function": {
-            "name": "finish",
-            "description": "End the episode.",
-            "parameters": {"type": "object", "properties": {}},
-        },
-    },
-]
 
 
 @pytest.fixture(scope="session")

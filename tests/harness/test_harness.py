@@ -2,11 +2,11 @@ import json
 
 import pytest
 
-from conftest import TOOLS
 from consequence.harness.renderer import Renderer, replay_conversation
 from consequence.harness.tools import BAD_ARGUMENTS, UNKNOWN_TOOL, call_problem, check_tool_specs, validate_call
 from consequence.records import ModelCall, Trajectory, trajectory_to_rows
 from consequence.rollout.episodes import Budgets, EpisodeSpec, run_episodes
+from tool_specs import TOOLS
 
 SYSTEM = [{"role": "system", "content": "You fix code."}, {"role": "user", "content": "Fix find_max."}]
 

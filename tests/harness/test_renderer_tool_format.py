@@ -19,8 +19,8 @@ import importlib.util
 
 import pytest
 
-from conftest import TOOLS
 from consequence.harness.renderer import Renderer, hermes_messages
+from tool_specs import TOOLS
 
 NAME = "smollm2-135m-instruct"
 # SmolLM2-135M-Instruct's chat template, as its converted folder holds it (chat_template.jinja).

@@ -905,10 +905,10 @@ def test_train_names_the_agent_when_the_agent_fails(tmp_path, monkeypatch, body,
 def test_a_refused_tool_call_of_an_agent_is_recorded_by_kind():
     """A call the session refuses (unknown tool, bad arguments) is kept on the model call it
     follows (ModelCall.invalid_calls), as the harness does; the environment never sees it."""
-    from conftest import TOOLS
     from consequence.harness.tools import check_tool_specs
     from consequence.records import ModelCall, Trajectory
     from consequence.serve.episode import BoundEpisode
+    from tool_specs import TOOLS
 
     class Env:
         def step(self, action):
