@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from consequence.policy.logprobs import token_logprobs
+from consequence.policy.logprobs import accepts_target_mask, token_logprobs
 from consequence.records import TrainingRow, pad_rows
 
 __all__ = ["SFTConfig", "sft_step_gradients", "sft_steps", "train_sft", "bucketed_batches"]
@@ -95,8 +95,9 @@ def sft_step_gradients(
     device = next(model.parameters()).device
     for a in range(0, len(rows), micro_batch_size):
         batch = pad_rows(rows[a : a + micro_batch_size], pad_id)
-        lp, _ = logprob_fn(model, batch["input_ids"].to(device), batch["attention_mask"].to(device))
         mask = batch["loss_mask"][:, 1:].to(device)
+        heads = {"target_mask": mask > 0} if accepts_target_mask(logprob_fn) else {}  # no LM head on the prompt
+        lp, _ = logprob_fn(model, batch["input_ids"].to(device), batch["attention_mask"].to(device), **heads)
         loss = -(lp * mask).sum() / total
         loss.backward()
         loss_sum += float(loss.item())

@@ -48,6 +48,9 @@ to float32 rounding).
 from __future__ import annotations
 
 import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -296,6 +299,15 @@ def logprobs_from_logits(
             ent = -(safe.exp() * safe).sum(-1)
             ent = torch.where(valid, ent, torch.zeros_like(ent))
     return lp, ent
+
+
+def accepts_target_mask(fn: Callable[..., Any]) -> bool:
+    """Whether a ``logprob_fn`` takes ``target_mask`` (as :func:`token_logprobs` does): callers pass
+    the loss mask then, so the LM head runs on the targets only, never on prompt positions."""
+    try:
+        return "target_mask" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: pass nothing extra
+        return False
 
 
 def token_logprobs(

@@ -12,7 +12,6 @@ accumulated gradient equals the unsplit batch's for every reduction
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
-from consequence.policy.logprobs import auto_chunk_size, logprobs_from_logits
+from consequence.policy.logprobs import accepts_target_mask, auto_chunk_size, logprobs_from_logits
 from consequence.policy.shared_prefix import shared_prefix_len
 from consequence.records import TrainingRow, pad_rows
 from consequence.update.distill_chunks import can_chunk, distill_chunked
@@ -87,13 +86,6 @@ class UpdateConfig:
         return {"eps_low": self.clip_eps_low, "eps_high": self.clip_eps_high, "dual_clip_c": self.dual_clip_c}
 
 
-def _takes_target_mask(fn) -> bool:
-    try:
-        return "target_mask" in inspect.signature(fn).parameters
-    except (TypeError, ValueError):  # a builtin or C callable: pass nothing extra
-        return False
-
-
 def _call_logprob_fn(logprob_fn: Callable[..., Any], model, batch: dict[str, Tensor], temperature: float):
     """``logprob_fn`` on a padded batch; the stored supports go with it when the rows have them.
 
@@ -102,7 +94,7 @@ def _call_logprob_fn(logprob_fn: Callable[..., Any], model, batch: dict[str, Ten
     from logits the sampler never saw.
     """
     support: dict[str, Tensor] = {k: batch[k] for k in ("keep_index", "keep_rows") if k in batch}
-    if "loss_mask" in batch and _takes_target_mask(logprob_fn):  # prompt positions: no LM head needed
+    if "loss_mask" in batch and accepts_target_mask(logprob_fn):  # prompt positions: no LM head needed
         support["target_mask"] = batch["loss_mask"][:, 1:] > 0
     out = logprob_fn(model, batch["input_ids"], batch["attention_mask"], temperature=temperature, **support)
     if isinstance(out, (tuple, list)):
