@@ -44,7 +44,8 @@ def _train(config: Path | None = None, resume: Path | None = None, print_config:
 
 
 def check_before_work(cfg: TrainConfig) -> None:
-    """What can be checked before any model is loaded: the model folder, a task file, the agent, the run folder.
+    """What can be checked before any model is loaded: the model folder, a task file, a cold
+    start's demonstrator, the agent, the run folder.
 
     Raises:
         ValueError: names the option and the fix; nothing is left on disk.
@@ -53,7 +54,11 @@ def check_before_work(cfg: TrainConfig) -> None:
 
     check_model_dir(cfg.model)
     check_model_dir(cfg.teacher, "--teacher", chat_template=False)
-    env_of(cfg)  # the environment and its task source load (a user's plug-in, a task file)
+    env = env_of(cfg)  # the environment and its task source load (a user's plug-in, a task file)
+    if cfg.cold_start_demos:  # its demonstrator plays the cold start's demonstrations
+        from consequence.loop.start_model import check_cold_start
+
+        check_cold_start(cfg, env)
     if cfg.agent:  # the agent imports and is an async function
         from consequence.serve.runner import load_agent
 

@@ -163,6 +163,17 @@ READS: tuple[Reads, ...] = (
         lambda c: c.model is None,
         lambda c: f"--model {c.model}: they build the bundled tiny warm start, which is used only without --model",
     ),
+    Reads(
+        (
+            "cold_start_epochs",
+            "cold_start_learning_rate",
+            "cold_start_rows_per_step",
+            "cold_start_micro_batch_size",
+            "cold_start_seed",
+        ),
+        lambda c: c.cold_start_demos > 0,
+        lambda c: "--cold-start-demos 0: there is no cold start (--cold-start-demos N adds one)",
+    ),
     # Where the reward, or a negative advantage, never reaches the update (after the rows above, whose
     # reasons are more direct).
     Reads(

@@ -102,7 +102,7 @@ class TrainConfig(BaseModel):
     run_dir: str = _f(
         DEFAULT_RUN_DIR,
         "run",
-        "Directory for checkpoints, trajectories, metrics, plots and the report (default: runs/<env>-<recipe> with a recipe, else runs/<env>-default, e.g. runs/repair-default; stored as an absolute path). A new run (without --resume) into a folder that holds an earlier run first deletes that run's outputs: config.yaml, manifest.json, split.json, metrics.jsonl, curves.png, report.md, report.json, viewer.html, trajectories/iter_*.parquet, eval/*.parquet and checkpoints/ (iter_*, state-*, final); other files there are kept.",
+        "Directory for checkpoints, trajectories, metrics, plots and the report (default: runs/<env>-<recipe> with a recipe, else runs/<env>-default, e.g. runs/repair-default; stored as an absolute path). A new run (without --resume) into a folder that holds an earlier run first deletes that run's outputs: config.yaml, manifest.json, split.json, cold_start.json, metrics.jsonl, curves.png, report.md, report.json, viewer.html, trajectories/iter_*.parquet, eval/*.parquet and checkpoints/ (iter_*, state-*, final); other files there are kept.",
         validate_default=True,
     )
     recipe: str | None = _f(
@@ -394,6 +394,27 @@ class TrainConfig(BaseModel):
     warmstart_demos: int = _f(4000, "policy", "Teacher demonstrations for building the tiny warm start.", ge=10)
     warmstart_epochs: float = _f(
         8.0, "policy", "SFT epochs over the demonstrations when building the tiny warm start.", gt=0
+    )
+    cold_start_demos: int = _f(
+        0,
+        "policy",
+        "Cold start before RL (docs/distillation.md): N ≥ 1 plays the environment's demonstrator on N train-split instances, keeps the episodes its reward verifies, fine-tunes --model (default: the bundled tiny warm start) on them in the model's own chat format (loss on the assistant turns; a LoRA adapter with --lora-rank/--lora-alpha/--lora-targets, merged, or all weights at --lora-rank 0), and RL starts from the result, which is also the warm-start side of the final comparison. Cached under $CONSEQUENCE_CACHE/cold-starts/ by the model's files, the environment, the split and every cold_start_* and LoRA setting, so the training seeds of an experiment share one; recorded in RUN_DIR/cold_start.json. 0 = no cold start. The environment needs a demonstrator (`consequence envs`); for other sources run `consequence sft` and give its --out as --model.",
+        ge=0,
+    )
+    cold_start_epochs: float = _f(1.0, "policy", "SFT epochs over the cold start's verified demonstrations.", gt=0)
+    cold_start_learning_rate: float = _f(4e-4, "policy", "Peak AdamW learning rate of the cold start's SFT.", gt=0)
+    cold_start_rows_per_step: int = _f(8, "policy", "Demonstrations per optimizer step of the cold start's SFT.", ge=1)
+    cold_start_micro_batch_size: int = _f(
+        8,
+        "policy",
+        "Rows per forward/backward of the cold start's SFT (the step's loss is the token mean over all its rows, so this changes memory, not the gradient).",
+        ge=1,
+    )
+    cold_start_seed: int = _f(
+        0,
+        "policy",
+        "Seed of the cold start: which train instances the demonstrator plays, the LoRA initialisation and the SFT row order. Independent of --seed, so the training seeds of an experiment start from one shared cold start (vary it to measure the cold start's own spread); the split is --split-seed's.",
+        ge=0,
     )
 
     @field_validator("model", "run_dir", "teacher", "distill_data")

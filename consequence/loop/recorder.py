@@ -123,6 +123,10 @@ class RunRecorder:
         """config.yaml: the settings nested by box (``TrainConfig.nested_dump``)."""
         write_text_atomic(self.dir / "config.yaml", yaml.safe_dump(config, sort_keys=False))
 
+    def write_cold_start(self, record: dict[str, Any]) -> None:
+        """cold_start.json: the cold start RL starts from (``loop.start_model.cold_started``)."""
+        write_text_atomic(self.dir / "cold_start.json", json.dumps(record, indent=1))
+
     def write_split(self, problem_ids: Any) -> None:
         write_text_atomic(self.dir / "split.json", json.dumps(problem_ids))
 

@@ -109,6 +109,7 @@ class _Run:
     start: int  # first iteration to run (iterations completed by the resume state)
     fixed_data: list[Trajectory]  # --distill-data, for --distill-lambda < 1
     first_student: int | None  # first iteration that rolls out the student (where the pre-step checks run)
+    cold_start: dict[str, Any] | None = None  # --cold-start-demos: the cold start RL starts from (start_model)
 
     @property
     def pad_id(self) -> int:
@@ -232,6 +233,15 @@ def _start(
     # fixed data is checked against the splits before a model is resolved (a new --split-seed builds a warm start)
     fixed = load_fixed_data(cfg.distill_data, env.split) if cfg.distill_data else []
     model_path = _resolve_model(cfg, console)
+    cold = None
+    if cfg.cold_start_demos:  # RL starts from the cold start of that model (cached), also the reference
+        from consequence.loop.start_model import cold_started
+
+        def check_student() -> None:  # before the cold start is built: its tokenizer is the student's
+            tok = load_policy(model_path)[1]
+            preflight(cfg, tok, Renderer(tok, env.tools), env, model_path)
+
+        model_path, cold = cold_started(cfg, model_path, env, console, state is None, check_student)
     model, tokenizer = load_policy(model_path)
     renderer = Renderer(tokenizer, env.tools)
     preflight(cfg, tokenizer, renderer, env, model_path)
@@ -252,6 +262,8 @@ def _start(
     if state is None:
         rec.clear_earlier_run()
         rec.write_config(cfg.nested_dump())
+        if cold is not None:
+            rec.write_cold_start(cold)
     rec.write_split(env.problem_ids())
     r = _Run(
         cfg,
@@ -267,6 +279,7 @@ def _start(
         start=0,
         fixed_data=fixed,
         first_student=first_student_iteration(cfg.distill_lambda, cfg.seed, cfg.iterations),
+        cold_start=cold,
     )
     if state is None:
         rec.manifest = _new_manifest(r, model, reproduces)
@@ -296,6 +309,8 @@ def _new_manifest(r: _Run, model, reproduces: str | Path | None) -> dict[str, An
     manifest |= {"run_label": r.label, "cwd": os.getcwd(), "policy_training": policy_training(cfg, model)}
     if reproduces is not None:
         manifest["reproduces"] = os.path.abspath(reproduces)
+    if r.cold_start is not None:  # manifest["model"] is the cold start; config.model what it was made from
+        manifest["cold_start"] = {k: v for k, v in r.cold_start.items() if k != "sft"} | {"file": "cold_start.json"}
     if r.first_student is None:
         manifest["checks"]["not_run"] = (
             f"every iteration drew its batch from --distill-data (--distill-lambda "
@@ -325,7 +340,9 @@ def _say_what_runs(r: _Run, rec: RunRecorder, resume: bool, state: ResumeState |
     rec.console.print(
         f"[bold]consequence train[/] ({escape(r.label)}): {cfg.iterations} iterations (numbered 0–"
         f"{cfg.iterations - 1}) × {cfg.tasks_per_iteration} tasks × {cfg.group_size} rollouts, model "
-        f"{escape(str(r.model_path))}, run dir {escape(str(rec.dir))}"
+        f"{escape(str(r.model_path))}"
+        + (f" (cold start of {escape(r.cold_start['student'])})" if r.cold_start else "")
+        + f", run dir {escape(str(rec.dir))}"
         + (
             f"; resuming at iteration {r.start} from {escape(str(state.path))}"
             if state
@@ -423,10 +440,29 @@ def _finish(r: _Run, rec: RunRecorder, t_start: float) -> dict[str, Any]:
     report["train_seconds"] = time.perf_counter() - t_start
     report["sandbox_isolation"] = isolation_report()
     report["run_label"] = r.label
+    report["start_model"] = start_model_record(r)
     if skipped:
         report["final_evaluation"] = skipped
     rec.report(report, skipped)
     return report
+
+
+def start_model_record(r: _Run) -> dict[str, Any]:
+    """The policy RL started from (the warm-start side of the final comparison): its folder, and
+    for a cold start what it was made from and on how many verified demonstrations."""
+    out: dict[str, Any] = {"path": str(r.model_path)}
+    if r.cold_start is not None:
+        sft = r.cold_start["sft"]
+        out["cold_start"] = {
+            "model": r.cold_start["model"],
+            "student": r.cold_start["student"],
+            "environment": sft.get("environment"),
+            "verified": sft.get("teacher", {}).get("verified"),
+            "episodes": sft.get("teacher", {}).get("episodes"),
+            "rows": sft.get("rows"),
+            "built": r.cold_start["built"],
+        }
+    return out
 
 
 # ---- the first batch's checks -----------------------------------------------------------------

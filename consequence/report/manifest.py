@@ -227,6 +227,7 @@ RUN_FILES = (
     "config.yaml",
     "manifest.json",
     "split.json",
+    "cold_start.json",
     "metrics.jsonl",
     "curves.png",
     "report.md",

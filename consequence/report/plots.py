@@ -58,6 +58,23 @@ def _seed_line(report: dict[str, Any]) -> list[str]:
     ]
 
 
+def _start_line(report: dict[str, Any]) -> list[str]:
+    """Which policy is the warm start: the folder RL started from, and a cold start's origin
+    (nothing for a report written before it was recorded)."""
+    start = report.get("start_model")
+    if not start:
+        return []
+    line = f"Warm start (the policy RL started from): `{start['path']}`"
+    cold = start.get("cold_start")
+    if cold:
+        line += (
+            f", the cold start of `{cold['model'] or cold['student']}`: SFT on {cold['verified']} verified "
+            f"demonstrations (of {cold['episodes']} demonstrator episodes) of {cold['environment']}, built "
+            f"{cold['built']} (cold_start.json)"
+        )
+    return [line + "."]
+
+
 def _shortcut_table(results: list[dict[str, Any]]) -> list[str]:
     """Per split and decoding, each shortcut diagnostic (``evaluate.shortcuts``) of the warm
     start → the RL checkpoint; nothing for a report written before they existed."""
@@ -92,6 +109,7 @@ def write_markdown_report(report: dict[str, Any], out_md: Path) -> None:
         "Difference = RL − warm start, with a 95 % paired bootstrap CI over problems "
         "(episodes of one problem resampled together). Environment errors excluded from both arms.",
         *_seed_line(report),
+        *_start_line(report),
         "",
         "| split | decoding | warm start | RL | difference | 95 % CI | problems | env errors |",
         "|---|---|---|---|---|---|---|---|",

@@ -79,4 +79,4 @@ def test_every_shipped_config_is_a_valid_train_config():
         assert (
             cfg.model == "smollm2-135m-instruct" or f"--out {Path(cfg.model).relative_to(Path.cwd())}" in f.read_text()
         ), f
-        assert cfg.env in ("reasoning-gym", "repair"), f
+        assert cfg.env in ("reasoning-gym", "repair", "calculator"), f
