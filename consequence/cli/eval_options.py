@@ -164,8 +164,9 @@ OPTIONS: dict[str, Option] = {
     "out": Option(
         Path,
         Path("runs/eval"),
-        "Output folder: eval.json, episodes.parquet, recovery_episodes.parquet, report.md, cost.png (humaneval: "
-        "eval.json).",
+        "Output folder: eval.json, episodes.parquet, recovery_episodes.parquet (with --recovery), report.md, "
+        "cost.png (humaneval: eval.json). A folder reused from an earlier evaluation gets these files replaced, "
+        "and those of them this run does not write are removed; other files there are left alone.",
         compare_help="Output folder for compare.json, compare.md and each arm's cost plot.",
         compare_default=Path("runs/compare"),
     ),

@@ -112,7 +112,7 @@ def run_eval(
         ValueError: a setting, the model or the environment is refused (before any work), or
             cannot work with this model (once it has loaded); nothing is written then.
     """
-    from consequence.evaluate.run import check_request, default_samples, resolve_model
+    from consequence.evaluate.run import check_problems, check_request, default_samples, resolve_model
     from consequence.evaluate.selection import check_rules
     from consequence.evaluate.settings import check_budgets, resolve_settings
 
@@ -142,6 +142,11 @@ def run_eval(
         problems,
         splits=("train", "validation", "test", "all") if completion else ("train", "validation", "test"),
     )
+    if completion:  # an evaluation over no problem is refused (its means would be NaN)
+        if not environment.completion_tasks(split):
+            raise ValueError(f"--split {split}: {environment.label} has no problem in it; give another split")
+    else:
+        check_problems(environment, split)
     rules = check_rules(parse_list(selection, "--selection", "first,majority"))
     model_path = resolve_model(model)
     check_model_dir(str(model_path), chat_template=not completion)
@@ -152,14 +157,18 @@ def run_eval(
             model_path, environment, st, split, n, ks, problems, temperature, seed, max_new_tokens, out
         )
     from consequence.evaluate.progress import Phases
-    from consequence.evaluate.run import evaluate_episodes, write_outputs
+    from consequence.evaluate.run import evaluate_episodes, problem_count, write_outputs
     from consequence.evaluate.settings import describe
 
     record = st.record()
-    _say(
-        f"{environment.label} {split}: {str(problems) + ' (drawn with --seed)' if problems else 'all'} problems of "
-        f"the split × n = {n} episodes of {model_path}"
+    count, total = problem_count(environment, split, problems), len(environment.split[split])
+    which = (
+        f"{count} of the {total} problems of the split (drawn with --seed)"
+        if count < total
+        else f"all {total} problems of the split"
+        + (f" (--problems {problems} asks for more than it holds)" if problems > total else "")
     )
+    _say(f"{environment.label} {split}: {which} × n = {n} episodes of {model_path}")
     _say(describe(record))
     # a ValueError here: settings that cannot work with this model (checked once it has loaded)
     with Phases(console) as phases:
@@ -178,15 +187,19 @@ def run_eval(
             provenance=record,
             phases=phases,
         )
-    write_outputs(ev, out)
+    written, removed = write_outputs(ev, out)
     _say((out / "report.md").read_text())
     for w in ev.result["warnings"]:
         console.print(f"[yellow]warning:[/] {escape(w)}")
-    console.print(
-        f"written: {out}/eval.json, episodes.parquet{', recovery_episodes.parquet' if recovery else ''}, "
-        "report.md, cost.png"
-    )
+    _written(out, written, removed)
     return out / "eval.json"
+
+
+def _written(out: Path, written: list[str], removed: list[str]) -> None:
+    """The files this evaluation wrote into ``out``, and those of an earlier one it removed."""
+    _say(f"written: {out}/{written[0]}" + "".join(f", {name}" for name in written[1:]))
+    if removed:
+        _say(f"removed from an earlier evaluation in {out}: {', '.join(removed)} (not written by this one)")
 
 
 def _eval_completions(
@@ -205,6 +218,7 @@ def _eval_completions(
     """``eval --env humaneval``: single-turn completions, batched across problems (pass@k protocol)."""
     from consequence.evaluate.completions import evaluate_completions, save_eval
     from consequence.evaluate.progress import Phases
+    from consequence.evaluate.report import remove_stale
     from consequence.evaluate.settings import describe
     from consequence.evaluate.splits import record_touch, reuse_warning
 
@@ -245,10 +259,11 @@ def _eval_completions(
         "splits_touched": [record_touch(environment.label, split_seed, split, "consequence eval", [str(model_path)])],
     }
     path = save_eval(res, out / "eval.json")
+    removed = remove_stale(out, [path.name])
     if warning:
         console.print(f"[yellow]warning:[/] {escape(warning)}")
     _say(res.summary())
-    console.print(f"written: {path}")
+    _written(out, [path.name], removed)
     return Path(path)
 
 
@@ -297,7 +312,7 @@ def run_compare(
         ValueError: a setting, a model or the environment is refused (before any work), or
             cannot work with these models (once they have loaded); nothing is written then.
     """
-    from consequence.evaluate.run import check_distinct, check_request, resolve_model
+    from consequence.evaluate.run import check_distinct, check_problems, check_request, resolve_model
     from consequence.evaluate.settings import check_budgets, resolve_settings
 
     options = {
@@ -312,6 +327,7 @@ def run_compare(
     environment = _load_env(st.values)
     check_budgets(st.values)
     check_request(split, n, ks, temperature, problems)
+    check_problems(environment, split, "the comparison")
     if problems == 1:
         raise ValueError("--problems 1: a paired CI over problems needs at least 2 problems")
     pa, pb = resolve_model(a, "A"), resolve_model(b, "B")

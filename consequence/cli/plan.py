@@ -19,7 +19,8 @@ _PLAN_HELP = (
     "The budget of a training run before any work: trajectories (K·B·G), rollouts generated "
     "(÷ α under dynamic sampling), generated tokens (× L̄), accepted episodes, teacher-scored "
     "tokens, demonstration attempts (N/α), validation and final-evaluation episodes, each with "
-    "its formula. Takes `consequence train`'s options. With --run RUN_DIR: the same lines "
+    "its formula. Takes `consequence train`'s options; with --env-option or --tasks-file the environment is "
+    "made and refused as train refuses it (an unknown option, no train split). With --run RUN_DIR: the same lines "
     "planned from that run's settings and its measured L̄ and α, beside what it spent."
 )
 
@@ -59,6 +60,10 @@ def _plan(
             from consequence.recipes import resolve_config
 
             cfg = resolve_config(config, given)
+            if cfg.env_options or cfg.tasks_file:  # options of the environment: refused here as train refuses them
+                from consequence.envs.registry import env_of
+
+                env_of(cfg).check_splits({"train": "training"})
             _check_assumptions(cfg, acceptance_rate, demonstrations, demo_acceptance_rate)
         assumed = "measured" if run is not None and mean_tokens is not None else "given"
         if mean_tokens is None:  # the most one episode can generate: an upper bound

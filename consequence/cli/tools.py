@@ -132,7 +132,7 @@ def warmstart(
     quiet_libraries()
     cfg = WarmstartConfig(seed=seed, n_demos=demos, sft_epochs=epochs, env=env)
     try:
-        _check_teacher_env(env, seed)
+        _check_teacher_env(env, seed, command="consequence warmstart")
     except ValueError as e:
         console.print(f"[red]error:[/] {escape(str(e))}")
         raise typer.Exit(2) from None
@@ -150,10 +150,12 @@ def _check_teacher_env(
     demos_file: Path | None = None,
     option: str = "--demos-file",
     teacher_url: bool = False,
+    command: str = "consequence sft",
 ) -> None:
     """Refuse, before any work, a source of demonstrations that cannot give any: an environment
-    without a demonstrator (when neither a file nor a teacher URL is given), or a demonstration
-    file that is missing, a folder, or of an unknown format.
+    without a train split (every source plays or replays train tasks; ``command`` needs it), an
+    environment that cannot demonstrate (when neither a file nor a teacher URL is given), or a
+    demonstration file that is missing, a folder, or of an unknown format.
 
     Raises:
         ValueError: names the environment or the file, and the fix (or as ``load_environment``).
@@ -163,6 +165,7 @@ def _check_teacher_env(
     from consequence.envs.registry import load_environment
 
     environment = load_environment(env, seed, dict(options or {}))
+    environment.check_splits({"train": f"`{command}`"})
     if demos_file is not None:
         check_demonstration_path(demos_file, option)
     elif not teacher_url:
@@ -446,6 +449,7 @@ def sft_cmd(
     from consequence.distill.coldstart import ColdStartConfig, cold_start
     from consequence.distill.sft import SFTConfig
     from consequence.evaluate.progress import Phases
+    from consequence.policy.lora import check_lora_folder
     from consequence.policy.named import is_named, model_folder, source_record
     from consequence.policy.tiny import check_model_folder
 
@@ -475,16 +479,23 @@ def sft_cmd(
             teacher_timeout=teacher_timeout,
             teacher_concurrency=teacher_concurrency,
         )
-        if out.exists() and not (out / "sft.json").is_file():
-            raise ValueError(f"--out {out}: exists and is not an earlier `consequence sft` output; name a new folder")
         path = model_folder(model, log=console.print)
         check_model_folder(path)
+        if out.resolve() == Path(path).resolve() or out.resolve() in Path(path).resolve().parents:
+            raise ValueError(
+                f"--out {out}: is the student's folder (--model {model}) or holds it, and it is replaced "
+                "while the student is read from it; write the fine-tuned model to another folder"
+            )
+        if out.exists() and not (out / "sft.json").is_file():
+            raise ValueError(f"--out {out}: exists and is not an earlier `consequence sft` output; name a new folder")
+        if lora_rank:  # before the demonstrations are collected: a bad --lora-targets loses no work
+            check_lora_folder(path, lora_rank, lora_alpha, targets)
         cfg = ColdStartConfig(
             env=env,
             env_options=options,
             demos=300 if demos is None else demos,
             seed=seed,
-            demos_file=None if demos_file is None else str(demos_file),
+            demos_file=None if demos_file is None else str(demos_file.resolve()),
             teacher=teacher,
             lora_rank=lora_rank,
             lora_alpha=lora_alpha,
@@ -517,7 +528,11 @@ def sft_cmd(
 @app.command("demos")
 def demos_cmd(
     out: Path = typer.Option(
-        ..., "--out", help="Trajectories parquet file to write (atomically; missing folders are created)."
+        ...,
+        "--out",
+        help="File to write (atomically; missing folders are created), its format by its suffix: .parquet, our "
+        "trajectories (for --distill-data, --demos-file); .jsonl, one "
+        '{"task_id": ..., "messages": [...]} per line in the OpenAI chat shape (for --demos-file and other SFT tools).',
     ),
     episodes: int | None = typer.Option(
         None,
@@ -561,13 +576,16 @@ def demos_cmd(
     """Verified demonstrations (the environment's demonstrator, --from FILE, or a teacher at
     --teacher-url) in the student's
     tokens, as a trajectories file: SFT on them is `consequence train --recipe rejection_sft
-    --distill-lambda 0 --distill-data OUT` (docs/distillation.md)."""
+    --distill-lambda 0 --distill-data OUT` (docs/distillation.md); or, --out FILE.jsonl, as
+    OpenAI chat messages."""
     from consequence.cli.common import parse_env_options
+    from consequence.distill.demonstrations import check_demonstration_out
     from consequence.distill.demos import write_demonstrations
     from consequence.evaluate.run import resolve_model
 
     quiet_libraries()
     with _writing_out(out):
+        check_demonstration_out(out, "--out")
         options = parse_env_options(env_option)
         if from_file is not None and (episodes is not None or draw_seed is not None):
             given = " and ".join(o for o, v in (("--episodes", episodes), ("--draw-seed", draw_seed)) if v is not None)
@@ -578,7 +596,15 @@ def demos_cmd(
             raise ValueError(
                 "--from and --teacher-url are two sources of demonstrations (a file, or a teacher's episodes); give one"
             )
-        _check_teacher_env(env, split_seed, options, from_file, "--from", teacher_url=teacher_url is not None)
+        _check_teacher_env(
+            env,
+            split_seed,
+            options,
+            from_file,
+            "--from",
+            teacher_url=teacher_url is not None,
+            command="consequence demos",
+        )
         if from_file is not None and from_file.resolve() == out.resolve():
             raise ValueError(f"--out {out} is the --from file; write the verified demonstrations to another file")
         check_out_file(out, "--out")

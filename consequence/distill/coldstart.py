@@ -159,7 +159,7 @@ def cold_start(
     out = Path(out).resolve()
     model.config.name_or_path = str(out)
     record = {
-        "student": str(model_path),
+        "student": str(Path(model_path).resolve()),
         "source": source,
         "environment": env.label,
         "settings": _settings(cfg),
@@ -188,7 +188,7 @@ def _settings(cfg: ColdStartConfig) -> dict[str, Any]:
         "env": cfg.env,
         "env_options": cfg.env_options,
         "demos": None if cfg.demos_file else cfg.demos,
-        "demos_file": cfg.demos_file,
+        "demos_file": None if cfg.demos_file is None else str(Path(cfg.demos_file).resolve()),
         "teacher_url": None if cfg.teacher is None else cfg.teacher.as_dict(),
         "seed": cfg.seed,
         **({} if cfg.split_seed is None else {"split_seed": cfg.split_seed}),

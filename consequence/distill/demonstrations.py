@@ -9,7 +9,8 @@ Three sources, exclusive (docs/distillation.md, "Cold start from any demonstrati
    - our trajectories Parquet (``consequence.records.write_trajectories``: ``consequence
      demos``, ``consequence eval --out``, a run's ``trajectories/iter_NNNN.parquet``), or
    - JSONL, one object per line, ``{"task_id": ..., "messages": [...]}`` with the
-     conversation in the OpenAI chat shape: ``system`` / ``user`` messages, ``assistant``
+     conversation in the OpenAI chat shape: ``system`` (or ``developer``, the newer name of
+     a system message) / ``user`` messages, ``assistant``
      messages with ``content`` and ``tool_calls`` ``[{"type": "function", "function":
      {"name": ..., "arguments": "<JSON object as a string>"}}]`` (a dict is accepted too),
      and ``tool`` messages with the results;
@@ -63,6 +64,7 @@ __all__ = [
     "file_demo_set",
     "plan_from_messages",
     "read_demonstration_file",
+    "write_demonstration_file",
 ]
 
 FORMATS = {".parquet": "parquet", ".jsonl": "jsonl", ".ndjson": "jsonl"}
@@ -80,7 +82,8 @@ REASONS = {
     "teacher_http_error": "a call to the teacher failed: an HTTP error status, or the connection broke",
     "teacher_timeout": "a call to the teacher got no reply within the timeout",
     "teacher_unparsable_reply": "a reply of the teacher is not a chat completion (not JSON, no choices[0].message, "
-    "content that is not text, tool_calls that is not a list of objects)",
+    "content that is not text, tool_calls that is not a list of objects, a message with neither content nor "
+    "tool calls)",
     "teacher_max_tokens": "a reply of the teacher was cut at max_tokens (finish_reason length): the harness ends "
     "such an episode truncated",
 }
@@ -131,6 +134,70 @@ def check_demonstration_path(path: str | Path, option: str = "--demos-file") -> 
     return p
 
 
+def write_demonstration_file(path: str | Path, trajectories: list, option: str = "--out") -> Path:
+    """Write ``trajectories`` (scored, in a student's tokens) as a demonstration file that
+    :func:`read_demonstration_file` reads back: ``.parquet``, our trajectories file (tokens
+    and scores kept: ``--distill-data``, ``--demos-file``); ``.jsonl`` / ``.ndjson``, one
+    ``{"task_id": ..., "messages": [...]}`` per line in the OpenAI chat shape (tool-call
+    arguments as JSON strings, each call an ``id`` that its ``tool`` result names in
+    ``tool_call_id``): portable to other SFT tools, and replayed and verified again when read.
+    Written atomically.
+
+    Raises:
+        ValueError: a name that ends in neither (:func:`check_demonstration_out`).
+    """
+    from consequence.fileio import write_text_atomic
+    from consequence.records import write_trajectories
+
+    p = check_demonstration_out(path, option)
+    if FORMATS[p.suffix.lower()] == "parquet":
+        write_trajectories(p, trajectories)
+    else:
+        lines = [json.dumps({"task_id": t.task_id, "messages": _openai_messages(t.messages)}) for t in trajectories]
+        write_text_atomic(p, "".join(line + "\n" for line in lines))
+    return p
+
+
+def check_demonstration_out(path: str | Path, option: str = "--out") -> Path:
+    """The path of a demonstration file to write, checked before any work: its name ends in
+    ``.parquet``, ``.jsonl`` or ``.ndjson`` (the format is the suffix's).
+
+    Raises:
+        ValueError: another suffix (names ``option`` and the formats).
+    """
+    p = Path(path)
+    if p.suffix.lower() not in FORMATS:
+        raise ValueError(
+            f"{option} {p}: unknown format {p.suffix or '(no suffix)'!r}; name a .parquet file (our trajectories, "
+            "for --distill-data and --demos-file) or a .jsonl file (OpenAI chat messages, one "
+            '{"task_id": ..., "messages": [...]} per line)'
+        )
+    return p
+
+
+def _openai_messages(messages: list[dict]) -> list[dict]:
+    """Our trajectories' messages in the OpenAI chat shape: tool-call arguments as JSON
+    strings and ids ``call_K`` on the calls, named by their results (in order) as ``tool_call_id``."""
+    out: list[dict] = []
+    pending: list[str] = []  # ids of the calls whose results come next, in order
+    for m in messages:
+        m = dict(m)
+        if m.get("role") == "assistant" and m.get("tool_calls"):
+            calls: list[dict[str, Any]] = []
+            for c in m["tool_calls"]:
+                fn = dict(c.get("function") or {})
+                if not isinstance(fn.get("arguments"), str):
+                    fn["arguments"] = json.dumps(fn.get("arguments", {}))
+                call_id = c.get("id") or f"call_{sum(len(x.get('tool_calls') or ()) for x in out) + len(calls)}"
+                calls.append({"id": call_id, "type": "function", "function": fn})
+            m["tool_calls"] = calls
+            pending = [str(c["id"]) for c in calls]
+        elif m.get("role") == "tool" and pending and "tool_call_id" not in m:
+            m["tool_call_id"] = pending.pop(0)
+        out.append(m)
+    return out
+
+
 def read_demonstration_file(path: str | Path, option: str = "--demos-file") -> list[FileDemonstration]:
     """The rows of a demonstration file (the module doc gives the formats).
 
@@ -160,7 +227,7 @@ def read_demonstration_file(path: str | Path, option: str = "--demos-file") -> l
         rows = [_row(f"{p}[{k}]", t.task_id, t.messages) for k, t in enumerate(trajs)]
     else:
         try:
-            lines = p.read_text(encoding="utf-8").splitlines()
+            lines = p.read_text(encoding="utf-8-sig").splitlines()  # a UTF-8 BOM (Windows editors) is dropped
         except (OSError, UnicodeDecodeError) as e:
             raise ValueError(f"{option} {p}: cannot read it ({e}); give {_HOW}") from None
         for no, line in enumerate(lines, 1):
@@ -297,8 +364,10 @@ def collect_demonstrations(
             demonstrator and neither a file nor a teacher (names the fix); a bad file
             (:func:`read_demonstration_file`); a teacher that cannot be reached at the start
             (:func:`consequence.distill.teacher_url.probe_teacher`); no demonstration
-            verified (the message gives the rejections by reason).
+            verified (the message gives the rejections by reason); an environment without a
+            train split (every source plays or replays train tasks; ``Environment.check_splits``).
     """
+    env.check_splits({"train": "a cold start's demonstrations"})
     if demos_file is not None:
         if teacher is not None:
             raise ValueError(

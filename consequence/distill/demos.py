@@ -23,12 +23,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from consequence.distill.demonstrations import collect_demonstrations
+from consequence.distill.demonstrations import check_demonstration_out, collect_demonstrations, write_demonstration_file
 from consequence.distill.teacher_url import TeacherEndpoint
 from consequence.envs.registry import load_environment
 from consequence.harness.renderer import Renderer
 from consequence.policy.tiny import load_policy
-from consequence.records import write_trajectories
 
 __all__ = ["DEFAULT_DRAW_SEED", "write_demonstrations"]
 
@@ -52,7 +51,9 @@ def write_demonstrations(
 
     Args:
         model_path: the student whose tokenizer and chat template render the demonstrations.
-        out: the trajectories parquet file to write (atomically).
+        out: the file to write (atomically): ``.parquet`` (our trajectories, for
+            ``--distill-data``) or ``.jsonl`` (OpenAI chat messages;
+            :func:`~consequence.distill.demonstrations.write_demonstration_file`).
         episodes: demonstrator (or ``teacher``) episodes to run (train instances drawn); the
             verified ones are written. None with ``demos_file``.
         split_seed: the environment's split seed (a run training on the file needs the same
@@ -73,10 +74,12 @@ def write_demonstrations(
         source's record (with a teacher: ``kind`` ``teacher_url``, its settings and ``cost``).
 
     Raises:
-        ValueError: as :func:`consequence.distill.demonstrations.collect_demonstrations` (no
+        ValueError: ``out`` names neither a .parquet nor a .jsonl file (before any work); as
+            :func:`consequence.distill.demonstrations.collect_demonstrations` (no
             demonstrator and no other source, a bad file, two sources, a teacher that cannot be
             reached at the start, nothing verified).
     """
+    check_demonstration_out(out)
     environment = load_environment(env, split_seed, dict(env_options or {}))
     _, tokenizer = load_policy(model_path)
     renderer = Renderer(tokenizer, environment.tools)  # the student's format, as `consequence sft`
@@ -91,7 +94,7 @@ def write_demonstrations(
         option="--from",
         teacher=teacher,
     )
-    write_trajectories(out, demos.kept)  # scored by the replay (reward box), in the student's tokens
+    write_demonstration_file(out, demos.kept)  # scored by the replay (reward box), in the student's tokens
     tokens = sum(t.n_generated_tokens for t in demos.kept)
     log(f"wrote {len(demos.kept)} verified demonstrations ({tokens} assistant tokens) to {out}")
     return demos.record() | {"tokens": tokens, "out": str(out)}

@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from consequence.envs.api import ANSWER_KEY, has_demonstrator
+from consequence.envs.api import ANSWER_KEY, cannot_demonstrate, has_demonstrator
 from consequence.evaluate.episode_eval import solved
 from consequence.harness.renderer import Renderer, format_call
 from consequence.policy.sampler import Sample
@@ -200,19 +200,29 @@ def verified(t: Trajectory) -> bool:
     return solved(t)
 
 
+# the other sources of demonstrations, for an environment whose demonstrator cannot give any
+OTHER_SOURCES = (
+    "give the demonstrations another way: a file (`consequence sft --demos-file FILE` or `consequence demos "
+    "--from FILE`: our trajectories .parquet, or .jsonl of OpenAI-style messages) or a teacher behind an "
+    "OpenAI-compatible URL (`--teacher-url URL`: a vLLM server, `consequence serve`); docs/distillation.md"
+)
+
+
 def require_demonstrator(env: Any) -> None:
-    """Refuse, before any work, an environment without a demonstrator.
+    """Refuse, before any work, an environment that cannot demonstrate its tasks: it has no
+    demonstrator, or its options leave it none (``envs.api.cannot_demonstrate``).
 
     Raises:
-        ValueError: ``env`` does not implement ``Environment.demonstration`` (names it and the fix).
+        ValueError: names the environment, why, and the other sources (a file, a teacher URL).
     """
     if not has_demonstrator(env):
         raise ValueError(
             f"--env {env.label}: this environment has no demonstrator (Environment.demonstration, "
-            "docs/environments.md), so there is no scripted teacher for it; give a file of "
-            "demonstrations instead: `consequence sft --demos-file FILE` or `consequence demos --from FILE` "
-            "(our trajectories .parquet, or .jsonl of OpenAI-style messages; docs/distillation.md)"
+            f"docs/environments.md), so there is no scripted teacher for it; {OTHER_SOURCES}"
         )
+    why = cannot_demonstrate(env)
+    if why is not None:
+        raise ValueError(f"--env {env.label}: its demonstrator cannot demonstrate here ({why}); {OTHER_SOURCES}")
 
 
 def demonstration_plans(
@@ -232,7 +242,8 @@ def demonstration_plans(
         one list of actions per task.
 
     Raises:
-        ValueError: no demonstrator (:func:`require_demonstrator`); ``habits`` for a
+        ValueError: no demonstrator, or none with these options (:func:`require_demonstrator`;
+            a demonstration that raises ``NotImplementedError``, too); ``habits`` for a
             demonstrator that takes none; a demonstrator that returned no list of actions
             (names the task and the action).
     """
@@ -247,7 +258,12 @@ def demonstration_plans(
         kw["habits"] = dict(habits)
     plans = []
     for task in tasks:
-        plan = env.demonstration(task, rng, **kw)
+        try:
+            plan = env.demonstration(task, rng, **kw)
+        except NotImplementedError as e:  # the documented "cannot demonstrate": nothing is produced
+            raise ValueError(
+                f"--env {env.label}: its demonstrator cannot demonstrate task {task.task_id!r} ({e}); {OTHER_SOURCES}"
+            ) from None
         if not isinstance(plan, list):
             raise ValueError(
                 f"--env {env.label}: demonstration() of task {task.task_id!r} returned a "
@@ -395,6 +411,10 @@ def read_tool_call(call: Any) -> tuple[dict | None, str | None]:
     return {"name": name, "arguments": args}, None
 
 
+# the roles of the leading instructions: "developer" is the OpenAI chat format's newer name of "system"
+SYSTEM_ROLES = ("system", "developer")
+
+
 def plan_from_messages(
     messages: Sequence[dict], examples: Sequence[tuple[str, str]] = ()
 ) -> tuple[list | None, tuple[str, str] | None]:
@@ -415,7 +435,7 @@ def plan_from_messages(
         one is ``{"answer": text}``.
     """
     k = 0
-    while k < len(messages) and messages[k].get("role") == "system":
+    while k < len(messages) and messages[k].get("role") in SYSTEM_ROLES:
         k += 1
     shots = [{"role": r, "content": c} for q, a in examples for r, c in (("user", q), ("assistant", a))]
     if shots and [{"role": m.get("role"), "content": m.get("content")} for m in messages[k : k + len(shots)]] == shots:

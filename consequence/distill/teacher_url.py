@@ -24,8 +24,8 @@ through a fresh episode of its task in the student's tokens and keeps it only wh
 environment's reward verified it. An episode the teacher could not play is counted, never a
 crash: ``teacher_http_error`` (an HTTP error status, a broken connection),
 ``teacher_timeout`` (no reply within the timeout), ``teacher_unparsable_reply`` (not a chat
-completion), ``teacher_max_tokens`` (a reply cut at ``max_tokens``: the harness ends such an
-episode truncated), ``env_error`` (the environment failed while the teacher played). A
+completion, or a message with neither content nor tool calls), ``teacher_max_tokens`` (a
+reply cut at ``max_tokens``: the harness ends such an episode truncated), ``env_error`` (the environment failed while the teacher played). A
 malformed tool call (arguments that are not a JSON object) ends the teacher's episode and is
 rejected as ``unparsable_tool_call`` by the file check.
 
@@ -158,10 +158,12 @@ class TeacherEndpoint:
 
 
 def teacher_base_url(url: str) -> str:
-    """The API base of ``url``: ``http(s)://host[:port][/path]/v1`` (``/v1`` added when missing).
+    """The API base of ``url``: ``http(s)://host[:port][/path]/v1`` (``/v1`` added when missing;
+    a route given with it, ``.../v1/chat/completions`` or ``.../v1/models``, is dropped).
 
     Args:
-        url: the server's URL, e.g. ``http://127.0.0.1:8000`` or ``http://host:8000/v1``.
+        url: the server's URL, e.g. ``http://127.0.0.1:8000``, ``http://host:8000/v1`` or
+            ``http://host:8000/v1/chat/completions``.
 
     Returns:
         the base the routes ``/models`` and ``/chat/completions`` are appended to.
@@ -173,7 +175,14 @@ def teacher_base_url(url: str) -> str:
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"--teacher-url {url}: give an http:// or https:// URL, e.g. http://127.0.0.1:8000/v1")
     base = url.strip().rstrip("/")
+    for route in _ROUTES:  # the URL of an endpoint, pasted whole: its base
+        if base.endswith(route):
+            base = base[: -len(route)].rstrip("/")
+            break
     return base if base.endswith("/v1") else base + "/v1"
+
+
+_ROUTES = ("/chat/completions", "/completions", "/models")  # the routes a base URL is given with by mistake
 
 
 def _opener(base: str) -> urllib.request.OpenerDirector:
@@ -209,6 +218,20 @@ def _error_text(e: urllib.error.HTTPError) -> str:
     return f"HTTP {e.code}" + (f": {text[:_DETAIL]}" if text else "")
 
 
+def _key_refused(teacher: TeacherEndpoint) -> str:
+    """What a 401 / 403 reply means and which option sets the key."""
+    if teacher.api_key_env is None:
+        return (
+            "the server refused the request without an API key; export the key in an environment variable "
+            "and name that variable with --teacher-api-key-env VAR (sent as a Bearer token)"
+        )
+    return (
+        f"the server refused the API key in the environment variable {teacher.api_key_env} "
+        f"(--teacher-api-key-env {teacher.api_key_env}); export the right key in it, or name another "
+        "variable with --teacher-api-key-env"
+    )
+
+
 def probe_teacher(teacher: TeacherEndpoint) -> TeacherEndpoint:
     """Check that the teacher answers ``GET {URL}/models``; the endpoint with its model named.
 
@@ -231,11 +254,9 @@ def probe_teacher(teacher: TeacherEndpoint) -> TeacherEndpoint:
         with _opener(base).open(req, timeout=min(teacher.timeout_s, PROBE_TIMEOUT_S)) as r:
             raw = r.read()
     except urllib.error.HTTPError as e:
-        fix = (
-            "give its API key with --teacher-api-key-env VAR"
-            if e.code in (401, 403)
-            else "is it an OpenAI-compatible server (vLLM, `consequence serve`)? give its URL, e.g. http://HOST:PORT/v1"
-        )
+        if e.code in (401, 403):
+            raise ValueError(f"{where} failed ({_error_text(e)}): {_key_refused(teacher)}") from None
+        fix = "is it an OpenAI-compatible server (vLLM, `consequence serve`)? give its URL, e.g. http://HOST:PORT/v1"
         raise ValueError(f"{where} failed ({_error_text(e)}); {fix}") from None
     except (urllib.error.URLError, TimeoutError, HTTPException, OSError) as e:
         why = e.reason if isinstance(e, urllib.error.URLError) else e
@@ -364,7 +385,8 @@ class _Client:
             with self.opener.open(req, timeout=self.teacher.timeout_s) as r:
                 raw = r.read()
         except urllib.error.HTTPError as e:
-            raise _Failed("teacher_http_error", _error_text(e)) from None
+            refused = f": {_key_refused(self.teacher)}" if e.code in (401, 403) else ""
+            raise _Failed("teacher_http_error", _error_text(e) + refused) from None
         except TimeoutError:
             raise _Failed("teacher_timeout", f"no reply within {self.teacher.timeout_s:g} s") from None
         except urllib.error.URLError as e:
@@ -388,7 +410,8 @@ def _message(obj: Any, turn: int = 0) -> tuple[dict[str, Any], str | None]:
 
     Raises:
         _Failed: ``teacher_unparsable_reply`` (no ``choices[0].message``, content that is not
-            text, ``tool_calls`` that is not a list of objects).
+            text, ``tool_calls`` that is not a list of objects, a message with neither content
+            nor tool calls).
     """
     try:
         choice = obj["choices"][0]
@@ -407,6 +430,13 @@ def _message(obj: Any, turn: int = 0) -> tuple[dict[str, Any], str | None]:
     calls = msg.get("tool_calls") or []
     if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
         raise _Failed("teacher_unparsable_reply", f"tool_calls is not a list of objects: {calls!r:.{_DETAIL}}")
+    finish = choice.get("finish_reason") if isinstance(choice, dict) else None
+    finish = finish if isinstance(finish, str) else None
+    if content is None and not calls and finish != "length":  # (a reply cut at max_tokens is counted as such)
+        raise _Failed(
+            "teacher_unparsable_reply",
+            f"the message has neither content nor tool_calls: {json.dumps(msg)[:_DETAIL]}",
+        )
     out: dict[str, Any] = {"role": "assistant", "content": content}
     if calls:
         out["tool_calls"] = [
@@ -415,8 +445,7 @@ def _message(obj: Any, turn: int = 0) -> tuple[dict[str, Any], str | None]:
         ]
     elif content is None:
         out["content"] = ""
-    finish = choice.get("finish_reason") if isinstance(choice, dict) else None
-    return out, finish if isinstance(finish, str) else None
+    return out, finish
 
 
 def _call_seed(draw_seed: int, episode: int, turn: int) -> int:

@@ -68,6 +68,7 @@ __all__ = [
     "SingleTurnTask",
     "check_reward_fn_value",
     "has_demonstrator",
+    "cannot_demonstrate",
 ]
 
 SPLITS: tuple[str, ...] = ("train", "validation", "test")
@@ -198,8 +199,12 @@ class Environment:
             the actions, in order.
 
         Raises:
-            NotImplementedError: this environment has no demonstrator (the default); use a
-                file of demonstrations instead (docs/distillation.md).
+            NotImplementedError: this environment has no demonstrator (the default), or the
+                options of this instance leave it none (e.g. ``calculator`` with
+                ``max_calls=0``: its demonstration calls the tool); the message says why.
+                Nothing is demonstrated then: use a file of demonstrations or a teacher URL
+                instead (docs/distillation.md). :func:`cannot_demonstrate` probes for it
+                before any work.
         """
         raise NotImplementedError(
             f"environment {self.label!r} has no demonstrator ({type(self).__name__}.demonstration); "
@@ -290,7 +295,9 @@ class Environment:
                     + ", ".join(f"{k} {n}" for k, n in sizes.items())
                     + f"), and {why} needs it; "
                     + (
-                        f"add problems (about 10 % of them land in validation and 10 % in test) or set {why} 0"
+                        "give a split that holds problems, or add problems to the task source"
+                        if why.startswith("--split")
+                        else f"add problems (about 10 % of them land in validation and 10 % in test) or set {why} 0"
                         if why.startswith("--")
                         else "add problems to the task source"
                     )
@@ -351,6 +358,25 @@ def has_demonstrator(env: Environment | type) -> bool:
     """Whether an environment (instance or class) overrides :meth:`Environment.demonstration`."""
     cls = env if isinstance(env, type) else type(env)
     return getattr(cls, "demonstration", None) is not Environment.demonstration
+
+
+def cannot_demonstrate(env: Environment) -> str | None:
+    """Why ``env`` cannot demonstrate its tasks, or None when it can (checked before any work).
+
+    It cannot when it has no demonstrator (:func:`has_demonstrator`), or when its options
+    leave it none: :meth:`Environment.demonstration` raises ``NotImplementedError`` (its
+    message is the reason) on a train instance, probed on one (a demonstration is cheap and
+    pure). An empty train split is not probed (None): ``check_splits`` refuses it.
+    """
+    if not has_demonstrator(env):
+        return f"this environment has no demonstrator ({type(env).__name__}.demonstration)"
+    if not env.split.get("train"):
+        return None
+    try:
+        env.demonstration(env.sample("train", 1, seed=0)[0], random.Random(0))
+    except NotImplementedError as e:
+        return str(e) or f"{type(env).__name__}.demonstration raised NotImplementedError"
+    return None
 
 
 def source_sha256(cls: type) -> str | None:

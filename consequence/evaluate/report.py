@@ -16,20 +16,47 @@ from consequence.figures import pyplot, save_figure
 from consequence.fileio import strict_json, write_text_atomic
 from consequence.records import write_trajectories
 
+# Every file ``consequence eval`` may write into its output folder (``write_outputs``; a
+# single-turn evaluation writes eval.json alone).
+EVAL_FILES: tuple[str, ...] = ("eval.json", "episodes.parquet", "recovery_episodes.parquet", "report.md", "cost.png")
 
-def write_outputs(ev, out: Path) -> None:
-    """eval.json, episodes.parquet (and recovery_episodes.parquet), report.md and cost.png
-    into ``out``, each written atomically. ``ev``: an ``EpisodeEval``."""
+
+def remove_stale(out: Path, written: list[str]) -> list[str]:
+    """Remove the files of :data:`EVAL_FILES` in ``out`` that this evaluation did not write
+    (``written``): an earlier evaluation's, which would otherwise pass for this one's. Other
+    files in the folder are left alone. Returns the names removed."""
+    stale = [n for n in EVAL_FILES if n not in written and (out / n).is_file()]
+    for name in stale:
+        (out / name).unlink(missing_ok=True)
+    return stale
+
+
+def write_outputs(ev, out: Path) -> tuple[list[str], list[str]]:
+    """eval.json, episodes.parquet (and recovery_episodes.parquet when the recovery
+    diagnostic ran), report.md and cost.png into ``out``, each written atomically; the files
+    of :data:`EVAL_FILES` an earlier evaluation left there and this one did not write are
+    removed (:func:`remove_stale`). ``ev``: an ``EpisodeEval``.
+
+    Returns:
+        (the names written, in order; the names of an earlier evaluation's files removed).
+    """
     out.mkdir(parents=True, exist_ok=True)
-    result = {**ev.result, "episodes_file": str(out / "episodes.parquet")}
+    result = dict(ev.result)
+    written = []
     if ev.episodes:
         write_trajectories(out / "episodes.parquet", ev.episodes)
+        result["episodes_file"] = str(out / "episodes.parquet")
+        written.append("episodes.parquet")
     if ev.recovery_episodes:
         write_trajectories(out / "recovery_episodes.parquet", ev.recovery_episodes)
         result["recovery_episodes_file"] = str(out / "recovery_episodes.parquet")
+        written.append("recovery_episodes.parquet")
+    written = ["eval.json", *written, "report.md", "cost.png"]
+    removed = remove_stale(out, written)
     write_text_atomic(out / "eval.json", strict_json(result, indent=1))
     plot_costs(result, out / "cost.png")
     write_text_atomic(out / "report.md", markdown(result))
+    return written, removed
 
 
 def write_compare(res: dict[str, Any], out: Path) -> None:
@@ -95,8 +122,9 @@ def markdown(result: dict[str, Any], cost_png: str = "cost.png") -> str:
         "## Cost and errors",
         "",
         f"Cost per episode: {c['gen_tokens_per_episode']:.1f} generated tokens, "
-        f"{c['tool_calls_per_episode']:.2f} tool calls ({100 * c.get('parse_error_fraction', 0.0):.1f} % of model "
-        f"calls did not parse), {c['wall_s_per_episode']:.2f} s of wall time (the batch's time / episodes); "
+        f"{c['tool_calls_per_episode']:.2f} tool calls ({100 * c.get('parse_error_fraction', 0.0):.1f} % of all "
+        "model calls did not parse, those cut at the token limit and of env-error episodes included), "
+        f"{c['wall_s_per_episode']:.2f} s of wall time (the batch's time / episodes); "
         + (
             f"{c['gen_tokens_per_success']:.0f} generated tokens per success"
             if math.isfinite(c.get("gen_tokens_per_success") or math.inf)

@@ -135,6 +135,31 @@ def check_request(
         raise ValueError(f"-k {bad}: every k must be between 1 and n = {n} (pass@k needs n >= k samples)")
 
 
+def problem_count(env, split: str, problems: int = 0) -> int:
+    """How many problems an evaluation of ``split`` runs: every problem of the split
+    (``problems`` 0), else ``problems`` but no more than the split holds."""
+    pool = env.split[split]
+    return min(problems, len(pool)) if problems else len(pool)
+
+
+def check_problems(env, split: str, purpose: str = "the evaluation") -> None:
+    """Refuse, before any work, an evaluation over no problem (a mean over nothing is NaN).
+
+    The environment's own check comes first (``Environment.check_splits``: e.g. the
+    calculator's held-out shift, which has no train split, says so and names the fix).
+
+    Raises:
+        ValueError: ``split`` of ``env`` holds no problem (names the split, the sizes and the fix).
+    """
+    env.check_splits({split: f"--split {split}"})
+    if not env.split.get(split):  # an override of check_splits that does not refuse it
+        sizes = ", ".join(f"{k} {len(v)}" for k, v in env.split.items())
+        raise ValueError(
+            f"--split {split}: the {split} split of --env {env.label} holds no problem ({sizes}), so "
+            f"{purpose} would run over nothing; give a split that holds problems"
+        )
+
+
 @dataclass
 class EpisodeEval:
     """One evaluation: the numbers (``result``, what ``eval.json`` holds) and the raw
@@ -201,12 +226,12 @@ def evaluate_episodes(
     shows each phase's progress (``label`` prefixes the phase names, e.g. ``"A "``).
 
     Raises:
-        ValueError: unknown selection rule.
+        ValueError: unknown selection rule; a split without problems (:func:`check_problems`).
     """
     selection = check_rules(selection)
     split_seed = env.split_seed
-    pool = env.split[split]
-    count = min(problems, len(pool)) if problems else len(pool)
+    check_problems(env, split)
+    count = problem_count(env, split, problems)
     task_list = env.sample(split, count, seed=seed_of(seed, "eval", split))
     model, tok = load_policy(model_path)
     renderer = Renderer(tok, env.tools)

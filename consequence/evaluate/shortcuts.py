@@ -42,7 +42,8 @@ ERROR_PREFIX = "error:"  # how an error observation starts (harness and built-in
 # The keys of :func:`shortcut_metrics`, in order, with how reports label them.
 SHORTCUT_METRICS: tuple[tuple[str, str], ...] = (
     ("tool_call_rate", "episodes with a tool call"),
-    ("invalid_call_unparsable", "model calls unparsable"),
+    # not cost_summary's parse_error_fraction (report.md's cost line), which counts every call, cut ones too
+    ("invalid_call_unparsable", "model calls that stopped on their own and did not parse (cut ones excluded)"),
     ("invalid_call_unknown_tool", "model calls naming an unknown tool"),
     ("invalid_call_bad_arguments", "model calls with bad arguments"),
     ("answered_fraction", "episodes answered"),

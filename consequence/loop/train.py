@@ -54,7 +54,7 @@ from consequence.loop.resume import (
     stop_message,
 )
 from consequence.loop.sources import BatchSource, Collected, FixedDataMix, Rollouts, WorkerRollouts
-from consequence.policy.lora import apply_lora, is_adapter_folder
+from consequence.policy.lora import apply_lora, check_lora_folder, is_adapter_folder
 from consequence.policy.sampler import SamplingParams
 from consequence.policy.tiny import load_policy
 from consequence.recipes import run_label
@@ -240,6 +240,8 @@ def _start(
         def check_student() -> None:  # before the cold start is built: its tokenizer is the student's
             tok = load_policy(model_path)[1]
             preflight(cfg, tok, Renderer(tok, env.tools), env, model_path)
+            if cfg.lora_rank:  # the cold start's adapter: a bad --lora-targets is refused before its demonstrations
+                check_lora_folder(model_path, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets)
 
         model_path, cold = cold_started(cfg, model_path, env, console, state is None, check_student)
     model, tokenizer = load_policy(model_path)

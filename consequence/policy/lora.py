@@ -65,11 +65,58 @@ def apply_lora(model, rank: int, alpha: float, targets: list[str] | tuple[str, .
         the ``PeftModel``; only the adapter's parameters require gradients.
 
     Raises:
-        ValueError: a bad rank or alpha, ``model`` already has an adapter, or a target
-            names no linear layer of the model (the message lists the ones it has).
+        ValueError: as :func:`check_lora`.
     """
     from peft import LoraConfig, get_peft_model
 
+    check_lora(model, rank, alpha, targets)
+    cfg = LoraConfig(
+        r=int(rank),
+        # PEFT annotates lora_alpha as int but only divides it by r: a float alpha (--lora-alpha 0.5) is kept exact
+        lora_alpha=float(alpha),  # type: ignore[arg-type]
+        target_modules=list(targets),
+        lora_dropout=0.0,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    with quiet_peft():
+        peft_model = get_peft_model(model, cfg)
+    # set after wrapping: get_peft_model fills it from the model's (possibly relative) name_or_path
+    peft_model.peft_config["default"].base_model_name_or_path = str(Path(base_path).resolve())
+    return peft_model
+
+
+def check_lora_folder(path, rank: int, alpha: float, targets: list[str] | tuple[str, ...]) -> None:
+    """:func:`check_lora` against the model in folder ``path`` before any work, without its
+    weights: the architecture is built from its ``config.json`` on the meta device (no memory
+    for weights). A folder whose architecture cannot be built so is left to
+    :func:`apply_lora`, which checks the same once the model is loaded.
+
+    Raises:
+        ValueError: as :func:`check_lora` (a LoRA checkpoint folder: it already has an adapter).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    p = Path(path)
+    if is_adapter_folder(p):
+        raise ValueError("the policy already has a LoRA adapter; merge it first (consequence merge) to train another")
+    try:
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(p)))
+    except Exception:  # not buildable without its weights: apply_lora checks once it is loaded
+        return
+    check_lora(skeleton, rank, alpha, targets)
+
+
+def check_lora(model, rank: int, alpha: float, targets: list[str] | tuple[str, ...]) -> None:
+    """Refuse a LoRA adapter that :func:`apply_lora` could not put on ``model``.
+
+    Raises:
+        ValueError: a bad rank or alpha, ``model`` already has an adapter, a target names no
+            linear layer of the model (the message lists the ones it has), ``lm_head`` of a
+            model that ties it to the embedding, or a rank above a target layer's smallest
+            dimension.
+    """
     if rank < 1 or not alpha > 0:
         raise ValueError(f"--lora-rank must be >= 1 and --lora-alpha > 0 (got {rank}, {alpha})")
     if is_peft(model):
@@ -93,20 +140,6 @@ def apply_lora(model, rank: int, alpha: float, targets: list[str] | tuple[str, .
             f"--lora-rank {rank} is above the smallest dimension ({widest}) of the target layers: a "
             f"rank-{widest} adapter already spans every update there; use --lora-rank {widest} or less"
         )
-    cfg = LoraConfig(
-        r=int(rank),
-        # PEFT annotates lora_alpha as int but only divides it by r: a float alpha (--lora-alpha 0.5) is kept exact
-        lora_alpha=float(alpha),  # type: ignore[arg-type]
-        target_modules=list(targets),
-        lora_dropout=0.0,
-        bias="none",
-        task_type="CAUSAL_LM",
-    )
-    with quiet_peft():
-        peft_model = get_peft_model(model, cfg)
-    # set after wrapping: get_peft_model fills it from the model's (possibly relative) name_or_path
-    peft_model.peft_config["default"].base_model_name_or_path = str(Path(base_path).resolve())
-    return peft_model
 
 
 def effective_weight(layer: torch.nn.Module) -> torch.Tensor:

@@ -277,3 +277,53 @@ def test_a_solved_episode_with_a_refused_tool_call_is_not_kept(tmp_path, calc, t
     # the first is solved (right answer) but taught a call to an unknown tool: SFT must not copy it
     assert (len(demos.kept), dict(demos.rejected)) == (1, {"invalid_tool_call": 1})
     assert demos.kept[0].calls[0].tool_calls[0]["name"] == "calculator"
+
+
+def test_a_jsonl_file_with_a_byte_order_mark_and_a_developer_message_is_read(tmp_path, calc, tokenizer):
+    """A UTF-8 BOM before the first line, and "developer" (the OpenAI chat format's newer name
+    of "system") before the request: read as a plain file with a system message."""
+    a = calc.split["train"][0]
+    messages = _openai(a.question, a.expression, str(a.answer))
+    messages[0]["role"] = "developer"
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + (json.dumps({"task_id": a.task_id, "messages": messages}) + "\n").encode())
+    assert [(r.task_id, r.problem) for r in read_demonstration_file(path)] == [(a.task_id, None)]
+    assert plan_from_messages(messages) == (
+        [{"name": "calculator", "arguments": {"expression": a.expression}}, {"answer": f"<answer>{a.answer}</answer>"}],
+        None,
+    )
+    demos = file_demo_set(path, calc, Renderer(tokenizer, calc.tools), **QUIET)
+    assert (len(demos.kept), demos.total, dict(demos.rejected)) == (1, 1, {})
+    messages[0]["role"] = "narrator"  # another role before the request is still refused (negative control)
+    assert plan_from_messages(messages)[1] == (
+        "unparsable_row",
+        "no user message (the request) before the assistant turns",
+    )
+
+
+def test_sft_refuses_to_write_over_its_student_and_records_absolute_paths(tmp_path, monkeypatch, calc_file):
+    """--out the student's own folder (or one holding it) would replace it while SFT reads it:
+    refused before any work. sft.json records the student and the demonstration file absolute."""
+    import os
+    import shutil
+
+    student = tmp_path / "student"
+    shutil.copytree(BUNDLED, student)
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in student.iterdir())
+    monkeypatch.chdir(tmp_path)
+    demos = os.path.relpath(calc_file, tmp_path)
+    base = ["sft", "--model", "student", "--env", "calculator", "--demos-file", demos, "--lora-rank", "4"]
+    for out in ("student", "student/", "."):  # the student itself, or a folder that holds it
+        res = CliRunner().invoke(app, [*base, "--out", out], env={"COLUMNS": "400"})
+        assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+        assert (
+            f"error: --out {out.rstrip('/') or out}: is the student's folder (--model student) or holds it"
+            in res.output
+        )
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in student.iterdir()) == before  # untouched
+    res = CliRunner().invoke(
+        app, [*base, "--epochs", "1", "--rows-per-step", "2", "--micro-batch-size", "2", "--out", "sft"]
+    )
+    assert res.exit_code == 0, res.output
+    rec = json.loads((tmp_path / "sft" / "sft.json").read_text())
+    assert rec["student"] == str(student.resolve()) and rec["settings"]["demos_file"] == str(calc_file.resolve())

@@ -16,7 +16,7 @@ import pytest
 from typer.testing import CliRunner
 
 from consequence.cli import app
-from consequence.distill.demonstrations import collect_demonstrations
+from consequence.distill.demonstrations import REASONS, collect_demonstrations
 from consequence.distill.teacher_url import (
     TeacherEndpoint,
     probe_teacher,
@@ -40,13 +40,17 @@ class FakeTeacher:
 
     Modes: ``right``; ``wrong`` (answers value + 1); ``bad_args`` (tool-call arguments that
     are not JSON); ``http500``; ``garbage`` (a 200 whose body is not JSON); ``slow`` (right,
-    after ``slow_s`` seconds); ``cut`` (finish_reason length); ``no_usage`` (right, no usage).
-    Usage of turn k (from 0): 100·(k + 1) prompt tokens, 10 completion tokens.
+    after ``slow_s`` seconds); ``cut`` (finish_reason length); ``no_usage`` (right, no usage);
+    ``empty`` (a message with neither content nor tool calls); ``unauthorized`` (a 401).
+    Usage of turn k (from 0): 100·(k + 1) prompt tokens, 10 completion tokens. With ``key``,
+    GET /v1/models answers 401 unless the request carries ``Bearer KEY``.
     """
 
-    def __init__(self, env, modes: dict[str, str] | None = None, usage: bool = True, slow_s: float = 2.5):
+    def __init__(
+        self, env, modes: dict[str, str] | None = None, usage: bool = True, slow_s: float = 2.5, key: str | None = None
+    ):
         self.tasks = {t.question: t for t in env.split["train"]}
-        self.modes, self.usage, self.slow_s = modes or {}, usage, slow_s
+        self.modes, self.usage, self.slow_s, self.key = modes or {}, usage, slow_s, key
         self.requests: list[dict[str, Any]] = []
         fake = self
 
@@ -66,7 +70,9 @@ class FakeTeacher:
                     pass
 
             def do_GET(self):
-                if self.path.rstrip("/") == "/v1/models":
+                if fake.key is not None and self.headers.get("Authorization") != f"Bearer {fake.key}":
+                    self._send(401, {"error": {"message": "Incorrect API key provided"}})
+                elif self.path.rstrip("/") == "/v1/models":
                     self._send(200, {"object": "list", "data": [{"id": "fake-teacher", "object": "model"}]})
                 else:
                     self._send(404, {"error": {"message": f"no route {self.path}"}})
@@ -82,6 +88,10 @@ class FakeTeacher:
                     return self._send(500, {"error": {"message": "the teacher fell over"}})
                 if mode == "garbage":
                     return self._send(200, None, b"<html>gateway error</html>")
+                if mode == "unauthorized":
+                    return self._send(401, {"error": {"message": "Incorrect API key provided"}})
+                if mode == "empty":
+                    return self._send(200, {"choices": [{"index": 0, "message": {"role": "assistant"}}]})
                 if mode == "slow":
                     time.sleep(fake.slow_s)
                 finish = "stop"
@@ -200,6 +210,11 @@ def test_the_url_teacher_is_a_third_source_exclusive_with_a_file(tmp_path, calc,
         ("http://127.0.0.1:8000", "http://127.0.0.1:8000/v1"),
         ("http://127.0.0.1:8000/v1/", "http://127.0.0.1:8000/v1"),
         ("https://host/s/abc/v1", "https://host/s/abc/v1"),
+        # an endpoint's URL pasted whole: its base
+        ("http://127.0.0.1:8000/v1/chat/completions", "http://127.0.0.1:8000/v1"),
+        ("http://127.0.0.1:8000/v1/chat/completions/", "http://127.0.0.1:8000/v1"),
+        ("https://host/s/abc/v1/models", "https://host/s/abc/v1"),
+        ("http://127.0.0.1:8000/chat/completions", "http://127.0.0.1:8000/v1"),
     ],
 )
 def test_the_base_url_gets_its_v1(url, base):
@@ -218,6 +233,48 @@ def test_probe_names_the_model_and_refuses_what_is_not_a_teacher(calc, monkeypat
             probe_teacher(TeacherEndpoint(fake.url, api_key_env="NO_SUCH_KEY_VAR"))
     with pytest.raises(ValueError, match="give an http:// or https:// URL"):
         probe_teacher(TeacherEndpoint("ftp://x"))
+
+
+def test_a_malformed_reply_and_a_refused_key_are_teacher_failures_not_unfinished(calc, tokenizer):
+    """A message with neither content nor tool calls is teacher_unparsable_reply (it used to be
+    played as an empty answer: not_verified, or unfinished where answers do not end the
+    episode); a 401 names the option that sets the key. The full endpoint URL works."""
+    tasks = calc.sample("train", 3, seed=DRAW + 1)
+    modes = {tasks[0].question: "empty", tasks[1].question: "unauthorized"}
+    with FakeTeacher(calc, modes) as fake:
+        teacher = TeacherEndpoint(fake.url + "/v1/chat/completions", concurrency=1)
+        demos = teacher_url_demo_set(calc, Renderer(tokenizer, calc.tools), teacher, 3, draw_seed=DRAW, **QUIET)
+        assert {r["body"]["model"] for r in fake.requests} == {"fake-teacher"}  # probed at the base
+    assert dict(demos.rejected) == {"teacher_unparsable_reply": 1, "teacher_http_error": 1}
+    assert [t.task_id for t in demos.kept] == [tasks[2].task_id]  # the right one (negative control)
+    assert "the message has neither content nor tool_calls" in demos.first["teacher_unparsable_reply"]
+    refused = demos.first["teacher_http_error"]
+    assert "HTTP 401: Incorrect API key provided: the server refused the request without an API key" in refused
+    assert "--teacher-api-key-env VAR" in refused
+    assert demos.record()["url"] == fake.url + "/v1"
+    assert (
+        "teacher_unparsable_reply" in REASONS
+        and "neither content nor tool calls" in REASONS["teacher_unparsable_reply"]
+    )
+
+
+def test_a_refused_api_key_says_so_and_names_the_variable(tmp_path, calc, monkeypatch):
+    with FakeTeacher(calc, key="right") as fake:
+        with pytest.raises(ValueError, match=r"failed \(HTTP 401: Incorrect API key provided\): the server refused the request without an API key; .*--teacher-api-key-env VAR"):  # fmt: skip
+            probe_teacher(TeacherEndpoint(fake.url))
+        monkeypatch.setenv("TEACHER_KEY", "wrong")
+        with pytest.raises(ValueError, match=r"refused the API key in the environment variable TEACHER_KEY \(--teacher-api-key-env TEACHER_KEY\)"):  # fmt: skip
+            probe_teacher(TeacherEndpoint(fake.url, api_key_env="TEACHER_KEY"))
+        res = CliRunner().invoke(
+            app,
+            ["demos", "--env", "calculator", "--teacher-url", fake.url, "--teacher-api-key-env", "TEACHER_KEY",
+             "--out", str(tmp_path / "d.parquet")],
+            env=WIDE,
+        )  # fmt: skip
+        assert res.exit_code == 2 and "Traceback" not in res.output and not (tmp_path / "d.parquet").exists()
+        assert "the server refused the API key in the environment variable TEACHER_KEY" in " ".join(res.output.split())
+        monkeypatch.setenv("TEACHER_KEY", "right")  # the right key: accepted (negative control)
+        assert probe_teacher(TeacherEndpoint(fake.url, api_key_env="TEACHER_KEY")).model == "fake-teacher"
 
 
 def test_demos_cli_with_a_teacher_url_sends_the_key_and_logs_the_cost(tmp_path, calc):

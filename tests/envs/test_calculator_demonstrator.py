@@ -65,3 +65,24 @@ def test_a_demonstrator_is_checked_not_trusted(env):
 
     with pytest.raises(ValueError, match=r"demonstration\(\) of task .*must be a JSON object"):
         demonstration_plans(Sloppy(0, n_problems=20), tasks, random.Random(0))
+
+
+def test_no_demonstration_when_no_calculator_call_is_allowed(env):
+    """max_calls=0: the demonstrator would call the calculator, so it produces nothing and says
+    why (the documented NotImplementedError), refused before any work with the other sources."""
+    from consequence.distill.teacher import require_demonstrator
+    from consequence.envs.api import cannot_demonstrate
+
+    none = load_environment("calculator", 0, {"max_calls": 0})
+    task = none.sample("train", 1, seed=0)[0]
+    with pytest.raises(NotImplementedError, match="option max_calls=0 allows no calculator call"):
+        none.demonstration(task, random.Random(0))
+    assert has_demonstrator(none) and "max_calls=0 allows no calculator call" in (cannot_demonstrate(none) or "")
+    with pytest.raises(ValueError, match=r"--env calculator: its demonstrator cannot demonstrate here .*--demos-file FILE.*--teacher-url URL"):  # fmt: skip
+        require_demonstrator(none)
+    with pytest.raises(ValueError, match="cannot demonstrate"):
+        demonstration_plans(none, [task], random.Random(0))
+    # one call allowed: the demonstration is the call and the answer (negative control)
+    one = load_environment("calculator", 0, {"max_calls": 1})
+    assert cannot_demonstrate(one) is None and cannot_demonstrate(env) is None
+    assert [a.get("name", "answer") for a in one.demonstration(task, random.Random(0))] == ["calculator", "answer"]

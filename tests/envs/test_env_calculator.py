@@ -551,5 +551,8 @@ def test_cli_train_then_eval(tmp_path):
     assert result["recovery"] == {"tasks": 0, "tasks_without_wrong_patch": 2, "not_run": True}
     report = (out / "report.md").read_text()
     assert "Not run: none of the 2 tasks has a wrong first patch" in report and "nan" not in report
-    assert "inf generated tokens" not in report and "% of model calls did not parse" in report
+    assert (
+        "inf generated tokens" not in report
+        and "% of all model calls did not parse, those cut at the token limit" in report
+    )
     assert result["settings"]["environment"]["name"] == "calculator" and result["settings"]["problems"] == 2

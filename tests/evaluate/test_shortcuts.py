@@ -134,3 +134,32 @@ def test_summaries_carry_the_diagnostics_and_the_constant_warning_reads_answered
     nothing = summarize([_ep(None)] * 30)  # no answer at all: no share, no warning
     assert nothing["top_answer_share"] is None and constant_answer_warning("test", "greedy", warm, nothing) is None
     assert constant_answer_warning("test", "greedy", nothing, rl) is not None  # a warm start without answers
+
+
+def test_the_report_s_two_unparsable_rates_have_distinct_labels_and_values():
+    """report.md's cost line counts every model call that did not parse (cut ones and env-error
+    episodes' too); the shortcut table's row only calls that stopped on their own (valid episodes)."""
+    from consequence.evaluate.episode_eval import cost_summary
+    from consequence.evaluate.report import markdown
+
+    eps = [
+        _ep("7", calls=[_call(parse_error="bad json"), _call()]),
+        _ep(None, outcome="truncated", calls=[_call(parse_error="cut", stop="length")]),
+        _ep(None, outcome="env_error", calls=[_call(parse_error="bad json")]),
+    ]
+    budgets = {"max_turns": 2, "max_new_tokens": 16, "max_total_tokens": 768, "max_tool_calls": 10}
+    settings = {"tasks": "t", "split": "validation", "model": "m", "problems": 3, "n": 1, "temperature": 1.0}
+    result = {
+        "settings": settings | {"seed": 0, "split_seed": 0, "budgets": budgets, "isolation": {}},
+        "pass_at_k": {},
+        "outcomes": {"shares": {}},
+        "cost": cost_summary(eps),
+        "env_errors": 1,
+        "exclusion_rule": "env errors left out",
+        "shortcuts": shortcut_metrics(eps),
+    }
+    text = markdown(result)
+    # 3 of the 4 calls did not parse; of the 3 calls of valid episodes 1 stopped on its own unparsed
+    assert "(75.0 % of all model calls did not parse, those cut at the token limit and of env-error " in text
+    assert "| model calls that stopped on their own and did not parse (cut ones excluded) | 33.3 % |" in text
+    assert text.count("unparsable") == 0 and text.count("did not parse") == 2

@@ -142,3 +142,20 @@ def test_the_cli_prints_the_seeds_numbers_and_refuses_bad_input(tmp_path):
     ):
         r = runner.invoke(app, bad, env={"COLUMNS": "200"})
         assert r.exit_code == 2 and said in " ".join(r.output.split()) and "Traceback" not in r.output, r.output
+
+
+def test_plan_refuses_environment_options_that_train_refuses():
+    """A plan with --env-option makes the environment as train does: the calculator's held-out
+    shift has no train split, an unknown option is named; a good option plans (negative control)."""
+    runner = CliRunner()
+    for bad, said in (
+        (
+            ["--env-option", "shift=true"],
+            "option shift=true is the held-out shift, for evaluation only: it has no train split",
+        ),  # fmt: skip
+        (["--env-option", "colour=red"], "--env calculator: unknown option 'colour'"),
+    ):
+        r = runner.invoke(app, ["plan", "--env", "calculator", *bad], env={"COLUMNS": "400"})
+        assert r.exit_code == 2 and said in " ".join(r.output.split()) and "Traceback" not in r.output, r.output
+    r = runner.invoke(app, ["plan", "--env", "calculator", "--env-option", "max_calls=2", "--json"])
+    assert r.exit_code == 0 and json.loads(r.output)["planned"], r.output

@@ -147,6 +147,27 @@ def test_an_environment_without_a_demonstrator_is_refused_before_any_work(tmp_pa
     assert not run.exists() and not cache.exists()
 
 
+def test_no_demonstration_and_a_bad_lora_target_are_refused_before_the_cold_start(tmp_path, cache, monkeypatch):
+    """The calculator with max_calls=0 cannot demonstrate (its demonstrator calls the tool); a
+    --lora-targets the student lacks is refused before the demonstrations are collected."""
+    run = tmp_path / "r"
+    args = ["train", "--env", "calculator", "--cold-start-demos", "4", "--run-dir", str(run)]
+    res = CliRunner().invoke(app, [*args, "--env-option", "max_calls=0"], env={"COLUMNS": "300"})
+    said = " ".join(res.output.split())
+    assert res.exit_code == 2 and "Traceback" not in said, said
+    assert "which cannot demonstrate here (option max_calls=0 allows no calculator call" in said
+    assert not run.exists() and not cache.exists()
+
+    def collected(*a, **kw):
+        raise AssertionError("demonstrations collected before --lora-targets was checked")
+
+    monkeypatch.setattr("consequence.distill.coldstart.collect_demonstrations", collected)
+    res = CliRunner().invoke(app, [*args, "--lora-rank", "4", "--lora-targets", "q_proj,qproj"], env={"COLUMNS": "300"})
+    said = " ".join(res.output.split())
+    assert res.exit_code == 2 and "--lora-targets qproj: no linear layer of that name" in said, said
+    assert not run.exists() and not list(cache.glob("*/sft.json"))  # (only the build's lock file)
+
+
 def test_cold_start_settings_without_a_cold_start_are_refused():
     with pytest.raises(ValueError, match="--cold-start-epochs has no effect with --cold-start-demos 0"):
         TrainConfig(cold_start_epochs=2.0)

@@ -57,5 +57,6 @@ def test_the_eval_report_has_a_shortcut_section():
 
     lines = shortcut_lines({"tool_call_rate": 0.75, "invalid_call_unparsable": 0.0, "answer_entropy": None})
     assert "## Shortcut diagnostics" in lines and "| episodes with a tool call | 75.0 % |" in lines
-    assert "| model calls unparsable | 0.0 % |" in lines and "| answer entropy (bits) | — |" in lines
+    stopped = "| model calls that stopped on their own and did not parse (cut ones excluded) | 0.0 % |"
+    assert stopped in lines and "| answer entropy (bits) | — |" in lines
     assert shortcut_lines(None) == []  # an eval.json written before they existed

@@ -633,8 +633,10 @@ class CalculatorEnvironment(Environment):
         if self.shift and needed.get("train"):
             raise ValueError(
                 f"--env calculator: option shift=true is the held-out shift, for evaluation only: it has "
-                f"no train split, and {needed['train']} needs one; train without shift and evaluate the "
-                "result with --env-option shift=true (and the run's digits and terms)"
+                f"no train split (its problems go 50 / 50 to validation and test), and {needed['train']} needs "
+                "one; evaluate on --split validation or --split test, and train (or collect demonstrations) "
+                "without shift, then evaluate the result with --env-option shift=true (and the run's digits "
+                "and terms)"
             )
         super().check_splits(needed)
 
@@ -644,7 +646,17 @@ class CalculatorEnvironment(Environment):
     def demonstration(self, task: ArithmeticTask, rng: random.Random) -> list[dict]:
         """One calculator call on the task's whole ``expression``, then the value as the answer
         (``<answer>VALUE</answer>``); ``rng`` is not used (one way to solve it). Verified by the
-        episode's own reward before use (the ``Environment.demonstration`` hook)."""
+        episode's own reward before use (the ``Environment.demonstration`` hook).
+
+        Raises:
+            NotImplementedError: ``max_calls`` is 0: no calculator call is allowed, and this
+                demonstrator solves a task only with one (none is produced).
+        """
+        if self.max_calls < 1:
+            raise NotImplementedError(
+                "option max_calls=0 allows no calculator call, and the calculator's demonstrator "
+                "solves a task with one; give max_calls >= 1 to use it"
+            )
         return [
             {"name": "calculator", "arguments": {"expression": task.expression}},
             {"answer": f"<answer>{task.answer}</answer>"},
