@@ -127,6 +127,7 @@ def run_loop(r: _Run, source: BatchSource, rec: RunRecorder) -> None:
                 got = source.next_batch(it, rec.show)  # B tasks × G episodes with π_old, scored
                 t_rollout = time.perf_counter() - t0
                 batch = credit(got.trajectories, cfg, learner, r.pad_id)  # advantages over each group
+                t_credit = time.perf_counter() - t0 - t_rollout  # the reference's forward pass, when a KL term needs it
                 rec.trajectories(it, got.trajectories)
                 checks = _check_first_batch(r, it, got, batch, rec.console) if it == r.first_student else None
                 t1 = time.perf_counter()
@@ -134,8 +135,11 @@ def run_loop(r: _Run, source: BatchSource, rec: RunRecorder) -> None:
                 divergence_only = got.from_data and cfg.distill_loss != "none"  # else SFT on the data's rows
                 upd = update(batch, cfg, learner, r.pad_id, seed=seed, divergence_only=divergence_only)  # θ ← θ + ∇
                 t_update = time.perf_counter() - t1
+            t2 = time.perf_counter()
             source.publish(learner.model, it + 1)  # version it + 1: what batches started from now on sample with
+            t_publish = time.perf_counter() - t2  # weights to the sampler (a copy, a LoRA merge, a worker sync)
             m = iteration_metrics(it, r, got, batch, upd, t_rollout, t_update, checks)
+            m |= {"credit_s": t_credit, "publish_s": t_publish}
             m["iteration_s"] = time.perf_counter() - t0  # wall time of the iteration, validation excluded
             if cfg.eval_every and ((it + 1) % cfg.eval_every == 0 or it + 1 == cfg.iterations):
                 m["val_success"] = _validate(r, it, rec)  # greedy success on the validation split

@@ -32,7 +32,7 @@ from reward_signal import ODD_SAMPLES_WIN
 
 CHILD = Path(__file__).parents[1] / "resume_child.py"
 ROOT = Path(__file__).resolve().parents[2]
-TIMINGS = {"rollout_s", "update_s", "rollout_tokens_per_s", "iteration_s"}  # wall-clock: differ between any two runs
+TIMINGS = {"rollout_s", "credit_s", "update_s", "publish_s", "rollout_tokens_per_s", "iteration_s"}  # wall-clock: differ between any two runs
 TINY = [
     "--env",
     ODD_SAMPLES_WIN,  # every update moves the weights; --resume re-creates it from config.yaml

@@ -43,7 +43,7 @@ SMALL = dict(
     max_new_tokens=16,
     final_eval_episodes=0,
 )
-TIMINGS = {"rollout_s", "update_s", "rollout_tokens_per_s", "iteration_s"}
+TIMINGS = {"rollout_s", "credit_s", "update_s", "publish_s", "rollout_tokens_per_s", "iteration_s"}
 ROOT = Path(__file__).resolve().parents[2]
 
 
