@@ -87,7 +87,8 @@ def experiment_cmd(
     failed = [s for s in states if s.status == "failed"]
     if failed:
         for s in failed:
-            console.print(f"[red]failed:[/] {s.arm} seed {s.seed}: see {escape(str(s.log))}")
+            why = f"{escape(s.reason)}; " if s.reason else ""
+            console.print(f"[red]failed:[/] {s.arm} seed {s.seed}: {why}see {escape(str(s.log))}")
         console.print("Run the same command again to resume the failed runs (finished ones are kept).")
         raise typer.Exit(1)
     _report(exp)
@@ -164,6 +165,8 @@ class _Progress:
             return f"running {done} it, {time.time() - (st.started or time.time()):.0f} s"
         if st.status == "finished":
             return f"finished in {st.seconds:.0f} s"
+        if st.status == "failed" and st.reason:
+            return f"failed: {st.reason}"
         return st.status
 
     def update(self, states) -> None:

@@ -14,7 +14,7 @@ from consequence.records import Trajectory
 from consequence.reward.scoring import rescore_group, score_trajectories
 from consequence.rollout.episodes import Budgets, EpisodeSpec, run_episodes
 from consequence.rollout.groups import group_of
-from consequence.rollout.sampling import policy_generate_fn
+from consequence.rollout.sampling import episodes_in_flight, policy_generate_fn
 from consequence.seeding import seed_of
 
 
@@ -86,7 +86,15 @@ def sample_episodes(
     ]
     gen = policy_generate_fn(model, params, renderer.stop_ids, seed, episode_seeds=[s.seed for s in specs])
     trajs = run_episodes(
-        gen, renderer, specs, budgets, env.system_prompt, policy_version, progress=progress, examples=env.examples
+        gen,
+        renderer,
+        specs,
+        budgets,
+        env.system_prompt,
+        policy_version,
+        progress=progress,
+        examples=env.examples,
+        max_live=episodes_in_flight(model, budgets.max_total_tokens),
     )
     score_trajectories(trajs, components=env.reward_components, reward_range=env.reward_range)
     for i, t in enumerate(tasks):

@@ -10,6 +10,7 @@ settings, and arms that differ are refused unless the file allows it.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -112,6 +113,7 @@ class RunState:
     started: float | None = None
     seconds: float | None = None
     log: Path | None = None
+    reason: str | None = None  # why a failed run failed (also appended to its log)
 
 
 def run_status(cfg, folder: Path) -> str:
@@ -281,10 +283,30 @@ def _run_all(jobs: list[tuple[RunState, list[str]]], cpus_per_run: int, changed:
                 st.status, st.started = RUNNING, time.time()
         for ref in done:
             st = refs[ref]
+            err: Exception | None = None
             try:
                 rc = ray.get(ref)
-            except Exception:  # the worker died: the run failed; its folder resumes next time
-                rc = -1
+            except Exception as e:  # the worker died (e.g. Ray's out-of-memory killer): its folder resumes next time
+                rc, err = None, e
             st.status = FINISHED if rc == 0 else FAILED
             st.seconds = time.time() - (st.started or time.time())
+            if st.status == FAILED:
+                st.reason = failure_reason(rc, err)
+                if st.log is not None:
+                    with open(st.log, "a") as f:
+                        f.write(f"\n[consequence experiment] the run failed: {st.reason}\n")
         changed()
+
+
+def failure_reason(rc: int | None, err: BaseException | None = None) -> str:
+    """Why a run's task failed, in a line: the training process's exit code or signal, or
+    what Ray raised when the task's worker died (``rc`` None)."""
+    if err is not None:
+        first = (str(err).strip().splitlines() or [""])[0]
+        hint = " (memory: fewer runs at once, i.e. a larger --cpus-per-run)" if "memory" in str(err).lower() else ""
+        return f"its Ray worker died: {type(err).__name__}: {first}{hint}"
+    if rc is not None and rc < 0:
+        name = signal.Signals(-rc).name if -rc in signal.Signals._value2member_map_ else str(-rc)
+        oom = " (often the out-of-memory killer)" if -rc == signal.SIGKILL else ""
+        return f"the training process was killed by signal {name}{oom}"
+    return f"the training process exited with code {rc}: its error is at the end of the log"

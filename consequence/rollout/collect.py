@@ -16,7 +16,7 @@ from consequence.records import Trajectory, credited
 from consequence.reward.scoring import rescore_group, score_trajectories
 from consequence.rollout.episodes import Budgets, EpisodeSpec, run_episodes
 from consequence.rollout.groups import group_of
-from consequence.rollout.sampling import policy_generate_fn
+from consequence.rollout.sampling import episodes_in_flight, policy_generate_fn
 from consequence.seeding import seed_of
 
 
@@ -58,6 +58,7 @@ def harness_runner(model, renderer, env, budgets: Budgets, sampling, engine=None
             policy_version=policy_version,
             progress=progress,
             examples=env.examples,
+            max_live=None if engine is not None else episodes_in_flight(model, budgets.max_total_tokens),
         )
         return trajs, {}
 

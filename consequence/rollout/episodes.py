@@ -79,6 +79,7 @@ def run_episodes(
     policy_version: int = 0,
     progress: Callable[[int], None] | None = None,
     examples: Sequence[tuple[str, str]] = (),
+    max_live: int | None = None,
 ) -> list[Trajectory]:
     """Run every episode to its end and return one Trajectory per spec, in order.
 
@@ -93,11 +94,46 @@ def run_episodes(
     a budget ended it (a call cut at ``max_new_tokens`` counts, in any turn: case 05),
     ``env_error`` when the environment or verifier failed (not the policy's fault).
 
+    ``max_live`` bounds the episodes in flight at once (their K/V is what grows with the
+    batch: :func:`consequence.rollout.sampling.episodes_in_flight`): the specs then run in
+    consecutive waves of at most that many, each to its end; an episode keeps its index
+    (its random stream and cache key), so waves change no episode that samples from its
+    own stream. None: all at once.
+
     Raises:
-        ValueError: a tool spec is malformed, or a spec's ``opening`` ends its episode.
+        ValueError: a tool spec is malformed, a spec's ``opening`` ends its episode, or
+            ``max_live`` < 1.
     """
+    if max_live is not None and max_live < 1:
+        raise ValueError(f"max_live (episodes in flight) must be >= 1 or None, got {max_live}")
     tool_specs = check_tool_specs(renderer.tools)
-    live = [_start(i, s, renderer, system_prompt, policy_version, examples) for i, s in enumerate(specs)]
+    wave = max_live or max(1, len(specs))
+    out: list[Trajectory] = []
+    for a in range(0, len(specs), wave):
+        shown = None if progress is None else (lambda n, a=a: progress(a + n))  # episodes of earlier waves are done
+        wave_ids = range(a, min(a + wave, len(specs)))
+        out += _run_wave(
+            generate_fn, renderer, specs, wave_ids, budgets, tool_specs, system_prompt, policy_version, shown, examples
+        )
+    if progress is not None and not specs:
+        progress(0)
+    return out
+
+
+def _run_wave(
+    generate_fn: GenerateFn,
+    renderer: Renderer,
+    specs: Sequence[EpisodeSpec],
+    indices: range,
+    budgets: Budgets,
+    tool_specs,
+    system_prompt: str,
+    policy_version: int,
+    progress: Callable[[int], None] | None,
+    examples: Sequence[tuple[str, str]],
+) -> list[Trajectory]:
+    """The episodes ``specs[i]`` for i in ``indices``, batched turn by turn (:func:`run_episodes`)."""
+    live = [_start(i, specs[i], renderer, system_prompt, policy_version, examples) for i in indices]
     for _turn in range(budgets.max_turns):
         active = [e for e in live if not e.done]
         for e in active:

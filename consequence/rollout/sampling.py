@@ -10,6 +10,33 @@ import torch
 from consequence.policy.prefix_cache import PrefixCache, generate_with_prefix
 from consequence.policy.sampler import SamplingParams
 
+# The K/V of the episodes in flight at once stays under this (float32: SmolLM2-135M holds 46 KB
+# per token, so 91 episodes of 1,024 tokens; 480 at once took 16.7 GB of a 24 GB machine).
+ROLLOUT_KV_BUDGET_BYTES = 4 << 30
+
+
+def kv_bytes_per_token(model) -> int | None:
+    """Bytes of K/V one token of context holds in the sampler's cache (keys and values of
+    every layer, in the parameters' dtype); None when the model's config does not say."""
+    c = getattr(model, "config", None)
+    layers = getattr(c, "num_hidden_layers", None)
+    heads = getattr(c, "num_attention_heads", None)
+    if not layers or not heads:
+        return None
+    kv_heads = getattr(c, "num_key_value_heads", None) or heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    itemsize = next(model.parameters()).element_size()
+    return 2 * layers * kv_heads * head_dim * itemsize
+
+
+def episodes_in_flight(model, max_total_tokens: int, budget_bytes: int = ROLLOUT_KV_BUDGET_BYTES) -> int | None:
+    """How many episodes of at most ``max_total_tokens`` tokens fit ``budget_bytes`` of K/V
+    (``run_episodes``'s ``max_live``); None (no bound) when the model's K/V size is unknown."""
+    per_token = kv_bytes_per_token(model)
+    if per_token is None:
+        return None
+    return max(1, budget_bytes // (per_token * max(1, max_total_tokens)))
+
 
 def policy_generate_fn(model, params: SamplingParams, stop_ids, seed: int, episode_seeds: Sequence[int] | None = None):
     """A ``generate_fn(prompts, max_new_tokens, episode_indices)`` sampling from ``model``.
