@@ -115,13 +115,19 @@ def credit(trajs: list[Trajectory], cfg: TrainConfig, learner: Learner, pad_id: 
     """
     rows, owner = training_rows(trajs)
     ref = teacher = None
-    if learner.reference is not None and rows:
-        ref = compute_logprobs(learner.reference, rows, pad_id, logprob_fn(cfg), cfg.temperature, cfg.micro_batch_size)
+    if learner.reference is not None:  # no rows (every episode an env_error): nothing to run, an empty list
+        ref = (
+            compute_logprobs(learner.reference, rows, pad_id, logprob_fn(cfg), cfg.temperature, cfg.micro_batch_size)
+            if rows
+            else []
+        )
     t0 = time.perf_counter()
-    if cfg.advantage == "reverse_kl" and rows:  # a --distill-loss teacher runs in the update instead
+    if cfg.advantage == "reverse_kl":  # a --distill-loss teacher runs in the update instead
         assert learner.teacher is not None  # make_learner refuses reverse_kl without a teacher
-        teacher = compute_logprobs(
-            learner.teacher, rows, pad_id, logprob_fn(cfg), cfg.temperature, cfg.micro_batch_size
+        teacher = (
+            compute_logprobs(learner.teacher, rows, pad_id, logprob_fn(cfg), cfg.temperature, cfg.micro_batch_size)
+            if rows
+            else []
         )
     batch = assign_credit(
         trajs, rows, owner, cfg, ref_logprobs=ref, critic=learner.critic, pad_id=pad_id, teacher_logprobs=teacher

@@ -196,3 +196,23 @@ def test_the_mask_check_does_not_expect_rows_of_an_empty_trajectory():
     trajs = [_traj(0, 1.0), _no_tokens(1)]
     res = check_mask(trajs, training_rows(trajs)[0], stop_ids=set())
     assert res.passed, res.detail
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"advantage": "reverse_kl", "teacher": "t"},  # the teacher's log-probs of no row
+        {"advantage": "dr_grpo", "kl_mode": "reward", "kl_coef": 0.5},  # the reference's of no row
+    ],
+    ids=["reverse_kl", "kl_in_reward"],
+)
+def test_a_batch_with_no_row_is_credited_without_running_the_teacher_or_reference(settings, monkeypatch):
+    # Every episode ended before sampling a token (or in env_error): nothing to run a model on, and
+    # the iteration goes on with no row instead of stopping on "needs the teacher's log-probs".
+    import consequence.loop.learner as learner_mod
+
+    monkeypatch.setattr(learner_mod, "compute_logprobs", lambda *a, **k: pytest.fail("a forward pass on no row"))
+    learner = SimpleNamespace(reference=object(), critic=None, teacher=object())
+    cfg = TrainConfig.model_construct(**(TrainConfig().model_dump() | settings))  # no teacher to load here
+    batch = credit([_no_call(0), _no_call(1)], cfg, learner, pad_id=0)
+    assert batch.rows == [] and batch.metrics["no_target_trajectories"] == 2.0
