@@ -340,6 +340,7 @@ def evaluate(
     max_turns: int | None = None,
     max_new_tokens: int | None = None,
     max_total_tokens: int | None = None,
+    device: str = "cpu",
     out: str | Path = "runs/eval",
 ) -> dict[str, Any]:
     """Evaluate a policy: ``consequence eval`` from Python (docs/evaluation.md; each
@@ -384,6 +385,7 @@ def evaluate(
         recovery,
         Path(out),
         env_options=dict(env_options) if env_options else None,
+        device=device,
     )
     return json.loads(Path(path).read_text())
 
@@ -407,6 +409,7 @@ def compare(
     max_turns: int | None = None,
     max_new_tokens: int | None = None,
     max_total_tokens: int | None = None,
+    device: str = "cpu",
     out: str | Path = "runs/compare",
 ) -> dict[str, Any]:
     """Compare two policies on the same tasks, seeds, split and budgets: ``consequence
@@ -443,6 +446,7 @@ def compare(
         recovery,
         Path(out),
         env_options=dict(env_options) if env_options else None,
+        device=device,
     )
     return json.loads(Path(path).read_text())
 

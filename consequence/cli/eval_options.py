@@ -161,6 +161,15 @@ OPTIONS: dict[str, Option] = {
         "Also run the recovery diagnostic: n more episodes per task, each opened with the same wrong first patch.",
         compare_help="Also compare recovery from the same wrong first patch (n more episodes per task and policy).",
     ),
+    "device": Option(
+        str,
+        "cpu",
+        "Where the policy computes (docs/devices.md): cpu, cuda (the current CUDA device), cuda:N, mps, or auto "
+        "(cuda when available, else mps, else cpu); a device this machine does not have is refused before the "
+        "model loads. Episodes sample in float32 with their own random streams (CPU generators), so another device "
+        "changes them only by float rounding.",
+        compare_help="Where both policies compute (docs/devices.md): cpu, cuda, cuda:N, mps or auto, as in eval.",
+    ),
     "out": Option(
         Path,
         Path("runs/eval"),
@@ -187,6 +196,7 @@ _SHARED = (
     "problems",
     "temperature",
     "seed",
+    "device",
 )
 # Each command's options, in its --help order.
 ORDER: dict[str, tuple[str, ...]] = {

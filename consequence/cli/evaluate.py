@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.markup import escape
@@ -18,6 +19,9 @@ from consequence.cli.common import (
     quiet_libraries,
 )
 from consequence.cli.eval_options import signature
+
+if TYPE_CHECKING:
+    import torch
 
 
 def _fail(e: ValueError) -> None:
@@ -100,6 +104,7 @@ def run_eval(
     recovery: bool,
     out: Path,
     env_options: dict | None = None,
+    device: str = "cpu",
 ) -> Path:
     """What ``consequence eval`` does with its options (``eval_cmd``'s help says each), printing
     to the console; ``consequence.evaluate`` calls it too. ``env_options`` (a mapping) may be
@@ -115,7 +120,9 @@ def run_eval(
     from consequence.evaluate.run import check_problems, check_request, default_samples, resolve_model
     from consequence.evaluate.selection import check_rules
     from consequence.evaluate.settings import check_budgets, resolve_settings
+    from consequence.policy.device import resolve_device
 
+    where = resolve_device(device)  # a device this machine does not have: refused first
     options = {
         **_env_options(env, tasks, tasks_file, env_option, env_options),
         "split_seed": split_seed,
@@ -154,7 +161,7 @@ def run_eval(
     quiet_libraries()
     if completion:
         return _eval_completions(
-            model_path, environment, st, split, n, ks, problems, temperature, seed, max_new_tokens, out
+            model_path, environment, st, split, n, ks, problems, temperature, seed, max_new_tokens, out, where
         )
     from consequence.evaluate.progress import Phases
     from consequence.evaluate.run import evaluate_episodes, problem_count, write_outputs
@@ -186,6 +193,7 @@ def run_eval(
             recovery=recovery,
             provenance=record,
             phases=phases,
+            device=where,
         )
     written, removed = write_outputs(ev, out)
     _say((out / "report.md").read_text())
@@ -214,6 +222,7 @@ def _eval_completions(
     seed: int,
     max_new_tokens: int | None,
     out: Path,
+    device: torch.device | str = "cpu",
 ) -> Path:
     """``eval --env humaneval``: single-turn completions, batched across problems (pass@k protocol)."""
     from consequence.evaluate.completions import evaluate_completions, save_eval
@@ -248,6 +257,7 @@ def _eval_completions(
             seed=seed,
             max_new_tokens=tokens,
             phases=phases,
+            device=device,
         )
     res.settings |= {
         "tasks": environment.label,
@@ -300,6 +310,7 @@ def run_compare(
     recovery: bool,
     out: Path,
     env_options: dict | None = None,
+    device: str = "cpu",
 ) -> Path:
     """What ``consequence compare`` does with its options (``compare_cmd``'s help says each),
     printing to the console; ``consequence.compare`` calls it too. ``env_options`` (a mapping)
@@ -314,7 +325,9 @@ def run_compare(
     """
     from consequence.evaluate.run import check_distinct, check_problems, check_request, resolve_model
     from consequence.evaluate.settings import check_budgets, resolve_settings
+    from consequence.policy.device import resolve_device
 
+    where = resolve_device(device)  # a device this machine does not have: refused first
     options = {
         **_env_options(env, tasks, tasks_file, env_option, env_options),
         "split_seed": split_seed,
@@ -336,7 +349,7 @@ def run_compare(
     check_distinct(pa, pb)
     check_run_dir(out, "--out")
     quiet_libraries()
-    return _compare(pa, pb, environment, st, split, n, ks, problems, temperature, seed, recovery, out)
+    return _compare(pa, pb, environment, st, split, n, ks, problems, temperature, seed, recovery, out, where)
 
 
 def _compare(
@@ -352,6 +365,7 @@ def _compare(
     seed: int,
     recovery: bool,
     out: Path,
+    device: torch.device | str = "cpu",
 ) -> Path:
     from consequence.evaluate.progress import Phases
     from consequence.evaluate.run import compare_policies, write_compare
@@ -375,6 +389,7 @@ def _compare(
             recovery=recovery,
             provenance=record,
             phases=phases,
+            device=device,
         )
     write_compare(res, out)
     for key, what in (("paired", "success"), ("paired_recovery", "recovery after the same wrong first patch")):

@@ -440,6 +440,12 @@ def sft_cmd(
         ",".join(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
         help="Modules that get an adapter, comma-separated.",
     ),
+    device: str = typer.Option(
+        "cpu",
+        help="Where the SFT computes (docs/devices.md): cpu, cuda (the current CUDA device), cuda:N, mps, or auto "
+        "(cuda when available, else mps, else cpu); a device this machine does not have is refused before the "
+        "student loads. In float32.",
+    ),
 ) -> None:
     """Cold start: verified demonstrations (the environment's demonstrator, --demos-file, or a teacher
     at --teacher-url), played in the student's own chat format (Hermes tool calls where its
@@ -449,6 +455,7 @@ def sft_cmd(
     from consequence.distill.coldstart import ColdStartConfig, cold_start
     from consequence.distill.sft import SFTConfig
     from consequence.evaluate.progress import Phases
+    from consequence.policy.device import resolve_device
     from consequence.policy.lora import check_lora_folder
     from consequence.policy.named import is_named, model_folder, source_record
     from consequence.policy.tiny import check_model_folder
@@ -467,6 +474,7 @@ def sft_cmd(
                 "--demos-file and --teacher-url are two sources of demonstrations (a file, or a teacher's "
                 "episodes); give one"
             )
+        where = resolve_device(device)  # before anything loads
         _check_teacher_env(env, seed, options, demos_file, teacher_url=teacher_url is not None)
         check_run_dir(out.parent, "--out", keep=False)
         teacher = _teacher_endpoint(
@@ -516,6 +524,7 @@ def sft_cmd(
                 log=_log,
                 phases=phases,
                 source=source_record(model) if is_named(model) else None,
+                device=where,
             )
     teacher_record = record["teacher"]
     console.print(

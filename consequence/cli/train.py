@@ -44,14 +44,19 @@ def _train(config: Path | None = None, resume: Path | None = None, print_config:
 
 
 def check_before_work(cfg: TrainConfig) -> None:
-    """What can be checked before any model is loaded: the model folder, a task file, a cold
+    """What can be checked before any model is loaded: the devices (``--device``,
+    ``--teacher-device``: this machine has them), the model folder, a task file, a cold
     start's demonstrator, the agent, the run folder.
 
     Raises:
         ValueError: names the option and the fix; nothing is left on disk.
     """
     from consequence.envs.registry import env_of
+    from consequence.policy.device import resolve_device
 
+    resolve_device(cfg.device)
+    if cfg.teacher_device is not None:
+        resolve_device(cfg.teacher_device, "--teacher-device")
     check_model_dir(cfg.model)
     check_model_dir(cfg.teacher, "--teacher", chat_template=False)
     env = env_of(cfg)  # the environment and its task source load (a user's plug-in, a task file)
@@ -120,8 +125,8 @@ def train_parameters() -> list[inspect.Parameter]:
                 help=(
                     "Continue the run in RUN_DIR from its last resume state (checkpoints/state-NNNN), "
                     "with the config saved in RUN_DIR/config.yaml; other options must match it, except "
-                    "--skip-checks and where rollouts run (--rollout-workers, --ray-address, "
-                    "--rollout-timeout)."
+                    "--skip-checks, where rollouts run (--rollout-workers, --ray-address, "
+                    "--rollout-timeout) and where the models compute (--device, --teacher-device)."
                 ),
             ),
         ),

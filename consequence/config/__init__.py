@@ -9,6 +9,8 @@ the tasks, the file system or the machine run where those are loaded.
 from consequence.config.settings import (
     BOXES,
     DEFAULT_RUN_DIR,
+    DEVICE_CHOICES,
+    DEVICE_SPEC,
     MODEL_NAMES,
     OWN_FOLDERS,
     TrainConfig,
@@ -28,6 +30,8 @@ from consequence.config.settings import (
 __all__ = [
     "BOXES",
     "DEFAULT_RUN_DIR",
+    "DEVICE_CHOICES",
+    "DEVICE_SPEC",
     "MODEL_NAMES",
     "OWN_FOLDERS",
     "TrainConfig",

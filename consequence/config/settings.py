@@ -39,6 +39,10 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]
 # Where consequence itself writes runs and their checkpoints: runs/NAME is a folder of ours
 # (perhaps not made yet, as in configs/smollm2-repair-coldstart.yaml), never a hub id.
 OWN_FOLDERS: tuple[str, ...] = ("runs",)
+# What --device / --teacher-device accept (checked here, on every config); whether the machine
+# has that device is checked before a model loads (consequence.policy.device.resolve_device).
+DEVICE_SPEC = re.compile(r"auto|cpu|mps|cuda(?::(0|[1-9][0-9]*))?")
+DEVICE_CHOICES = "auto, cpu, cuda, cuda:N (N = 0, 1, ...) or mps"
 
 
 def is_hub_id(value: Any) -> bool:
@@ -131,6 +135,16 @@ class TrainConfig(BaseModel):
         0,
         "run",
         "Seed of RL sampling and task order (vary it for several training seeds); does not change the split or the warm start.",
+    )
+    device: str = _f(
+        "cpu",
+        "run",
+        "Where the policy computes (docs/devices.md): its rollouts (the sampler), the update, and the reference and critic models beside it. cpu, cuda (the current CUDA device), cuda:N, mps (Apple silicon), or auto (cuda when torch sees a CUDA device, else mps when available, else cpu). A device this machine does not have is refused before any model loads, with what torch found. Validation and the final evaluation run there too.",
+    )
+    dtype: Literal["float32", "bfloat16"] = _f(
+        "float32",
+        "run",
+        "Precision of the forward passes (docs/devices.md): float32, or bfloat16 (mixed precision: parameters, gradients and AdamW state stay float32 master weights; the update's forward passes, the reference's and the teacher's, and the sampler run under torch.autocast in bfloat16; log-probs and losses are computed in float32 from the logits). With bfloat16 the trainer recomputes π_old before the first optimizer step (the sampler's and the trainer's bfloat16 log-probs differ by rounding), and the pre-step ratio check allows 12·2^-8·max|logit| nats (docs/design.md §6).",
     )
     env: str = _f(
         "repair",
@@ -263,6 +277,11 @@ class TrainConfig(BaseModel):
         "credit",
         "Frozen teacher of --advantage reverse_kl: a local Hugging Face causal LM folder (e.g. a checkpoint of ours) or a registered model name, sharing the student's tokenizer (a mismatch is refused before any work, naming the first differing token); never trained; stored as an absolute path.",
     )
+    teacher_device: str | None = _f(
+        None,
+        "credit",
+        "Where the --teacher model computes (docs/devices.md): auto, cpu, cuda, cuda:N or mps, as --device; default: the device of --device. A teacher on another device than the policy gets each micro-batch's token ids copied to it and its log-probs (with --distill-loss its logits) copied back.",
+    )
     task_reward_weight: float = _f(
         0.0,
         "credit",
@@ -370,7 +389,7 @@ class TrainConfig(BaseModel):
     gradient_checkpointing: bool = _f(
         False,
         "update",
-        "Recompute each transformer layer's activations in the backward pass instead of storing them (Hugging Face activation checkpointing; the policy is put in training mode): less memory per micro-batch for ~30 % more update time; same values and gradients for models without dropout.",
+        "Recompute each transformer layer's activations in the backward pass instead of storing them (Hugging Face activation checkpointing; the policy is put in training mode): less memory per micro-batch for ~30 % more update time; same values and gradients for models without dropout, on any --device and with --dtype bfloat16 (the recomputation runs under the forward pass's autocast).",
     )
     eval_every: int = _f(6, "evaluate", "Validate every this many iterations (0 = never).", ge=0)
     val_episodes: int = _f(128, "evaluate", "Episodes (greedy) of each periodic validation.", ge=0)
@@ -425,6 +444,19 @@ class TrainConfig(BaseModel):
         if v is None or (info.field_name in ("model", "teacher") and (v in MODEL_NAMES or is_hub_id(v))):
             return v
         return absolute(v)
+
+    @field_validator("device", "teacher_device")
+    @classmethod
+    def _device_spec(cls, v: str | None) -> str | None:
+        """A device's name, lower-cased; whether this machine has it is checked before a model
+        loads (``policy.device.resolve_device``), not here: a run's saved config stays readable
+        on any machine."""
+        if v is None:
+            return v
+        name = v.strip().lower()
+        if not DEVICE_SPEC.fullmatch(name):
+            raise ValueError(f"not a device: give {DEVICE_CHOICES}")
+        return name
 
     @field_validator("recipe")
     @classmethod
@@ -560,7 +592,11 @@ class TrainConfig(BaseModel):
                 f"{how} (distillation) needs --teacher: a model folder or registered name sharing "
                 "the student's tokenizer"
             )
-        for key, on in (("teacher", self.teacher is not None), ("task_reward_weight", self.task_reward_weight != 0)):
+        for key, on in (
+            ("teacher", self.teacher is not None),
+            ("teacher_device", self.teacher_device is not None),
+            ("task_reward_weight", self.task_reward_weight != 0),
+        ):
             if on and not distill:  # a setting that only distillation reads would be silently dropped
                 raise ValueError(
                     f"--{key.replace('_', '-')} is read only by distillation (--advantage reverse_kl "
@@ -732,6 +768,12 @@ class TrainConfig(BaseModel):
             raise ValueError(
                 f"--update-ranks {n} with a teacher (--teacher / --distill-loss / --advantage reverse_kl) "
                 f"is not supported: the rank processes hold no teacher{fix}"
+            )
+        if self.device != "cpu" or self.dtype != "float32":
+            given = f"--device {self.device}" if self.device != "cpu" else f"--dtype {self.dtype}"
+            raise ValueError(
+                f"--update-ranks {n} with {given} is not supported: the rank processes compute on the CPU "
+                f"in float32 (gloo){fix}, or --device cpu --dtype float32 for {n} ranks"
             )
         if self.gradient_checkpointing:
             raise ValueError(

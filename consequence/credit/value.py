@@ -36,7 +36,7 @@ class ValueModel(nn.Module):
         if trunk is None or trunk is policy or hidden is None:
             raise ValueError("ValueModel needs a Hugging Face causal LM with a base_model trunk and config.hidden_size")
         self.trunk = copy.deepcopy(trunk)
-        self.head = nn.Linear(int(hidden), 1)
+        self.head = nn.Linear(int(hidden), 1, device=next(self.trunk.parameters()).device)  # beside the trunk
         nn.init.zeros_(self.head.weight)
         nn.init.zeros_(self.head.bias)
 

@@ -101,6 +101,7 @@ def cold_start(
     phases: Phases = SILENT,
     source: dict[str, Any] | None = None,
     env: Any = None,
+    device: Any = "cpu",
 ) -> dict[str, Any]:
     """Verified demonstrations in the student's tokens → SFT → ``out`` (a plain model folder).
 
@@ -114,6 +115,8 @@ def cold_start(
         env: the environment to play, already made (e.g. a training run's, its train split cut
             to ``--train-problems``); default: ``cfg.env`` with ``cfg.env_options`` at the
             split seed.
+        device: where the SFT computes (a ``torch.device`` or its name, already checked:
+            ``policy.device.resolve_device``); not part of what is built (float rounding only).
 
     Returns:
         the ``sft.json`` record.
@@ -147,6 +150,7 @@ def cold_start(
         f"tool format {renderer.tool_format}"
     )
     torch.manual_seed(cfg.seed)
+    model.to(device)
     if cfg.lora_rank:
         model = apply_lora(model, cfg.lora_rank, cfg.lora_alpha, list(cfg.lora_targets), model_path)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -169,6 +173,7 @@ def cold_start(
         "tokens": n_tokens,
         "targets": n_targets,
         "trainable_parameters": trainable,
+        "device": str(device),
         "losses": losses,
         "seconds": {
             "teacher": round(t_teacher, 2),
@@ -255,6 +260,7 @@ def cached_cold_start(
     env: Any = None,
     build: bool = True,
     before_build: Callable[[], None] | None = None,
+    device: Any = "cpu",
 ) -> tuple[Path, dict[str, Any], bool]:
     """The cold start of ``model_path`` with ``cfg``, from the cache or built into it.
 
@@ -277,6 +283,7 @@ def cached_cold_start(
             with); a missing one is an error.
         before_build: called once before a build (e.g. checks that are cheaper than the
             cold start); not called when the cold start is reused.
+        device: where a build computes (:func:`cold_start`); not part of the key.
 
     Returns:
         ``(folder, its sft.json record, reused)``.
@@ -297,7 +304,7 @@ def cached_cold_start(
         if before_build is not None:
             before_build()
         log(f"cold start: building {out} (key {key}: the student's files and every cold-start setting)")
-        return out, cold_start(model_path, out, cfg, log, phases, source, env=env), False
+        return out, cold_start(model_path, out, cfg, log, phases, source, env=env, device=device), False
 
 
 @contextlib.contextmanager

@@ -288,6 +288,7 @@ def evaluate_completions(
     batch_rows: int = BATCH_ROWS,
     threads: int | None = None,
     phases: Phases = SILENT,
+    device: Any = "cpu",
 ) -> CompletionEval:
     """Sample ``n`` completions per task from the local checkpoint and report pass@k.
 
@@ -309,6 +310,8 @@ def evaluate_completions(
             previous batch get cores of their own (on 2 cores, 2 torch threads next to
             the sandbox made the whole evaluation several times slower: ``benchmarks/bench_eval.py``).
         phases: progress of sampling and scoring (samples done / total, samples/s).
+        device: where the model computes (a ``torch.device`` or its name, already checked:
+            ``policy.device.resolve_device``).
 
     Returns:
         :class:`CompletionEval`; ``settings`` records model, n, ks, sampling, mode,
@@ -329,6 +332,7 @@ def evaluate_completions(
         raise ValueError(f"batch_rows must be >= 1, got {batch_rows}")
     t0 = time.perf_counter()
     model, tok = _load(model_path)
+    model.to(device)
     threads = threads if threads is not None else max(1, (os.cpu_count() or 1) - max(1, workers))
     ex = ThreadPoolExecutor(max(1, workers))
     futs: list[list[Future]] = [[] for _ in tasks]
@@ -366,6 +370,7 @@ def evaluate_completions(
         "seed": seed,
         "batch_rows": batch_rows,
         "torch_threads": threads,
+        "device": str(device),
         "limits": asdict(limits or PROGRAM_LIMITS),
         "isolation": isolation_report(),
         "wall_s": round(time.perf_counter() - t0, 2),

@@ -210,6 +210,7 @@ def evaluate_episodes(
     provenance: dict[str, Any] | None = None,
     phases: Phases = SILENT,
     label: str = "",
+    device: Any = "cpu",
 ) -> EpisodeEval:
     """n episodes per task of the split's problems of environment ``env`` (an
     :class:`~consequence.envs.api.Environment`, made with its split seed; ``problems`` of
@@ -224,6 +225,8 @@ def evaluate_episodes(
     ``companions`` — the other arm of a comparison — count as this evaluation's own).
     ``provenance`` (``EvalSettings.record()``) is stored in the settings; ``phases``
     shows each phase's progress (``label`` prefixes the phase names, e.g. ``"A "``).
+    ``device`` (a ``torch.device`` or its name, already checked: ``policy.device.resolve_device``)
+    is where the model computes.
 
     Raises:
         ValueError: unknown selection rule; a split without problems (:func:`check_problems`).
@@ -234,6 +237,7 @@ def evaluate_episodes(
     count = problem_count(env, split, problems)
     task_list = env.sample(split, count, seed=seed_of(seed, "eval", split))
     model, tok = load_policy(model_path)
+    model.to(device)
     renderer = Renderer(tok, env.tools)
     check_budget_fits(renderer, env, task_list, budgets)
     mine = [str(model_path), *map(str, companions)]
@@ -263,6 +267,7 @@ def evaluate_episodes(
             "temperature": temperature,
             "seed": seed,
             "budgets": vars(budgets),
+            "device": str(device),
             "isolation": isolation_report(),
             "provenance": provenance,
         },
@@ -371,6 +376,7 @@ def compare_policies(
     recovery: bool = True,
     provenance: dict[str, Any] | None = None,
     phases: Phases = SILENT,
+    device: Any = "cpu",
 ) -> dict[str, Any]:
     """Both policies on the same task instances with the same seeds, split seed and budgets;
     paired difference of success (b − a) with a bootstrap CI over problems, and per-problem
@@ -386,6 +392,7 @@ def compare_policies(
         purpose="consequence compare",
         provenance=provenance,
         phases=phases,
+        device=device,
     )
     ea = evaluate_episodes(a, env, split, n, list(ks), companions=[b], label="A ", **kw)
     eb = evaluate_episodes(b, env, split, n, list(ks), companions=[a], label="B ", **kw)

@@ -7,7 +7,9 @@ each takes its inputs explicitly so that a test can feed it a broken batch.
 
 1. ``ratio``: the trainer's log-probs of the behaviour snapshot, under the sampler's
    processed distribution (temperature, top-k, top-p), reproduce the sampling log-probs:
-   max |logπ − logμ| over targets ≤ 1e-3 nats (ratio within 1 ± 0.1 %). When the rows
+   max |logπ − logμ| over targets ≤ 1e-3 nats (ratio within 1 ± 0.1 %) in float32; in
+   bfloat16 ≤ 12·2^-8·Z nats, Z the largest |logit| at the checked targets
+   (``policy.device.logprob_tolerance`` derives it; the message states dtype and tolerance). When the rows
    store the sampler's supports (top-k / top-p on), twice: on the stored supports (what
    every optimizer step uses) and on supports recomputed from these weights' logits with
    the config's top-k / top-p (so the stored supports are the ones the config names).
@@ -33,11 +35,19 @@ import torch
 
 from consequence.credit.advantages import group_advantages
 from consequence.credit.batch import credited
-from consequence.records import TrainingRow, Trajectory
+from consequence.policy.device import (
+    FLOAT32_LOGPROB_TOL,
+    TOLERANCE_UNITS,
+    UNIT_ROUNDOFF,
+    logprob_tolerance,
+    model_device,
+    precision,
+)
+from consequence.records import TrainingRow, Trajectory, pad_rows
 from consequence.update.step import UpdateConfig, accumulate_gradients, compute_logprobs
 from consequence.update.surrogates import surrogate_objective
 
-RATIO_TOL = 1e-3  # nats per token: fp32 recomputation differs by ~1e-5 on the tiny model
+RATIO_TOL = FLOAT32_LOGPROB_TOL  # nats per token: fp32 recomputation differs by ~1e-5 on the tiny model
 GROUP_BASELINE = ("rloo", "grpo", "dr_grpo")
 
 
@@ -46,6 +56,11 @@ class CheckResult:
     name: str
     passed: bool | None  # None = not applicable
     detail: str
+    tolerance: float | None = None  # the ratio check's, in nats (the first-step warning reads it)
+
+    def as_dict(self) -> dict:
+        """What the manifest keeps of it (``tolerance`` only where a check has one)."""
+        return {k: v for k, v in vars(self).items() if k != "tolerance" or v is not None}
 
 
 class PreStepCheckError(RuntimeError):
@@ -53,21 +68,41 @@ class PreStepCheckError(RuntimeError):
 
 
 def check_ratio(
-    model, rows: Sequence[TrainingRow], pad_id: int, logprob_fn: Callable, temperature: float, tol: float = RATIO_TOL
+    model,
+    rows: Sequence[TrainingRow],
+    pad_id: int,
+    logprob_fn: Callable,
+    temperature: float,
+    tol: float | None = None,
+    dtype: str = "float32",
 ) -> CheckResult:
     """Check 1: recomputed logπ_old equals the sampler's logμ on every target (± tol nats).
 
     Rows with stored supports (``TrainingRow.keep_ids``) are checked on those supports
     and again with the supports recomputed by ``logprob_fn`` from the current logits.
+
+    Args:
+        tol: the tolerance in nats; ``None`` derives it from ``dtype``: :data:`RATIO_TOL` in
+            float32, ``policy.device.logprob_tolerance(dtype, Z)`` otherwise, Z the largest
+            |logit| of ``model`` at the rows' targets (one more forward pass over the rows).
+        dtype: the precision the trainer recomputes in (``policy.device.precision``); the
+            message names it with the tolerance.
     """
-    worst, where = _worst_gap(model, rows, pad_id, logprob_fn, temperature)
-    detail = f"max |logπ − logμ| = {worst:.2e} nats (tolerance {tol:g})"
+    how = dtype
+    if tol is None and dtype == "float32":
+        tol = RATIO_TOL
+    elif tol is None:
+        scale = logit_scale(model, rows, pad_id, dtype)
+        tol = logprob_tolerance(dtype, scale)
+        how = f"{dtype}: {TOLERANCE_UNITS} × u {UNIT_ROUNDOFF[dtype]:.2g} × max|logit| {scale:.3g}"
+    worst, where = _worst_gap(model, rows, pad_id, logprob_fn, temperature, dtype)
+    detail = f"max |logπ − logμ| = {worst:.2e} nats (tolerance {tol:.3g}, {how})"
     if any(getattr(r, "keep_ids", None) is not None for r in rows):
         bare = [dataclasses.replace(r, keep_ids=None) for r in rows]
-        worst_b, where_b = _worst_gap(model, bare, pad_id, logprob_fn, temperature)
+        worst_b, where_b = _worst_gap(model, bare, pad_id, logprob_fn, temperature, dtype)
         detail = (
             f"max |logπ − logμ| = {worst:.2e} nats on the stored supports, {worst_b:.2e} on supports "
-            f"recomputed with the config's top-k / top-p (tolerance {tol:g})"
+            f"recomputed with the config's top-k / top-p (tolerance {tol:.3g}, {how})"
         )
         if worst_b > worst:
             worst, where = worst_b, where_b
@@ -78,12 +113,33 @@ def check_ratio(
             f"{at}: the trainer does not see the distribution the "
             "sampler used (temperature / top-k / top-p must match, weights must be the behaviour snapshot)"
         )
-    return CheckResult("ratio", ok, detail)
+    return CheckResult("ratio", ok, detail, tolerance=tol)
 
 
-def _worst_gap(model, rows, pad_id, logprob_fn, temperature) -> tuple[float, tuple[int, int] | None]:
+@torch.no_grad()
+def logit_scale(
+    model, rows: Sequence[TrainingRow], pad_id: int, dtype: str = "float32", micro_batch_size: int = 4
+) -> float:
+    """Z of ``policy.device.logprob_tolerance``: the largest |logit| (over the whole vocabulary)
+    at the positions that predict the rows' targets, from ``model``'s forward in ``dtype``.
+    Small micro-batches: the full ``[n, S, V]`` logits are held (no LM-head chunking here)."""
+    device, scale = model_device(model), 0.0
+    for start in range(0, len(rows), micro_batch_size):
+        part = list(rows[start : start + micro_batch_size])
+        batch = pad_rows(part, pad_id)
+        targets = (batch["loss_mask"][:, 1:] > 0).to(device)
+        if not bool(targets.any()):
+            continue
+        with precision(dtype, device):
+            out = model(input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device))
+        z = out.logits[:, :-1][targets].float()
+        scale = max(scale, float(z.abs().max()))
+    return scale
+
+
+def _worst_gap(model, rows, pad_id, logprob_fn, temperature, dtype="float32") -> tuple[float, tuple[int, int] | None]:
     """Largest |logπ − logμ| over target tokens (inf for a non-finite one) and where it is."""
-    recomputed = compute_logprobs(model, rows, pad_id, logprob_fn, temperature)
+    recomputed = compute_logprobs(model, rows, pad_id, logprob_fn, temperature, dtype=dtype)
     worst, where = 0.0, None
     for r, lp in zip(rows, recomputed):
         for t, (m, a, b) in enumerate(zip(r.loss_mask, lp, r.old_logprobs)):
@@ -187,7 +243,7 @@ def check_zero_gradient(
         ucfg, kl_coef=0.0, entropy_coef=0.0, tis_cap=0.0, offpolicy_delta=0.0, distill_loss="none", pg_coef=1.0
     )
     model.zero_grad(set_to_none=True)
-    try:
+    try:  # in the run's precision (plain.dtype): an exact 0 must survive bfloat16 autocast too
         accumulate_gradients(model, sample, adv, plain, pad_id, logprob_fn)
         worst = max((float(p.grad.abs().max()) for p in model.parameters() if p.grad is not None), default=0.0)
     finally:
@@ -254,7 +310,7 @@ def run_pre_step_checks(
             that skips the checks).
     """
     results = [
-        check_ratio(model, rows, pad_id, logprob_fn, cfg.temperature)
+        check_ratio(model, rows, pad_id, logprob_fn, cfg.temperature, dtype=getattr(cfg, "dtype", "float32"))
         if rows
         else CheckResult("ratio", False, "no training rows in the first batch"),
         check_mask(trajs, rows, stop_ids, expected),

@@ -81,8 +81,23 @@ def _stale_gap_warning(history: Sequence[dict[str, Any]]) -> list[str]:
     ]
 
 
-def warnings_for(history: Sequence[dict[str, Any]]) -> list[str]:
-    """Warnings that the newest metrics (``history[-1]``) trigger, given all before it.
+def first_step_ratio_tol(manifest: dict[str, Any]) -> float:
+    """|ρ − 1| above which the first step's ratio is warned about, for the run of ``manifest``:
+    :data:`FIRST_STEP_RATIO_TOL` in float32; with ``--dtype bfloat16``, e^tol − 1 for the
+    tolerance the pre-step ratio check derived for this run's logits
+    (``policy.device.logprob_tolerance``: two bfloat16 computations of one log-prob differ
+    by up to tol nats), or no warning (inf) when the checks did not run and no tolerance was derived."""
+    if manifest.get("config", {}).get("dtype", "float32") == "float32":
+        return FIRST_STEP_RATIO_TOL
+    results = (manifest.get("checks") or {}).get("results") or []
+    tol = next((r.get("tolerance") for r in results if r.get("name") == "ratio"), None)
+    return math.expm1(tol) if isinstance(tol, (int, float)) and math.isfinite(tol) else math.inf
+
+
+def warnings_for(history: Sequence[dict[str, Any]], first_step_tol: float = FIRST_STEP_RATIO_TOL) -> list[str]:
+    """Warnings that the newest metrics (``history[-1]``) trigger, given all before it;
+    ``first_step_tol`` is the |ρ − 1| of the first step's ratio warned about
+    (:func:`first_step_ratio_tol`).
 
     A metric that an iteration does not report (left out, ``None`` or NaN: e.g. no
     optimizer step trained a row) neither triggers a warning nor stops one; the entropy
@@ -101,7 +116,7 @@ def warnings_for(history: Sequence[dict[str, Any]]) -> list[str]:
     lo, hi = now.get("first_step_ratio_min"), now.get("first_step_ratio_max")
     if now.get("lag_max", 0) > 0:  # a stale batch: its gap to the trainer is expected, and measured apart
         out += _stale_gap_warning(history)
-    elif _num(lo) and _num(hi) and max(1 - lo, hi - 1) > FIRST_STEP_RATIO_TOL:
+    elif _num(lo) and _num(hi) and max(1 - lo, hi - 1) > first_step_tol:
         out.append(
             f"ratio far from 1 on the first step ({lo:.4f} … {hi:.4f}): the trainer's log-probs differ "
             "from the sampler's; check temperature / top-k / top-p and the weights used for rollouts"

@@ -78,6 +78,7 @@ def make_learner(
         distill_temperature=cfg.distill_temperature,
         distill_top_k=cfg.distill_top_k,
         pg_coef=cfg.task_reward_weight if cfg.distill_loss != "none" else 1.0,
+        dtype=cfg.dtype,
     )
     trainable = [p for p in model.parameters() if p.requires_grad]  # all of them, or a LoRA adapter's A and B
     learner = Learner(model, torch.optim.AdamW(trainable, lr=cfg.learning_rate, weight_decay=0.0), ucfg)
@@ -117,7 +118,9 @@ def credit(trajs: list[Trajectory], cfg: TrainConfig, learner: Learner, pad_id: 
     ref = teacher = None
     if learner.reference is not None:  # no rows (every episode an env_error): nothing to run, an empty list
         ref = (
-            compute_logprobs(learner.reference, rows, pad_id, logprob_fn(cfg), cfg.temperature, cfg.micro_batch_size)
+            compute_logprobs(
+                learner.reference, rows, pad_id, logprob_fn(cfg), cfg.temperature, cfg.micro_batch_size, cfg.dtype
+            )
             if rows
             else []
         )
@@ -125,7 +128,9 @@ def credit(trajs: list[Trajectory], cfg: TrainConfig, learner: Learner, pad_id: 
     if cfg.advantage == "reverse_kl":  # a --distill-loss teacher runs in the update instead
         assert learner.teacher is not None  # make_learner refuses reverse_kl without a teacher
         teacher = (
-            compute_logprobs(learner.teacher, rows, pad_id, logprob_fn(cfg), cfg.temperature, cfg.micro_batch_size)
+            compute_logprobs(  # on the teacher's device (--teacher-device); the lists come back
+                learner.teacher, rows, pad_id, logprob_fn(cfg), cfg.temperature, cfg.micro_batch_size, cfg.dtype
+            )
             if rows
             else []
         )
@@ -216,22 +221,32 @@ def update(
 
 
 def needs_recompute(cfg: TrainConfig) -> bool:
-    """Whether the trainer recomputes π_old before the first step: for TIS and masked IS (which
-    then take it as π_old), and under rollout workers (for the sampler–trainer gap metrics)."""
-    return cfg.tis_cap > 0 or cfg.is_mask != "none" or cfg.rollout_workers > 0
+    """Whether the trainer recomputes π_old before the first step: for TIS and masked IS and
+    under ``--dtype bfloat16`` (which then take it as π_old), and under rollout workers (for
+    the sampler–trainer gap metrics)."""
+    return cfg.tis_cap > 0 or cfg.is_mask != "none" or cfg.rollout_workers > 0 or recompute_is_old(cfg)
+
+
+def recompute_is_old(cfg: TrainConfig) -> bool:
+    """Whether the trainer's recomputation replaces the sampler's log-probs as π_old: with TIS
+    or masked IS (the sampler's μ goes to their weights), and with ``--dtype bfloat16``, where
+    the sampler's and the trainer's log-probs of one token differ by bfloat16 rounding (up to
+    ``policy.device.logprob_tolerance``; 0.19 nats seen on SmolLM2-135M): measured against μ,
+    the first step's ratio would hold rounding noise that the clip range (ε = 0.2) already cuts."""
+    return cfg.tis_cap > 0 or cfg.is_mask != "none" or cfg.dtype != "float32"
 
 
 def _recompute_old(rows, sampler_logprobs, cfg: TrainConfig, learner: Learner, pad_id: int, lp_fn):
     """π_old recomputed with the current weights; the sampler–trainer gap; TIS / masked IS rows.
 
     Returns:
-        (rows to train on, metrics of ``update.sampler_gap``). Without TIS or masked IS the
-        rows keep the sampler's log-probs as π_old (the recomputation only measures the gap).
+        (rows to train on, metrics of ``update.sampler_gap``). Unless :func:`recompute_is_old`
+        the rows keep the sampler's log-probs as π_old (the recomputation only measures the gap).
     """
-    old = compute_logprobs(learner.model, rows, pad_id, lp_fn, cfg.temperature, cfg.micro_batch_size)
+    old = compute_logprobs(learner.model, rows, pad_id, lp_fn, cfg.temperature, cfg.micro_batch_size, cfg.dtype)
     band = (cfg.is_mask_low, cfg.is_mask_high)
     gap = sampler_gap_metrics(old, sampler_logprobs, [r.loss_mask for r in rows], *band)
-    if cfg.tis_cap == 0 and cfg.is_mask == "none":
+    if not recompute_is_old(cfg):
         return rows, gap
     rows = [dataclasses.replace(r, old_logprobs=o) for r, o in zip(rows, old)]
     if cfg.is_mask != "none":

@@ -23,7 +23,7 @@ from rich.markup import escape
 
 from consequence.fileio import append_line, write_text_atomic
 from consequence.loop.checks import PreStepCheckError
-from consequence.loop.diagnostics import warnings_for
+from consequence.loop.diagnostics import first_step_ratio_tol, warnings_for
 from consequence.loop.resume import mark_status, rewind_run_dir, save_state
 from consequence.policy.checkpoint import save_policy
 from consequence.records import Trajectory, write_trajectories
@@ -186,7 +186,7 @@ class RunRecorder:
             self.manifest["checks"]["results"] = m.pop("pre_step_checks")
             self.save_manifest()
         self.history.append(m)
-        m["warnings"] = warnings_for(self.history)
+        m["warnings"] = warnings_for(self.history, first_step_ratio_tol(self.manifest))
         for w in m["warnings"]:
             self.console.print(f"[yellow]warning (iteration {it}):[/] {w}")
         append_line(self.dir / "metrics.jsonl", json.dumps(m, allow_nan=False))  # strict JSON: a NaN here is a bug

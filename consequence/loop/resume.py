@@ -44,10 +44,14 @@ import torch
 from consequence.fileio import as_write_error, write_text_atomic
 
 STATE_FORMAT = 1
-# Options a resumed run may change: where and how patiently rollouts run, and whether the
+# Options a resumed run may change: where and how patiently rollouts run, whether the
 # pre-step checks run (a run they stopped is resumed with --skip-checks, as their message
-# says; manifest.json records it) -- not what is trained.
-RESUME_MAY_CHANGE = frozenset({"rollout_timeout", "ray_address", "rollout_workers", "skip_checks"})
+# says; manifest.json records it), and on which device the models compute (the weights,
+# optimizer state and RNG are read onto it; the numbers differ from the device's by float
+# rounding only) -- not what is trained (--dtype stays).
+RESUME_MAY_CHANGE = frozenset(
+    {"rollout_timeout", "ray_address", "rollout_workers", "skip_checks", "device", "teacher_device"}
+)
 STATE_RE = re.compile(r"^state-(\d{4,})$")
 
 
@@ -242,10 +246,14 @@ def load_learner_state(state: ResumeState, learner) -> None:
     """Load optimizer (and critic) state into ``learner``, whose model holds the state's weights."""
     from safetensors.torch import load_file
 
-    learner.optimizer.load_state_dict(torch.load(state.path / "optimizer.pt", weights_only=True))
+    # read onto the CPU (a state saved on a GPU opens on any machine); load_state_dict then
+    # moves each tensor to its parameter's device, which may differ from the one that saved it
+    learner.optimizer.load_state_dict(torch.load(state.path / "optimizer.pt", weights_only=True, map_location="cpu"))
     if learner.critic is not None:
         learner.critic.load_state_dict(load_file(state.path / "critic.safetensors"))
-        learner.critic_optimizer.load_state_dict(torch.load(state.path / "critic_optimizer.pt", weights_only=True))
+        learner.critic_optimizer.load_state_dict(
+            torch.load(state.path / "critic_optimizer.pt", weights_only=True, map_location="cpu")
+        )
     restore_rng(json.loads((state.path / "rng.json").read_text()))
 
 

@@ -121,6 +121,7 @@ def cold_started(
     """
     from consequence.distill.coldstart import built_on, cached_cold_start
     from consequence.evaluate.progress import Phases
+    from consequence.policy.device import resolve_device
     from consequence.policy.named import is_named, source_record
 
     check_cold_start(cfg, env)
@@ -141,6 +142,7 @@ def cold_started(
                 env=env,
                 build=build,
                 before_build=before_build,
+                device=resolve_device(cfg.device),  # a build runs where the run computes
             )
     except ValueError as e:
         if build:

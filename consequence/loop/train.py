@@ -54,6 +54,7 @@ from consequence.loop.resume import (
     stop_message,
 )
 from consequence.loop.sources import BatchSource, Collected, FixedDataMix, Rollouts, WorkerRollouts
+from consequence.policy.device import model_device, resolve_device
 from consequence.policy.lora import apply_lora, check_lora_folder, is_adapter_folder
 from consequence.policy.sampler import SamplingParams
 from consequence.policy.tiny import load_policy
@@ -232,6 +233,9 @@ def _start(
     settings can work (:func:`preflight`); only then clear an earlier run's outputs and write
     the run's files (from then on the recorder records how the run ends)."""
     console = rec.console
+    # a device this machine does not have is refused before anything loads (the CLI checked it too)
+    device = resolve_device(cfg.device)
+    teacher_device = resolve_device(cfg.teacher_device, "--teacher-device") if cfg.teacher_device else device
     torch.manual_seed(cfg.seed)
     env = env_of(cfg)
     # fixed data is checked against the splits before a model is resolved (a new --split-seed builds a warm start)
@@ -249,6 +253,7 @@ def _start(
 
         model_path, cold = cold_started(cfg, model_path, env, console, state is None, check_student)
     model, tokenizer = load_policy(model_path)
+    model.to(device)  # the reference below is a copy of it, on the same device
     renderer = Renderer(tokenizer, env.tools)
     preflight(cfg, tokenizer, renderer, env, model_path)
     teacher = None
@@ -256,12 +261,13 @@ def _start(
         from consequence.distill.teacher_model import load_teacher
 
         teacher = load_teacher(cfg.teacher, tokenizer, log=lambda line: console.print(escape(line)), student=model)
+        torch.nn.Module.to(teacher, teacher_device)  # mypy rejects the call through transformers' wrapped .to
     check_token_ids(fixed, len(tokenizer), "--distill-data")
     if state is not None:
         _check_same_start(state, model_path)
     reference = copy.deepcopy(model).eval()  # the warm start, kept for the final paired comparison
     if state is not None:
-        model = load_policy(state.path / "policy")[0]  # a LoRA run's state holds its adapter
+        model = load_policy(state.path / "policy")[0].to(device)  # a LoRA run's state holds its adapter
     elif cfg.lora_rank:  # before anything is written: a bad --lora-targets is refused here
         model = apply_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, model_path)
     rec.dir.mkdir(parents=True, exist_ok=True)
@@ -280,7 +286,7 @@ def _start(
         renderer,
         env,
         Budgets(cfg.max_turns, cfg.max_new_tokens, cfg.max_total_tokens),
-        SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p, cfg.max_new_tokens),
+        SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p, cfg.max_new_tokens, dtype=cfg.dtype),
         label=run_label(cfg),
         start=0,
         fixed_data=fixed,
@@ -293,7 +299,12 @@ def _start(
         load_learner_state(state, r.learner)
         rec.manifest, rec.history, r.start = state.manifest, state.history, state.iteration
         rec.manifest.setdefault("resumed", []).append(
-            {"from_iteration": state.iteration, "state": state.path.name, **previous_ending(rec.dir)}
+            {
+                "from_iteration": state.iteration,
+                "state": state.path.name,
+                "devices": devices_record(r),  # a resumed run may compute elsewhere (docs/devices.md)
+                **previous_ending(rec.dir),
+            }
         )  # how the run before ended
         rec.manifest["status"] = "running"
     rec.open(r.start)
@@ -313,6 +324,7 @@ def _new_manifest(r: _Run, model, reproduces: str | Path | None) -> dict[str, An
         tool_format=r.renderer.tool_format,
     )
     manifest |= {"run_label": r.label, "cwd": os.getcwd(), "policy_training": policy_training(cfg, model)}
+    manifest["devices"] = devices_record(r)
     if reproduces is not None:
         manifest["reproduces"] = os.path.abspath(reproduces)
     if r.cold_start is not None:  # manifest["model"] is the cold start; config.model what it was made from
@@ -569,7 +581,7 @@ def iteration_metrics(
         **upd,
     }
     if checks is not None:
-        metrics["pre_step_checks"] = [vars(c) for c in checks]
+        metrics["pre_step_checks"] = [c.as_dict() for c in checks]
     metrics["gen_tokens_total"] = ds["gen_tokens_total"]
     if got.queue:  # the workers' own speed; rollout_s is the trainer's wait for the batch
         metrics |= got.queue | {"rollout_tokens_per_s": n_gen / max(got.queue["worker_rollout_s"], 1e-9)}
@@ -676,6 +688,17 @@ def preflight(cfg: TrainConfig, tokenizer, renderer: Renderer, env, model_path: 
             "so such episodes would end truncated before the policy acts; raise --max-total-tokens "
             f"to at least {longest + cfg.max_new_tokens} (or lower --max-new-tokens)"
         )
+
+
+def devices_record(r: _Run) -> dict[str, Any]:
+    """Where the run computes (``--device`` / ``--teacher-device`` resolved) and in which precision."""
+    out: dict[str, Any] = {"policy": str(model_device(r.learner.model)), "dtype": r.cfg.dtype}
+    if r.learner.teacher is not None:
+        out["teacher"] = str(model_device(r.learner.teacher))
+    cuda = [d for d in out.values() if isinstance(d, str) and d.startswith("cuda")]
+    if cuda:
+        out["cuda"] = {d: torch.cuda.get_device_name(torch.device(d)) for d in dict.fromkeys(cuda)}
+    return out
 
 
 def policy_training(cfg: TrainConfig, model) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from consequence.policy.device import precision
 from consequence.policy.sampler import (
     PREFILL_CHUNK_TOKENS,
     Generators,
@@ -104,7 +105,7 @@ def generate_with_prefix(
     was_training = model.training
     model.eval()
     try:
-        with torch.inference_mode():
+        with torch.inference_mode(), precision(params.dtype, next(model.parameters()).device):
             return _run(_FastLlama(model), prompts, list(keys), params, set(stop_ids), cache, generator)
     finally:
         if was_training:
@@ -140,6 +141,7 @@ def _run(fast: _FastLlama, prompts, keys, params, stop_ids, cache: PrefixCache, 
         ids[u, L - lens[u] :] = torch.tensor(prompts[i], dtype=torch.long)
         key_valid[u, L - lens[u] : L] = True
     pos = (key_valid[:, :L].long().cumsum(-1) - 1).clamp_min(0)
+    ids, key_valid, pos = ids.to(fast.device), key_valid.to(fast.device), pos.to(fast.device)  # built on the CPU
     _restore(fast, [stored[i] for i in rows_u], [pre[i] for i in rows_u], lens, L)
     cache.reused_tokens += sum(max(0, ln - S) for ln in lens)  # slots before the window
     cache.prefilled_tokens += sum(min(ln, S) for ln in lens)
@@ -153,7 +155,7 @@ def _run(fast: _FastLlama, prompts, keys, params, stop_ids, cache: PrefixCache, 
     )
     next_pos = pos[:, -1] + 1
     if U != n:
-        rows = torch.tensor(src, dtype=torch.long)
+        rows = torch.tensor(src, dtype=torch.long, device=fast.device)
         fast.select_rows(rows)
         logits, key_valid, next_pos = (
             logits.index_select(0, rows),

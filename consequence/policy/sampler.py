@@ -30,18 +30,22 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from consequence.policy.device import precision
 from consequence.policy.logprobs import keep_mask, kept_ids
 from consequence.policy.lora import effective_weight, unwrap
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Sampler settings. ``temperature == 0`` = greedy; ``top_k == 0`` / ``top_p == 1`` = off."""
+    """Sampler settings. ``temperature == 0`` = greedy; ``top_k == 0`` / ``top_p == 1`` = off.
+    ``dtype``: ``float32``, or ``bfloat16`` to run the forward passes under bfloat16 autocast
+    (``policy.device.precision``; the sampling distribution is still taken in float32)."""
 
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
     max_new_tokens: int = 64
+    dtype: str = "float32"
 
 
 @dataclass
@@ -121,6 +125,8 @@ class _FastLlama:
         self.scale = getattr(model.model.layers[0].self_attn, "scaling", self.head_dim**-0.5)
         self.k_cache: list[torch.Tensor] = []
         self.v_cache: list[torch.Tensor] = []
+        # built inside the sampler's precision context (policy.device.precision): bfloat16 autocast or not
+        self.autocast = torch.is_autocast_enabled(self.device.type)
 
     @staticmethod
     def supports(model) -> bool:
@@ -223,7 +229,15 @@ class _FastLlama:
             kc, vc = self.k_cache[li][rows], self.v_cache[li][rows]
             kc[:, :, start:end] = k
             vc[:, :, start:end] = v.view(B, L, nkv, D).transpose(1, 2)
-            if L == 1:
+            if L == 1 and self.autocast:
+                # Decode under bfloat16 autocast: the scores and their softmax in float32, as
+                # SDPA's kernels (prefill, the trainer) keep them; bfloat16 scores would each
+                # be rounded by up to 2^-8 of their size before the softmax.
+                with torch.autocast(self.device.type, enabled=False):
+                    sc = torch.matmul(q.reshape(B, nkv, rep, D).float(), kc[:, :, :end].float().transpose(-1, -2))
+                    sc = (sc * self.scale).masked_fill_(neg, float("-inf"))
+                    att = torch.matmul(torch.softmax(sc, -1), vc[:, :, :end].float()).reshape(B, 1, nh * D)
+            elif L == 1:
                 # Decode: plain matmuls over the cache view (faster than SDPA on strided
                 # views on CPU); GQA by grouping query heads per kv head.
                 sc = torch.matmul(q.reshape(B, nkv, rep, D), kc[:, :, :end].transpose(-1, -2))
@@ -298,6 +312,11 @@ def draw(probs_BV: torch.Tensor, generator: Generators) -> torch.Tensor:
     >>> draw(p, g).tolist()
     [1, 2]
     """
+    if isinstance(generator, torch.Generator) and generator.device.type != probs_BV.device.type:
+        # a CPU generator for probabilities on an accelerator (multinomial needs both on one
+        # device): B uniforms come over instead of the [B, V] probabilities going back
+        u_B = torch.rand(probs_BV.shape[0], generator=generator, dtype=torch.float64).to(probs_BV.device)
+        return _inverse_cdf(probs_BV, u_B)
     if generator is None or isinstance(generator, torch.Generator):
         return torch.multinomial(probs_BV, 1, generator=generator).squeeze(-1)
     if len(generator) != probs_BV.shape[0]:
@@ -306,6 +325,11 @@ def draw(probs_BV: torch.Tensor, generator: Generators) -> torch.Tensor:
     u_B = torch.cat([zero if g is None else torch.rand(1, generator=g, dtype=torch.float64) for g in generator]).to(
         probs_BV.device
     )
+    return _inverse_cdf(probs_BV, u_B)
+
+
+def _inverse_cdf(probs_BV: torch.Tensor, u_B: torch.Tensor) -> torch.Tensor:
+    """[B] long: min{j : Σ_{k≤j} p_bk > u_b · Σ_k p_bk}, the CDF in float64 (u_B [B] float64)."""
     cdf_BV = probs_BV.double().cumsum(-1)
     tok = torch.searchsorted(cdf_BV, (u_B * cdf_BV[:, -1])[:, None], right=True).squeeze(-1)
     return tok.clamp_max(probs_BV.shape[-1] - 1)  # u · total < total, so only a guard
@@ -373,7 +397,10 @@ def generate(
         stop_ids: ids that end a completion (included in ``output_ids`` when sampled).
         generator: torch RNG for sampling: one generator for the batch, or one per prompt
             (one random stream per episode: a row's tokens then depend only on its own
-            prompt and stream, ``draw``); ``None`` = global RNG.
+            prompt and stream, ``draw``); ``None`` = global RNG. A CPU generator also drives
+            a model on an accelerator (``draw``).
+
+    The forward passes run on the model's device, in ``params.dtype`` (``policy.device.precision``).
 
     Returns:
         one ``Sample`` per prompt, in order.
@@ -387,7 +414,7 @@ def generate(
     was_training = model.training
     model.eval()
     try:
-        with torch.inference_mode():
+        with torch.inference_mode(), precision(params.dtype, next(model.parameters()).device):
             if _FastLlama.supports(model):
                 return _generate_fast(model, prompts, params, set(stop_ids), generator)
             return _generate_hf(model, prompts, params, set(stop_ids), generator)
@@ -463,13 +490,14 @@ def decode(
     reason = ["length"] * n
     active = list(range(n))  # batch row -> original index
     done_in_batch = [False] * n
-    stop_t = torch.tensor(sorted(stop_ids), dtype=torch.long, device=dev) if stop_ids else None
     for step in range(params.max_new_tokens):
         tok, lp, keep = _pick(logits, params, _rows(generator, active, done_in_batch))
-        tok_l, lp_l = tok.tolist(), lp.tolist()
+        # one device-to-host copy per step for ids and log-probs (float64 holds both exactly)
+        tok_lp = torch.stack((tok.to(torch.float64), lp.to(torch.float64))).tolist()
+        tok_l, lp_l = [int(t) for t in tok_lp[0]], tok_lp[1]
         if keep is not None and out_keep is None:
             out_keep = [[] for _ in range(n)]
-        hit = torch.isin(tok, stop_t).tolist() if stop_t is not None else [False] * len(active)
+        hit = [t in stop_ids for t in tok_l]
         for b, i in enumerate(active):
             if done_in_batch[b]:
                 continue

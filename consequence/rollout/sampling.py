@@ -24,7 +24,9 @@ def kv_bytes_per_token(model) -> int | None:
     if not layers or not heads:
         return None
     kv_heads = getattr(c, "num_key_value_heads", None) or heads
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    head_dim = getattr(c, "head_dim", None) or getattr(c, "hidden_size", 0) // heads
+    if not head_dim:
+        return None
     itemsize = next(model.parameters()).element_size()
     return 2 * layers * kv_heads * head_dim * itemsize
 

@@ -22,6 +22,7 @@ two paths record the same trajectory for the same samples:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass, field
@@ -89,7 +90,7 @@ class BoundEpisode:
                 "max_tokens",
                 "invalid_value",
             )
-        return SamplingParams(s.temperature, s.top_k, s.top_p, req.max_tokens or self.budgets.max_new_tokens)
+        return dataclasses.replace(s, max_new_tokens=req.max_tokens or self.budgets.max_new_tokens)  # dtype kept
 
     def before_context(self) -> None:
         """Refuse a call of an episode that is over, or whose tool calls spent their budget.

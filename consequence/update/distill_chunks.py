@@ -80,8 +80,11 @@ def distill_chunked(
     trunk, head = split
     feats = trunk_hidden(trunk, input_ids, attention_mask, prefix_len=shared)[:, :-1][rows, pos]  # [P, H]
     t_trunk, t_head = t_split
-    with torch.no_grad():
-        t_feats = trunk_hidden(t_trunk, input_ids, attention_mask, prefix_len=shared)[:, :-1][rows, pos]
+    with torch.no_grad():  # on the teacher's own device (--teacher-device); each chunk's logits come back
+        t_dev = next(teacher.parameters()).device
+        t_hidden = trunk_hidden(t_trunk, input_ids.to(t_dev), attention_mask.to(t_dev), prefix_len=shared)
+        t_feats = t_hidden[:, :-1][rows.to(t_dev), pos.to(t_dev)]
+        del t_hidden
     targets = input_ids[:, 1:][rows, pos]
     fn = functools.partial(
         _chunk, head, t_head, temperature, entropy_grad and torch.is_grad_enabled(), kind, beta, tau, top_k
@@ -119,5 +122,5 @@ def _chunk(
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         ent = -(logp.exp() * logp).sum(-1)
     with torch.no_grad():
-        t_z = t_head(t_feats_cH).float()
+        t_z = t_head(t_feats_cH).float().to(z.device)
     return lp, ent, token_divergence(z, t_z, kind, beta, tau, top_k)

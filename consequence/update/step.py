@@ -20,6 +20,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
+from consequence.policy.device import model_device, precision
 from consequence.policy.logprobs import accepts_target_mask, auto_chunk_size, logprobs_from_logits
 from consequence.policy.shared_prefix import shared_prefix_len
 from consequence.records import TrainingRow, pad_rows
@@ -59,6 +60,9 @@ class UpdateConfig:
             logits, the teacher's top-k support (0 = whole vocabulary).
         pg_coef: weight of the surrogate term (1 for RL; with a distillation loss the
             weight of the task reward's policy gradient, 0 = the divergence alone).
+        dtype: ``float32``, or ``bfloat16``: the micro-batches' forward passes (policy and
+            teacher) run under bfloat16 autocast (``policy.device.precision``), the
+            log-probs, losses, gradients and the optimizer stay float32.
     """
 
     surrogate: str = "ppo_clip"
@@ -80,6 +84,7 @@ class UpdateConfig:
     distill_temperature: float = 1.0
     distill_top_k: int = 0
     pg_coef: float = 1.0
+    dtype: str = "float32"
 
     def clip_bounds(self) -> dict[str, float]:
         """The keyword arguments of :func:`~consequence.update.surrogates.surrogate_objective`."""
@@ -352,7 +357,8 @@ def ppo_step(
     met = _Metrics()
     try:
         for idx, mb in _micro_batches(model, rows, live, adv_all, cfg, pad_id, ref_logprobs, sampler_logprobs):
-            lp, ent, div = _policy_forward(model, mb, cfg, logprob_fn, teacher, idx)
+            with precision(cfg.dtype, mb["input_ids"].device):  # the forward only: backward outside autocast
+                lp, ent, div = _policy_forward(model, mb, cfg, logprob_fn, teacher, idx)
             old, adv, mask = mb["old_logprobs"][:, 1:], mb["advantages"], mb["loss_mask"][:, 1:]
             # PPO's clipped surrogate by default; GRPO, DAPO, GSPO, CISPO … (docs/design.md §5)
             obj, ratio, is_clipped = surrogate_objective(cfg.surrogate, lp, old, adv, mask, **cfg.clip_bounds())
@@ -569,7 +575,9 @@ def _distill_forward(
         keep_rows=batch.get("keep_rows"),
     )
     with torch.no_grad():
-        t_logits = teacher(input_ids=ids, attention_mask=am).logits[:, :-1].float()
+        t_dev = model_device(teacher)  # --teacher-device: the rows go there, its logits come back
+        t_logits = teacher(input_ids=ids.to(t_dev), attention_mask=am.to(t_dev)).logits[:, :-1].float()
+        t_logits = t_logits.to(logits.device)
     div = token_divergence(
         logits,
         t_logits,
@@ -606,6 +614,7 @@ def compute_logprobs(
     logprob_fn: Callable[..., Any],
     temperature: float = 1.0,
     micro_batch_size: int = 32,
+    dtype: str = "float32",
 ) -> list[list[float]]:
     """Log-probs of every row's tokens under ``model`` (no gradient), aligned with
     ``row.input_ids`` (position 0 holds 0: no logit predicts it).
@@ -613,7 +622,8 @@ def compute_logprobs(
     Used for the behaviour snapshot (π_old recomputed by the trainer) and the frozen
     reference policy (π_ref). Targets are scored on the support the sampler drew them
     from when the rows store it (``TrainingRow.keep_ids``), whatever the weights of
-    ``model``; a token outside its support holds -inf.
+    ``model``; a token outside its support holds -inf. The forward passes run on ``model``'s
+    device in ``dtype`` (``policy.device.precision``); the log-probs come back as float32.
 
     Returns:
         list of N lists of floats, lengths ``len(row.input_ids)``.
@@ -623,8 +633,9 @@ def compute_logprobs(
     for start in range(0, len(rows), micro_batch_size):
         idx = list(range(start, min(start + micro_batch_size, len(rows))))
         batch = {k: v.to(device) for k, v in pad_rows([rows[i] for i in idx], pad_id).items()}
-        lp, _ = _call_logprob_fn(logprob_fn, model, batch, temperature)
-        lp = lp.float().cpu()
+        with precision(dtype, device):
+            lp, _ = _call_logprob_fn(logprob_fn, model, batch, temperature)
+        lp = lp.float().cpu()  # one copy per micro-batch: the rows keep their log-probs as lists
         for j, i in enumerate(idx):
             n = len(rows[i].input_ids)
             out[i] = [0.0] + lp[j, : n - 1].tolist()

@@ -32,7 +32,14 @@ from reward_signal import ODD_SAMPLES_WIN
 
 CHILD = Path(__file__).parents[1] / "resume_child.py"
 ROOT = Path(__file__).resolve().parents[2]
-TIMINGS = {"rollout_s", "credit_s", "update_s", "publish_s", "rollout_tokens_per_s", "iteration_s"}  # wall-clock: differ between any two runs
+TIMINGS = {
+    "rollout_s",
+    "credit_s",
+    "update_s",
+    "publish_s",
+    "rollout_tokens_per_s",
+    "iteration_s",
+}  # wall-clock: differ between any two runs
 TINY = [
     "--env",
     ODD_SAMPLES_WIN,  # every update moves the weights; --resume re-creates it from config.yaml
@@ -156,7 +163,14 @@ def test_kill_during_second_iteration_then_resume_matches(uninterrupted, tmp_pat
     manifest = json.loads((run / "manifest.json").read_text())
     # kill -9 gave the killed run no chance to record its end: it was still "running"
     assert manifest["status"] == "finished"
-    assert manifest["resumed"] == [{"from_iteration": 1, "state": "state-0001", "after": "running"}]
+    assert manifest["resumed"] == [
+        {
+            "from_iteration": 1,
+            "state": "state-0001",
+            "after": "running",
+            "devices": {"policy": "cpu", "dtype": "float32"},
+        }
+    ]
 
 
 @pytest.mark.slow

@@ -115,7 +115,13 @@ def test_a_crash_records_failed_with_the_exception_and_a_resume_keeps_how_it_end
     m = _manifest(run)
     assert m["status"] == "finished" and "stop_reason" not in m and report["run_label"]
     assert m["resumed"] == [
-        {"from_iteration": 1, "state": "state-0001", "after": "failed", "stop_reason": "RuntimeError: metrics broke"}
+        {
+            "from_iteration": 1,
+            "state": "state-0001",
+            "after": "failed",
+            "stop_reason": "RuntimeError: metrics broke",
+            "devices": {"policy": "cpu", "dtype": "float32"},
+        }
     ]
     assert [json.loads(line)["iteration"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [0, 1]
 

@@ -31,7 +31,7 @@ def test_no_option_is_declared_in_the_command_module():
 
 def test_each_command_takes_the_tables_options_with_their_help():
     shared = set(ORDER["eval"]) & set(ORDER["compare"])
-    assert len(shared) == 16 and set(ORDER["eval"]) | set(ORDER["compare"]) == set(OPTIONS)
+    assert len(shared) == 17 and set(ORDER["eval"]) | set(ORDER["compare"]) == set(OPTIONS)
     for name in ("eval", "compare"):
         params = _command(name).params
         assert [p.name for p in params] == list(ORDER[name])
