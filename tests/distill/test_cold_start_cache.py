@@ -29,7 +29,7 @@ def builds(tmp_path, monkeypatch):
     calls: list[Path] = []
     delay = {"s": 0.0}
 
-    def fake(model_path, out, cfg, log, phases, source, env=None):
+    def fake(model_path, out, cfg, log, phases, source, env=None, device=None):
         calls.append(out)
         time.sleep(delay["s"])
         tmp = out.with_name(f".{out.name}.tmp")
