@@ -177,19 +177,25 @@ def test_bfloat16_recomputes_pi_old_before_the_first_step():
     assert needs_recompute(TrainConfig(tis_cap=2.0)) and recompute_is_old(TrainConfig(tis_cap=2.0))
 
 
-@pytest.mark.slow  # a real training run
-def test_one_iteration_of_train_in_bfloat16_on_the_cpu(tmp_path):
+def _train_bfloat16(run, device: str, iterations: int):
+    """``consequence train`` of the tiny model in bfloat16 on ``device``, ``iterations`` of them; its run folder."""
     from consequence.cli import app
     from reward_signal import ODD_SAMPLES_WIN
 
-    run = tmp_path / "run"
     args = [*TINY_NO_EVAL, "--max-turns", "1", "--max-new-tokens", "8", "--env", ODD_SAMPLES_WIN]
+    args[args.index("--iterations") + 1] = str(iterations)
     res = CliRunner().invoke(
         app,
-        ["train", *args, "--model", str(BUNDLED), "--run-dir", str(run), "--dtype", "bfloat16", "--device", "auto"],
+        ["train", *args, "--model", str(BUNDLED), "--run-dir", str(run), "--dtype", "bfloat16", "--device", device],
         env={"COLUMNS": "250"},
     )
     assert res.exit_code == 0, res.output
+    return run
+
+
+@pytest.mark.slow  # a real training run
+def test_one_iteration_of_train_in_bfloat16_on_the_cpu(tmp_path):
+    run = _train_bfloat16(tmp_path / "run", "auto", iterations=1)
     manifest = json.loads((run / "manifest.json").read_text())
     assert manifest["devices"] == {"policy": str(resolve_device("auto")), "dtype": "bfloat16"}
     assert manifest["config"]["dtype"] == "bfloat16" and manifest["config"]["device"] == "auto"
@@ -206,18 +212,7 @@ def test_one_iteration_of_train_in_bfloat16_on_the_cpu(tmp_path):
 def test_one_iteration_on_cuda_in_bfloat16_then_resumed_on_the_cpu(tmp_path):
     """On CUDA: a bfloat16 iteration with its checks, a teacher on the CPU beside a CUDA policy
     is not needed here; the run's state (saved from CUDA tensors) resumes on the CPU."""
-    from consequence.cli import app
-    from reward_signal import ODD_SAMPLES_WIN
-
-    run = tmp_path / "run"
-    base = [*TINY_NO_EVAL, "--max-turns", "1", "--max-new-tokens", "8", "--env", ODD_SAMPLES_WIN]
-    base[base.index("--iterations") + 1] = "2"
-    res = CliRunner().invoke(
-        app,
-        ["train", *base, "--model", str(BUNDLED), "--run-dir", str(run), "--dtype", "bfloat16", "--device", "cuda"],
-        env={"COLUMNS": "250"},
-    )
-    assert res.exit_code == 0, res.output
+    run = _train_bfloat16(tmp_path / "run", "cuda", iterations=2)
     manifest = json.loads((run / "manifest.json").read_text())
     assert manifest["devices"]["policy"] == "cuda:0" and "cuda:0" in manifest["devices"]["cuda"]
     assert all(c["passed"] is not False for c in manifest["checks"]["results"])
