@@ -780,11 +780,6 @@ class TrainConfig(BaseModel):
                 f"--update-ranks {n} with --gradient-checkpointing is not supported: the rank processes get "
                 f"a pickled copy of the policy, and Hugging Face's checkpointing hook cannot be pickled{fix}"
             )
-        if self.lora_rank:
-            raise ValueError(
-                f"--update-ranks {n} with --lora-rank is not supported: the rank processes copy the "
-                f"whole model, not a PEFT adapter{fix}"
-            )
         return self
 
     @model_validator(mode="after")

@@ -9,8 +9,9 @@ processes that each hold a replica of the policy and of its optimizer:
    (target tokens, sequences with a target, largest target count) and all ranks use the
    sums (the max for the length constant);
 3. each rank accumulates its shard's gradient of −reduce(objective) with those global
-   totals, then the gradients are all-reduced (SUM): every rank holds exactly the
-   full-batch gradient;
+   totals (under DDP's ``no_sync``), then ``torch.nn.parallel.DistributedDataParallel``
+   all-reduces them with a SUM hook: every rank holds exactly the full-batch gradient
+   (:func:`wrap_for_data_parallel` says why a sum and not DDP's mean);
 4. each rank clips the global grad norm (the same on every rank: same gradient) and steps
    its own optimizer, so the replicas stay identical (checked after every step).
 
@@ -57,6 +58,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from consequence.records import TrainingRow
 from consequence.update.step import (
@@ -72,7 +74,6 @@ from consequence.update.step import (
 
 DEFAULT_TIMEOUT_S = 600.0  # one collective: covers the slowest rank's forward/backward of its shard
 START_TIMEOUT_S = 180.0  # a rank process starting (imports, unpickling the model) and joining the group
-_BUCKET = 1 << 22  # gradient elements per all-reduce (16 MB of float32)
 _COUNTS = ("n_tokens", "n_rows", "n_rows_trained", "rows_skipped_zero_advantage", "offpolicy_masked_rows")
 
 
@@ -193,6 +194,7 @@ def data_parallel_gradients(
     ref_logprobs: TokenValues | None = None,
     sampler_logprobs: TokenValues | None = None,
     group=None,
+    ddp: DistributedDataParallel | None = None,
 ) -> dict[str, float]:
     """ADD the full step's gradient of −reduce(objective) to ``.grad`` on every rank.
 
@@ -208,6 +210,8 @@ def data_parallel_gradients(
     Args:
         row_ids: the shard's indices in the whole step (``shard_rows(...)[rank]``), used to
             name rows in errors; default ``range(len(rows))``.
+        ddp: ``model`` wrapped by :func:`wrap_for_data_parallel` (made once per learner and
+            reused); default: wrapped for this call (a collective of its own).
 
     Returns:
         the step's metrics merged over ranks (:func:`merge_rank_metrics`), identical on
@@ -242,64 +246,78 @@ def data_parallel_gradients(
     seqs = math.fsum(c[1] for c in counts)
     norm = float(cfg.norm_const) if cfg.norm_const is not None else max(c[2] for c in counts)
     metrics: dict[str, float] | None = None
+    ddp = wrap_for_data_parallel(model, group) if ddp is None else ddp
     try:  # every micro-batch divided by the step's global totals: Σ_ranks of the gradients is one process's
-        metrics = accumulate_gradients(
-            model,
-            rows,
-            advantages_N,
-            cfg,
-            pad_id,
-            logprob_fn,
-            ref_logprobs=ref_logprobs,
-            sampler_logprobs=sampler_logprobs,
-            totals=(tokens, seqs, norm),
-        )
+        with ddp.no_sync():  # accumulate locally; _synchronize sums once
+            metrics = accumulate_gradients(
+                model,
+                rows,
+                advantages_N,
+                cfg,
+                pad_id,
+                logprob_fn,
+                ref_logprobs=ref_logprobs,
+                sampler_logprobs=sampler_logprobs,
+                totals=(tokens, seqs, norm),
+            )
     except Exception as e:  # noqa: BLE001
         own = e
     gathered = col.gather(
         "the shards' metrics and errors", (metrics, None if own is None else _error_info(own, row_ids, col.rank))
     )
     _raise_agreed([g[1] for g in gathered], col.world, own)
-    _all_reduce_grads(model, col)
-    return merge_rank_metrics([g[0] for g in gathered])
+    merged = merge_rank_metrics([g[0] for g in gathered])
+    if merged.get("n_rows_trained", 0) > 0:  # the same decision on every rank (gathered counts)
+        _synchronize(ddp, pad_id, col)
+    return merged
 
 
-def _all_reduce_grads(model: torch.nn.Module, col: _Collective) -> None:
-    """``.grad ← Σ_ranks .grad_r`` for every trainable parameter, in flat buckets."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    has = torch.tensor([float(p.grad is not None) for p in params], dtype=torch.float32)
-    col("all_reduce of which parameters have a gradient", dist.all_reduce, has)
-    start = 0
-    while start < len(params):
-        end, n = start, 0
-        while end < len(params) and (n == 0 or n + params[end].numel() <= _BUCKET):
-            n += params[end].numel()
-            end += 1
-        chunk = params[start:end]
-        flat = torch.cat(
-            [
-                (
-                    p.grad.detach().float()
-                    if p.grad is not None
-                    else torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-                ).reshape(-1)
-                for p in chunk
-            ]
-        )
-        col(f"all_reduce of the gradients (parameters {start}–{end - 1} of {len(params)})", dist.all_reduce, flat)
-        off = 0
-        for j, p in enumerate(chunk):
-            k = p.numel()
-            if has[start + j] > 0:
-                g = flat[off : off + k].view(p.shape).to(p.dtype)
-                if p.grad is None:
-                    p.grad = g.clone()
-                else:
-                    p.grad.copy_(g)
-            else:
-                p.grad = None
-            off += k
-        start = end
+def wrap_for_data_parallel(model: torch.nn.Module, group=None) -> DistributedDataParallel:
+    """``model`` in ``torch.nn.parallel.DistributedDataParallel`` whose all-reduce SUMS.
+
+    A collective (DDP checks the replicas' parameter shapes and broadcasts rank 0's
+    values): every rank of ``group`` calls it at once, after the group formed. The
+    wrapper holds ``model`` (no copy). DDP's default hook averages the ranks' gradients
+    (Σ_r g_r / W); ours sums them (:func:`_sum_hook`), because each rank's gradient is
+    already its shard's part of the step's loss (the step's GLOBAL totals divide it), so the
+    sum over ranks is the single-process gradient and no loss is rescaled by W.
+    ``find_unused_parameters``: a trainable parameter outside the forward (a value head)
+    must not stall the reduction.
+    """
+    ddp = DistributedDataParallel(model, process_group=group, forward_sync_buffers=False, find_unused_parameters=True)
+    ddp.register_comm_hook(group, _sum_hook)
+    return ddp
+
+
+def _sum_hook(group, bucket):  # no annotations: DDP checks them, and this module's are strings
+    """DDP communication hook: Σ over ranks of one gradient bucket (``dist.GradBucket``), no
+    division by W; returns the future of the summed flat buffer."""
+    fut = dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0])
+
+
+def _synchronize(ddp: DistributedDataParallel, pad_id: int, col: _Collective) -> None:
+    """Sum the ranks' accumulated ``.grad`` through DDP's reducer.
+
+    The micro-batches ran on the bare module under ``no_sync()``, so their gradients were
+    only accumulated locally (a rank may have run none: every row skipped, or an empty
+    shard). One forward of a single pad token through the wrapper, times 0, then backward:
+    DDP's hooks fire on every parameter of the forward and all-reduce the buckets, which
+    hold the accumulated gradients (torch's documented ``no_sync`` accumulation). Every
+    rank runs exactly one such backward per step, however uneven the shards.
+    """
+    device = next(ddp.module.parameters()).device
+    ids = torch.full((1, 1), pad_id, dtype=torch.long, device=device)
+    try:
+        out = ddp(input_ids=ids, attention_mask=torch.ones_like(ids))
+        logits = out.logits if hasattr(out, "logits") else out[0]
+        (logits.float().sum() * 0.0).backward()
+    except RuntimeError as e:  # gloo / NCCL timeouts and closed connections surface here
+        raise DataParallelError(
+            f"update rank {col.rank} of {col.world}: the gradients' all-reduce (DistributedDataParallel) "
+            f"did not complete: every rank must enter it, within the process group's timeout "
+            f"(--update-ranks; a rank died or hung): {e}"
+        ) from e
 
 
 def merge_rank_metrics(per_rank: Sequence[dict[str, float]]) -> dict[str, float]:
@@ -342,6 +360,7 @@ def data_parallel_step(
     ref_logprobs: TokenValues | None = None,
     sampler_logprobs: TokenValues | None = None,
     group=None,
+    ddp: DistributedDataParallel | None = None,
     check_replicas: bool = True,
 ) -> dict[str, float]:
     """One optimizer step of :func:`~consequence.update.step.ppo_step`, data-parallel.
@@ -352,6 +371,7 @@ def data_parallel_step(
     entropy term) no optimizer steps.
 
     Args:
+        ddp: as :func:`data_parallel_gradients`.
         check_replicas: after the step, compare a float64 checksum of every rank's
             trainable parameters (one more collective).
 
@@ -379,6 +399,7 @@ def data_parallel_step(
             ref_logprobs=ref_logprobs,
             sampler_logprobs=sampler_logprobs,
             group=group,
+            ddp=ddp,
         )
         stepped = metrics["n_rows_trained"] > 0
         grad_norm = _clip_grad_norm(model, cfg.max_grad_norm, int(metrics["n_rows"])) if stepped else None
@@ -538,6 +559,7 @@ class DataParallelUpdate:
         self._broken: str | None = None
         self._checksum: list[float] | None = None  # rank 0's parameters after the last data-parallel step
         self._model_id: int | None = None  # the model the replicas copy, once started
+        self._ddp: DistributedDataParallel | None = None  # rank 0's wrapper of that model
         self._launched_at = 0.0
 
     # -- life cycle
@@ -644,6 +666,10 @@ class DataParallelUpdate:
                 f"{self.timeout_s:.0f} s: {e}"
             )
         r.owns_group = True
+        try:
+            self._ddp = wrap_for_data_parallel(model)
+        except RuntimeError as e:
+            self._fail(f"the update ranks did not wrap their replicas in DistributedDataParallel together: {e}")
         self._model_id = id(model)
         self._checksum = parameter_checksum(model)
 
@@ -757,6 +783,7 @@ class DataParallelUpdate:
                 row_ids=mine,
                 ref_logprobs=None if ref_logprobs is None else [ref_logprobs[i] for i in mine],
                 sampler_logprobs=None if sampler_logprobs is None else [sampler_logprobs[i] for i in mine],
+                ddp=self._ddp,
             )
         except DataParallelError as e:
             self._fail(f"the data-parallel optimizer step failed: {e}")
@@ -813,6 +840,7 @@ def _rank_main(
         dist.init_process_group(
             "gloo", store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
         )
+        ddp = wrap_for_data_parallel(model)  # a collective: rank 0 wraps its model at the same point
     except EOFError:
         return
     except BaseException as e:  # noqa: BLE001 - reported to rank 0, which names it
@@ -843,6 +871,7 @@ def _rank_main(
                     row_ids=job["row_ids"],
                     ref_logprobs=job["ref_logprobs"],
                     sampler_logprobs=job["sampler_logprobs"],
+                    ddp=ddp,
                 )
             except (NonFiniteError, ValueError):
                 continue  # raised on rank 0 too (agreed): the group is still in step

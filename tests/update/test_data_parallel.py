@@ -47,6 +47,8 @@ CASES = {
     "token_mean_kl_entropy": dict(reduction="token_mean", kl_coef=0.1, entropy_coef=0.01),
 }
 LR = 0.5
+IDLE_ADV = [0.0, 0.7, 0.0, 0.0, 0.0, 0.0, 0.0]  # one row to train: every other row is skipped
+IDLE = {"idle_rank_skipped_rows": list(range(7)), "idle_rank_empty_shard": [1]}  # name: the step's rows
 
 
 def _optimizer(model):
@@ -126,6 +128,16 @@ def _rank_job(rank: int, port: int, out: str) -> None:
             "shard": mine,
             "weights": {n: p.detach().clone() for n, p in model.named_parameters()},
         }
+    # a rank that runs no row (its shard all zero-advantage, or empty) still takes part in the sum
+    for name, pick in IDLE.items():
+        model = _model()
+        rows, _ = _rows(model)
+        rows, adv, cfg = [rows[i] for i in pick], [IDLE_ADV[i] for i in pick], _cfg("token_mean", micro=2)
+        mine = shard_rows(rows, 2, adv, cfg)[rank]
+        model.zero_grad(set_to_none=True)
+        m = data_parallel_gradients(model, [rows[i] for i in mine], [adv[i] for i in mine], cfg, PAD, LP, row_ids=mine)
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        seen[name] = {"grads": grads, "metrics": m, "shard": mine}
     # one rank's NaN advantage: both ranks raise the same NonFiniteError, then the group still works
     model = _model()
     rows, ref = _rows(model)
@@ -232,6 +244,31 @@ def test_two_ranks_give_the_single_process_gradient_metrics_and_weights(two_rank
 
 
 @pytest.mark.slow  # shares the 2-rank job of two_ranks
+@pytest.mark.parametrize("name", list(IDLE))
+def test_a_rank_that_runs_no_row_still_gives_the_single_process_gradient(two_ranks, name):
+    """DDP sums once per step through one backward every rank runs (``_synchronize``): a
+    rank whose shard trains nothing (skipped rows, or no row at all) contributes zeros
+    and the other rank's gradient is the step's, not half of it (DDP's default mean)."""
+    model = _model()
+    rows, _ = _rows(model)
+    pick = IDLE[name]
+    model.zero_grad(set_to_none=True)
+    m = accumulate_gradients(
+        model, [rows[i] for i in pick], [IDLE_ADV[i] for i in pick], _cfg("token_mean", 16), PAD, LP
+    )
+    grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    r0, r1 = two_ranks[0][name], two_ranks[1][name]
+    assert [pick[i] for i in r0["shard"]] == [1]  # the one row that trains
+    assert [pick[i] for i in r1["shard"]] == ([] if len(pick) == 1 else [0, 2, 3, 4, 5, 6])
+    assert m["n_rows_trained"] == 1.0
+    for r in (r0, r1):
+        assert set(r["grads"]) == set(grads)
+        for k in grads:
+            torch.testing.assert_close(r["grads"][k], grads[k], atol=1e-6, rtol=1e-5, msg=k)
+        _same_metrics(r["metrics"], m)
+
+
+@pytest.mark.slow  # shares the 2-rank job of two_ranks
 def test_one_ranks_nan_advantage_stops_both_ranks_with_the_same_error(two_ranks):
     a, b = two_ranks[0]["nan"], two_ranks[1]["nan"]
     assert a["raised"] is not None and a["raised"] == b["raised"]
@@ -292,7 +329,8 @@ def test_a_dead_rank_process_is_a_clear_error_not_a_hang():
 
 
 @pytest.mark.slow
-def test_update_ranks_2_trains_like_update_ranks_1(tmp_path):
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_update_ranks_2_trains_like_update_ranks_1(tmp_path, lora_rank):
     """Three iterations of two optimizer steps each, bit for bit equal with 1 and 2 ranks.
 
     Each step has 2 rows, so each rank's shard is one row, and the single process runs one
@@ -329,6 +367,7 @@ def test_update_ranks_2_trains_like_update_ranks_1(tmp_path):
             learning_rate=3e-3,
             skip_checks=True,
             update_ranks=n,
+            lora_rank=lora_rank,  # with LoRA, DDP reduces the adapter's gradients only
         )
         train(cfg)
         lines = [json.loads(x) for x in (tmp_path / f"r{n}" / "metrics.jsonl").read_text().splitlines()]
@@ -363,8 +402,6 @@ def test_unsupported_settings_are_refused_by_the_config():
         TrainConfig(update_ranks=2, advantage="gae")
     with pytest.raises(ValueError, match="--gradient-checkpointing is not supported"):
         TrainConfig(update_ranks=2, gradient_checkpointing=True)
-    with pytest.raises(ValueError, match="--update-ranks 2 with --lora-rank is not supported"):
-        TrainConfig(update_ranks=2, lora_rank=8)
     assert TrainConfig(update_ranks=1, advantage="gae").advantage == "gae"
     assert TrainConfig(update_ranks=2).update_ranks == 2
 
