@@ -15,6 +15,8 @@ from consequence.config import TrainConfig
 
 
 def _train(config: Path | None = None, resume: Path | None = None, print_config: bool = False, **options) -> None:
+    if _serves_as_update_rank():
+        return
     given = {k: v for k, v in options.items() if v is not None and v != [] and v != ()}
     try:
         if "env_options" in given:
@@ -41,6 +43,21 @@ def _train(config: Path | None = None, resume: Path | None = None, print_config:
     except ValueError as e:
         _refuse(e)
     _run_train(cfg, resume=resume is not None)
+
+
+def _serves_as_update_rank() -> bool:
+    """Under torchrun, ranks k >= 1 serve rank 0's data-parallel steps (docs/async.md §7)
+    and do nothing else: the trainer is rank 0."""
+    from consequence.update.launch import launched_by_torchrun, serve_update_rank
+
+    try:
+        launched = launched_by_torchrun()
+    except ValueError as e:
+        _refuse(e)
+    if launched is None or launched[0] == 0:
+        return False
+    serve_update_rank()
+    return True
 
 
 def check_before_work(cfg: TrainConfig) -> None:

@@ -212,6 +212,8 @@ def train(cfg: TrainConfig, console=None, resume: bool = False, reproduces: str 
                 run_loop(r, source, rec)
             finally:  # workers and a local Ray instance end with the loop, also on errors and Ctrl-C
                 _close(source, rec)
+                if r.learner.data_parallel is not None:  # the update ranks stop (torchrun's exit with ours)
+                    r.learner.data_parallel.close()
             return _finish(r, rec, t_start)
     except KeyboardInterrupt as e:
         done = len(rec.history)

@@ -61,6 +61,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from consequence.records import TrainingRow
+from consequence.update.launch import join_launched_group, launched_by_torchrun, scatter_messages
 from consequence.update.step import (
     NonFiniteError,
     TokenValues,
@@ -450,9 +451,20 @@ def check_rank_count(n: int) -> None:
     settings data parallelism cannot run with are refused by the config itself
     (``TrainConfig``'s ``_update_ranks_fit``).
 
+    Under torchrun (:func:`~consequence.update.launch.launched_by_torchrun`) the ranks are
+    torchrun's processes, on this node or others: ``n`` must be their number.
+
     Raises:
-        ValueError: more ranks than ``max_update_ranks()``; the message says how many fit.
+        ValueError: more ranks than ``max_update_ranks()``; the message says how many fit. Under
+            torchrun: ``n`` is not ``WORLD_SIZE``.
     """
+    if (launched := launched_by_torchrun()) is not None:
+        if n != launched[1]:
+            raise ValueError(
+                f"--update-ranks {n}, but torchrun started {launched[1]} processes (WORLD_SIZE): every rank "
+                f"but rank 0 serves the update, so give --update-ranks {launched[1]}"
+            )
+        return
     if n > (cap := max_update_ranks()):
         raise ValueError(
             f"--update-ranks {n} would start {n} processes on loopback, each with a copy of the policy "
@@ -468,6 +480,7 @@ class _Ranks:
         self.procs: list[Any] = []
         self.conns: list[Any] = []
         self.owns_group = False
+        self.launched = False  # the other ranks were started by torchrun, not by us
 
     def describe(self) -> str:
         out = []
@@ -494,7 +507,12 @@ class _Ranks:
         return ""
 
     def shutdown(self) -> None:
-        """Ask every rank process to stop, then terminate and kill the ones that did not."""
+        """Ask every rank process to stop, then terminate and kill the ones that did not
+        (ranks torchrun launched are told to stop through the group; torchrun ends them)."""
+        if self.launched and dist.is_initialized():
+            with contextlib.suppress(RuntimeError):  # a rank already gone: torchrun tears the job down
+                scatter_messages([("stop",)] * (dist.get_world_size() - 1))
+        self.launched = False
         for c in self.conns:
             with contextlib.suppress(OSError, ValueError):  # a rank whose pipe is already closed
                 c.send(("stop",))
@@ -561,6 +579,9 @@ class DataParallelUpdate:
         self._model_id: int | None = None  # the model the replicas copy, once started
         self._ddp: DistributedDataParallel | None = None  # rank 0's wrapper of that model
         self._launched_at = 0.0
+        self._launched = launched_by_torchrun()  # (rank, world size) when torchrun started this process
+        if self._launched is not None:
+            check_rank_count(world_size)  # torchrun's WORLD_SIZE
 
     # -- life cycle
     def launch(self, model_module: str | None = None) -> DataParallelUpdate:
@@ -573,8 +594,8 @@ class DataParallelUpdate:
         import importlib
         import multiprocessing as mp
 
-        if self._ranks.procs or self._broken:
-            return self
+        if self._ranks.procs or self._broken or self._launched:
+            return self  # torchrun started the other ranks
         if dist.is_initialized():
             raise DataParallelError(
                 "--update-ranks needs this process's torch.distributed default group, but one "
@@ -641,14 +662,39 @@ class DataParallelUpdate:
             self._start(model, optimizer)
 
     def _start(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        if self._launched:
+            self._join_launched(model, optimizer)
+        else:
+            self._start_spawned(model, optimizer)
+        try:
+            self._ddp = wrap_for_data_parallel(model)
+        except RuntimeError as e:
+            self._fail(f"the update ranks did not wrap their replicas in DistributedDataParallel together: {e}")
+        self._model_id = id(model)
+        self._checksum = parameter_checksum(model)
+
+    def _replica_bytes(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> bytes:
+        try:
+            return pickle.dumps(_replica_state(model, optimizer), protocol=pickle.HIGHEST_PROTOCOL)
+        except (pickle.PicklingError, AttributeError, TypeError) as e:
+            self._fail(f"the policy and its optimizer cannot be copied to the update ranks (pickle: {e})")
+            raise  # _fail raised already
+
+    def _join_launched(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Rank 0 of a torchrun launch: form the group from the environment, send the copy."""
+        try:
+            join_launched_group(self.timeout_s)
+            self._ranks.owns_group = self._ranks.launched = True
+            dist.broadcast_object_list([self._replica_bytes(model, optimizer)], src=0)
+        except RuntimeError as e:
+            self._fail(f"the torchrun-launched update ranks did not take the policy copy: {e}")
+
+    def _start_spawned(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.launch(type(model).__module__)
         r = self._ranks
         deadline = self._launched_at + self.start_timeout_s
         self._wait_for("up (spawned, imports done)", deadline)
-        try:
-            init = pickle.dumps(_replica_state(model, optimizer), protocol=pickle.HIGHEST_PROTOCOL)
-        except (pickle.PicklingError, AttributeError, TypeError) as e:
-            self._fail(f"the policy and its optimizer cannot be copied to the update ranks (pickle: {e})")
+        init = self._replica_bytes(model, optimizer)
         for k, conn in enumerate(r.conns, start=1):
             self._send(conn, ("init", init), f"the policy copy to update rank {k}")
         self._wait_for("ready (policy copy loaded)", time.monotonic() + self.start_timeout_s)
@@ -666,12 +712,6 @@ class DataParallelUpdate:
                 f"{self.timeout_s:.0f} s: {e}"
             )
         r.owns_group = True
-        try:
-            self._ddp = wrap_for_data_parallel(model)
-        except RuntimeError as e:
-            self._fail(f"the update ranks did not wrap their replicas in DistributedDataParallel together: {e}")
-        self._model_id = id(model)
-        self._checksum = parameter_checksum(model)
 
     def close(self) -> None:
         """Stop the rank processes and destroy the process group (idempotent)."""
@@ -706,6 +746,18 @@ class DataParallelUpdate:
             return conn.recv()
         except (EOFError, OSError) as e:
             self._fail(f"update rank {rank} closed its pipe while rank 0 waited for {what} ({e!r})")
+
+    def _send_jobs(self, jobs: list[dict[str, Any]]) -> None:
+        """Each rank k ≥ 1 its step (``jobs[k - 1]``): through its pipe, or, for ranks that
+        torchrun launched, one ``scatter_object_list`` over the process group."""
+        if self._launched:
+            try:
+                scatter_messages([("step", j) for j in jobs])
+            except RuntimeError as e:
+                self._fail(f"the step's shards did not reach the torchrun-launched update ranks: {e}")
+            return
+        for k, conn in enumerate(self._ranks.conns, start=1):
+            self._send(conn, ("step", jobs[k - 1]), "the step's shard")
 
     # -- the step
     def ppo_step(
@@ -747,27 +799,24 @@ class DataParallelUpdate:
             state = _resync_state(model, optimizer)
         shards = shard_rows(rows, self.world_size, advantages_N, cfg)
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-        for k, conn in enumerate(r.conns, start=1):
+        jobs = []
+        for k in range(1, self.world_size):
             pick = lambda xs, s=shards[k]: None if xs is None else [xs[i] for i in s]  # noqa: E731
-            self._send(
-                conn,
-                (
-                    "step",
-                    {
-                        "rows": pick(rows),
-                        "advantages": pick(advantages_N),
-                        "row_ids": shards[k],
-                        "ref_logprobs": pick(ref_logprobs),
-                        "sampler_logprobs": pick(sampler_logprobs),
-                        "cfg": cfg,
-                        "pad_id": pad_id,
-                        "logprob_fn": logprob_fn,
-                        "hyper": hyper,
-                        "state": state,
-                    },
-                ),
-                "the step's shard",
+            jobs.append(
+                {
+                    "rows": pick(rows),
+                    "advantages": pick(advantages_N),
+                    "row_ids": shards[k],
+                    "ref_logprobs": pick(ref_logprobs),
+                    "sampler_logprobs": pick(sampler_logprobs),
+                    "cfg": cfg,
+                    "pad_id": pad_id,
+                    "logprob_fn": logprob_fn,
+                    "hyper": hyper,
+                    "state": state,
+                }
             )
+        self._send_jobs(jobs)
         threads = torch.get_num_threads()
         torch.set_num_threads(self.threads)
         mine = shards[0]
@@ -854,27 +903,8 @@ def _rank_main(
                 return  # rank 0 is gone
             if msg[0] == "stop":
                 return
-            job = msg[1]
-            if job["state"] is not None:
-                _load_replica(model, optimizer, job["state"])
-            for g, h in zip(optimizer.param_groups, job["hyper"]):
-                g.update(h)
             try:
-                data_parallel_step(
-                    model,
-                    optimizer,
-                    job["rows"],
-                    job["advantages"],
-                    job["cfg"],
-                    job["pad_id"],
-                    job["logprob_fn"],
-                    row_ids=job["row_ids"],
-                    ref_logprobs=job["ref_logprobs"],
-                    sampler_logprobs=job["sampler_logprobs"],
-                    ddp=ddp,
-                )
-            except (NonFiniteError, ValueError):
-                continue  # raised on rank 0 too (agreed): the group is still in step
+                run_job(model, optimizer, ddp, msg[1])
             except DataParallelError as e:
                 _tell(conn, str(e))
                 raise SystemExit(2) from None
@@ -884,6 +914,35 @@ def _rank_main(
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def run_job(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ddp: DistributedDataParallel, job) -> None:
+    """One step on a rank k ≥ 1: rank 0's weights if they changed outside a step, its
+    optimizer hyper-parameters (a schedule), then :func:`data_parallel_step` on the shard.
+    An agreed error (NonFiniteError, ValueError: raised on rank 0 too) leaves the group in
+    step and is not re-raised here.
+
+    Raises:
+        DataParallelError: a collective failed; the group cannot be used afterwards.
+    """
+    if job["state"] is not None:
+        _load_replica(model, optimizer, job["state"])
+    for g, h in zip(optimizer.param_groups, job["hyper"]):
+        g.update(h)
+    with contextlib.suppress(NonFiniteError, ValueError):
+        data_parallel_step(
+            model,
+            optimizer,
+            job["rows"],
+            job["advantages"],
+            job["cfg"],
+            job["pad_id"],
+            job["logprob_fn"],
+            row_ids=job["row_ids"],
+            ref_logprobs=job["ref_logprobs"],
+            sampler_logprobs=job["sampler_logprobs"],
+            ddp=ddp,
+        )
 
 
 def _tell(conn, text: str) -> None:

@@ -329,8 +329,8 @@ def test_a_dead_rank_process_is_a_clear_error_not_a_hang():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("lora_rank", [0, 4])
-def test_update_ranks_2_trains_like_update_ranks_1(tmp_path, lora_rank):
+@pytest.mark.parametrize("launcher,lora_rank", [("spawn", 0), ("spawn", 4), ("torchrun", 0)])
+def test_update_ranks_2_trains_like_update_ranks_1(tmp_path, launcher, lora_rank):
     """Three iterations of two optimizer steps each, bit for bit equal with 1 and 2 ranks.
 
     Each step has 2 rows, so each rank's shard is one row, and the single process runs one
@@ -342,37 +342,43 @@ def test_update_ranks_2_trains_like_update_ranks_1(tmp_path, lora_rank):
     order ε moves its weight by a good part of lr, and the next step's gradient differs by
     ~1e-4 relative (what the earlier version of this test, which divided each shard by its
     own totals and rescaled, saw on other machines). Metrics are float64 sums of a few
-    numbers in another order: equal to 1e-12 relative (≥ 100× their rounding)."""
+    numbers in another order: equal to 1e-12 relative (≥ 100× their rounding).
+
+    ``spawn``: the trainer starts rank 1 itself; ``torchrun``: ``torchrun --nproc-per-node 2
+    -m consequence train --update-ranks 2`` (rank 1 serves the update only)."""
     from consequence.config import TrainConfig
     from consequence.distill.warmstart import BUNDLED
     from consequence.loop.train import train
     from consequence.policy.tiny import load_policy
     from consequence.records import read_trajectories
 
+    # the parity environment: mixed groups from the warm start, so that steps train
+    settings = dict(
+        model=str(BUNDLED),
+        env="env_fixtures:ParityEnvironment",
+        iterations=3,
+        tasks_per_iteration=1,
+        group_size=4,
+        final_eval_episodes=0,
+        eval_every=0,
+        max_turns=1,
+        max_new_tokens=24,
+        micro_batch_size=1,
+        mini_batches=2,
+        learning_rate=3e-3,
+        skip_checks=True,
+        lora_rank=lora_rank,  # with LoRA, DDP reduces the adapter's gradients only
+    )
+
     def run(n: int):
-        # the parity environment: mixed groups from the warm start, so that steps train
-        cfg = TrainConfig(
-            model=str(BUNDLED),
-            env="env_fixtures:ParityEnvironment",
-            run_dir=str(tmp_path / f"r{n}"),
-            iterations=3,
-            tasks_per_iteration=1,
-            group_size=4,
-            final_eval_episodes=0,
-            eval_every=0,
-            max_turns=1,
-            max_new_tokens=24,
-            micro_batch_size=1,
-            mini_batches=2,
-            learning_rate=3e-3,
-            skip_checks=True,
-            update_ranks=n,
-            lora_rank=lora_rank,  # with LoRA, DDP reduces the adapter's gradients only
-        )
-        train(cfg)
-        lines = [json.loads(x) for x in (tmp_path / f"r{n}" / "metrics.jsonl").read_text().splitlines()]
-        trajs = [read_trajectories(tmp_path / f"r{n}" / "trajectories" / f"iter_{i:04d}.parquet") for i in range(3)]
-        return lines, trajs, load_policy(tmp_path / f"r{n}" / "checkpoints" / "final")[0]
+        run_dir = tmp_path / f"r{n}"
+        if n > 1 and launcher == "torchrun":
+            _torchrun_train(n, {**settings, "run_dir": str(run_dir), "update_ranks": n})
+        else:
+            train(TrainConfig(**settings, run_dir=str(run_dir), update_ranks=n))
+        lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        trajs = [read_trajectories(run_dir / "trajectories" / f"iter_{i:04d}.parquet") for i in range(3)]
+        return lines, trajs, load_policy(run_dir / "checkpoints" / "final")[0]
 
     one, t1, m1 = run(1)
     two, t2, m2 = run(2)
@@ -393,6 +399,47 @@ def test_update_ranks_2_trains_like_update_ranks_1(tmp_path, lora_rank):
     assert any(moved)
     for (name, p), q in zip(m1.named_parameters(), m2.parameters()):
         assert torch.equal(p, q), name
+
+
+def _torchrun_train(n: int, settings: dict) -> None:
+    """``torchrun --standalone --nproc-per-node n -m consequence train`` with ``settings`` as flags."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    flags = []
+    for k, v in settings.items():
+        flag = "--" + k.replace("_", "-")
+        if v is True:
+            flags.append(flag)
+        elif v not in (False, 0) or k == "final_eval_episodes" or k == "eval_every":
+            flags += [flag, str(v)]
+    tests = str(Path(__file__).resolve().parents[1])  # env_fixtures
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])}
+    env.pop("PYTEST_XDIST_WORKER", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}"]
+    out = subprocess.run(
+        [*cmd, "-m", "consequence", "train", *flags], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+
+
+def test_torchrun_rank_count_must_match_update_ranks(monkeypatch):
+    """Under torchrun the ranks are torchrun's: a different --update-ranks would leave ranks
+    waiting for steps that never come (or a step waiting for ranks that do not exist)."""
+    from consequence.update.data_parallel import check_rank_count
+    from consequence.update.launch import launched_by_torchrun
+
+    assert launched_by_torchrun() is None or os.environ.get("WORLD_SIZE") == "1"
+    for k, v in {"RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(k, v)
+    assert launched_by_torchrun() == (0, 3)
+    check_rank_count(3)  # torchrun's processes may be on other nodes: no core limit
+    with pytest.raises(ValueError, match=r"--update-ranks 2, but torchrun started 3 processes .*give --update-ranks 3"):
+        check_rank_count(2)
+    monkeypatch.setenv("RANK", "3")
+    with pytest.raises(ValueError, match=r"RANK=3 is outside \[0, WORLD_SIZE=3\)"):
+        launched_by_torchrun()
 
 
 def test_unsupported_settings_are_refused_by_the_config():
