@@ -54,7 +54,7 @@ from consequence.loop.resume import (
     stop_message,
 )
 from consequence.loop.sources import BatchSource, Collected, FixedDataMix, Rollouts, WorkerRollouts
-from consequence.policy.device import model_device, resolve_device
+from consequence.policy.device import model_device, peak_memory_gib, resolve_device
 from consequence.policy.lora import apply_lora, check_lora_folder, is_adapter_folder
 from consequence.policy.sampler import SamplingParams
 from consequence.policy.tiny import load_policy
@@ -140,7 +140,7 @@ def run_loop(r: _Run, source: BatchSource, rec: RunRecorder) -> None:
             source.publish(learner.model, it + 1)  # version it + 1: what batches started from now on sample with
             t_publish = time.perf_counter() - t2  # weights to the sampler (a copy, a LoRA merge, a worker sync)
             m = iteration_metrics(it, r, got, batch, upd, t_rollout, t_update, checks)
-            m |= {"credit_s": t_credit, "publish_s": t_publish}
+            m |= {"credit_s": t_credit, "publish_s": t_publish} | peak_memory_gib(model_device(learner.model))
             m["iteration_s"] = time.perf_counter() - t0  # wall time of the iteration, validation excluded
             if cfg.eval_every and ((it + 1) % cfg.eval_every == 0 or it + 1 == cfg.iterations):
                 m["val_success"] = _validate(r, it, rec)  # greedy success on the validation split
@@ -602,6 +602,13 @@ def iteration_metrics(
 
 
 _RATIO_METRICS = ("ratio_", "first_step_ratio_", "clip_frac_")
+
+
+def machine_dependent(key: str) -> bool:
+    """Whether metrics.jsonl's ``key`` measures the machine rather than the run: timings
+    (``*_s``), throughput (``*_per_s``), memory (``*_gib``). Two runs of the same settings and
+    seeds differ only in these (docs/metrics.md §7)."""
+    return key.endswith(("_s", "_per_s", "_gib"))
 
 
 def _status_line(m: dict[str, Any]) -> str:

@@ -164,3 +164,35 @@ def logprob_tolerance(dtype: str, logit_scale: float) -> float:
     if not logit_scale >= 0 or logit_scale == float("inf"):
         raise ValueError(f"logit_scale must be finite and >= 0, got {logit_scale}")
     return max(FLOAT32_LOGPROB_TOL, TOLERANCE_UNITS * UNIT_ROUNDOFF[dtype] * logit_scale)
+
+
+def peak_memory_gib(device: torch.device | str) -> dict[str, float]:
+    """High-water marks of memory, in GiB (2^30 bytes), for an iteration's metrics.
+
+    ``peak_rss_gib``: this process's largest resident set since it started (Linux: the
+    kernel's ``VmHWM`` in ``/proc/self/status``; elsewhere ``getrusage`` ``ru_maxrss``; a
+    resumed run starts a new process), the number to compare with the machine's RAM; CPU
+    tensors, Python objects and libraries included, child processes (rollout workers,
+    update ranks) not. ``device_peak_gib`` (CUDA only):
+    the largest memory torch allocated on ``device`` since the previous call
+    (``torch.cuda.max_memory_allocated``; the peak is reset after reading), so each
+    iteration reports its own peak.
+    """
+    out = {"peak_rss_gib": _peak_rss_bytes() / 2**30}
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        out["device_peak_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30
+        torch.cuda.reset_peak_memory_stats(dev)
+    return out
+
+
+def _peak_rss_bytes() -> int:
+    try:  # Linux: the kernel's high-water mark, in kB (ru_maxrss lags it by the per-thread RSS batching)
+        with open("/proc/self/status") as f:
+            return next(int(x.split()[1]) for x in f if x.startswith("VmHWM:")) * 1024
+    except (OSError, StopIteration, ValueError):
+        import resource
+        import sys
+
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return rss if sys.platform == "darwin" else rss * 1024  # bytes on macOS, KiB elsewhere

@@ -27,19 +27,12 @@ from safetensors.torch import load_file
 from consequence.config import TrainConfig
 from consequence.distill.warmstart import BUNDLED
 from consequence.loop.resume import capture_rng, latest_state, restore_rng, save_state
+from consequence.loop.train import machine_dependent
 from consequence.records import read_trajectories
 from reward_signal import ODD_SAMPLES_WIN
 
 CHILD = Path(__file__).parents[1] / "resume_child.py"
 ROOT = Path(__file__).resolve().parents[2]
-TIMINGS = {
-    "rollout_s",
-    "credit_s",
-    "update_s",
-    "publish_s",
-    "rollout_tokens_per_s",
-    "iteration_s",
-}  # wall-clock: differ between any two runs
 TINY = [
     "--env",
     ODD_SAMPLES_WIN,  # every update moves the weights; --resume re-creates it from config.yaml
@@ -120,7 +113,7 @@ def _assert_same_run(a: Path, b: Path) -> float:
     worst = 0.0
     for x, y in zip(ma, mb):
         assert x.keys() == y.keys()
-        for k in x.keys() - TIMINGS:
+        for k in (k for k in x if not machine_dependent(k)):  # timings and memory differ between any two runs
             if isinstance(x[k], float) and isinstance(y[k], float):
                 assert (math.isnan(x[k]) and math.isnan(y[k])) or abs(x[k] - y[k]) <= 1e-6, (x["iteration"], k)
                 worst = max(worst, 0.0 if math.isnan(x[k]) else abs(x[k] - y[k]))

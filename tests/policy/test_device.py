@@ -6,6 +6,7 @@ marked ``gpu`` and skip (with the reason) where torch sees no CUDA device."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -331,3 +332,25 @@ def test_cuda_update_steps_match_the_cpu_and_a_teacher_may_sit_on_the_cpu():
     assert math.isfinite(out["distill_divergence"]) and out["distill_divergence"] >= 0
     lists = compute_logprobs(teacher, rows, pad, fn, dtype="bfloat16")  # reverse_kl's teacher pass, on its device
     assert [len(x) for x in lists] == [len(r.input_ids) for r in rows]
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux's /proc/self/status")
+def test_peak_rss_is_the_processes_high_water_mark_in_gib():
+    """``peak_rss_gib`` is the kernel's high-water mark in GiB, and it rises past a tensor
+    this process holds: after touching 256 MiB, the peak is at least the resident set before
+    plus 256 MiB (less 16 MiB for pages the kernel may have reclaimed meanwhile)."""
+    from consequence.policy.device import peak_memory_gib
+
+    def status_gib(field: str) -> float:
+        line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(field + ":"))
+        return int(line.split()[1]) / 2**20  # kB
+
+    rss0 = status_gib("VmRSS")
+    held = torch.ones(64 * 2**20, dtype=torch.float32)  # 256 MiB, every page written
+    before = status_gib("VmHWM")
+    got = peak_memory_gib("cpu")
+    after = status_gib("VmHWM")
+    assert set(got) == {"peak_rss_gib"}  # no device_peak_gib off CUDA
+    assert before <= got["peak_rss_gib"] <= after
+    assert got["peak_rss_gib"] >= rss0 + (256 - 16) / 1024
+    del held

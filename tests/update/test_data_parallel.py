@@ -348,7 +348,7 @@ def test_update_ranks_2_trains_like_update_ranks_1(tmp_path, launcher, lora_rank
     -m consequence train --update-ranks 2`` (rank 1 serves the update only)."""
     from consequence.config import TrainConfig
     from consequence.distill.warmstart import BUNDLED
-    from consequence.loop.train import train
+    from consequence.loop.train import machine_dependent, train
     from consequence.policy.tiny import load_policy
     from consequence.records import read_trajectories
 
@@ -385,7 +385,7 @@ def test_update_ranks_2_trains_like_update_ranks_1(tmp_path, launcher, lora_rank
     gc.collect()
     assert not mp.active_children()  # the rank processes are gone with the run
     assert sum(m["optimizer_steps_taken"] for m in one) >= 4  # the runs trained
-    timing = {k for k in one[0] if k.endswith("_s") or k.endswith("_per_s")}
+    timing = {k for k in one[0] if machine_dependent(k)}
     for a, b in zip(one, two, strict=True):
         assert a.keys() - timing == b.keys() - timing
         for k in a.keys() - timing:
