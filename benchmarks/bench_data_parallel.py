@@ -14,8 +14,15 @@ copy); that start is timed apart. Each timing is the median of ``--repeats`` ste
 one warm-up step. Also reported: the largest weight difference between the 1-rank and
 2-rank replicas after the same steps from the same start (float rounding only).
 
-Prints a table and writes ``benchmarks/results/data_parallel.json``.
+``--model`` takes another policy (a folder, or a registered name such as
+``smollm2-135m-instruct``) and ``--lora-rank`` trains a LoRA adapter on it, as
+``--update-ranks`` does in a run; the rows keep their shape, token ids drawn from that
+model's vocabulary.
+
+Prints a table and writes ``benchmarks/results/data_parallel.json`` (``--out``).
 Run: ``.venv/bin/python benchmarks/bench_data_parallel.py [--rows 128] [--repeats 3]``
+SmolLM2 with LoRA: ``... --model smollm2-135m-instruct --lora-rank 16 --rows 32 --micro-batch 8
+--out benchmarks/results/data_parallel_smollm2_lora.json``
 """
 
 from __future__ import annotations
@@ -25,13 +32,16 @@ import copy
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
 from consequence.distill.warmstart import BUNDLED
+from consequence.evaluate.run import resolve_model
 from consequence.policy.logprobs import token_logprobs
+from consequence.policy.lora import DEFAULT_TARGETS, apply_lora
 from consequence.policy.tiny import load_policy
 from consequence.records import TrainingRow
 from consequence.update.data_parallel import DataParallelUpdate, shard_rows
@@ -65,19 +75,28 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=128, help="rows per step (default 16 tasks × 8 rollouts)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--micro-batch", type=int, default=32)
+    ap.add_argument("--model", default=None, help="a model folder or registered name (default: the bundled tiny model)")
+    ap.add_argument("--lora-rank", type=int, default=0, help="train a LoRA adapter of this rank (0 = full fine-tuning)")
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "data_parallel.json")
     args = ap.parse_args()
     load = os.getloadavg()[0]  # other work on the machine slows every row; recorded with the result
     torch.manual_seed(0)
-    base, tok = load_policy(BUNDLED)
+    path = resolve_model(args.model) if args.model else BUNDLED
+    base, tok = load_policy(path)
+    if args.lora_rank:
+        base = apply_lora(base, args.lora_rank, 2.0 * args.lora_rank, DEFAULT_TARGETS, path)
     rows, adv = make_rows(args.rows, len(tok))
     cfg = UpdateConfig(micro_batch_size=args.micro_batch)
     pad = tok.pad_token_id
     cores = os.cpu_count() or 1
     results = []
 
+    def trainable(model):
+        return [p for p in model.parameters() if p.requires_grad]
+
     def single(threads: int):
         model = copy.deepcopy(base)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+        opt = torch.optim.AdamW(trainable(model), lr=1e-5)
         torch.set_num_threads(threads)
         med, times = timed(lambda: ppo_step(model, opt, rows, adv, cfg, pad, token_logprobs), args.repeats)
         return model, {"ranks": 1, "threads_per_rank": threads, "step_s": med, "times_s": times}
@@ -88,7 +107,7 @@ def main() -> None:
     torch.set_num_threads(cores)
 
     model = copy.deepcopy(base)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    opt = torch.optim.AdamW(trainable(model), lr=1e-5)
     shards = shard_rows(rows, 2, adv, cfg)
     with DataParallelUpdate(2, threads_per_rank=max(1, cores // 2)) as dp:
         t0 = time.perf_counter()
@@ -123,8 +142,8 @@ def main() -> None:
         f"2 ranks: start (spawn + imports + policy copy + group) {start_s:.1f} s once; shard tokens "
         f"{results[-1]['shard_tokens']}; max |Δw| vs 1 rank after {args.repeats + 1} steps: {diff:.1e}"
     )
-    out = Path(__file__).parent / "results" / "data_parallel.json"
-    out.parent.mkdir(exist_ok=True)
+    out = args.out
+    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
     tmp.write_text(
         json.dumps(
@@ -133,7 +152,9 @@ def main() -> None:
                 "micro_batch": args.micro_batch,
                 "cores": cores,
                 "load_average_at_start": load,
-                "command": f"benchmarks/bench_data_parallel.py --rows {args.rows} --repeats {args.repeats}",
+                "command": "benchmarks/bench_data_parallel.py " + " ".join(sys.argv[1:]),
+                "model": str(args.model or "tiny (bundled)"),
+                "lora_rank": args.lora_rank,
                 "torch": torch.__version__,
                 "repeats": args.repeats,
                 "results": results,

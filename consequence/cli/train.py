@@ -48,7 +48,8 @@ def _train(config: Path | None = None, resume: Path | None = None, print_config:
 def _serves_as_update_rank() -> bool:
     """Under torchrun, ranks k >= 1 serve rank 0's data-parallel steps (docs/async.md §7)
     and do nothing else: the trainer is rank 0."""
-    from consequence.update.launch import launched_by_torchrun, serve_update_rank
+    from consequence.update.data_parallel import serve_update_rank
+    from consequence.update.launch import launched_by_torchrun
 
     try:
         launched = launched_by_torchrun()
@@ -61,16 +62,18 @@ def _serves_as_update_rank() -> bool:
 
 
 def check_before_work(cfg: TrainConfig) -> None:
-    """What can be checked before any model is loaded: the devices (``--device``,
-    ``--teacher-device``: this machine has them), the model folder, a task file, a cold
-    start's demonstrator, the agent, the run folder.
+    """What can be checked before any model is loaded: the trackers' packages
+    (``--report-to``), the devices (``--device``, ``--teacher-device``: this machine has
+    them), the model folder, a task file, a cold start's demonstrator, the agent, the run folder.
 
     Raises:
         ValueError: names the option and the fix; nothing is left on disk.
     """
     from consequence.envs.registry import env_of
     from consequence.policy.device import resolve_device
+    from consequence.report.trackers import check_trackers
 
+    check_trackers(cfg.report_to)  # a tracker's package is installed (--report-to)
     resolve_device(cfg.device)
     if cfg.teacher_device is not None:
         resolve_device(cfg.teacher_device, "--teacher-device")
@@ -143,7 +146,8 @@ def train_parameters() -> list[inspect.Parameter]:
                     "Continue the run in RUN_DIR from its last resume state (checkpoints/state-NNNN), "
                     "with the config saved in RUN_DIR/config.yaml; other options must match it, except "
                     "--skip-checks, where rollouts run (--rollout-workers, --ray-address, "
-                    "--rollout-timeout) and where the models compute (--device, --teacher-device)."
+                    "--rollout-timeout), where the models compute (--device, --teacher-device) and "
+                    "which trackers get the metrics (--report-to)."
                 ),
             ),
         ),

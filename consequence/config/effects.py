@@ -117,7 +117,7 @@ READS: tuple[Reads, ...] = (
         ),
     ),
     Reads(
-        ("kl_estimator", "kl_mode"),
+        ("kl_estimator", "kl_mode", "ref_refresh_every"),
         lambda c: c.kl_coef > 0,
         lambda c: "--kl-coef 0: there is no KL term (--kl-coef β > 0 adds one)",
     ),
@@ -173,6 +173,14 @@ READS: tuple[Reads, ...] = (
         ),
         lambda c: c.cold_start_demos > 0,
         lambda c: "--cold-start-demos 0: there is no cold start (--cold-start-demos N adds one)",
+    ),
+    Reads(  # update.schedule.lr_factor: the constant schedule has no floor to decay to
+        ("min_lr",),
+        lambda c: c.lr_schedule != "constant",
+        lambda c: (
+            "--lr-schedule constant: the learning rate stays at --learning-rate after the warm-up "
+            "(--lr-schedule linear|cosine decays it to --min-lr)"
+        ),
     ),
     # Where the reward, or a negative advantage, never reaches the update (after the rows above, whose
     # reasons are more direct).

@@ -106,7 +106,7 @@ class TrainConfig(BaseModel):
     run_dir: str = _f(
         DEFAULT_RUN_DIR,
         "run",
-        "Directory for checkpoints, trajectories, metrics, plots and the report (default: runs/<env>-<recipe> with a recipe, else runs/<env>-default, e.g. runs/repair-default; stored as an absolute path). A new run (without --resume) into a folder that holds an earlier run first deletes that run's outputs: config.yaml, manifest.json, split.json, cold_start.json, metrics.jsonl, curves.png, report.md, report.json, viewer.html, trajectories/iter_*.parquet, eval/*.parquet and checkpoints/ (iter_*, state-*, final); other files there are kept.",
+        "Directory for checkpoints, trajectories, metrics, plots and the report (default: runs/<env>-<recipe> with a recipe, else runs/<env>-default, e.g. runs/repair-default; stored as an absolute path). A new run (without --resume) into a folder that holds an earlier run first deletes that run's outputs: config.yaml, manifest.json, split.json, cold_start.json, metrics.jsonl, curves.png, report.md, report.json, viewer.html, trackers.json, trajectories/iter_*.parquet, tensorboard/events.out.tfevents.*, eval/*.parquet and checkpoints/ (iter_*, state-*, final); other files there are kept.",
         validate_default=True,
     )
     recipe: str | None = _f(
@@ -189,6 +189,11 @@ class TrainConfig(BaseModel):
         "Write a resume state (weights, optimizer, RNG, metrics; for `train --resume`) every this many iterations and after the last; the tiny model's takes ~23 MB and well under a second.",
         ge=1,
     )
+    report_to: list[Literal["none", "tensorboard", "mlflow", "wandb", "trackio"]] = _f(
+        ["none"],
+        "run",
+        "Experiment trackers that get a copy of each metrics.jsonl line (same names, nested values joined with /, the iteration as the step), the resolved config as parameters and, at the end, report.md, report.json and curves.png (docs/tracking.md), comma-separated: none, tensorboard (event files in RUN_DIR/tensorboard), mlflow (a file store in RUN_DIR/mlruns unless MLFLOW_TRACKING_URI is set), wandb (offline, files in RUN_DIR/wandb, unless WANDB_MODE is set), trackio (its local store). Each is an optional extra: pip install 'consequence[tensorboard]'. A resumed run continues the same tracker runs (RUN_DIR/trackers.json).",
+    )
     tasks_per_iteration: int = _f(16, "tasks", "B: train tasks sampled per iteration.", ge=1)
     group_size: int = _f(
         8,
@@ -204,6 +209,11 @@ class TrainConfig(BaseModel):
     max_turns: int = _f(8, "rollout", "Budget: model calls per episode.", ge=1)
     max_new_tokens: int = _f(48, "rollout", "Budget: tokens per model call.", ge=1)
     max_total_tokens: int = _f(768, "rollout", "Budget: context + generated tokens per episode.", ge=16)
+    tool_format: Literal["auto", "native", "hermes", "qwen3_coder", "llama3_json", "mistral", "pythonic"] = _f(
+        "auto",
+        "rollout",
+        'How the environment\'s tools reach the model and how its tool calls are written and read (docs/models.md §2): auto (the chat template\'s own tool rendering when it has one, its calls read in the format it writes them in; else hermes written into the messages), native (the template\'s own, refused where it drops tools=), or a format written into the messages by the renderer: hermes (<tool_call>{json}</tool_call>, Hermes / Qwen2.5), qwen3_coder (<tool_call><function=NAME><parameter=ARG>VALUE</parameter></function></tool_call>), llama3_json ({"name": ..., "parameters": {...}}, Llama 3.x), mistral ([TOOL_CALLS] [{"name": ..., "arguments": {...}}]) or pythonic ([f(a=1), g()]). A template that cannot show the chosen format is refused before any work, saying what it fails to show.',
+    )
     dynamic_sampling: bool = _f(
         False,
         "rollout",
@@ -338,6 +348,14 @@ class TrainConfig(BaseModel):
     kl_mode: Literal["loss", "reward"] = _f(
         "loss", "update", "Apply the KL as a loss term or as a penalty on the reward."
     )
+    ref_refresh_every: int = _f(
+        0,
+        "update",
+        "Reset the KL reference π_ref to the current policy after every N iterations (a frozen copy; a LoRA "
+        "adapter folded in); 0 = never: π_ref stays the starting policy. Metric reference_version says which "
+        "policy version π_ref is.",
+        ge=0,
+    )
     surrogate: Literal["pg", "ppo_clip", "dual_clip", "gspo", "gspo_token", "cispo"] = _f(
         "ppo_clip", "update", "Per-token objective of the update."
     )
@@ -369,7 +387,26 @@ class TrainConfig(BaseModel):
     norm_const: int = _f(
         0, "update", "L_const of seq_mean_token_sum_norm (Dr.GRPO); 0 = the largest target count in the step.", ge=0
     )
-    learning_rate: float = _f(2e-4, "update", "AdamW learning rate of the policy.", gt=0)
+    learning_rate: float = _f(
+        2e-4, "update", "AdamW learning rate of the policy (the peak of --lr-schedule / --warmup-steps).", gt=0
+    )
+    lr_schedule: Literal["constant", "linear", "cosine"] = _f(
+        "constant",
+        "update",
+        "The policy's learning rate over the run's optimizer steps (iterations × epochs-per-batch × mini-batches) after --warmup-steps: constant (--learning-rate throughout), or a linear or cosine decay from --learning-rate to --min-lr at the end of the run (update/schedule.py). It counts the steps taken: a step in which no row trained does not advance it. Not applied to the GAE value head (--value-learning-rate) or the cold start's SFT.",
+    )
+    warmup_steps: int = _f(
+        0,
+        "update",
+        "Optimizer steps of linear warm-up of the policy's learning rate from 0: step k < N runs at k/N of --learning-rate (the first at 0, as Hugging Face's get_*_schedule_with_warmup); fewer than the run's iterations × epochs-per-batch × mini-batches. 0 = none.",
+        ge=0,
+    )
+    min_lr: float = _f(
+        0.0,
+        "update",
+        "Learning rate the linear or cosine --lr-schedule ends at (0 ≤ min-lr ≤ --learning-rate); not read by constant.",
+        ge=0,
+    )
     epochs_per_batch: int = _f(
         1, "update", "Passes over each collected batch (ratios are measured against the behaviour snapshot).", ge=1
     )
@@ -558,6 +595,19 @@ class TrainConfig(BaseModel):
     def _lora_targets(cls, v):
         return comma_list(v, "name the linear layers to adapt, e.g. q_proj,v_proj")
 
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _trackers(cls, v):
+        return comma_list(v, "give none or tensorboard, mlflow, wandb, trackio (comma-separated)")
+
+    @field_validator("report_to")
+    @classmethod
+    def _none_alone(cls, v: list[str]) -> list[str]:
+        """``none`` means no tracker: with a tracker beside it, one of the two is a mistake."""
+        if "none" in v and len(v) > 1:
+            raise ValueError(f"none means no tracker; give none alone or the trackers alone, not {','.join(v)}")
+        return v
+
     @model_validator(mode="after")
     def _lora_fits(self) -> TrainConfig:
         defaults = {k: TrainConfig.model_fields[k].default for k in ("lora_alpha", "lora_targets")}
@@ -721,6 +771,25 @@ class TrainConfig(BaseModel):
                 f"--max-new-tokens {self.max_new_tokens}, --max-total-tokens {self.max_total_tokens})), "
                 "so the penalty would start before the first generated token; lower --overlong-buffer "
                 f"to at most {budget} (DAPO: 4096 of 20480) or raise the budgets"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _lr_schedule_fits(self) -> TrainConfig:
+        """The warm-up must end within the run's optimizer steps, and the floor lie below the peak
+        (--min-lr with the constant schedule is refused as unread: ``config.effects``)."""
+        total = self.iterations * self.epochs_per_batch * self.mini_batches  # as loop.learner.make_learner
+        if self.warmup_steps >= total:
+            raise ValueError(
+                f"--warmup-steps {self.warmup_steps} is not shorter than the run's {total} optimizer steps "
+                f"(--iterations {self.iterations} × --epochs-per-batch {self.epochs_per_batch} × --mini-batches "
+                f"{self.mini_batches}), so the learning rate would never reach --learning-rate; lower "
+                f"--warmup-steps to at most {total - 1} (or 0 for none)"
+            )
+        if self.min_lr > self.learning_rate:
+            raise ValueError(
+                f"--min-lr {self.min_lr:g} is above --learning-rate {self.learning_rate:g}: the schedule "
+                f"decays from --learning-rate down to --min-lr; give --min-lr at most {self.learning_rate:g}"
             )
         return self
 

@@ -78,6 +78,8 @@ class ColdStartConfig:
         lora_rank: 0 = full fine-tuning; r ≥ 1 trains a LoRA adapter, merged at the end.
         lora_alpha, lora_targets: the adapter's α and modules.
         sft: :class:`~consequence.distill.sft.SFTConfig`.
+        tool_format: the renderer's ``tool_format`` of the student (``consequence train
+            --tool-format``): the demonstrations are written in the format RL then samples in.
     """
 
     env: str = "repair"
@@ -91,6 +93,7 @@ class ColdStartConfig:
     demos_file: str | None = None
     teacher: TeacherEndpoint | None = None
     split_seed: int | None = None
+    tool_format: str = "auto"
 
 
 def cold_start(
@@ -131,7 +134,7 @@ def cold_start(
     split_seed = cfg.seed if cfg.split_seed is None else cfg.split_seed
     env = env if env is not None else load_environment(cfg.env, split_seed, dict(cfg.env_options))
     model, tok = load_policy(model_path)
-    renderer = Renderer(tok, env.tools)  # the student's format: native, or Hermes where the template drops tools
+    renderer = Renderer(tok, env.tools, tool_format=cfg.tool_format)  # the student's format (Renderer: auto)
     demos = collect_demonstrations(
         env,
         renderer,
@@ -168,6 +171,7 @@ def cold_start(
         "environment": env.label,
         "settings": _settings(cfg),
         "tool_format": renderer.tool_format,
+        "tool_call_format": renderer.call_format,
         "teacher": demos.record(),
         "rows": len(rows),
         "tokens": n_tokens,
@@ -201,6 +205,8 @@ def _settings(cfg: ColdStartConfig) -> dict[str, Any]:
         "lora_alpha": cfg.lora_alpha,
         "lora_targets": list(cfg.lora_targets),
         "sft": cfg.sft.as_dict(),
+        # only when asked for: the default keeps the cache keys of cold starts built before the option
+        **({} if cfg.tool_format == "auto" else {"tool_format": cfg.tool_format}),
     }
 
 

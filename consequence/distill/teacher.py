@@ -79,10 +79,11 @@ def _actions(step: Any) -> list[Any]:
     return list(step) if isinstance(step, list) else [step]
 
 
-def turn_text(step: Any) -> str:
-    """The assistant text of one planned turn (before the end-of-turn token): an answer's
-    text as it is, a tool call as :func:`consequence.harness.renderer.format_call` writes it,
-    the turn's answers first, then its calls, joined by newlines.
+def turn_text(step: Any, renderer: Renderer | None = None) -> str:
+    """The assistant text of one planned turn (before the end-of-turn token): the turn's
+    answers' text as it is, then its calls as ``renderer.format_calls`` writes them (the
+    renderer's tool-call format), joined by newlines; without a renderer, each call as
+    :func:`consequence.harness.renderer.format_call` writes it (Hermes), one per line.
 
     Raises:
         ValueError: an action that :func:`check_action` refuses.
@@ -93,12 +94,14 @@ def turn_text(step: Any) -> str:
         if problem:
             raise ValueError(problem)
         if isinstance(action, tuple):
-            calls.append(format_call(action[0], action[1]))
+            calls.append((action[0], action[1]))
         elif ANSWER_KEY in action:
             texts.append(action[ANSWER_KEY])
         else:
-            calls.append(format_call(action["name"], action.get("arguments", {})))
-    return "\n".join(texts + calls)
+            calls.append((action["name"], action.get("arguments", {})))
+    if calls:
+        texts.append(renderer.format_calls(calls) if renderer else "\n".join(format_call(n, a) for n, a in calls))
+    return "\n".join(texts)
 
 
 class ScriptedTeacher:
@@ -120,7 +123,7 @@ class ScriptedTeacher:
 
     def __init__(self, renderer: Renderer, plans: Sequence[Sequence[Any]]):
         self.renderer = renderer
-        self.texts = [[turn_text(step) for step in plan] for plan in plans]
+        self.texts = [[turn_text(step, renderer) for step in plan] for plan in plans]
         self.step = [0] * len(plans)
         self.ran_out: set[int] = set()
 

@@ -8,107 +8,64 @@ what ``apply_chat_template`` renders for the whole conversation (case 13), while
 assistant's own tokens stay exactly the sampled ids (case 09).
 
 Tool formats. A template that renders ``tools=`` and ``tool_calls`` itself (Qwen2.5,
-Hermes, the bundled tiny model's) is used as it is (``"native"``). A plain template
-that drops them but renders the content of every turn (SmolLM2's ChatML) gets the tools
-in the Hermes function-calling format instead (``"hermes"``, :func:`hermes_messages`):
-the tool specs go into the system message in the wording of the Qwen2.5 chat template,
-tool calls become ``<tool_call>`` blocks in the assistant's content, and tool results
-become one user turn of ``<tool_response>`` blocks; the template then renders those
-messages, so everything it renders is still exactly ``apply_chat_template``'s text.
-A template that does neither is refused (:class:`Renderer`).
+Hermes, Qwen3-Coder, Llama 3.1, the bundled tiny model's) is used as it is (``"native"``);
+the replies are read in the call format the template itself writes (found by rendering a
+probe call and reading it back with each format of :mod:`consequence.harness.tool_formats`;
+Hermes when none reads it). A plain template that drops them but renders the content of
+every turn (SmolLM2's ChatML) gets the tools in a declared format instead (``"hermes"`` by
+default, or any format of the registry, :func:`~consequence.harness.tool_formats.declare`):
+the tool specs go into the system message in that family's wording, tool calls become
+text in the assistant's content, and tool results become that family's result messages;
+the template then renders those messages, so everything it renders is still exactly
+``apply_chat_template``'s text. A template that does neither is refused (:class:`Renderer`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
-_TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-
-TOOL_FORMATS = ("auto", "native", "hermes")
-
-# The Hermes function-calling system text, worded as the Qwen2.5 chat template writes it;
-# the tool specs go between the two parts, one JSON object per line.
-HERMES_TOOLS_HEAD = (
-    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
-)
-HERMES_TOOLS_TAIL = (
-    "\n</tools>\n\nFor each function call, return a json object with function name and "
-    "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
-    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+from consequence.harness.tool_formats import (
+    FORMATS,
+    HERMES,
+    HERMES_TOOLS_HEAD,
+    HERMES_TOOLS_TAIL,
+    ToolFormat,
+    declare,
+    format_call,
 )
 
-
-def format_call(name: str, arguments: dict | str) -> str:
-    """One tool call as assistant text: ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``.
-
-    ``arguments`` given as a JSON string (the OpenAI wire shape) is decoded first.
-    """
-    if isinstance(arguments, str):
-        with contextlib.suppress(json.JSONDecodeError):  # not JSON: kept as the text it is
-            arguments = json.loads(arguments)
-    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+# What ``tool_format`` takes: how the tools reach the prompt (auto, native) or a declared format.
+TOOL_FORMATS: tuple[str, ...] = ("auto", "native", *FORMATS)
+__all__ = [
+    "HERMES_TOOLS_HEAD",
+    "HERMES_TOOLS_TAIL",
+    "TOOL_FORMATS",
+    "ParsedTurn",
+    "Renderer",
+    "format_call",
+    "hermes_messages",
+    "hermes_tools_text",
+    "replay_conversation",
+]
 
 
 def hermes_tools_text(tools: list[dict]) -> str:
     """The system-message text that declares ``tools`` in the Hermes / Qwen2.5 format."""
-    return HERMES_TOOLS_HEAD + "".join("\n" + json.dumps(t) for t in tools) + HERMES_TOOLS_TAIL
+    return HERMES.tools_text(tools)
 
 
 def hermes_messages(messages: list[dict], tools: list[dict]) -> list[dict]:
-    """``messages`` with the tools written into their content (pure; the input is not changed).
+    """``messages`` with the tools written into their content in the Hermes format
+    (:func:`~consequence.harness.tool_formats.declare` with ``hermes``; pure).
 
-    - The tool specs (:func:`hermes_tools_text`) are appended to the first message's
-      content when it is a system message (after a blank line), else a system message
-      holding only them is put first (so a template's default system prompt is not added
-      on top of them).
-    - An assistant message's ``tool_calls`` become its content: the original content (if
-      any) and a newline, then each call as :func:`format_call` writes it, joined by
-      newlines; the ``tool_calls`` key is dropped.
-    - Consecutive ``tool`` messages become one ``user`` message whose content is each
-      result as ``<tool_response>\\n{content}\\n</tool_response>``, joined by newlines, so
-      parallel results share one turn (case 13), as in the Qwen2.5 template.
+    The specs are appended to the system message in the Qwen2.5 template's wording, an
+    assistant message's ``tool_calls`` become ``<tool_call>`` blocks of its content (after
+    its text and a newline), and each run of ``tool`` messages becomes one ``user`` message
+    of ``<tool_response>\\n{content}\\n</tool_response>`` blocks joined by newlines, so
+    parallel results share one turn (case 13), as in the Qwen2.5 template.
     """
-    spec = hermes_tools_text(tools)
-    out: list[dict] = []
-    if messages and messages[0].get("role") == "system":
-        first = messages[0].get("content") or ""
-        out.append({**messages[0], "content": (first + "\n\n" if first else "") + spec})
-        rest = messages[1:]
-    else:
-        out.append({"role": "system", "content": spec})
-        rest = messages
-    previous = None
-    for m in rest:
-        role = m.get("role")
-        if role == "tool":
-            block = "<tool_response>\n" + str(m.get("content") or "") + "\n</tool_response>"
-            if previous == "tool":
-                out[-1]["content"] += "\n" + block
-            else:
-                out.append({"role": "user", "content": block})
-        elif role == "assistant" and m.get("tool_calls"):
-            calls = "\n".join(format_call(*_name_and_arguments(c)) for c in m["tool_calls"])
-            content = m.get("content") or ""
-            out.append(
-                {
-                    **{k: v for k, v in m.items() if k != "tool_calls"},
-                    "content": (content + "\n" if content else "") + calls,
-                }
-            )
-        else:
-            out.append(dict(m))
-        previous = role
-    return out
-
-
-def _name_and_arguments(call: dict) -> tuple[str, dict | str]:
-    fn = call.get("function", call)
-    return fn["name"], fn.get("arguments", {})
+    return declare(HERMES, messages, tools)
 
 
 @dataclass
@@ -132,18 +89,20 @@ class ParsedTurn:
 class Renderer:
     """Renders conversations with a Hugging Face tokenizer's chat template.
 
-    Tool calls are read and written in the Hermes / Qwen2.5 convention
-    ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``. How the tools
-    reach the prompt is ``tool_format``:
+    How the tools reach the prompt, and how calls are written and read, is ``tool_format``:
 
-    - ``"native"``: the template renders ``tools=`` and ``tool_calls`` itself.
-    - ``"hermes"``: the template only renders the content of turns (SmolLM2's ChatML);
-      the messages are rewritten by :func:`hermes_messages` (tool specs in the system
-      message in the Qwen2.5 template's wording, calls in the assistant's content,
-      results as ``<tool_response>`` blocks in one user turn) and rendered without
-      ``tools=``. The text is still exactly what ``apply_chat_template`` renders for the
-      rewritten messages, so the observation ids and the token stream of an episode work
-      as in ``"native"``.
+    - ``"native"``: the template renders ``tools=`` and ``tool_calls`` itself. Calls are
+      read in the format the template writes a probe call in (:attr:`call_format`: the
+      first format of :data:`~consequence.harness.tool_formats.FORMATS` that reads the
+      template's own rendering of it back; ``"hermes"`` when none does).
+    - a format name (``"hermes"``, ``"qwen3_coder"``, ``"llama3_json"``, ``"mistral"``,
+      ``"pythonic"``): the template only has to render the content of turns (SmolLM2's
+      ChatML); the messages are rewritten by
+      :func:`~consequence.harness.tool_formats.declare` (tool specs in the system message
+      in that family's wording, calls in the assistant's content, results as the format's
+      result messages) and rendered without ``tools=``. The text is still exactly what
+      ``apply_chat_template`` renders for the rewritten messages, so the observation ids
+      and the token stream of an episode work as in ``"native"``.
     - ``"auto"``: ``"native"`` when the template shows every tool's name given
       ``tools=``, else ``"hermes"`` when the rewritten messages show every tool's name, a
       probe tool call and a probe tool result verbatim and the generation prompt adds an
@@ -154,17 +113,21 @@ class Renderer:
         tools: JSON-schema function specs (OpenAI function-calling shape).
         end_of_turn: the token that ends an assistant turn (``<|im_end|>`` for Qwen-style
             templates); defaults to ``<|im_end|>`` when the vocabulary has it, else EOS.
-        tool_format: ``"auto"`` (default), ``"native"`` or ``"hermes"``.
+        tool_format: ``"auto"`` (default), ``"native"`` or a format name (:data:`TOOL_FORMATS`).
 
     Attributes:
-        tool_format: the format in use: ``"native"``, ``"hermes"``, or ``"none"`` when
-            there are no tools (then nothing is rewritten).
+        tool_format: how the tools reach the prompt: ``"native"``, a format name (declared
+            in the messages), or ``"none"`` when there are no tools (then nothing is
+            rewritten and no text is read as a call).
+        call_format: the format calls are written and read in (``"hermes"`` unless the
+            template or ``tool_format`` says otherwise).
 
     Raises:
         ValueError: the tokenizer has no chat template, or no end-of-turn token; an
             unknown ``tool_format``; ``"native"`` with a template that drops ``tools=``;
-            ``"hermes"`` (or ``"auto"`` after ``"native"`` failed) with a template that
-            does not show the rewritten content (the message says what is missing).
+            a format name (or ``"auto"`` after ``"native"`` failed) with a template that
+            does not show the rewritten content, or tools whose names the format cannot
+            write (the message says what is missing).
     """
 
     def __init__(self, tokenizer, tools: list[dict], end_of_turn: str | None = None, tool_format: str = "auto"):
@@ -186,13 +149,19 @@ class Renderer:
         self.stop_ids = {self.eot_id}
         if tokenizer.eos_token_id is not None:
             self.stop_ids.add(tokenizer.eos_token_id)
+        self.call_format = "hermes"
         self.tool_format = "none" if not tools else self._resolve_tool_format(tool_format)
 
+    @property
+    def format(self) -> ToolFormat:
+        """The :class:`~consequence.harness.tool_formats.ToolFormat` of :attr:`call_format`."""
+        return FORMATS[self.call_format]
+
     def _resolve_tool_format(self, requested: str) -> str:
-        """The tool format in use (see the class doc).
+        """The tool format in use (see the class doc); sets :attr:`call_format`.
 
         A template that silently drops ``tools=`` would give the policy a prompt without
-        them (SmolLM2's does): the Hermes format stands in for it only where the template
+        them (SmolLM2's does): a declared format stands in for it only where the template
         shows what the rewritten messages carry; otherwise refuse instead of training on
         such prompts.
 
@@ -205,6 +174,7 @@ class Renderer:
             text = self.render_text([{"role": "user", "content": "x"}], add_generation_prompt=True)
             missing = [n for n in names if n not in text]
             if not missing:
+                self.call_format = self._native_call_format(names[0])
                 return "native"
             dropped = (
                 f"this model's chat template does not render the environment's tools (no "
@@ -217,23 +187,75 @@ class Renderer:
                     "without tools (e.g. --env reasoning-gym) or a model whose chat template renders "
                     "tools= (a Hermes / Qwen-style template)"
                 )
+            requested, asked = "hermes", False
         else:
-            dropped = "tool_format='hermes' was asked for"
-        self.tool_format = "hermes"
-        gaps = self._hermes_gaps(names)
-        if gaps:
+            dropped, asked = f"tool_format={requested!r} was asked for", True
+        self._declare(requested, names, dropped, hint_native=asked)
+        return requested
+
+    def _declare(self, name: str, names: list[str], dropped: str, hint_native: bool) -> None:
+        """Use format ``name`` declared in the messages, or refuse (see :meth:`_resolve_tool_format`)."""
+        fmt = FORMATS[name]
+        unwritable = fmt.check_tools(self.tools)
+        if unwritable:
             raise ValueError(
-                f"{dropped}, and the Hermes tool format cannot stand in: with the tools written into "
+                f"tool_format={name!r}: the {fmt.title} format cannot write these tools: {'; '.join(unwritable)}. "
+                "Rename them or use another --tool-format"
+            )
+        self.tool_format = self.call_format = name
+        gaps = self._declared_gaps(names)
+        if gaps:
+            native = self._renders_tools_as(names) if hint_native else None
+            also = (
+                f". This template renders tools= itself (its calls read as {native}): use tool_format='native'"
+                if native
+                else ""
+            )
+            raise ValueError(
+                f"{dropped}, and the {fmt.title} tool format cannot stand in: with the tools written into "
                 f"the messages, {'; '.join(gaps)}. Pass a chat template that renders tools= and "
                 "tool_calls (tokenizer.chat_template, e.g. a Hermes / Qwen2.5-style template), use a "
                 "model whose chat template renders the content of system, assistant and tool turns "
-                "and an assistant header for the generation prompt, or an environment without tools "
-                "(e.g. --env reasoning-gym)"
+                f"and an assistant header for the generation prompt, or an environment without tools "
+                f"(e.g. --env reasoning-gym){also}"
             )
+
+    def _renders_tools_as(self, names: list[str]) -> str | None:
+        """The call format of a template that renders ``tools=`` itself, else None (for a hint)."""
+        try:
+            text = self._native_text([{"role": "user", "content": "x"}], True)
+        except Exception:  # noqa: BLE001  (any template error means: not usable natively)
+            return None
+        return self._native_call_format(names[0]) if all(n in text for n in names) else None
+
+    def _native_call_format(self, name: str) -> str:
+        """The format that reads the template's own rendering of a probe call back exactly.
+
+        The probe is a system and a user message, then an assistant turn with one call of
+        ``name`` with arguments ``{"probe": 1}``; its text after the generation prompt, up
+        to the end-of-turn token, is read with each registered format in turn. Hermes when
+        the template raises, does not render the probe turn after the prompt, or no format
+        reads it (the behaviour before formats were registered).
+        """
+        head = [{"role": "system", "content": "probe-system"}, {"role": "user", "content": "probe-user"}]
+        call = {"type": "function", "function": {"name": name, "arguments": {"probe": 1}}}
+        try:
+            prompt = self._native_text(head, True)
+            full = self._native_text(head + [{"role": "assistant", "content": "", "tool_calls": [call]}], False)
+        except Exception:  # noqa: BLE001  (a template may raise on a call without an id, say)
+            return "hermes"
+        if not full.startswith(prompt):
+            return "hermes"
+        reply = full[len(prompt) :].split(self.end_of_turn)[0]
+        want = [{"name": name, "arguments": {"probe": 1}}]
+        for fmt_name, fmt in FORMATS.items():
+            content, calls, error = fmt.split(reply, self.tools)
+            if error is None and calls == want and not content and not fmt.check_tools(self.tools):
+                return fmt_name
         return "hermes"
 
-    def _hermes_gaps(self, names: list[str]) -> list[str]:
-        """What the template fails to show of a probe conversation in the Hermes format."""
+    def _declared_gaps(self, names: list[str]) -> list[str]:
+        """What the template fails to show of a probe conversation in the declared format."""
         call = {"type": "function", "function": {"name": names[0], "arguments": {"probe": 1}}}
         probe: list[dict[str, Any]] = [
             {"role": "system", "content": "probe-system"},
@@ -251,23 +273,27 @@ class Renderer:
         missing = [n for n in names if n not in prompt]
         if missing:
             gaps.append(f"the prompt does not show the tools {', '.join(missing)} (system message content)")
-        if format_call(names[0], {"probe": 1}) not in text:
+        if self.format.write([(names[0], {"probe": 1})]) not in text:
             gaps.append("an assistant tool call is not rendered verbatim (assistant message content)")
-        if "<tool_response>\nprobe-result\n</tool_response>" not in text:
-            gaps.append("a tool result is not rendered verbatim (user message content)")
+        results = self.format.result_messages(["probe-result"])
+        if any(m["content"] not in text for m in results):
+            gaps.append(f"a tool result is not rendered verbatim ({results[0]['role']} message content)")
         if prompt == no_header:
             gaps.append("the generation prompt adds no assistant header (add_generation_prompt renders nothing)")
         return gaps
 
     # ---- messages → tokens -------------------------------------------------------
     def render_text(self, messages: list[dict], add_generation_prompt: bool) -> str:
-        """``apply_chat_template``'s text of ``messages`` (rewritten first in ``"hermes"``)."""
-        if getattr(self, "tool_format", None) == "hermes":
+        """``apply_chat_template``'s text of ``messages`` (rewritten first in a declared format)."""
+        if getattr(self, "tool_format", None) in FORMATS:
             return self.tokenizer.apply_chat_template(
-                hermes_messages(messages, self.tools),
+                declare(FORMATS[self.tool_format], messages, self.tools),
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
             )
+        return self._native_text(messages, add_generation_prompt)
+
+    def _native_text(self, messages: list[dict], add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
             messages,
             tools=self.tools,
@@ -317,21 +343,13 @@ class Renderer:
         """
         ids = output_ids[:-1] if output_ids and output_ids[-1] in self.stop_ids else output_ids
         text = self.tokenizer.decode(ids, skip_special_tokens=False)
-        calls: list[dict[str, Any]] = []
-        errors: list[str] = []
-        for block in _TOOL_CALL_RE.findall(text) if self.tools else ():
-            call, err = _parse_call(block)  # exactly one of the two is None
-            if err is not None:
-                errors.append(err)
-            elif call is not None:
-                calls.append(call)
-        content = _TOOL_CALL_RE.sub("", text).strip() if self.tools else text.strip()
+        content, calls, parse_error = self.format.split(text, self.tools) if self.tools else (text.strip(), [], None)
         if stop_reason == "length":
             error = "output cut at the token limit"
-        elif errors:
-            error = errors[0]
+        elif parse_error:
+            error = parse_error
         elif not calls and not answers:
-            error = 'no tool call; answer with <tool_call>{"name": ..., "arguments": {...}}</tool_call>'
+            error = f"no tool call; answer with {self.format.hint}"
         else:
             error = None
         message: dict[str, Any] = {"role": "assistant", "content": content if error is None else text}
@@ -340,27 +358,14 @@ class Renderer:
         return ParsedTurn(message, calls if error is None else [], error, stop_reason)
 
     def format_call(self, name: str, arguments: dict) -> str:
-        """The assistant text of one tool call, exactly as the template renders it
-        (:func:`format_call`; in ``"hermes"`` that is what the template is given)."""
-        return format_call(name, arguments)
+        """The assistant text of one tool call in :attr:`call_format` (in a declared format that is
+        what the template is given; natively, what the template writes for it)."""
+        return self.format.write([(name, arguments)])
 
-
-def _parse_call(block: str) -> tuple[dict | None, str | None]:
-    try:
-        obj = json.loads(block.strip())
-    except json.JSONDecodeError as e:
-        return None, f"tool call is not valid JSON ({e.msg} at char {e.pos})"
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None, 'tool call must be an object with a string "name"'
-    args = obj.get("arguments", {})
-    if isinstance(args, str):  # some models emit arguments as a JSON string
-        try:
-            args = json.loads(args)
-        except json.JSONDecodeError:
-            return None, "tool call arguments are not a JSON object"
-    if not isinstance(args, dict):
-        return None, "tool call arguments must be a JSON object"
-    return {"name": obj["name"], "arguments": args}, None
+    def format_calls(self, calls: list[tuple[str, Any]]) -> str:
+        """The assistant text of one turn's ``(name, arguments)`` calls in :attr:`call_format`
+        (Hermes: each as :meth:`format_call` writes it, one per line; Mistral and pythonic: one list)."""
+        return self.format.write(calls)
 
 
 def replay_conversation(
@@ -370,7 +375,7 @@ def replay_conversation(
 
     Used for demonstrations written as messages (not sampled): each assistant turn's ids
     are the template's own rendering of its text and tool calls plus end-of-turn (its
-    content, then each call as :func:`format_call` writes it, one per line: what a policy
+    content, then its calls as :meth:`Renderer.format_calls` writes them: what a policy
     samples for that turn), exactly what the model must learn to sample. The ``tool`` and
     ``user`` messages after an assistant turn are its observations (tool results; the
     environment's reply to an answer).
@@ -398,10 +403,8 @@ def replay_conversation(
             j += 1
         results = messages[i + 1 : j]
         content = assistant.get("content") or ""
-        tool_calls = "\n".join(
-            renderer.format_call(c["function"]["name"], c["function"]["arguments"])
-            for c in assistant.get("tool_calls") or []
-        )
+        planned = [(c["function"]["name"], c["function"]["arguments"]) for c in assistant.get("tool_calls") or []]
+        tool_calls = renderer.format_calls(planned) if planned else ""
         text = (content + "\n" + tool_calls if content else tool_calls) if tool_calls else content
         out = renderer.encode(text) + [renderer.eot_id]
         obs = renderer.observation_ids(history, assistant, results) if results and j < len(messages) else []

@@ -27,8 +27,10 @@ from consequence.config import TrainConfig
 from consequence.credit.batch import Batch, assign_credit, training_rows
 from consequence.credit.value import ValueModel, explained_variance
 from consequence.policy.logprobs import enable_gradient_checkpointing, token_logprobs
+from consequence.policy.lora import frozen_copy
 from consequence.records import Trajectory
 from consequence.update.sampler_gap import apply_is_mask, sampler_gap_metrics
+from consequence.update.schedule import make_scheduler
 from consequence.update.step import NonFiniteError, UpdateConfig, compute_logprobs, ppo_step
 from consequence.update.value_step import value_step
 
@@ -46,6 +48,9 @@ class Learner:
     critic_optimizer: torch.optim.Optimizer | None = None
     teacher: torch.nn.Module | None = None
     data_parallel: Any = None  # --update-ranks > 1: a consequence.update.data_parallel.DataParallelUpdate
+    reference_version: int = 0  # the policy version π_ref holds: 0 = the starting policy (--ref-refresh-every)
+    # --lr-schedule / --warmup-steps: stepped once per optimizer step taken (update.schedule); None = constant lr
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
 
 
 def make_learner(
@@ -82,6 +87,8 @@ def make_learner(
     )
     trainable = [p for p in model.parameters() if p.requires_grad]  # all of them, or a LoRA adapter's A and B
     learner = Learner(model, torch.optim.AdamW(trainable, lr=cfg.learning_rate, weight_decay=0.0), ucfg)
+    steps = cfg.iterations * cfg.epochs_per_batch * cfg.mini_batches  # every optimizer step the run schedules
+    learner.scheduler = make_scheduler(learner.optimizer, steps, cfg.warmup_steps, cfg.lr_schedule, cfg.min_lr)
     if cfg.advantage == "reverse_kl" or cfg.distill_loss != "none":
         if teacher is None:
             raise ValueError(
@@ -103,6 +110,24 @@ def make_learner(
         check_rank_count(cfg.update_ranks)
         learner.data_parallel = DataParallelUpdate(cfg.update_ranks).launch(type(model).__module__)
     return learner
+
+
+def refresh_due(cfg: TrainConfig, it: int) -> bool:
+    """Whether π_ref becomes the current policy after iteration ``it`` (``--ref-refresh-every N``:
+    after iterations N − 1, 2N − 1, …, i.e. at policy versions N, 2N, …; never after the last)."""
+    n = cfg.ref_refresh_every
+    return n > 0 and cfg.kl_coef > 0 and (it + 1) % n == 0 and it + 1 < cfg.iterations
+
+
+def refresh_reference(learner: Learner, version: int) -> None:
+    """π_ref ← a frozen copy of the current policy (a LoRA adapter folded in), at policy
+    ``version``: the KL then pulls toward where the policy was at most ``--ref-refresh-every``
+    iterations ago instead of toward the start (the reference "fixed at the initial model or
+    updated every stated number of steps" of docs/design.md §5; ProRL's reference policy
+    reset, Liu et al. 2025; TR-DPO's hard update, Gorbatovski et al. 2024). A new object:
+    the starting policy the final evaluation compares against is not touched."""
+    learner.reference = frozen_copy(learner.model)
+    learner.reference_version = version
 
 
 # ---- credit box ----------------------------------------------------------------------
@@ -167,7 +192,10 @@ def update(
         the steps merged by :func:`merge_steps` (steps whose rows were all skipped add
         nothing to means and extremes; the counts of steps taken and skipped), plus
         ``value_explained_var`` of the critic over all target tokens of the batch when
-        a critic is trained and it is defined. Every value is a finite float.
+        a critic is trained and it is defined, and ``lr``: the policy's learning rate of
+        the last optimizer step taken (when none was taken, the one the next step will
+        take). Every value is a finite float. ``learner.scheduler`` (``--lr-schedule``)
+        steps once after each optimizer step taken, never after a skipped one.
 
     Raises:
         ValueError: the batch has fewer rows than ``mini_batches`` (nothing is applied).
@@ -175,8 +203,9 @@ def update(
             the message names the tensor and the trajectories (task, group, sample) of
             the rows involved. That optimizer step is not taken (earlier ones were).
     """
+    lr = _policy_lr(learner)
     if not batch.rows:
-        return {"n_updates": 0.0, "optimizer_steps_taken": 0.0, "optimizer_steps_skipped": 0.0}
+        return {"n_updates": 0.0, "optimizer_steps_taken": 0.0, "optimizer_steps_skipped": 0.0, "lr": lr}
     rows = batch.rows
     _check_mini_batches(len(rows), cfg.mini_batches)
     lp_fn = logprob_fn(cfg)
@@ -195,6 +224,7 @@ def update(
         for part in _chunks(order, cfg.mini_batches):
             mini = batch.select(part)
             with _naming_trajectories(batch, part, len(steps)):
+                lr_now = _policy_lr(learner)
                 m = step(
                     learner.model,
                     learner.optimizer,
@@ -207,8 +237,12 @@ def update(
                     sampler_logprobs=mini.sampler_logprobs,
                     teacher=learner.teacher,  # read only with a --distill-loss
                 )
+                if m.get("optimizer_stepped", 1.0) > 0:  # merge_steps' rule: the schedule counts steps taken
+                    lr = lr_now
+                    if learner.scheduler is not None:
+                        learner.scheduler.step()
                 steps.append(m | _critic_step(learner, mini, cfg, pad_id))
-    merged = merge_steps(steps) | gap
+    merged = merge_steps(steps) | gap | {"lr": lr}
     if cfg.distill_loss != "none":  # cost: the teacher ran one forward over every row of every step
         merged["teacher_forward_tokens"] = float(cfg.epochs_per_batch * sum(len(r.input_ids) for r in rows))
         merged["distill_targets"] = merged.get("n_tokens", 0.0)
@@ -218,6 +252,11 @@ def update(
         if ev is not None and math.isfinite(ev):
             merged["value_explained_var"] = ev
     return merged
+
+
+def _policy_lr(learner: Learner) -> float:
+    """The learning rate the policy's next optimizer step takes (make_learner's groups share one)."""
+    return float(learner.optimizer.param_groups[0]["lr"])
 
 
 def needs_recompute(cfg: TrainConfig) -> bool:

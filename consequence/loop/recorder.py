@@ -13,7 +13,7 @@ import errno
 import json
 import signal
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal
@@ -28,6 +28,7 @@ from consequence.loop.resume import mark_status, rewind_run_dir, save_state
 from consequence.policy.checkpoint import save_policy
 from consequence.records import Trajectory, write_trajectories
 from consequence.report.manifest import clear_run_outputs, write_manifest
+from consequence.report.trackers import ARTIFACTS, Trackers, open_trackers
 from consequence.scale.scheduler import RolloutError
 
 # A write that fails with one of these stops the run cleanly (RunStopped); others propagate.
@@ -96,6 +97,7 @@ class RunRecorder:
         self.opened = False
         self.show: Callable[[str], None] = lambda text: None
         self._sigterm: Any = None  # the SIGTERM handler to put back (signal.signal returns any kind)
+        self.trackers = Trackers()  # --report-to: started by start_trackers
 
     # ---- the run's ending ----------------------------------------------------------------
     def __enter__(self) -> RunRecorder:
@@ -108,6 +110,7 @@ class RunRecorder:
             signal.signal(signal.SIGTERM, self._sigterm)
         if self.opened:
             status, reason = run_ending(e)
+            self.trackers.close(status)  # the tracker runs end as the run does (a tracker's error only warns)
             # "finished" must not be lost silently: a failed write there raises (and is a stopped run)
             mark_status(self.dir, status, reason, strict=e is None)
         return False  # the exception, if any, goes on
@@ -139,6 +142,18 @@ class RunRecorder:
 
     def save_manifest(self) -> None:
         write_manifest(self.manifest, self.dir)
+
+    def start_trackers(self, names: Sequence[str], config: dict[str, Any], start: int) -> None:
+        """``--report-to``: start the trackers (a resumed run, ``start`` > 0, continues their
+        runs; ``report.trackers.open_trackers``) and say where each writes.
+
+        Raises:
+            ValueError: a tracker could not start its run.
+        """
+        warn = lambda text: self.console.print(f"[yellow]warning:[/] {escape(text)}")  # noqa: E731
+        self.trackers = open_trackers(names, self.dir, config, start, warn)
+        if self.trackers:
+            self.console.print(f"tracking: {escape(self.trackers.describe())}")
 
     # ---- the iterations ------------------------------------------------------------------
     @contextmanager
@@ -190,6 +205,7 @@ class RunRecorder:
         for w in m["warnings"]:
             self.console.print(f"[yellow]warning (iteration {it}):[/] {w}")
         append_line(self.dir / "metrics.jsonl", json.dumps(m, allow_nan=False))  # strict JSON: a NaN here is a bug
+        self.trackers.log(it, m)  # --report-to: the same line, after metrics.jsonl has it
 
     def resume_state(self, completed: int, learner, tokenizer, config: dict[str, Any]) -> None:
         """A resume state after ``completed`` iterations (``loop.resume.save_state``)."""
@@ -215,6 +231,7 @@ class RunRecorder:
                 f"{title}\n\n**{skipped[0].upper() + skipped[1:]}**: the warm start "
                 f"and the RL checkpoint were not compared.\n{rest}",
             )
+        self.trackers.log_artifacts([self.dir / name for name in ARTIFACTS])
         self.console.print(md.read_text())
 
 

@@ -6,6 +6,9 @@ A resume state is the folder ``RUN/checkpoints/state-NNNN`` (NNNN = iterations c
     optimizer.pt          AdamW state of the policy (torch.save; read back with weights_only=True)
     critic.safetensors    value model (trunk + head), only with ``advantage: gae``
     critic_optimizer.pt   its AdamW state, only with a critic
+    scheduler.pt          the policy's learning-rate schedule (LambdaLR state: optimizer steps taken),
+                          only with --lr-schedule linear|cosine or --warmup-steps
+    reference.safetensors the KL reference, only once --ref-refresh-every replaced it (metadata: its version)
     rng.json              python ``random``, numpy and torch (CPU, and CUDA when present) states
     state.json            iterations completed, the metrics history, the manifest, the config
 
@@ -48,9 +51,10 @@ STATE_FORMAT = 1
 # pre-step checks run (a run they stopped is resumed with --skip-checks, as their message
 # says; manifest.json records it), and on which device the models compute (the weights,
 # optimizer state and RNG are read onto it; the numbers differ from the device's by float
-# rounding only) -- not what is trained (--dtype stays).
+# rounding only), and which trackers get a copy of the metrics (--report-to: a tracker added
+# at resume starts its run there) -- not what is trained (--dtype stays).
 RESUME_MAY_CHANGE = frozenset(
-    {"rollout_timeout", "ray_address", "rollout_workers", "skip_checks", "device", "teacher_device"}
+    {"rollout_timeout", "ray_address", "rollout_workers", "skip_checks", "device", "teacher_device", "report_to"}
 )
 STATE_RE = re.compile(r"^state-(\d{4,})$")
 
@@ -125,9 +129,17 @@ def _write_learner(folder: Path, learner) -> None:
     from safetensors.torch import save_file
 
     _torch_save(learner.optimizer.state_dict(), folder / "optimizer.pt")
+    if learner.scheduler is not None:  # its step count; the lr itself is in the optimizer's groups
+        _torch_save(learner.scheduler.state_dict(), folder / "scheduler.pt")
     if learner.critic is not None:
         save_file({k: v.contiguous() for k, v in learner.critic.state_dict().items()}, folder / "critic.safetensors")
         _torch_save(learner.critic_optimizer.state_dict(), folder / "critic_optimizer.pt")
+    if learner.reference_version > 0:  # a refreshed π_ref (--ref-refresh-every) is no longer the starting policy
+        from safetensors.torch import save_model  # tied embeddings: save_model stores a shared tensor once
+
+        save_model(
+            learner.reference, str(folder / "reference.safetensors"), {"version": str(learner.reference_version)}
+        )
 
 
 def _torch_save(obj: Any, path: Path) -> None:
@@ -243,18 +255,49 @@ def _number(pattern: str, name: str, default: int) -> int:
 
 
 def load_learner_state(state: ResumeState, learner) -> None:
-    """Load optimizer (and critic) state into ``learner``, whose model holds the state's weights."""
+    """Load optimizer (learning-rate schedule, critic) state into ``learner``, whose model holds
+    the state's weights.
+
+    Raises:
+        ValueError: the run has a learning-rate schedule and the state no scheduler.pt.
+    """
     from safetensors.torch import load_file
 
     # read onto the CPU (a state saved on a GPU opens on any machine); load_state_dict then
     # moves each tensor to its parameter's device, which may differ from the one that saved it
     learner.optimizer.load_state_dict(torch.load(state.path / "optimizer.pt", weights_only=True, map_location="cpu"))
+    if learner.scheduler is not None:  # after the optimizer: its groups hold the lr of the next step
+        if not (state.path / "scheduler.pt").is_file():
+            raise ValueError(
+                f"resume state {state.path} has no scheduler.pt, but the run's config has a learning-rate "
+                "schedule (--lr-schedule / --warmup-steps), so the state is incomplete; start the run again "
+                "without --resume"
+            )
+        learner.scheduler.load_state_dict(torch.load(state.path / "scheduler.pt", weights_only=True))
     if learner.critic is not None:
         learner.critic.load_state_dict(load_file(state.path / "critic.safetensors"))
         learner.critic_optimizer.load_state_dict(
             torch.load(state.path / "critic_optimizer.pt", weights_only=True, map_location="cpu")
         )
+    _load_reference(state.path / "reference.safetensors", learner)
     restore_rng(json.loads((state.path / "rng.json").read_text()))
+
+
+def _load_reference(path: Path, learner) -> None:
+    """A refreshed π_ref, into a copy of the learner's (the starting policy's object is shared
+    with the final comparison and keeps the start's weights)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_model
+
+    from consequence.policy.lora import frozen_copy
+
+    if not path.is_file():
+        return
+    with safe_open(str(path), "pt") as f:
+        version = int((f.metadata() or {})["version"])
+    ref = frozen_copy(learner.reference)
+    load_model(ref, str(path), device=str(next(ref.parameters()).device))
+    learner.reference, learner.reference_version = ref, version
 
 
 def rewind_run_dir(run: Path, done: int, history: list[dict[str, Any]]) -> None:

@@ -74,6 +74,7 @@ def cold_start_config(cfg: TrainConfig):
         lora_rank=cfg.lora_rank,
         lora_alpha=cfg.lora_alpha,
         lora_targets=tuple(cfg.lora_targets),
+        tool_format=cfg.tool_format,
         sft=SFTConfig(
             learning_rate=cfg.cold_start_learning_rate,
             epochs=cfg.cold_start_epochs,

@@ -43,7 +43,7 @@ from consequence.evaluate.splits import record_touch, reuse_warning
 from consequence.harness.renderer import Renderer
 from consequence.loop.checks import PreStepCheckError, run_pre_step_checks
 from consequence.loop.diagnostics import component_means, iteration_extras
-from consequence.loop.learner import Learner, credit, logprob_fn, make_learner, update
+from consequence.loop.learner import Learner, credit, logprob_fn, make_learner, refresh_due, refresh_reference, update
 from consequence.loop.recorder import RunRecorder, Terminated, is_write_error, run_ending
 from consequence.loop.resume import (
     ResumeState,
@@ -61,6 +61,7 @@ from consequence.policy.tiny import load_policy
 from consequence.recipes import run_label
 from consequence.records import Trajectory, credited
 from consequence.report.manifest import build_manifest, sha256_of
+from consequence.report.trackers import check_trackers
 from consequence.rollout.collect import harness_runner
 from consequence.rollout.episodes import Budgets, opening_prompt_len
 from consequence.sandbox.sandbox import isolation_report, start_mode
@@ -125,6 +126,7 @@ def run_loop(r: _Run, source: BatchSource, rec: RunRecorder) -> None:
         for it in range(r.start, cfg.iterations):
             with _naming_iteration(it):
                 t0 = time.perf_counter()
+                reference_version = learner.reference_version  # before a refresh at this iteration's end
                 got = source.next_batch(it, rec.show)  # B tasks × G episodes with π_old, scored
                 t_rollout = time.perf_counter() - t0
                 batch = credit(got.trajectories, cfg, learner, r.pad_id)  # advantages over each group
@@ -139,8 +141,12 @@ def run_loop(r: _Run, source: BatchSource, rec: RunRecorder) -> None:
             t2 = time.perf_counter()
             source.publish(learner.model, it + 1)  # version it + 1: what batches started from now on sample with
             t_publish = time.perf_counter() - t2  # weights to the sampler (a copy, a LoRA merge, a worker sync)
+            if refresh_due(cfg, it):  # π_ref ← π_θ (version it + 1), for the KL of the iterations after this one
+                refresh_reference(learner, it + 1)
             m = iteration_metrics(it, r, got, batch, upd, t_rollout, t_update, checks)
             m |= {"credit_s": t_credit, "publish_s": t_publish} | peak_memory_gib(model_device(learner.model))
+            if learner.reference is not None:  # which policy the KL of this iteration's update pulled toward
+                m["reference_version"] = reference_version
             m["iteration_s"] = time.perf_counter() - t0  # wall time of the iteration, validation excluded
             if cfg.eval_every and ((it + 1) % cfg.eval_every == 0 or it + 1 == cfg.iterations):
                 m["val_success"] = _validate(r, it, rec)  # greedy success on the validation split
@@ -237,6 +243,7 @@ def _start(
     console = rec.console
     # a device this machine does not have is refused before anything loads (the CLI checked it too)
     device = resolve_device(cfg.device)
+    check_trackers(cfg.report_to)  # so is a tracker whose package is not installed (--report-to)
     teacher_device = resolve_device(cfg.teacher_device, "--teacher-device") if cfg.teacher_device else device
     torch.manual_seed(cfg.seed)
     env = env_of(cfg)
@@ -249,14 +256,14 @@ def _start(
 
         def check_student() -> None:  # before the cold start is built: its tokenizer is the student's
             tok = load_policy(model_path)[1]
-            preflight(cfg, tok, Renderer(tok, env.tools), env, model_path)
+            preflight(cfg, tok, Renderer(tok, env.tools, tool_format=cfg.tool_format), env, model_path)
             if cfg.lora_rank:  # the cold start's adapter: a bad --lora-targets is refused before its demonstrations
                 check_lora_folder(model_path, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets)
 
         model_path, cold = cold_started(cfg, model_path, env, console, state is None, check_student)
     model, tokenizer = load_policy(model_path)
     model.to(device)  # the reference below is a copy of it, on the same device
-    renderer = Renderer(tokenizer, env.tools)
+    renderer = Renderer(tokenizer, env.tools, tool_format=cfg.tool_format)
     preflight(cfg, tokenizer, renderer, env, model_path)
     teacher = None
     if cfg.teacher is not None:  # loaded before anything is written: a tokenizer mismatch is refused here
@@ -310,6 +317,7 @@ def _start(
         )  # how the run before ended
         rec.manifest["status"] = "running"
     rec.open(r.start)
+    rec.start_trackers(cfg.report_to, cfg.model_dump(), r.start)  # --report-to (a resumed run continues them)
     _say_what_runs(r, rec, resume, state)
     return r
 
@@ -324,6 +332,7 @@ def _new_manifest(r: _Run, model, reproduces: str | Path | None) -> dict[str, An
         chat_template=r.tokenizer.chat_template,
         isolation=isolation_report(),
         tool_format=r.renderer.tool_format,
+        tool_call_format=r.renderer.call_format,
     )
     manifest |= {"run_label": r.label, "cwd": os.getcwd(), "policy_training": policy_training(cfg, model)}
     manifest["devices"] = devices_record(r)

@@ -23,6 +23,7 @@ names the base model's folder (absolute). :func:`load_adapter_policy` loads one;
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any, cast
 
@@ -161,6 +162,16 @@ def effective_weight(layer: torch.nn.Module) -> torch.Tensor:
 def unwrap(model) -> torch.nn.Module:
     """The Hugging Face model inside a PEFT model (its layers carry the adapter), else ``model``."""
     return model.get_base_model() if is_peft(model) else model
+
+
+def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` for inference only: LoRA adapters folded into the weights
+    (W₀ + (α/r)BA, a plain model with the adapter model's logits to float32 rounding),
+    ``eval()``, no parameter requiring a gradient; ``model`` is not changed."""
+    copy_: Any = copy.deepcopy(model)
+    if is_peft(copy_):
+        copy_ = copy_.merge_and_unload()
+    return cast(torch.nn.Module, copy_).eval().requires_grad_(False)
 
 
 def merge_adapter(path, out) -> Path:

@@ -114,11 +114,14 @@ def build_manifest(
     chat_template: str,
     isolation: dict[str, str],
     tool_format: str = "native",
+    tool_call_format: str = "hermes",
 ) -> dict[str, Any]:
     """The manifest of a run that is about to start (see module doc); ``env`` is the run's
     :class:`~consequence.envs.api.Environment` (its name, version, source hash, options,
     split, tools and prompt are recorded); ``tool_format`` is the renderer's (``native``:
-    the chat template renders tools; ``hermes``: our Hermes rendering; ``none``: no tools)."""
+    the chat template renders tools; a format name such as ``hermes``: our rendering of the
+    tools in that format; ``none``: no tools) and ``tool_call_format`` the format its calls
+    are written and read in (``Renderer.call_format``)."""
     from consequence.sandbox import judge, sandbox  # noqa: PLC0415  (sources hashed as versions)
 
     config = cfg.model_dump()
@@ -153,6 +156,7 @@ def build_manifest(
             "tools": env.tools,
             "system_prompt": env.system_prompt,
             "tool_format": tool_format,
+            "tool_call_format": tool_call_format,
             "examples": [list(x) for x in env.examples],
             "context_builder": "append-only: each call sees the full history; observation ids are the "
             "chat template's delta after the sampled end-of-turn",
@@ -233,9 +237,13 @@ RUN_FILES = (
     "report.md",
     "report.json",
     "viewer.html",
+    "trackers.json",
 )
 RUN_PATTERNS = {
     "trajectories": re.compile(r"^(iter_\d+\.parquet|\..*\.tmp.*)$"),
+    # --report-to tensorboard: a new run's steps must not mix with an earlier run's (MLflow and
+    # W&B keep each run apart by its id, and a new run gets a new one)
+    "tensorboard": re.compile(r"^events\.out\.tfevents\..*$"),
     "eval": re.compile(r"^(\w+-(greedy|sampled)-(warmstart|rl)\.parquet|\..*\.tmp.*)$"),
     "checkpoints": re.compile(r"^(iter_\d+|state-\d+|final|\..*\.tmp.*)$"),
 }

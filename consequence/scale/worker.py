@@ -82,7 +82,7 @@ class RolloutWorker:
             self.engine = VllmEngine(
                 model_path, max_model_len=cfg.max_total_tokens + cfg.max_new_tokens, seed=cfg.seed, version=-1
             )
-        self.renderer = Renderer(tokenizer, self.split.tools)
+        self.renderer = Renderer(tokenizer, self.split.tools, tool_format=cfg.tool_format)
         self.budgets = Budgets(cfg.max_turns, cfg.max_new_tokens, cfg.max_total_tokens)
         self.sampling = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p, cfg.max_new_tokens)
 

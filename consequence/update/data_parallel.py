@@ -61,7 +61,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from consequence.records import TrainingRow
-from consequence.update.launch import join_launched_group, launched_by_torchrun, scatter_messages
+from consequence.update.launch import join_launched_group, launched_by_torchrun, receive_message, scatter_messages
 from consequence.update.step import (
     NonFiniteError,
     TokenValues,
@@ -948,3 +948,28 @@ def run_job(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ddp: Distr
 def _tell(conn, text: str) -> None:
     with contextlib.suppress(OSError, ValueError):  # rank 0 is gone: nobody to tell
         conn.send(("error", text))
+
+
+def serve_update_rank(timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Rank k ≥ 1 of a torchrun launch (docs/async.md §7): hold a replica and run rank 0's
+    steps until it sends stop. The replica is rank 0's policy and optimizer, pickled and
+    broadcast over the group (the same copy a spawned rank gets through its pipe).
+
+    Raises:
+        RuntimeError: this process was not launched as a rank k ≥ 1, or a collective failed
+            (rank 0 died: torchrun then ends the job).
+    """
+    launched = launched_by_torchrun()
+    if launched is None or launched[0] == 0:
+        raise RuntimeError("serve_update_rank runs on the ranks k >= 1 that torchrun started")
+    join_launched_group(timeout_s)
+    try:
+        got: list[Any] = [None]
+        dist.broadcast_object_list(got, src=0)
+        replica = pickle.loads(got[0])
+        model, optimizer = replica["model"], replica["optimizer"]
+        ddp = wrap_for_data_parallel(model)  # a collective: rank 0 wraps its model at the same point
+        while (msg := receive_message())[0] != "stop":
+            run_job(model, optimizer, ddp, msg[1])
+    finally:
+        dist.destroy_process_group()

@@ -9,10 +9,11 @@
         -m consequence train --update-ranks 2 ...        # the same command on each node
 
 Rank 0 (``RANK=0``) is the trainer: it rolls out, assigns credit, writes the run. Every
-other rank runs :func:`serve_update_rank` and nothing else (no run folder, no model
-loading): it receives rank 0's policy and optimizer through the process group, wraps the
-policy in DistributedDataParallel, and runs the steps rank 0 scatters to it until rank 0
-sends stop. The process group is gloo (CPU tensors; NCCL is for the CUDA path, which has
+other rank serves the update and nothing else (no run folder, no model
+loading; ``consequence.update.data_parallel.serve_update_rank``): it receives rank 0's
+policy and optimizer through the process group, wraps the policy in
+DistributedDataParallel, and runs the steps rank 0 scatters to it until rank 0 sends stop.
+This module holds the launcher's side only: the environment, the group, the messages. The process group is gloo (CPU tensors; NCCL is for the CUDA path, which has
 not run here).
 
 Why torchrun and not Ray Train: the rollouts already run on Ray (``--rollout-workers``),
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import pickle
 from typing import Any
 
 import torch.distributed as dist
@@ -74,32 +74,8 @@ def scatter_messages(messages: list[Any]) -> None:
     dist.scatter_object_list([None], [None, *messages], src=0)
 
 
-def _receive() -> Any:
+def receive_message() -> Any:
+    """Rank k ≥ 1: the message rank 0 scattered to it (:func:`scatter_messages`)."""
     out: list[Any] = [None]
     dist.scatter_object_list(out, None, src=0)
     return out[0]
-
-
-def serve_update_rank(timeout_s: float | None = None) -> None:
-    """Rank k ≥ 1 of a torchrun launch: hold a replica and run rank 0's steps until stop.
-
-    Raises:
-        RuntimeError: this process was not launched as a rank k ≥ 1, or a collective failed
-            (rank 0 died: torchrun then ends the job).
-    """
-    from consequence.update.data_parallel import DEFAULT_TIMEOUT_S, run_job, wrap_for_data_parallel
-
-    launched = launched_by_torchrun()
-    if launched is None or launched[0] == 0:
-        raise RuntimeError("serve_update_rank runs on the ranks k >= 1 that torchrun started")
-    join_launched_group(DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)
-    try:
-        got: list[Any] = [None]
-        dist.broadcast_object_list(got, src=0)
-        replica = pickle.loads(got[0])
-        model, optimizer = replica["model"], replica["optimizer"]
-        ddp = wrap_for_data_parallel(model)  # a collective: rank 0 wraps its model at the same point
-        while (msg := _receive())[0] != "stop":
-            run_job(model, optimizer, ddp, msg[1])
-    finally:
-        dist.destroy_process_group()

@@ -42,6 +42,7 @@ CASES = [
     ("cold_start_rows_per_step", 4, {}, {"cold_start_demos": 8}),
     ("cold_start_micro_batch_size", 4, {}, {"cold_start_demos": 8}),
     ("cold_start_seed", 1, {}, {"cold_start_demos": 8}),
+    ("min_lr", 1e-5, {}, {"lr_schedule": "cosine"}),
     ("surrogate", "pg", ALONE, KD_RL),
     ("clip_eps", 0.3, ALONE, KD_RL),
     ("clip_eps_high", 0.28, ALONE, KD_RL),

@@ -268,5 +268,9 @@ def test_a_template_without_an_assistant_header_is_refused(tiny_tokenizer):
 
 
 def test_an_unknown_tool_format_is_refused(tiny_tokenizer):
-    with pytest.raises(ValueError, match="tool_format must be one of 'auto', 'native', 'hermes', not 'json'"):
+    with pytest.raises(
+        ValueError,
+        match="tool_format must be one of 'auto', 'native', 'hermes', 'qwen3_coder', 'llama3_json', 'mistral', "
+        "'pythonic', not 'json'",
+    ):
         Renderer(tiny_tokenizer, TOOLS, tool_format="json")

@@ -23,7 +23,7 @@ LAYERS = [
     {"report", "labs"},
     {"loop", "reproduce"},
     {"experiment"},
-    {"cli", "api", "__init__", "assets"},
+    {"cli", "api", "__init__", "__main__", "assets"},
 ]
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
 
