@@ -43,6 +43,15 @@ def experiment_cmd(
             "need, then exit (OUT/pilot.json)."
         ),
     ),
+    report_finished: bool = typer.Option(
+        False,
+        "--report-finished",
+        help=(
+            "Train nothing: aggregate the arms whose every training seed has finished (the others are "
+            "named and left out) into OUT/partial/experiment.{json,md,png}, e.g. while the experiment "
+            "still runs."
+        ),
+    ),
 ) -> None:
     """Train every arm of PLAN.yaml with every training seed, each an ordinary run folder under the
     experiment's folder, after checking that the arms spend the same budget. Started again after
@@ -53,8 +62,8 @@ def experiment_cmd(
     from consequence.experiment.spec import load_experiment
 
     try:
-        if pilot is not None and dry_run:
-            raise ValueError("--pilot runs the arms' starting policies; --dry-run runs nothing: give one of them")
+        if sum([pilot is not None, dry_run, report_finished]) > 1:
+            raise ValueError("--pilot, --dry-run and --report-finished are different modes: give one of them")
         exp = load_experiment(plan, out)
         check_run_dir(exp.folder, "--out", keep=False)
         for arm, seed in exp.runs():  # every run's settings, model and environment, before any work
@@ -71,6 +80,9 @@ def experiment_cmd(
         return
     if pilot is not None:
         _pilot(exp, pilot)
+        return
+    if report_finished:
+        _report(exp, partial=True)
         return
     quiet_libraries()
     view = _Progress(exp)
@@ -92,6 +104,25 @@ def experiment_cmd(
         console.print("Run the same command again to resume the failed runs (finished ones are kept).")
         raise typer.Exit(1)
     _report(exp)
+
+
+def _finished_arms(exp, trained: list) -> list:
+    """The trained arms whose every seed's run finished; the others are named on the console.
+
+    Raises:
+        typer.Exit: no trained arm has finished every seed (the message says which runs are missing).
+    """
+    from consequence.experiment.run import run_config, run_status
+
+    done, left = [], []
+    for arm in trained:
+        missing = [s for s in exp.seeds if run_status(run_config(exp, arm, s), exp.run_dir(arm.name, s)) != "finished"]
+        (left if missing else done).append((arm, missing))
+    for arm, missing in left:
+        console.print(f"left out: arm {arm.name} (seeds {', '.join(map(str, missing))} not finished)")
+    if not done:
+        _refuse(ValueError("no trained arm has finished all its training seeds yet; run the experiment first"))
+    return [arm for arm, _ in done]
 
 
 def _pilot(exp, n_tasks: int) -> None:
@@ -191,18 +222,23 @@ class _Progress:
             self.live.stop()
 
 
-def _report(exp) -> None:
-    """Aggregate every arm over its training seeds and write experiment.json / .md / .png."""
+def _report(exp, partial: bool = False) -> None:
+    """Aggregate every arm over its training seeds and write experiment.json / .md / .png;
+    ``partial``: only the arms whose every run finished, into OUT/partial/."""
     from consequence.experiment.aggregate import aggregate, write_report
     from consequence.experiment.budget import read_spent
 
     trained = [a for a in exp.arms if a.trains]
+    if partial:
+        trained = _finished_arms(exp, trained)
     runs = {a.name: [exp.run_dir(a.name, s) for s in exp.seeds] for a in trained}
-    arms = {a.name: runs[a.name] if a.trains else runs[trained[0].name] for a in exp.arms}  # warm-start files
+    arms = {  # a no-training arm reads the warm-start files of the first trained arm's runs
+        a.name: runs[a.name] if a.trains else runs[trained[0].name] for a in exp.arms if a.name in runs or not a.trains
+    }
     try:
         result = aggregate(arms, no_training={a.name for a in exp.arms if not a.trains})
         spent = {name: [read_spent(r)[1] for r in folders] for name, folders in runs.items()}
-        paths = write_report(exp.folder, result, spent)
+        paths = write_report(exp.folder / "partial" if partial else exp.folder, result, spent)
     except ValueError as e:
         _refuse(e)
     for entry in result["results"]:

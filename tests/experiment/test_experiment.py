@@ -177,3 +177,43 @@ def _finished(run: Path) -> bool:
         return json.loads((run / "manifest.json").read_text()).get("status") == "finished"
     except (OSError, ValueError):
         return False
+
+
+@pytest.mark.slow
+def test_report_finished_aggregates_only_the_arms_whose_every_seed_finished(tmp_path):
+    """Arm ``a`` has both seeds finished, arm ``b`` one of two: ``--report-finished`` trains
+    nothing, names ``b`` as left out, and writes OUT/partial/experiment.json with the start
+    and ``a`` only, equal to ``aggregate`` over those runs."""
+    from consequence.experiment.aggregate import aggregate
+    from consequence.experiment.run import run_config
+    from consequence.loop.train import train
+
+    plan = _write(
+        tmp_path,
+        {"base": TINY, "seeds": [0, 1], "arms": {"start": "none", "a": {}, "b": {"learning_rate": 2e-3}}},
+    )
+    out = tmp_path / "out"
+    exp = load_experiment(plan, out)
+    arms = {a.name: a for a in exp.arms}
+    for name, seed in (("a", 0), ("a", 1), ("b", 0)):
+        train(run_config(exp, arms[name], seed))
+    r = CliRunner().invoke(
+        app, ["experiment", str(plan), "--out", str(out), "--report-finished"], env={"COLUMNS": "200"}
+    )
+    assert r.exit_code == 0, r.output
+    assert "left out: arm b (seeds 1 not finished)" in r.output
+    assert not (out / "runs" / "b-seed1").exists()  # nothing was trained
+    got = json.loads((out / "partial" / "experiment.json").read_text())
+    runs = [exp.run_dir("a", s) for s in (0, 1)]
+    want = aggregate({"start": runs, "a": runs}, no_training={"start"})
+    assert set(got["arms"]) == {"start", "a"}
+    for g, w in zip(got["results"], want["results"], strict=True):
+        for name in ("start", "a"):
+            assert g["arms"][name]["mean"] == w["arms"][name]["mean"]
+            assert (g["arms"][name]["low"], g["arms"][name]["high"]) == (
+                w["arms"][name]["low"],
+                w["arms"][name]["high"],
+            )
+    assert not (out / "experiment.json").exists()  # the final report is not written by a partial one
+    r = CliRunner().invoke(app, ["experiment", str(plan), "--out", str(tmp_path / "empty"), "--report-finished"])
+    assert r.exit_code == 2 and "no trained arm has finished all its training seeds yet" in r.output
