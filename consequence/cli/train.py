@@ -15,7 +15,7 @@ from consequence.config import TrainConfig
 
 
 def _train(config: Path | None = None, resume: Path | None = None, print_config: bool = False, **options) -> None:
-    if _serves_as_update_rank():
+    if _serves_as_update_rank(print_config):
         return
     given = {k: v for k, v in options.items() if v is not None and v != [] and v != ()}
     try:
@@ -45,9 +45,10 @@ def _train(config: Path | None = None, resume: Path | None = None, print_config:
     _run_train(cfg, resume=resume is not None)
 
 
-def _serves_as_update_rank() -> bool:
+def _serves_as_update_rank(print_config: bool = False) -> bool:
     """Under torchrun, ranks k >= 1 serve rank 0's data-parallel steps (docs/async.md §7)
-    and do nothing else: the trainer is rank 0."""
+    and do nothing else: the trainer is rank 0. With ``--print-config`` rank 0 trains nothing,
+    so they return at once (else they would wait for a group rank 0 never joins)."""
     from consequence.update.data_parallel import serve_update_rank
     from consequence.update.launch import launched_by_torchrun
 
@@ -57,7 +58,8 @@ def _serves_as_update_rank() -> bool:
         _refuse(e)
     if launched is None or launched[0] == 0:
         return False
-    serve_update_rank()
+    if not print_config:
+        serve_update_rank()
     return True
 
 

@@ -420,7 +420,7 @@ class TrainConfig(BaseModel):
     update_ranks: int = _f(
         1,
         "update",
-        "Data-parallel optimizer steps over this many processes (torch.distributed, gloo on CPU): the trainer is rank 0 and starts N-1 rank processes on loopback, each with a copy of the policy and optimizer; each step's rows are split across them by tokens and every reduction uses the step's global counts, so the gradient equals the single-process one. 1 = the update in this process; at most one per CPU core (2 at least). Not with --advantage gae, a teacher, --gradient-checkpointing or --lora-rank.",
+        "Data-parallel optimizer steps over this many processes (torch.distributed, gloo on CPU): the trainer is rank 0 and starts N-1 rank processes on loopback (or, under torchrun, the ranks torchrun started: N must be its WORLD_SIZE), each with a copy of the policy and optimizer; each step's rows are split across them by tokens, every reduction uses the step's global counts, and DistributedDataParallel sums the gradients, so the gradient equals the single-process one (LoRA: the adapter's). 1 = the update in this process; at most one per CPU core (2 at least) when spawned. Not with --advantage gae, a teacher, --gradient-checkpointing, or a device other than the CPU in float32.",
         ge=1,
     )
     gradient_checkpointing: bool = _f(
@@ -771,6 +771,19 @@ class TrainConfig(BaseModel):
                 f"--max-new-tokens {self.max_new_tokens}, --max-total-tokens {self.max_total_tokens})), "
                 "so the penalty would start before the first generated token; lower --overlong-buffer "
                 f"to at most {budget} (DAPO: 4096 of 20480) or raise the budgets"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _ref_refresh_fits(self) -> TrainConfig:
+        """A reference refresh comes after iterations N − 1, 2N − 1, … but never after the last
+        one (nothing would use it): N ≥ --iterations would never refresh."""
+        n = self.ref_refresh_every
+        if n and self.kl_coef > 0 and n >= self.iterations:
+            raise ValueError(
+                f"--ref-refresh-every {n} with --iterations {self.iterations} never refreshes the reference (the "
+                f"first refresh would follow iteration {n - 1}, the last is {self.iterations - 1}); use at most "
+                f"{self.iterations - 1}, or 0 to keep the starting policy"
             )
         return self
 

@@ -207,6 +207,8 @@ class MlflowTracker:
         from mlflow.tracking import MlflowClient
 
         self.uri = os.environ.get("MLFLOW_TRACKING_URI") or (run_dir / "mlruns").resolve().as_uri()
+        if not self.uri.startswith("file:"):  # a server: MLflow's own retries can take minutes to fail
+            print(f"mlflow: connecting to {self.uri} (MLFLOW_HTTP_REQUEST_MAX_RETRIES / _TIMEOUT bound the wait)")
         with _file_store_allowed(self.uri):
             self.client = MlflowClient(tracking_uri=self.uri)
         run_id = stored.get("run_id") if stored.get("tracking_uri") == self.uri else None

@@ -53,9 +53,12 @@ def test_refresh_schedule():
     assert not any(refresh_due(TrainConfig(kl_coef=0.1, iterations=5), it) for it in range(5))
 
 
-def test_ref_refresh_without_a_kl_term_is_refused():
+def test_ref_refresh_without_a_kl_term_or_past_the_last_iteration_is_refused():
     with pytest.raises(ValueError, match="ref_refresh_every"):
         TrainConfig(ref_refresh_every=2)
+    with pytest.raises(ValueError, match="--ref-refresh-every 5 with --iterations 5 never refreshes"):
+        TrainConfig(ref_refresh_every=5, kl_coef=0.1, iterations=5)
+    assert TrainConfig(ref_refresh_every=4, kl_coef=0.1, iterations=5).ref_refresh_every == 4
 
 
 @pytest.mark.parametrize("lora_rank", [0, 4])

@@ -418,10 +418,20 @@ def _torchrun_train(n: int, settings: dict) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])}
     env.pop("PYTEST_XDIST_WORKER", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}"]
-    out = subprocess.run(
-        [*cmd, "-m", "consequence", "train", *flags], env=env, capture_output=True, text=True, timeout=600
+    out = subprocess.run(  # a hang (a rank waiting for a group) ends in TimeoutExpired, a failure
+        [*cmd, "-m", "consequence", "train", *flags], env=env, capture_output=True, text=True, timeout=300
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_print_config_under_torchrun_ends_every_rank(tmp_path):
+    """Break-test: rank 0 printed the settings and exited 0 while rank 1 waited for a process
+    group rank 0 never joins, until the 600 s timeout. Ranks >= 1 now leave at once."""
+    from consequence.distill.warmstart import BUNDLED
+
+    _torchrun_train(2, {"model": str(BUNDLED), "run_dir": str(tmp_path / "r"), "update_ranks": 2, "print_config": True})
+    assert not (tmp_path / "r").exists()  # nothing was trained or written
 
 
 def test_torchrun_rank_count_must_match_update_ranks(monkeypatch):
