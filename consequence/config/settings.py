@@ -804,6 +804,12 @@ class TrainConfig(BaseModel):
                 f"--min-lr {self.min_lr:g} is above --learning-rate {self.learning_rate:g}: the schedule "
                 f"decays from --learning-rate down to --min-lr; give --min-lr at most {self.learning_rate:g}"
             )
+        if self.min_lr > 0 and total - self.warmup_steps < 2:  # the one step after warm-up runs at the peak
+            raise ValueError(
+                f"--min-lr {self.min_lr:g} changes nothing: after --warmup-steps {self.warmup_steps} only "
+                f"{total - self.warmup_steps} of the run's {total} optimizer steps remain, and the decay toward "
+                "--min-lr starts after the first of them; shorten the warm-up or drop --min-lr"
+            )
         return self
 
     @model_validator(mode="after")

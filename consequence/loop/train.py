@@ -662,6 +662,11 @@ def preflight(cfg: TrainConfig, tokenizer, renderer: Renderer, env, model_path: 
             does not fit in ``--max-total-tokens`` (every such episode would end truncated
             before the policy acts). Each message names the option and the fix.
     """
+    if cfg.tool_format != "auto" and not env.tools:
+        raise ValueError(
+            f"--tool-format {cfg.tool_format}: the environment {cfg.env} offers the policy no tools, so no tool "
+            "call is written or read; drop --tool-format"
+        )
     if is_adapter_folder(model_path):
         raise ValueError(
             f"--model {model_path} is a LoRA adapter checkpoint: fold it into its base first "

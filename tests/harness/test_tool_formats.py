@@ -615,3 +615,16 @@ def test_the_manifest_records_the_format(tmp_path, family_tokenizer):
     )
     assert m["config"]["tool_format"] == "llama3_json" and m["boxes"]["rollout"]["tool_format"] == "llama3_json"
     assert (m["harness"]["tool_format"], m["harness"]["tool_call_format"]) == ("llama3_json", "llama3_json")
+
+
+def test_a_tool_format_for_an_environment_without_tools_is_refused():
+    """Break-test: --tool-format pythonic on a tool-less environment ran and recorded a format
+    nothing used. It is refused before any model work (loop.train.preflight)."""
+    from types import SimpleNamespace
+
+    from consequence.config import TrainConfig
+    from consequence.loop.train import preflight
+
+    cfg = TrainConfig(tool_format="pythonic")
+    with pytest.raises(ValueError, match="--tool-format pythonic: the environment .* offers the policy no tools"):
+        preflight(cfg, None, None, SimpleNamespace(tools=[]), None)

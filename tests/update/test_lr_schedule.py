@@ -269,3 +269,15 @@ def test_good_schedule_settings_are_accepted():
     assert (cfg.warmup_steps, cfg.lr_schedule, cfg.min_lr) == (5, "cosine", 2e-4)  # min-lr = learning rate: allowed
     assert TrainConfig(warmup_steps=3).lr_schedule == "constant"  # warm-up alone, then constant
     assert TrainConfig(**cfg.nested_dump()) == cfg  # recorded in config.yaml (and the manifest's config)
+
+
+def test_min_lr_that_no_step_would_reach_is_refused():
+    """Break-test: with one step left after the warm-up, that step runs at the peak and the
+    floor is never approached: --min-lr is refused as changing nothing."""
+    from consequence.config import TrainConfig
+
+    with pytest.raises(ValueError, match="--min-lr 5e-05 changes nothing"):
+        TrainConfig(iterations=3, warmup_steps=2, lr_schedule="linear", min_lr=5e-5, learning_rate=2e-4)
+    assert (
+        TrainConfig(iterations=4, warmup_steps=2, lr_schedule="linear", min_lr=5e-5, learning_rate=2e-4).min_lr == 5e-5
+    )
