@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
+from typing import Any
 from pathlib import Path
 
 import typer
@@ -114,7 +115,8 @@ def _finished_arms(exp, trained: list) -> list:
     """
     from consequence.experiment.run import run_config, run_status
 
-    done, left = [], []
+    done: list[tuple[Any, list[int]]] = []
+    left: list[tuple[Any, list[int]]] = []
     for arm in trained:
         missing = [s for s in exp.seeds if run_status(run_config(exp, arm, s), exp.run_dir(arm.name, s)) != "finished"]
         (left if missing else done).append((arm, missing))
