@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import typer
 from rich.markup import escape
