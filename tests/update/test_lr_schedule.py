@@ -265,8 +265,8 @@ def test_bad_schedule_settings_are_refused_with_the_option_named(kw, match):
 
 
 def test_good_schedule_settings_are_accepted():
-    cfg = TrainConfig(iterations=3, mini_batches=2, warmup_steps=5, lr_schedule="cosine", min_lr=2e-4)
-    assert (cfg.warmup_steps, cfg.lr_schedule, cfg.min_lr) == (5, "cosine", 2e-4)  # min-lr = learning rate: allowed
+    cfg = TrainConfig(iterations=3, mini_batches=2, warmup_steps=4, lr_schedule="cosine", min_lr=2e-4)
+    assert (cfg.warmup_steps, cfg.lr_schedule, cfg.min_lr) == (4, "cosine", 2e-4)  # min-lr = learning rate: allowed
     assert TrainConfig(warmup_steps=3).lr_schedule == "constant"  # warm-up alone, then constant
     assert TrainConfig(**cfg.nested_dump()) == cfg  # recorded in config.yaml (and the manifest's config)
 
