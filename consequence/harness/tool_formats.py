@@ -379,13 +379,23 @@ def _qwen_call(text: str, pos: int, k: int) -> tuple[str, dict[str, str], int]:
     p = _skip_ws(text, pos)
     if not text.startswith(_FN, p):
         raise _Bad(f"tool call {k}: expected {_FN}NAME> after <tool_call>, got {text[p : p + 30]!r}")
-    close = text.find(">", p)
-    name = text[p + len(_FN) : close] if close >= 0 else ""
-    if close < 0 or not name.strip() or "\n" in name:
-        raise _Bad(f"tool call {k}: the function name after {_FN} is not closed with '>' on its line")
+    name, close = _tag_name(text, p, _FN, f"tool call {k}: the function name")
     budget = [_MAX_SPLITS]
     args, end = _qwen_params(text, close + 1, f"tool call {k} ({name})", budget)
     return name, args, end
+
+
+def _tag_name(text: str, p: int, tag: str, label: str) -> tuple[str, int]:
+    """(NAME, index of its '>') of ``<tag=NAME>`` at ``p`` (the caller checked the tag).
+
+    Raises:
+        _Bad: ``label`` is not closed with '>' on its line, or is empty.
+    """
+    close = text.find(">", p)
+    name = text[p + len(tag) : close] if close >= 0 else ""
+    if close < 0 or not name.strip() or "\n" in name:
+        raise _Bad(f"{label} after {tag} is not closed with '>' on its line")
+    return name, close
 
 
 def _qwen_params(text: str, pos: int, what: str, budget: list[int]) -> tuple[dict[str, str], int]:
@@ -398,10 +408,7 @@ def _qwen_params(text: str, pos: int, what: str, budget: list[int]) -> tuple[dic
         return {}, q + len(HERMES_CLOSE)
     if not text.startswith(_PARAM, p):
         raise _Bad(f"{what}: expected {_PARAM}ARG> or {_FN_END}, got {text[p : p + 30]!r}")
-    close = text.find(">", p)
-    pname = text[p + len(_PARAM) : close] if close >= 0 else ""
-    if close < 0 or not pname.strip() or "\n" in pname:
-        raise _Bad(f"{what}: a parameter name after {_PARAM} is not closed with '>' on its line")
+    pname, close = _tag_name(text, p, _PARAM, f"{what}: a parameter name")
     return _qwen_value(text, close + 1, pname, what, budget)
 
 
