@@ -14,7 +14,7 @@ from typing import Any
 
 from consequence.envs.api import answer_in_text
 from consequence.evaluate.episode_eval import parse_error_fraction, solved
-from consequence.evaluate.shortcuts import answers, shortcut_metrics
+from consequence.evaluate.shortcuts import answers, format_metric, shortcut_metrics
 from consequence.evaluate.stats import paired_bootstrap_ci
 from consequence.records import Trajectory
 
@@ -69,15 +69,16 @@ def paired_comparison(a: ArmResult, b: ArmResult, confidence: float = 0.95, seed
 
 def summarize(trajs: Sequence[Trajectory]) -> dict[str, Any]:
     """Outcome shares and costs of a set of episodes; ``success`` is over the episodes whose
-    environment did not fail (env errors are excluded, as everywhere), the shares over all;
-    then the most common answer, the copied answers and the shortcut diagnostics
+    environment did not fail (env errors are excluded, as everywhere; None when every
+    episode failed: no episode measured it, and 0.0 would read as "the policy never
+    solved one"), the shares over all; then the most common answer, the copied answers and the shortcut diagnostics
     (``evaluate.shortcuts.shortcut_metrics``: tool-call rate, invalid calls, answers; None
     where undefined)."""
     n = max(1, len(trajs))
     valid = [t for t in trajs if t.outcome != "env_error"]
     return {
         "episodes": len(trajs),
-        "success": sum(solved(t) for t in valid) / max(1, len(valid)),
+        "success": sum(solved(t) for t in valid) / len(valid) if valid else None,
         "finished": sum(t.outcome == "finished" for t in trajs) / n,
         "truncated": sum(t.outcome == "truncated" for t in trajs) / n,
         "env_error": sum(t.outcome == "env_error" for t in trajs) / n,
@@ -102,17 +103,19 @@ def request_text(t: Trajectory) -> str | None:
     return str(users[-1].get("content", "")) if users else None
 
 
-def copied_answers(trajs: Sequence[Trajectory]) -> dict[str, float]:
+def copied_answers(trajs: Sequence[Trajectory]) -> dict[str, float | None]:
     """``copied_answer_share``: episodes whose final answer is text of their own request
     (``envs.api.answer_in_text``), e.g. a sorting task answered with the words in the order given;
     ``success_not_copied``: the success of the other episodes, over all valid episodes — what
     a policy that copies cannot score (a copier wins exactly where the request already holds
-    the answer)."""
+    the answer). Both None when every episode was an env error (nothing measured)."""
     valid = [t for t in trajs if t.outcome != "env_error"]
+    if not valid:
+        return {"copied_answer_share": None, "success_not_copied": None}
     copied = [answer_in_text(t.final_code, request_text(t)) for t in valid]
     return {
-        "copied_answer_share": sum(copied) / max(1, len(valid)),
-        "success_not_copied": sum(solved(t) for t, c in zip(valid, copied) if not c) / max(1, len(valid)),
+        "copied_answer_share": sum(copied) / len(valid),
+        "success_not_copied": sum(solved(t) for t, c in zip(valid, copied) if not c) / len(valid),
     }
 
 
@@ -148,14 +151,14 @@ COPY_RISE = 0.1
 def copied_answer_warning(split: str, decoding: str, warm: dict[str, Any], rl: dict[str, Any]) -> str | None:
     """A warning when the RL arm's answers are mostly copied from the question, more than the
     warm start's (``warm`` and ``rl`` are :func:`summarize` outputs), else None."""
-    share, before = rl.get("copied_answer_share", 0.0), warm.get("copied_answer_share", 0.0)
+    share, before = rl.get("copied_answer_share") or 0.0, warm.get("copied_answer_share") or 0.0
     if rl.get("episodes", 0) < CONSTANT_MIN_EPISODES or share < COPY_SHARE or share < before + COPY_RISE:
         return None
     return (
         f"{split}, {decoding}: the RL policy's final answer is text copied from the question in {share:.0%} of "
         f"its episodes (warm start: {before:.0%}); copying wins exactly where the question already holds the "
-        f"answer. Success of the answers that are not copies: {warm.get('success_not_copied', 0.0):.1%} → "
-        f"{rl.get('success_not_copied', 0.0):.1%} of all episodes; read the gain against that."
+        f"answer. Success of the answers that are not copies: {format_metric('success', warm.get('success_not_copied'))} → "
+        f"{format_metric('success', rl.get('success_not_copied'))} of all valid episodes; read the gain against that."
     )
 
 

@@ -23,8 +23,9 @@ from consequence.records import write_trajectories
 from consequence.seeding import seed_of
 
 
-def validate(model, renderer, split, budgets, cfg, progress: Tick | None = None) -> dict[str, float]:
-    """Greedy success on ``cfg.val_episodes`` validation tasks (chooses checkpoints, never test).
+def validate(model, renderer, split, budgets, cfg, progress: Tick | None = None) -> dict[str, Any]:
+    """Greedy success on ``cfg.val_episodes`` validation tasks (chooses checkpoints, never test);
+    ``success`` is None when every episode was an env error (``evaluate.compare.summarize``).
 
     ``progress(n_done)`` is called with the episodes finished so far.
     """

@@ -168,7 +168,7 @@ def _naming_iteration(it: int) -> Iterator[None]:
         raise
 
 
-def _validate(r: _Run, it: int, rec: RunRecorder) -> float:
+def _validate(r: _Run, it: int, rec: RunRecorder) -> float | None:
     n = r.cfg.val_episodes
     progress = lambda d: rec.show(f"iteration {it}: validation {d}/{n} episodes")  # noqa: E731
     return validate(r.learner.model, r.renderer, r.env, r.budgets, r.cfg, progress=progress)["success"]
@@ -586,7 +586,8 @@ def iteration_metrics(
         "env_errors": sum(t.outcome == "env_error" for t in trajs),
         "env_retries": sum(t.env_retries for t in trajs),  # sandbox re-runs, whatever the outcome
         **r.env.iteration_metrics(trajs),  # the environment's own (repair: diagnose_first)
-        "rollout_tokens_per_s": n_gen / max(t_rollout, 1e-9),
+        # every token generated in rollout_s, dropped groups included (dynamic sampling): the sampler's speed
+        "rollout_tokens_per_s": ds["gen_tokens_total"] / max(t_rollout, 1e-9),
         "rollout_s": t_rollout,
         "update_s": t_update,
         **upd,
@@ -595,7 +596,9 @@ def iteration_metrics(
         metrics["pre_step_checks"] = [c.as_dict() for c in checks]
     metrics["gen_tokens_total"] = ds["gen_tokens_total"]
     if got.queue:  # the workers' own speed; rollout_s is the trainer's wait for the batch
-        metrics |= got.queue | {"rollout_tokens_per_s": n_gen / max(got.queue["worker_rollout_s"], 1e-9)}
+        metrics |= got.queue | {
+            "rollout_tokens_per_s": ds["gen_tokens_total"] / max(got.queue["worker_rollout_s"], 1e-9)
+        }
     metrics |= {k: v for k, v in ds.items() if k.startswith("agent_")}  # --agent: prefix breaks, calls, batches
     metrics |= batch.metrics  # on-policy distillation: teacher_reverse_kl, teacher_forward_tokens, teacher_s
     metrics |= iteration_extras(trajs)
@@ -638,7 +641,9 @@ def _status_line(m: dict[str, Any]) -> str:
             else ""
         )
         status = f"reward {reward}  mixed {m['mixed_group_fraction']:.2f}{lag}"
-    return status + (f"  val {m['val_success']:.2f}" if "val_success" in m else "")
+    if "val_success" in m:  # None: every validation episode was an env error
+        status += "  val " + ("n/a (all env errors)" if m["val_success"] is None else f"{m['val_success']:.2f}")
+    return status
 
 
 # ---- what is checked before the run starts ---------------------------------------------------

@@ -30,6 +30,13 @@ def test_truncated_episode_is_not_a_success_and_summary_counts_outcomes():
     assert s["success"] == pytest.approx(1 / 3) and s["truncated"] == 0.25 and s["env_error"] == 0.25
 
 
+def test_success_is_none_not_zero_when_every_environment_failed():
+    """Two env errors measured nothing: success is undefined (None), not 0.0; the shares still count them."""
+    s = summarize([_t("p#0", 0, "env_error", None), _t("p#0", 1, "env_error", None)])
+    assert s["success"] is None and s["env_error"] == 1.0 and s["episodes"] == 2
+    assert summarize([])["success"] is None
+
+
 def test_reward_box_scores_verifier_and_keeps_env_errors_out():
     ts = [
         _t("p#0", 0),
@@ -126,7 +133,7 @@ def test_answers_copied_from_the_question_are_flagged():
             "test, greedy: the RL policy's final answer is text copied from the question in 100% of "
             "its episodes (warm start: 0%)"
         )
-        and "5.0% → 0.0%" in w
+        and "5.0 % → 0.0 %" in w
     )
     assert copied_answer_warning("test", "greedy", rl, rl) is None  # not more than before
     assert not answer_in_text("1", "count the letters of word_1 in 1 second")  # short answers: not counted

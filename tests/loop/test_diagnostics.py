@@ -128,3 +128,27 @@ def test_iteration_metrics_carry_the_shortcut_diagnostics():
     assert (m["tool_call_rate"], m["invalid_call_unknown_tool"], m["answer_equals_tool_value"]) == (0.5, 0.25, 1 / 3)
     assert (m["top_answer_share"], m["answered_fraction"]) == (2 / 3, 0.75)
     assert line([ep(None, None, 0)])["answer_entropy"] is None  # nothing answered: null, not NaN
+
+
+def test_rollout_speed_counts_the_dropped_groups_and_success_is_null_without_a_valid_episode():
+    """Dynamic sampling generated 30 tokens in 2 s, of which the kept episodes hold 4: the
+    sampler ran at 30 / 2 = 15 tokens/s, not 4 / 2. A batch of env errors has success null."""
+    from types import SimpleNamespace
+
+    from consequence.loop.train import iteration_metrics
+
+    def ep(sample, outcome="finished"):
+        call = ModelCall([1, 2], [3, 4], [-0.1, -0.2], "stop")
+        return Trajectory("p#0", "p#0", sample, 0, 0, calls=[call], reward=None, outcome=outcome)
+
+    r = SimpleNamespace(
+        cfg=SimpleNamespace(dynamic_sampling=True, distill_lambda=1.0),
+        env=SimpleNamespace(iteration_metrics=lambda ts: {}),
+    )
+    stats = {"gen_tokens_total": 30, "groups_generated": 5, "groups_kept": 1, "groups_dropped": 4}
+    got = SimpleNamespace(trajectories=[ep(0), ep(1)], stats=stats, queue=None, from_data=False)
+    m = iteration_metrics(0, r, got, SimpleNamespace(metrics={}), {}, 2.0, 1.0, None)
+    assert m["rollout_tokens_per_s"] == 15.0 and m["gen_tokens_mean"] == 2.0 and m["groups_dropped"] == 4
+    got.trajectories = [ep(0, "env_error"), ep(1, "env_error")]
+    m = iteration_metrics(0, r, got, SimpleNamespace(metrics={}), {}, 2.0, 1.0, None)
+    assert m["success"] is None and m["reward_mean"] is None and m["env_errors"] == 2
