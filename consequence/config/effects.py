@@ -26,6 +26,7 @@ _NO_GROUP_STD = {
     "gae": "GAE's advantages come from the value head",
     "rejection": "rejection sampling gives advantage 1 to accepted episodes",
     "reverse_kl": "with --task-reward-weight 0 the advantage is the teacher's log-ratio alone",
+    "dpo": "DPO's advantages come from the log-ratio margins of its (verified, failed) pairs",
 }
 
 
@@ -71,6 +72,8 @@ def _reward_unused(c: Any) -> str | None:
     """Why the (shaped, penalised) reward reaches no advantage of the update, or None when it does."""
     if c.advantage == "rejection":
         return "--advantage rejection: it keeps episodes by the verifier's score alone, each with advantage 1"
+    if c.advantage == "dpo":
+        return "--advantage dpo: it pairs episodes by the verifier's score alone (verified against failed)"
     if c.advantage == "reverse_kl" and c.task_reward_weight == 0:
         return "--advantage reverse_kl and --task-reward-weight 0: the advantage is the teacher's log-ratio alone"
     if _divergence_alone(c) and c.offpolicy_delta == 0:  # with it, the advantage's sign masks rows
@@ -117,9 +120,31 @@ READS: tuple[Reads, ...] = (
         ),
     ),
     Reads(
-        ("kl_estimator", "kl_mode", "ref_refresh_every"),
+        ("dpo_beta", "dpo_loss", "dpo_label_smoothing"),
+        lambda c: c.advantage == "dpo",
+        lambda c: f"--advantage {c.advantage}: it is read only by --advantage dpo (the dpo recipe)",
+    ),
+    Reads(  # credit.dpo.pair_loss: the IPO loss has no smoothing term
+        ("dpo_label_smoothing",),
+        lambda c: c.dpo_loss == "sigmoid",
+        lambda c: f"--dpo-loss {c.dpo_loss}: label smoothing is a term of the sigmoid loss only",
+    ),
+    Reads(  # a truncated episode is a failed one, the rejected side of its pairs (credit.rejection.verified)
+        ("overlong_filter",),
+        lambda c: c.advantage != "dpo",
+        lambda c: (
+            "--advantage dpo: a truncated episode is the rejected side of its pairs, and leaving its rows out would change the loss"
+        ),
+    ),
+    Reads(
+        ("kl_estimator", "kl_mode"),
         lambda c: c.kl_coef > 0,
         lambda c: "--kl-coef 0: there is no KL term (--kl-coef β > 0 adds one)",
+    ),
+    Reads(  # loop.learner.refresh_due: π_ref exists for a KL term or for DPO's log-ratios
+        ("ref_refresh_every",),
+        lambda c: c.kl_coef > 0 or c.advantage == "dpo",
+        lambda c: "--kl-coef 0: there is no KL term and no reference policy (--kl-coef β > 0 adds one)",
     ),
     Reads(
         ("clip_eps", "clip_eps_high"),
@@ -197,7 +222,7 @@ READS: tuple[Reads, ...] = (
             "changes nothing (--kl-mode loss applies β as a loss term)"
         ),
     ),
-    Reads(  # credit.rejection._verified: outcome "finished"
+    Reads(  # credit.rejection.verified: outcome "finished"
         ("overlong_filter",),
         lambda c: c.advantage != "rejection",
         lambda c: "--advantage rejection: it keeps only finished episodes, so no truncated one is left to drop",

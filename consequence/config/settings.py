@@ -276,11 +276,29 @@ class TrainConfig(BaseModel):
         "DAPO overlong filtering: truncated episodes count in group statistics but are left out of the loss.",
     )
     advantage: Literal[
-        "reinforce", "batch_mean", "reinforce_pp", "rloo", "grpo", "dr_grpo", "gae", "reverse_kl", "rejection"
+        "reinforce", "batch_mean", "reinforce_pp", "rloo", "grpo", "dr_grpo", "gae", "reverse_kl", "rejection", "dpo"
     ] = _f(
         "grpo",
         "credit",
-        "Advantage estimator; gae trains a value head (PPO); reverse_kl is on-policy distillation: every sampled token's advantage is log π_teacher − log μ, the negated per-token reverse-KL estimate against --teacher (plus --task-reward-weight × the GRPO advantage of the task reward); rejection keeps only verified episodes (verifier 1, finished, a task's duplicate sampled tokens dropped) with advantage 1: with --surrogate pg, SFT on the student's own successes (rejection-sampling SFT), acceptance counted in metrics.jsonl.",
+        "Advantage estimator; gae trains a value head (PPO); reverse_kl is on-policy distillation: every sampled token's advantage is log π_teacher − log μ, the negated per-token reverse-KL estimate against --teacher (plus --task-reward-weight × the GRPO advantage of the task reward); rejection keeps only verified episodes (verifier 1, finished, a task's duplicate sampled tokens dropped) with advantage 1: with --surrogate pg, SFT on the student's own successes (rejection-sampling SFT), acceptance counted in metrics.jsonl; dpo pairs each verified episode of a group with each failed one and gives every episode its share of the DPO loss's gradient (Rafailov et al. 2023, eq. 7) against the reference policy (the dpo recipe: --surrogate pg --reduction seq_mean_token_sum_norm --norm-const 1, one optimizer step per batch).",
+    )
+    dpo_beta: float = _f(
+        0.1,
+        "credit",
+        "β of --advantage dpo: the implicit reward is β·(log π_θ − log π_ref) of an episode's sampled tokens; smaller β lets the policy move further from the reference (IPO: τ).",
+        gt=0,
+    )
+    dpo_loss: Literal["sigmoid", "ipo"] = _f(
+        "sigmoid",
+        "credit",
+        "Loss of --advantage dpo per (chosen, rejected) pair with margin h: sigmoid −log σ(β h) (DPO, Rafailov et al. 2023 eq. 7) or ipo (h − 1/(2β))² (Azar et al. 2023 eq. 17).",
+    )
+    dpo_label_smoothing: float = _f(
+        0.0,
+        "credit",
+        "ε of --advantage dpo --dpo-loss sigmoid: the loss −(1−ε) log σ(β h) − ε log σ(−β h) of a pair whose preference is wrong with probability ε (conservative DPO); 0 = eq. 7.",
+        ge=0,
+        lt=0.5,
     )
     teacher: str | None = _f(
         None,
@@ -624,6 +642,35 @@ class TrainConfig(BaseModel):
                 "supported: the value model copies the policy's trunk, and with LoRA that trunk is frozen; "
                 "use --lora-rank 0 (full fine-tuning) for PPO with a critic, or a critic-free estimator "
                 "(grpo, rloo, ...) with LoRA"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _dpo_fits(self) -> TrainConfig:
+        """--advantage dpo turns DPO's gradient into advantages that are exact only for the plain
+        policy gradient, a sum over each episode's tokens divided by the rows, one step per batch
+        of fresh samples (credit/dpo.py); anything else would train on a different loss."""
+        if self.advantage != "dpo":
+            return self
+        need = [
+            ("--surrogate pg", self.surrogate == "pg"),
+            ("--reduction seq_mean_token_sum_norm", self.reduction == "seq_mean_token_sum_norm"),
+            ("--norm-const 1", self.norm_const == 1),
+            ("--epochs-per-batch 1", self.epochs_per_batch == 1),
+            ("--mini-batches 1", self.mini_batches == 1),
+            ("--kl-coef 0", self.kl_coef == 0),
+            ("--tis-cap 0", self.tis_cap == 0),
+            ("--is-mask none", self.is_mask == "none"),
+            ("--offpolicy-delta 0", self.offpolicy_delta == 0),
+            ("--rollout-workers 0", self.rollout_workers == 0),
+            ("--group-size of at least 2", self.group_size >= 2),
+        ]
+        wrong = [flag for flag, ok in need if not ok]
+        if wrong:
+            raise ValueError(
+                f"--advantage dpo needs {', '.join(wrong)}: its advantages are DPO's gradient for the plain policy "
+                "gradient summed over each episode's tokens, one optimizer step on fresh samples of the current "
+                "policy, with the reference policy as DPO's π_ref and pairs within a group (use --recipe dpo)"
             )
         return self
 

@@ -24,6 +24,7 @@ import torch
 
 from consequence.config import TrainConfig
 from consequence.credit.advantages import group_advantages
+from consequence.credit.dpo import dpo_advantages
 from consequence.credit.kl import kl_estimate, reverse_kl_advantages
 from consequence.credit.rejection import accept
 from consequence.credit.returns import gae
@@ -160,6 +161,10 @@ def assign_credit(
         _teacher_advantages(trajs, batch, owner, cfg, teacher_logprobs, penalty)
     elif cfg.advantage == "rejection":
         batch = _rejection_batch(trajs, batch, owner)
+    elif cfg.advantage == "dpo":
+        if ref_logprobs is None:
+            raise ValueError("--advantage dpo needs the reference policy's log-probs (ref_logprobs)")
+        _dpo_batch(trajs, batch, owner, cfg, ref_logprobs)
     else:  # one scalar per trajectory from its group: GRPO, RLOO, Dr.GRPO, REINFORCE(++)
         adv = group_advantages(
             _penalised_rewards(trajs, owner, penalty),
@@ -198,6 +203,19 @@ def _rejection_batch(trajs: list[Trajectory], batch: Batch, owner: list[int]) ->
         "attempts_per_accepted": d["attempts_per_accepted"],
     }
     return batch
+
+
+def _dpo_batch(trajs: list[Trajectory], batch: Batch, owner: list[int], cfg, ref_logprobs) -> None:
+    """DPO in the loop (credit.dpo): each episode's advantage is its share of the DPO gradient
+    over the group's (verified, unverified) pairs; an episode in no pair gets 0 (its rows are
+    skipped by the update) and the pairs' metrics go to ``batch.metrics``."""
+    adv, metrics = dpo_advantages(
+        trajs, batch.rows, owner, ref_logprobs, cfg.dpo_beta, cfg.dpo_loss, cfg.dpo_label_smoothing
+    )
+    for i, t in enumerate(trajs):
+        t.advantage = adv[i] if credited(t) else None
+    batch.advantages = [adv[i] for i in owner]
+    batch.metrics |= metrics
 
 
 def _std_correction(cfg) -> int:

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 
 from consequence.records import Trajectory
 
-__all__ = ["RejectionStats", "accept"]
+__all__ = ["RejectionStats", "accept", "verified"]
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,8 @@ class RejectionStats:
         return d
 
 
-def _verified(t: Trajectory) -> bool:
+def verified(t: Trajectory) -> bool:
+    """The verifier scored the episode 1 and it finished (not cut by a budget, no env error)."""
     return t.outcome == "finished" and t.verifier_score is not None and t.verifier_score >= 1.0
 
 
@@ -97,7 +98,7 @@ def accept(trajectories: Sequence[Trajectory], unique: bool = True) -> tuple[lis
                 "score the trajectories (reward box) before accepting them"
             )
         attempts += 1
-        if not _verified(t):
+        if not verified(t):
             continue
         key = (t.task_id, _sampled_tokens(t))
         if unique and key in seen:

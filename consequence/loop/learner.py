@@ -95,7 +95,7 @@ def make_learner(
                 "--advantage reverse_kl / --distill-loss need a loaded teacher (consequence.distill.teacher_model)"
             )
         learner.teacher = teacher.eval().requires_grad_(False)  # frozen: never in the optimizer
-    if cfg.kl_coef > 0:
+    if uses_reference(cfg):
         learner.reference = reference if reference is not None else copy.deepcopy(model).eval()
     if cfg.advantage == "gae":
         learner.critic = ValueModel(model)
@@ -116,7 +116,12 @@ def refresh_due(cfg: TrainConfig, it: int) -> bool:
     """Whether π_ref becomes the current policy after iteration ``it`` (``--ref-refresh-every N``:
     after iterations N − 1, 2N − 1, …, i.e. at policy versions N, 2N, …; never after the last)."""
     n = cfg.ref_refresh_every
-    return n > 0 and cfg.kl_coef > 0 and (it + 1) % n == 0 and it + 1 < cfg.iterations
+    return n > 0 and uses_reference(cfg) and (it + 1) % n == 0 and it + 1 < cfg.iterations
+
+
+def uses_reference(cfg: TrainConfig) -> bool:
+    """Whether the run holds a frozen π_ref: for a KL term, or as DPO's reference (credit.dpo)."""
+    return cfg.kl_coef > 0 or cfg.advantage == "dpo"
 
 
 def refresh_reference(learner: Learner, version: int) -> None:

@@ -1,6 +1,7 @@
 """Recipes: each loads, explains itself, and trains on the default task with one command."""
 
 import json
+import math
 import os
 
 import pytest
@@ -21,6 +22,7 @@ ALL = [
     "cispo",
     "cross_stage_distill",
     "dapo",
+    "dpo",
     "dr_grpo",
     "gkd",
     "grpo",
@@ -34,7 +36,7 @@ ALL = [
 DISTILL = ("cross_stage_distill", "gkd", "on_policy_distill")
 
 
-def test_the_twelve_recipes_are_bundled_and_valid():
+def test_the_thirteen_recipes_are_bundled_and_valid():
     assert recipe_names() == ALL
     for name in ALL:
         r = load_recipe(name)
@@ -164,7 +166,7 @@ def test_every_recipe_trains_one_iteration(name, teacher_dir, tmp_path):
         model=str(BUNDLED),
         # The warm start rarely succeeds in 8 tiny rollouts; odd sample ids win instead. For rejection
         # sampling the stand-in reward also decides verification: it keeps verified episodes.
-        env=ODD_SAMPLES_VERIFIED if name == "rejection_sft" else ODD_SAMPLES_WIN,
+        env=ODD_SAMPLES_VERIFIED if name in ("rejection_sft", "dpo") else ODD_SAMPLES_WIN,
         iterations=1,
         tasks_per_iteration=2,
         group_size=4,
@@ -181,6 +183,11 @@ def test_every_recipe_trains_one_iteration(name, teacher_dir, tmp_path):
         assert m["rejection_attempts"] == 8.0 and m["n_rows"] == m["rejection_accepted"] + 0.0
         assert m["rejection_accepted"] + m["rejection_duplicates"] == 4.0
         assert m["acceptance_rate"] == m["rejection_accepted"] / 8 and m["rows_skipped_zero_advantage"] == 0.0
+    if name == "dpo":  # per group of 4, the 2 odd (verified) samples against the 2 even ones: 2 × 4 pairs
+        # π_θ = π_ref before the step, so h = 0 up to the sampler–trainer gap (≤ 1e-4 per token, the
+        # pre-step check's bound, over ≤ 100 targets per episode: |h| ≤ 2e-2, |Δℓ| ≤ β|h|/2 = 1e-3)
+        assert m["dpo_pairs"] == 8.0 and m["dpo_loss"] == pytest.approx(math.log(2), abs=1e-3)
+        assert m["dpo_reward_margin"] == pytest.approx(0.0, abs=2e-3) and m["n_rows_trained"] == 8.0
     if name in ("on_policy_distill", "cross_stage_distill"):
         assert m["teacher_reverse_kl"] is not None and m["teacher_forward_tokens"] > 0
     assert m["n_updates"] == cfg.epochs_per_batch * cfg.mini_batches
