@@ -742,7 +742,7 @@ class TrainConfig(BaseModel):
         wrong = [
             f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}"
             for flag, value, ok in (
-                ("--advantage", self.advantage, self.advantage == "rejection"),
+                ("--advantage", self.advantage, self.advantage in ("rejection", "dpo")),
                 ("--surrogate", self.surrogate, self.surrogate == "pg"),
                 ("--tis-cap", self.tis_cap, not self.tis_cap),
             )
@@ -755,7 +755,7 @@ class TrainConfig(BaseModel):
             "--distill-lambda / --distill-data train on fixed data either the divergence of --distill-loss "
             "(give --distill-loss forward|reverse|jsd, e.g. --recipe gkd) or, without a teacher, SFT on the "
             "data's verified episodes (give --advantage rejection --surrogate pg and no --tis-cap, e.g. "
-            "--recipe rejection_sft: a ratio or an importance weight against the data's log-probs would "
+            "--recipe rejection_sft), or DPO on the data's (verified, failed) pairs (--recipe dpo): a ratio or an importance weight against the data's log-probs would "
             "mean nothing)"
             + (" instead of --advantage reverse_kl, which needs the student's own samples" if as_advantage else "")
         )

@@ -123,6 +123,7 @@ def assign_credit(
     critic: ValueModel | None = None,
     pad_id: int = 0,
     teacher_logprobs: list[list[float]] | None = None,
+    policy_logprobs: list[list[float]] | None = None,
 ) -> Batch:
     """Advantages of ``rows`` (from :func:`training_rows`) by the recipe's estimator.
 
@@ -140,6 +141,8 @@ def assign_credit(
         teacher_logprobs: per row, log π_teacher of every position (``cfg.advantage ==
             "reverse_kl"``: per-token advantage log π_teacher − log μ on targets, plus
             ``cfg.task_reward_weight`` × the GRPO advantage of the trajectory's reward).
+        policy_logprobs: per row, log π_θ of every position, for ``cfg.advantage == "dpo"`` on
+            stored episodes (their ``old_logprobs`` are another sampler's); None: fresh samples.
 
     Raises:
         ValueError: GAE without a critic, a KL reward penalty without reference log-probs,
@@ -164,7 +167,7 @@ def assign_credit(
     elif cfg.advantage == "dpo":
         if ref_logprobs is None:
             raise ValueError("--advantage dpo needs the reference policy's log-probs (ref_logprobs)")
-        _dpo_batch(trajs, batch, owner, cfg, ref_logprobs)
+        _dpo_batch(trajs, batch, owner, cfg, ref_logprobs, policy_logprobs)
     else:  # one scalar per trajectory from its group: GRPO, RLOO, Dr.GRPO, REINFORCE(++)
         adv = group_advantages(
             _penalised_rewards(trajs, owner, penalty),
@@ -205,12 +208,12 @@ def _rejection_batch(trajs: list[Trajectory], batch: Batch, owner: list[int]) ->
     return batch
 
 
-def _dpo_batch(trajs: list[Trajectory], batch: Batch, owner: list[int], cfg, ref_logprobs) -> None:
+def _dpo_batch(trajs: list[Trajectory], batch: Batch, owner: list[int], cfg, ref_logprobs, policy_logprobs) -> None:
     """DPO in the loop (credit.dpo): each episode's advantage is its share of the DPO gradient
     over the group's (verified, unverified) pairs; an episode in no pair gets 0 (its rows are
     skipped by the update) and the pairs' metrics go to ``batch.metrics``."""
     adv, metrics = dpo_advantages(
-        trajs, batch.rows, owner, ref_logprobs, cfg.dpo_beta, cfg.dpo_loss, cfg.dpo_label_smoothing
+        trajs, batch.rows, owner, ref_logprobs, cfg.dpo_beta, cfg.dpo_loss, cfg.dpo_label_smoothing, policy_logprobs
     )
     for i, t in enumerate(trajs):
         t.advantage = adv[i] if credited(t) else None

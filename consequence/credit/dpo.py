@@ -100,6 +100,7 @@ def dpo_advantages(
     beta: float,
     loss: str = "sigmoid",
     label_smoothing: float = 0.0,
+    policy_logprobs: Sequence[Sequence[float]] | None = None,
 ) -> tuple[list[float], dict[str, float | None]]:
     """Each trajectory's advantage A_τ (module doc; 0 outside every pair) and the DPO metrics.
 
@@ -108,6 +109,9 @@ def dpo_advantages(
             log π_θ on fresh samples); ``owner[j]``: the trajectory of ``rows[j]``.
         ref_logprobs: per row, log π_ref of every position, aligned with ``input_ids``.
         beta: β > 0, the inverse strength of the implicit KL to π_ref.
+        policy_logprobs: per row, log π_θ of every position, for episodes the policy did not
+            just sample (stored pairs: ``--distill-data``), whose ``old_logprobs`` are another
+            sampler's; default: the rows' ``old_logprobs``.
 
     Returns:
         (advantages per trajectory, metrics): ``dpo_pairs``; ``dpo_loss`` (mean ℓ),
@@ -121,7 +125,8 @@ def dpo_advantages(
     for i in owner:
         has_rows[i] = True
     pairs = preference_pairs(trajs, has_rows)
-    logp = _sequence_sums(rows, owner, [r.old_logprobs for r in rows], n)
+    mine = [r.old_logprobs for r in rows] if policy_logprobs is None else policy_logprobs
+    logp = _sequence_sums(rows, owner, mine, n)
     ref = _sequence_sums(rows, owner, ref_logprobs, n)
     ratio = [a - b for a, b in zip(logp, ref)]
     n_seq = sum(1 for r in rows if any(r.loss_mask[1:]))

@@ -22,7 +22,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from consequence.records import Trajectory, read_trajectories
+from consequence.credit.rejection import verified
+from consequence.records import Trajectory, credited, read_trajectories
 from consequence.seeding import seed_of
 
 __all__ = ["uses_fixed_data", "first_student_iteration", "load_fixed_data", "check_token_ids", "draw_fixed_batch"]
@@ -131,4 +132,35 @@ def draw_fixed_batch(pool: Sequence[Trajectory], n: int, seed: int, it: int) -> 
     for k in range(n):
         t = pool[order[k % len(order)]]
         out.append(dataclasses.replace(t, group_id=f"{it}/fixed", policy_version=-1))
+    return out
+
+
+def draw_fixed_pairs(pool: Sequence[Trajectory], n_tasks: int, seed: int, it: int) -> list[Trajectory]:
+    """Every stored episode of ``n_tasks`` tasks of ``pool`` for iteration ``it``, for DPO
+    (``--advantage dpo`` on ``--distill-data``): only tasks (same ``task_id``: the same
+    prompt) with a verified and a failed episode give a pair, so only those are drawn; a
+    seeded draw without replacement, cycled when ``n_tasks`` exceeds them. Each task's
+    episodes become one group of this iteration (``policy_version`` −1).
+
+    Raises:
+        ValueError: no task of the data has both a verified and a failed episode.
+    """
+    by_task: dict[str, list[Trajectory]] = {}
+    for t in pool:
+        if credited(t):
+            by_task.setdefault(t.task_id, []).append(t)
+    tasks = [k for k, ts in by_task.items() if any(map(verified, ts)) and not all(map(verified, ts))]
+    if not tasks:
+        raise ValueError(
+            f"--distill-data holds no task with both a verified and a failed episode ({len(by_task)} tasks), "
+            "so DPO has no pair to train on: give episodes of a run that both solved and failed its tasks "
+            "(e.g. its trajectories/ folder)"
+        )
+    order = sorted(tasks)
+    random.Random(seed_of(seed, it, "distill-data")).shuffle(order)
+    out = []
+    for k in range(n_tasks):
+        task = order[k % len(order)]
+        group = f"{it}/fixed/{k}"  # one group per draw: a task drawn twice is two groups
+        out += [dataclasses.replace(t, group_id=group, policy_version=-1) for t in by_task[task]]
     return out

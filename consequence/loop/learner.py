@@ -18,7 +18,7 @@ import functools
 import math
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -51,6 +51,9 @@ class Learner:
     reference_version: int = 0  # the policy version π_ref holds: 0 = the starting policy (--ref-refresh-every)
     # --lr-schedule / --warmup-steps: stepped once per optimizer step taken (update.schedule); None = constant lr
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+    # π_ref's log-probs of stored rows (--distill-data), computed once per row and reference version
+    ref_cache: dict[tuple, list[float]] = field(default_factory=dict)
+    ref_cache_version: int = 0
 
 
 def make_learner(
@@ -136,24 +139,27 @@ def refresh_reference(learner: Learner, version: int) -> None:
 
 
 # ---- credit box ----------------------------------------------------------------------
-def credit(trajs: list[Trajectory], cfg: TrainConfig, learner: Learner, pad_id: int) -> Batch:
+def credit(trajs: list[Trajectory], cfg: TrainConfig, learner: Learner, pad_id: int, from_data: bool = False) -> Batch:
     """Advantages over complete groups, before any mini- or micro-batching (docs/design.md §4).
 
     The credit box does the work (:func:`consequence.credit.batch.assign_credit`); here
     only the reference policy's log-probs are computed for it (a forward pass of the
     update box's model code), when the recipe has a KL term, and the teacher's, for
     on-policy distillation (at the sampling temperature; its time is ``teacher_s``).
+    ``from_data``: the episodes are stored ones (``--distill-data``): π_ref's log-probs of a
+    row are computed once per reference version and kept, and DPO gets π_θ's own log-probs
+    (a forward pass without gradient), since the rows' are another sampler's.
     """
     rows, owner = training_rows(trajs)
-    ref = teacher = None
+    ref = teacher = policy = None
     if learner.reference is not None:  # no rows (every episode an env_error): nothing to run, an empty list
         ref = (
-            compute_logprobs(
-                learner.reference, rows, pad_id, logprob_fn(cfg), cfg.temperature, cfg.micro_batch_size, cfg.dtype
-            )
-            if rows
-            else []
+            _reference_logprobs(learner, rows, cfg, pad_id)
+            if from_data
+            else _logprobs(learner.reference, rows, cfg, pad_id)
         )
+    if from_data and cfg.advantage == "dpo":
+        policy = _logprobs(learner.model, rows, cfg, pad_id)
     t0 = time.perf_counter()
     if cfg.advantage == "reverse_kl":  # a --distill-loss teacher runs in the update instead
         assert learner.teacher is not None  # make_learner refuses reverse_kl without a teacher
@@ -165,11 +171,38 @@ def credit(trajs: list[Trajectory], cfg: TrainConfig, learner: Learner, pad_id: 
             else []
         )
     batch = assign_credit(
-        trajs, rows, owner, cfg, ref_logprobs=ref, critic=learner.critic, pad_id=pad_id, teacher_logprobs=teacher
+        trajs,
+        rows,
+        owner,
+        cfg,
+        ref_logprobs=ref,
+        critic=learner.critic,
+        pad_id=pad_id,
+        teacher_logprobs=teacher,
+        policy_logprobs=policy,
     )
     if cfg.advantage == "reverse_kl":
         batch.metrics["teacher_s"] = time.perf_counter() - t0
     return batch
+
+
+def _logprobs(model, rows, cfg: TrainConfig, pad_id: int) -> list[list[float]]:
+    """``model``'s log-probs of every position of ``rows`` (no gradient), under the sampler's processing."""
+    if not rows:
+        return []
+    return compute_logprobs(model, rows, pad_id, logprob_fn(cfg), cfg.temperature, cfg.micro_batch_size, cfg.dtype)
+
+
+def _reference_logprobs(learner: Learner, rows, cfg: TrainConfig, pad_id: int) -> list[list[float]]:
+    """π_ref's log-probs of stored rows, each computed once per reference version (DPO's
+    reference log-probs, precomputed as the paper's offline setting does)."""
+    if learner.ref_cache_version != learner.reference_version:
+        learner.ref_cache, learner.ref_cache_version = {}, learner.reference_version
+    keys = [(tuple(r.input_ids), tuple(r.loss_mask)) for r in rows]
+    todo = [j for j, k in enumerate(keys) if k not in learner.ref_cache]
+    for j, lp in zip(todo, _logprobs(learner.reference, [rows[j] for j in todo], cfg, pad_id)):
+        learner.ref_cache[keys[j]] = lp
+    return [learner.ref_cache[k] for k in keys]
 
 
 # ---- update box ----------------------------------------------------------------------

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from consequence.config import TrainConfig
-from consequence.distill.fixed_data import draw_fixed_batch, uses_fixed_data
+from consequence.distill.fixed_data import draw_fixed_batch, draw_fixed_pairs, uses_fixed_data
 from consequence.records import Trajectory
 from consequence.rollout.collect import EpisodeRunner, collect
 
@@ -109,7 +109,10 @@ class FixedDataMix:
         cfg = self.cfg
         if not uses_fixed_data(cfg.distill_lambda, cfg.seed, it):
             return self.inner.next_batch(it, show)
-        trajs = draw_fixed_batch(self.data, cfg.tasks_per_iteration * cfg.group_size, cfg.seed, it)
+        if cfg.advantage == "dpo":  # pairs need a task's episodes together: whole tasks with a pair
+            trajs = draw_fixed_pairs(self.data, cfg.tasks_per_iteration, cfg.seed, it)
+        else:
+            trajs = draw_fixed_batch(self.data, cfg.tasks_per_iteration * cfg.group_size, cfg.seed, it)
         return Collected(trajs, {"gen_tokens_total": 0}, from_data=True)  # the student generated nothing
 
     def publish(self, model, version: int) -> None:

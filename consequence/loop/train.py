@@ -129,7 +129,7 @@ def run_loop(r: _Run, source: BatchSource, rec: RunRecorder) -> None:
                 reference_version = learner.reference_version  # before a refresh at this iteration's end
                 got = source.next_batch(it, rec.show)  # B tasks × G episodes with π_old, scored
                 t_rollout = time.perf_counter() - t0
-                batch = credit(got.trajectories, cfg, learner, r.pad_id)  # advantages over each group
+                batch = credit(got.trajectories, cfg, learner, r.pad_id, got.from_data)  # advantages over each group
                 t_credit = time.perf_counter() - t0 - t_rollout  # the reference's forward pass, when a KL term needs it
                 rec.trajectories(it, got.trajectories)
                 checks = _check_first_batch(r, it, got, batch, rec.console) if it == r.first_student else None

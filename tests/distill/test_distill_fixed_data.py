@@ -257,3 +257,95 @@ def test_pool_items_are_known_by_task_id_or_problem_id(tmp_path):
     write_trajectories(tmp_path / "bad.parquet", [traj("lc/2#5-0")])
     with pytest.raises(ValueError, match="'lc/2#5-0' is a test-split problem"):
         load_fixed_data(tmp_path / "bad.parquet", splits)
+
+
+def _pairable(data_file, out):
+    """The data with, in every task, sample 0 verified and the others failed (a pair per task)."""
+    trajs = [
+        dataclasses.replace(
+            t, reward=float(t.sample_id == 0), verifier_score=float(t.sample_id == 0), outcome="finished"
+        )
+        for t in read_trajectories(data_file)
+    ]
+    write_trajectories(out, trajs)
+    return out
+
+
+def test_dpo_draws_whole_tasks_that_hold_a_pair_and_refuses_data_without_one():
+    from consequence.distill.fixed_data import draw_fixed_pairs
+
+    def t(task, sample, score):
+        call = ModelCall([1, 2], [3], [-0.5], "stop")
+        return Trajectory(task, "old", sample, 0, 3, calls=[call], reward=score, verifier_score=score)
+
+    pool = [t("a", 0, 1.0), t("a", 1, 0.0), t("b", 0, 1.0), t("b", 1, 1.0), t("c", 0, 0.0), t("c", 1, 1.0)]
+    got = draw_fixed_pairs(pool, 3, 0, 7)  # b has no failure: only a and c can pair; 3 draws cycle them
+    assert sorted({x.task_id for x in got}) == ["a", "c"] and len(got) == 6
+    assert [x.group_id for x in got] == ["7/fixed/0"] * 2 + ["7/fixed/1"] * 2 + ["7/fixed/2"] * 2
+    assert {x.policy_version for x in got} == {-1} and [x.task_id for x in got] == [
+        x.task_id for x in draw_fixed_pairs(pool, 3, 0, 7)
+    ]
+    with pytest.raises(ValueError, match="no task with both a verified and a failed episode"):
+        draw_fixed_pairs(pool[2:4], 1, 0, 0)
+
+
+@pytest.mark.slow
+def test_dpo_on_stored_pairs_trains_from_the_policys_own_log_probs(tmp_path, data_file):
+    """Offline DPO: before the first step π_θ = π_ref, so every margin is 0 and the loss log 2,
+    whatever sampler stored the data (its log-probs are not used); one pair per task drawn."""
+    import math
+
+    from consequence.loop.train import train
+    from consequence.recipes import load_recipe
+
+    data = _pairable(data_file, tmp_path / "pairs.parquet")
+    cfg = load_recipe("dpo").train_config(
+        run_dir=str(tmp_path / "run"), iterations=2, distill_lambda=0.0, distill_data=str(data), **BASE
+    )
+    train(cfg, Console(quiet=True))
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["dpo_pairs"] for m in lines] == [2.0, 2.0] and lines[0]["fixed_data_batch"] == 1.0
+    assert lines[0]["dpo_loss"] == pytest.approx(math.log(2), abs=1e-6)  # the same weights, the same forward
+    assert lines[0]["dpo_reward_margin"] == pytest.approx(0.0, abs=1e-6) and lines[0]["grad_norm"] > 0
+
+
+def test_reference_log_probs_of_stored_rows_are_computed_once_per_reference_version():
+    from consequence.loop.learner import credit, make_learner
+    from consequence.recipes import load_recipe
+
+    model, tok = load_policy(BUNDLED)
+    cfg = load_recipe("dpo").train_config(distill_lambda=0.0, distill_data=str(BUNDLED / "config.json"), **BASE)
+    learner = make_learner(cfg, model)
+    calls = []
+
+    class Counting(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, input_ids, attention_mask=None, **kw):
+            calls.append(input_ids.shape[0])
+            return self.inner(input_ids=input_ids, attention_mask=attention_mask)
+
+    learner.reference = Counting(learner.reference)
+    ids = [5, 6, 7, 8]
+    trajs = [
+        Trajectory(
+            "a",
+            "g",
+            s,
+            0,
+            -1,
+            calls=[ModelCall(ids[:2], ids[2:], [-1.0, -1.0], "stop")],
+            reward=float(s == 0),
+            verifier_score=float(s == 0),
+        )
+        for s in range(2)
+    ]
+    first = credit(trajs, cfg, learner, tok.pad_token_id, from_data=True)
+    n = sum(calls)
+    again = credit(copy.deepcopy(trajs), cfg, learner, tok.pad_token_id, from_data=True)
+    assert n > 0 and sum(calls) == n and again.ref_logprobs == first.ref_logprobs  # served from the cache
+    learner.reference_version = 1  # a refreshed reference (--ref-refresh-every): computed again
+    credit(trajs, cfg, learner, tok.pad_token_id, from_data=True)
+    assert sum(calls) == 2 * n

@@ -15,13 +15,18 @@ from tiny_lm import TinyLM, V, grads_of, ref_logprobs
 BETA = 0.5
 
 
-def _row(ids, n_prompt, model, traj):
-    """A row whose targets are every token after ``n_prompt`` context tokens; old log-probs from ``model``."""
+def _logprobs(model, ids):
+    """log ``model`` of every position of ``ids`` (0 at position 0, which nothing predicts)."""
     t = torch.tensor(ids)
     with torch.no_grad():
         lp, _ = ref_logprobs(model, t[None], torch.ones(1, len(ids), dtype=torch.long))
+    return [0.0, *lp[0].tolist()]
+
+
+def _row(ids, n_prompt, sampler, traj):
+    """A row whose targets are every token after ``n_prompt`` context tokens, sampled by ``sampler``."""
     mask = [0] * n_prompt + [1] * (len(ids) - n_prompt)
-    old = [float(x) if m else 0.0 for x, m in zip([0.0, *lp[0].tolist()], mask)]
+    old = [x if m else 0.0 for x, m in zip(_logprobs(sampler, ids), mask)]
     return TrainingRow(list(ids), mask, old, traj_index=traj)
 
 
@@ -71,17 +76,18 @@ def _direct_loss(model, reference, rows, owner, pairs, loss, eps):
     return torch.stack(terms).mean()
 
 
-@pytest.mark.parametrize(("loss", "eps"), [("sigmoid", 0.0), ("sigmoid", 0.2), ("ipo", 0.0)])
-def test_dpo_advantages_give_the_gradient_of_the_dpo_loss(loss, eps):
+@pytest.mark.parametrize(
+    ("loss", "eps", "stored"),
+    [("sigmoid", 0.0, False), ("sigmoid", 0.2, False), ("ipo", 0.0, False), ("sigmoid", 0.0, True)],
+)
+def test_dpo_advantages_give_the_gradient_of_the_dpo_loss(loss, eps, stored):
+    """``stored``: the episodes were sampled by another policy (--distill-data), so the rows'
+    old log-probs are not π_θ's and the credit box is given π_θ's own."""
     model, reference = TinyLM(0), TinyLM(1)
-    trajs, rows, owner = _episodes(model)
-    ref = []
-    for r in rows:
-        ids = torch.tensor(r.input_ids)[None]
-        with torch.no_grad():
-            lr, _ = ref_logprobs(reference, ids, torch.ones_like(ids))
-        ref.append([0.0, *lr[0].tolist()])
-    adv, metrics = dpo_advantages(trajs, rows, owner, ref, BETA, loss, eps)
+    trajs, rows, owner = _episodes(TinyLM(2) if stored else model)
+    ref = [_logprobs(reference, r.input_ids) for r in rows]
+    mine = [_logprobs(model, r.input_ids) for r in rows] if stored else None
+    adv, metrics = dpo_advantages(trajs, rows, owner, ref, BETA, loss, eps, policy_logprobs=mine)
     pairs = [(0, 1), (0, 3), (2, 1), (2, 3)]
     assert metrics["dpo_pairs"] == 4.0 and adv[4] == 0.0
 
