@@ -146,6 +146,12 @@ class Trajectory:
         return cls(**d)
 
 
+def verified(t: Trajectory) -> bool:
+    """The verifier scored the episode 1 and it finished (not cut by a budget, no env error):
+    what rejection sampling keeps and DPO / a reward model prefers."""
+    return t.outcome == "finished" and t.verifier_score is not None and t.verifier_score >= 1.0
+
+
 def credited(t: Trajectory) -> bool:
     """Whether ``t`` enters the credit box: scored (not an env_error) and with at least one
     target token, i.e. one token the policy sampled (``Trajectory.n_generated_tokens``: the

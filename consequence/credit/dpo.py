@@ -1,7 +1,8 @@
 """Direct preference optimisation as credit (credit box): DPO's gradient as per-episode advantages.
 
-Pairs. Within a group (G episodes of one task), every verified episode (the verifier scored
-it 1 and it finished: :func:`consequence.credit.rejection.verified`) is *chosen* against
+Pairs (:func:`consequence.reward.preferences.preference_pairs`). Within a group (G episodes
+of one task), every verified episode (the verifier scored it 1 and it finished:
+:func:`consequence.records.verified`) is *chosen* against
 every credited episode that is not (a wrong answer, or cut by a budget) as *rejected*; a
 group of only successes or only failures gives no pair. Multi-turn: an episode's
 log-probability is the sum over its sampled tokens only, across all its training rows, so
@@ -36,27 +37,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from consequence.credit.rejection import verified
 from consequence.records import TrainingRow, Trajectory
+from consequence.reward.preferences import preference_pairs
 
-__all__ = ["DPO_LOSSES", "dpo_advantages", "pair_loss", "preference_pairs"]
+__all__ = ["DPO_LOSSES", "dpo_advantages", "pair_loss"]
 
 DPO_LOSSES = ("sigmoid", "ipo")
-
-
-def preference_pairs(trajs: Sequence[Trajectory], credited: Sequence[bool]) -> list[tuple[int, int]]:
-    """(chosen, rejected) trajectory indices: each verified episode against each credited,
-    unverified one of the same group, in index order. ``credited[i]``: episode i has rows."""
-    groups: dict[str, list[int]] = {}
-    for i, t in enumerate(trajs):
-        if credited[i]:
-            groups.setdefault(t.group_id, []).append(i)
-    pairs = []
-    for members in groups.values():
-        won = [i for i in members if verified(trajs[i])]
-        lost = [i for i in members if not verified(trajs[i])]
-        pairs += [(w, r) for w in won for r in lost]
-    return pairs
 
 
 def _log_sigmoid(x: float) -> float:

@@ -16,9 +16,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from consequence.records import Trajectory
+from consequence.records import Trajectory, verified
 
-__all__ = ["RejectionStats", "accept", "verified"]
+__all__ = ["RejectionStats", "accept"]
 
 
 @dataclass(frozen=True)
@@ -59,9 +59,6 @@ class RejectionStats:
         return d
 
 
-def verified(t: Trajectory) -> bool:
-    """The verifier scored the episode 1 and it finished (not cut by a budget, no env error)."""
-    return t.outcome == "finished" and t.verifier_score is not None and t.verifier_score >= 1.0
 
 
 def _sampled_tokens(t: Trajectory) -> tuple[tuple[int, ...], ...]:

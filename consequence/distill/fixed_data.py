@@ -22,8 +22,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from consequence.credit.rejection import verified
-from consequence.records import Trajectory, credited, read_trajectories
+from consequence.records import Trajectory, credited, read_trajectories, verified
 from consequence.seeding import seed_of
 
 __all__ = ["uses_fixed_data", "first_student_iteration", "load_fixed_data", "check_token_ids", "draw_fixed_batch"]

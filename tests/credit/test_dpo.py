@@ -4,8 +4,9 @@ import math
 
 import pytest
 
-from consequence.credit.dpo import pair_loss, preference_pairs
+from consequence.credit.dpo import pair_loss
 from consequence.records import Trajectory
+from consequence.reward.preferences import preference_pairs
 
 
 def _t(group, sample, score, outcome="finished"):
