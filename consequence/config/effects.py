@@ -120,6 +120,11 @@ READS: tuple[Reads, ...] = (
         ),
     ),
     Reads(
+        ("reward_model_weight",),
+        lambda c: c.reward_model is not None,
+        lambda c: "no --reward-model: there is no learned reward to weigh (--reward-model PATH adds one)",
+    ),
+    Reads(
         ("dpo_beta", "dpo_loss", "dpo_label_smoothing"),
         lambda c: c.advantage == "dpo",
         lambda c: f"--advantage {c.advantage}: it is read only by --advantage dpo (the dpo recipe)",
@@ -210,7 +215,7 @@ READS: tuple[Reads, ...] = (
     # Where the reward, or a negative advantage, never reaches the update (after the rows above, whose
     # reasons are more direct).
     Reads(
-        ("overlong_buffer",),
+        ("overlong_buffer", "reward_model"),
         lambda c: _reward_unused(c) is None,
         lambda c: f"{_reward_unused(c)}, so no reward reaches the update and its shaping changes nothing",
     ),

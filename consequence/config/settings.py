@@ -270,6 +270,18 @@ class TrainConfig(BaseModel):
         "DAPO overlong shaping (Yu et al. 2025 §3.4, eq. 13), L_cache: the penalty is 0 while the tokens the policy generated in the episode (all its calls; prompt and observation tokens do not count) stay at most L_max − this, then falls linearly to −1 at L_max, the episode's generation budget min(max_turns × max_new_tokens, max_total_tokens); at most L_max (0 = off).",
         ge=0,
     )
+    reward_model: str | None = _f(
+        None,
+        "reward",
+        "A learned reward: a folder written by `consequence reward-model train` (a Bradley-Terry head on a backbone sharing the policy's tokenizer). Each scored episode gets the component reward_model = w·σ(r(episode)) and its other components × (1 − w), w = --reward-model-weight; the verifier's score, and so success, is kept apart (docs/algorithms.md). Stored as an absolute path.",
+    )
+    reward_model_weight: float = _f(
+        1.0,
+        "reward",
+        "w of --reward-model: the episode's reward is (1 − w) × the environment's + w × σ(r); 1 = the learned reward alone.",
+        ge=0,
+        le=1,
+    )
     overlong_filter: bool = _f(
         False,
         "reward",
@@ -491,7 +503,7 @@ class TrainConfig(BaseModel):
         ge=0,
     )
 
-    @field_validator("model", "run_dir", "teacher", "distill_data")
+    @field_validator("model", "run_dir", "teacher", "distill_data", "reward_model")
     @classmethod
     def _absolute(cls, v: str | None, info) -> str | None:
         """Paths are stored absolute, so a run can be resumed or reproduced from any folder; a
@@ -642,6 +654,22 @@ class TrainConfig(BaseModel):
                 "supported: the value model copies the policy's trunk, and with LoRA that trunk is frozen; "
                 "use --lora-rank 0 (full fine-tuning) for PPO with a critic, or a critic-free estimator "
                 "(grpo, rloo, ...) with LoRA"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _reward_model_fits(self) -> TrainConfig:
+        """A learned reward is applied where this process scores the episodes, from a folder
+        `consequence reward-model train` wrote (checked here: before any work)."""
+        if self.reward_model is not None and not (Path(self.reward_model) / "reward_model.json").is_file():
+            raise ValueError(
+                f"--reward-model {self.reward_model}: not a reward model folder (no reward_model.json); train one "
+                "with `consequence reward-model train --data RUN/trajectories --model M --out DIR`"
+            )
+        if self.reward_model is not None and self.rollout_workers:
+            raise ValueError(
+                "--reward-model with --rollout-workers is not supported yet: the workers score their own "
+                "episodes and do not hold the reward model; use --rollout-workers 0"
             )
         return self
 

@@ -62,13 +62,16 @@ class BatchSource(Protocol):
 class Rollouts:
     """This process rolls out every batch with the current policy (``rollout.collect.collect``)."""
 
-    def __init__(self, cfg: TrainConfig, runner: EpisodeRunner, env, budgets):
+    def __init__(self, cfg: TrainConfig, runner: EpisodeRunner, env, budgets, learned_reward=None):
         self.cfg, self.runner, self.env, self.budgets = cfg, runner, env, budgets
+        self.learned_reward = learned_reward  # --reward-model (rollout.collect.collect)
 
     def next_batch(self, it: int, show: Callable[[str], None]) -> Collected:
         n = self.cfg.tasks_per_iteration * self.cfg.group_size
         progress = lambda d: show(f"iteration {it}: rollouts {d}/{n} episodes")  # noqa: E731
-        trajs, stats = collect(it, self.cfg, self.runner, self.env, self.budgets, progress)
+        trajs, stats = collect(
+            it, self.cfg, self.runner, self.env, self.budgets, progress, learned_reward=self.learned_reward
+        )
         return Collected(trajs, stats)
 
     def publish(self, model, version: int) -> None:

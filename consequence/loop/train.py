@@ -62,6 +62,7 @@ from consequence.recipes import run_label
 from consequence.records import Trajectory, credited
 from consequence.report.manifest import build_manifest, sha256_of
 from consequence.report.trackers import check_trackers
+from consequence.reward.reward_model import learned_reward_mean
 from consequence.rollout.collect import harness_runner
 from consequence.rollout.episodes import Budgets, opening_prompt_len
 from consequence.sandbox.sandbox import isolation_report, start_mode
@@ -399,11 +400,21 @@ def _batch_source(r: _Run, rec: RunRecorder) -> BatchSource:
         from consequence.serve.runner import agent_runner
 
         runner = agent_runner(cfg.agent, r.learner.model, r.renderer, r.env, r.budgets, r.sampling, cfg.agent_timeout)
-        source = Rollouts(cfg, runner, r.env, r.budgets)
+        source = Rollouts(cfg, runner, r.env, r.budgets, _learned_reward(cfg))
     else:
         runner = harness_runner(r.learner.model, r.renderer, r.env, r.budgets, r.sampling)
-        source = Rollouts(cfg, runner, r.env, r.budgets)
+        source = Rollouts(cfg, runner, r.env, r.budgets, _learned_reward(cfg))
     return FixedDataMix(cfg, r.fixed_data, source) if cfg.distill_lambda < 1 else source
+
+
+def _learned_reward(cfg: TrainConfig):
+    """``--reward-model``: the function that adds the learned reward to scored episodes, or None."""
+    if cfg.reward_model is None:
+        return None
+    from consequence.reward.reward_model import RewardModel, apply_reward_model
+
+    rm = RewardModel.load(cfg.reward_model)
+    return lambda trajs: apply_reward_model(trajs, rm, cfg.reward_model_weight)
 
 
 def _start_workers(r: _Run, rec: RunRecorder):
@@ -592,6 +603,8 @@ def iteration_metrics(
         "update_s": t_update,
         **upd,
     }
+    if cfg.reward_model is not None:  # the learned reward beside success (the verifier's): over-optimisation
+        metrics["learned_reward_mean"] = learned_reward_mean(valid, cfg.reward_model_weight)
     if checks is not None:
         metrics["pre_step_checks"] = [c.as_dict() for c in checks]
     metrics["gen_tokens_total"] = ds["gen_tokens_total"]

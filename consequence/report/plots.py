@@ -22,6 +22,17 @@ _PANELS = [
 ]
 
 
+def _overoptimisation(ax, rows: list[dict[str, Any]]) -> str:
+    """The learned reward σ(r) and the verifier's success per iteration on one panel: a learned
+    reward that keeps rising while success falls is optimised past its agreement with the truth."""
+    for key in ("learned_reward_mean", "success"):
+        pts = [(r["iteration"], r[key]) for r in rows if r.get(key) is not None]
+        if pts:
+            ax.plot(*zip(*pts), ms=4, label=key)
+    ax.legend(fontsize=7)
+    return "reward, learned reward, verifier success"
+
+
 def plot_metrics(metrics_jsonl: Path, out_png: Path) -> None:
     """One panel per curve of ``metrics.jsonl``; written atomically as PNG."""
     import matplotlib
@@ -36,7 +47,9 @@ def plot_metrics(metrics_jsonl: Path, out_png: Path) -> None:
     for ax, (key, title) in zip(axes.flat, _PANELS):
         pts = [(r["iteration"], r[key]) for r in rows if r.get(key) is not None]
         if pts:
-            ax.plot(*zip(*pts), marker="o" if key == "val_success" else None, ms=4)
+            ax.plot(*zip(*pts), marker="o" if key == "val_success" else None, ms=4, label=key)
+        if key == "reward_mean" and any(r.get("learned_reward_mean") is not None for r in rows):
+            title = _overoptimisation(ax, rows)  # --reward-model: the learned reward beside the verifier's success
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("iteration", fontsize=8)
         ax.grid(alpha=0.3)

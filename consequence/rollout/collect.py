@@ -73,6 +73,7 @@ def collect(
     budgets: Budgets,
     progress: Callable[[int], None] | None = None,
     policy_version: int | None = None,
+    learned_reward: Callable[[list[Trajectory]], None] | None = None,
 ) -> tuple[list[Trajectory], dict[str, Any]]:
     """Roll out B tasks × G episodes, scored; with dynamic sampling keep only groups whose
     rewards differ, sampling new tasks for up to ``dynamic_sampling_max_rounds`` rounds
@@ -81,6 +82,8 @@ def collect(
     ``it`` picks the batch (its tasks and seeds); ``policy_version`` is the version of the
     weights that sample it, recorded on every trajectory (default ``it``: the synchronous
     loop; an asynchronous rollout worker may sample batch ``it`` with older weights).
+    ``learned_reward(trajs)``: run on each round's scored episodes after the environment's
+    reward (``--reward-model``: ``reward.reward_model.apply_reward_model``).
 
     Returns:
         (trajectories of the kept groups, stats: groups generated / kept / dropped, the
@@ -92,7 +95,7 @@ def collect(
     generated = tokens = 0
     runner_stats: dict[str, float] = {}
     for r in range(rounds):
-        groups, stats = roll_out_round(it, r, cfg, runner, env, budgets, progress, version)
+        groups, stats = roll_out_round(it, r, cfg, runner, env, budgets, progress, version, learned_reward)
         for k, v in stats.items():
             runner_stats[k] = runner_stats.get(k, 0.0) + v
         generated += len(groups)
@@ -120,6 +123,7 @@ def roll_out_round(
     budgets: Budgets,
     progress: Callable[[int], None] | None = None,
     version: int = 0,
+    learned_reward: Callable[[list[Trajectory]], None] | None = None,
 ) -> tuple[list[list[Trajectory]], dict[str, float]]:
     """Round ``r`` of iteration ``it``: B tasks × G episodes played by ``runner``, scored
     (verifier + overlong shaping against the generation budget, DAPO §3.4) and grouped.
@@ -155,6 +159,8 @@ def roll_out_round(
         groups.setdefault(t.group_id, []).append(t)
     for task in tasks:
         rescore_group(env, task, groups[f"{prefix}/{task.task_id}"], overlong=bool(cfg.overlong_buffer))
+    if learned_reward is not None:  # --reward-model: after the environment's reward, which it weighs
+        learned_reward(trajs)
     return list(groups.values()), stats
 
 
