@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import ipaddress
+import logging
 import signal
 import socket
+from pathlib import Path
 
 import typer
 from rich.markup import escape
@@ -26,8 +28,13 @@ def serve_cmd(
         help="Address to listen on; loopback by default (the endpoint has no authentication: anything that can reach it can use the model).",
     ),
     port: int = typer.Option(8000, min=0, max=65535, help="Port (0 = any free port; the one bound is printed)."),
-    name: str | None = typer.Option(
-        None, help="Model name that /v1/models lists and requests must give (default: the checkpoint folder's name)."
+    name: list[str] | None = typer.Option(
+        None,
+        "--served-model-name",
+        "--name",
+        help="A model name that /v1/models lists and requests may give; repeat for several (the first is listed "
+        "first). Default: the registered name or hub id given to --model (its converted folder's name also "
+        "answers), else the checkpoint folder's name.",
     ),
     temperature: float = typer.Option(
         1.0, min=0.0, max=2.0, help="Temperature of a request that gives none (0 = greedy)."
@@ -40,11 +47,20 @@ def serve_cmd(
     seed: int = typer.Option(0, help="Seed of the sampling generator shared by requests without a seed."),
     max_batch: int = typer.Option(64, min=1, help="The most requests sampled together in one generate call."),
     batch_wait_ms: float = typer.Option(5.0, min=0.0, help="How long a batch waits for more requests after its first."),
+    max_body_bytes: int = typer.Option(
+        4 * 2**20, min=1, help="The largest request body in bytes; a larger one is refused with 413 before it is read."
+    ),
+    session_ttl: float = typer.Option(
+        3600.0,
+        min=0.0,
+        help="Seconds after its last call that a session (its record and K/V) is forgotten; 0 = never.",
+    ),
 ) -> None:
-    """Serve a policy through an OpenAI-compatible API (/v1/models, /v1/chat/completions).
+    """Serve a policy through an OpenAI-compatible API (/v1/models, /v1/chat/completions, /v1/completions).
 
     Calls under /s/SESSION/v1 (or with an X-Session-Id header) are recorded token-exactly,
-    one trajectory per session (GET /s/SESSION/record). Stops cleanly on SIGTERM or Ctrl-C.
+    one trajectory per session (GET /s/SESSION/record). GET /metrics gives Prometheus
+    counters. Stops cleanly on SIGTERM or Ctrl-C.
     """
     import uvicorn
 
@@ -64,8 +80,9 @@ def serve_cmd(
         raise typer.Exit(2) from None
     if not _is_loopback(host):
         console.print(f"[yellow]warning:[/] listening on {escape(host)}: the endpoint has no authentication")
+    names = served_names(model, path, name or [])
     settings = ServeSettings(
-        name or path.name,
+        names[0],
         model_context_length(policy),
         temperature,
         top_p,
@@ -74,7 +91,11 @@ def serve_cmd(
         seed,
         max_batch,
         batch_wait_ms / 1000,
+        aliases=tuple(names[1:]),
+        max_body_bytes=max_body_bytes,
+        session_ttl_s=session_ttl,
     )
+    _log_to_console()
     try:
         sock = _bind(host, port)
     except OSError as e:
@@ -99,6 +120,38 @@ def serve_cmd(
         signal.signal(sig, lambda *_: None)
     server.run(sockets=[sock])
     console.print("endpoint stopped")
+
+
+def served_names(model: str | None, path: Path, given: list[str]) -> list[str]:
+    """The names the endpoint answers to, the first listed first (vLLM's ``--served-model-name``).
+
+    ``given`` when any (empty names refused); else the registered name or hub id ``model``
+    as typed, then the folder ``path`` it resolved to (a registered model's converted
+    folder, ``smollm2-135m-instruct-b179c9523d0e``, still answers); else ``path``'s name.
+
+    Raises:
+        typer.BadParameter: an empty name.
+    """
+    if given:
+        if any(not n.strip() for n in given):
+            raise typer.BadParameter("a served model name may not be empty", param_hint="--served-model-name")
+        return list(dict.fromkeys(given))
+    from consequence.config import is_hub_id
+    from consequence.policy.named import is_named
+
+    if model is not None and (is_named(model) or is_hub_id(model)):
+        return list(dict.fromkeys([model, path.name]))
+    return [path.name]
+
+
+def _log_to_console() -> None:
+    """Show the endpoint's log (each 4xx with its reason, ignored fields, expired sessions) on stderr."""
+    log = logging.getLogger("consequence.serve")
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
 
 
 def _bind(host: str, port: int) -> socket.socket:

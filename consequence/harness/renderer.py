@@ -114,6 +114,8 @@ class Renderer:
         end_of_turn: the token that ends an assistant turn (``<|im_end|>`` for Qwen-style
             templates); defaults to ``<|im_end|>`` when the vocabulary has it, else EOS.
         tool_format: ``"auto"`` (default), ``"native"`` or a format name (:data:`TOOL_FORMATS`).
+        template_kwargs: extra variables for the chat template on every rendering (vLLM's
+            ``chat_template_kwargs``, e.g. ``{"enable_thinking": False}``); ``None`` for none.
 
     Attributes:
         tool_format: how the tools reach the prompt: ``"native"``, a format name (declared
@@ -130,7 +132,15 @@ class Renderer:
             write (the message says what is missing).
     """
 
-    def __init__(self, tokenizer, tools: list[dict], end_of_turn: str | None = None, tool_format: str = "auto"):
+    def __init__(
+        self,
+        tokenizer,
+        tools: list[dict],
+        end_of_turn: str | None = None,
+        tool_format: str = "auto",
+        template_kwargs: dict[str, Any] | None = None,
+    ):
+        self.template_kwargs = dict(template_kwargs or {})  # before any rendering: the tool-format probes use it
         if tool_format not in TOOL_FORMATS:
             raise ValueError(f"tool_format must be one of {', '.join(map(repr, TOOL_FORMATS))}, not {tool_format!r}")
         if not getattr(tokenizer, "chat_template", None):
@@ -290,6 +300,7 @@ class Renderer:
                 declare(FORMATS[self.tool_format], messages, self.tools),
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
+                **self.template_kwargs,
             )
         return self._native_text(messages, add_generation_prompt)
 
@@ -299,6 +310,7 @@ class Renderer:
             tools=self.tools,
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
+            **self.template_kwargs,
         )
 
     def encode(self, text: str) -> list[int]:

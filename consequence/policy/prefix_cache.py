@@ -29,6 +29,7 @@ from consequence.policy.device import precision
 from consequence.policy.sampler import (
     PREFILL_CHUNK_TOKENS,
     Generators,
+    OnToken,
     Sample,
     SamplingParams,
     _FastLlama,
@@ -80,6 +81,7 @@ def generate_with_prefix(
     stop_ids: Collection[int],
     cache: PrefixCache,
     generator: Generators = None,
+    on_token: OnToken | None = None,
 ) -> list[Sample]:
     """``sampler.generate`` for episodes whose prompts extend their previous call's.
 
@@ -88,6 +90,7 @@ def generate_with_prefix(
         keys: one hashable episode key per row (distinct within a call).
         cache: updated in place with every row's new prefix.
         generator: one for the batch or one per row (``sampler.Generators``).
+        on_token: called for each token as it is sampled (``sampler.generate``).
 
     Returns:
         one ``Sample`` per prompt, in order. Models without the fast Llama path fall back
@@ -99,20 +102,22 @@ def generate_with_prefix(
     if len(keys) != len(prompts):
         raise ValueError(f"generate_with_prefix: {len(keys)} keys for {len(prompts)} prompts")
     if not prompts or params.max_new_tokens <= 0 or not _FastLlama.supports(model):
-        return generate(model, prompts, params, stop_ids, generator)
+        return generate(model, prompts, params, stop_ids, generator, on_token)
     if any(len(p) == 0 for p in prompts):
         raise ValueError("generate: every prompt needs at least one token")
     was_training = model.training
     model.eval()
     try:
         with torch.inference_mode(), precision(params.dtype, next(model.parameters()).device):
-            return _run(_FastLlama(model), prompts, list(keys), params, set(stop_ids), cache, generator)
+            return _run(_FastLlama(model), prompts, list(keys), params, set(stop_ids), cache, generator, on_token)
     finally:
         if was_training:
             model.train()
 
 
-def _run(fast: _FastLlama, prompts, keys, params, stop_ids, cache: PrefixCache, generator) -> list[Sample]:
+def _run(
+    fast: _FastLlama, prompts, keys, params, stop_ids, cache: PrefixCache, generator, on_token=None
+) -> list[Sample]:
     n = len(prompts)
     pre = [cache.prefix_len(k, p) for k, p in zip(keys, prompts)]
     stored: list[_Entry | None] = [cache.entries[k] if p else None for k, p in zip(keys, pre)]
@@ -166,7 +171,9 @@ def _run(fast: _FastLlama, prompts, keys, params, stop_ids, cache: PrefixCache, 
     def keep(b: int, i: int, out: list[int]) -> None:  # a row leaves the batch: store its prefix
         _store(fast, cache, keys[i], b, prompts[i], out, L)
 
-    return decode(fast, logits, key_valid, next_pos, L, n, params, stop_ids, generator, on_leave=keep)
+    return decode(
+        fast, logits, key_valid, next_pos, L, n, params, stop_ids, generator, on_leave=keep, on_token=on_token
+    )
 
 
 def _restore(fast: _FastLlama, stored: list[_Entry | None], pre, lens, L: int) -> None:

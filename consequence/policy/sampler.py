@@ -24,7 +24,7 @@ Speed notes (2-core CPU, tiny model; see benchmarks/bench_generation.py):
 from __future__ import annotations
 
 import inspect
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -39,13 +39,16 @@ from consequence.policy.lora import effective_weight, unwrap
 class SamplingParams:
     """Sampler settings. ``temperature == 0`` = greedy; ``top_k == 0`` / ``top_p == 1`` = off.
     ``dtype``: ``float32``, or ``bfloat16`` to run the forward passes under bfloat16 autocast
-    (``policy.device.precision``; the sampling distribution is still taken in float32)."""
+    (``policy.device.precision``; the sampling distribution is still taken in float32).
+    ``top_logprobs``: how many of the most probable alternatives of each sampled token to
+    return (``Sample.top_logprobs``; 0 = none); it changes nothing that is sampled."""
 
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
     max_new_tokens: int = 64
     dtype: str = "float32"
+    top_logprobs: int = 0
 
 
 @dataclass
@@ -59,12 +62,17 @@ class Sample:
         keep_ids: per sampled token, the ascending ids of the support it was sampled from
             (top-k / top-p on); ``None`` when the support was the whole vocabulary
             (neither filter on, or greedy).
+        top_logprobs: per sampled token, the ``params.top_logprobs`` most probable
+            ``(id, log-prob)`` under the same processed distribution as ``logprobs``, most
+            probable first (ids outside the support, probability 0, are left out); ``None``
+            when ``params.top_logprobs`` is 0.
     """
 
     output_ids: list[int]
     logprobs: list[float]
     stop_reason: str
     keep_ids: list[list[int]] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 PREFILL_CHUNK_TOKENS = 2048
@@ -284,6 +292,8 @@ class _FastLlama:
 # i: one random stream per episode; a None entry marks a finished row that rides along and
 # must not advance any stream), or None (torch's global RNG).
 Generators = torch.Generator | Sequence[torch.Generator | None] | None
+# on_token(prompt index, token id, log-prob): a token kept for that prompt, as it is sampled.
+OnToken = Callable[[int, int, float], None]
 
 
 def draw(probs_BV: torch.Tensor, generator: Generators) -> torch.Tensor:
@@ -349,12 +359,13 @@ def _rows(generator: Generators, active: list[int], done: list[bool]) -> Generat
 
 def _pick(
     logits_BV: torch.Tensor, params: SamplingParams, generator: Generators
-) -> tuple[torch.Tensor, torch.Tensor, list[list[int]] | None]:
+) -> tuple[torch.Tensor, torch.Tensor, list[list[int]] | None, list[list[tuple[int, float]]] | None]:
     """Sample one token per row under ``logprobs.process_logits``'s distribution.
 
     Returns:
-        ids [B] long, logprobs [B] float32, and the kept ids of each row's support
-        (``None`` when no top-k / top-p cut applies).
+        ids [B] long, logprobs [B] float32, the kept ids of each row's support (``None``
+        when no top-k / top-p cut applies), and each row's ``params.top_logprobs`` most
+        probable ``(id, log-prob)`` under that same distribution (``None`` when 0).
     """
     logits_BV = logits_BV.float()
     keep = None
@@ -367,7 +378,18 @@ def _pick(
         proc = scaled if keep is None else scaled.masked_fill(~keep, float("-inf"))
         logp = torch.log_softmax(proc, -1)
         tok = draw(logp.exp(), generator)
-    return tok, logp.gather(-1, tok[:, None]).squeeze(-1), None if keep is None else kept_ids(keep)
+    top = _top(logp, params.top_logprobs) if params.top_logprobs > 0 else None
+    return tok, logp.gather(-1, tok[:, None]).squeeze(-1), None if keep is None else kept_ids(keep), top
+
+
+def _top(logp_BV: torch.Tensor, n: int) -> list[list[tuple[int, float]]]:
+    """Each row's ``n`` most probable ``(id, log-prob)`` of ``logp_BV`` [B, V], most probable
+    first; ids of log-prob ``-inf`` (outside a top-k / top-p support) are left out."""
+    values, ids = logp_BV.topk(min(n, logp_BV.shape[-1]), -1)
+    return [
+        [(int(i), float(v)) for i, v in zip(row_i, row_v) if v != float("-inf")]
+        for row_i, row_v in zip(ids.tolist(), values.double().tolist())
+    ]
 
 
 def _left_pad(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -387,6 +409,7 @@ def generate(
     params: SamplingParams,
     stop_ids: Collection[int],
     generator: Generators = None,
+    on_token: OnToken | None = None,
 ) -> list[Sample]:
     """Sample one completion per prompt.
 
@@ -399,6 +422,8 @@ def generate(
             (one random stream per episode: a row's tokens then depend only on its own
             prompt and stream, ``draw``); ``None`` = global RNG. A CPU generator also drives
             a model on an accelerator (``draw``).
+        on_token: ``on_token(i, token_id, logprob)`` for each token kept for prompt ``i``,
+            as it is sampled (token-by-token streaming; called in the sampling thread).
 
     The forward passes run on the model's device, in ``params.dtype`` (``policy.device.precision``).
 
@@ -416,14 +441,14 @@ def generate(
     try:
         with torch.inference_mode(), precision(params.dtype, next(model.parameters()).device):
             if _FastLlama.supports(model):
-                return _generate_fast(model, prompts, params, set(stop_ids), generator)
-            return _generate_hf(model, prompts, params, set(stop_ids), generator)
+                return _generate_fast(model, prompts, params, set(stop_ids), generator, on_token)
+            return _generate_hf(model, prompts, params, set(stop_ids), generator, on_token)
     finally:
         if was_training:
             model.train()
 
 
-def _generate_fast(model, prompts, params, stop_ids, generator) -> list[Sample]:
+def _generate_fast(model, prompts, params, stop_ids, generator, on_token=None) -> list[Sample]:
     fast = _FastLlama(model)
     dev = fast.device
     n = len(prompts)
@@ -453,7 +478,7 @@ def _generate_fast(model, prompts, params, stop_ids, generator) -> list[Sample]:
     key_valid = key_valid_u.index_select(0, rows)
     next_pos = pos_u[:, -1].index_select(0, rows) + 1  # [B]
 
-    return decode(fast, logits, key_valid, next_pos, L, n, params, stop_ids, generator)
+    return decode(fast, logits, key_valid, next_pos, L, n, params, stop_ids, generator, on_token=on_token)
 
 
 def decode(
@@ -467,6 +492,7 @@ def decode(
     stop_ids,
     generator,
     on_leave=None,
+    on_token: OnToken | None = None,
 ) -> list[Sample]:
     """The decode loop after a prefill: sample, append, drop finished rows, feed the tokens back.
 
@@ -479,6 +505,8 @@ def decode(
         on_leave: ``on_leave(b, i, output_ids)`` is called for every row just before it
             leaves the batch (batch row b of the cache, original index i), e.g. to keep its
             K/V (``prefix_cache``).
+        on_token: ``on_token(i, token_id, logprob)`` for each token kept for original row
+            ``i``, as it is sampled (``generate``).
 
     Returns:
         one ``Sample`` per row, in the original order.
@@ -487,11 +515,12 @@ def decode(
     out_ids: list[list[int]] = [[] for _ in range(n)]
     out_lp: list[list[float]] = [[] for _ in range(n)]
     out_keep: list[list[list[int]]] | None = None
+    out_top: list[list[list[tuple[int, float]]]] | None = [[] for _ in range(n)] if params.top_logprobs > 0 else None
     reason = ["length"] * n
     active = list(range(n))  # batch row -> original index
     done_in_batch = [False] * n
     for step in range(params.max_new_tokens):
-        tok, lp, keep = _pick(logits, params, _rows(generator, active, done_in_batch))
+        tok, lp, keep, top = _pick(logits, params, _rows(generator, active, done_in_batch))
         # one device-to-host copy per step for ids and log-probs (float64 holds both exactly)
         tok_lp = torch.stack((tok.to(torch.float64), lp.to(torch.float64))).tolist()
         tok_l, lp_l = [int(t) for t in tok_lp[0]], tok_lp[1]
@@ -505,6 +534,10 @@ def decode(
             out_lp[i].append(lp_l[b])
             if keep is not None and out_keep is not None:  # out_keep is made above whenever keep is
                 out_keep[i].append(keep[b])
+            if top is not None and out_top is not None:
+                out_top[i].append(top[b])
+            if on_token is not None:
+                on_token(i, tok_l[b], lp_l[b])
             if hit[b]:
                 reason[i] = "stop"
                 done_in_batch[b] = True
@@ -533,16 +566,23 @@ def decode(
     if on_leave is not None:
         for b, i in enumerate(active):
             on_leave(b, i, out_ids[i])
-    return _samples(out_ids, out_lp, reason, out_keep)
+    return _samples(out_ids, out_lp, reason, out_keep, out_top)
 
 
-def _samples(out_ids, out_lp, reason, out_keep) -> list[Sample]:
+def _samples(out_ids, out_lp, reason, out_keep, out_top=None) -> list[Sample]:
     return [
-        Sample(out_ids[i], out_lp[i], reason[i], None if out_keep is None else out_keep[i]) for i in range(len(out_ids))
+        Sample(
+            out_ids[i],
+            out_lp[i],
+            reason[i],
+            None if out_keep is None else out_keep[i],
+            None if out_top is None else out_top[i],
+        )
+        for i in range(len(out_ids))
     ]
 
 
-def _generate_hf(model, prompts, params, stop_ids, generator) -> list[Sample]:
+def _generate_hf(model, prompts, params, stop_ids, generator, on_token=None) -> list[Sample]:
     """Reference path: HF forward with ``past_key_values`` (left-padded, no row dropping)."""
     dev = next(model.parameters()).device
     n = len(prompts)
@@ -558,10 +598,11 @@ def _generate_hf(model, prompts, params, stop_ids, generator) -> list[Sample]:
     out_ids: list[list[int]] = [[] for _ in range(n)]
     out_lp: list[list[float]] = [[] for _ in range(n)]
     out_keep: list[list[list[int]]] | None = None
+    out_top: list[list[list[tuple[int, float]]]] | None = [[] for _ in range(n)] if params.top_logprobs > 0 else None
     reason = ["length"] * n
     done = [False] * n
     for step in range(params.max_new_tokens):
-        tok, lp, keep = _pick(logits, params, _rows(generator, list(range(n)), done))
+        tok, lp, keep, top = _pick(logits, params, _rows(generator, list(range(n)), done))
         if keep is not None and out_keep is None:
             out_keep = [[] for _ in range(n)]
         for i, (t, t_lp) in enumerate(zip(tok.tolist(), lp.tolist())):
@@ -571,6 +612,10 @@ def _generate_hf(model, prompts, params, stop_ids, generator) -> list[Sample]:
             out_lp[i].append(t_lp)
             if keep is not None and out_keep is not None:  # out_keep is made above whenever keep is
                 out_keep[i].append(keep[i])
+            if top is not None and out_top is not None:
+                out_top[i].append(top[i])
+            if on_token is not None:
+                on_token(i, t, t_lp)
             if t in stop_ids:
                 reason[i], done[i] = "stop", True
         if all(done) or step == params.max_new_tokens - 1:
@@ -586,4 +631,4 @@ def _generate_hf(model, prompts, params, stop_ids, generator) -> list[Sample]:
         past = getattr(out, key)
         logits = out.logits[:, -1]
         next_pos = next_pos + 1
-    return _samples(out_ids, out_lp, reason, out_keep)
+    return _samples(out_ids, out_lp, reason, out_keep, out_top)

@@ -90,8 +90,8 @@ class RewardModel:
             found from the lengths, since a chat's own end-of-turn token may be the pad).
     """
 
-    def __init__(self, model: torch.nn.Module, pad_id: int) -> None:
-        self.model, self.pad_id = model, int(pad_id)
+    def __init__(self, model: Any, pad_id: int) -> None:
+        self.model, self.pad_id = model, int(pad_id)  # Any: a transformers model's heads are attributes
 
     @classmethod
     def from_causal_lm(cls, path: str | Path) -> RewardModel:
@@ -137,7 +137,7 @@ class RewardModel:
         for i, s in enumerate(seqs):
             ids[i, : len(s)] = torch.tensor(list(s))
             mask[i, : len(s)] = 1
-        backbone = getattr(self.model, self.model.base_model_prefix)
+        backbone = getattr(self.model, str(self.model.base_model_prefix))
         hidden = backbone(input_ids=ids, attention_mask=mask).last_hidden_state  # [n, S, H]
         last = hidden[torch.arange(n), mask.sum(dim=1) - 1]  # [n, H]: the last real token
         return self.model.score(last).squeeze(-1).float()

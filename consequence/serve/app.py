@@ -4,18 +4,24 @@ Routes (each also under ``/s/{session}/``, which puts the call in that session; 
 ``X-Session-Id`` header does the same on the plain routes; a call without either is
 served but not recorded):
 
-* ``GET /v1/models``: the one model served;
-* ``POST /v1/chat/completions``: the OpenAI chat-completions call (``serve.protocol``),
+* ``GET /v1/models``: the served names (``--served-model-name``); ``GET /v1/models/{id}``
+  one of them (an OpenAI-shaped 404 for any other);
+* ``POST /v1/chat/completions``: the OpenAI chat-completions call (``serve.protocol``);
+  ``POST /v1/completions``: a text or token-id prompt (``serve.completions``); both
   sampled by the batcher (``serve.batcher``) with the current policy, recorded by the
-  session (``serve.sessions``);
+  session (``serve.sessions``), their fields sorted by ``serve.compat`` (``serve.calls``);
 * ``GET /s/{session}/record``: the session's trajectory as plain data (every call's
   context ids, sampled ids, sampler log-probs), its ``prefix_breaks`` and their reasons (``breaks``);
   ``DELETE /s/{session}`` returns it once more and forgets the session;
-* ``GET /health``: queue length, requests being sampled, batch counters, open sessions.
+* ``GET /health``: queue length, requests being sampled, batch counters, open sessions;
+  ``GET /metrics``: the same and more in the Prometheus text format (``serve.metrics``).
 
-Errors are OpenAI-shaped JSON (``{"error": {...}}``) with a 4xx status. On shutdown
-(SIGTERM, SIGINT, :meth:`BackgroundServer.stop`) uvicorn stops accepting connections,
-waits for the requests in flight, then the batcher stops.
+Errors are OpenAI-shaped JSON (``{"error": {...}}``) with a 4xx status; every 4xx is
+logged with its reason (logger ``consequence.serve``, level INFO). A body over
+``max_body_bytes`` is a 413 before it is parsed (``serve.limits``). Sessions without an
+episode unused for ``session_ttl_s`` seconds are forgotten. On shutdown (SIGTERM, SIGINT,
+:meth:`BackgroundServer.stop`) uvicorn stops accepting connections, waits for the
+requests in flight, then the batcher stops.
 """
 
 from __future__ import annotations
@@ -23,28 +29,30 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import re
 import threading
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from consequence.harness.renderer import ParsedTurn, Renderer
-from consequence.policy.sampler import Sample, SamplingParams
+from consequence.harness.renderer import Renderer
+from consequence.serve import calls, compat, metrics
 from consequence.serve.batcher import Batcher
-from consequence.serve.protocol import ChatRequest, Choice, ServeError, bad, completion, parse_request, stream_chunks
-from consequence.serve.sessions import Session, SessionStore
+from consequence.serve.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit
+from consequence.serve.protocol import ServeError, bad
+from consequence.serve.sessions import SessionStore
 
 SESSION_HEADER = "x-session-id"
 # A session id becomes part of URLs and file names downstream: a safe charset, bounded.
 SESSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-DISCONNECT_POLL_S = 0.05
+log = logging.getLogger("consequence.serve")
+MAX_RENDERERS = 256  # renderers kept for the tool sets and template variables requests give
 
 
 @dataclass
@@ -52,12 +60,16 @@ class ServeSettings:
     """What the server samples with when a request does not say.
 
     Attributes:
-        model_name: the name ``/v1/models`` lists and requests must give.
-        temperature, top_p, top_k: defaults (a request's ``temperature`` / ``top_p`` win).
-        max_tokens: default tokens per reply (capped by the context left).
+        model_name: the name ``/v1/models`` lists first and responses carry by default.
         max_context: the model's context length (``max_position_embeddings``).
+        temperature, top_p, top_k: defaults (a request's ``temperature`` / ``top_p`` / ``top_k`` win).
+        max_tokens: default tokens per reply (capped by the context left).
         seed: seed of the shared sampling generator.
         max_batch, wait_s: the batcher's settings.
+        aliases: further names requests may give (``--served-model-name`` given several
+            times; a registered model's folder name).
+        max_body_bytes: the largest request body (413 above it).
+        session_ttl_s: a session without an episode unused this long is forgotten (0: never).
     """
 
     model_name: str
@@ -69,6 +81,13 @@ class ServeSettings:
     seed: int = 0
     max_batch: int = 64
     wait_s: float = 0.005
+    aliases: tuple[str, ...] = ()
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    session_ttl_s: float = 0.0
+
+    def served_names(self) -> list[str]:
+        """Every name a request may give, ``model_name`` first."""
+        return [self.model_name] + [a for a in self.aliases if a != self.model_name]
 
 
 @dataclass
@@ -80,25 +99,49 @@ class ServeState:
     batcher: Batcher
     sessions: SessionStore = field(default_factory=SessionStore)
     renderers: dict[str, Renderer] = field(default_factory=dict)
+    renderers_lock: threading.Lock = field(default_factory=threading.Lock)
+    responses: metrics.Responses = field(default_factory=metrics.Responses)
 
-    def renderer_for(self, tools: list[dict]) -> Renderer:
-        """The renderer of a request's tools (the base one for the same tools), cached.
+    def __post_init__(self) -> None:
+        tok = self.renderer.tokenizer
+        # the template fields of serve.compat this model's template reads (others are ignored)
+        self.template_reads = compat.template_reads(getattr(tok, "chat_template", None))
+        # the most characters one token covers (serve.calls refuses over-long text before tokenising)
+        self.max_token_chars = max(1, max((len(t) for t in tok.get_vocab()), default=1))
+
+    def renderer_for(self, tools: list[dict], template_kwargs: dict[str, Any] | None = None) -> Renderer:
+        """The renderer of a request's tools and chat-template variables (the base one for the
+        same tools and none), cached.
 
         Raises:
-            ServeError: 400 when the model's chat template cannot show these tools.
+            ServeError: 400 when the model's chat template cannot show these tools, or fails
+                with these variables.
         """
-        key = json.dumps(tools, sort_keys=True)
-        if key == json.dumps(self.renderer.tools, sort_keys=True):
+        key = json.dumps([tools, template_kwargs or {}], sort_keys=True)
+        if not template_kwargs and json.dumps(tools, sort_keys=True) == json.dumps(self.renderer.tools, sort_keys=True):
             return self.renderer
-        if key not in self.renderers:
-            try:
-                fmt = "auto" if self.renderer.tool_format == "none" else self.renderer.tool_format
-                self.renderers[key] = Renderer(self.renderer.tokenizer, tools, self.renderer.end_of_turn, fmt)
-            except Exception as e:  # noqa: BLE001  (the chat template failing on these tools is the request's fault)
-                raise bad(
-                    f"bad tool schema for this model: {type(e).__name__}: {e}", "tools", "invalid_tools"
-                ) from None
-        return self.renderers[key]
+        with self.renderers_lock:  # called from worker threads
+            cached = self.renderers.get(key)
+        if cached is not None:
+            return cached
+        fmt = "auto" if self.renderer.tool_format == "none" else self.renderer.tool_format
+        try:
+            renderer = Renderer(self.renderer.tokenizer, tools, self.renderer.end_of_turn, fmt, template_kwargs)
+            if template_kwargs:  # a template that fails on these variables fails here, not mid-call
+                renderer.render_text([{"role": "user", "content": "probe"}], add_generation_prompt=True)
+        except Exception as e:  # noqa: BLE001  (the chat template failing on these tools is the request's fault)
+            param = "chat_template_kwargs" if template_kwargs else "tools"
+            what = "chat_template_kwargs" if template_kwargs else "tool schema"
+            raise bad(
+                f"bad {what} for this model: {type(e).__name__}: {e}",
+                param,
+                "invalid_value" if template_kwargs else "invalid_tools",
+            ) from None
+        with self.renderers_lock:
+            if len(self.renderers) >= MAX_RENDERERS:  # distinct tools / variables per request: keep the newest
+                del self.renderers[next(iter(self.renderers))]
+            self.renderers[key] = renderer
+        return renderer
 
 
 def check_session_id(sid: str) -> None:
@@ -133,28 +176,54 @@ def create_app(model, renderer: Renderer, settings: ServeSettings) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         state.batcher.start()
+        sweeper = asyncio.get_running_loop().create_task(_expire_sessions(state))
         yield
+        sweeper.cancel()
         await state.batcher.stop()
 
     app = FastAPI(title="consequence serve", lifespan=lifespan)
     app.state.serve = state
     _errors(app)
+    # outermost first: every response counted (the 413s too), then the body limit
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    app.add_middleware(metrics.CountResponses, responses=state.responses)
+
+    def model_card(name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": 0, "owned_by": "consequence"}
 
     @app.get("/v1/models")
     @app.get("/s/{session}/v1/models")
     async def models(session: str | None = None) -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [{"id": settings.model_name, "object": "model", "created": 0, "owned_by": "consequence"}],
-        }
+        return {"object": "list", "data": [model_card(n) for n in settings.served_names()]}
+
+    @app.get("/v1/models/{model:path}")
+    @app.get("/s/{session}/v1/models/{model:path}")
+    async def one_model(model: str, session: str | None = None) -> dict[str, Any]:
+        if model not in settings.served_names():
+            raise ServeError(
+                404,
+                f"the model {model!r} does not exist; this server serves "
+                f"{', '.join(map(repr, settings.served_names()))}",
+                "model",
+                "model_not_found",
+            )
+        return model_card(model)
 
     @app.post("/v1/chat/completions")
     async def chat_plain(request: Request):
-        return await _chat(state, request, request.headers.get(SESSION_HEADER))
+        return await _call(state, request, request.headers.get(SESSION_HEADER), compat.CHAT)
 
     @app.post("/s/{session}/v1/chat/completions")
     async def chat_session(session: str, request: Request):
-        return await _chat(state, request, session)
+        return await _call(state, request, session, compat.CHAT)
+
+    @app.post("/v1/completions")
+    async def completions_plain(request: Request):
+        return await _call(state, request, request.headers.get(SESSION_HEADER), compat.COMPLETIONS)
+
+    @app.post("/s/{session}/v1/completions")
+    async def completions_session(session: str, request: Request):
+        return await _call(state, request, session, compat.COMPLETIONS)
 
     @app.get("/s/{session}/record")
     async def record(session: str) -> dict[str, Any]:
@@ -188,199 +257,66 @@ def create_app(model, renderer: Renderer, settings: ServeSettings) -> FastAPI:
             "largest_batch": b.stats.largest,
             "dropped": b.stats.dropped,
             "sessions": len(state.sessions.ids()),
+            "generated_tokens": b.stats.tokens,
         }
+
+    @app.get("/metrics")
+    async def prometheus() -> PlainTextResponse:
+        b = state.batcher
+        text = metrics.render(state.responses, b.stats, b.queued, b.in_flight, len(state.sessions.ids()))
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     return app
 
 
+async def _call(state: ServeState, request: Request, sid: str | None, endpoint: str):
+    if sid is not None:
+        check_session_id(sid)
+    return await calls.handle(state, request, sid, endpoint)
+
+
+async def _expire_sessions(state: ServeState) -> None:
+    """Forget idle sessions every quarter of ``session_ttl_s`` (at most every minute; never when 0)."""
+    ttl = state.settings.session_ttl_s
+    if ttl <= 0:
+        return
+    while True:
+        await asyncio.sleep(min(60.0, max(ttl / 4, 0.05)))
+        gone = state.sessions.expire(ttl)
+        if gone:
+            state.batcher.forget(gone)
+            log.info("forgot %d session(s) idle for %g s (--session-ttl): %s", len(gone), ttl, ", ".join(gone[:10]))
+
+
 def _errors(app: FastAPI) -> None:
     @app.exception_handler(ServeError)
-    async def serve_error(_request: Request, e: ServeError):
-        return JSONResponse(e.body(), status_code=e.status)
+    async def serve_error(request: Request, e: ServeError):
+        return _error_response(request, e)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_request: Request, e: StarletteHTTPException):
-        return JSONResponse(
-            ServeError(e.status_code, str(e.detail), None, "not_found" if e.status_code == 404 else None).body(),
-            status_code=e.status_code,
-        )
+    async def http_error(request: Request, e: StarletteHTTPException):
+        code = "not_found" if e.status_code == 404 else None
+        return _error_response(request, ServeError(e.status_code, str(e.detail), None, code))
 
     @app.exception_handler(Exception)
-    async def internal_error(_request: Request, e: Exception):  # a bug of ours: still JSON, with what failed
-        return JSONResponse(
-            ServeError(500, f"internal error: {type(e).__name__}: {e}", None, "internal_error").body(), status_code=500
+    async def internal_error(request: Request, e: Exception):  # a bug of ours: still JSON, with what failed
+        log.exception("%s %s -> 500", request.method, request.url.path)
+        return _error_response(
+            request, ServeError(500, f"internal error: {type(e).__name__}: {e}", None, "internal_error")
         )
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_request: Request, e: RequestValidationError):
-        return JSONResponse(bad(f"bad request: {e.errors()}").body(), status_code=400)
+    async def validation_error(request: Request, e: RequestValidationError):
+        return _error_response(request, bad(f"bad request: {e.errors()}"))
 
 
-async def _chat(state: ServeState, request: Request, sid: str | None):
-    try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise bad("the request body is not valid JSON") from None
-    req = parse_request(body, state.settings.model_name)
-    if sid is not None:
-        check_session_id(sid)
-    renderer = state.renderer_for(req.tools)
-    session = state.sessions.get(sid) if sid else None
-    if session is None:
-        context = renderer.prompt_ids(req.messages)
-        sampled, _left = await _sample(state, request, renderer, req, context, _params(state, req, len(context)), None)
-        choices = [choice for choice, _s, _p in sampled]
-    else:
-        async with session.lock:
-            context, choices = await _session_call(state, request, session, renderer, req)
-    full = completion(
-        req,
-        choices,
-        [[f"call_{uuid.uuid4().hex[:24]}" for _ in (c.message.get("tool_calls") or [])] for c in choices],
-        context,
-    )
-    if not req.stream:
-        return full
-    lines = [f"data: {json.dumps(c)}\n\n" for c in stream_chunks(full, req)] + ["data: [DONE]\n\n"]
-    return StreamingResponse(iter(lines), media_type="text/event-stream")
-
-
-async def _session_call(
-    state: ServeState, request: Request, session: Session, renderer: Renderer, req: ChatRequest
-) -> tuple[list[int], list[Choice]]:
-    """Build the context by the prefix rule, apply the bound episode's budgets, sample, record.
-
-    A reply whose client left while it was being sampled is recorded too (it was sampled
-    from the policy; dropping it would keep only the replies that came back in time), then
-    the call ends with 499; the session's next call that does not continue it is a counted
-    prefix break (``serve.sessions``).
-    """
-    ep = session.episode
-    if ep is not None:
-        params = ep.params_for(req)
-        ep.before_context()
-    context = session.context_for(req.messages, renderer)
-    if ep is not None:
-        ep.before_sample(context.ids)
-    else:
-        params = _params(state, req, len(context.ids))
-    _check_context(state, len(context.ids), params.max_new_tokens)
-    answers = True if ep is None else ep.answers
-    sampled, left = await _sample(state, request, renderer, req, context.ids, params, session.id, answers)
-    for _choice, sample, parsed in sampled:
-        session.record(req.messages, context, sample, parsed)
-        if ep is not None:
-            ep.after_call(sample.stop_reason)
-    if left:
-        raise ServeError(499, "the client closed the connection")
-    return context.ids, [choice for choice, _s, _p in sampled]
-
-
-def _params(state: ServeState, req: ChatRequest, n_context: int) -> SamplingParams:
-    """The sampling settings of a request outside an episode (the server's defaults where it says nothing)."""
-    s = state.settings
-    room = s.max_context - n_context
-    if req.max_tokens is None and room < 1:
-        _check_context(state, n_context, 1)
-    max_new = req.max_tokens if req.max_tokens is not None else min(s.max_tokens, room)
-    _check_context(state, n_context, max_new)
-    temperature = s.temperature if req.temperature is None else req.temperature
-    top_p = s.top_p if req.top_p is None else req.top_p
-    return SamplingParams(temperature, s.top_k if temperature > 0 else 0, top_p, max_new)
-
-
-def _check_context(state: ServeState, n_context: int, max_new: int) -> None:
-    limit = state.settings.max_context
-    if n_context + max_new > limit:
-        raise bad(
-            f"this model's maximum context length is {limit} tokens; the messages take {n_context} tokens and "
-            f"the reply may take {max_new} (max_tokens): shorten the messages or lower max_tokens",
-            "messages",
-            "context_length_exceeded",
+def _error_response(request: Request, e: ServeError) -> JSONResponse:
+    """The OpenAI-shaped error response; a 4xx is logged with its reason (INFO: a client's mistake)."""
+    if 400 <= e.status < 500:
+        log.info(
+            "%s %s -> %d %s (param %s): %s", request.method, request.url.path, e.status, e.code, e.param, e.message
         )
-
-
-async def _sample(
-    state: ServeState,
-    request: Request,
-    renderer: Renderer,
-    req: ChatRequest,
-    context: list[int],
-    params: SamplingParams,
-    key: str | None,
-    answers: bool = True,
-) -> tuple[list[tuple[Choice, Sample, ParsedTurn]], bool]:
-    """Sample ``req.n`` choices for ``context``: per choice the reply, its sample and its parse
-    (for the recorder), and whether the client left while they were sampled.
-
-    A client that leaves before sampling began cancels the request (499). One that leaves
-    during sampling: the batch finishes anyway; a session call (``key``) waits for its
-    samples, so the recorder keeps them, and returns with ``left`` true; a call without a
-    session is cancelled (499; nothing is recorded).
-
-    Raises:
-        ServeError: 499 the client disconnected; 503 the server is shutting down.
-    """
-    try:
-        job = state.batcher.submit([context] * req.n, params, key, req.seed)
-    except RuntimeError as e:
-        raise ServeError(503, str(e), None, "shutting_down") from None
-    waiting = asyncio.ensure_future(job.result())
-    left = False
-    while not waiting.done():
-        await asyncio.wait({waiting}, timeout=DISCONNECT_POLL_S)
-        if not waiting.done() and not left and await request.is_disconnected():
-            if key is None or not job.started:
-                job.cancel()
-                waiting.cancel()
-                raise ServeError(499, "the client closed the connection")
-            left = True  # sampled already: wait for it, so it is recorded
-    try:
-        samples = waiting.result()
-    except RuntimeError as e:
-        raise ServeError(503, str(e), None, "shutting_down") from None
-    out = []
-    parser = renderer if req.parse_tools else state.renderer_for([])
-    tok = renderer.tokenizer
-    for s in samples:
-        s, cut = _cut_at_stop(s, req.stop, tok)
-        parsed = parser.parse(s.output_ids, s.stop_reason, answers=answers)
-        if cut:
-            parsed.message = _without_stop_text(parsed.message, req.stop)
-        finish = "length" if s.stop_reason == "length" else ("tool_calls" if parsed.tool_calls else "stop")
-        ch = Choice(
-            parsed.message,
-            finish,
-            list(s.output_ids),
-            list(s.logprobs),
-            [tok.decode([i], skip_special_tokens=False) for i in s.output_ids],
-        )
-        out.append((ch, s, parsed))
-    return out, left
-
-
-def _cut_at_stop(sample: Sample, stops: list[str], tokenizer) -> tuple[Sample, bool]:
-    """The sample up to and including the first token whose text completes a stop string
-    (``stop_reason`` ``stop``) and ``True``; unchanged and ``False`` when none occurs. The
-    ids after it were sampled but are not part of the reply, so they are not recorded either."""
-    if not stops:
-        return sample, False
-    for k in range(1, len(sample.output_ids) + 1):
-        text = tokenizer.decode(sample.output_ids[:k], skip_special_tokens=False)
-        if any(s in text for s in stops):
-            keep = None if sample.keep_ids is None else sample.keep_ids[:k]
-            return Sample(sample.output_ids[:k], sample.logprobs[:k], "stop", keep), True
-    return sample, False
-
-
-def _without_stop_text(message: dict[str, Any], stops: list[str]) -> dict[str, Any]:
-    """The reply's content up to the first stop string, as OpenAI returns it. The ids stay
-    as sampled (the training record), so ``token_ids`` include the stop text and may run
-    past it within the token that completed it; the recorded message is this cut one, so
-    an agent that sends the reply back continues the row."""
-    content = message.get("content") or ""
-    at = min((content.find(s) for s in stops if s in content), default=-1)
-    return message if at < 0 else message | {"content": content[:at]}
+    return JSONResponse(e.body(), status_code=e.status)
 
 
 # ---- the server ----------------------------------------------------------------------

@@ -14,6 +14,11 @@ that leaves during sampling finishes with the batch, so no batch waits on a clie
 result is discarded when the request is cancelled, or kept when the caller waits for it
 (:meth:`Batcher.submit`, :attr:`Job.started`: the session recorder keeps every sampled
 reply, docs/agents.md §5).
+
+A request may ask for the top alternatives of each token (``SamplingParams.top_logprobs``,
+which changes nothing sampled: such requests share batches with the others) and for each
+token as it is sampled (``on_token``, called in the sampling thread: token-by-token
+streaming).
 """
 
 from __future__ import annotations
@@ -21,11 +26,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import itertools
-from collections.abc import Collection, Hashable
+import time
+from collections import deque
+from collections.abc import Callable, Collection, Hashable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -43,6 +51,7 @@ class _Request:
     seed: int | None
     future: asyncio.Future  # made by the batcher's loop when the request is queued
     started: bool = False  # taken into a batch: its sample will exist whatever the client does
+    on_token: Callable[[int, float], None] | None = None  # (token id, log-prob) as sampled, sampling thread
 
 
 @dataclass
@@ -78,13 +87,32 @@ class Job:
 
 @dataclass
 class BatchStats:
-    """Counters for benchmarks and ``GET /health``: batches run, requests sampled, the
-    largest batch, requests dropped because their client left before sampling."""
+    """Counters for benchmarks, ``GET /health`` and ``GET /metrics``: batches run, requests
+    sampled, the largest batch, requests dropped because their client left before sampling,
+    tokens sampled, batches by size, and the recent batches' (end time in
+    ``time.monotonic`` seconds, tokens) for a tokens/s rate."""
 
     batches: int = 0
     requests: int = 0
     largest: int = 0
     dropped: int = 0
+    tokens: int = 0
+    sizes: dict[int, int] = field(default_factory=dict)
+    recent: deque = field(default_factory=lambda: deque(maxlen=4096))
+
+    def add(self, size: int, tokens: int) -> None:
+        """Count one finished batch of ``size`` requests that sampled ``tokens`` tokens."""
+        self.batches += 1
+        self.requests += size
+        self.largest = max(self.largest, size)
+        self.tokens += tokens
+        self.sizes[size] = self.sizes.get(size, 0) + 1
+        self.recent.append((time.monotonic(), tokens))
+
+    def tokens_per_s(self, window_s: float = 60.0) -> float:
+        """Tokens sampled per second over the last ``window_s`` seconds."""
+        since = time.monotonic() - window_s
+        return sum(n for t, n in self.recent if t >= since) / window_s
 
 
 class Batcher:
@@ -145,10 +173,20 @@ class Batcher:
         return await self.submit(prompts, params, key, seed).result()
 
     def submit(
-        self, prompts: list[list[int]], params: SamplingParams, key: Hashable | None = None, seed: int | None = None
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        key: Hashable | None = None,
+        seed: int | None = None,
+        on_token: Callable[[int, int, float], None] | None = None,
     ) -> Job:
         """Queue one request per prompt (as :meth:`sample`) and return them as a :class:`Job`,
         whose :attr:`Job.started` tells whether sampling began.
+
+        Args:
+            on_token: ``on_token(k, token_id, logprob)`` for each token of prompt ``k`` as it
+                is sampled, called in the sampling thread (hand it to the event loop with
+                ``loop.call_soon_threadsafe``).
 
         Raises:
             RuntimeError: the batcher is stopped.
@@ -157,7 +195,14 @@ class Batcher:
             raise RuntimeError("the server is shutting down")
         loop = asyncio.get_running_loop()
         reqs = [
-            _Request(p, params, key if k == 0 else None, choice_seed(seed, k), loop.create_future())
+            _Request(
+                p,
+                params,
+                key if k == 0 else None,
+                choice_seed(seed, k),
+                loop.create_future(),
+                on_token=None if on_token is None else functools.partial(on_token, k),
+            )
             for k, p in enumerate(prompts)
         ]
         for r in reqs:
@@ -197,25 +242,42 @@ class Batcher:
             return
         finally:
             self.in_flight = 0
-        self.stats.batches += 1
-        self.stats.requests += len(batch)
-        self.stats.largest = max(self.stats.largest, len(batch))
+        self.stats.add(len(batch), sum(len(s.output_ids) for s in samples))
         for r, s in zip(batch, samples):
             if not r.future.done():  # a client that left: its sample is discarded
                 r.future.set_result(s)
 
     def _generate(self, batch: list[_Request]) -> list[Sample]:
-        params = batch[0].params
+        # the batch's settings, with as many alternatives per token as any of its requests asks for
+        params = dataclasses.replace(batch[0].params, top_logprobs=max(r.params.top_logprobs for r in batch))
         gen = self.generator if batch[0].seed is None else torch.Generator().manual_seed(batch[0].seed)
         anon = [("anonymous", next(self._anon)) for _ in batch]
         keys = [r.key if r.key is not None else a for r, a in zip(batch, anon)]
-        out = generate_with_prefix(self.model, [r.prompt for r in batch], keys, params, self.stop_ids, self.cache, gen)
+        streams = [r.on_token for r in batch]
+        on_token = None if not any(streams) else functools.partial(_route_token, streams)
+        out = generate_with_prefix(
+            self.model, [r.prompt for r in batch], keys, params, self.stop_ids, self.cache, gen, on_token
+        )
+        out = [_own_top(s, r.params.top_logprobs) for s, r in zip(out, batch)]
         self.forget(anon)  # rows without a session never call again
         # Bound the stored K/V: the oldest sessions' go first (a dropped entry costs a full
         # prefill of that session's next call, never a different sample).
         for k in list(self.cache.entries)[: max(0, len(self.cache.entries) - self.max_cached)]:
             del self.cache.entries[k]
         return out
+
+
+def _route_token(streams: list, i: int, token: int, logprob: float) -> None:
+    """Hand a token of batch row ``i`` to its request's ``on_token`` (when it streams)."""
+    if streams[i] is not None:
+        streams[i](token, logprob)
+
+
+def _own_top(sample: Sample, n: int) -> Sample:
+    """``sample`` with the alternatives its own request asked for (the batch sampled the most any asked)."""
+    if sample.top_logprobs is None:
+        return sample
+    return dataclasses.replace(sample, top_logprobs=[t[:n] for t in sample.top_logprobs] if n else None)
 
 
 def choice_seed(seed: int | None, k: int) -> int | None:
@@ -237,8 +299,9 @@ def _take_batch(pending: list[_Request], max_batch: int) -> tuple[list[_Request]
     if first.seed is not None:
         return [first], pending[1:]
     batch, rest, keys = [first], [], {first.key}
+    settings = dataclasses.replace(first.params, top_logprobs=0)  # alternatives change nothing sampled
     for r in pending[1:]:
-        same = dataclasses.replace(r.params) == first.params and r.seed is None
+        same = dataclasses.replace(r.params, top_logprobs=0) == settings and r.seed is None
         if same and len(batch) < max_batch and (r.key is None or r.key not in keys):
             batch.append(r)
             keys.add(r.key)

@@ -33,7 +33,7 @@ from consequence.harness.tools import call_problem
 from consequence.policy.sampler import SamplingParams
 from consequence.records import Trajectory
 from consequence.rollout.episodes import Budgets, raised, take_reward
-from consequence.serve.protocol import ChatRequest, ServeError, bad
+from consequence.serve.protocol import SamplingRequest, ServeError, bad
 
 
 @dataclass
@@ -59,12 +59,12 @@ class BoundEpisode:
     t0: float = field(default_factory=time.perf_counter)
 
     # ---- before a call -------------------------------------------------------------
-    def params_for(self, req: ChatRequest) -> SamplingParams:
+    def params_for(self, req: SamplingRequest) -> SamplingParams:
         """The run's sampling settings, after checking the request does not ask for others.
 
         Raises:
-            ServeError: 400 for ``n`` > 1, a temperature or top-p other than the run's, or
-                ``max_tokens`` above the run's ``max_new_tokens``.
+            ServeError: 400 for ``n`` > 1, a temperature, top-p or top-k other than the
+                run's, or ``max_tokens`` above the run's ``max_new_tokens``.
         """
         s = self.sampling
         if req.n != 1:
@@ -74,7 +74,7 @@ class BoundEpisode:
                 "n",
                 "invalid_value",
             )
-        for key, mine in (("temperature", s.temperature), ("top_p", s.top_p)):
+        for key, mine in (("temperature", s.temperature), ("top_p", s.top_p), ("top_k", s.top_k)):
             theirs = getattr(req, key)
             if theirs is not None and abs(theirs - mine) > 1e-9:
                 raise bad(

@@ -1,8 +1,9 @@
 """The OpenAI chat-completions wire format: requests checked, messages normalised, responses built.
 
-A request is checked completely before anything is sampled: every field is applied or
+A request is checked completely before anything is sampled: every field is applied,
 refused with an OpenAI-style JSON error (``{"error": {"message", "type", "param",
-"code"}}``) and a 4xx status, never silently dropped. Messages are normalised to the
+"code"}}``) and a 4xx status, or, when it cannot change what is sampled, accepted and
+named as ignored (the rules: ``serve.compat``). Messages are normalised to the
 harness's own shape (the one :class:`~consequence.harness.renderer.Renderer` renders and
 ``rollout.episodes`` builds), so that a history the agent sends back compares equal to
 what the harness would hold: tool-call arguments as dicts, a tool result named by the
@@ -14,33 +15,20 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from consequence.harness.tools import check_tool_specs
+from consequence.serve import compat
 
-# Fields accepted with any value (they change nothing the sampler does), and fields whose
-# only accepted value is the one that changes nothing: anything else is refused.
-_IGNORED = {"user", "metadata", "store", "stream_options", "parallel_tool_calls", "service_tier"}
-_NEUTRAL = {"frequency_penalty": 0, "presence_penalty": 0, "logit_bias": None, "response_format": None}
-_KNOWN = {
-    "model",
-    "messages",
-    "tools",
-    "tool_choice",
-    "temperature",
-    "top_p",
-    "max_tokens",
-    "max_completion_tokens",
-    "n",
-    "stop",
-    "seed",
-    "logprobs",
-    "top_logprobs",
-    "stream",
-}
 MAX_N = 16
 MAX_STOP = 4
+MAX_TOP_LOGPROBS = 20
+# chat_template_kwargs may not set what the renderer itself passes to the template
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"messages", "conversation", "tools", "tokenize", "add_generation_prompt", "continue_final_message", "return_dict"}
+)
 
 
 class ServeError(Exception):
@@ -69,7 +57,38 @@ def bad(message: str, param: str | None = None, code: str | None = None) -> Serv
 
 
 @dataclass
-class ChatRequest:
+class SamplingRequest:
+    """What a checked request of either endpoint asks of the sampler and of the response.
+
+    Attributes:
+        model: the served name the request gave (the response carries it).
+        temperature, top_p, top_k: ``None`` when not given (the server's setting applies);
+            ``top_k`` 0 is off (vLLM's -1 is read as 0).
+        max_tokens: ``max_tokens`` / ``max_completion_tokens``; ``None`` when not given.
+        n: choices to sample (1 to 16).
+        stop: stop strings (at most 4).
+        seed: sample alone with this seed (``None``: the shared generator).
+        top_logprobs: alternatives per sampled token to return (0 to 20).
+        stream, include_usage: stream server-sent events; add a usage chunk.
+        ignored: the fields given that cannot change what is sampled (``serve.compat``).
+    """
+
+    model: str
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    max_tokens: int | None = None
+    n: int = 1
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+    top_logprobs: int = 0
+    stream: bool = False
+    include_usage: bool = False
+    ignored: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ChatRequest(SamplingRequest):
     """A checked ``/v1/chat/completions`` request.
 
     Attributes:
@@ -77,76 +96,92 @@ class ChatRequest:
         tools: the tool specs (checked by ``harness.tools.check_tool_specs``), ``[]`` for none.
         parse_tools: ``tool_choice`` is ``"auto"`` (tool calls are parsed out of the reply),
             ``False`` for ``"none"`` (the reply is text).
-        temperature, top_p: ``None`` when not given (the server's setting applies).
-        max_tokens: ``max_tokens`` / ``max_completion_tokens``; ``None`` when not given.
-        stop: stop strings (at most 4).
+        logprobs: return the sampled tokens' log-probs in ``choices[].logprobs``.
+        template_kwargs: extra chat-template variables (``chat_template_kwargs`` and the
+            ``template`` fields the template reads, ``serve.compat``).
     """
 
-    model: str
-    messages: list[dict[str, Any]]
+    messages: list[dict[str, Any]] = field(default_factory=list)
     tools: list[dict] = field(default_factory=list)
     parse_tools: bool = True
-    temperature: float | None = None
-    top_p: float | None = None
-    max_tokens: int | None = None
-    n: int = 1
-    stop: list[str] = field(default_factory=list)
-    seed: int | None = None
     logprobs: bool = False
-    stream: bool = False
-    include_usage: bool = False
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
-def parse_request(body: Any, served_model: str) -> ChatRequest:
+def parse_request(body: Any, served: str | Sequence[str], template_reads: Collection[str] = ()) -> ChatRequest:
     """Check a request body and return it as a :class:`ChatRequest`.
 
+    Args:
+        body: the decoded JSON body.
+        served: the served model name(s).
+        template_reads: the ``template`` fields of ``serve.compat`` the chat template reads.
+
     Raises:
-        ServeError: 404 for another model than ``served_model``; 400 for an unknown or
-            unsupported field, a value out of range, malformed messages or tool specs.
+        ServeError: 404 for a model not served; 400 for a refused field or value, a value
+            out of range, malformed messages or tool specs.
     """
-    if not isinstance(body, dict):
-        raise bad("the request body must be a JSON object")
-    unknown = sorted(set(body) - _KNOWN - _IGNORED - set(_NEUTRAL))
-    if unknown:
-        raise bad(
-            f"unsupported parameter(s): {', '.join(unknown)}; this server takes "
-            f"{', '.join(sorted(_KNOWN | _IGNORED | set(_NEUTRAL)))}",
-            unknown[0],
-            "unsupported_parameter",
-        )
     check_body_types(body)
-    for key, neutral in _NEUTRAL.items():
-        if body.get(key, neutral) not in (neutral, None, {}):
-            raise bad(
-                f"{key} is not supported (the sampler does not apply it); leave it out", key, "unsupported_parameter"
-            )
-    if body.get("model") != served_model:
+    req = ChatRequest(model="")
+    template = read_sampling(body, req, compat.CHAT, served, template_reads)
+    req.messages = normalise_messages(body.get("messages"))
+    req.tools = _tools(body.get("tools"))
+    req.parse_tools = _tool_choice(body.get("tool_choice"))
+    req.logprobs = body.get("logprobs") is True
+    if req.top_logprobs and not req.logprobs:
+        raise bad("top_logprobs needs logprobs: true", "top_logprobs", "invalid_value")
+    req.template_kwargs = _template_kwargs(body.get("chat_template_kwargs")) | {k: body[k] for k in template}
+    return req
+
+
+def read_sampling(
+    body: dict[str, Any], req: SamplingRequest, endpoint: str, served: str | Sequence[str], template_reads=()
+) -> list[str]:
+    """Fill ``req``'s sampling fields from ``body`` (types already checked) and sort the
+    other fields by ``serve.compat``; the ``template`` fields given that go to the template.
+
+    Raises:
+        ServeError: 404 for a model not served; 400 for a refused field or value, or a
+            value out of range.
+    """
+    names = [served] if isinstance(served, str) else list(served)
+    try:
+        req.ignored, template = compat.apply(body, endpoint, set(template_reads))
+    except compat.Refused as e:
+        raise bad(str(e), e.field, "unsupported_parameter") from None
+    if body.get("model") not in names:
         raise ServeError(
             404,
-            f"the model {body.get('model')!r} does not exist; this server serves {served_model!r} (GET /v1/models)",
+            f"the model {body.get('model')!r} does not exist; this server serves "
+            f"{', '.join(map(repr, names))} (GET /v1/models)",
             "model",
             "model_not_found",
         )
-    req = ChatRequest(model=served_model, messages=normalise_messages(body.get("messages")))
-    req.tools = _tools(body.get("tools"))
-    req.parse_tools = _tool_choice(body.get("tool_choice"))
+    req.model = body["model"]
     req.temperature = _number(body, "temperature", 0.0, 2.0)
     req.top_p = _number(body, "top_p", 0.0, 1.0, low_open=True)
+    top_k = _int(body, "top_k", -1, 2**31 - 1)
+    req.top_k = None if top_k is None else max(top_k, 0)  # vLLM's -1 (and 0) = off
     req.max_tokens = _max_tokens(body)
     req.n = _int(body, "n", 1, MAX_N) or 1
     req.stop = _stop(body.get("stop"))
     req.seed = _int(body, "seed", -(2**63), 2**63 - 1)
-    req.logprobs = body.get("logprobs") is True
-    if body.get("top_logprobs"):
-        raise bad(
-            "top_logprobs is not supported: each choice carries the sampled tokens' log-probs "
-            "(logprobs=true, and always in token_logprobs)",
-            "top_logprobs",
-            "unsupported_parameter",
-        )
+    key = "top_logprobs" if endpoint == compat.CHAT else "logprobs"
+    req.top_logprobs = _int(body, key, 0, MAX_TOP_LOGPROBS) or 0
     req.stream = body.get("stream") is True
     req.include_usage = (body.get("stream_options") or {}).get("include_usage") is True
-    return req
+    return template
+
+
+def _template_kwargs(kwargs: Any) -> dict[str, Any]:
+    """``chat_template_kwargs`` (an object, types checked): its variables, reserved names refused."""
+    taken = sorted(set(kwargs or {}) & RESERVED_TEMPLATE_KWARGS)
+    if taken:
+        raise bad(
+            f"chat_template_kwargs may not set {', '.join(taken)}: the server renders the messages and tools itself",
+            "chat_template_kwargs",
+            "invalid_value",
+        )
+    return dict(kwargs or {})
 
 
 def _tools(tools: Any) -> list[dict]:
@@ -220,35 +255,10 @@ def _stop(stop: Any) -> list[str]:
 # ---- types -------------------------------------------------------------------------
 # The JSON type every field may have (``None`` is always allowed: the field is then left
 # out). The whole body is checked against these tables before any value is read, so a
-# wrong type is a 400 naming its field, never an exception deeper in the server.
+# wrong type is a 400 naming its field, never an exception deeper in the server. The
+# body's own fields are typed in ``serve.compat``'s table.
 _NUM, _INT, _STR, _BOOL, _OBJ, _LIST = "number", "integer", "string", "boolean", "object", "array"
 _FieldTypes = dict[str, tuple[str, ...]]  # field name -> the JSON types it may have
-_BODY_TYPES: _FieldTypes = {
-    "model": (_STR,),
-    "messages": (_LIST,),
-    "tools": (_LIST,),
-    "tool_choice": (_STR, _OBJ),
-    "temperature": (_NUM,),
-    "top_p": (_NUM,),
-    "max_tokens": (_INT,),
-    "max_completion_tokens": (_INT,),
-    "n": (_INT,),
-    "stop": (_STR, _LIST),
-    "seed": (_INT,),
-    "logprobs": (_BOOL,),
-    "top_logprobs": (_INT,),
-    "stream": (_BOOL,),
-    "stream_options": (_OBJ,),
-    "user": (_STR,),
-    "metadata": (_OBJ,),
-    "store": (_BOOL,),
-    "parallel_tool_calls": (_BOOL,),
-    "service_tier": (_STR,),
-    "frequency_penalty": (_NUM,),
-    "presence_penalty": (_NUM,),
-    "logit_bias": (_OBJ,),
-    "response_format": (_OBJ,),
-}
 _STREAM_OPTIONS_TYPES: _FieldTypes = {"include_usage": (_BOOL,)}
 _MESSAGE_TYPES: _FieldTypes = {
     "role": (_STR,),
@@ -263,7 +273,7 @@ _CALL_TYPES: _FieldTypes = {"id": (_STR,), "type": (_STR,), "function": (_OBJ,)}
 _CALL_FUNCTION_TYPES: _FieldTypes = {"name": (_STR,), "arguments": (_STR, _OBJ)}
 _TOOL_TYPES: _FieldTypes = {"type": (_STR,), "function": (_OBJ,)}
 _TOOL_FUNCTION_TYPES: _FieldTypes = {"name": (_STR,), "description": (_STR,), "parameters": (_OBJ,), "strict": (_BOOL,)}
-_REQUIRED = ("model", "messages")
+_REQUIRED = {compat.CHAT: ("model", "messages"), compat.COMPLETIONS: ("model", "prompt")}
 
 
 def _is(value: Any, kind: str) -> bool:
@@ -303,21 +313,24 @@ def _json_type(v: Any) -> str:
     return "null" if v is None else type(v).__name__
 
 
-def check_body_types(body: Any) -> None:
+def check_body_types(body: Any, endpoint: str = compat.CHAT) -> None:
     """Check the type of every field the server reads, down to tool specs, messages,
-    content parts and tool calls; and that ``model`` and ``messages`` are given.
+    content parts and tool calls; and that ``model`` and ``messages`` (chat) or ``prompt``
+    (completions) are given.
 
     Raises:
         ServeError: 400 ``invalid_type`` or ``missing_required_parameter`` naming the field.
     """
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
-    for key in _REQUIRED:
+    for key in _REQUIRED[endpoint]:
         if body.get(key) is None:
             raise bad(f"missing required parameter: {key!r}", key, "missing_required_parameter")
-    _check_types(body, _BODY_TYPES, "")
+    _check_types(body, compat.types(endpoint), "")
     if body.get("stream_options") is not None:
         _check_types(body["stream_options"], _STREAM_OPTIONS_TYPES, "stream_options")
+    if endpoint != compat.CHAT:
+        return
     for i, spec in enumerate(body.get("tools") or []):
         _check_types(spec, _TOOL_TYPES, f"tools[{i}]")
         if spec.get("function") is not None:
@@ -448,6 +461,8 @@ class Choice:
         token_ids: the sampled ids (end-of-turn included when sampled).
         token_logprobs: the sampler's log μ of each sampled id.
         tokens: each sampled id decoded alone (for the ``logprobs`` field).
+        top: per sampled id, the most probable ``(token text, log-prob)`` under the
+            distribution it was sampled from (``top_logprobs``); ``[]`` when not asked.
     """
 
     message: dict[str, Any]
@@ -455,6 +470,7 @@ class Choice:
     token_ids: list[int]
     token_logprobs: list[float]
     tokens: list[str]
+    top: list[list[tuple[str, float]]] = field(default_factory=list)
 
 
 def wire_message(message: dict[str, Any], call_ids: list[str]) -> dict[str, Any]:
@@ -474,10 +490,16 @@ def wire_message(message: dict[str, Any], call_ids: list[str]) -> dict[str, Any]
 
 
 def _logprobs(ch: Choice) -> dict[str, Any]:
+    tops = ch.top or [[] for _ in ch.tokens]
     return {
         "content": [
-            {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-            for t, lp in zip(ch.tokens, ch.token_logprobs)
+            {
+                "token": t,
+                "logprob": lp,
+                "bytes": list(t.encode()),
+                "top_logprobs": [{"token": a, "logprob": alp, "bytes": list(a.encode())} for a, alp in top],
+            }
+            for t, lp, top in zip(ch.tokens, ch.token_logprobs, tops)
         ]
     }
 
@@ -514,42 +536,3 @@ def usage(prompt_ids: list[int], choices: list[Choice]) -> dict[str, int]:
     """The ``usage`` object: prompt tokens, sampled tokens over all choices, their sum."""
     done = sum(len(c.token_ids) for c in choices)
     return {"prompt_tokens": len(prompt_ids), "completion_tokens": done, "total_tokens": len(prompt_ids) + done}
-
-
-def stream_chunks(full: dict[str, Any], req: ChatRequest) -> list[dict[str, Any]]:
-    """The ``chat.completion.chunk`` objects of a finished completion: per choice the role,
-    the content and tool calls, then the finish reason (with its ids and log-probs); then
-    the usage when ``stream_options.include_usage`` asked for it."""
-    base = {"id": full["id"], "object": "chat.completion.chunk", "created": full["created"], "model": full["model"]}
-    chunks = []
-    for ch in full["choices"]:
-        msg, k = ch["message"], ch["index"]
-        chunks.append(
-            base | {"choices": [{"index": k, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
-        )
-        delta: dict[str, Any] = {}
-        if msg.get("content"):
-            delta["content"] = msg["content"]
-        if msg.get("tool_calls"):
-            delta["tool_calls"] = [c | {"index": j} for j, c in enumerate(msg["tool_calls"])]
-        if delta:
-            chunks.append(
-                base | {"choices": [{"index": k, "delta": delta, "finish_reason": None, "logprobs": ch["logprobs"]}]}
-            )
-        chunks.append(
-            base
-            | {
-                "choices": [
-                    {
-                        "index": k,
-                        "delta": {},
-                        "finish_reason": ch["finish_reason"],
-                        "token_ids": ch["token_ids"],
-                        "token_logprobs": ch["token_logprobs"],
-                    }
-                ]
-            }
-        )
-    if req.include_usage:
-        chunks.append(base | {"choices": [], "usage": full["usage"]})
-    return chunks

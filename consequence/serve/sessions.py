@@ -33,17 +33,28 @@ new row and is a **prefix break**, counted with its reason in :attr:`Session.bre
 * a further choice of an ``n`` > 1 request (each starts its own row);
 * an edited history, or a template that re-renders the earlier turns.
 
+**Completions.** A ``/v1/completions`` call gives its context as ids (or text, tokenised
+as given): it continues the row when its ids start with the last call's context and
+sampled ids (the rest are that call's observation ids); any other prompt starts a new
+row, a counted break (a retry when it repeats an earlier call's ids).
+
 So for every session ``rows == 1 + breaks`` (0 rows for 0 calls): :meth:`Session.record`
 checks it after every call against ``trajectory_to_rows`` and raises
 :class:`RecorderError` when it fails. Each row's targets are exactly sampled ids with
 the sampler's log-probs (ratio = 1); a reply the client never received stays a target of
 its row (it was sampled from μ like any other) and nothing is appended after it.
+
+**Lifetime.** :class:`SessionStore` makes a session on its first call and forgets it again
+when that call ends without a recorded reply (refused, or its client left before
+sampling), so an empty session is never left behind; a session without an episode that
+has not been used for ``--session-ttl`` seconds is forgotten (:meth:`SessionStore.expire`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,6 +112,8 @@ class Session:
             continue any of them).
         lock: held while a call of the session is built, sampled and recorded, so two
             concurrent calls of one session are recorded in order.
+        active: calls of the session in progress (:meth:`SessionStore.enter`).
+        last_used: ``time.monotonic()`` when its last call ended (or it was made).
     """
 
     id: str
@@ -109,6 +122,8 @@ class Session:
     episode: Any = None
     candidates: list[_Sampled] = field(default_factory=list)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    active: int = 0
+    last_used: float = field(default_factory=time.monotonic)
 
     @property
     def prefix_breaks(self) -> int:
@@ -152,8 +167,16 @@ class Session:
             ),
         )
 
+    def context_for_ids(self, ids: list[int]) -> CallContext:
+        """The context of a ``/v1/completions`` call whose prompt is ``ids`` (module doc):
+        the ids as given; :meth:`record` continues the last call's row when they extend it."""
+        for k in reversed(range(len(self.trajectory.calls))):
+            if self.trajectory.calls[k].context_ids == ids:
+                return CallContext(list(ids), retry_of=k)
+        return CallContext(list(ids), reason="the prompt ids do not start with the last call's context and sampled ids")
+
     def record(
-        self, messages: list[dict[str, Any]], context: CallContext, sample: Any, parsed: ParsedTurn
+        self, messages: list[dict[str, Any]] | None, context: CallContext, sample: Any, parsed: ParsedTurn
     ) -> ModelCall:
         """Keep one sampled choice as a call of the trajectory (and as a candidate to continue).
 
@@ -161,7 +184,8 @@ class Session:
         call; otherwise, after the first call, counts a prefix break with its reason.
 
         Args:
-            messages: the normalised messages of the call.
+            messages: the normalised messages of the call; ``None`` for a completions call
+                (its reply is then no candidate for a chat call to continue).
             context: its context (:meth:`context_for`); each choice of the request is
                 recorded with the same one.
             sample: the sampler's ``Sample`` (output ids, log-probs, stop reason, supports).
@@ -213,8 +237,9 @@ class Session:
         calls.append(call)
         if reason is not None:
             self.breaks.append({"call": index, "reason": reason})
-        self.candidates.append(_Sampled(list(messages), parsed.message, call, index))
-        self.trajectory.messages = list(messages) + [parsed.message]
+        if messages is not None:
+            self.candidates.append(_Sampled(list(messages), parsed.message, call, index))
+            self.trajectory.messages = list(messages) + [parsed.message]
         self.check_rows()
         return call
 
@@ -280,7 +305,7 @@ class SessionStore:
 
     def __init__(self) -> None:
         self._sessions: dict[str, Session] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # enter() takes it, then get() again
 
     def get(self, sid: str, create: bool = True) -> Session | None:
         """The session ``sid``; a new empty one when it does not exist and ``create``."""
@@ -291,6 +316,36 @@ class SessionStore:
                     sid, Trajectory(task_id=sid, group_id=sid, sample_id=0, seed=0, policy_version=0)
                 )
             return s
+
+    def enter(self, sid: str) -> Session:
+        """The session ``sid`` (made when new) with one more call in progress; pair with :meth:`leave`."""
+        with self._lock:
+            s = self.get(sid)
+            assert s is not None  # get(create=True) always returns one
+            s.active += 1
+            return s
+
+    def leave(self, session: Session) -> None:
+        """A call of ``session`` ended: it is forgotten when no call is left in progress and
+        none was ever recorded (and no episode is bound), so a refused first call leaves nothing."""
+        with self._lock:
+            session.active -= 1
+            session.last_used = time.monotonic()
+            empty = not session.active and not session.trajectory.calls and session.episode is None
+            if empty and self._sessions.get(session.id) is session:
+                del self._sessions[session.id]
+
+    def expire(self, ttl_s: float) -> list[str]:
+        """Forget the sessions without an episode, no call in progress and none ended in the
+        last ``ttl_s`` seconds; their ids (their K/V is to be dropped too)."""
+        cutoff = time.monotonic() - ttl_s
+        with self._lock:
+            old = [
+                sid for sid, s in self._sessions.items() if s.episode is None and not s.active and s.last_used < cutoff
+            ]
+            for sid in old:
+                del self._sessions[sid]
+        return old
 
     def add(self, session: Session) -> None:
         """Register a session made by the caller (the agent-runner binds an episode to it)."""
