@@ -124,6 +124,19 @@ READS: tuple[Reads, ...] = (
         lambda c: c.reward_model is not None,
         lambda c: "no --reward-model: there is no learned reward to weigh (--reward-model PATH adds one)",
     ),
+    Reads(  # reward.judge.endpoint_of / judge_record / resolve_rubric: read only with a judge
+        (
+            "judge_model",
+            "judge_rubric",
+            "judge_weight",
+            "judge_concurrency",
+            "judge_retries",
+            "judge_timeout",
+            "judge_api_key_env",
+        ),
+        lambda c: c.judge_url is not None,
+        lambda c: "no --judge-url: there is no judge to configure (--judge-url URL adds one)",
+    ),
     Reads(
         ("dpo_beta", "dpo_loss", "dpo_label_smoothing"),
         lambda c: c.advantage == "dpo",
@@ -215,7 +228,7 @@ READS: tuple[Reads, ...] = (
     # Where the reward, or a negative advantage, never reaches the update (after the rows above, whose
     # reasons are more direct).
     Reads(
-        ("overlong_buffer", "reward_model"),
+        ("overlong_buffer", "reward_model", "judge_url"),
         lambda c: _reward_unused(c) is None,
         lambda c: f"{_reward_unused(c)}, so no reward reaches the update and its shaping changes nothing",
     ),

@@ -282,6 +282,41 @@ class TrainConfig(BaseModel):
         ge=0,
         le=1,
     )
+    judge_url: str | None = _f(
+        None,
+        "reward",
+        "An LLM judge as the reward: the URL of an OpenAI-compatible server (`consequence serve`, vLLM, a hosted API), e.g. http://127.0.0.1:8000/v1. Each scored episode is graded by --judge-model against the rubric (the reply's last line must be `SCORE: x`, 0 ≤ x ≤ 10) and gets the component judge = w·x/10, its other components × (1 − w), w = --judge-weight; a reply that does not parse, a timeout or an HTTP error (after --judge-retries) makes the episode an env_error, never a 0. Judgements are cached in RUN_DIR/judge_cache.json; the verifier's score, and so success, is kept apart (docs/environments.md).",
+    )
+    judge_model: str | None = _f(
+        None,
+        "reward",
+        "The model name the judge's server serves (sent with every request; recorded in the manifest and in the cache key). Needed with --judge-url.",
+    )
+    judge_rubric: str | None = _f(
+        None,
+        "reward",
+        "A text file with the criteria the judge grades by (default: the environment's own rubric; calculator has one). Stored as an absolute path.",
+    )
+    judge_weight: float = _f(
+        1.0,
+        "reward",
+        "w of --judge-url: the episode's reward is (1 − w) × the environment's + w × score/10; 1 = the judge alone.",
+        gt=0,
+        le=1,
+    )
+    judge_concurrency: int = _f(8, "reward", "Judgements in flight at once (--judge-url).", ge=1)
+    judge_retries: int = _f(
+        2,
+        "reward",
+        "Retries of a judgement after a timeout, a connection error or an HTTP 408 / 429 / 5xx, with exponential backoff (1 s, 2 s, 4 s, ...); other errors and unparsable replies are not retried.",
+        ge=0,
+    )
+    judge_timeout: float = _f(60.0, "reward", "Seconds each judge request may wait for its reply.", gt=0)
+    judge_api_key_env: str = _f(
+        "OPENAI_API_KEY",
+        "reward",
+        "The environment variable holding the judge's API key (sent as a Bearer token; never written to config.yaml or the manifest). The default variable may be unset (no key, a local server); another name must be set.",
+    )
     overlong_filter: bool = _f(
         False,
         "reward",
@@ -503,7 +538,7 @@ class TrainConfig(BaseModel):
         ge=0,
     )
 
-    @field_validator("model", "run_dir", "teacher", "distill_data", "reward_model")
+    @field_validator("model", "run_dir", "teacher", "distill_data", "reward_model", "judge_rubric")
     @classmethod
     def _absolute(cls, v: str | None, info) -> str | None:
         """Paths are stored absolute, so a run can be resumed or reproduced from any folder; a
@@ -670,6 +705,35 @@ class TrainConfig(BaseModel):
             raise ValueError(
                 "--reward-model with --rollout-workers is not supported yet: the workers score their own "
                 "episodes and do not hold the reward model; use --rollout-workers 0"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _judge_fits(self) -> TrainConfig:
+        """An LLM judge needs its model's name and a readable rubric file when one is named;
+        it is one reward beside the environment's, not beside a learned one, and is applied
+        where this process scores the episodes (checked here: before any work; the server
+        itself is probed before the model loads, ``reward.judge.check_judge``)."""
+        if self.judge_url is None:
+            return self
+        if not self.judge_model:
+            raise ValueError(
+                "--judge-url needs --judge-model NAME: the model the judge's server serves (sent with every "
+                "request, recorded in the manifest and in the cache key)"
+            )
+        if self.judge_rubric is not None and not Path(self.judge_rubric).is_file():
+            raise ValueError(
+                f"--judge-rubric {self.judge_rubric}: no such file; give a text file with the criteria the judge "
+                "grades by (or leave it out to use the environment's own rubric)"
+            )
+        if self.reward_model is not None:
+            raise ValueError(
+                "--judge-url with --reward-model: give one learned reward beside the environment's, not both"
+            )
+        if self.rollout_workers:
+            raise ValueError(
+                "--judge-url with --rollout-workers is not supported yet: the workers score their own episodes "
+                "and do not call the judge; use --rollout-workers 0"
             )
         return self
 

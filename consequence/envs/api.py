@@ -116,6 +116,8 @@ class Environment:
         reward_rule: how parts combine into the reward (only ``"sum"``: over steps and parts).
         reward_range: (low, high) of a trajectory's total reward, checked before use.
         answer_ends_episode: a reply without a tool call is given to ``step`` as ``{"answer": text}``.
+        rubric: optional criteria an LLM judge grades an episode by (``train --judge-url``,
+            ``consequence judge-check``; ``--judge-rubric FILE`` replaces it); None: none.
 
     Args:
         split_seed: seed of the problem-level train / validation / test split.
@@ -136,6 +138,7 @@ class Environment:
     reward_rule: ClassVar[str] = "sum"
     reward_range: tuple[float, float] = (0.0, 1.0)
     answer_ends_episode: bool = True
+    rubric: str | None = None  # what an LLM judge grades by (reward/judge.py); None: give --judge-rubric
     sources: ClassVar[tuple[str, ...]] = ()  # further modules whose code makes the episodes (hashed too)
     # the options registry.load_environment made it with (see `options`); unset on one made directly
     _options: dict[str, Any]

@@ -62,6 +62,7 @@ from consequence.recipes import run_label
 from consequence.records import Trajectory, credited
 from consequence.report.manifest import build_manifest, sha256_of
 from consequence.report.trackers import check_trackers
+from consequence.reward.judge import judge_metrics
 from consequence.reward.reward_model import learned_reward_mean
 from consequence.rollout.collect import harness_runner
 from consequence.rollout.episodes import Budgets, opening_prompt_len
@@ -248,6 +249,10 @@ def _start(
     teacher_device = resolve_device(cfg.teacher_device, "--teacher-device") if cfg.teacher_device else device
     torch.manual_seed(cfg.seed)
     env = env_of(cfg)
+    if cfg.judge_url is not None:  # the rubric and the judge's server, before any model loads
+        from consequence.reward.judge import check_judge
+
+        check_judge(cfg, env)
     # fixed data is checked against the splits before a model is resolved (a new --split-seed builds a warm start)
     fixed = load_fixed_data(cfg.distill_data, env.split) if cfg.distill_data else []
     model_path = _resolve_model(cfg, console)
@@ -400,15 +405,20 @@ def _batch_source(r: _Run, rec: RunRecorder) -> BatchSource:
         from consequence.serve.runner import agent_runner
 
         runner = agent_runner(cfg.agent, r.learner.model, r.renderer, r.env, r.budgets, r.sampling, cfg.agent_timeout)
-        source = Rollouts(cfg, runner, r.env, r.budgets, _learned_reward(cfg))
+        source = Rollouts(cfg, runner, r.env, r.budgets, _learned_reward(cfg, r.env))
     else:
         runner = harness_runner(r.learner.model, r.renderer, r.env, r.budgets, r.sampling)
-        source = Rollouts(cfg, runner, r.env, r.budgets, _learned_reward(cfg))
+        source = Rollouts(cfg, runner, r.env, r.budgets, _learned_reward(cfg, r.env))
     return FixedDataMix(cfg, r.fixed_data, source) if cfg.distill_lambda < 1 else source
 
 
-def _learned_reward(cfg: TrainConfig):
-    """``--reward-model``: the function that adds the learned reward to scored episodes, or None."""
+def _learned_reward(cfg: TrainConfig, env=None):
+    """``--reward-model`` or ``--judge-url``: the function that adds the learned reward, or the
+    judge's, to scored episodes, or None."""
+    if cfg.judge_url is not None:
+        from consequence.reward.judge import judge_reward
+
+        return judge_reward(cfg, env)
     if cfg.reward_model is None:
         return None
     from consequence.reward.reward_model import RewardModel, apply_reward_model
@@ -605,6 +615,8 @@ def iteration_metrics(
     }
     if cfg.reward_model is not None:  # the learned reward beside success (the verifier's): over-optimisation
         metrics["learned_reward_mean"] = learned_reward_mean(valid, cfg.reward_model_weight)
+    if cfg.judge_url is not None:  # the judge's score beside success, and the episodes it failed to judge
+        metrics |= judge_metrics(trajs, cfg.judge_weight)
     if checks is not None:
         metrics["pre_step_checks"] = [c.as_dict() for c in checks]
     metrics["gen_tokens_total"] = ds["gen_tokens_total"]

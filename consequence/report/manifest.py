@@ -6,7 +6,8 @@ run's ``status``: ``running`` while it runs, then how it ended (``finished``,
 ``consequence.loop.recorder.run_ending``, docs/resume.md "How a run ends"). It holds
 identifiers and hashes of the model and tokenizer, the task source and split, the
 environment and verifier versions with the active isolation, tool schemas and prompts,
-the context builder, sampling, reward components, the recipe (every box's choice),
+the context builder, sampling, reward components (with ``--judge-url``, the judge's model and
+the hashes of its prompt template and rubric), the recipe (every box's choice),
 reduction and optimizer settings, seeds, library versions, the project's git commit,
 the retry and exclusion rules, whether the pre-step checks ran, and the paths of the raw
 evaluation results. ``consequence reproduce RUN_DIR`` reads it back. A fresh run into a
@@ -31,6 +32,7 @@ import yaml
 from consequence.config import BOXES, TrainConfig, box_of, flat_settings, generation_budget
 from consequence.fileio import write_text_atomic
 from consequence.policy.named import is_named, source_record
+from consequence.reward.judge import JUDGE_COMPONENT, judge_record
 from consequence.sandbox.sandbox import ENV_RETRIES
 
 LIBRARIES = (
@@ -163,7 +165,9 @@ def build_manifest(
             "budgets": {k: config[k] for k in ("max_turns", "max_new_tokens", "max_total_tokens")},
         },
         "reward": {
-            "components": list(env.reward_components) + (["overlong"] if cfg.overlong_buffer else []),
+            "components": list(env.reward_components)
+            + (["overlong"] if cfg.overlong_buffer else [])
+            + ([JUDGE_COMPONENT] if cfg.judge_url else []),
             "rule": "sum over steps and components",
             "range": [env.reward_range[0] - (1.0 if cfg.overlong_buffer else 0.0), env.reward_range[1]],
             **(
@@ -179,6 +183,7 @@ def build_manifest(
                 if cfg.overlong_buffer
                 else {}
             ),
+            **({"judge": judge_record(cfg, env)} if cfg.judge_url else {}),  # model, prompt and rubric hashes
         },
         "sampling": {k: config[k] for k in ("temperature", "top_k", "top_p", "max_new_tokens")},
         "recipe": cfg.recipe,

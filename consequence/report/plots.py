@@ -25,7 +25,7 @@ _PANELS = [
 def _overoptimisation(ax, rows: list[dict[str, Any]]) -> str:
     """The learned reward σ(r) and the verifier's success per iteration on one panel: a learned
     reward that keeps rising while success falls is optimised past its agreement with the truth."""
-    for key in ("learned_reward_mean", "success"):
+    for key in ("learned_reward_mean", "judge_score_mean", "success"):  # (--judge-url: the judge's score/10)
         pts = [(r["iteration"], r[key]) for r in rows if r.get(key) is not None]
         if pts:
             ax.plot(*zip(*pts), ms=4, label=key)
@@ -48,7 +48,9 @@ def plot_metrics(metrics_jsonl: Path, out_png: Path) -> None:
         pts = [(r["iteration"], r[key]) for r in rows if r.get(key) is not None]
         if pts:
             ax.plot(*zip(*pts), marker="o" if key == "val_success" else None, ms=4, label=key)
-        if key == "reward_mean" and any(r.get("learned_reward_mean") is not None for r in rows):
+        if key == "reward_mean" and any(
+            r.get("learned_reward_mean") is not None or r.get("judge_score_mean") is not None for r in rows
+        ):
             title = _overoptimisation(ax, rows)  # --reward-model: the learned reward beside the verifier's success
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("iteration", fontsize=8)

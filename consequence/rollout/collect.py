@@ -83,7 +83,8 @@ def collect(
     weights that sample it, recorded on every trajectory (default ``it``: the synchronous
     loop; an asynchronous rollout worker may sample batch ``it`` with older weights).
     ``learned_reward(trajs)``: run on each round's scored episodes after the environment's
-    reward (``--reward-model``: ``reward.reward_model.apply_reward_model``).
+    reward (``--reward-model``: ``reward.reward_model.apply_reward_model``; ``--judge-url``:
+    ``reward.judge.apply_judge``, which may make an episode an env_error).
 
     Returns:
         (trajectories of the kept groups, stats: groups generated / kept / dropped, the

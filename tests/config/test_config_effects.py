@@ -14,6 +14,7 @@ from consequence.config.effects import READS, unread_settings
 ALONE = {"distill_loss": "jsd", "teacher": "/models/t"}
 KD_RL = {**ALONE, "task_reward_weight": 0.5}
 OPD = {"advantage": "reverse_kl", "teacher": "/models/t"}  # on-policy distillation (recipe on_policy_distill)
+JUDGE = {"judge_url": "http://127.0.0.1:1/v1", "judge_model": "m"}  # an LLM judge as the reward
 FIXED_ONLY = {**ALONE, "distill_lambda": 0.0, "distill_data": "/data/teacher.parquet"}  # no rollout at all
 
 # (setting, a value ≠ its default, settings where nothing reads it, settings where it is read)
@@ -43,6 +44,13 @@ CASES = [
     ("cold_start_micro_batch_size", 4, {}, {"cold_start_demos": 8}),
     ("cold_start_seed", 1, {}, {"cold_start_demos": 8}),
     ("min_lr", 1e-5, {}, {"lr_schedule": "cosine"}),
+    ("judge_model", "m", {}, {"judge_url": "http://127.0.0.1:1/v1"}),
+    ("judge_weight", 0.5, {}, JUDGE),
+    ("judge_concurrency", 2, {}, JUDGE),
+    ("judge_retries", 0, {}, JUDGE),
+    ("judge_timeout", 5.0, {}, JUDGE),
+    ("judge_api_key_env", "MY_KEY", {}, JUDGE),
+    ("judge_url", "http://127.0.0.1:1/v1", {"advantage": "rejection", "judge_model": "m"}, {"judge_model": "m"}),
     ("surrogate", "pg", ALONE, KD_RL),
     ("clip_eps", 0.3, ALONE, KD_RL),
     ("clip_eps_high", 0.28, ALONE, KD_RL),

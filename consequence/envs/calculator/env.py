@@ -542,6 +542,17 @@ _PROMPT = (
 )
 
 
+# What an LLM judge grades by (train --judge-url; docs/environments.md): the environment's own answer
+# rule in words, so a judge and the verifier ask the same question.
+_RUBRIC = (
+    "The request is an arithmetic question or a small word problem with one exact integer answer. "
+    "Work out that answer yourself. The response's final answer is the content of its last "
+    "<answer></answer> tag, or without such a tag the last number in its last reply. Give 10 when the "
+    "final answer equals the exact value, 0 otherwise. Calculator calls, their number, the length and "
+    "the style of the response do not count."
+)
+
+
 class CalculatorEnvironment(Environment):
     """Arithmetic questions with a calculator tool (see the module doc for the answer rule and reward).
 
@@ -570,6 +581,7 @@ class CalculatorEnvironment(Environment):
     system_prompt = _PROMPT.format(budget="")
     tools = TOOLS
     reward_components = ("accuracy", "tool_cost")
+    rubric = _RUBRIC
     reward_range = (0.0, 1.0)  # per instance: (-tool_cost * max_calls * (1 + 1e-9), 1.0)
     answer_ends_episode = True
 
