@@ -59,8 +59,6 @@ class RejectionStats:
         return d
 
 
-
-
 def _sampled_tokens(t: Trajectory) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(c.output_ids) for c in t.calls)
 
