@@ -225,6 +225,14 @@ READS: tuple[Reads, ...] = (
             "(--lr-schedule linear|cosine decays it to --min-lr)"
         ),
     ),
+    Reads(  # loop.learner.make_learner: a DataParallelUpdate, with its strategy, only for N > 1
+        ("update_strategy",),
+        lambda c: c.update_ranks > 1,
+        lambda c: (
+            "--update-ranks 1: the update runs in this one process, with nothing to replicate or shard "
+            "(--update-ranks N > 1 runs it over N ranks, as ddp replicas or fsdp shards)"
+        ),
+    ),
     # Where the reward, or a negative advantage, never reaches the update (after the rows above, whose
     # reasons are more direct).
     Reads(

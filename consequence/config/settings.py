@@ -488,6 +488,11 @@ class TrainConfig(BaseModel):
         "Data-parallel optimizer steps over this many processes (torch.distributed, gloo on CPU): the trainer is rank 0 and starts N-1 rank processes on loopback (or, under torchrun, the ranks torchrun started: N must be its WORLD_SIZE), each with a copy of the policy and optimizer; each step's rows are split across them by tokens, every reduction uses the step's global counts, and DistributedDataParallel sums the gradients, so the gradient equals the single-process one (LoRA: the adapter's). 1 = the update in this process; at most one per CPU core (2 at least) when spawned. Not with --advantage gae, a teacher, --gradient-checkpointing, or a device other than the CPU in float32.",
         ge=1,
     )
+    update_strategy: Literal["ddp", "fsdp"] = _f(
+        "ddp",
+        "update",
+        "How the --update-ranks N > 1 hold the learner: ddp = each rank a replica of the policy and its optimizer (DistributedDataParallel, a SUM of the gradients); fsdp = each rank 1/N of the parameters, gradients and optimizer state (FSDP2 fully_shard, reduce-scatter with a SUM), for an optimizer state that does not fit one device; rank 0 also keeps the full policy for sampling, evaluation and checkpoints. The same gradient either way (the step's global counts); only with --update-ranks N > 1.",
+    )
     gradient_checkpointing: bool = _f(
         False,
         "update",

@@ -111,7 +111,8 @@ def make_learner(
         from consequence.update.data_parallel import DataParallelUpdate, check_rank_count
 
         check_rank_count(cfg.update_ranks)
-        learner.data_parallel = DataParallelUpdate(cfg.update_ranks).launch(type(model).__module__)
+        dp = DataParallelUpdate(cfg.update_ranks, strategy=cfg.update_strategy)  # ddp replicas or fsdp shards
+        learner.data_parallel = dp.launch(type(model).__module__)
     return learner
 
 

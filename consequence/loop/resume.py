@@ -128,7 +128,9 @@ def _umask() -> int:
 def _write_learner(folder: Path, learner) -> None:
     from safetensors.torch import save_file
 
-    _torch_save(learner.optimizer.state_dict(), folder / "optimizer.pt")
+    dp = getattr(learner, "data_parallel", None)  # --update-strategy fsdp: the ranks hold the state's shards
+    optimizer_state = learner.optimizer.state_dict() if dp is None else dp.full_optimizer_state(learner.optimizer)
+    _torch_save(optimizer_state, folder / "optimizer.pt")
     if learner.scheduler is not None:  # its step count; the lr itself is in the optimizer's groups
         _torch_save(learner.scheduler.state_dict(), folder / "scheduler.pt")
     if learner.critic is not None:

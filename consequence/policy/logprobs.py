@@ -615,8 +615,12 @@ def lm_head_split(model) -> tuple[torch.nn.Module, torch.nn.Module] | None:
         ``.last_hidden_state`` [N, S, H]) and the head (``[.., H] -> [.., V]``; the
         embedding matrix itself when tied), or ``None`` when ``model`` is not a known
         plain-head causal LM (its logits may be soft-capped, scaled or computed otherwise)
-        or is a PEFT prompt-learning model (virtual tokens).
+        or is a PEFT prompt-learning model (virtual tokens), or is an FSDP2 ``fully_shard``
+        root (only its own forward gathers the shards it holds, e.g. the embeddings and a
+        tied head: the trunk or head alone would see shards).
     """
+    if any(c.__name__ == "FSDPModule" for c in type(model).__mro__):  # torch.distributed.fsdp.FSDPModule
+        return None
     base = model
     if callable(getattr(model, "get_base_model", None)):  # PEFT
         peft_cfg = getattr(model, "active_peft_config", None)

@@ -39,13 +39,17 @@ in :class:`DataParallelError` naming what was waited for.
 :class:`DataParallelUpdate` is the trainer's side (``--update-ranks N``): the trainer is
 rank 0 and spawns N − 1 rank processes on loopback that each hold a replica of the
 learner (model + optimizer, copied from rank 0 at the first step and again whenever rank
-0's weights changed outside a data-parallel step).
+0's weights changed outside a data-parallel step). With ``--update-strategy fsdp`` the
+ranks hold FSDP2 shards instead of replicas (``update.fsdp``; the launch, the sharding of
+rows, the global totals and the error agreement are the same).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import datetime
+import functools
 import math
 import os
 import pickle
@@ -61,26 +65,25 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from consequence.records import TrainingRow
+from consequence.update import fsdp
+from consequence.update.agreement import Collective as _Collective
+from consequence.update.agreement import DataParallelError, merge_rank_metrics
+from consequence.update.agreement import error_info as _error_info
+from consequence.update.agreement import raise_agreed as _raise_agreed
 from consequence.update.launch import join_launched_group, launched_by_torchrun, receive_message, scatter_messages
 from consequence.update.step import (
     NonFiniteError,
     TokenValues,
     UpdateConfig,
     _check_needs,
-    _clip_grad_norm,
     _contributes_nothing,
     _step_totals,
     accumulate_gradients,
+    optimizer_step,
 )
 
 DEFAULT_TIMEOUT_S = 600.0  # one collective: covers the slowest rank's forward/backward of its shard
 START_TIMEOUT_S = 180.0  # a rank process starting (imports, unpickling the model) and joining the group
-_COUNTS = ("n_tokens", "n_rows", "n_rows_trained", "rows_skipped_zero_advantage", "offpolicy_masked_rows")
-
-
-class DataParallelError(RuntimeError):
-    """A rank died, a collective timed out, or the replicas diverged; the message names
-    the rank and what was waited for. The process group cannot be used afterwards."""
 
 
 # ---- sharding -------------------------------------------------------------------------
@@ -124,62 +127,6 @@ def shard_rows(
         shards[k].append(i)
         load[k] += weight(i)
     return [sorted(s) for s in shards]
-
-
-# ---- collectives ------------------------------------------------------------------------
-class _Collective:
-    """Runs one collective; a backend error (timeout, dead peer) becomes DataParallelError."""
-
-    def __init__(self, group=None) -> None:
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.world = dist.get_world_size(group)
-
-    def __call__(self, what: str, fn: Callable[..., Any], *args, **kw) -> Any:
-        try:
-            return fn(*args, group=self.group, **kw)
-        except RuntimeError as e:  # DistBackendError / gloo timeouts and closed connections
-            raise DataParallelError(
-                f"update rank {self.rank} of {self.world}: {what} did not complete: every rank must enter it, "
-                f"within the process group's timeout (--update-ranks; a rank died, hung or raised outside "
-                f"the step): {e}"
-            ) from e
-
-    def gather(self, what: str, obj: Any) -> list[Any]:
-        out: list[Any] = [None] * self.world
-        self("all_gather_object of " + what, dist.all_gather_object, out, obj)
-        return out
-
-
-def _error_info(e: BaseException, row_ids: Sequence[int], rank: int) -> dict[str, Any]:
-    """What the other ranks need to raise the same error (rows mapped to the step's indices)."""
-    info: dict[str, Any] = {
-        "rank": rank,
-        "type": type(e).__name__,
-        "message": str(e),
-        "traceback": "".join(traceback.format_exception(e))[-4000:],
-    }
-    if isinstance(e, NonFiniteError):
-        info |= {"tensor": e.tensor, "rows": [row_ids[j] for j in e.rows if 0 <= j < len(row_ids)], "detail": e.detail}
-    return info
-
-
-def _raise_agreed(infos: list[dict[str, Any] | None], world: int, own: BaseException | None) -> None:
-    """Raise, on every rank, the error of the lowest rank that failed (the same message everywhere)."""
-    failed = [i for i in infos if i is not None]
-    if not failed:
-        return
-    info = failed[0]
-    where = f"found by update rank {info['rank']} of {world}"
-    if info["type"] == "NonFiniteError":
-        err: Exception = NonFiniteError(
-            info["tensor"], info["rows"], f"{info['detail']}; {where}" if info["detail"] else where
-        )
-    elif info["type"] == "ValueError":
-        err = ValueError(f"{info['message']} ({where})")
-    else:
-        err = DataParallelError(f"{info['type']}: {info['message']} ({where})\n{info['traceback']}")
-    raise err from own
 
 
 # ---- one data-parallel step (runs on every rank) ----------------------------------------
@@ -321,33 +268,6 @@ def _synchronize(ddp: DistributedDataParallel, pad_id: int, col: _Collective) ->
         ) from e
 
 
-def merge_rank_metrics(per_rank: Sequence[dict[str, float]]) -> dict[str, float]:
-    """One step's metrics from the ranks' shard metrics (equal to one process's).
-
-    Rules: ``loss`` (each rank's already scaled to the global totals) and the counts
-    (``n_tokens``, ``n_rows``, ``n_rows_trained``, ``rows_skipped_zero_advantage``,
-    ``offpolicy_masked_rows``, any other ``n_*``) are summed; ``*_min`` / ``*_max`` are the
-    extremes over the ranks that report them; every other key is a per-token mean of the
-    targets that ran, weighted by each rank's ``n_tokens`` (ranks that trained no token
-    add nothing). A key no rank reports is left out.
-    """
-    out: dict[str, float] = {}
-    for key in dict.fromkeys(k for m in per_rank for k in m):
-        have = [m for m in per_rank if key in m]
-        if key == "loss" or key in _COUNTS or key.startswith("n_"):
-            out[key] = math.fsum(float(m[key]) for m in have)
-        elif key.endswith("_min"):
-            out[key] = min(float(m[key]) for m in have)
-        elif key.endswith("_max"):
-            out[key] = max(float(m[key]) for m in have)
-        else:
-            w = [(float(m[key]), float(m.get("n_tokens", 0.0))) for m in have]
-            tot = math.fsum(x for _, x in w)
-            if tot > 0:
-                out[key] = math.fsum(v * x for v, x in w) / tot
-    return out
-
-
 def data_parallel_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -387,9 +307,9 @@ def data_parallel_step(
             optimizer does not step and the gradients are zeroed.
         DataParallelError: a collective failed or timed out, or the replicas differ.
     """
-    optimizer.zero_grad(set_to_none=True)
-    try:
-        metrics = data_parallel_gradients(
+
+    def gradients() -> dict[str, float]:
+        return data_parallel_gradients(
             model,
             rows,
             advantages_N,
@@ -402,16 +322,8 @@ def data_parallel_step(
             group=group,
             ddp=ddp,
         )
-        stepped = metrics["n_rows_trained"] > 0
-        grad_norm = _clip_grad_norm(model, cfg.max_grad_norm, int(metrics["n_rows"])) if stepped else None
-    except BaseException:
-        optimizer.zero_grad(set_to_none=True)
-        raise
-    if grad_norm is not None:  # some row trained (stepped)
-        optimizer.step()
-        metrics["grad_norm"] = grad_norm
-    optimizer.zero_grad(set_to_none=True)
-    metrics["optimizer_stepped"] = float(stepped)
+
+    metrics = optimizer_step(model, optimizer, cfg.max_grad_norm, gradients)
     if check_replicas:
         check_replicas_equal(model, group)
     return metrics
@@ -557,6 +469,14 @@ class DataParallelUpdate:
         start_timeout_s: bound of a rank process's start (spawn, imports, the model copy).
         threads_per_rank: torch threads of each rank during a step (default: the CPU
             count over N, at least 1); rank 0's setting is restored after each step.
+        strategy: ``"ddp"`` (each rank a replica of the policy and optimizer) or ``"fsdp"``
+            (each rank a ``fully_shard`` shard of a training copy and of the optimizer state,
+            ``update.fsdp``): rank 0 then keeps its own full policy for sampling, evaluation
+            and checkpoints, updated after every step, and its optimizer keeps the param
+            groups (the lr schedule writes them) but no state (:meth:`full_optimizer_state`).
+
+    Raises:
+        ValueError: ``world_size < 2`` or an unknown ``strategy``.
     """
 
     def __init__(
@@ -565,9 +485,15 @@ class DataParallelUpdate:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         start_timeout_s: float = START_TIMEOUT_S,
         threads_per_rank: int | None = None,
+        strategy: str = "ddp",
     ) -> None:
         if world_size < 2:
             raise ValueError(f"a data-parallel update needs at least 2 ranks, got {world_size}")
+        if strategy not in ("ddp", "fsdp"):
+            raise ValueError(f"unknown update strategy {strategy!r}; valid: ddp, fsdp (--update-strategy)")
+        self.strategy = strategy
+        self._fsdp: tuple[torch.nn.Module, torch.optim.Optimizer] | None = None  # rank 0's shards (fsdp)
+        self._names: list[str] = []  # fsdp: the optimizer's parameters by name, in state_dict index order
         self.world_size = world_size
         self.timeout_s = float(timeout_s)
         self.start_timeout_s = float(start_timeout_s)
@@ -667,15 +593,20 @@ class DataParallelUpdate:
         else:
             self._start_spawned(model, optimizer)
         try:
-            self._ddp = wrap_for_data_parallel(model)
+            if self.strategy == "fsdp":  # a training copy: the original stays whole, for sampling
+                spec = fsdp.optimizer_spec(model, optimizer)
+                self._names = fsdp.param_names(spec)
+                self._fsdp = fsdp.shard_learner(copy.deepcopy(model), spec)
+            else:
+                self._ddp = wrap_for_data_parallel(model)
         except RuntimeError as e:
-            self._fail(f"the update ranks did not wrap their replicas in DistributedDataParallel together: {e}")
+            self._fail(f"the update ranks did not wrap or shard their copies of the policy together: {e}")
         self._model_id = id(model)
         self._checksum = parameter_checksum(model)
 
     def _replica_bytes(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> bytes:
         try:
-            return pickle.dumps(_replica_state(model, optimizer), protocol=pickle.HIGHEST_PROTOCOL)
+            return pickle.dumps(_replica_state(model, optimizer, self.strategy), protocol=pickle.HIGHEST_PROTOCOL)
         except (pickle.PicklingError, AttributeError, TypeError) as e:
             self._fail(f"the policy and its optimizer cannot be copied to the update ranks (pickle: {e})")
             raise  # _fail raised already
@@ -795,7 +726,9 @@ class DataParallelUpdate:
         if r.dead():
             self._fail("an update rank process is gone before the optimizer step")
         state = None
-        if parameter_checksum(model) != self._checksum:  # weights changed outside a data-parallel step
+        if self._fsdp is not None:
+            state = self._fsdp_pending(model, optimizer)
+        elif parameter_checksum(model) != self._checksum:  # weights changed outside a data-parallel step
             state = _resync_state(model, optimizer)
         shards = shard_rows(rows, self.world_size, advantages_N, cfg)
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
@@ -820,20 +753,17 @@ class DataParallelUpdate:
         threads = torch.get_num_threads()
         torch.set_num_threads(self.threads)
         mine = shards[0]
+        args = ([rows[i] for i in mine], [advantages_N[i] for i in mine], cfg, pad_id, logprob_fn)
+        kw: dict[str, Any] = {
+            "row_ids": mine,
+            "ref_logprobs": None if ref_logprobs is None else [ref_logprobs[i] for i in mine],
+            "sampler_logprobs": None if sampler_logprobs is None else [sampler_logprobs[i] for i in mine],
+        }
         try:
-            m = data_parallel_step(
-                model,
-                optimizer,
-                [rows[i] for i in mine],
-                [advantages_N[i] for i in mine],
-                cfg,
-                pad_id,
-                logprob_fn,
-                row_ids=mine,
-                ref_logprobs=None if ref_logprobs is None else [ref_logprobs[i] for i in mine],
-                sampler_logprobs=None if sampler_logprobs is None else [sampler_logprobs[i] for i in mine],
-                ddp=self._ddp,
-            )
+            if self._fsdp is not None:
+                m = self._fsdp_step(model, optimizer, state, hyper, args, kw)
+            else:
+                m = data_parallel_step(model, optimizer, *args, **kw, ddp=self._ddp)
         except DataParallelError as e:
             self._fail(f"the data-parallel optimizer step failed: {e}")
         finally:
@@ -841,11 +771,81 @@ class DataParallelUpdate:
         self._checksum = parameter_checksum(model)
         return m
 
+    # -- fsdp: rank 0's full policy and stateless optimizer beside its shards
+    def _fsdp_pending(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, bool] | None:
+        """What of rank 0's learner changed outside an fsdp step and must reach the shards: its
+        trained weights (the checksum moved), or an optimizer state (rank 0's optimizer holds
+        none in fsdp mode, so one that has some was loaded into it: a resume)."""
+        what = {"model": parameter_checksum(model) != self._checksum, "optimizer": bool(optimizer.state)}
+        return what if any(what.values()) else None
 
-def _replica_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """What a rank process needs to hold an identical learner: model and optimizer pickled
-    together (pickle keeps the optimizer's groups pointing at the model's parameters)."""
+    def _fsdp_step(self, model, optimizer, pending, hyper, args, kw) -> dict[str, float]:
+        """Rank 0's part of an fsdp step: pending weights / optimizer state into every rank's
+        shards (then rank 0's optimizer holds no state again), the lr schedule's hyper-parameters,
+        the step, and the trained parameters gathered back into ``model``."""
+        assert self._fsdp is not None
+        shard, shard_opt = self._fsdp
+        if pending is not None:
+            opt_state = fsdp.name_keyed(optimizer.state_dict(), self._names) if pending["optimizer"] else None
+            fsdp.load_full_state(shard, shard_opt, pending, model.state_dict() if pending["model"] else None, opt_state)
+            optimizer.state.clear()
+        for g, h in zip(shard_opt.param_groups, hyper):
+            g.update(h)
+        return fsdp.fsdp_step(shard, shard_opt, *args, **kw, full_model=model)
+
+    def full_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The policy optimizer's whole state in ``optimizer.state_dict()``'s format (what a resume
+        state saves and ``optimizer.load_state_dict`` reads back), ``optimizer`` being rank 0's.
+
+        ``ddp``, or before the first step: ``optimizer.state_dict()`` (rank 0's replica holds
+        it all). ``fsdp``: the shards' states gathered onto rank 0 (a collective: every rank
+        takes part), keyed by the parameters' indices in ``optimizer``. A state loaded into
+        ``optimizer`` afterwards (a resume) reaches the shards at the next step.
+
+        Raises:
+            DataParallelError: the update stopped earlier, or the gather failed.
+        """
+        if self._fsdp is None or optimizer.state:  # not sharded yet, or a loaded state not yet sent
+            return optimizer.state_dict()
+        if self._broken:
+            raise DataParallelError(f"the data-parallel update stopped earlier: {self._broken}")
+        self._send_all(("optimizer_state",), "the request for the optimizer state")
+        try:
+            named = fsdp.full_optimizer_state(*self._fsdp)
+        except DataParallelError as e:
+            self._fail(f"the optimizer state was not gathered: {e}")
+        return fsdp.index_keyed(named, self._names, optimizer)
+
+    def _send_all(self, msg: tuple, what: str) -> None:
+        """``msg`` to every rank k ≥ 1 (pipes, or a scatter to torchrun's ranks)."""
+        if self._launched:
+            try:
+                scatter_messages([msg] * (self.world_size - 1))
+            except RuntimeError as e:
+                self._fail(f"{what} did not reach the torchrun-launched update ranks: {e}")
+            return
+        for conn in self._ranks.conns:
+            self._send(conn, msg, what)
+
+
+def _replica_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, strategy: str = "ddp") -> dict[str, Any]:
+    """What a rank process needs to hold its learner. ``ddp``: model and optimizer pickled
+    together (pickle keeps the optimizer's groups pointing at the model's parameters).
+    ``fsdp``: the model and the optimizer's spec (``fsdp.optimizer_spec``), without state: each
+    rank shards both, and a state reaches the shards by broadcast (``fsdp.load_full_state``)."""
+    if strategy == "fsdp":
+        return {"strategy": "fsdp", "model": model, "optimizer_spec": fsdp.optimizer_spec(model, optimizer)}
     return {"model": model, "optimizer": optimizer}
+
+
+def _hold_replica(replica: dict[str, Any]) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
+    """A rank's learner from rank 0's copy: ``(model, optimizer, DDP wrapper)``, or for fsdp
+    ``(sharded model, sharded optimizer, None)``. A collective: rank 0 wraps or shards its own
+    copy at the same point (``DataParallelUpdate._start``)."""
+    if replica.get("strategy") == "fsdp":
+        model, optimizer = fsdp.shard_learner(replica["model"], replica["optimizer_spec"])
+        return model, optimizer, None
+    return replica["model"], replica["optimizer"], wrap_for_data_parallel(replica["model"])
 
 
 def _resync_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -883,13 +883,12 @@ def _rank_main(
         conn.send(("up",))
         msg = conn.recv()
         replica = pickle.loads(msg[1])
-        model, optimizer = replica["model"], replica["optimizer"]
         conn.send(("ready",))
         store = dist.TCPStore("127.0.0.1", port, world_size, False, timeout=datetime.timedelta(seconds=start_timeout_s))
         dist.init_process_group(
             "gloo", store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
         )
-        ddp = wrap_for_data_parallel(model)  # a collective: rank 0 wraps its model at the same point
+        model, optimizer, ddp = _hold_replica(replica)  # a collective: rank 0 wraps its model at the same point
     except EOFError:
         return
     except BaseException as e:  # noqa: BLE001 - reported to rank 0, which names it
@@ -904,7 +903,7 @@ def _rank_main(
             if msg[0] == "stop":
                 return
             try:
-                run_job(model, optimizer, ddp, msg[1])
+                _serve(model, optimizer, ddp, msg)
             except DataParallelError as e:
                 _tell(conn, str(e))
                 raise SystemExit(2) from None
@@ -916,21 +915,32 @@ def _rank_main(
             dist.destroy_process_group()
 
 
-def run_job(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ddp: DistributedDataParallel, job) -> None:
+def _serve(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ddp: DistributedDataParallel | None, msg) -> None:
+    """One message of rank 0 on a rank k ≥ 1: a step (:func:`run_job`), or, with fsdp, its part
+    of gathering the optimizer state onto rank 0 (``DataParallelUpdate.full_optimizer_state``)."""
+    if msg[0] == "optimizer_state":
+        fsdp.full_optimizer_state(model, optimizer)  # rank 0 keeps the gathered state; this rank gets {}
+    else:
+        run_job(model, optimizer, ddp, msg[1])
+
+
+def run_job(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ddp: DistributedDataParallel | None, job) -> None:
     """One step on a rank k ≥ 1: rank 0's weights if they changed outside a step, its
     optimizer hyper-parameters (a schedule), then :func:`data_parallel_step` on the shard.
     An agreed error (NonFiniteError, ValueError: raised on rank 0 too) leaves the group in
-    step and is not re-raised here.
+    step and is not re-raised here. ``ddp`` ``None``: ``model`` and ``optimizer`` are this
+    rank's FSDP shards (``--update-strategy fsdp``), and the step is ``fsdp.fsdp_step``.
 
     Raises:
         DataParallelError: a collective failed; the group cannot be used afterwards.
     """
-    if job["state"] is not None:
-        _load_replica(model, optimizer, job["state"])
+    if job["state"] is not None:  # fsdp: by broadcast into the shards; ddp: into the replica
+        (fsdp.load_full_state if ddp is None else _load_replica)(model, optimizer, job["state"])
     for g, h in zip(optimizer.param_groups, job["hyper"]):
         g.update(h)
+    step = fsdp.fsdp_step if ddp is None else functools.partial(data_parallel_step, ddp=ddp)
     with contextlib.suppress(NonFiniteError, ValueError):
-        data_parallel_step(
+        step(
             model,
             optimizer,
             job["rows"],
@@ -941,7 +951,6 @@ def run_job(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ddp: Distr
             row_ids=job["row_ids"],
             ref_logprobs=job["ref_logprobs"],
             sampler_logprobs=job["sampler_logprobs"],
-            ddp=ddp,
         )
 
 
@@ -951,9 +960,10 @@ def _tell(conn, text: str) -> None:
 
 
 def serve_update_rank(timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-    """Rank k ≥ 1 of a torchrun launch (docs/async.md §7): hold a replica and run rank 0's
-    steps until it sends stop. The replica is rank 0's policy and optimizer, pickled and
-    broadcast over the group (the same copy a spawned rank gets through its pipe).
+    """Rank k ≥ 1 of a torchrun launch (docs/async.md §7): hold a replica (or, with
+    ``--update-strategy fsdp``, shards) and run rank 0's steps until it sends stop. The replica
+    is rank 0's policy and optimizer, pickled and broadcast over the group (the same copy a
+    spawned rank gets through its pipe).
 
     Raises:
         RuntimeError: this process was not launched as a rank k ≥ 1, or a collective failed
@@ -966,10 +976,8 @@ def serve_update_rank(timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     try:
         got: list[Any] = [None]
         dist.broadcast_object_list(got, src=0)
-        replica = pickle.loads(got[0])
-        model, optimizer = replica["model"], replica["optimizer"]
-        ddp = wrap_for_data_parallel(model)  # a collective: rank 0 wraps its model at the same point
+        model, optimizer, ddp = _hold_replica(pickle.loads(got[0]))  # a collective, as on rank 0
         while (msg := receive_message())[0] != "stop":
-            run_job(model, optimizer, ddp, msg[1])
+            _serve(model, optimizer, ddp, msg)
     finally:
         dist.destroy_process_group()

@@ -349,34 +349,72 @@ def ppo_step(
             rows involved and, for a gradient, the message the parameters. The optimizer
             does not step and its gradients are zeroed.
     """
+    if optimizer is not None:  # the gradients below (optimizer=None), then the step
+
+        def gradients() -> dict[str, float]:
+            return ppo_step(
+                model,
+                None,
+                rows,
+                advantages_N,
+                cfg,
+                pad_id,
+                logprob_fn,
+                ref_logprobs=ref_logprobs,
+                sampler_logprobs=sampler_logprobs,
+                teacher=teacher,
+                totals=totals,
+            )
+
+        return optimizer_step(model, optimizer, cfg.max_grad_norm, gradients)
     adv_all = _checked_inputs(rows, advantages_N, cfg, ref_logprobs, sampler_logprobs, teacher)
     total_tokens, total_seqs, norm_const = _step_totals(rows, cfg) if totals is None else totals
     live = [i for i in range(len(rows)) if not _contributes_nothing(adv_all[i], cfg)]
-    if optimizer is not None:
-        optimizer.zero_grad(set_to_none=True)
     met = _Metrics()
+    for idx, mb in _micro_batches(model, rows, live, adv_all, cfg, pad_id, ref_logprobs, sampler_logprobs):
+        with precision(cfg.dtype, mb["input_ids"].device):  # the forward only: backward outside autocast
+            lp, ent, div = _policy_forward(model, mb, cfg, logprob_fn, teacher, idx)
+        old, adv, mask = mb["old_logprobs"][:, 1:], mb["advantages"], mb["loss_mask"][:, 1:]
+        # PPO's clipped surrogate by default; GRPO, DAPO, GSPO, CISPO … (docs/design.md §5)
+        obj, ratio, is_clipped = surrogate_objective(cfg.surrogate, lp, old, adv, mask, **cfg.clip_bounds())
+        _check_finite(ratio, mask > 0, idx, "ratio", "π/π_old of target tokens; check the rows' old_logprobs")
+        obj, mask = _regularized(obj, lp, ent, div, mb, cfg, met, idx)
+        loss = -reduce_tokens(
+            obj, mask, cfg.reduction, total_tokens=total_tokens, total_seqs=total_seqs, norm_const=norm_const
+        )
+        _backward(loss, model, idx)
+        met.micro_batch(loss, ratio, is_clipped, adv, ent, mb["loss_mask"][:, 1:] > 0, len(idx))
+    return met.result(len(rows), len(rows) - len(live))
+
+
+def optimizer_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    max_grad_norm: float,
+    gradients: Callable[[], dict[str, float]],
+) -> dict[str, float]:
+    """One optimizer step around ``gradients()`` (which accumulates the step's gradients into
+    ``model`` and returns its metrics, with ``n_rows`` and ``n_rows_trained``): the global
+    grad-norm clip and ``optimizer.step()`` when some row trained, gradients zeroed before and
+    after. Shared by the single process, DDP replicas and FSDP shards (a sharded gradient's
+    norm is its full norm, the same on every rank).
+
+    Returns:
+        the metrics of ``gradients()`` with ``optimizer_stepped`` (1.0 or 0.0) and, when it
+        stepped, ``grad_norm`` (before clipping).
+
+    Raises:
+        whatever ``gradients()`` raises, or NonFiniteError for a non-finite global grad norm;
+        the optimizer does not step and its gradients are zeroed (never half-accumulated
+        gradients left behind).
+    """
+    optimizer.zero_grad(set_to_none=True)
     try:
-        for idx, mb in _micro_batches(model, rows, live, adv_all, cfg, pad_id, ref_logprobs, sampler_logprobs):
-            with precision(cfg.dtype, mb["input_ids"].device):  # the forward only: backward outside autocast
-                lp, ent, div = _policy_forward(model, mb, cfg, logprob_fn, teacher, idx)
-            old, adv, mask = mb["old_logprobs"][:, 1:], mb["advantages"], mb["loss_mask"][:, 1:]
-            # PPO's clipped surrogate by default; GRPO, DAPO, GSPO, CISPO … (docs/design.md §5)
-            obj, ratio, is_clipped = surrogate_objective(cfg.surrogate, lp, old, adv, mask, **cfg.clip_bounds())
-            _check_finite(ratio, mask > 0, idx, "ratio", "π/π_old of target tokens; check the rows' old_logprobs")
-            obj, mask = _regularized(obj, lp, ent, div, mb, cfg, met, idx)
-            loss = -reduce_tokens(
-                obj, mask, cfg.reduction, total_tokens=total_tokens, total_seqs=total_seqs, norm_const=norm_const
-            )
-            _backward(loss, model, idx)
-            met.micro_batch(loss, ratio, is_clipped, adv, ent, mb["loss_mask"][:, 1:] > 0, len(idx))
-        metrics = met.result(len(rows), len(rows) - len(live))
-        if optimizer is None:
-            return metrics
+        metrics = gradients()
         stepped = metrics["n_rows_trained"] > 0
-        grad_norm = _clip_grad_norm(model, cfg.max_grad_norm, len(rows)) if stepped else None
-    except Exception:  # never leave half-accumulated gradients behind
-        if optimizer is not None:
-            optimizer.zero_grad(set_to_none=True)
+        grad_norm = _clip_grad_norm(model, max_grad_norm, int(metrics["n_rows"])) if stepped else None
+    except BaseException:
+        optimizer.zero_grad(set_to_none=True)
         raise
     if grad_norm is not None:  # some row trained (stepped)
         optimizer.step()
@@ -431,13 +469,8 @@ def _micro_batches(model, rows, live: list[int], adv_all, cfg: UpdateConfig, pad
     """``(idx, padded batch on the model's device)`` per micro-batch of the ``live`` rows,
     sorted by length; a micro-batch without a target is not yielded (it adds nothing)."""
     device = next(model.parameters()).device
-    order = sorted(live, key=lambda i: len(rows[i].input_ids))
-    for start in range(0, len(order), cfg.micro_batch_size):
-        idx = order[start : start + cfg.micro_batch_size]
-        mb_rows = [rows[i] for i in idx]
-        if not any(any(r.loss_mask[1:]) for r in mb_rows):
-            continue
-        batch = pad_rows(mb_rows, pad_id)
+    for idx in _micro_batch_groups(rows, live, cfg.micro_batch_size):
+        batch = pad_rows([rows[i] for i in idx], pad_id)
         S = batch["input_ids"].shape[1]
         batch["advantages"] = _micro_advantages(adv_all, idx, S)
         if ref_logprobs is not None:
@@ -445,6 +478,14 @@ def _micro_batches(model, rows, live: list[int], adv_all, cfg: UpdateConfig, pad
         if sampler_logprobs is not None:
             batch["sampler_logprobs"] = _pad_values(sampler_logprobs, idx, S)
         yield idx, {k: v.to(device) for k, v in batch.items()}
+
+
+def _micro_batch_groups(rows: Sequence[TrainingRow], live: list[int], size: int) -> list[list[int]]:
+    """The row indices of each micro-batch of :func:`_micro_batches`: the ``live`` rows sorted
+    by length, cut every ``size`` rows, those without a target left out."""
+    order = sorted(live, key=lambda i: len(rows[i].input_ids))
+    groups = [order[start : start + size] for start in range(0, len(order), size)]
+    return [idx for idx in groups if any(any(rows[i].loss_mask[1:]) for i in idx)]
 
 
 def _contributes_nothing(adv: Any, cfg: UpdateConfig) -> bool:
@@ -474,11 +515,16 @@ def _backward(loss: Tensor, model: torch.nn.Module, idx: Sequence[int]) -> None:
 
 def _check_grads(model: torch.nn.Module, idx: Sequence[int]) -> None:
     """Raise NonFiniteError naming parameters whose accumulated gradient is NaN or ±inf."""
-    grads = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
+    # FSDP2's sharded gradients (DTensor): this rank's shard, with no collective (update.fsdp agrees on errors)
+    grads = [(n, _local(p.grad)) for n, p in model.named_parameters() if p.grad is not None]
     if not grads or bool(torch.stack([torch.isfinite(g).all() for _, g in grads]).all()):
         return  # one device sync per micro-batch; names are looked up only on failure
     bad = [n for n, g in grads if not torch.isfinite(g).all()]
     raise NonFiniteError("gradient", idx, "parameter(s) " + ", ".join(bad[:5]))
+
+
+def _local(t: Tensor) -> Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _policy_forward(model, mb: dict[str, Tensor], cfg: UpdateConfig, logprob_fn, teacher, idx: Sequence[int]):
@@ -600,7 +646,9 @@ def _clip_grad_norm(model: torch.nn.Module, max_grad_norm: float, n_rows: int) -
     if not params:
         return 0.0
     max_norm = max_grad_norm if max_grad_norm and max_grad_norm > 0 else math.inf
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    # FSDP2's sharded gradients (DTensor) give a DTensor norm: its full value, the same on every rank
+    grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
     if not math.isfinite(grad_norm):
         raise NonFiniteError("gradient", range(n_rows), f"global grad norm {grad_norm}")
     return grad_norm
