@@ -229,6 +229,7 @@ def _report(exp, partial: bool = False) -> None:
     ``partial``: only the arms whose every run finished, into OUT/partial/."""
     from consequence.experiment.aggregate import aggregate, write_report
     from consequence.experiment.budget import read_spent
+    from consequence.experiment.curves import report_views
 
     trained = [a for a in exp.arms if a.trains]
     if partial:
@@ -240,7 +241,8 @@ def _report(exp, partial: bool = False) -> None:
     try:
         result = aggregate(arms, no_training={a.name for a in exp.arms if not a.trains})
         spent = {name: [read_spent(r)[1] for r in folders] for name, folders in runs.items()}
-        paths = write_report(exp.folder / "partial" if partial else exp.folder, result, spent)
+        curves, swept = report_views(exp, trained)
+        paths = write_report(exp.folder / "partial" if partial else exp.folder, result, spent, curves, swept)
     except ValueError as e:
         _refuse(e)
     for entry in result["results"]:

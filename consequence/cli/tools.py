@@ -357,7 +357,10 @@ def lab(
 
 @app.command("view")
 def view(
-    run_dir: Path = typer.Argument(..., help="Run directory of `consequence train`."),
+    run_dir: Path = typer.Argument(
+        ...,
+        help="Run directory of `consequence train`, or an experiment's folder (its report, figures and runs on one page).",
+    ),
     out: Path | None = typer.Option(None, help="HTML file to write [default: RUN_DIR/viewer.html]."),
     iteration: int | None = typer.Option(
         None, help="Show only this iteration (numbered from 0, as in trajectories/iter_NNNN.parquet and the console)."
@@ -369,10 +372,15 @@ def view(
     ),
     limit: int = typer.Option(200, min=1, help="Most trajectories on the page (whole groups, spread over iterations)."),
 ) -> None:
-    """Write one static HTML page of a run's trajectories, tokens coloured by loss-mask role (docs/viewer.md)."""
+    """Write one static HTML page of a run's trajectories, tokens coloured by loss-mask role, or of an
+    experiment folder's report (docs/viewer.md)."""
+    from consequence.report.experiment_page import is_experiment_folder
     from consequence.report.viewer import ViewerError, build_page, find_run_files, write_page
 
     path = out or run_dir / "viewer.html"
+    if is_experiment_folder(run_dir):
+        _view_experiment(run_dir, path, "--out" if out else "RUN_DIR", iteration, with_current_logprobs)
+        return
     try:
         if iteration is not None and iteration < 0:
             raise ValueError(
@@ -387,6 +395,31 @@ def view(
     path = write_page(html, path)
     left = f", {summary['n_left_out']} left out (page limit {limit})" if summary["n_left_out"] else ""
     console.print(f"{summary['n_shown']} trajectories{left}: {path} ({len(html.encode()) / 1e6:.2f} MB)")
+
+
+def _view_experiment(folder: Path, path: Path, which: str, iteration: int | None, with_current_logprobs: bool) -> None:
+    """`consequence view` of an experiment folder: its report page; the options of a run's page are refused."""
+    from consequence.report.experiment_page import build_experiment_page
+    from consequence.report.viewer import write_page
+
+    given = [
+        name
+        for name, on in (("--iteration", iteration is not None), ("--with-current-logprobs", with_current_logprobs))
+        if on
+    ]
+    try:
+        if given:
+            raise ValueError(
+                f"{' and '.join(given)}: {folder} is an experiment folder; give one of its runs "
+                f"({folder / 'runs'}/<arm>-seed<k>) to see its trajectories"
+            )
+        check_out_file(path, which)
+        page = build_experiment_page(folder, path.parent)
+    except (ValueError, OSError) as e:
+        console.print(f"[red]error:[/] {escape(str(e))}")
+        raise typer.Exit(2) from None
+    written = write_page(page, path)
+    console.print(f"experiment report: {written} ({len(page.encode()) / 1e6:.2f} MB)")
 
 
 @app.command("sft")

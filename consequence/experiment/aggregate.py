@@ -27,6 +27,7 @@ from typing import Any
 
 from consequence.evaluate import seeds
 from consequence.evaluate.episode_eval import solved
+from consequence.experiment.curves import plot_curves, plot_sweeps
 from consequence.figures import pyplot, save_figure
 from consequence.fileio import strict_json, write_text_atomic
 from consequence.records import Trajectory, read_trajectories
@@ -351,8 +352,14 @@ def _pct(x: float) -> str:
     return f"{100 * x:.1f}"
 
 
-def _markdown(result: Mapping[str, Any], spent: Mapping[str, list[dict[str, Any]]] | None) -> str:
-    """The readable report: one table per (split, decoding), its probability-of-improvement matrix."""
+def _markdown(
+    result: Mapping[str, Any],
+    spent: Mapping[str, list[dict[str, Any]]] | None,
+    swept: Mapping[str, Any] | None = None,
+    figures: Sequence[str] = (),
+) -> str:
+    """The readable report: one table per (split, decoding), its probability-of-improvement
+    matrix, the sweeps' tables, what each arm spent, and the figures."""
     conf = f"{100 * result['confidence']:g} %"
     lines = [
         "# Experiment: success over training seeds",
@@ -381,9 +388,31 @@ def _markdown(result: Mapping[str, Any], spent: Mapping[str, list[dict[str, Any]
         lines += _difference_lines(res, conf)
         lines += _between_lines(res, conf)
         lines += _poi_lines(res)
+    lines += _sweep_lines(result, swept or {}, conf)
     if spent:
         lines += _spent_lines(spent)
+    if figures:
+        lines += ["", "## Figures", ""] + [f"![{name}]({name})" for name in figures]
     return "\n".join(lines) + "\n"
+
+
+def _sweep_lines(result: Mapping[str, Any], swept: Mapping[str, Any], conf: str) -> list[str]:
+    """Per swept setting: its value, the arm, and each (split, decoding)'s mean with its CI."""
+    lines: list[str] = []
+    for key, sw in swept.items():
+        heads = [f"{r['split']}, {r['decoding']}: mean % [{conf} CI]" for r in result["results"]]
+        lines += ["", f"## Success against {key}", "", f"| {key} | arm | " + " | ".join(heads) + " |"]
+        lines.append("|---|---|" + "---|" * len(heads))
+        for value, arm in sorted((v, a) for a, v in sw["arms"].items()):
+            cells = [
+                f"{_pct(r['arms'][arm]['mean'])} ({r['arms'][arm]['n_seeds']} seeds) "
+                f"[{_pct(r['arms'][arm]['low'])}, {_pct(r['arms'][arm]['high'])}]"
+                if arm in r["arms"]
+                else "—"
+                for r in result["results"]
+            ]
+            lines.append(f"| {value:g} | {arm} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def _difference_lines(res: Mapping[str, Any], conf: str) -> list[str]:
@@ -553,7 +582,13 @@ def _plot(result: Mapping[str, Any], out_dir: Path) -> Path:
     return save_figure(fig, out_dir, "experiment")
 
 
-def write_report(out_dir: str | Path, result: Mapping[str, Any], spent: Mapping[str, list] | None = None) -> list[Path]:
+def write_report(
+    out_dir: str | Path,
+    result: Mapping[str, Any],
+    spent: Mapping[str, list] | None = None,
+    curves: Mapping[str, Any] | None = None,
+    swept: Mapping[str, Any] | None = None,
+) -> list[Path]:
     """Write ``experiment.json`` (``result`` whole, exact numbers; with ``spent``, its table under
     "spent"), ``experiment.md`` (per (split, decoding): arm, mean success %, the two-level CI,
     IQM, seeds, problems, episodes; the probability-of-improvement matrix; what each arm spent)
@@ -565,9 +600,13 @@ def write_report(out_dir: str | Path, result: Mapping[str, Any], spent: Mapping[
         result: what :func:`aggregate` returned.
         spent: arm → one list of budget lines per run (``experiment.budget.read_spent(run)[1]``,
             ``BudgetLine`` or its dict); the report gives each quantity's mean per seed and total.
+        curves: ``experiment.curves.learning_curves`` of the trained arms: drawn into
+            ``experiment_curves.png`` and kept in the json under "curves".
+        swept: ``experiment.curves.sweeps``: success against each swept setting, drawn into
+            ``experiment_scale.png``, tabled in the markdown, kept in the json under "sweeps".
 
     Returns:
-        the paths written: json, md, png.
+        the paths written: json, md, png, then the curves' and sweeps' png when drawn.
 
     Raises:
         OSError: a write failed (no half-written file stays behind).
@@ -575,8 +614,11 @@ def write_report(out_dir: str | Path, result: Mapping[str, Any], spent: Mapping[
     out = Path(out_dir)
     table = _spent_table(spent) if spent else None
     data = {**result, "spent": table} if table else dict(result)
+    data |= {"curves": dict(curves or {}), "sweeps": dict(swept or {})}
+    figures = [_plot(result, out), plot_curves(curves or {}, out), plot_sweeps(result, swept or {}, out)]
+    drawn = [f for f in figures if f is not None]
     paths = [
         write_text_atomic(out / "experiment.json", strict_json(data, indent=2) + "\n"),
-        write_text_atomic(out / "experiment.md", _markdown(result, table)),
+        write_text_atomic(out / "experiment.md", _markdown(result, table, swept or {}, [f.name for f in drawn])),
     ]
-    return [*paths, _plot(result, out)]
+    return [*paths, *drawn]

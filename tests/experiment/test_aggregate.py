@@ -172,3 +172,30 @@ def test_the_paired_difference_is_the_two_level_bootstrap_of_per_problem_differe
         paired_difference(arm, start[:1])
     with pytest.raises(ValueError, match="seed 0: no problem scored by both"):
         paired_difference([{"x": 1.0}], [{"y": 0.0}])
+
+
+def test_the_report_tables_a_sweep_and_draws_the_curves_and_the_scale_figure(runs, tmp_path):
+    result = aggregate(runs, ["test"], ["sampled"])
+    curve = {"episodes": [8, 16], "mean": [0.1, 0.2], "low": [0.0, 0.1], "high": [0.2, 0.3], "n_seeds": [2, 2]}
+    swept = {"train_problems": {"arms": {"A": 625, "B": 16}}}
+    paths = write_report(tmp_path, result, None, {"A": {"success": curve}, "B": {}}, swept)
+    names = [p.name for p in paths]
+    assert names == [
+        "experiment.json",
+        "experiment.md",
+        "experiment.png",
+        "experiment_curves.png",
+        "experiment_scale.png",
+    ]
+    md = paths[1].read_text()
+    a, b = (result["results"][0]["arms"][n] for n in ("A", "B"))
+    lines = [line for line in md.splitlines() if line.startswith(("| 16 |", "| 625 |"))]
+    assert lines == [  # sorted by the swept value
+        f"| 16 | B | {100 * b['mean']:.1f} (2 seeds) [{100 * b['low']:.1f}, {100 * b['high']:.1f}] |",
+        f"| 625 | A | {100 * a['mean']:.1f} (2 seeds) [{100 * a['low']:.1f}, {100 * a['high']:.1f}] |",
+    ]
+    assert "![experiment_scale.png](experiment_scale.png)" in md
+    saved = json.loads(paths[0].read_text())
+    assert saved["sweeps"] == swept and saved["curves"]["A"]["success"] == curve
+    assert paths[-1].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [p.name for p in write_report(tmp_path / "plain", result)][2:] == ["experiment.png"]  # nothing to draw

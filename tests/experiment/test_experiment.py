@@ -214,6 +214,11 @@ def test_report_finished_aggregates_only_the_arms_whose_every_seed_finished(tmp_
                 w["arms"][name]["low"],
                 w["arms"][name]["high"],
             )
+    success = [[json.loads(x)["success"] for x in (r / "metrics.jsonl").read_text().splitlines()] for r in runs]
+    curve = got["curves"]["a"]["success"]
+    assert curve["episodes"] == [4, 8] and curve["n_seeds"] == [2, 2]  # (k + 1)·B·G, B = G = 2
+    assert curve["mean"] == [pytest.approx((x + y) / 2, abs=1e-15) for x, y in zip(*success)]
+    assert got["sweeps"] == {}  # a and b differ by learning rate, not by a swept setting
     assert not (out / "experiment.json").exists()  # the final report is not written by a partial one
     r = CliRunner().invoke(app, ["experiment", str(plan), "--out", str(tmp_path / "empty"), "--report-finished"])
     assert r.exit_code == 2 and "no trained arm has finished all its training seeds yet" in r.output
