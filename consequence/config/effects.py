@@ -225,6 +225,14 @@ READS: tuple[Reads, ...] = (
             "(--lr-schedule linear|cosine decays it to --min-lr)"
         ),
     ),
+    Reads(  # loop.learner.logprob_fn: the policy's passes; the teacher's divergence (update.distill_chunks) is padded
+        ("packing",),
+        lambda c: c.distill_loss == "none",
+        lambda c: (
+            f"--distill-loss {c.distill_loss}: the teacher's per-token divergence runs on the padded batch "
+            "(update/distill_chunks.py), so the step would be only partly packed"
+        ),
+    ),
     Reads(  # loop.learner.make_learner: a DataParallelUpdate, with its strategy, only for N > 1
         ("update_strategy",),
         lambda c: c.update_ranks > 1,

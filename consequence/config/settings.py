@@ -493,6 +493,11 @@ class TrainConfig(BaseModel):
         "update",
         "How the --update-ranks N > 1 hold the learner: ddp = each rank a replica of the policy and its optimizer (DistributedDataParallel, a SUM of the gradients); fsdp = each rank 1/N of the parameters, gradients and optimizer state (FSDP2 fully_shard, reduce-scatter with a SUM), for an optimizer state that does not fit one device; rank 0 also keeps the full policy for sampling, evaluation and checkpoints. The same gradient either way (the step's global counts); only with --update-ranks N > 1.",
     )
+    packing: bool = _f(
+        False,
+        "update",
+        "Padding-free packing in the update's log-prob passes (the policy's, the recomputed π_old's and the reference's): each micro-batch's rows run through the trunk as one sequence, with per-row position ids and a block-diagonal causal mask, instead of padded to the longest row; the same log-probs, loss and gradients to float32 rounding. Off by default: on a CPU the packed mask runs densely (T² attention scores for T packed tokens), and the update already sorts rows by length (benchmarks/bench_packing.py). Needs a Hugging Face model with a plain LM head and eager / SDPA attention; not with a teacher's divergence or --update-strategy fsdp.",
+    )
     gradient_checkpointing: bool = _f(
         False,
         "update",
@@ -991,6 +996,11 @@ class TrainConfig(BaseModel):
         n, fix = self.update_ranks, "; use --update-ranks 1 for it"
         if n <= 1:
             return self
+        if self.packing and self.update_strategy == "fsdp":
+            raise ValueError(
+                "--packing with --update-strategy fsdp is not supported: an FSDP shard's trunk cannot run "
+                "without its root module; use --update-strategy ddp, or drop --packing"
+            )
         if self.advantage == "gae":
             raise ValueError(
                 f"--update-ranks {n} with --advantage gae is not supported: the critic's value step "

@@ -26,8 +26,9 @@ import torch
 from consequence.config import TrainConfig
 from consequence.credit.batch import Batch, assign_credit, training_rows
 from consequence.credit.value import ValueModel, explained_variance
-from consequence.policy.logprobs import enable_gradient_checkpointing, token_logprobs
+from consequence.policy.logprobs import enable_gradient_checkpointing, lm_head_split, token_logprobs
 from consequence.policy.lora import frozen_copy
+from consequence.policy.packing import packing_refusal
 from consequence.records import Trajectory
 from consequence.update.sampler_gap import apply_is_mask, sampler_gap_metrics
 from consequence.update.schedule import make_scheduler
@@ -88,6 +89,8 @@ def make_learner(
         pg_coef=cfg.task_reward_weight if cfg.distill_loss != "none" else 1.0,
         dtype=cfg.dtype,
     )
+    if cfg.packing and (why := packing_refusal(model, lm_head_split(model))) is not None:
+        raise ValueError(f"--packing: {why}; train without --packing")
     trainable = [p for p in model.parameters() if p.requires_grad]  # all of them, or a LoRA adapter's A and B
     learner = Learner(model, torch.optim.AdamW(trainable, lr=cfg.learning_rate, weight_decay=0.0), ucfg)
     steps = cfg.iterations * cfg.epochs_per_batch * cfg.mini_batches  # every optimizer step the run schedules
@@ -210,7 +213,12 @@ def _reference_logprobs(learner: Learner, rows, cfg: TrainConfig, pad_id: int) -
 def logprob_fn(cfg: TrainConfig):
     """The trainer's log-prob function under the sampler's processed distribution."""
     return functools.partial(
-        token_logprobs, with_entropy=True, entropy_grad=cfg.entropy_coef > 0, top_k=cfg.top_k, top_p=cfg.top_p
+        token_logprobs,
+        with_entropy=True,
+        entropy_grad=cfg.entropy_coef > 0,
+        top_k=cfg.top_k,
+        top_p=cfg.top_p,
+        packing=cfg.packing,
     )
 
 

@@ -55,6 +55,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from consequence.policy.packing import packed_hidden, packing_refusal
 from consequence.policy.shared_prefix import SHARED_PREFIX_MIN_TOKENS, shared_prefix_len, trunk_hidden
 
 # Real target positions (rows × positions, flattened) per chunk of the LM head and processing.
@@ -324,6 +325,7 @@ def token_logprobs(
     chunk_size: int | None = None,
     target_mask: torch.Tensor | None = None,
     share_prefix: bool = True,
+    packing: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log π(next token | prefix) for every position, differentiable, computed in chunks.
 
@@ -353,6 +355,11 @@ def token_logprobs(
             (:func:`consequence.policy.shared_prefix.trunk_hidden`); with ``chunk_size=None``
             such a batch is chunked even when its logits are small. ``False``: one full
             forward per row (benchmarks compare the two).
+        packing: run the rows' real tokens through the trunk as one packed sequence
+            (:func:`consequence.policy.packing.packed_hidden`: per-row position ids, a
+            block-diagonal causal mask) instead of the padded batch; the same values to float
+            rounding and the same gradients. Only for a model with a trunk / head split
+            (``packing.packing_refusal`` says why not); a shared prefix is then not run once.
 
     Returns:
         logprobs [N, S-1] float32 (0 at padded targets, -inf outside a target's support),
@@ -360,15 +367,19 @@ def token_logprobs(
         :func:`token_logprobs_unchunked`.
 
     Raises:
-        ValueError: a negative temperature or chunk size, or ``keep_index`` naming a
-            position or id outside the batch.
+        ValueError: a negative temperature or chunk size, ``keep_index`` naming a position or
+            id outside the batch, or ``packing`` on a model that cannot be packed.
     """
-    shared = shared_prefix_len(input_ids, attention_mask) if share_prefix else 0  # computed once per call
+    shared = shared_prefix_len(input_ids, attention_mask) if share_prefix and not packing else 0  # once per call
     chunk = auto_chunk_size(model, input_ids, attention_mask, shared) if chunk_size is None else int(chunk_size)
     if chunk < 0:
         raise ValueError(f"chunk_size must be >= 0 (0 = unchunked), got {chunk_size}")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if packing:
+        if (why := packing_refusal(model, lm_head_split(model))) is not None:
+            raise ValueError(f"--packing: {why}; train without --packing")
+        chunk = chunk or input_ids.numel()  # packed hidden states need the split path: one chunk = unchunked
     if chunk == 0:
         return token_logprobs_unchunked(
             model,
@@ -392,7 +403,10 @@ def token_logprobs(
     split = lm_head_split(model)
     if split is not None:
         trunk, head = split
-        hidden = trunk_hidden(trunk, input_ids, attention_mask, prefix_len=shared)  # a shared prefix runs once
+        if packing:
+            hidden = packed_hidden(trunk, input_ids, attention_mask)
+        else:
+            hidden = trunk_hidden(trunk, input_ids, attention_mask, prefix_len=shared)  # a shared prefix runs once
         feats_PX = hidden[:, :-1][rows_P, pos_P]  # [P, H]: hidden states that predict a real target
         vocab = _out_features(head)
         del hidden

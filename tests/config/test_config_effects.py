@@ -52,6 +52,7 @@ CASES = [
     ("judge_api_key_env", "MY_KEY", {}, JUDGE),
     ("judge_url", "http://127.0.0.1:1/v1", {"advantage": "rejection", "judge_model": "m"}, {"judge_model": "m"}),
     ("update_strategy", "fsdp", {}, {"update_ranks": 2}),
+    ("packing", True, KD_RL, {}),
     ("surrogate", "pg", ALONE, KD_RL),
     ("clip_eps", 0.3, ALONE, KD_RL),
     ("clip_eps_high", 0.28, ALONE, KD_RL),
