@@ -149,10 +149,15 @@ def plot_curves(curves: Mapping[str, Mapping[str, Any]], out_dir: Path) -> Path 
             ax.plot(
                 d["episodes"], d["mean"], "-o", ms=3, color=f"C{n % 10}", label=f"{arm} ({max(d['n_seeds'])} seeds)"
             )
-            band = [(x, lo, hi) for x, lo, hi in zip(d["episodes"], d["low"], d["high"]) if lo is not None]
+            # a success share lies in [0, 1]: the band is drawn inside it (the json keeps the t values)
+            band = [
+                (x, max(lo, 0.0), min(hi, 1.0))
+                for x, lo, hi in zip(d["episodes"], d["low"], d["high"])
+                if lo is not None
+            ]
             if band:
                 xs, lo, hi = zip(*band)
-                ax.fill_between(xs, lo, hi, color=f"C{n % 10}", alpha=0.15, linewidth=0)
+                ax.fill_between(xs, lo, hi, color=f"C{n % 10}", alpha=0.12, linewidth=0)
         ax.set_xlabel("training episodes (K·B·G)")
         ax.set_ylabel(label)
         ax.set_ylim(-0.03, 1.03)
@@ -165,12 +170,16 @@ def plot_curves(curves: Mapping[str, Mapping[str, Any]], out_dir: Path) -> Path 
 def plot_sweeps(result: Mapping[str, Any], swept: Mapping[str, Any], out_dir: Path) -> Path | None:
     """``experiment_scale.png``: per swept key (rows) and (split, decoding) of the final
     evaluation (columns), each arm's mean success with its two-level CI against the key's
-    value, its seeds as dots; a log x axis when the values span 8× or more; None without a sweep."""
+    value, its seeds as dots, a no-training arm's mean as a dashed line; a log x axis when the
+    values span 8× or more; None without a sweep."""
     if not swept:
         return None
+    no_training = {n for n, a in result["arms"].items() if a.get("policy") == "warmstart"}
     plt = pyplot()
     panels = result["results"]
-    fig, axes = plt.subplots(len(swept), len(panels), figsize=(4.4 * len(panels), 3.6 * len(swept)), squeeze=False)
+    fig, axes = plt.subplots(
+        len(swept), len(panels), figsize=(max(6.5, 4.4 * len(panels)), 3.6 * len(swept)), squeeze=False
+    )
     for row, (key, sw) in zip(axes, swept.items()):
         for ax, res in zip(row, panels):
             pts = sorted((v, arm) for arm, v in sw["arms"].items() if arm in res["arms"])
@@ -186,6 +195,10 @@ def plot_sweeps(result: Mapping[str, Any], swept: Mapping[str, Any], out_dir: Pa
                 )
                 ax.plot([v] * a["n_seeds"], a["per_seed"], ".", color="C1", alpha=0.8)
             ax.plot([v for v, _ in pts], [res["arms"][a]["mean"] for _, a in pts], "-", color="C0", alpha=0.5)
+            for k, (name, a) in enumerate((n, a) for n, a in res["arms"].items() if n in no_training):
+                ax.axhline(a["mean"], ls="--", color=f"C{2 + k}", lw=1, label=f"{name} (no training)")
+            if any(n in no_training for n in res["arms"]):
+                ax.legend(fontsize=7)
             values = [v for v, _ in pts]
             if values and min(values) > 0 and max(values) / min(values) >= 8:
                 ax.set_xscale("log")
