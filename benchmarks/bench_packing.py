@@ -65,7 +65,6 @@ def _batch(lengths: list[int]):
 
 
 def _time(model, ids, am, packing: bool) -> tuple[float, float, object]:
-    import torch
 
     from consequence.policy.logprobs import token_logprobs
 
