@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -83,7 +84,8 @@ def judge_check_cmd(
             f"({escape(source)} rubric)"
         )
         judge = Judge(endpoint, rubric)
-        report: dict[str, Any] = judge_validity(trajs, judge, max_items, max_pairs, seed, threshold)
+        with _judging() as shown:
+            report: dict[str, Any] = judge_validity(trajs, judge, max_items, max_pairs, seed, threshold, shown)
     except ValueError as e:
         console.print(f"[red]error:[/] {escape(str(e))}")
         raise typer.Exit(2) from None
@@ -103,6 +105,25 @@ def judge_check_cmd(
     console.print(_table(report))
     write_text_atomic(out, strict_json(report, indent=2) + "\n")
     console.print(f"written: {escape(str(out))}")
+
+
+@contextlib.contextmanager
+def _judging():
+    """A progress bar per phase (pointwise, then pairwise judgements), fed from the judge's threads."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    bars = Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
+    )
+    tasks: dict[str, Any] = {}
+
+    def shown(phase: str, done: int, total: int) -> None:
+        if phase not in tasks:
+            tasks[phase] = bars.add_task(f"{phase} judgements", total=total)
+        bars.update(tasks[phase], completed=done)
+
+    with bars:
+        yield shown
 
 
 def _http_counts(judge) -> dict[str, int]:

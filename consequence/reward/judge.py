@@ -294,10 +294,16 @@ class Judge:
         self.client = client if client is not None else JudgeClient(endpoint)
         self.asked = self.cache_hits = 0
 
-    def ask(self, prompts: Sequence[list[dict[str, str]]], parse: Callable[[str], Any]) -> list[Verdict]:
+    def ask(
+        self,
+        prompts: Sequence[list[dict[str, str]]],
+        parse: Callable[[str], Any],
+        progress: Callable[[int, int], None] | None = None,
+    ) -> list[Verdict]:
         """One verdict per prompt, in order: each distinct prompt not in the cache is sent once
         (``endpoint.concurrency`` in flight), parsed with ``parse`` (a ``ValueError`` from it is
-        ``judge_unparsable_score``); successes are cached and the cache saved."""
+        ``judge_unparsable_score``); successes are cached and the cache saved. ``progress(done,
+        total)``, when given, is called as the requests to send finish (from the pool's threads)."""
         keys = [JudgeCache.key(self.endpoint.model, p, self.endpoint.max_tokens) for p in prompts]
         todo: dict[str, list[dict[str, str]]] = {}
         for k, p in zip(keys, prompts):
@@ -307,8 +313,18 @@ class Judge:
         self.cache_hits += len(keys) - len(todo)
         got: dict[str, Verdict] = {}
         if todo:
+            done, lock = [0], threading.Lock()
+
+            def one(p: list[dict[str, str]]) -> Verdict:
+                v = self._one(p, parse)
+                if progress is not None:
+                    with lock:
+                        done[0] += 1
+                        progress(done[0], len(todo))
+                return v
+
             with ThreadPoolExecutor(max_workers=min(self.endpoint.concurrency, len(todo))) as pool:
-                got = dict(zip(todo, pool.map(lambda p: self._one(p, parse), todo.values())))
+                got = dict(zip(todo, pool.map(one, todo.values())))
         for k, v in got.items():
             if v.error is None:
                 self.cache.put(k, v.value)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from consequence.records import Trajectory, verified
@@ -91,6 +91,7 @@ def judge_validity(
     max_pairs: int = 50,
     seed: int = 0,
     threshold: float = 0.5,
+    progress: Callable[[str, int, int], None] | None = None,
 ) -> dict[str, Any]:
     """The judge's agreement and biases on the labelled episodes of ``trajs`` (module doc).
 
@@ -101,6 +102,8 @@ def judge_validity(
         max_pairs: (verified, failed) pairs judged in both orders at most (a seeded sample).
         seed: seeds both samples.
         threshold: score / 10 at or above which the judge passes an episode.
+        progress: ``progress(phase, done, total)`` as judgements finish; phase "pointwise" or
+            "pairwise" (a progress bar).
 
     Returns:
         ``{"items": {...counts}, "measures": {name: {"value", "n", "what"}}, "failures":
@@ -120,7 +123,12 @@ def judge_validity(
         )
     rng = random.Random(seed)
     items = sorted(rng.sample(labelled, max_items)) if len(labelled) > max_items else labelled
-    point = judge.ask([pointwise_messages(judge.rubric, *parts[i]) for i in items], parse_score)  # type: ignore[misc]
+    shown = (lambda phase: lambda d, n: progress(phase, d, n)) if progress is not None else (lambda phase: None)
+    point = judge.ask(
+        [pointwise_messages(judge.rubric, *parts[i]) for i in items],  # type: ignore[misc]
+        parse_score,
+        shown("pointwise"),
+    )
     measures = _agreement(trajs, parts, items, point, threshold)
     pairs = preference_pairs(trajs, [p is not None for p in parts])
     chosen = sorted(random.Random(seed + 1).sample(pairs, max_pairs)) if len(pairs) > max_pairs else pairs
@@ -128,7 +136,7 @@ def judge_validity(
     for w, lost in chosen:
         request, a, b = parts[w][0], parts[w][1], parts[lost][1]  # type: ignore[index]
         prompts += [pairwise_messages(judge.rubric, request, a, b), pairwise_messages(judge.rubric, request, b, a)]
-    pair_verdicts = judge.ask(prompts, parse_choice) if prompts else []
+    pair_verdicts = judge.ask(prompts, parse_choice, shown("pairwise")) if prompts else []
     measures |= _position(parts, chosen, pair_verdicts)
     return {
         "items": {

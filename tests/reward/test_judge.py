@@ -402,8 +402,11 @@ def _hand_set() -> list[Trajectory]:
 
 
 def test_the_validity_numbers_on_a_hand_made_labelled_set():
+    seen: list[tuple[str, int, int]] = []
     with FakeJudge() as fake:
-        rep = judge_validity(_hand_set(), _judge(fake), max_items=50, max_pairs=50)
+        rep = judge_validity(_hand_set(), _judge(fake), max_items=50, max_pairs=50, progress=lambda *a: seen.append(a))
+    # the progress bar's feed: every judgement sent, counted once, in each phase's total
+    assert sorted(seen) == [("pairwise", d, 8) for d in range(1, 9)] + [("pointwise", d, 9) for d in range(1, 10)]
     m = {k: (v["value"], v["n"]) for k, v in rep["measures"].items()}
     assert rep["items"] == {
         "episodes": 10, "labelled": 9, "judged_pointwise": 9, "passed": 4, "pairs_available": 4, "pairs_judged": 4,
