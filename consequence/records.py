@@ -41,14 +41,20 @@ class ModelCall:
             scores π_θ and π_ref on exactly this support, however far the weights have
             moved since sampling (``consequence.policy.logprobs``).
         reward: the reward of the environment steps this call caused (its tool calls,
-            or its answer): a per-turn / process reward; 0.0 when none. The trajectory's
-            reward is the sum over its calls (and shaping); GAE places each call's reward
+            or its answer): a per-turn / process reward; 0.0 when none; with ``--shaping
+            potential`` plus the turn's shaping term γΦ(s') − Φ(s) (``reward.shaping``). The
+            trajectory's reward is the sum over its calls (and shaping); GAE places each call's reward
             on that call's last sampled token (returns-to-go, docs/environments.md).
         invalid_calls: why the harness refused some of ``tool_calls`` before running them,
             one kind per refused call in order: ``"unknown_tool"`` (no declared tool of that
             name) or ``"bad_arguments"`` (arguments that do not match the tool's schema;
             ``harness.tools.call_problem``). Empty when every call ran, and in records
             written before the field existed (they read back with the default).
+        constrained: sampled under a grammar (``consequence serve``'s constrained decoding:
+            ``tool_choice`` required / named, ``response_format`` JSON): each ``keep_ids``
+            entry is the grammar's allowed ids ∩ the top-k / top-p support, which top-k /
+            top-p of the logits alone cannot recompute (``loop.checks.check_ratio`` checks
+            such calls on their stored supports only).
     """
 
     context_ids: list[int]
@@ -61,6 +67,7 @@ class ModelCall:
     keep_ids: list[list[int]] | None = None
     reward: float = 0.0
     invalid_calls: list[str] = field(default_factory=list)
+    constrained: bool = False
 
     def __post_init__(self) -> None:
         if self.stop_reason not in ("stop", "length"):
@@ -124,6 +131,10 @@ class Trajectory:
     env_retries: int = 0
     messages: list[dict[str, Any]] = field(default_factory=list)  # readable view; never trained on
     env_rewards: dict[str, float] = field(default_factory=dict)  # per component, summed over the steps
+    # --shaping potential: Φ(s_0), Φ(s_1), … of the environment's state after reset and after each
+    # call's turn (one more than calls; the environment's values, Φ(terminal) = 0 applied later by
+    # reward.shaping); empty when not recorded
+    potentials: list[float] = field(default_factory=list)
 
     @property
     def n_generated_tokens(self) -> int:
@@ -174,7 +185,8 @@ class TrainingRow:
     last sampled token is j (``ModelCall.reward``), 0 elsewhere; ``None`` when not built
     from calls. Alignment for training: logits at position j predict token j+1, so pair
     ``logits[:, :-1]`` with ``input_ids[:, 1:]``, ``loss_mask[:, 1:]`` and
-    ``old_logprobs[:, 1:]``.
+    ``old_logprobs[:, 1:]``. ``constrained``: some call of the row was sampled under a
+    grammar (``ModelCall.constrained``).
     """
 
     input_ids: list[int]
@@ -183,6 +195,7 @@ class TrainingRow:
     traj_index: int = 0
     keep_ids: list[list[int] | None] | None = None
     token_rewards: list[float] | None = None
+    constrained: bool = False
 
     def __post_init__(self) -> None:
         n = len(self.input_ids)
@@ -213,14 +226,16 @@ def trajectory_to_rows(traj: Trajectory, traj_index: int = 0) -> list[TrainingRo
     lps: list[float] = []
     keeps: list[list[int] | None] = []
     rew: list[float] = []
+    grammar = False  # a call of the current row was constrained
     for call in traj.calls:
         ctx = call.context_ids
         if ids and len(ctx) >= len(ids) and ctx[: len(ids)] == ids:
             extra = ctx[len(ids) :]  # tokens the harness added that we have not seen yet
         else:
             if ids:
-                rows.append(_close_row(ids, mask, lps, keeps, rew, traj_index))
-            ids, mask, lps, keeps, rew, extra = [], [], [], [], [], ctx
+                rows.append(_close_row(ids, mask, lps, keeps, rew, traj_index, grammar))
+            ids, mask, lps, keeps, rew, extra, grammar = [], [], [], [], [], ctx, False
+        grammar = grammar or call.constrained
         ids = ids + list(extra)
         mask = mask + [0] * len(extra)
         lps = lps + [0.0] * len(extra)
@@ -240,7 +255,7 @@ def trajectory_to_rows(traj: Trajectory, traj_index: int = 0) -> list[TrainingRo
         keeps += [None] * len(call.observation_ids)
         rew += [0.0] * len(call.observation_ids)
     if ids:
-        rows.append(_close_row(ids, mask, lps, keeps, rew, traj_index))
+        rows.append(_close_row(ids, mask, lps, keeps, rew, traj_index, grammar))
     return rows
 
 
@@ -251,15 +266,17 @@ def _close_row(
     keeps: list[list[int] | None],
     rewards: list[float],
     traj_index: int,
+    constrained: bool = False,
 ) -> TrainingRow:
     """Drop trailing non-target tokens (the last observation): they carry no signal."""
     end = max((j for j, m in enumerate(mask) if m), default=len(mask) - 1) + 1
     stored = any(k is not None for k in keeps[:end])
-    return TrainingRow(ids[:end], mask[:end], lps[:end], traj_index, keeps[:end] if stored else None, rewards[:end])
+    kept = keeps[:end] if stored else None
+    return TrainingRow(ids[:end], mask[:end], lps[:end], traj_index, kept, rewards[:end], constrained)
 
 
 # ---- storage: one Parquet file per iteration, written atomically -------------------
-_JSON_FIELDS = ("reward_components", "tool_histogram", "messages", "env_rewards")
+_JSON_FIELDS = ("reward_components", "tool_histogram", "messages", "env_rewards", "potentials")
 
 
 def _plain(v: Any) -> Any:

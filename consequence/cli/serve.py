@@ -56,7 +56,8 @@ def serve_cmd(
         help="Seconds after its last call that a session (its record and K/V) is forgotten; 0 = never.",
     ),
 ) -> None:
-    """Serve a policy through an OpenAI-compatible API (/v1/models, /v1/chat/completions, /v1/completions).
+    """Serve a policy through an OpenAI-compatible API (/v1/models, /v1/chat/completions, /v1/responses,
+    /v1/completions).
 
     Calls under /s/SESSION/v1 (or with an X-Session-Id header) are recorded token-exactly,
     one trajectory per session (GET /s/SESSION/record). GET /metrics gives Prometheus

@@ -66,7 +66,8 @@ def _serves_as_update_rank(print_config: bool = False) -> bool:
 def check_before_work(cfg: TrainConfig) -> None:
     """What can be checked before any model is loaded: the trackers' packages
     (``--report-to``), the devices (``--device``, ``--teacher-device``: this machine has
-    them), the model folder, a task file, a cold start's demonstrator, the agent, the run folder.
+    them), the model folder, a task file, a cold start's demonstrator, the environment's potential
+    (``--shaping potential``), the agent, the run folder.
 
     Raises:
         ValueError: names the option and the fix; nothing is left on disk.
@@ -82,6 +83,10 @@ def check_before_work(cfg: TrainConfig) -> None:
     check_model_dir(cfg.model)
     check_model_dir(cfg.teacher, "--teacher", chat_template=False)
     env = env_of(cfg)  # the environment and its task source load (a user's plug-in, a task file)
+    if cfg.shaping == "potential":  # the environment defines Φ
+        from consequence.reward.shaping import check_potential
+
+        check_potential(env)
     if cfg.cold_start_demos:  # its demonstrator plays the cold start's demonstrations
         from consequence.loop.start_model import check_cold_start
 

@@ -241,10 +241,15 @@ READS: tuple[Reads, ...] = (
             "(--update-ranks N > 1 runs it over N ranks, as ddp replicas or fsdp shards)"
         ),
     ),
+    Reads(  # rollout.collect.roll_out_round: the shaping discount
+        ("shaping_gamma",),
+        lambda c: c.shaping == "potential",
+        lambda c: "--shaping none: there is no potential-based shaping (--shaping potential adds it)",
+    ),
     # Where the reward, or a negative advantage, never reaches the update (after the rows above, whose
     # reasons are more direct).
     Reads(
-        ("overlong_buffer", "reward_model", "judge_url"),
+        ("overlong_buffer", "reward_model", "judge_url", "shaping"),
         lambda c: _reward_unused(c) is None,
         lambda c: f"{_reward_unused(c)}, so no reward reaches the update and its shaping changes nothing",
     ),

@@ -317,6 +317,18 @@ class TrainConfig(BaseModel):
         "reward",
         "The environment variable holding the judge's API key (sent as a Bearer token; never written to config.yaml or the manifest). The default variable may be unset (no key, a local server); another name must be set.",
     )
+    shaping: Literal["none", "potential"] = _f(
+        "none",
+        "reward",
+        "Potential-based reward shaping (Ng, Harada & Russell 1999, Theorem 1): potential adds F_t = γΦ(s_{t+1}) − Φ(s_t) to each turn's reward, Φ the environment's potential of the state after the turn (Environment.potential; repair: 0.5 × the share of visible tests passing at the last run_tests on the current code; calculator: 0.5 once the calculator returned the answer), Φ = 0 at a finished episode's end (a truncated one keeps its last Φ). At γ = 1 an episode's shaping sums to −Φ(s_0), so the ranking of policies is unchanged; it reaches GAE per turn and the outcome-level estimators through the episode's reward (component shaping). An environment without a potential is refused. none = off.",
+    )
+    shaping_gamma: float | None = _f(
+        None,
+        "reward",
+        "γ of --shaping potential, per turn; default: --gamma (1.0 unless GAE's is set). Read only with --shaping potential.",
+        ge=0,
+        le=1,
+    )
     overlong_filter: bool = _f(
         False,
         "reward",
@@ -868,6 +880,11 @@ class TrainConfig(BaseModel):
             raise ValueError(
                 "--agent-timeout limits the episodes of --agent, which is not given: add --agent "
                 "module:function or drop --agent-timeout"
+            )
+        if self.agent and self.shaping != "none":  # the agent-runner's episodes record no potential
+            raise ValueError(
+                f"--shaping {self.shaping} with --agent is not supported: the potential Φ is read by the "
+                "in-process harness after each turn, and the agent-runner's episodes do not record it; drop one of them"
             )
         return self
 

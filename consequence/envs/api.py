@@ -35,6 +35,10 @@ episode's action format, which the cold start plays through a fresh episode and 
 when the environment's own reward verifies it (docs/distillation.md). A demonstration file
 names its tasks by id; :meth:`Environment.find_task` turns an id back into the task.
 
+An environment may also define a potential (:meth:`Environment.potential`, optional;
+:func:`has_potential`): Φ of an episode's state, which ``--shaping potential`` turns into a
+per-turn reward γΦ(s') − Φ(s) (Ng, Harada & Russell 1999; ``consequence.reward.shaping``).
+
 :class:`SingleTurnEnvironment` is a single-turn task given as data: a dataset of prompts
 and a Python ``reward_fn(prompt, completion, **info) -> float | dict`` whose value gets
 the checks of any verifier (:func:`check_reward_fn_value`); ``SingleTurnEnvironment.scoring``
@@ -68,6 +72,7 @@ __all__ = [
     "SingleTurnTask",
     "check_reward_fn_value",
     "has_demonstrator",
+    "has_potential",
     "cannot_demonstrate",
 ]
 
@@ -213,6 +218,32 @@ class Environment:
             f"environment {self.label!r} has no demonstrator ({type(self).__name__}.demonstration); "
             "give a file of demonstrations instead (docs/distillation.md)"
         )
+
+    def potential(self, episode: Any) -> float:
+        """Φ(s): the potential of ``episode``'s current state, for ``--shaping potential`` (optional).
+
+        The harness asks after ``reset`` (and any scripted opening) for Φ(s_0), then after each
+        model call's turn (its tool calls or answer run) for Φ(s_{t+1}); the credit box's turn
+        reward then gains F_t = γΦ(s_{t+1}) − Φ(s_t) (Ng, Harada & Russell 1999, "Policy
+        invariance under reward transformations", Theorem 1), which leaves the ranking of
+        policies unchanged. Return the value of the state as it is, even when the episode has
+        just ended: the framework sets Φ(terminal) = 0 itself at a true end (outcome
+        ``finished``) and keeps the returned value after a truncation (docs/environments.md).
+        The episode object is the state: read what it keeps (e.g. the last test report), never
+        run anything costly here (it is called once per turn of every episode).
+
+        Args:
+            episode: an episode this environment made (:meth:`make_episode`), mid-run.
+
+        Returns:
+            a finite float, in the units of the reward; a value that is not finite, or an
+            exception, makes the episode an ``env_error`` (excluded, counted).
+
+        Raises:
+            NotImplementedError: this environment defines no potential (the default);
+                :func:`has_potential` says so before any work.
+        """
+        raise NotImplementedError(f"environment {self.label!r} defines no potential ({type(self).__name__}.potential)")
 
     def find_task(self, task_id: str) -> tuple[str, Any] | None:
         """The split and the task that ``task_id`` names, or None when it names none.
@@ -361,6 +392,12 @@ def has_demonstrator(env: Environment | type) -> bool:
     """Whether an environment (instance or class) overrides :meth:`Environment.demonstration`."""
     cls = env if isinstance(env, type) else type(env)
     return getattr(cls, "demonstration", None) is not Environment.demonstration
+
+
+def has_potential(env: Environment | type) -> bool:
+    """Whether an environment (instance or class) overrides :meth:`Environment.potential`."""
+    cls = env if isinstance(env, type) else type(env)
+    return getattr(cls, "potential", None) is not Environment.potential
 
 
 def cannot_demonstrate(env: Environment) -> str | None:

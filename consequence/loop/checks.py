@@ -79,7 +79,10 @@ def check_ratio(
     """Check 1: recomputed logπ_old equals the sampler's logμ on every target (± tol nats).
 
     Rows with stored supports (``TrainingRow.keep_ids``) are checked on those supports
-    and again with the supports recomputed by ``logprob_fn`` from the current logits.
+    and again with the supports recomputed by ``logprob_fn`` from the current logits,
+    except rows sampled under a grammar (``TrainingRow.constrained``): their supports hold
+    the grammar's mask, which no top-k / top-p of the logits recomputes, so they are
+    checked on their stored supports only.
 
     Args:
         tol: the tolerance in nats; ``None`` derives it from ``dtype``: :data:`RATIO_TOL` in
@@ -97,8 +100,10 @@ def check_ratio(
         how = f"{dtype}: {TOLERANCE_UNITS} × u {UNIT_ROUNDOFF[dtype]:.2g} × max|logit| {scale:.3g}"
     worst, where = _worst_gap(model, rows, pad_id, logprob_fn, temperature, dtype)
     detail = f"max |logπ − logμ| = {worst:.2e} nats (tolerance {tol:.3g}, {how})"
-    if any(getattr(r, "keep_ids", None) is not None for r in rows):
-        bare = [dataclasses.replace(r, keep_ids=None) for r in rows]
+    bare = [
+        dataclasses.replace(r, keep_ids=None) for r in rows if not getattr(r, "constrained", False)
+    ]  # constrained rows: the stored supports only (docstring)
+    if bare and any(getattr(r, "keep_ids", None) is not None for r in rows):
         worst_b, where_b = _worst_gap(model, bare, pad_id, logprob_fn, temperature, dtype)
         detail = (
             f"max |logπ − logμ| = {worst:.2e} nats on the stored supports, {worst_b:.2e} on supports "

@@ -64,6 +64,7 @@ from consequence.report.manifest import build_manifest, sha256_of
 from consequence.report.trackers import check_trackers
 from consequence.reward.judge import judge_metrics
 from consequence.reward.reward_model import learned_reward_mean
+from consequence.reward.shaping import check_potential, shaping_return_mean
 from consequence.rollout.collect import harness_runner
 from consequence.rollout.episodes import Budgets, opening_prompt_len
 from consequence.sandbox.sandbox import isolation_report, start_mode
@@ -249,6 +250,8 @@ def _start(
     teacher_device = resolve_device(cfg.teacher_device, "--teacher-device") if cfg.teacher_device else device
     torch.manual_seed(cfg.seed)
     env = env_of(cfg)
+    if cfg.shaping == "potential":  # the environment defines Φ, before any model loads
+        check_potential(env)
     if cfg.judge_url is not None:  # the rubric and the judge's server, before any model loads
         from consequence.reward.judge import check_judge
 
@@ -617,6 +620,8 @@ def iteration_metrics(
         metrics["learned_reward_mean"] = learned_reward_mean(valid, cfg.reward_model_weight)
     if cfg.judge_url is not None:  # the judge's score beside success, and the episodes it failed to judge
         metrics |= judge_metrics(trajs, cfg.judge_weight)
+    if cfg.shaping == "potential":  # mean Σ_t F_t per episode (−Φ(s_0) at γ = 1 for a finished one)
+        metrics["shaping_return_mean"] = shaping_return_mean(valid)
     if checks is not None:
         metrics["pre_step_checks"] = [c.as_dict() for c in checks]
     metrics["gen_tokens_total"] = ds["gen_tokens_total"]

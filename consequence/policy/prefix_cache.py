@@ -28,11 +28,13 @@ import torch
 from consequence.policy.device import precision
 from consequence.policy.sampler import (
     PREFILL_CHUNK_TOKENS,
+    Constraints,
     Generators,
     OnToken,
     Sample,
     SamplingParams,
     _FastLlama,
+    check_constraints,
     decode,
     generate,
 )
@@ -82,6 +84,7 @@ def generate_with_prefix(
     cache: PrefixCache,
     generator: Generators = None,
     on_token: OnToken | None = None,
+    constraints: Constraints = None,
 ) -> list[Sample]:
     """``sampler.generate`` for episodes whose prompts extend their previous call's.
 
@@ -91,6 +94,7 @@ def generate_with_prefix(
         cache: updated in place with every row's new prefix.
         generator: one for the batch or one per row (``sampler.Generators``).
         on_token: called for each token as it is sampled (``sampler.generate``).
+        constraints: one grammar state per prompt, or ``None`` (``sampler.generate``).
 
     Returns:
         one ``Sample`` per prompt, in order. Models without the fast Llama path fall back
@@ -101,22 +105,25 @@ def generate_with_prefix(
     """
     if len(keys) != len(prompts):
         raise ValueError(f"generate_with_prefix: {len(keys)} keys for {len(prompts)} prompts")
+    check_constraints(constraints, len(prompts))
     if not prompts or params.max_new_tokens <= 0 or not _FastLlama.supports(model):
-        return generate(model, prompts, params, stop_ids, generator, on_token)
+        return generate(model, prompts, params, stop_ids, generator, on_token, constraints)
     if any(len(p) == 0 for p in prompts):
         raise ValueError("generate: every prompt needs at least one token")
     was_training = model.training
     model.eval()
     try:
         with torch.inference_mode(), precision(params.dtype, next(model.parameters()).device):
-            return _run(_FastLlama(model), prompts, list(keys), params, set(stop_ids), cache, generator, on_token)
+            return _run(
+                _FastLlama(model), prompts, list(keys), params, set(stop_ids), cache, generator, on_token, constraints
+            )
     finally:
         if was_training:
             model.train()
 
 
 def _run(
-    fast: _FastLlama, prompts, keys, params, stop_ids, cache: PrefixCache, generator, on_token=None
+    fast: _FastLlama, prompts, keys, params, stop_ids, cache: PrefixCache, generator, on_token=None, constraints=None
 ) -> list[Sample]:
     n = len(prompts)
     pre = [cache.prefix_len(k, p) for k, p in zip(keys, prompts)]
@@ -172,7 +179,18 @@ def _run(
         _store(fast, cache, keys[i], b, prompts[i], out, L)
 
     return decode(
-        fast, logits, key_valid, next_pos, L, n, params, stop_ids, generator, on_leave=keep, on_token=on_token
+        fast,
+        logits,
+        key_valid,
+        next_pos,
+        L,
+        n,
+        params,
+        stop_ids,
+        generator,
+        on_leave=keep,
+        on_token=on_token,
+        constraints=constraints,
     )
 
 

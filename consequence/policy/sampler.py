@@ -12,6 +12,19 @@ support, each sampled token also comes with the ids of the support it was drawn 
 (``Sample.keep_ids``, the keep-sampling mask), so that the trainer scores it under that
 same support after the weights have moved (``logprobs`` module doc).
 
+Constrained decoding (``constraints``, one :class:`Constraint` per prompt or ``None``; the
+grammars of ``policy.constrained``): at each step a constrained row's logits are restricted
+to the ids its grammar allows next, *before* the processing above (vLLM's order: the
+guided-decoding mask, then temperature, top-k, top-p): the token is drawn from
+``log_softmax(logits / T)`` over allowed ∩ top-k / top-p support, where top-k / top-p rank
+the allowed ids only. That intersection is the row's recorded support (``keep_ids``), so
+the trainer's log-prob of a constrained token is taken under the same masked distribution
+(ratio 1 on fresh samples). Greedy (``temperature == 0``) takes the most probable allowed
+id and keeps the greedy convention: its log-prob is under the unprocessed, unmasked
+``T = 1`` distribution (what the trainer computes at ``T = 0``), and no support is stored.
+A support is stored as its ids: a large allowed set (free text inside a JSON string) costs
+up to a vocabulary of ids per token unless top-k / top-p cut it.
+
 Speed notes (2-core CPU, tiny model; see benchmarks/bench_generation.py):
 - identical prompts (a GRPO group) are prefilled once and their cache rows copied;
 - prefill runs in chunks of ~2048 tokens, and the last layer only finishes the last
@@ -26,6 +39,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -66,6 +80,8 @@ class Sample:
             ``(id, log-prob)`` under the same processed distribution as ``logprobs``, most
             probable first (ids outside the support, probability 0, are left out); ``None``
             when ``params.top_logprobs`` is 0.
+        constrained: sampled under a grammar (``constraints`` of :func:`generate`); its
+            ``keep_ids`` (when stored) are then the grammar's allowed ids ∩ top-k / top-p.
     """
 
     output_ids: list[int]
@@ -73,6 +89,23 @@ class Sample:
     stop_reason: str
     keep_ids: list[list[int]] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    constrained: bool = False
+
+
+class Constraint(Protocol):
+    """One completion's grammar state (``policy.constrained.Constraint`` implements it)."""
+
+    def allowed(self, vocab_size: int) -> torch.Tensor:
+        """[vocab_size] bool: the ids the grammar allows next (at least one)."""
+        ...
+
+    def advance(self, token: int) -> None:
+        """Feed the sampled id to the grammar."""
+        ...
+
+
+# one grammar state per prompt (None: that row is not constrained), or None for none at all
+Constraints = Sequence[Constraint | None] | None
 
 
 PREFILL_CHUNK_TOKENS = 2048
@@ -358,28 +391,94 @@ def _rows(generator: Generators, active: list[int], done: list[bool]) -> Generat
 
 
 def _pick(
-    logits_BV: torch.Tensor, params: SamplingParams, generator: Generators
-) -> tuple[torch.Tensor, torch.Tensor, list[list[int]] | None, list[list[tuple[int, float]]] | None]:
-    """Sample one token per row under ``logprobs.process_logits``'s distribution.
+    logits_BV: torch.Tensor,
+    params: SamplingParams,
+    generator: Generators,
+    allowed: tuple[torch.Tensor, list[bool]] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, list[list[int] | None] | None, list[list[tuple[int, float]]] | None]:
+    """Sample one token per row under ``logprobs.process_logits``'s distribution, restricted
+    to the grammar's allowed ids on constrained rows (module doc).
+
+    Args:
+        allowed: ``(allowed_BV [B, V] bool, constrained [B])`` from :func:`_allowed`, or
+            ``None`` when no row is constrained.
 
     Returns:
         ids [B] long, logprobs [B] float32, the kept ids of each row's support (``None``
-        when no top-k / top-p cut applies), and each row's ``params.top_logprobs`` most
-        probable ``(id, log-prob)`` under that same distribution (``None`` when 0).
+        when no row's support is cut; a ``None`` entry for a row whose support is the whole
+        vocabulary), and each row's ``params.top_logprobs`` most probable ``(id, log-prob)``
+        under that same distribution (``None`` when 0).
     """
     logits_BV = logits_BV.float()
     keep = None
     if params.temperature == 0:
-        tok = logits_BV.argmax(-1)
+        pick_from = logits_BV if allowed is None else logits_BV.masked_fill(~allowed[0], float("-inf"))
+        tok = pick_from.argmax(-1)
         logp = torch.log_softmax(logits_BV, -1)
     else:
         scaled = logits_BV / params.temperature if params.temperature != 1.0 else logits_BV
-        keep = keep_mask(scaled, params.top_k, params.top_p)
+        if allowed is None:
+            keep = keep_mask(scaled, params.top_k, params.top_p)
+        else:  # top-k / top-p rank the allowed ids only
+            cut = keep_mask(scaled.masked_fill(~allowed[0], float("-inf")), params.top_k, params.top_p)
+            keep = allowed[0] if cut is None else cut & allowed[0]
         proc = scaled if keep is None else scaled.masked_fill(~keep, float("-inf"))
         logp = torch.log_softmax(proc, -1)
         tok = draw(logp.exp(), generator)
     top = _top(logp, params.top_logprobs) if params.top_logprobs > 0 else None
-    return tok, logp.gather(-1, tok[:, None]).squeeze(-1), None if keep is None else kept_ids(keep), top
+    return tok, logp.gather(-1, tok[:, None]).squeeze(-1), _supports(keep, allowed, params), top
+
+
+def _supports(
+    keep_BV: torch.Tensor | None, allowed: tuple[torch.Tensor, list[bool]] | None, params: SamplingParams
+) -> list[list[int] | None] | None:
+    """The kept ids of each row (:func:`_pick`); an unconstrained row without a top-k / top-p
+    cut gets ``None`` (the whole vocabulary), as it would in a batch without constraints."""
+    if keep_BV is None:
+        return None
+    cut = 0 < params.top_k < keep_BV.shape[-1] or params.top_p < 1.0  # keep_mask's own test
+    if allowed is None or cut:
+        return list(kept_ids(keep_BV))  # a top-k / top-p cut applies to every row
+    rows = [b for b, c in enumerate(allowed[1]) if c]
+    ids = kept_ids(keep_BV[rows])
+    out: list[list[int] | None] = [None] * keep_BV.shape[0]
+    for b, row_ids in zip(rows, ids):
+        out[b] = row_ids
+    return out
+
+
+def _allowed(
+    constraints: Constraints, active: list[int], done: list[bool], vocab_size: int, device
+) -> tuple[torch.Tensor, list[bool]] | None:
+    """``([B, V] bool, constrained [B])``: the ids each batch row's grammar allows next (all
+    ids for a row without a grammar or a finished one), or ``None`` when no row has a grammar.
+
+    Raises:
+        RuntimeError: a grammar that allows no id (it would leave nothing to sample).
+    """
+    if constraints is None or all(constraints[i] is None for i in active):
+        return None
+    mask = torch.ones(len(active), vocab_size, dtype=torch.bool)
+    flags = [False] * len(active)
+    for b, i in enumerate(active):
+        c = constraints[i]
+        if c is None or done[b]:
+            continue
+        mask[b] = c.allowed(vocab_size)
+        flags[b] = True
+        if not bool(mask[b].any()):
+            raise RuntimeError(f"constrained decoding: the grammar of prompt {i} allows no token")
+    return mask.to(device), flags
+
+
+def _advance(constraints: Constraints, active: list[int], done: list[bool], tokens: list[int]) -> None:
+    """Feed each unfinished constrained row's sampled id to its grammar."""
+    if constraints is None:
+        return
+    for b, i in enumerate(active):
+        c = constraints[i]
+        if c is not None and not done[b]:
+            c.advance(tokens[b])
 
 
 def _top(logp_BV: torch.Tensor, n: int) -> list[list[tuple[int, float]]]:
@@ -410,6 +509,7 @@ def generate(
     stop_ids: Collection[int],
     generator: Generators = None,
     on_token: OnToken | None = None,
+    constraints: Constraints = None,
 ) -> list[Sample]:
     """Sample one completion per prompt.
 
@@ -424,6 +524,9 @@ def generate(
             a model on an accelerator (``draw``).
         on_token: ``on_token(i, token_id, logprob)`` for each token kept for prompt ``i``,
             as it is sampled (token-by-token streaming; called in the sampling thread).
+        constraints: one grammar state per prompt (``None`` entries: unconstrained rows), or
+            ``None``: each constrained token is drawn among its grammar's allowed ids and
+            the grammar advanced (module doc); the states are consumed.
 
     The forward passes run on the model's device, in ``params.dtype`` (``policy.device.precision``).
 
@@ -434,6 +537,7 @@ def generate(
         return []
     if any(len(p) == 0 for p in prompts):
         raise ValueError("generate: every prompt needs at least one token")
+    check_constraints(constraints, len(prompts))
     if params.max_new_tokens <= 0:
         return [Sample([], [], "length") for _ in prompts]
     was_training = model.training
@@ -441,14 +545,20 @@ def generate(
     try:
         with torch.inference_mode(), precision(params.dtype, next(model.parameters()).device):
             if _FastLlama.supports(model):
-                return _generate_fast(model, prompts, params, set(stop_ids), generator, on_token)
-            return _generate_hf(model, prompts, params, set(stop_ids), generator, on_token)
+                return _generate_fast(model, prompts, params, set(stop_ids), generator, on_token, constraints)
+            return _generate_hf(model, prompts, params, set(stop_ids), generator, on_token, constraints)
     finally:
         if was_training:
             model.train()
 
 
-def _generate_fast(model, prompts, params, stop_ids, generator, on_token=None) -> list[Sample]:
+def check_constraints(constraints: Constraints, n: int) -> None:
+    """Raise ValueError unless ``constraints`` is ``None`` or one entry per prompt (``n``)."""
+    if constraints is not None and len(constraints) != n:
+        raise ValueError(f"generate: {len(constraints)} constraints for {n} prompts (one per prompt, or None)")
+
+
+def _generate_fast(model, prompts, params, stop_ids, generator, on_token=None, constraints=None) -> list[Sample]:
     fast = _FastLlama(model)
     dev = fast.device
     n = len(prompts)
@@ -478,7 +588,9 @@ def _generate_fast(model, prompts, params, stop_ids, generator, on_token=None) -
     key_valid = key_valid_u.index_select(0, rows)
     next_pos = pos_u[:, -1].index_select(0, rows) + 1  # [B]
 
-    return decode(fast, logits, key_valid, next_pos, L, n, params, stop_ids, generator, on_token=on_token)
+    return decode(
+        fast, logits, key_valid, next_pos, L, n, params, stop_ids, generator, on_token=on_token, constraints=constraints
+    )
 
 
 def decode(
@@ -493,6 +605,7 @@ def decode(
     generator,
     on_leave=None,
     on_token: OnToken | None = None,
+    constraints: Constraints = None,
 ) -> list[Sample]:
     """The decode loop after a prefill: sample, append, drop finished rows, feed the tokens back.
 
@@ -507,6 +620,7 @@ def decode(
             K/V (``prefix_cache``).
         on_token: ``on_token(i, token_id, logprob)`` for each token kept for original row
             ``i``, as it is sampled (``generate``).
+        constraints: one grammar state per original row, or ``None`` (``generate``).
 
     Returns:
         one ``Sample`` per row, in the original order.
@@ -514,26 +628,25 @@ def decode(
     dev = fast.device
     out_ids: list[list[int]] = [[] for _ in range(n)]
     out_lp: list[list[float]] = [[] for _ in range(n)]
-    out_keep: list[list[list[int]]] | None = None
+    out_keep: list[list[list[int]] | None] = [None] * n
     out_top: list[list[list[tuple[int, float]]]] | None = [[] for _ in range(n)] if params.top_logprobs > 0 else None
     reason = ["length"] * n
     active = list(range(n))  # batch row -> original index
     done_in_batch = [False] * n
     for step in range(params.max_new_tokens):
-        tok, lp, keep, top = _pick(logits, params, _rows(generator, active, done_in_batch))
+        allowed = _allowed(constraints, active, done_in_batch, logits.shape[-1], dev)
+        tok, lp, keep, top = _pick(logits, params, _rows(generator, active, done_in_batch), allowed)
         # one device-to-host copy per step for ids and log-probs (float64 holds both exactly)
         tok_lp = torch.stack((tok.to(torch.float64), lp.to(torch.float64))).tolist()
         tok_l, lp_l = [int(t) for t in tok_lp[0]], tok_lp[1]
-        if keep is not None and out_keep is None:
-            out_keep = [[] for _ in range(n)]
+        _advance(constraints, active, done_in_batch, tok_l)
         hit = [t in stop_ids for t in tok_l]
         for b, i in enumerate(active):
             if done_in_batch[b]:
                 continue
             out_ids[i].append(tok_l[b])
             out_lp[i].append(lp_l[b])
-            if keep is not None and out_keep is not None:  # out_keep is made above whenever keep is
-                out_keep[i].append(keep[b])
+            _keep_support(out_keep, i, keep, b)
             if top is not None and out_top is not None:
                 out_top[i].append(top[b])
             if on_token is not None:
@@ -566,23 +679,33 @@ def decode(
     if on_leave is not None:
         for b, i in enumerate(active):
             on_leave(b, i, out_ids[i])
-    return _samples(out_ids, out_lp, reason, out_keep, out_top)
+    return _samples(out_ids, out_lp, reason, out_keep, out_top, constraints)
 
 
-def _samples(out_ids, out_lp, reason, out_keep, out_top=None) -> list[Sample]:
+def _keep_support(out_keep: list[list[list[int]] | None], i: int, keep: list[list[int] | None] | None, b: int) -> None:
+    """Append batch row ``b``'s support (if it has one) to original row ``i``'s supports."""
+    if keep is not None and keep[b] is not None:
+        row = out_keep[i]
+        if row is None:
+            row = out_keep[i] = []
+        row.append(keep[b])  # type: ignore[arg-type]  # checked just above
+
+
+def _samples(out_ids, out_lp, reason, out_keep, out_top=None, constraints: Constraints = None) -> list[Sample]:
     return [
         Sample(
             out_ids[i],
             out_lp[i],
             reason[i],
-            None if out_keep is None else out_keep[i],
+            out_keep[i],
             None if out_top is None else out_top[i],
+            constraints is not None and constraints[i] is not None,
         )
         for i in range(len(out_ids))
     ]
 
 
-def _generate_hf(model, prompts, params, stop_ids, generator, on_token=None) -> list[Sample]:
+def _generate_hf(model, prompts, params, stop_ids, generator, on_token=None, constraints=None) -> list[Sample]:
     """Reference path: HF forward with ``past_key_values`` (left-padded, no row dropping)."""
     dev = next(model.parameters()).device
     n = len(prompts)
@@ -597,21 +720,21 @@ def _generate_hf(model, prompts, params, stop_ids, generator, on_token=None) -> 
     next_pos = pos[:, -1] + 1
     out_ids: list[list[int]] = [[] for _ in range(n)]
     out_lp: list[list[float]] = [[] for _ in range(n)]
-    out_keep: list[list[list[int]]] | None = None
+    out_keep: list[list[list[int]] | None] = [None] * n
     out_top: list[list[list[tuple[int, float]]]] | None = [[] for _ in range(n)] if params.top_logprobs > 0 else None
     reason = ["length"] * n
     done = [False] * n
+    rows = list(range(n))
     for step in range(params.max_new_tokens):
-        tok, lp, keep, top = _pick(logits, params, _rows(generator, list(range(n)), done))
-        if keep is not None and out_keep is None:
-            out_keep = [[] for _ in range(n)]
+        allowed = _allowed(constraints, rows, done, logits.shape[-1], dev)
+        tok, lp, keep, top = _pick(logits, params, _rows(generator, rows, done), allowed)
+        _advance(constraints, rows, done, tok.tolist())
         for i, (t, t_lp) in enumerate(zip(tok.tolist(), lp.tolist())):
             if done[i]:
                 continue
             out_ids[i].append(t)
             out_lp[i].append(t_lp)
-            if keep is not None and out_keep is not None:  # out_keep is made above whenever keep is
-                out_keep[i].append(keep[i])
+            _keep_support(out_keep, i, keep, i)
             if top is not None and out_top is not None:
                 out_top[i].append(top[i])
             if on_token is not None:
@@ -631,4 +754,4 @@ def _generate_hf(model, prompts, params, stop_ids, generator, on_token=None) -> 
         past = getattr(out, key)
         logits = out.logits[:, -1]
         next_pos = next_pos + 1
-    return _samples(out_ids, out_lp, reason, out_keep, out_top)
+    return _samples(out_ids, out_lp, reason, out_keep, out_top, constraints)

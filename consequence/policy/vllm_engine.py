@@ -26,6 +26,13 @@ What vLLM is asked for, and why:
   ``token_ids``.
 - One seed per request, derived from the ``generate_fn`` seed, the call number and the
   prompt's position (``seeding.seed_of``): a batch is reproducible for a fixed engine.
+- No constrained decoding: ``SamplingParams`` carries no grammar (a grammar is a
+  per-completion state handed to ``sampler.generate(..., constraints=...)`` by ``consequence
+  serve``, which samples with our sampler, never with this engine), so nothing is forwarded.
+  vLLM's equivalent is its guided-decoding parameter (``GuidedDecodingParams`` /
+  ``structured_outputs``, also llguidance or xgrammar); its processed log-probs would be the
+  masked ones, but the support read here from the top-N log-probs would need up to the whole
+  allowed set per token (``max_support``).
 
 Weights move by version (:meth:`VllmEngine.load_weights`): the new state dict is written
 to a safetensors file and each vLLM worker reloads it in place (vLLM's layerwise reload,

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 from consequence.config import TrainConfig, generation_budget
 from consequence.records import Trajectory, credited
 from consequence.reward.scoring import rescore_group, score_trajectories
+from consequence.reward.shaping import apply_potential_shaping
 from consequence.rollout.episodes import Budgets, EpisodeSpec, run_episodes
 from consequence.rollout.groups import group_of
 from consequence.rollout.sampling import episodes_in_flight, policy_generate_fn
@@ -127,7 +128,8 @@ def roll_out_round(
     learned_reward: Callable[[list[Trajectory]], None] | None = None,
 ) -> tuple[list[list[Trajectory]], dict[str, float]]:
     """Round ``r`` of iteration ``it``: B tasks × G episodes played by ``runner``, scored
-    (verifier + overlong shaping against the generation budget, DAPO §3.4) and grouped.
+    (verifier + overlong shaping against the generation budget, DAPO §3.4; with ``--shaping
+    potential`` the environment's potential-based shaping, ``reward.shaping``) and grouped.
 
     Returns:
         (the groups in task order, the runner's counts).
@@ -143,6 +145,7 @@ def roll_out_round(
             g,
             seed_of(cfg.seed, *tag, g),
             answer_ends_episode=env.answer_ends_episode,
+            potential=env.potential if cfg.shaping == "potential" else None,
         )
         for t in tasks
         for g, episode in enumerate(group_of(env, t, cfg.group_size))
@@ -162,6 +165,8 @@ def roll_out_round(
         rescore_group(env, task, groups[f"{prefix}/{task.task_id}"], overlong=bool(cfg.overlong_buffer))
     if learned_reward is not None:  # --reward-model: after the environment's reward, which it weighs
         learned_reward(trajs)
+    if cfg.shaping == "potential":  # last: F = γΦ(s') − Φ(s) is added to whatever reward the turns carry
+        apply_potential_shaping(trajs, cfg.gamma if cfg.shaping_gamma is None else cfg.shaping_gamma)
     return list(groups.values()), stats
 
 

@@ -57,6 +57,9 @@ class EpisodeSpec:
     seed: int
     opening: tuple[tuple[str, dict], ...] = ()
     answer_ends_episode: bool = True  # the environment's setting; an episode's own attribute wins
+    # --shaping potential: Φ of the episode's state (Environment.potential), recorded after the
+    # start and after every turn in Trajectory.potentials; None: nothing recorded
+    potential: Callable[[Any], float] | None = None
 
 
 @dataclass
@@ -145,6 +148,8 @@ def _run_wave(
         samples = generate_fn([e.context for e in active], budgets.max_new_tokens, [e.index for e in active])
         # Tool execution runs sandboxed subprocesses: overlap them across episodes.
         list(_POOL.map(lambda es: _advance(es[0], es[1], renderer, tool_specs, budgets), zip(active, samples)))
+        for e in active:  # every active episode made one call: Φ of the state its turn left
+            _record_potential(e)
         if progress is not None:
             progress(sum(e.done for e in live))
     for e in live:
@@ -222,7 +227,22 @@ def _start(
             {"role": "tool", "name": name, "content": obs},
         ]
     e.context = renderer.prompt_ids(e.messages)
+    _record_potential(e)  # Φ(s_0): after reset and the scripted opening
     return e
+
+
+def _record_potential(e: _Live) -> None:
+    """Append Φ of ``e``'s current state to ``e.traj.potentials`` (with ``spec.potential``); a
+    potential that raises or is not finite is the environment's fault: an env_error."""
+    if e.spec.potential is None or e.traj.outcome == "env_error":
+        return
+    try:
+        value = float(e.spec.potential(e.spec.env))
+        if not math.isfinite(value):
+            raise ValueError(f"returned {value!r}, not a finite number")
+    except Exception as err:
+        return _end(e, "env_error", error=raised("potential", err))
+    e.traj.potentials.append(value)
 
 
 def _end(e: _Live, outcome: str, reason: str | None = None, error: str | None = None) -> None:

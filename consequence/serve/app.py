@@ -7,7 +7,8 @@ served but not recorded):
 * ``GET /v1/models``: the served names (``--served-model-name``); ``GET /v1/models/{id}``
   one of them (an OpenAI-shaped 404 for any other);
 * ``POST /v1/chat/completions``: the OpenAI chat-completions call (``serve.protocol``);
-  ``POST /v1/completions``: a text or token-id prompt (``serve.completions``); both
+  ``POST /v1/completions``: a text or token-id prompt (``serve.completions``);
+  ``POST /v1/responses``: the OpenAI Responses call (``serve.responses``); all three
   sampled by the batcher (``serve.batcher``) with the current policy, recorded by the
   session (``serve.sessions``), their fields sorted by ``serve.compat`` (``serve.calls``);
 * ``GET /s/{session}/record``: the session's trajectory as plain data (every call's
@@ -92,7 +93,9 @@ class ServeSettings:
 
 @dataclass
 class ServeState:
-    """The server's state: settings, the base renderer, the batcher and the sessions."""
+    """The server's state: settings, the base renderer, the batcher and the sessions (and
+    ``kept_responses``: the conversations of the ``/v1/responses`` calls made outside a
+    session, for ``previous_response_id``, the last ``serve.responses.MAX_KEPT``)."""
 
     settings: ServeSettings
     renderer: Renderer
@@ -101,6 +104,7 @@ class ServeState:
     renderers: dict[str, Renderer] = field(default_factory=dict)
     renderers_lock: threading.Lock = field(default_factory=threading.Lock)
     responses: metrics.Responses = field(default_factory=metrics.Responses)
+    kept_responses: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         tok = self.renderer.tokenizer
@@ -209,21 +213,12 @@ def create_app(model, renderer: Renderer, settings: ServeSettings) -> FastAPI:
             )
         return model_card(model)
 
-    @app.post("/v1/chat/completions")
-    async def chat_plain(request: Request):
-        return await _call(state, request, request.headers.get(SESSION_HEADER), compat.CHAT)
-
-    @app.post("/s/{session}/v1/chat/completions")
-    async def chat_session(session: str, request: Request):
-        return await _call(state, request, session, compat.CHAT)
-
-    @app.post("/v1/completions")
-    async def completions_plain(request: Request):
-        return await _call(state, request, request.headers.get(SESSION_HEADER), compat.COMPLETIONS)
-
-    @app.post("/s/{session}/v1/completions")
-    async def completions_session(session: str, request: Request):
-        return await _call(state, request, session, compat.COMPLETIONS)
+    for path, endpoint in (
+        ("chat/completions", compat.CHAT),
+        ("responses", compat.RESPONSES),
+        ("completions", compat.COMPLETIONS),
+    ):
+        _post_routes(app, state, path, endpoint)
 
     @app.get("/s/{session}/record")
     async def record(session: str) -> dict[str, Any]:
@@ -267,6 +262,19 @@ def create_app(model, renderer: Renderer, settings: ServeSettings) -> FastAPI:
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     return app
+
+
+def _post_routes(app: FastAPI, state: ServeState, path: str, endpoint: str) -> None:
+    """``POST /v1/{path}`` (its session from ``X-Session-Id``) and ``POST /s/{session}/v1/{path}``."""
+
+    async def plain(request: Request):
+        return await _call(state, request, request.headers.get(SESSION_HEADER), endpoint)
+
+    async def in_session(session: str, request: Request):
+        return await _call(state, request, session, endpoint)
+
+    app.add_api_route(f"/v1/{path}", plain, methods=["POST"], name=f"{endpoint}_plain")
+    app.add_api_route(f"/s/{{session}}/v1/{path}", in_session, methods=["POST"], name=f"{endpoint}_session")
 
 
 async def _call(state: ServeState, request: Request, sid: str | None, endpoint: str):

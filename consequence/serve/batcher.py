@@ -18,7 +18,9 @@ reply, docs/agents.md §5).
 A request may ask for the top alternatives of each token (``SamplingParams.top_logprobs``,
 which changes nothing sampled: such requests share batches with the others) and for each
 token as it is sampled (``on_token``, called in the sampling thread: token-by-token
-streaming).
+streaming), and for a grammar its sample must follow (``grammar``: ``tool_choice`` required,
+``response_format`` JSON; ``serve.structured``): each such request gets its own grammar
+state and shares batches with the others (the sampler masks row by row).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from consequence.policy.constrained import Grammar
 from consequence.policy.prefix_cache import PrefixCache, generate_with_prefix
 from consequence.policy.sampler import Sample, SamplingParams
 
@@ -52,6 +55,7 @@ class _Request:
     future: asyncio.Future  # made by the batcher's loop when the request is queued
     started: bool = False  # taken into a batch: its sample will exist whatever the client does
     on_token: Callable[[int, float], None] | None = None  # (token id, log-prob) as sampled, sampling thread
+    grammar: Grammar | None = None  # the grammar its sample follows (constrained decoding), or None
 
 
 @dataclass
@@ -179,6 +183,7 @@ class Batcher:
         key: Hashable | None = None,
         seed: int | None = None,
         on_token: Callable[[int, int, float], None] | None = None,
+        grammar: Grammar | None = None,
     ) -> Job:
         """Queue one request per prompt (as :meth:`sample`) and return them as a :class:`Job`,
         whose :attr:`Job.started` tells whether sampling began.
@@ -187,6 +192,7 @@ class Batcher:
             on_token: ``on_token(k, token_id, logprob)`` for each token of prompt ``k`` as it
                 is sampled, called in the sampling thread (hand it to the event loop with
                 ``loop.call_soon_threadsafe``).
+            grammar: every prompt's sample follows it (each with its own grammar state).
 
         Raises:
             RuntimeError: the batcher is stopped.
@@ -202,6 +208,7 @@ class Batcher:
                 choice_seed(seed, k),
                 loop.create_future(),
                 on_token=None if on_token is None else functools.partial(on_token, k),
+                grammar=grammar,
             )
             for k, p in enumerate(prompts)
         ]
@@ -255,8 +262,17 @@ class Batcher:
         keys = [r.key if r.key is not None else a for r, a in zip(batch, anon)]
         streams = [r.on_token for r in batch]
         on_token = None if not any(streams) else functools.partial(_route_token, streams)
+        grammars = [r.grammar.start() if r.grammar is not None else None for r in batch]  # one state per row
         out = generate_with_prefix(
-            self.model, [r.prompt for r in batch], keys, params, self.stop_ids, self.cache, gen, on_token
+            self.model,
+            [r.prompt for r in batch],
+            keys,
+            params,
+            self.stop_ids,
+            self.cache,
+            gen,
+            on_token,
+            grammars if any(g is not None for g in grammars) else None,
         )
         out = [_own_top(s, r.params.top_logprobs) for s, r in zip(out, batch)]
         self.forget(anon)  # rows without a session never call again

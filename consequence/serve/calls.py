@@ -1,4 +1,8 @@
-"""One call of ``/v1/chat/completions`` or ``/v1/completions``, from the body to the response.
+"""One call of ``/v1/chat/completions``, ``/v1/completions`` or ``/v1/responses``, from the body to the response.
+
+A ``/v1/responses`` call is a chat call once checked (``serve.responses`` turns its items
+into chat messages): the same context, sampling and record; only its response object and
+its stream's events differ.
 
 1. **Prepare** (in a worker thread, so a large body never stalls the event loop): decode
    the JSON, check the request (``serve.protocol``, ``serve.completions``, the field rules
@@ -34,8 +38,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from consequence.harness.renderer import ParsedTurn, Renderer
+from consequence.policy.constrained import Grammar
 from consequence.policy.sampler import Sample, SamplingParams
-from consequence.serve import compat, streaming
+from consequence.serve import compat, responses, streaming, structured
 from consequence.serve.batcher import Job
 from consequence.serve.completions import (
     DEFAULT_MAX_TOKENS,
@@ -44,6 +49,7 @@ from consequence.serve.completions import (
     text_completion,
 )
 from consequence.serve.protocol import ChatRequest, Choice, ServeError, bad, completion, parse_request
+from consequence.serve.responses import ResponsesRequest, parse_responses_request
 from consequence.serve.sessions import CallContext, Session
 
 if TYPE_CHECKING:
@@ -66,6 +72,10 @@ class Call:
         context: the context ids and how they extend the session (:meth:`Session.context_for`).
         job: the queued requests of its choices.
         tokens: the sampled ids of streamed choices, ``(choice, id)``; ``None`` at the end.
+        kept: where a ``/v1/responses`` call's conversation is kept for ``previous_response_id``
+            (its session's, else the server's), ``None`` for the other endpoints.
+        grammar: the grammar its choices are sampled under (``serve.structured``), ``None``
+            for free text.
     """
 
     req: ChatRequest | CompletionRequest
@@ -75,6 +85,8 @@ class Call:
     context: CallContext | None = None
     job: Job | None = None
     tokens: asyncio.Queue | None = None
+    kept: dict[str, list[dict[str, Any]]] | None = None
+    grammar: Grammar | None = None
 
     @property
     def chat(self) -> bool:
@@ -86,16 +98,19 @@ class Call:
 
 
 async def handle(state: ServeState, request: Request, sid: str | None, endpoint: str):
-    """Serve one call of ``endpoint`` (``compat.CHAT`` or ``compat.COMPLETIONS``) in session ``sid``.
+    """Serve one call of ``endpoint`` (``compat.CHAT``, ``compat.COMPLETIONS`` or
+    ``compat.RESPONSES``) in session ``sid``.
 
     Raises:
         ServeError: an OpenAI-shaped 4xx (the request), 499 (the client left), 503 (shutting down).
     """
     raw = await request.body()
-    call = await asyncio.to_thread(prepare, state, raw, endpoint)
+    call = await asyncio.to_thread(prepare, state, raw, endpoint, sid)
     if call.req.ignored:
         log.info("%s: ignored field(s) %s (they cannot change what is sampled)", request.url.path, _names(call))
     call.session = state.sessions.enter(sid) if sid else None
+    if isinstance(call.req, ResponsesRequest):
+        call.kept = call.session.responses if call.session is not None else state.kept_responses
     if call.req.stream:
         return await _stream(state, call)
     try:
@@ -122,12 +137,16 @@ def _names(call: Call) -> str:
 
 
 # ---- 1. prepare ----------------------------------------------------------------------------
-def prepare(state: ServeState, raw: bytes, endpoint: str) -> Call:
+def prepare(state: ServeState, raw: bytes, endpoint: str, sid: str | None = None) -> Call:
     """Decode and check a body; the call with its renderer (run in a worker thread).
+
+    Args:
+        sid: the call's session (``/v1/responses``: whose responses ``previous_response_id`` may name).
 
     Raises:
         ServeError: 400 for a body that is not JSON, a refused field or value, a prompt
-            that cannot fit the context; 404 for a model not served.
+            that cannot fit the context, an unknown ``previous_response_id``; 404 for a
+            model not served.
     """
     try:
         body = json.loads(raw)
@@ -138,11 +157,17 @@ def prepare(state: ServeState, raw: bytes, endpoint: str) -> Call:
         req = parse_completion_request(body, names, len(state.renderer.tokenizer))
         _check_length(state, len(req.prompt_text or ""), "prompt")
         return Call(req, state.renderer, None)
-    chat = parse_request(body, names, state.template_reads)
-    _check_length(state, sum(len(m.get("content") or "") for m in chat.messages), "messages")
+    if endpoint == compat.RESPONSES:
+        session = state.sessions.get(sid, create=False) if sid else None
+        kept = session.responses if session is not None else ({} if sid else state.kept_responses)
+        chat: ChatRequest = parse_responses_request(body, names, kept.get, state.template_reads)
+    else:
+        chat = parse_request(body, names, state.template_reads)
+    param = "input" if endpoint == compat.RESPONSES else "messages"
+    _check_length(state, sum(len(m.get("content") or "") for m in chat.messages), param)
     renderer = state.renderer_for(chat.tools, chat.template_kwargs)
     parser = renderer if chat.parse_tools else state.renderer_for([])
-    return Call(chat, renderer, parser)
+    return Call(chat, renderer, parser, grammar=structured.grammar_for(chat, renderer))
 
 
 def _check_length(state: ServeState, chars: int, param: str) -> None:
@@ -196,7 +221,7 @@ async def begin(state: ServeState, call: Call) -> None:
 
     try:
         call.job = state.batcher.submit(
-            [ids] * req.n, params, session.id if session is not None else None, req.seed, on_token
+            [ids] * req.n, params, session.id if session is not None else None, req.seed, on_token, call.grammar
         )
     except RuntimeError as e:
         raise ServeError(503, str(e), None, "shutting_down") from None
@@ -325,7 +350,7 @@ def cut_at_stop(sample: Sample, stops: list[str], tokenizer) -> tuple[Sample, bo
         if any(s in text for s in stops):
             keep = None if sample.keep_ids is None else sample.keep_ids[:k]
             top = None if sample.top_logprobs is None else sample.top_logprobs[:k]
-            return Sample(sample.output_ids[:k], sample.logprobs[:k], "stop", keep, top), True
+            return Sample(sample.output_ids[:k], sample.logprobs[:k], "stop", keep, top, sample.constrained), True
     return sample, False
 
 
@@ -340,10 +365,16 @@ def without_stop_text(message: dict[str, Any], stops: list[str]) -> dict[str, An
 
 
 def respond(call: Call, choices: list[Choice]) -> dict[str, Any]:
-    """The response object of the call's choices (``chat.completion`` or ``text_completion``)."""
+    """The response object of the call's choices (``chat.completion``, ``text_completion`` or,
+    for ``/v1/responses``, ``response``, whose conversation is then kept for ``previous_response_id``)."""
     assert call.context is not None
     if isinstance(call.req, CompletionRequest):
         return text_completion(call.req, choices, call.context.ids)
+    if isinstance(call.req, ResponsesRequest):
+        (choice,) = choices  # the Responses API has no n
+        if call.kept is not None:
+            responses.keep(call.kept, call.req, choice)
+        return responses.response_object(call.req, choice, call.context.ids)
     ids = [[f"call_{uuid.uuid4().hex[:24]}" for _ in (c.message.get("tool_calls") or [])] for c in choices]
     return completion(call.req, choices, ids, call.context.ids)
 
@@ -371,7 +402,8 @@ async def _stream(state: ServeState, call: Call) -> StreamingResponse:
     task = asyncio.get_running_loop().create_task(run())
     _RUNNING.add(task)
     task.add_done_callback(_forget_task)
-    return StreamingResponse(_events(call, task), media_type="text/event-stream", headers=ignored_header(call))
+    events = _response_events(call, task) if isinstance(call.req, ResponsesRequest) else _events(call, task)
+    return StreamingResponse(events, media_type="text/event-stream", headers=ignored_header(call))
 
 
 def _release(state: ServeState, call: Call, lock: asyncio.Lock | None) -> None:
@@ -389,16 +421,60 @@ def _forget_task(task: asyncio.Task) -> None:
 
 async def _events(call: Call, task: asyncio.Task) -> AsyncIterator[str]:
     """The server-sent events of a streamed call: deltas as tokens come, then the end chunks."""
-    req, tok = call.req, call.renderer.tokenizer
+    req = call.req
     full_id, created = ("chatcmpl-" if call.chat else "cmpl-") + uuid.uuid4().hex, int(time.time())
     base = (streaming.chat_base if call.chat else streaming.completion_base)(full_id, created, req.model)
-    texts = [
-        streaming.TextStream(tok, call.renderer.stop_ids, req.stop, strip=call.chat) if call.tokens else None
-        for _ in range(req.n)
-    ]
+    texts = _text_streams(call)
     if call.chat:
         for k in range(req.n):
             yield streaming.sse(streaming.chat_delta(base, k, {"role": "assistant", "content": ""}))
+    async for k, delta in _deltas(call, texts):
+        yield streaming.sse(_delta(call, base, k, delta))
+    choices = await _outcome(task)
+    if isinstance(choices, dict):  # the call failed: the stream says why
+        yield streaming.sse(choices)
+        return
+    full = respond(call, choices)
+    sent = [t.sent if t is not None else "" for t in texts]
+    end = streaming.chat_end if call.chat else streaming.completion_end
+    for chunk in end(base, full, sent, req.include_usage):
+        yield streaming.sse(chunk)
+    yield streaming.DONE
+
+
+async def _response_events(call: Call, task: asyncio.Task) -> AsyncIterator[str]:
+    """The server-sent events of a streamed ``/v1/responses`` call (``responses.Events``):
+    the text deltas as tokens come (a plain-text reply), then the rest of the output items."""
+    assert isinstance(call.req, ResponsesRequest)
+    events = responses.Events(call.req)
+    for event in events.start():
+        yield event
+    texts = _text_streams(call)
+    async for _k, delta in _deltas(call, texts):
+        if not events.opened:
+            for event in events.open_text():
+                yield event
+        yield events.text(delta)
+    choices = await _outcome(task)
+    if isinstance(choices, dict):
+        yield events.error(choices)
+        return
+    for event in events.end(respond(call, choices), texts[0].sent if texts[0] is not None else ""):
+        yield event
+
+
+def _text_streams(call: Call) -> list[streaming.TextStream | None]:
+    """One text stream per choice when its tokens are streamed, else ``None`` each."""
+    req = call.req
+    if call.tokens is None:
+        return [None] * req.n
+    return [
+        streaming.TextStream(call.renderer.tokenizer, call.renderer.stop_ids, req.stop, call.chat) for _ in range(req.n)
+    ]
+
+
+async def _deltas(call: Call, texts: list[streaming.TextStream | None]) -> AsyncIterator[tuple[int, str]]:
+    """``(choice, text)`` as the streamed tokens arrive, until the sampling ends."""
     while call.tokens is not None:
         batch = [await call.tokens.get()]
         while not call.tokens.empty():  # decode what has arrived at once
@@ -410,23 +486,19 @@ async def _events(call: Call, task: asyncio.Task) -> AsyncIterator[str]:
         for k, ids in new.items():
             delta = texts[k].add(ids)  # type: ignore[union-attr]  # made whenever tokens are streamed
             if delta:
-                yield streaming.sse(_delta(call, base, k, delta))
+                yield k, delta
         if None in batch:
             break
+
+
+async def _outcome(task: asyncio.Task) -> list[Choice] | dict[str, Any]:
+    """The choices of a streamed call's task, or the OpenAI-shaped error body it failed with."""
     try:
-        choices = await task
+        return await task
     except ServeError as e:
-        yield streaming.sse(e.body())
-        return
+        return e.body()
     except Exception as e:  # noqa: BLE001  (a bug of ours: the stream says what failed)
-        yield streaming.sse(ServeError(500, f"internal error: {type(e).__name__}: {e}", None, "internal_error").body())
-        return
-    full = respond(call, choices)
-    sent = [t.sent if t is not None else "" for t in texts]
-    end = streaming.chat_end if call.chat else streaming.completion_end
-    for chunk in end(base, full, sent, req.include_usage):
-        yield streaming.sse(chunk)
-    yield streaming.DONE
+        return ServeError(500, f"internal error: {type(e).__name__}: {e}", None, "internal_error").body()
 
 
 def _delta(call: Call, base: dict[str, Any], k: int, text: str) -> dict[str, Any]:

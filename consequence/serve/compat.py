@@ -1,10 +1,11 @@
 """The endpoint's compatibility policy: one table of request fields, what each does here.
 
-Every field of a ``/v1/chat/completions`` or ``/v1/completions`` body falls under one rule:
+Every field of a ``/v1/chat/completions``, ``/v1/completions`` or ``/v1/responses`` body falls
+under one rule:
 
 * ``honoured``: applied (the request modules read and check its value);
 * ``neutral``: accepted only at the value that changes nothing (a penalty of 0, a
-  repetition penalty of 1, ``response_format`` ``{"type": "text"}``); any other value would
+  repetition penalty of 1, ``text`` ``{"format": {"type": "text"}}``); any other value would
   change what is sampled in a way the sampler cannot, so it is refused (400 naming the
   field and why);
 * ``refused``: any value but ``null`` is refused, for the same reason;
@@ -25,8 +26,9 @@ from dataclasses import dataclass
 from typing import Any
 
 HONOURED, NEUTRAL, REFUSED, TEMPLATE, IGNORED = "honoured", "neutral", "refused", "template", "ignored"
-CHAT, COMPLETIONS = "chat", "completions"
+CHAT, COMPLETIONS, RESPONSES = "chat", "completions", "responses"
 BOTH = (CHAT, COMPLETIONS)
+ALL = (CHAT, COMPLETIONS, RESPONSES)
 IGNORED_HEADER = "x-consequence-ignored-fields"
 
 # JSON types (the names the type errors use)
@@ -41,7 +43,8 @@ class Field:
         name: the field's JSON name.
         rule: ``honoured``, ``neutral``, ``refused``, ``template`` or ``ignored`` (module doc).
         types: the JSON types it may have (``null`` always may: the field is then absent).
-        endpoints: ``chat``, ``completions`` or both; on another endpoint it is an unknown field.
+        endpoints: some of ``chat``, ``completions``, ``responses``; on another endpoint it is
+            an unknown field.
         origin: ``OpenAI`` or ``vLLM`` (whose API defines it).
         why: how it is applied, or why it is refused or ignored (the docs, the 400's message).
         neutral: for ``neutral``: the values accepted (compared as JSON).
@@ -56,23 +59,48 @@ class Field:
     neutral: tuple[Any, ...] = ()
 
 
-_CONSTRAINED = "needs constrained decoding, which the sampler does not do"
+_VLLM_GUIDED = "vLLM's fields for constrained decoding are not read: send `response_format` or `tool_choice` to `/v1/chat/completions`"
 FIELDS: tuple[Field, ...] = (
     # ---- OpenAI: honoured ----------------------------------------------------------------
-    Field("model", HONOURED, (STR,), BOTH, "OpenAI", "one of the served names (GET /v1/models); another is a 404"),
+    Field("model", HONOURED, (STR,), ALL, "OpenAI", "one of the served names (GET /v1/models); another is a 404"),
     Field("messages", HONOURED, (LIST,), (CHAT,), "OpenAI", "roles system, developer, user, assistant, tool; text"),
     Field("prompt", HONOURED, (STR, LIST), (COMPLETIONS,), "OpenAI", "one text, or one list of token ids"),
-    Field("tools", HONOURED, (LIST,), (CHAT,), "OpenAI", "function tools, rendered by the chat template"),
+    Field(
+        "input",
+        HONOURED,
+        (STR, LIST),
+        (RESPONSES,),
+        "OpenAI",
+        "a text, or items: messages (text parts), `function_call`, `function_call_output`",
+    ),
+    Field("instructions", HONOURED, (STR,), (RESPONSES,), "OpenAI", "a system message before the input"),
+    Field(
+        "previous_response_id",
+        HONOURED,
+        (STR,),
+        (RESPONSES,),
+        "OpenAI",
+        "continues a response of the same session (its input and output, then this input)",
+    ),
+    Field(
+        "tools",
+        HONOURED,
+        (LIST,),
+        (CHAT, RESPONSES),
+        "OpenAI",
+        "function tools, rendered by the chat template (responses: the flat shape; other tool types refused)",
+    ),
     Field(
         "tool_choice",
         HONOURED,
         (STR, OBJ),
-        (CHAT,),
+        (CHAT, RESPONSES),
         "OpenAI",
-        f"`auto` or `none`; `required` or a named function {_CONSTRAINED}: refused",
+        "`auto`, `none`, `required` or a named function (responses: the flat `{type, name}`); the last two "
+        "constrain the reply to one Hermes tool call whose arguments follow the tool's schema (llguidance)",
     ),
-    Field("temperature", HONOURED, (NUM,), BOTH, "OpenAI", "0 to 2 (0 = greedy)"),
-    Field("top_p", HONOURED, (NUM,), BOTH, "OpenAI", "(0, 1]"),
+    Field("temperature", HONOURED, (NUM,), ALL, "OpenAI", "0 to 2 (0 = greedy)"),
+    Field("top_p", HONOURED, (NUM,), ALL, "OpenAI", "(0, 1]"),
     Field(
         "max_tokens",
         HONOURED,
@@ -82,6 +110,7 @@ FIELDS: tuple[Field, ...] = (
         "≥ 1; default `--max-tokens` in chat, 16 in completions (`--max-new-tokens` in an `--agent` episode)",
     ),
     Field("max_completion_tokens", HONOURED, (INT,), (CHAT,), "OpenAI", "as `max_tokens`"),
+    Field("max_output_tokens", HONOURED, (INT,), (RESPONSES,), "OpenAI", "as `max_tokens` in chat"),
     Field("n", HONOURED, (INT,), BOTH, "OpenAI", "1 to 16"),
     Field("stop", HONOURED, (STR, LIST), BOTH, "OpenAI", "up to 4 strings; the text is cut before the first"),
     Field("seed", HONOURED, (INT,), BOTH, "OpenAI", "a seeded request is sampled alone with its own generator"),
@@ -92,19 +121,47 @@ FIELDS: tuple[Field, ...] = (
         "stream",
         HONOURED,
         (BOOL,),
-        BOTH,
+        ALL,
         "OpenAI",
         "server-sent events: token by token for a text reply; a reply with tools to parse comes whole",
     ),
     Field("stream_options", HONOURED, (OBJ,), BOTH, "OpenAI", "`include_usage`"),
     Field(
         "response_format",
-        NEUTRAL,
+        HONOURED,
         (OBJ,),
         (CHAT,),
         "OpenAI",
-        f'`{{"type": "text"}}`; `json_object` / `json_schema` {_CONSTRAINED}',
-        ({}, {"type": "text"}),
+        "`text`; `json_object` / `json_schema`: the reply is constrained to JSON valid under the schema "
+        "(llguidance; a schema it cannot compile is a 400)",
+    ),
+    Field(
+        "text",
+        HONOURED,
+        (OBJ,),
+        (RESPONSES,),
+        "OpenAI",
+        "`format` `text`; `json_object` / `json_schema` (the flat `{type, name, schema, strict}`): the reply "
+        "is constrained to JSON valid under the schema, as `response_format` on chat",
+    ),
+    Field(
+        "truncation",
+        NEUTRAL,
+        (STR,),
+        (RESPONSES,),
+        "OpenAI",
+        "`disabled` only: the context is never cut",
+        ("disabled",),
+    ),
+    Field("background", NEUTRAL, (BOOL,), (RESPONSES,), "OpenAI", "`false` only: the reply is returned", (False,)),
+    Field(
+        "top_logprobs",
+        NEUTRAL,
+        (INT,),
+        (RESPONSES,),
+        "OpenAI",
+        "0 only: the sampled tokens' log-probs are in `token_logprobs`",
+        (0,),
     ),
     Field("frequency_penalty", NEUTRAL, (NUM,), BOTH, "OpenAI", "0 only: the sampler applies no penalty", (0,)),
     Field("presence_penalty", NEUTRAL, (NUM,), BOTH, "OpenAI", "0 only: the sampler applies no penalty", (0,)),
@@ -118,6 +175,15 @@ FIELDS: tuple[Field, ...] = (
     Field("functions", REFUSED, (LIST,), (CHAT,), "OpenAI", "deprecated: use `tools`"),
     Field("function_call", REFUSED, (STR, OBJ), (CHAT,), "OpenAI", "deprecated: use `tool_choice`"),
     Field(
+        "conversation",
+        REFUSED,
+        (STR, OBJ),
+        (RESPONSES,),
+        "OpenAI",
+        "no conversation is stored: send `previous_response_id` or the whole input",
+    ),
+    Field("prompt", REFUSED, (OBJ,), (RESPONSES,), "OpenAI", "no prompt template is stored: send `input`"),
+    Field(
         "reasoning_effort",
         TEMPLATE,
         (STR,),
@@ -125,16 +191,44 @@ FIELDS: tuple[Field, ...] = (
         "OpenAI",
         "a chat-template variable: passed to the template when it reads `reasoning_effort`, else ignored",
     ),
-    Field("user", IGNORED, (STR,), BOTH, "OpenAI", "an end-user id"),
-    Field("metadata", IGNORED, (OBJ,), BOTH, "OpenAI", "stored-completion tags (nothing is stored)"),
-    Field("store", IGNORED, (BOOL,), BOTH, "OpenAI", "nothing is stored but the session record"),
-    Field("parallel_tool_calls", IGNORED, (BOOL,), (CHAT,), "OpenAI", "the reply's calls are parsed as sampled"),
-    Field("service_tier", IGNORED, (STR,), BOTH, "OpenAI", "one tier"),
-    Field("prompt_cache_key", IGNORED, (STR,), BOTH, "OpenAI", "sessions' K/V is cached anyway"),
-    Field("safety_identifier", IGNORED, (STR,), BOTH, "OpenAI", "an end-user id"),
+    Field("user", IGNORED, (STR,), ALL, "OpenAI", "an end-user id"),
+    Field("metadata", IGNORED, (OBJ,), ALL, "OpenAI", "stored-completion tags (nothing is stored)"),
+    Field(
+        "store",
+        IGNORED,
+        (BOOL,),
+        ALL,
+        "OpenAI",
+        "nothing is stored but the session record (and a bounded memory of responses for `previous_response_id`)",
+    ),
+    Field(
+        "parallel_tool_calls", IGNORED, (BOOL,), (CHAT, RESPONSES), "OpenAI", "the reply's calls are parsed as sampled"
+    ),
+    Field("service_tier", IGNORED, (STR,), ALL, "OpenAI", "one tier"),
+    Field("prompt_cache_key", IGNORED, (STR,), ALL, "OpenAI", "sessions' K/V is cached anyway"),
+    Field("prompt_cache_retention", IGNORED, (STR,), (RESPONSES,), "OpenAI", "sessions' K/V is cached anyway"),
+    Field("safety_identifier", IGNORED, (STR,), ALL, "OpenAI", "an end-user id"),
+    Field(
+        "reasoning",
+        IGNORED,
+        (OBJ,),
+        (RESPONSES,),
+        "OpenAI",
+        "no reasoning items are returned (a template's `reasoning_effort`: use chat completions)",
+    ),
+    Field(
+        "include",
+        IGNORED,
+        (LIST,),
+        (RESPONSES,),
+        "OpenAI",
+        "no extra output is added; the sampled ids and log-probs are always in `token_ids`, `token_logprobs`",
+    ),
+    Field("max_tool_calls", IGNORED, (INT,), (RESPONSES,), "OpenAI", "it limits built-in tools; none run here"),
+    Field("stream_options", IGNORED, (OBJ,), (RESPONSES,), "OpenAI", "`include_obfuscation`: nothing is padded"),
     Field("prediction", IGNORED, (OBJ,), (CHAT,), "OpenAI", "a latency hint: the output is sampled all the same"),
     # ---- vLLM's extras ---------------------------------------------------------------------
-    Field("top_k", HONOURED, (INT,), BOTH, "vLLM", "≥ 1, or 0 / -1 = off; default `--top-k`"),
+    Field("top_k", HONOURED, (INT,), ALL, "vLLM", "≥ 1, or 0 / -1 = off; default `--top-k`"),
     Field(
         "chat_template_kwargs",
         HONOURED,
@@ -144,7 +238,7 @@ FIELDS: tuple[Field, ...] = (
         "extra variables of the chat template (e.g. `enable_thinking`), on every rendering of the call",
     ),
     Field(
-        "return_token_ids", HONOURED, (BOOL,), BOTH, "vLLM", "ids are always returned (`prompt_token_ids`, `token_ids`)"
+        "return_token_ids", HONOURED, (BOOL,), ALL, "vLLM", "ids are always returned (`prompt_token_ids`, `token_ids`)"
     ),
     Field("min_p", NEUTRAL, (NUM,), BOTH, "vLLM", "0 only: the sampler has no min-p filter", (0,)),
     Field("repetition_penalty", NEUTRAL, (NUM,), BOTH, "vLLM", "1 only: the sampler applies no penalty", (1,)),
@@ -161,11 +255,11 @@ FIELDS: tuple[Field, ...] = (
     Field("allowed_token_ids", REFUSED, (LIST,), BOTH, "vLLM", "the sampler does not mask the vocabulary"),
     Field("bad_words", REFUSED, (LIST,), BOTH, "vLLM", "the sampler does not mask the vocabulary"),
     Field("logits_processors", REFUSED, (LIST,), BOTH, "vLLM", "the sampler runs no custom processors"),
-    Field("structured_outputs", REFUSED, (OBJ,), BOTH, "vLLM", _CONSTRAINED),
-    Field("guided_json", REFUSED, (STR, OBJ), BOTH, "vLLM", _CONSTRAINED),
-    Field("guided_regex", REFUSED, (STR,), BOTH, "vLLM", _CONSTRAINED),
-    Field("guided_choice", REFUSED, (LIST,), BOTH, "vLLM", _CONSTRAINED),
-    Field("guided_grammar", REFUSED, (STR,), BOTH, "vLLM", _CONSTRAINED),
+    Field("structured_outputs", REFUSED, (OBJ,), BOTH, "vLLM", _VLLM_GUIDED),
+    Field("guided_json", REFUSED, (STR, OBJ), BOTH, "vLLM", _VLLM_GUIDED),
+    Field("guided_regex", REFUSED, (STR,), BOTH, "vLLM", _VLLM_GUIDED),
+    Field("guided_choice", REFUSED, (LIST,), BOTH, "vLLM", _VLLM_GUIDED),
+    Field("guided_grammar", REFUSED, (STR,), BOTH, "vLLM", _VLLM_GUIDED),
     Field("priority", IGNORED, (INT,), BOTH, "vLLM", "requests are batched in arrival order"),
     Field("request_id", IGNORED, (STR,), BOTH, "vLLM", "the response's id is the server's"),
     Field("cache_salt", IGNORED, (STR,), BOTH, "vLLM", "no cache is shared between sessions"),
@@ -173,7 +267,7 @@ FIELDS: tuple[Field, ...] = (
 
 
 def fields(endpoint: str) -> dict[str, Field]:
-    """The table's fields of ``endpoint`` (``chat`` or ``completions``) by name."""
+    """The table's fields of ``endpoint`` (``chat``, ``completions`` or ``responses``) by name."""
     return {f.name: f for f in FIELDS if endpoint in f.endpoints}
 
 
@@ -206,7 +300,7 @@ def apply(
 
     Args:
         body: the request body (a JSON object; types already checked).
-        endpoint: ``chat`` or ``completions``.
+        endpoint: ``chat``, ``completions`` or ``responses``.
         template_reads: the ``template`` fields the model's chat template reads.
 
     Returns:
@@ -247,6 +341,6 @@ def markdown_table() -> str:
     """The table as Markdown, one row per field and endpoint set (docs/agents.md §5)."""
     rows = ["| field | endpoints | from | rule | what it does here |", "|---|---|---|---|---|"]
     for f in FIELDS:
-        where = "both" if set(f.endpoints) == set(BOTH) else ("chat" if f.endpoints == (CHAT,) else "completions")
+        where = "all" if set(f.endpoints) == set(ALL) else ", ".join(e for e in ALL if e in f.endpoints)
         rows.append(f"| `{f.name}` | {where} | {f.origin} | {f.rule} | {f.why} |")
     return "\n".join(rows)

@@ -23,6 +23,7 @@ TOKENS_WINDOW_S = 60.0
 _ROUTES = (
     (re.compile(r"^(/s/[^/]+)?/v1/chat/completions$"), "chat_completions"),
     (re.compile(r"^(/s/[^/]+)?/v1/completions$"), "completions"),
+    (re.compile(r"^(/s/[^/]+)?/v1/responses$"), "responses"),
     (re.compile(r"^(/s/[^/]+)?/v1/models(/.*)?$"), "models"),
     (re.compile(r"^/s/[^/]+(/record)?$"), "session"),
     (re.compile(r"^/health$"), "health"),

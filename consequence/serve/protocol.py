@@ -94,8 +94,13 @@ class ChatRequest(SamplingRequest):
     Attributes:
         messages: normalised messages (:func:`normalise_messages`).
         tools: the tool specs (checked by ``harness.tools.check_tool_specs``), ``[]`` for none.
-        parse_tools: ``tool_choice`` is ``"auto"`` (tool calls are parsed out of the reply),
-            ``False`` for ``"none"`` (the reply is text).
+        parse_tools: ``tool_choice`` is ``"auto"``, ``"required"`` or a named function (tool
+            calls are parsed out of the reply), ``False`` for ``"none"`` (the reply is text).
+        required_tool: the reply must be a tool call (constrained decoding,
+            ``serve.structured``): ``""`` a call of any declared tool (``tool_choice``
+            ``"required"``), a name a call of that tool (a named function); ``None``: not required.
+        response_schema: the JSON schema the reply must follow (``response_format``
+            ``json_schema``; ``json_object``: ``{"type": "object"}``), ``None`` for text.
         logprobs: return the sampled tokens' log-probs in ``choices[].logprobs``.
         template_kwargs: extra chat-template variables (``chat_template_kwargs`` and the
             ``template`` fields the template reads, ``serve.compat``).
@@ -104,6 +109,8 @@ class ChatRequest(SamplingRequest):
     messages: list[dict[str, Any]] = field(default_factory=list)
     tools: list[dict] = field(default_factory=list)
     parse_tools: bool = True
+    required_tool: str | None = None
+    response_schema: dict[str, Any] | None = None
     logprobs: bool = False
     template_kwargs: dict[str, Any] = field(default_factory=dict)
 
@@ -125,7 +132,8 @@ def parse_request(body: Any, served: str | Sequence[str], template_reads: Collec
     template = read_sampling(body, req, compat.CHAT, served, template_reads)
     req.messages = normalise_messages(body.get("messages"))
     req.tools = _tools(body.get("tools"))
-    req.parse_tools = _tool_choice(body.get("tool_choice"))
+    req.parse_tools, req.required_tool = chat_tool_choice(body.get("tool_choice"), req.tools)
+    req.response_schema = response_schema(body.get("response_format"))
     req.logprobs = body.get("logprobs") is True
     if req.top_logprobs and not req.logprobs:
         raise bad("top_logprobs needs logprobs: true", "top_logprobs", "invalid_value")
@@ -138,6 +146,8 @@ def read_sampling(
 ) -> list[str]:
     """Fill ``req``'s sampling fields from ``body`` (types already checked) and sort the
     other fields by ``serve.compat``; the ``template`` fields given that go to the template.
+    Only the fields the table honours on ``endpoint`` are read (``n`` sent to
+    ``/v1/responses`` is an unknown field there: named as ignored, and so never applied).
 
     Raises:
         ServeError: 404 for a model not served; 400 for a refused field or value, or a
@@ -157,11 +167,16 @@ def read_sampling(
             "model_not_found",
         )
     req.model = body["model"]
+    table = compat.fields(endpoint)
+    body = {k: v for k, v in body.items() if k in table and table[k].rule == compat.HONOURED}
     req.temperature = _number(body, "temperature", 0.0, 2.0)
     req.top_p = _number(body, "top_p", 0.0, 1.0, low_open=True)
     top_k = _int(body, "top_k", -1, 2**31 - 1)
     req.top_k = None if top_k is None else max(top_k, 0)  # vLLM's -1 (and 0) = off
-    req.max_tokens = _max_tokens(body)
+    if endpoint == compat.RESPONSES:
+        req.max_tokens = _int(body, "max_output_tokens", 1, 2**31 - 1)
+    else:
+        req.max_tokens = _max_tokens(body)
     req.n = _int(body, "n", 1, MAX_N) or 1
     req.stop = _stop(body.get("stop"))
     req.seed = _int(body, "seed", -(2**63), 2**63 - 1)
@@ -206,6 +221,77 @@ def _tool_choice(choice: Any) -> bool:
         "'auto' (tool calls are parsed from the reply) or 'none'",
         "tool_choice",
         "unsupported_parameter",
+    )
+
+
+def chat_tool_choice(choice: Any, tools: list[dict]) -> tuple[bool, str | None]:
+    """``(parse_tools, required_tool)`` of a chat ``tool_choice`` (see :class:`ChatRequest`):
+    ``auto`` / ``none``, ``required``, or ``{"type": "function", "function": {"name": ...}}``.
+
+    Raises:
+        ServeError: 400 for another value, a required call without tools, or a name that is
+            not one of ``tools``.
+    """
+    if choice in (None, "auto", "none"):
+        return _tool_choice(choice), None
+    if choice == "required":
+        name = ""
+    elif isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name")
+        if not isinstance(name, str) or not name:
+            raise bad("tool_choice.function.name must be a tool's name", "tool_choice", "invalid_value")
+    else:
+        raise bad(
+            f"tool_choice {json.dumps(choice)[:80]} is not supported: give 'auto', 'none', 'required' or "
+            '{"type": "function", "function": {"name": ...}}',
+            "tool_choice",
+            "invalid_value",
+        )
+    declared = [t.get("function", t).get("name") for t in tools]
+    if not declared:
+        raise bad(
+            f"tool_choice {json.dumps(choice)[:80]} needs tools: declare the tools the reply must call",
+            "tool_choice",
+            "invalid_value",
+        )
+    if name and name not in declared:
+        raise bad(
+            f"tool_choice names {name!r}, which is not a declared tool ({', '.join(map(repr, declared))})",
+            "tool_choice",
+            "invalid_value",
+        )
+    return True, name
+
+
+def response_schema(fmt: Any) -> dict[str, Any] | None:
+    """The JSON schema a ``response_format`` asks the reply to follow (``None``: text).
+
+    ``{"type": "text"}`` → ``None``; ``{"type": "json_object"}`` → ``{"type": "object"}``;
+    ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`` → its ``schema``
+    (``strict`` is read as true: the grammar enforces every keyword the engine supports and
+    refuses a schema with others).
+
+    Raises:
+        ServeError: 400 for another type, or a ``json_schema`` without a ``schema`` object.
+    """
+    if fmt is None or fmt == {} or fmt.get("type") == "text":
+        return None
+    if fmt.get("type") == "json_object":
+        return {"type": "object"}
+    if fmt.get("type") == "json_schema":
+        spec = fmt.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise bad(
+                "response_format.json_schema.schema must be a JSON schema (an object)",
+                "response_format",
+                "invalid_value",
+            )
+        return schema
+    raise bad(
+        f"response_format.type {fmt.get('type')!r} is not supported: give text, json_object or json_schema",
+        "response_format",
+        "invalid_value",
     )
 
 
@@ -273,7 +359,11 @@ _CALL_TYPES: _FieldTypes = {"id": (_STR,), "type": (_STR,), "function": (_OBJ,)}
 _CALL_FUNCTION_TYPES: _FieldTypes = {"name": (_STR,), "arguments": (_STR, _OBJ)}
 _TOOL_TYPES: _FieldTypes = {"type": (_STR,), "function": (_OBJ,)}
 _TOOL_FUNCTION_TYPES: _FieldTypes = {"name": (_STR,), "description": (_STR,), "parameters": (_OBJ,), "strict": (_BOOL,)}
-_REQUIRED = {compat.CHAT: ("model", "messages"), compat.COMPLETIONS: ("model", "prompt")}
+_REQUIRED = {
+    compat.CHAT: ("model", "messages"),
+    compat.COMPLETIONS: ("model", "prompt"),
+    compat.RESPONSES: ("model", "input"),
+}
 
 
 def _is(value: Any, kind: str) -> bool:
@@ -351,17 +441,18 @@ def _check_message_types(m: Any, where: str) -> None:
 
 
 # ---- messages ----------------------------------------------------------------------
-def _text(content: Any, where: str) -> str:
-    """Message content as text: a string, ``None`` (empty) or a list of ``{"type": "text"}`` parts."""
+def _text(content: Any, where: str, kinds: tuple[str, ...] = ("text",)) -> str:
+    """Message content as text: a string, ``None`` (empty) or a list of parts whose ``type``
+    is one of ``kinds`` (chat: ``text``; responses: ``input_text``, ``output_text``)."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     for j, p in enumerate(content):  # a list of objects (check_body_types)
-        if p.get("type") != "text":
+        if p.get("type") not in kinds:
             raise bad(
                 f"{where}.content[{j}].type is {p.get('type')!r}: content must be a string or a list of "
-                "text parts (images and audio are not supported)",
+                f"{' / '.join(kinds)} parts (images and audio are not supported)",
                 f"{where}.content[{j}].type",
                 "invalid_value",
             )

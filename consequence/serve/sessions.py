@@ -114,6 +114,9 @@ class Session:
             concurrent calls of one session are recorded in order.
         active: calls of the session in progress (:meth:`SessionStore.enter`).
         last_used: ``time.monotonic()`` when its last call ended (or it was made).
+        responses: the conversation of each ``/v1/responses`` response the session returned,
+            by response id, for ``previous_response_id`` (``serve.responses.keep``: bounded;
+            forgotten with the session).
     """
 
     id: str
@@ -124,6 +127,7 @@ class Session:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     active: int = 0
     last_used: float = field(default_factory=time.monotonic)
+    responses: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
     @property
     def prefix_breaks(self) -> int:
@@ -233,6 +237,7 @@ class Session:
             tool_calls=parsed.tool_calls,
             parse_error=parsed.parse_error,
             keep_ids=None if keep is None else [list(k) for k in keep],
+            constrained=getattr(sample, "constrained", False),
         )
         calls.append(call)
         if reason is not None:

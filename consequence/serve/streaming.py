@@ -1,4 +1,5 @@
-"""Token-by-token streaming: the text of a reply as its tokens are sampled, and the SSE chunks.
+"""Token-by-token streaming: the text of a reply as its tokens are sampled, and the SSE chunks
+(the Responses API's events: ``serve.responses``).
 
 A choice is streamed as text deltas while it is sampled when its reply is plain text (no
 tool calls to parse: no tools, ``tool_choice`` ``none``, or ``/v1/completions``). Every
@@ -82,6 +83,11 @@ def sse(chunk: dict[str, Any]) -> str:
 
 
 DONE = "data: [DONE]\n\n"
+
+
+def named_sse(event: str, data: dict[str, Any]) -> str:
+    """One server-sent event with its name (the Responses API's ``event: response.created``)."""
+    return f"event: {event}\ndata: {json.dumps(data)}\n\n"
 
 
 # ---- chat.completion.chunk ---------------------------------------------------------------

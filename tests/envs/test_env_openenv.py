@@ -16,7 +16,6 @@ import random
 import socket
 import threading
 import time
-from types import SimpleNamespace
 
 import pytest
 
@@ -41,6 +40,7 @@ from consequence.envs.registry import load_environment  # noqa: E402
 from consequence.harness.renderer import Renderer  # noqa: E402
 from consequence.reward.scoring import score_trajectories  # noqa: E402
 from consequence.rollout.episodes import Budgets, EpisodeSpec, run_episodes  # noqa: E402
+from replies import replay  # noqa: E402
 
 TARGET = "consequence.envs.openenv.env:OpenEnvEnvironment"
 WORDS = ["apple", "river", "stone", "cloud", "ember", "maple", "tiger", "ocean"]
@@ -187,17 +187,6 @@ def _env(url, **options):
     return load_environment(TARGET, 0, {"base_url": url, **options})
 
 
-def _script(renderer, turns_per_episode):
-    """A generate_fn replaying fixed replies: episode i's k-th call gets turns_per_episode[i][k]."""
-    queues = [[renderer.encode(t) + [renderer.eot_id] for t in turns] for turns in turns_per_episode]
-
-    def generate(prompts, max_new_tokens, idx):
-        outs = [queues[i].pop(0) for i in idx]
-        return [SimpleNamespace(output_ids=o, logprobs=[-0.5] * len(o), stop_reason="stop") for o in outs]
-
-    return generate
-
-
 def _sessions(log, since=0):
     """The server's own record: per session, the rewards it returned, in order."""
     out: dict[int, list[float]] = {}
@@ -307,7 +296,7 @@ def test_episodes_through_the_runner_score_what_the_server_returned(servers, tin
     task = env.split["train"][2]
     secret = secret_number(task.seed)
     low, high = (secret - 1, secret + 1) if 1 < secret < 20 else ((2, 3) if secret == 1 else (18, 19))
-    script = _script(
+    script = replay(
         renderer,
         [
             [call("guess", {"guess": low}), call("guess", {"guess": secret})],  # -0.25 then 1.0
@@ -344,7 +333,7 @@ def test_answers_through_the_runner(servers, tiny_tokenizer):
     renderer = Renderer(tiny_tokenizer, env.tools)
     task = env.split["train"][0]
     word = secret_word(task.seed)
-    script = _script(renderer, [[word], ["zebra", word.upper()], ["zebra", "yak"]])
+    script = replay(renderer, [[word], ["zebra", word.upper()], ["zebra", "yak"]])
     n = len(WordEnv.log)
     specs = [EpisodeSpec(env.make_episode(task), task.task_id, "g", j, j) for j in range(3)]
     trajs = run_episodes(script, renderer, specs, Budgets(max_turns=2), env.system_prompt)
@@ -364,7 +353,7 @@ def test_server_errors_are_env_errors(servers, tiny_tokenizer):
     env = _env(servers["broken"], n_problems=8)
     renderer = Renderer(tiny_tokenizer, env.tools)
     task = env.split["train"][0]
-    script = _script(renderer, [["stone"], ["explode"]])
+    script = replay(renderer, [["stone"], ["explode"]])
     specs = [EpisodeSpec(env.make_episode(task), task.task_id, "g", j, j) for j in range(2)]
     trajs = run_episodes(script, renderer, specs, Budgets(max_turns=2), env.system_prompt)
     score_trajectories(trajs, components=env.reward_components, reward_range=env.reward_range)
@@ -380,7 +369,7 @@ def test_no_free_session_and_a_gone_server_are_env_errors(servers, tiny_tokenize
     renderer = Renderer(tiny_tokenizer, env.tools)
     task = env.split["train"][0]
     specs = [EpisodeSpec(env.make_episode(task), task.task_id, "g", j, j) for j in range(2)]
-    trajs = run_episodes(_script(renderer, [["zebra"], ["zebra"]]), renderer, specs, Budgets(max_turns=1), "")
+    trajs = run_episodes(replay(renderer, [["zebra"], ["zebra"]]), renderer, specs, Budgets(max_turns=1), "")
     score_trajectories(trajs, components=env.reward_components, reward_range=env.reward_range)
     first, second = trajs
     assert (first.outcome, first.reward) == ("truncated", 0.0)  # its session worked
@@ -394,7 +383,7 @@ def test_no_free_session_and_a_gone_server_are_env_errors(servers, tiny_tokenize
     ep.reset()
     extra.stop()
     specs = [EpisodeSpec(env.make_episode(task), task.task_id, "g", 0, 0)]
-    [t] = run_episodes(_script(renderer, [["zebra"]]), renderer, specs, Budgets(max_turns=1), "")
+    [t] = run_episodes(replay(renderer, [["zebra"]]), renderer, specs, Budgets(max_turns=1), "")
     assert t.outcome == "env_error" and t.error.startswith("environment reset raised ")
     from websockets.exceptions import ConnectionClosed
 

@@ -115,7 +115,9 @@ def test_iteration_metrics_carry_the_shortcut_diagnostics():
 
     def line(trajs):
         r = SimpleNamespace(
-            cfg=SimpleNamespace(dynamic_sampling=False, distill_lambda=1.0),
+            cfg=SimpleNamespace(
+                dynamic_sampling=False, distill_lambda=1.0, reward_model=None, judge_url=None, shaping="none"
+            ),
             env=SimpleNamespace(iteration_metrics=lambda ts: {}),
         )
         got = SimpleNamespace(trajectories=trajs, stats={"gen_tokens_total": 8}, queue=None, from_data=False)
@@ -142,7 +144,9 @@ def test_rollout_speed_counts_the_dropped_groups_and_success_is_null_without_a_v
         return Trajectory("p#0", "p#0", sample, 0, 0, calls=[call], reward=None, outcome=outcome)
 
     r = SimpleNamespace(
-        cfg=SimpleNamespace(dynamic_sampling=True, distill_lambda=1.0),
+        cfg=SimpleNamespace(
+            dynamic_sampling=True, distill_lambda=1.0, reward_model=None, judge_url=None, shaping="none"
+        ),
         env=SimpleNamespace(iteration_metrics=lambda ts: {}),
     )
     stats = {"gen_tokens_total": 30, "groups_generated": 5, "groups_kept": 1, "groups_dropped": 4}

@@ -337,7 +337,7 @@ def test_n_choices_stop_strings_logprobs_and_streaming(server):
         ),
         ({"max_tokens": -1}, 400, "invalid_value"),
         ({"max_tokens": 8, "messages": [{"role": "user", "content": "a " * 1100}]}, 400, "context_length_exceeded"),
-        ({"tool_choice": "required"}, 400, "unsupported_parameter"),
+        ({"tool_choice": "required"}, 400, "invalid_value"),  # no tools to call
         ({"frequency_penalty": 0.5}, 400, "unsupported_parameter"),
     ],
 )

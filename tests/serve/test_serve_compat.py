@@ -71,7 +71,7 @@ def test_the_docs_table_is_the_code_table():
 
 
 def test_every_field_of_the_table_has_one_rule_per_endpoint():
-    for endpoint in compat.BOTH:
+    for endpoint in compat.ALL:
         names = [f.name for f in compat.FIELDS if endpoint in f.endpoints]
         assert len(names) == len(set(names)), endpoint
     for f in compat.FIELDS:
@@ -97,7 +97,6 @@ def test_ignored_fields_are_accepted_and_named_in_the_header_in_body_order(serve
         ({"min_p": 0.1}, "min_p", "the sampler has no min-p filter"),
         ({"repetition_penalty": 1.2}, "repetition_penalty", "the sampler applies no penalty"),
         ({"frequency_penalty": 0.5}, "frequency_penalty", "the sampler applies no penalty"),
-        ({"response_format": {"type": "json_object"}}, "response_format", "constrained decoding"),
         ({"guided_json": {"type": "object"}}, "guided_json", "constrained decoding"),
         ({"stop_token_ids": [5]}, "stop_token_ids", "the model's own end ids stop"),
         ({"best_of": 2}, "best_of", "candidates are not ranked"),
@@ -112,10 +111,10 @@ def test_fields_that_would_change_sampling_are_refused_naming_the_field_and_why(
     assert why in out["error"]["message"] and out["error"]["message"].startswith(field)
 
 
-def test_response_format_text_is_accepted_and_tool_choice_required_still_refused(server):
+def test_response_format_text_is_accepted_and_tool_choice_required_needs_tools(server):
     assert _chat(server, response_format={"type": "text"})[0] == 200
-    status, out, _ = _chat(server, tool_choice="required")
-    assert status == 400 and out["error"]["param"] == "tool_choice"
+    status, out, _ = _chat(server, tool_choice="required")  # constrained replies: tests/serve/test_serve_constrained.py
+    assert status == 400 and out["error"]["param"] == "tool_choice" and "needs tools" in out["error"]["message"]
 
 
 def test_top_k_is_honoured_top_k_1_at_temperature_1_is_greedy(server):
@@ -294,7 +293,9 @@ def test_streamed_text_equals_the_whole_reply(server):
         whole = c.completions.create(model="tiny", prompt=LONG_PROMPT, max_tokens=20, stop=stop)
         chunks = list(c.completions.create(model="tiny", prompt=LONG_PROMPT, max_tokens=20, stop=stop, stream=True))
         assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == whole.choices[0].text
-        assert len([ch for ch in chunks if ch.choices and ch.choices[0].text]) > 2  # several deltas, not one
+        # the number of deltas depends on the load (tokens that arrived together are decoded together);
+        # that they come while sampling runs: test_the_first_delta_comes_while_the_reply_is_still_being_sampled
+        assert [ch for ch in chunks if ch.choices and ch.choices[0].text]
     assert whole.choices[0].text == ") ys ys" and whole.choices[0].finish_reason == "stop"
     r = c.chat.completions.create(model="tiny", messages=HI, n=2, temperature=1.0, seed=4, max_tokens=12)
     stream = c.chat.completions.create(

@@ -488,13 +488,14 @@ class CalculatorEpisode:
         self.calls = 0  # calculator calls charged so far
         self.code: str | None = None
         self._done = False
+        self.computed = False  # a calculator call has returned the task's answer (the potential's state)
 
     def _info(self, **kw) -> dict:
         return {"task_id": self.task.task_id, "problem_id": self.task.problem_id, "calculator_calls": self.calls, **kw}
 
     def reset(self, seed: int | None = None, options: dict | None = None) -> tuple[str, dict]:
         """Start over; the observation is the question."""
-        self.calls, self.code, self._done = 0, None, False
+        self.calls, self.code, self._done, self.computed = 0, None, False, False
         return self.task.question, self._info()
 
     def step(self, action: dict) -> tuple[str, float, bool, bool, dict]:
@@ -531,6 +532,7 @@ class CalculatorEpisode:
             self._done = True
             info["env_error"] = f"sandbox: {rep.error}"
             return obs, cost, True, False, info
+        self.computed |= rep is not None and is_correct(obs, self.task.answer)  # the value's repr, or "error: ..."
         return obs, cost, False, False, info
 
 
@@ -654,6 +656,12 @@ class CalculatorEnvironment(Environment):
 
     def make_episode(self, task: ArithmeticTask) -> CalculatorEpisode:
         return CalculatorEpisode(task, self.tool_cost, self.max_calls)
+
+    def potential(self, episode: CalculatorEpisode) -> float:
+        """Φ(s) = 0.5 once a calculator call in the episode returned the task's answer
+        (``CalculatorEpisode.computed``), else 0: the computation is done, the answer not yet
+        given. Below the reward of a right answer (1); read from the episode, nothing is run."""
+        return 0.5 if episode.computed else 0.0
 
     def demonstration(self, task: ArithmeticTask, rng: random.Random) -> list[dict]:
         """One calculator call on the task's whole ``expression``, then the value as the answer

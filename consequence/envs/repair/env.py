@@ -88,11 +88,21 @@ class RepairEnv:
         self.env_retries = env_retries
         self._lines: list[str] = task.buggy_code.split("\n")
         self._done = False
+        self._tested: tuple[str, float] | None = None  # (code, share of visible tests passed) at the last run_tests
 
     @property
     def code(self) -> str:
         """The current source of the function."""
         return "\n".join(self._lines)
+
+    @property
+    def tested_share(self) -> float | None:
+        """Share of the VISIBLE tests (in [0, 1]) that passed at the last ``run_tests`` on the
+        code as it is now; None when the current code was never tested (an edit since the
+        last run, or no run yet). Kept from the policy's own runs: nothing is run to know it."""
+        if self._tested is None or self._tested[0] != self.code:
+            return None
+        return self._tested[1]
 
     def _info(self, **kw: Any) -> dict:
         return {"task_id": self.task.task_id, "problem_id": self.task.problem_id, **kw}
@@ -100,7 +110,7 @@ class RepairEnv:
     def reset(self, seed: int | None = None, options: dict | None = None) -> tuple[str, dict]:
         """Restore the buggy code; return the user request (the code itself is not shown)."""
         self._lines = self.task.buggy_code.split("\n")
-        self._done = False
+        self._done, self._tested = False, None
         t = self.task
         obs = f"Fix {t.func_name} in solution.py so all tests pass.\n{t.func_name}: {t.docstring}"
         return obs, self._info()
@@ -131,6 +141,7 @@ class RepairEnv:
                 self._done = True
                 info["env_error"] = f"sandbox: {rep.error}"
                 return "sandbox error", 0.0, True, False, info
+            self._tested = (code, rep.passed / rep.total if rep.total else 0.0)
             return format_report(rep), 0.0, False, False, info
         # finish
         self._done = True

@@ -103,6 +103,14 @@ class RepairEnvironment(Environment):
                     return split, make_instance(problem, instance)
         return None
 
+    def potential(self, episode: Any) -> float:
+        """Φ(s) = 0.5 × the share of visible tests that passed at the policy's last ``run_tests``
+        on the current code (:attr:`RepairEnv.tested_share`), 0 when the current code is
+        untested: progress the episode has itself verified, read without running anything.
+        In [0, 0.5], below the reward of a fix (1), so it guides without standing in for it."""
+        share = episode.tested_share
+        return 0.5 * share if share is not None else 0.0
+
     def iteration_metrics(self, trajectories: list) -> dict[str, float]:
         """``diagnose_first``: share of episodes whose first call runs the tests or reads the code."""
         first = [t.calls[0].tool_calls if t.calls else [] for t in trajectories]
