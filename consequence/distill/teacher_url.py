@@ -41,7 +41,6 @@ used, except for loopback hosts.
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 import json
 import os
 import threading
@@ -59,6 +58,11 @@ from consequence.distill.teacher import DemoSet, plan_from_messages, read_tool_c
 from consequence.envs.api import ANSWER_KEY
 from consequence.harness.renderer import Renderer
 from consequence.harness.tools import call_problem, check_tool_specs
+from consequence.reward.judge_client import (  # one HTTP client style
+    http_error_text,
+    json_headers,
+    loopback_aware_opener,
+)
 from consequence.rollout.episodes import Budgets, opening_messages
 
 __all__ = [
@@ -185,39 +189,6 @@ def teacher_base_url(url: str) -> str:
 _ROUTES = ("/chat/completions", "/completions", "/models")  # the routes a base URL is given with by mistake
 
 
-def _opener(base: str) -> urllib.request.OpenerDirector:
-    """urllib's opener: the environment's proxies, but none for a loopback host."""
-    host = urllib.parse.urlsplit(base).hostname or ""
-    try:
-        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = False
-    return urllib.request.build_opener(urllib.request.ProxyHandler({})) if loopback else urllib.request.build_opener()
-
-
-def _headers(key: str | None) -> dict[str, str]:
-    return {"Content-Type": "application/json", "Accept": "application/json"} | (
-        {"Authorization": f"Bearer {key}"} if key else {}
-    )
-
-
-def _error_text(e: urllib.error.HTTPError) -> str:
-    """``HTTP 500: message`` of an error reply (the OpenAI ``error.message`` when it has one)."""
-    try:
-        raw = e.read()
-    except (OSError, HTTPException):
-        raw = b""
-    text = raw.decode("utf-8", "replace")
-    try:
-        obj = json.loads(text)
-        err = obj.get("error") if isinstance(obj, dict) else None
-        text = str(err.get("message") if isinstance(err, dict) else err or obj.get("detail") or text)
-    except (json.JSONDecodeError, AttributeError):
-        pass
-    text = " ".join(text.split())
-    return f"HTTP {e.code}" + (f": {text[:_DETAIL]}" if text else "")
-
-
 def _key_refused(teacher: TeacherEndpoint) -> str:
     """What a 401 / 403 reply means and which option sets the key."""
     if teacher.api_key_env is None:
@@ -249,15 +220,15 @@ def probe_teacher(teacher: TeacherEndpoint) -> TeacherEndpoint:
     teacher.check()
     base = teacher_base_url(teacher.url)
     where = f"--teacher-url {teacher.url}: GET {base}/models"
-    req = urllib.request.Request(base + "/models", headers=_headers(teacher.api_key()), method="GET")
+    req = urllib.request.Request(base + "/models", headers=json_headers(teacher.api_key()), method="GET")
     try:
-        with _opener(base).open(req, timeout=min(teacher.timeout_s, PROBE_TIMEOUT_S)) as r:
+        with loopback_aware_opener(base).open(req, timeout=min(teacher.timeout_s, PROBE_TIMEOUT_S)) as r:
             raw = r.read()
     except urllib.error.HTTPError as e:
         if e.code in (401, 403):
-            raise ValueError(f"{where} failed ({_error_text(e)}): {_key_refused(teacher)}") from None
+            raise ValueError(f"{where} failed ({http_error_text(e)}): {_key_refused(teacher)}") from None
         fix = "is it an OpenAI-compatible server (vLLM, `consequence serve`)? give its URL, e.g. http://HOST:PORT/v1"
-        raise ValueError(f"{where} failed ({_error_text(e)}); {fix}") from None
+        raise ValueError(f"{where} failed ({http_error_text(e)}); {fix}") from None
     except (urllib.error.URLError, TimeoutError, HTTPException, OSError) as e:
         why = e.reason if isinstance(e, urllib.error.URLError) else e
         raise ValueError(
@@ -369,8 +340,8 @@ class _Client:
     def __init__(self, teacher: TeacherEndpoint, cost: TeacherCost):
         self.teacher, self.cost = teacher, cost
         self.url = teacher_base_url(teacher.url) + "/chat/completions"
-        self.headers = _headers(teacher.api_key())
-        self.opener = _opener(self.url)
+        self.headers = json_headers(teacher.api_key())
+        self.opener = loopback_aware_opener(self.url)
 
     def chat(self, body: dict[str, Any], turn: int = 0) -> tuple[dict[str, Any], str | None]:
         """One call: the assistant message (OpenAI shape; a call without an id gets
@@ -386,7 +357,7 @@ class _Client:
                 raw = r.read()
         except urllib.error.HTTPError as e:
             refused = f": {_key_refused(self.teacher)}" if e.code in (401, 403) else ""
-            raise _Failed("teacher_http_error", _error_text(e) + refused) from None
+            raise _Failed("teacher_http_error", http_error_text(e) + refused) from None
         except TimeoutError:
             raise _Failed("teacher_timeout", f"no reply within {self.teacher.timeout_s:g} s") from None
         except urllib.error.URLError as e:

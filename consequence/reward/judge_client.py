@@ -143,7 +143,7 @@ def judge_base_url(url: str) -> str:
     return base if base.endswith("/v1") else base + "/v1"
 
 
-def _opener(base: str) -> urllib.request.OpenerDirector:
+def loopback_aware_opener(base: str) -> urllib.request.OpenerDirector:
     """urllib's opener: the environment's proxies, but none for a loopback host."""
     host = urllib.parse.urlsplit(base).hostname or ""
     try:
@@ -153,13 +153,14 @@ def _opener(base: str) -> urllib.request.OpenerDirector:
     return urllib.request.build_opener(urllib.request.ProxyHandler({})) if loopback else urllib.request.build_opener()
 
 
-def _headers(key: str | None) -> dict[str, str]:
+def json_headers(key: str | None) -> dict[str, str]:
+    """JSON request headers, with a bearer token when ``key`` is given."""
     return {"Content-Type": "application/json", "Accept": "application/json"} | (
         {"Authorization": f"Bearer {key}"} if key else {}
     )
 
 
-def _error_text(e: urllib.error.HTTPError) -> str:
+def http_error_text(e: urllib.error.HTTPError) -> str:
     """``HTTP 500: message`` of an error reply (the OpenAI ``error.message`` when it has one)."""
     try:
         raw = e.read()
@@ -195,9 +196,9 @@ def probe_judge(endpoint: JudgeEndpoint) -> None:
     endpoint.check()
     base = judge_base_url(endpoint.url)
     where = f"--judge-url {endpoint.url}: GET {base}/models"
-    req = urllib.request.Request(base + "/models", headers=_headers(endpoint.api_key()), method="GET")
+    req = urllib.request.Request(base + "/models", headers=json_headers(endpoint.api_key()), method="GET")
     try:
-        with _opener(base).open(req, timeout=min(endpoint.timeout_s, PROBE_TIMEOUT_S)) as r:
+        with loopback_aware_opener(base).open(req, timeout=min(endpoint.timeout_s, PROBE_TIMEOUT_S)) as r:
             raw = r.read()
     except urllib.error.HTTPError as e:
         fix = (
@@ -205,7 +206,7 @@ def probe_judge(endpoint: JudgeEndpoint) -> None:
             if e.code in (401, 403)
             else "is it an OpenAI-compatible server (vLLM, `consequence serve`)? give its URL, e.g. http://HOST:PORT/v1"
         )
-        raise ValueError(f"{where} failed ({_error_text(e)}); {fix}") from None
+        raise ValueError(f"{where} failed ({http_error_text(e)}); {fix}") from None
     except (urllib.error.URLError, TimeoutError, HTTPException, OSError) as e:
         why = e.reason if isinstance(e, urllib.error.URLError) else e
         raise ValueError(
@@ -251,8 +252,8 @@ class JudgeClient:
         endpoint.check()
         self.endpoint, self.sleep = endpoint, sleep
         self.url = judge_base_url(endpoint.url) + "/chat/completions"
-        self.headers = _headers(endpoint.api_key())
-        self.opener = _opener(self.url)
+        self.headers = json_headers(endpoint.api_key())
+        self.opener = loopback_aware_opener(self.url)
         self.counts = _Counts()
 
     def complete(self, messages: list[dict[str, str]]) -> str:
@@ -290,7 +291,7 @@ class JudgeClient:
                 raw = r.read()
         except urllib.error.HTTPError as e:
             transient = e.code in _RETRYABLE_STATUS or e.code >= 500
-            raise JudgeFailure("judge_http_error", _error_text(e), transient) from None
+            raise JudgeFailure("judge_http_error", http_error_text(e), transient) from None
         except TimeoutError:
             raise JudgeFailure("judge_timeout", f"no reply within {timeout:g} s", True) from None
         except urllib.error.URLError as e:

@@ -12,6 +12,7 @@ accumulated gradient equals the unsplit batch's for every reduction
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -349,23 +350,11 @@ def ppo_step(
             rows involved and, for a gradient, the message the parameters. The optimizer
             does not step and its gradients are zeroed.
     """
-    if optimizer is not None:  # the gradients below (optimizer=None), then the step
-
-        def gradients() -> dict[str, float]:
-            return ppo_step(
-                model,
-                None,
-                rows,
-                advantages_N,
-                cfg,
-                pad_id,
-                logprob_fn,
-                ref_logprobs=ref_logprobs,
-                sampler_logprobs=sampler_logprobs,
-                teacher=teacher,
-                totals=totals,
-            )
-
+    if optimizer is not None:  # the gradients below (accumulate_gradients: optimizer=None), then the step
+        gradients = functools.partial(
+            accumulate_gradients, model, rows, advantages_N, cfg, pad_id, logprob_fn,
+            ref_logprobs=ref_logprobs, sampler_logprobs=sampler_logprobs, teacher=teacher, totals=totals,
+        )  # fmt: skip
         return optimizer_step(model, optimizer, cfg.max_grad_norm, gradients)
     adv_all = _checked_inputs(rows, advantages_N, cfg, ref_logprobs, sampler_logprobs, teacher)
     total_tokens, total_seqs, norm_const = _step_totals(rows, cfg) if totals is None else totals
