@@ -50,6 +50,7 @@ import contextlib
 import copy
 import datetime
 import functools
+import gc
 import math
 import os
 import pickle
@@ -645,7 +646,13 @@ class DataParallelUpdate:
         r.owns_group = True
 
     def close(self) -> None:
-        """Stop the rank processes and destroy the process group (idempotent)."""
+        """Stop the rank processes and destroy the process group (idempotent).
+
+        Rank 0's shards and DDP wrapper go first: their gloo work objects must be freed while
+        the group exists; freed later, at interpreter exit, they abort the process (SIGABRT,
+        "terminate called without an active exception")."""
+        self._fsdp, self._ddp = None, None
+        gc.collect()
         self._finalizer()
 
     def __enter__(self) -> DataParallelUpdate:

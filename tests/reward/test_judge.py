@@ -93,10 +93,10 @@ class FakeJudge:
                     fake.max_in_flight = max(fake.max_in_flight, fake.in_flight)
                 try:
                     time.sleep(fake.delay_s)
-                    self._answer(body["messages"][-1]["content"])
-                finally:
+                finally:  # released before the reply: a client that got its answer may send the next at once
                     with fake.lock:
                         fake.in_flight -= 1
+                self._answer(body["messages"][-1]["content"])
 
             def _answer(self, user: str) -> None:
                 if "# Response A\n" in user:
