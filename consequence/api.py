@@ -342,6 +342,7 @@ def evaluate(
     max_total_tokens: int | None = None,
     device: str = "cpu",
     out: str | Path = "runs/eval",
+    attempts: int = 1,
 ) -> dict[str, Any]:
     """Evaluate a policy: ``consequence eval`` from Python (docs/evaluation.md; each
     argument is the option of the same name, ``env_options`` a mapping of ``--env-option``).
@@ -386,6 +387,7 @@ def evaluate(
         Path(out),
         env_options=dict(env_options) if env_options else None,
         device=device,
+        attempts=attempts,
     )
     return json.loads(Path(path).read_text())
 

@@ -135,6 +135,15 @@ class Trajectory:
     # call's turn (one more than calls; the environment's values, Φ(terminal) = 0 applied later by
     # reward.shaping); empty when not recorded
     potentials: list[float] = field(default_factory=list)
+    # --context last:K / summary:K: calls whose context the harness rebuilt from the kept messages
+    # after dropping turns (each starts a new training row); 0 in records written before the field
+    context_rewrites: int = 0
+    # --attempts k: answers the episode made (a wrong one reopened it with the verifier's feedback,
+    # rollout.attempts); solved at attempt `attempts` when solved; 1 in records written before the field
+    attempts: int = 1
+    # the scale its last attempt's reward entered at (d**(attempts−1) of --attempt-discount d): the
+    # reward box divides the primary component by it for the verifier's score; 1.0 without discount
+    attempt_scale: float = 1.0
 
     @property
     def n_generated_tokens(self) -> int:

@@ -161,6 +161,14 @@ OPTIONS: dict[str, Option] = {
         "Also run the recovery diagnostic: n more episodes per task, each opened with the same wrong first patch.",
         compare_help="Also compare recovery from the same wrong first patch (n more episodes per task and policy).",
     ),
+    "attempts": Option(
+        int,
+        1,
+        "Also run recovery with feedback: n more episodes per task (the same random streams), each allowed up "
+        "to this many answers, a wrong one reopened with the environment's feedback (docs/environments.md, "
+        "Retries); the report puts success@attempt j beside pass@j of the n plain episodes, j = 1..k (needs "
+        "n >= k). 1 = not run.",
+    ),
     "device": Option(
         str,
         "cpu",
@@ -200,7 +208,7 @@ _SHARED = (
 )
 # Each command's options, in its --help order.
 ORDER: dict[str, tuple[str, ...]] = {
-    "eval": ("model", *_SHARED, "selection", "recovery", "out"),
+    "eval": ("model", *_SHARED, "selection", "recovery", "attempts", "out"),
     "compare": ("a", "b", *_SHARED, "recovery", "out"),
 }
 

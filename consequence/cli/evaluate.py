@@ -105,6 +105,7 @@ def run_eval(
     out: Path,
     env_options: dict | None = None,
     device: str = "cpu",
+    attempts: int = 1,
 ) -> Path:
     """What ``consequence eval`` does with its options (``eval_cmd``'s help says each), printing
     to the console; ``consequence.evaluate`` calls it too. ``env_options`` (a mapping) may be
@@ -155,6 +156,7 @@ def run_eval(
     else:
         check_problems(environment, split)
     rules = check_rules(parse_list(selection, "--selection", "first,majority"))
+    retries = _check_eval_attempts(environment, attempts, n, completion)
     model_path = resolve_model(model)
     check_model_dir(str(model_path), chat_template=not completion)
     check_run_dir(out, "--out")
@@ -194,6 +196,7 @@ def run_eval(
             provenance=record,
             phases=phases,
             device=where,
+            attempts=retries,
         )
     written, removed = write_outputs(ev, out)
     _say((out / "report.md").read_text())
@@ -201,6 +204,22 @@ def run_eval(
         console.print(f"[yellow]warning:[/] {escape(w)}")
     _written(out, written, removed)
     return out / "eval.json"
+
+
+def _check_eval_attempts(environment, attempts: int, n: int, completion: bool):
+    """The retry policy of ``eval --attempts`` (None for 1), refused before any work when it cannot run."""
+    from consequence.rollout.attempts import check_attempts
+
+    if attempts > 1 and completion:
+        raise ValueError(
+            f"--attempts {attempts}: {environment.name} is evaluated as single-turn completions; drop --attempts"
+        )
+    if attempts > n:
+        raise ValueError(
+            f"--attempts {attempts} needs -n >= {attempts}: success within j attempts is compared with pass@j of "
+            "the n plain episodes (equal answers per task); raise -n or lower --attempts"
+        )
+    return check_attempts(environment, attempts)
 
 
 def _written(out: Path, written: list[str], removed: list[str]) -> None:

@@ -87,6 +87,10 @@ def check_before_work(cfg: TrainConfig) -> None:
         from consequence.reward.shaping import check_potential
 
         check_potential(env)
+    if cfg.attempts > 1:  # the environment reopens an episode after a wrong answer
+        from consequence.rollout.attempts import check_attempts
+
+        check_attempts(env, cfg.attempts, cfg.attempt_discount, cfg.attempt_feedback)
     if cfg.cold_start_demos:  # its demonstrator plays the cold start's demonstrations
         from consequence.loop.start_model import check_cold_start
 

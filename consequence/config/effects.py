@@ -241,6 +241,14 @@ READS: tuple[Reads, ...] = (
             "(--update-ranks N > 1 runs it over N ranks, as ddp replicas or fsdp shards)"
         ),
     ),
+    Reads(  # rollout.collect.roll_out_round: the discount per attempt (rollout.attempts)
+        ("attempt_discount", "attempt_feedback"),
+        lambda c: c.attempts > 1,
+        lambda c: (
+            "--attempts 1: one answer ends each episode, so there is no later attempt to discount or give feedback "
+            "for (--attempts k > 1)"
+        ),
+    ),
     Reads(  # rollout.collect.roll_out_round: the shaping discount
         ("shaping_gamma",),
         lambda c: c.shaping == "potential",

@@ -28,6 +28,7 @@ from pydantic import (
 
 from consequence.config.effects import unread_settings
 from consequence.config.nested import ORDER, flat, nested
+from consequence.config.views import parse_context, parse_observation_format
 
 BOXES: tuple[str, ...] = ("tasks", "policy", "rollout", "reward", "credit", "update", "evaluate")
 DEFAULT_RUN_DIR = "runs/repair-default"  # otherwise runs/<env>-<recipe> or runs/<env>-default (recipes.resolve_config)
@@ -209,6 +210,39 @@ class TrainConfig(BaseModel):
     max_turns: int = _f(8, "rollout", "Budget: model calls per episode.", ge=1)
     max_new_tokens: int = _f(48, "rollout", "Budget: tokens per model call.", ge=1)
     max_total_tokens: int = _f(768, "rollout", "Budget: context + generated tokens per episode.", ge=16)
+    context: str = _f(
+        "full",
+        "rollout",
+        "What the policy sees of its episode (docs/environments.md, What the model sees): full (every turn verbatim), last:K (the system prompt, worked examples and task request + the last K turns; a turn is an assistant message and the results that answer it) or summary:K (as last:K, the dropped turns replaced by a summary of the tool calls made and the first line of each result, appended to the request). A dropped turn rewrites the context, which starts a new training row; targets stay the sampled ids. Training rollouts only.",
+    )
+    observation_format: str = _f(
+        "raw",
+        "rollout",
+        'How each tool / answer result is shown to the policy when it is created (no new row): raw (the environment\'s text), json ({"tool": name, "output": text}) or truncated:N (results over N characters keep their first ceil(N/2) and last floor(N/2) characters around "[… C characters cut …]"). Training rollouts only.',
+    )
+    show_budget: bool = _f(
+        False,
+        "rollout",
+        "Append the remaining budget to each turn's last result: [budget left: T turns, X tokens, C tool calls] (turns of --max-turns, tokens of --max-total-tokens after the context and the call's sampled ids, tool calls of the harness's limit). Training rollouts only.",
+    )
+    attempts: int = _f(
+        1,
+        "rollout",
+        "Recovery with feedback: answers per episode. After a wrong answer the environment's feedback (Environment.retry_feedback: calculator says the value is wrong, repair how many hidden tests passed; never the solution) is the answer's result and the model tries again, up to this many attempts within the turn and token budgets (docs/environments.md, Retries). An environment without retries is refused for > 1. 1 = one answer ends the episode (no retry). Training rollouts only.",
+        ge=1,
+    )
+    attempt_discount: float = _f(
+        1.0,
+        "rollout",
+        "d of --attempts: the answer that ends attempt j counts d**(j-1) of its reward (its components scaled alike); a wrong attempt that is retried counts 0, so wrong attempts never add up. Read only with --attempts > 1.",
+        gt=0,
+        le=1,
+    )
+    attempt_feedback: Literal["verifier", "self-refine"] = _f(
+        "verifier",
+        "rollout",
+        "What the model sees after a wrong answer under --attempts: verifier (the environment's feedback) or self-refine (not the verifier's message: a request to critique its own answer, then answer again, in one reply; Madaan et al. 2023). Read only with --attempts > 1.",
+    )
     tool_format: Literal["auto", "native", "hermes", "qwen3_coder", "llama3_json", "mistral", "pythonic"] = _f(
         "auto",
         "rollout",
@@ -639,6 +673,18 @@ class TrainConfig(BaseModel):
         """(Runs first: pydantic runs "before" validators last-defined first.) YAML nested by box (``update: {learning_rate: ...}``) reads as the flat settings (config.nested)."""
         return flat_settings(data)
 
+    @field_validator("context")
+    @classmethod
+    def _context_known(cls, v: str) -> str:
+        parse_context(v)
+        return v
+
+    @field_validator("observation_format")
+    @classmethod
+    def _observation_format_known(cls, v: str) -> str:
+        parse_observation_format(v)
+        return v
+
     @field_validator("tasks_file")
     @classmethod
     def _task_file(cls, v: str | None) -> str | None:
@@ -881,10 +927,22 @@ class TrainConfig(BaseModel):
                 "--agent-timeout limits the episodes of --agent, which is not given: add --agent "
                 "module:function or drop --agent-timeout"
             )
+        shown = {"context": "full", "observation_format": "raw", "show_budget": False}
+        given = [k for k, v in shown.items() if getattr(self, k) != v]
+        if self.agent and given:  # the agent builds its own context: these would be silently dropped
+            raise ValueError(
+                f"--{given[0].replace('_', '-')} with --agent is not supported: it shapes what the in-process "
+                "harness shows the policy, and your agent builds its own messages; drop one of them"
+            )
         if self.agent and self.shaping != "none":  # the agent-runner's episodes record no potential
             raise ValueError(
                 f"--shaping {self.shaping} with --agent is not supported: the potential Φ is read by the "
                 "in-process harness after each turn, and the agent-runner's episodes do not record it; drop one of them"
+            )
+        if self.agent and self.attempts > 1:  # the agent runs its own loop: no harness reopens its episodes
+            raise ValueError(
+                f"--attempts {self.attempts} with --agent is not supported: the in-process harness reopens an "
+                "episode after a wrong answer, and the agent runs its own loop; drop one of them"
             )
         return self
 

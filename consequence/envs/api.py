@@ -39,6 +39,10 @@ An environment may also define a potential (:meth:`Environment.potential`, optio
 :func:`has_potential`): Φ of an episode's state, which ``--shaping potential`` turns into a
 per-turn reward γΦ(s') − Φ(s) (Ng, Harada & Russell 1999; ``consequence.reward.shaping``).
 
+An environment may also support retries (:meth:`Environment.retry_feedback`, optional;
+:func:`has_retries`): after a wrong answer it reopens the episode and gives the verifier's
+feedback, so ``--attempts k`` lets the model answer again (``consequence.rollout.attempts``).
+
 :class:`SingleTurnEnvironment` is a single-turn task given as data: a dataset of prompts
 and a Python ``reward_fn(prompt, completion, **info) -> float | dict`` whose value gets
 the checks of any verifier (:func:`check_reward_fn_value`); ``SingleTurnEnvironment.scoring``
@@ -73,6 +77,7 @@ __all__ = [
     "check_reward_fn_value",
     "has_demonstrator",
     "has_potential",
+    "has_retries",
     "cannot_demonstrate",
 ]
 
@@ -245,6 +250,31 @@ class Environment:
         """
         raise NotImplementedError(f"environment {self.label!r} defines no potential ({type(self).__name__}.potential)")
 
+    def retry_feedback(self, episode: Any, info: dict) -> str | None:
+        """After an answer that ended ``episode``: reopen it for another attempt (``--attempts k``, optional).
+
+        The harness calls it when a step terminated the episode and attempts are left. Return
+        None when the attempt is right (the episode stays ended), else reopen the episode (its
+        next ``step`` must work: clear the "over" flag, keep the state the model built, e.g. the
+        edited code) and return the feedback the model sees as the answer's result: what the
+        verifier found (a wrong value, how many hidden tests failed), never what would give the
+        solution away (the reference value, the hidden tests' text).
+
+        Args:
+            episode: an episode this environment made (:meth:`make_episode`), just terminated.
+            info: the ``info`` dict its terminating ``step`` returned.
+
+        Returns:
+            the feedback text, or None (nothing to retry).
+
+        Raises:
+            NotImplementedError: this environment supports no retries (the default);
+                :func:`has_retries` says so before any work.
+        """
+        raise NotImplementedError(
+            f"environment {self.label!r} supports no retries ({type(self).__name__}.retry_feedback)"
+        )
+
     def find_task(self, task_id: str) -> tuple[str, Any] | None:
         """The split and the task that ``task_id`` names, or None when it names none.
 
@@ -398,6 +428,12 @@ def has_potential(env: Environment | type) -> bool:
     """Whether an environment (instance or class) overrides :meth:`Environment.potential`."""
     cls = env if isinstance(env, type) else type(env)
     return getattr(cls, "potential", None) is not Environment.potential
+
+
+def has_retries(env: Environment | type) -> bool:
+    """Whether an environment (instance or class) overrides :meth:`Environment.retry_feedback`."""
+    cls = env if isinstance(env, type) else type(env)
+    return getattr(cls, "retry_feedback", None) is not Environment.retry_feedback
 
 
 def cannot_demonstrate(env: Environment) -> str | None:

@@ -119,6 +119,40 @@ def summarize_pass_at_k(
     return out
 
 
+def success_at_attempt(trajs: Sequence[Trajectory], k: int) -> dict[str, float]:
+    """success@attempt j for j = 1..k (``--attempts k``): the share of valid episodes (env
+    errors dropped) solved within j attempts of one episode (solved at its last attempt,
+    ``Trajectory.attempts``). Beside pass@k at equal samples: k attempts of one episode
+    see the verifier's feedback, k independent samples do not (:func:`attempts_vs_samples`).
+
+    Returns:
+        {str(j): share} for j = 1..k; NaN shares without a valid episode.
+    """
+    valid = [t for t in trajs if t.outcome != "env_error"]
+    n = len(valid)
+    return {
+        str(j): sum(solved(t) and t.attempts <= j for t in valid) / n if n else float("nan") for j in range(1, k + 1)
+    }
+
+
+def attempts_vs_samples(with_attempts: Sequence[Trajectory], samples: Sequence[Trajectory], k: int) -> dict[str, Any]:
+    """success within j attempts of one episode vs pass@j of j independent samples, j = 1..k.
+
+    ``with_attempts``: one episode per task run with ``--attempts k``; ``samples``: n ≥ k
+    independent one-attempt episodes per task (pass@j unbiased, :func:`summarize_pass_at_k`).
+    At j both spend up to j answers per task: the difference is what the feedback buys.
+
+    Returns:
+        {str(j): {"success_at_attempt": share, "pass_at_k": mean over tasks}}.
+    """
+    within = success_at_attempt(with_attempts, k)
+    passed = summarize_pass_at_k(per_task_counts(samples), range(1, k + 1))
+    return {
+        str(j): {"success_at_attempt": within[str(j)], "pass_at_k": passed[str(j)]["pass_at_k"]}
+        for j in range(1, k + 1)
+    }
+
+
 def parse_error_fraction(trajs: Sequence[Trajectory]) -> float:
     """Share of model calls whose output the renderer could not parse into tool calls (or an
     answer): the "do tool calls parse" measure of a cold start; 0.0 without calls."""

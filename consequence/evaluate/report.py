@@ -116,6 +116,7 @@ def markdown(result: dict[str, Any], cost_png: str = "cost.png") -> str:
     ]
     lines += _selection_lines(result.get("final_selection", {}))
     lines += _recovery_lines(result.get("recovery"))
+    lines += attempts_lines(result.get("attempts"))
     c = result["cost"]
     lines += [
         "",
@@ -193,6 +194,26 @@ def _selection_lines(sel: dict[str, Any]) -> list[str]:
         "submission fails. 95 % CI: bootstrap over problems. pass@k above is the oracle's upper bound.",
     ]
     return lines
+
+
+def attempts_lines(att: dict[str, Any] | None) -> list[str]:
+    """The report's recovery-with-feedback table (``eval --attempts k``): success within j attempts
+    of one episode beside pass@j of j independent plain episodes, j = 1..k; none without it."""
+    if not att:
+        return []
+    lines = [
+        "",
+        f"## Recovery with feedback (--attempts {att['k']})",
+        "",
+        f"{att['episodes']} episodes, each answering up to {att['k']} times (a wrong answer reopened with the "
+        "environment's feedback), on the plain episodes' random streams. At j both columns spend up to j "
+        "answers per task: success within j attempts sees the verifier's feedback, pass@j draws j independent "
+        "samples.",
+        "",
+        "| j | success within j attempts | pass@j (independent samples) |",
+        "|---|---|---|",
+    ]
+    return lines + [f"| {j} | {v['success_at_attempt']:.3f} | {v['pass_at_k']:.3f} |" for j, v in att["by_j"].items()]
 
 
 def _recovery_lines(rec: dict[str, Any] | None) -> list[str]:

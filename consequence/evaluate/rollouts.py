@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from consequence.policy.sampler import SamplingParams
 from consequence.records import Trajectory
 from consequence.reward.scoring import rescore_group, score_trajectories
+from consequence.rollout.attempts import Attempts
 from consequence.rollout.episodes import Budgets, EpisodeSpec, run_episodes
 from consequence.rollout.groups import group_of
 from consequence.rollout.sampling import episodes_in_flight, policy_generate_fn
@@ -54,6 +55,7 @@ def sample_episodes(
     policy_version: int = 0,
     openings: Sequence[tuple] | None = None,
     progress: Callable[[int], None] | None = None,
+    attempts: Attempts | None = None,
 ) -> list[Trajectory]:
     """``n`` episodes per task of environment ``env`` (``sample_id`` 0 … n−1, each with its
     own seed), scored with the environment's reward components (``score_group`` per task).
@@ -68,7 +70,9 @@ def sample_episodes(
     scripted start of task i's episodes (see ``EpisodeSpec.opening``), default none.
     ``progress(n_done)``, when given, is called with the number of episodes finished so
     far after each batched model call and once at the end (``run_episodes``); it does not
-    change the episodes.
+    change the episodes. ``attempts`` (``rollout.attempts.check_attempts``): each episode
+    may answer again after a wrong answer, with the environment's feedback; None: one answer
+    (``episode_eval.attempts_vs_samples`` compares such episodes with independent samples).
 
     Raises:
         ValueError: ``n < 1``.
@@ -79,7 +83,14 @@ def sample_episodes(
     openings = openings or [()] * len(tasks)
     specs = [
         EpisodeSpec(
-            episode, t.task_id, t.task_id, j, seed_of(seed, t.task_id, j), tuple(openings[i]), env.answer_ends_episode
+            episode,
+            t.task_id,
+            t.task_id,
+            j,
+            seed_of(seed, t.task_id, j),
+            tuple(openings[i]),
+            env.answer_ends_episode,
+            attempts=attempts,
         )
         for i, t in enumerate(tasks)
         for j, episode in enumerate(group_of(env, t, n))

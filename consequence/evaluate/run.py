@@ -20,6 +20,7 @@ from typing import Any
 from consequence.evaluate.compare import ArmResult, paired_comparison
 from consequence.evaluate.episode_eval import (
     EXCLUSION_RULE,
+    attempts_vs_samples,
     cost_summary,
     distinct_correct,
     outcome_shares,
@@ -37,6 +38,7 @@ from consequence.evaluate.splits import record_touch, reuse_warning, weights_sha
 from consequence.harness.renderer import Renderer
 from consequence.policy.tiny import load_policy
 from consequence.records import Trajectory
+from consequence.rollout.attempts import Attempts
 from consequence.rollout.episodes import Budgets, opening_prompt_len
 from consequence.sandbox.sandbox import ENV_RETRIES, isolation_report, run_tests
 from consequence.seeding import seed_of
@@ -211,6 +213,7 @@ def evaluate_episodes(
     phases: Phases = SILENT,
     label: str = "",
     device: Any = "cpu",
+    attempts: Attempts | None = None,
 ) -> EpisodeEval:
     """n episodes per task of the split's problems of environment ``env`` (an
     :class:`~consequence.envs.api.Environment`, made with its split seed; ``problems`` of
@@ -226,7 +229,10 @@ def evaluate_episodes(
     ``provenance`` (``EvalSettings.record()``) is stored in the settings; ``phases``
     shows each phase's progress (``label`` prefixes the phase names, e.g. ``"A "``).
     ``device`` (a ``torch.device`` or its name, already checked: ``policy.device.resolve_device``)
-    is where the model computes.
+    is where the model computes. ``attempts`` (``rollout.attempts.check_attempts``, k ≤ n): n more
+    episodes per task on the plain episodes' random streams, each answering up to k times with
+    the environment's feedback; ``result["attempts"]`` holds success@attempt j beside pass@j
+    of the plain episodes (``episode_eval.attempts_vs_samples``), j = 1..k.
 
     Raises:
         ValueError: unknown selection rule; a split without problems (:func:`check_problems`).
@@ -313,6 +319,17 @@ def evaluate_episodes(
             result["recovery"] = recovery_summary(trajs, rtrajs, len(task_list), seed)
         else:  # no task has a decoy (question-answer environments): nothing to open with
             result["recovery"] = {"tasks": 0, "tasks_without_wrong_patch": len(task_list), "not_run": True}
+    if attempts is not None:  # the same streams as the plain episodes: attempt 1 is their first answer
+        with phases.phase(f"{label}episodes with {attempts.k} attempts", len(task_list) * n) as tick:
+            atrajs = sample_episodes(
+                model, renderer, env, task_list, n, budgets, seed, temperature, progress=tick, attempts=attempts
+            )
+        result["attempts"] = {
+            "k": attempts.k,
+            "discount": attempts.discount,
+            "episodes": len(atrajs),
+            "by_j": attempts_vs_samples(atrajs, trajs, attempts.k),
+        }
     result["wall_s"] = time.perf_counter() - t0
     return EpisodeEval(result, trajs, rtrajs)
 

@@ -36,10 +36,11 @@ from consequence.credit.batch import Batch, credit_rewards, training_rows
 from consequence.distill.fixed_data import check_token_ids, first_student_iteration, load_fixed_data
 from consequence.envs.registry import env_of
 from consequence.evaluate.compare import summarize
-from consequence.evaluate.episode_eval import parse_error_fraction
+from consequence.evaluate.episode_eval import parse_error_fraction, success_at_attempt
 from consequence.evaluate.final import final_report, validate
 from consequence.evaluate.shortcuts import shortcut_metrics
 from consequence.evaluate.splits import record_touch, reuse_warning
+from consequence.harness.context import context_metrics
 from consequence.harness.renderer import Renderer
 from consequence.loop.checks import PreStepCheckError, run_pre_step_checks
 from consequence.loop.diagnostics import component_means, iteration_extras
@@ -65,6 +66,7 @@ from consequence.report.trackers import check_trackers
 from consequence.reward.judge import judge_metrics
 from consequence.reward.reward_model import learned_reward_mean
 from consequence.reward.shaping import check_potential, shaping_return_mean
+from consequence.rollout.attempts import check_attempts
 from consequence.rollout.collect import harness_runner
 from consequence.rollout.episodes import Budgets, opening_prompt_len
 from consequence.sandbox.sandbox import isolation_report, start_mode
@@ -252,6 +254,8 @@ def _start(
     env = env_of(cfg)
     if cfg.shaping == "potential":  # the environment defines Φ, before any model loads
         check_potential(env)
+    # --attempts: the environment supports retries, before any model loads
+    check_attempts(env, cfg.attempts, cfg.attempt_discount, cfg.attempt_feedback)
     if cfg.judge_url is not None:  # the rubric and the judge's server, before any model loads
         from consequence.reward.judge import check_judge
 
@@ -622,6 +626,10 @@ def iteration_metrics(
         metrics |= judge_metrics(trajs, cfg.judge_weight)
     if cfg.shaping == "potential":  # mean Σ_t F_t per episode (−Φ(s_0) at γ = 1 for a finished one)
         metrics["shaping_return_mean"] = shaping_return_mean(valid)
+    if cfg.context != "full":  # a rewritten context starts a new training row (harness.context)
+        metrics |= context_metrics(trajs)
+    if cfg.attempts > 1:  # share of episodes solved within j attempts, j = 1..k (rollout.attempts)
+        metrics |= {f"success_at_attempt_{j}": v for j, v in success_at_attempt(trajs, cfg.attempts).items()}
     if checks is not None:
         metrics["pre_step_checks"] = [c.as_dict() for c in checks]
     metrics["gen_tokens_total"] = ds["gen_tokens_total"]

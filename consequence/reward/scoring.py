@@ -121,7 +121,8 @@ def score_trajectories(
     never a 0 (docs/cases.md, case 03).
 
     ``verifier_score`` of a finished episode becomes its first (primary) component, the
-    verifier's score that evaluation calls success when it is 1.
+    verifier's score that evaluation calls success when it is 1 (divided by
+    ``Trajectory.attempt_scale``: ``--attempt-discount`` scaled the final attempt's reward).
 
     Args:
         overlong_buffer: L_cache in tokens (0 = no overlong shaping).
@@ -140,6 +141,8 @@ def score_trajectories(
         parts = {c: 0.0 for c in components} | dict(t.env_rewards)
         if t.env_rewards and t.outcome == "finished":
             t.verifier_score = parts[components[0]]  # the primary component: what success means
+            if t.attempt_scale != 1.0:  # --attempt-discount: success is the final attempt's own, undiscounted
+                t.verifier_score /= t.attempt_scale
         elif not t.env_rewards and t.outcome == "finished" and t.verifier_score is not None:
             parts[components[0]] = t.verifier_score  # a trajectory recorded without per-step rewards
         if overlong_buffer:  # |y| = generated tokens (0 without a call: penalty 0, component kept)

@@ -12,9 +12,11 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from consequence.config import TrainConfig, generation_budget
+from consequence.harness.context import ContextBuilder
 from consequence.records import Trajectory, credited
 from consequence.reward.scoring import rescore_group, score_trajectories
 from consequence.reward.shaping import apply_potential_shaping
+from consequence.rollout.attempts import check_attempts
 from consequence.rollout.episodes import Budgets, EpisodeSpec, run_episodes
 from consequence.rollout.groups import group_of
 from consequence.rollout.sampling import episodes_in_flight, policy_generate_fn
@@ -137,6 +139,10 @@ def roll_out_round(
     tag = (it,) if r == 0 else (it, "round", r)  # round 0 keeps the seeds of plain sampling
     tasks = env.sample("train", cfg.tasks_per_iteration, seed=seed_of(cfg.seed, *tag))
     prefix = f"{it}" if r == 0 else f"{it}.{r}"
+    shown = (cfg.context, cfg.observation_format, cfg.show_budget)
+    view = None if shown == ("full", "raw", False) else ContextBuilder(*shown)  # None: today's harness
+    # None for --attempts 1: today's harness
+    retries = check_attempts(env, cfg.attempts, cfg.attempt_discount, cfg.attempt_feedback)
     specs = [
         EpisodeSpec(
             episode,
@@ -146,6 +152,8 @@ def roll_out_round(
             seed_of(cfg.seed, *tag, g),
             answer_ends_episode=env.answer_ends_episode,
             potential=env.potential if cfg.shaping == "potential" else None,
+            builder=view,
+            attempts=retries,
         )
         for t in tasks
         for g, episode in enumerate(group_of(env, t, cfg.group_size))

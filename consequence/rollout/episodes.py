@@ -17,9 +17,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from consequence.envs.api import ANSWER_KEY
+from consequence.harness.context import ContextBuilder
 from consequence.harness.renderer import Renderer
 from consequence.harness.tools import call_problem, check_tool_specs
 from consequence.records import ModelCall, Trajectory
+from consequence.rollout.attempts import Attempts, attempt_step, final_verifier_score
 
 # generate_fn(prompts, max_new_tokens, episode_indices) -> one sample per prompt with
 # .output_ids, .logprobs, .stop_reason and optionally .keep_ids (the support of each sampled
@@ -60,6 +62,12 @@ class EpisodeSpec:
     # --shaping potential: Φ of the episode's state (Environment.potential), recorded after the
     # start and after every turn in Trajectory.potentials; None: nothing recorded
     potential: Callable[[Any], float] | None = None
+    # what the model sees (--context, --observation-format, --show-budget: harness.context);
+    # None: every turn verbatim, observations raw (today's harness)
+    builder: ContextBuilder | None = None
+    # --attempts k: a wrong answer reopens the episode with the verifier's feedback (rollout.attempts);
+    # None: one attempt (today's harness)
+    attempts: Attempts | None = None
 
 
 @dataclass
@@ -71,6 +79,8 @@ class _Live:
     context: list[int]
     t0: float
     done: bool = False
+    opened: int = 0  # messages of the opening (system, examples, request): always in the context
+    rewritten: bool = False  # the harness rebuilt the context since the last call (harness.context)
 
 
 def run_episodes(
@@ -210,6 +220,7 @@ def _start(
         _end(e, "env_error", error=raised("reset", err))
         return e
     e.messages = opening_messages(system_prompt, obs, examples)
+    e.opened = len(e.messages)
     for name, arguments in spec.opening:
         obs, _r, terminated, truncated, info = spec.env.step({"name": name, "arguments": arguments})
         e.traj.env_retries += int(info.get("env_retries", 0))
@@ -260,9 +271,13 @@ def raised(where: str, err: Exception) -> str:
     return f"environment {where} raised {type(err).__name__}: {err}"
 
 
-def take_reward(traj: Trajectory, call: ModelCall, reward: Any, info: dict) -> str | None:
+def take_reward(traj: Trajectory, call: ModelCall, reward: Any, info: dict, scale: float = 1.0) -> str | None:
     """Keep one step's reward on its call and per component on the trajectory; an error
-    text when the reward or its components are not numbers (then: env_error)."""
+    text when the reward or its components are not numbers (then: env_error).
+
+    ``scale`` multiplies the step's reward and each component (``--attempts``: d**(j−1) at the
+    end of attempt j, 0 for a wrong attempt that is retried; :mod:`consequence.rollout.attempts`);
+    the components are checked against the unscaled reward."""
     try:
         value = float(reward)
         parts = info.get("reward_components") or ({"reward": value} if value else {})
@@ -274,9 +289,9 @@ def take_reward(traj: Trajectory, call: ModelCall, reward: Any, info: dict) -> s
             f"environment step returned reward {value!r} but its reward_components {parts!r} sum to "
             f"{math.fsum(parts.values())!r}; the components must add up to the step's reward"
         )
-    call.reward += value
+    call.reward += value * scale
     for k, v in parts.items():
-        traj.env_rewards[k] = traj.env_rewards.get(k, 0.0) + v
+        traj.env_rewards[k] = traj.env_rewards.get(k, 0.0) + v * scale
     return None
 
 
@@ -299,6 +314,8 @@ def _advance(e: _Live, sample: Any, renderer: Renderer, tool_specs: dict, budget
         keep_ids=_supports(sample),
     )
     e.traj.calls.append(call)
+    e.traj.context_rewrites += e.rewritten  # counted when a call sees it: rows = 1 + rewrites
+    e.rewritten = False
     if sample.stop_reason == "length":
         e.messages = e.messages + [parsed.message]
         return _end(e, "truncated", "max_new_tokens")
@@ -318,6 +335,7 @@ def _advance(e: _Live, sample: Any, renderer: Renderer, tool_specs: dict, budget
                 call.invalid_calls.append(problem[0])  # unknown_tool / bad_arguments, for the metrics
                 results.append({"role": "tool", "name": tc["name"], "content": f"error: {problem[1]}"})
                 continue
+        retry, scale = None, 1.0
         try:
             obs, reward, terminated, truncated, info = e.spec.env.step(tc)
             if not isinstance(obs, str) or not isinstance(info, dict):
@@ -325,7 +343,8 @@ def _advance(e: _Live, sample: Any, renderer: Renderer, tool_specs: dict, budget
                     "step() must return (observation: str, reward, terminated, truncated, info: dict); "
                     f"got observation {type(obs).__name__}, info {type(info).__name__}"
                 )
-            error = take_reward(e.traj, call, reward, info)
+            retry, scale = attempt_step(e.spec.attempts, e.spec.env, e.traj.attempts, terminated, info)
+            error = take_reward(e.traj, call, reward, info, scale)
         except Exception as err:  # an environment that raises is an env_error, never a 0
             obs, terminated, truncated, info = "", False, False, {}
             error = raised("step", err)
@@ -336,14 +355,30 @@ def _advance(e: _Live, sample: Any, renderer: Renderer, tool_specs: dict, budget
         results.append(
             {"role": "user", "content": obs} if answer else {"role": "tool", "name": tc["name"], "content": obs}
         )
+        if retry is not None:  # a wrong attempt reopened the episode (--attempts): its feedback, another turn
+            results[-1] = {**results[-1], "content": retry}
+            e.traj.attempts += 1
+            break
         if terminated or truncated:
             e.messages = e.messages + [parsed.message] + results
-            e.traj.verifier_score = sum(c.reward for c in e.traj.calls) if terminated else None
+            total = sum(c.reward for c in e.traj.calls)
+            e.traj.verifier_score = final_verifier_score(total, float(reward), scale) if terminated else None
+            e.traj.attempt_scale = scale
             return _end(e, "finished" if terminated else "truncated", None if terminated else "environment")
     if e.traj.n_tool_calls >= budgets.max_tool_calls:
         e.messages = e.messages + [parsed.message] + results
         return _end(e, "truncated", "max_tool_calls")
     history = e.messages
-    call.observation_ids = renderer.observation_ids(history, parsed.message, results)
+    view = e.spec.builder
+    if view is not None:  # presentation: what the model samples against, still a continuation
+        left = budgets.max_total_tokens - len(call.context_ids) - len(call.output_ids)
+        tools_left = budgets.max_tool_calls - e.traj.n_tool_calls
+        results = view.present(results, budgets.max_turns - len(e.traj.calls), left, tools_left)
+    shown = (view.window(history, e.opened) if view is not None else None) or history
+    call.observation_ids = renderer.observation_ids(shown, parsed.message, results)
     e.messages = history + [parsed.message] + results
     e.context = e.context + call.output_ids + call.observation_ids
+    rewritten = view.window(e.messages, e.opened) if view is not None else None
+    if rewritten is not None:  # turns dropped: a fresh context, a new training row (trajectory_to_rows)
+        e.context = renderer.prompt_ids(rewritten)
+        e.rewritten = True

@@ -53,6 +53,8 @@ CASES = [
     ("judge_url", "http://127.0.0.1:1/v1", {"advantage": "rejection", "judge_model": "m"}, {"judge_model": "m"}),
     ("update_strategy", "fsdp", {}, {"update_ranks": 2}),
     ("shaping_gamma", 0.9, {}, {"shaping": "potential"}),
+    ("attempt_discount", 0.5, {}, {"attempts": 2}),
+    ("attempt_feedback", "self-refine", {}, {"attempts": 2}),
     ("shaping", "potential", {"advantage": "rejection"}, {"advantage": "grpo"}),
     ("shaping", "potential", {**OPD, "task_reward_weight": 0.0}, {**OPD, "task_reward_weight": 0.5}),
     ("packing", True, KD_RL, {}),

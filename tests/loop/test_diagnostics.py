@@ -120,6 +120,7 @@ def test_iteration_metrics_carry_the_shortcut_diagnostics():
             ),
             env=SimpleNamespace(iteration_metrics=lambda ts: {}),
         )
+        r.cfg.attempts, r.cfg.context = 1, "full"  # one answer per episode, the full history
         got = SimpleNamespace(trajectories=trajs, stats={"gen_tokens_total": 8}, queue=None, from_data=False)
         m = iteration_metrics(0, r, got, SimpleNamespace(metrics={}), {}, 1.0, 1.0, None)
         return json.loads(json.dumps(m, allow_nan=False))  # as the recorder writes it
@@ -149,6 +150,7 @@ def test_rollout_speed_counts_the_dropped_groups_and_success_is_null_without_a_v
         ),
         env=SimpleNamespace(iteration_metrics=lambda ts: {}),
     )
+    r.cfg.attempts, r.cfg.context = 1, "full"  # one answer per episode, the full history
     stats = {"gen_tokens_total": 30, "groups_generated": 5, "groups_kept": 1, "groups_dropped": 4}
     got = SimpleNamespace(trajectories=[ep(0), ep(1)], stats=stats, queue=None, from_data=False)
     m = iteration_metrics(0, r, got, SimpleNamespace(metrics={}), {}, 2.0, 1.0, None)

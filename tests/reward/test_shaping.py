@@ -110,6 +110,7 @@ def test_the_iteration_line_carries_the_mean_shaping_return():
         cfg = SimpleNamespace(
             dynamic_sampling=False, distill_lambda=1.0, reward_model=None, judge_url=None, shaping=shaping
         )
+        cfg.attempts, cfg.context = 1, "full"  # one answer per episode, the full history
         r = SimpleNamespace(cfg=cfg, env=SimpleNamespace(iteration_metrics=lambda ts: {}))
         got = SimpleNamespace(trajectories=trajs, stats={"gen_tokens_total": 8}, queue=None, from_data=False)
         return iteration_metrics(0, r, got, SimpleNamespace(metrics={}), {}, 1.0, 1.0, None)

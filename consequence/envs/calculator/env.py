@@ -535,6 +535,17 @@ class CalculatorEpisode:
         self.computed |= rep is not None and is_correct(obs, self.task.answer)  # the value's repr, or "error: ..."
         return obs, cost, False, False, info
 
+    def retry_feedback(self, info: dict) -> str | None:
+        """After the answer (``--attempts k``): None when it was right; else reopen the episode
+        (the calculator calls charged so far stay charged) and say the answer was wrong, naming
+        the model's own value and never the reference."""
+        if (info.get("reward_components") or {}).get("accuracy") == 1.0:
+            return None
+        self._done = False
+        answer = info.get("answer")
+        said = "your reply held no number" if answer is None else f"{answer} is not the exact value"
+        return f"incorrect: {said}; try again and put the final number in <answer></answer>"
+
 
 _PROMPT = (
     "You solve arithmetic problems exactly. You may call the calculator tool with an arithmetic "
@@ -662,6 +673,11 @@ class CalculatorEnvironment(Environment):
         (``CalculatorEpisode.computed``), else 0: the computation is done, the answer not yet
         given. Below the reward of a right answer (1); read from the episode, nothing is run."""
         return 0.5 if episode.computed else 0.0
+
+    def retry_feedback(self, episode: CalculatorEpisode, info: dict) -> str | None:
+        """A wrong answer reopens the episode: "incorrect: V is not the exact value; try again ..."
+        (``CalculatorEpisode.retry_feedback``); None after a right one."""
+        return episode.retry_feedback(info)
 
     def demonstration(self, task: ArithmeticTask, rng: random.Random) -> list[dict]:
         """One calculator call on the task's whole ``expression``, then the value as the answer

@@ -155,6 +155,19 @@ class RepairEnv:
         info["reward_components"] = {"hidden_tests": reward}
         return "done", reward, True, False, info
 
+    def retry_feedback(self, info: dict) -> str | None:
+        """After ``finish`` (``--attempts k``): None when every hidden test passed; else reopen
+        the episode with the code as the model left it and say how many hidden tests passed
+        (their text and failure messages stay hidden: they would give the tests away)."""
+        rep = info.get("verifier")
+        if rep is None or rep.all_passed:
+            return None
+        self._done = False
+        return (
+            f"finish: {rep.passed}/{rep.total} hidden tests passed; the code is as you left it: "
+            "fix it and call finish again"
+        )
+
     def _replace(self, args: dict) -> str:
         n = len(self._lines)
         try:

@@ -111,6 +111,11 @@ class RepairEnvironment(Environment):
         share = episode.tested_share
         return 0.5 * share if share is not None else 0.0
 
+    def retry_feedback(self, episode: Any, info: dict) -> str | None:
+        """A failed ``finish`` reopens the episode: "finish: P/N hidden tests passed; ..."
+        (:meth:`RepairEnv.retry_feedback`); None after a passing one."""
+        return episode.retry_feedback(info)
+
     def iteration_metrics(self, trajectories: list) -> dict[str, float]:
         """``diagnose_first``: share of episodes whose first call runs the tests or reads the code."""
         first = [t.calls[0].tool_calls if t.calls else [] for t in trajectories]
