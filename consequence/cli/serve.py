@@ -46,7 +46,11 @@ def serve_cmd(
     ),
     seed: int = typer.Option(0, help="Seed of the sampling generator shared by requests without a seed."),
     max_batch: int = typer.Option(64, min=1, help="The most requests sampled together in one generate call."),
-    batch_wait_ms: float = typer.Option(5.0, min=0.0, help="How long a batch waits for more requests after its first."),
+    batch_wait_ms: float = typer.Option(
+        5.0,
+        min=0.0,
+        help="How long a batch waits for more requests after its first, and again while more keep arriving (at most 10 waits).",
+    ),
     max_body_bytes: int = typer.Option(
         4 * 2**20, min=1, help="The largest request body in bytes; a larger one is refused with 413 before it is read."
     ),

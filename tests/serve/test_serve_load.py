@@ -227,3 +227,20 @@ def test_metrics_count_requests_batches_sessions_and_tokens(server):
     assert after['consequence_batch_size_bucket{le="1"}'] - before['consequence_batch_size_bucket{le="1"}'] == 1
     assert after["consequence_sessions_open"] == _get(server, "/health")["sessions"] >= 1
     assert after["consequence_queue_length"] == 0 and after["consequence_generated_tokens_per_second"] > 0
+
+
+@pytest.mark.parametrize(
+    ("arrived", "waiting", "rounds", "expected"),
+    [
+        (0, 1, 1, False),  # a lone request: one wait, then it is sampled
+        (3, 4, 1, True),  # a burst still arriving: wait again
+        (3, 64, 1, False),  # the batch is full (max_batch 64)
+        (3, 40, 9, True),  # the 10th wait is the last
+        (3, 40, 10, False),
+    ],
+)
+def test_a_batch_waits_while_a_burst_keeps_arriving(arrived, waiting, rounds, expected):
+    from consequence.serve.batcher import MAX_WAIT_ROUNDS, keep_waiting
+
+    assert MAX_WAIT_ROUNDS == 10
+    assert keep_waiting(arrived, waiting, 64, rounds) is expected
