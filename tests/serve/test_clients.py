@@ -87,14 +87,17 @@ class WireLog:
                 status[0] = message["status"]
             elif message["type"] == "http.response.body":
                 chunks.append(message.get("body", b""))
+                if not message.get("more_body", False):
+                    # logged before the last byte goes out: once the client has its reply, the test may
+                    # read the log (logging after `send` raced the client's next step)
+                    self._log(path, status[0], b"".join(chunks), b"".join(asked))
             await send(message)
 
         await self.app(scope, read, keep)
-        body = b"".join(chunks)
-        assert status[0] == 200, (path, status[0], body[:500])  # every request of the defaults succeeds
-        self.bodies.setdefault(path.split("/")[2], []).append(
-            json.loads(body) | {"request": json.loads(b"".join(asked))}
-        )
+
+    def _log(self, path: str, status: int, body: bytes, request: bytes) -> None:
+        assert status == 200, (path, status, body[:500])  # every request of the defaults succeeds
+        self.bodies.setdefault(path.split("/")[2], []).append(json.loads(body) | {"request": json.loads(request)})
 
 
 @pytest.fixture(scope="module")
